@@ -1,0 +1,92 @@
+#include "backend/backend.hpp"
+
+#include <cstdio>
+#include <sstream>
+
+#include "core/error.hpp"
+
+namespace upipe {
+
+std::string_view backend_name(backend_kind kind) {
+  switch (kind) {
+    case backend_kind::cpu: return "cpu";
+    case backend_kind::meta: return "meta";
+    case backend_kind::cuda: return "cuda";
+  }
+  return "unknown";
+}
+
+backend_kind parse_backend_kind(std::string_view name) {
+  if (name == "cpu") return backend_kind::cpu;
+  if (name == "meta") return backend_kind::meta;
+  if (name == "cuda") return backend_kind::cuda;
+  throw config_error("unknown backend '" + std::string(name) +
+                     "': the backend must be one of cpu, meta, cuda (for example --backend cpu)");
+}
+
+backend::backend(backend_kind kind, dtype work_type, const memory_limits& limits)
+    : kind_(kind), work_type_(work_type), device_arena_(limits.device_bytes), host_arena_(limits.host_bytes) {}
+
+backend::~backend() = default;
+
+std::string backend::breakdown() const {
+  std::ostringstream out;
+  for (std::size_t i = 0; i < mem_tag_count; ++i) {
+    const auto tag = static_cast<mem_tag>(i);
+    if (ledger_.current(tag) == 0) continue;
+    out << " " << mem_tag_name(tag) << "=" << ledger_.current(tag);
+  }
+  return out.str();
+}
+
+tensor backend::allocate(mem_tag tag, dtype type, const shape& dims, const char* label) {
+  for (int i = 0; i < dims.rank; ++i)
+    UPIPE_CHECK(dims[i] >= 0, std::string("negative dimension in ") + label + " " + dims.str());
+  const std::size_t bytes = static_cast<std::size_t>(dims.numel()) * dtype_size(type);
+  const bool host = is_host_tag(tag);
+  arena_allocator& arena = host ? host_arena_ : device_arena_;
+  const auto offset = arena.allocate(bytes);
+  if (!offset) {
+    std::ostringstream msg;
+    msg << "out of memory on the " << backend_name(kind_) << " backend: " << label << " (tag "
+        << mem_tag_name(tag) << ") asked for " << bytes << " bytes; the " << (host ? "host pool" : "arena")
+        << " holds " << arena.capacity() << " bytes, " << arena.in_use() << " in use, largest free block "
+        << arena.largest_free() << "; in use by tag:" << breakdown()
+        << ". Run `upipe plan` to find a configuration that fits, or shorten the sequence.";
+    throw out_of_memory_error(msg.str());
+  }
+  std::byte* base = host ? host_base_ : device_base_;
+  void* data = base == nullptr ? nullptr : base + *offset;
+  ledger_.on_alloc(tag, bytes, label);
+  return tensor(this, *offset, data, bytes, type, dims, tag, label);
+}
+
+tensor backend::allocate_zeroed(mem_tag tag, dtype type, const shape& dims, const char* label) {
+  tensor t = allocate(tag, type, dims, label);
+  if (has_data() && t.bytes() > 0) fill_bytes(t.data(), 0, t.bytes());
+  return t;
+}
+
+void backend::release(const tensor& t, std::size_t offset) noexcept {
+  const bool host = is_host_tag(t.tag());
+  try {
+    if (t.data() != nullptr) on_release(t.data(), (host ? host_arena_ : device_arena_).block_size(offset), host);
+    (host ? host_arena_ : device_arena_).free(offset);
+    ledger_.on_free(t.tag(), t.bytes(), t.label());
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "upipe: error while freeing %s: %s\n", t.label(), e.what());
+  }
+}
+
+std::unique_ptr<backend> make_backend(backend_kind kind, const memory_limits& limits) {
+  switch (kind) {
+    case backend_kind::cpu: return make_cpu_backend(limits);
+    case backend_kind::meta: return make_meta_backend(limits);
+    case backend_kind::cuda: break;
+  }
+  throw config_error(
+      "backend 'cuda' is not available in this build (no CUDA backend compiled in): use --backend cpu "
+      "for real numbers or --backend meta for memory only");
+}
+
+}  // namespace upipe

@@ -1,0 +1,105 @@
+// A backend: memory (one arena allocator for device tags, one for host tags, both
+// feeding the rank's ledger) and the ops' implementations. Model and strategy code
+// never asks which backend it runs on; it calls the op entries in ops/ops.hpp.
+#pragma once
+
+#include <cstddef>
+#include <memory>
+#include <string>
+#include <string_view>
+
+#include "core/allocator.hpp"
+#include "core/ledger.hpp"
+#include "core/tensor.hpp"
+#include "ops/op_args.hpp"
+
+namespace upipe {
+
+enum class backend_kind : std::uint8_t { cpu, meta, cuda };
+std::string_view backend_name(backend_kind kind);
+// Parses "cpu", "meta" or "cuda"; throws config_error naming the valid values.
+backend_kind parse_backend_kind(std::string_view name);
+
+// Thrown when an arena cannot hold an allocation. Names the tag, the bytes asked and
+// the ledger's breakdown.
+class out_of_memory_error : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+struct memory_limits {
+  std::size_t device_bytes = std::size_t{16} << 30;  // arena capacity
+  std::size_t host_bytes = std::size_t{64} << 30;    // host pool capacity
+};
+
+class backend {
+ public:
+  backend(backend_kind kind, dtype work_type, const memory_limits& limits);
+  virtual ~backend();
+  backend(const backend&) = delete;
+  backend& operator=(const backend&) = delete;
+
+  backend_kind kind() const { return kind_; }
+  // Storage type of activations and weights: f32 on cpu, bf16 on meta and cuda.
+  dtype work_dtype() const { return work_type_; }
+  // False on meta: tensors have no data and ops do nothing.
+  bool has_data() const { return kind_ != backend_kind::meta; }
+
+  tensor allocate(mem_tag tag, dtype type, const shape& dims, const char* label);
+  tensor allocate_zeroed(mem_tag tag, dtype type, const shape& dims, const char* label);
+
+  memory_ledger& ledger() { return ledger_; }
+  const memory_ledger& ledger() const { return ledger_; }
+  const arena_allocator& device_arena() const { return device_arena_; }
+  const arena_allocator& host_arena() const { return host_arena_; }
+
+  // Byte movement and fp32 reduction used by the communicators.
+  virtual void copy_bytes(void* dst, const void* src, std::size_t bytes) = 0;
+  virtual void add_f32(float* dst, const float* src, std::size_t count) = 0;
+  virtual void fill_bytes(void* dst, int value, std::size_t bytes) = 0;
+  virtual void synchronize() = 0;
+  // Host f32 values into a tensor of any dtype (converted), and back. No-ops on meta.
+  virtual void upload_f32(const tensor& dst, const float* host) = 0;
+  virtual void download_f32(float* host, const tensor& src) = 0;
+
+  // Op implementations; call them through the checked entries in ops/ops.hpp.
+  virtual void gemm(const gemm_args& args) = 0;
+  virtual void sdpa_forward(const sdpa_forward_args& args) = 0;
+  virtual void sdpa_backward(const sdpa_backward_args& args) = 0;
+  virtual void rope(const rope_args& args) = 0;
+  virtual void rmsnorm_forward(const rmsnorm_forward_args& args) = 0;
+  virtual void rmsnorm_backward(const rmsnorm_backward_args& args) = 0;
+  virtual void copy_heads(const head_view& dst, const head_view& src) = 0;
+  virtual void add_heads(const head_view& dst, const head_view& src) = 0;
+  virtual void fill_heads(const head_view& dst, float value) = 0;
+  virtual void lse_merge(const lse_merge_args& args) = 0;
+
+ protected:
+  // Base addresses of the two arenas; nullptr on meta. Set by the derived constructor.
+  void set_bases(std::byte* device_base, std::byte* host_base) {
+    device_base_ = device_base;
+    host_base_ = host_base;
+  }
+  // Called when a block is returned, with its address and size (e.g. to drop pages).
+  virtual void on_release(void* /*data*/, std::size_t /*bytes*/, bool /*host*/) {}
+
+ private:
+  friend class tensor;
+  void release(const tensor& t, std::size_t offset) noexcept;
+  std::string breakdown() const;
+
+  backend_kind kind_;
+  dtype work_type_;
+  arena_allocator device_arena_;
+  arena_allocator host_arena_;
+  std::byte* device_base_ = nullptr;
+  std::byte* host_base_ = nullptr;
+  memory_ledger ledger_;
+};
+
+std::unique_ptr<backend> make_cpu_backend(const memory_limits& limits);
+std::unique_ptr<backend> make_meta_backend(const memory_limits& limits);
+// Throws config_error when this build has no CUDA backend.
+std::unique_ptr<backend> make_backend(backend_kind kind, const memory_limits& limits);
+
+}  // namespace upipe

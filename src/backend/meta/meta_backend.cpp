@@ -1,0 +1,39 @@
+// The meta backend: shapes only. Allocations go through the same arena and ledger as
+// the real backends, but no memory exists and no op or copy does anything, so a whole
+// step at millions of tokens runs in milliseconds and reports the exact peak.
+#include "backend/backend.hpp"
+
+namespace upipe {
+
+namespace {
+
+class meta_backend final : public backend {
+ public:
+  explicit meta_backend(const memory_limits& limits) : backend(backend_kind::meta, dtype::bf16, limits) {}
+
+  void copy_bytes(void*, const void*, std::size_t) override {}
+  void add_f32(float*, const float*, std::size_t) override {}
+  void fill_bytes(void*, int, std::size_t) override {}
+  void synchronize() override {}
+  void upload_f32(const tensor&, const float*) override {}
+  void download_f32(float*, const tensor&) override {}
+
+  void gemm(const gemm_args&) override {}
+  void sdpa_forward(const sdpa_forward_args&) override {}
+  void sdpa_backward(const sdpa_backward_args&) override {}
+  void rope(const rope_args&) override {}
+  void rmsnorm_forward(const rmsnorm_forward_args&) override {}
+  void rmsnorm_backward(const rmsnorm_backward_args&) override {}
+  void copy_heads(const head_view&, const head_view&) override {}
+  void add_heads(const head_view&, const head_view&) override {}
+  void fill_heads(const head_view&, float) override {}
+  void lse_merge(const lse_merge_args&) override {}
+};
+
+}  // namespace
+
+std::unique_ptr<backend> make_meta_backend(const memory_limits& limits) {
+  return std::make_unique<meta_backend>(limits);
+}
+
+}  // namespace upipe
