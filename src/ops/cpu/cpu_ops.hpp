@@ -1,0 +1,20 @@
+// The CPU reference implementations (fp32 math; plain loops). The cpu backend forwards
+// its op calls here; the entries in ops/ops.hpp have already checked the arguments.
+#pragma once
+
+#include "ops/op_args.hpp"
+
+namespace upipe::cpu {
+
+void gemm(const gemm_args& args);
+void sdpa_forward(const sdpa_forward_args& args);
+void sdpa_backward(const sdpa_backward_args& args);
+void rope(const rope_args& args);
+void rmsnorm_forward(const rmsnorm_forward_args& args);
+void rmsnorm_backward(const rmsnorm_backward_args& args);
+void copy_heads(const head_view& dst, const head_view& src);
+void add_heads(const head_view& dst, const head_view& src);
+void fill_heads(const head_view& dst, float value);
+void lse_merge(const lse_merge_args& args);
+
+}  // namespace upipe::cpu

@@ -1,0 +1,65 @@
+// Reference layout ops on (tokens, heads, dim) views: copy with dtype conversion (the
+// all-to-all pack/unpack), fp32 accumulate, fill. f32 and bf16 both work here.
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "ops/cpu/cpu_ops.hpp"
+
+namespace upipe::cpu {
+
+namespace {
+
+// Address of element (t, h, 0) of a view, in bytes.
+void* row_ptr(const head_view& v, std::int64_t t, std::int64_t h) {
+  const auto offset = (t * v.token_stride + h * v.head_stride) * static_cast<std::int64_t>(dtype_size(v.type));
+  return static_cast<char*>(v.data) + offset;
+}
+
+void load_row(const head_view& v, std::int64_t t, std::int64_t h, float* out) {
+  if (v.type == dtype::f32) {
+    std::memcpy(out, row_ptr(v, t, h), static_cast<std::size_t>(v.dim) * sizeof(float));
+    return;
+  }
+  const auto* src = static_cast<const std::uint16_t*>(row_ptr(v, t, h));
+  for (std::int64_t i = 0; i < v.dim; ++i) out[i] = bf16_to_float(src[i]);
+}
+
+void store_row(const head_view& v, std::int64_t t, std::int64_t h, const float* in) {
+  if (v.type == dtype::f32) {
+    std::memcpy(row_ptr(v, t, h), in, static_cast<std::size_t>(v.dim) * sizeof(float));
+    return;
+  }
+  auto* dst = static_cast<std::uint16_t*>(row_ptr(v, t, h));
+  for (std::int64_t i = 0; i < v.dim; ++i) dst[i] = float_to_bf16(in[i]);
+}
+
+}  // namespace
+
+void copy_heads(const head_view& dst, const head_view& src) {
+  std::vector<float> row(static_cast<std::size_t>(src.dim));
+  for (std::int64_t t = 0; t < src.tokens; ++t)
+    for (std::int64_t h = 0; h < src.heads; ++h) {
+      load_row(src, t, h, row.data());
+      store_row(dst, t, h, row.data());
+    }
+}
+
+void add_heads(const head_view& dst, const head_view& src) {
+  std::vector<float> row(static_cast<std::size_t>(src.dim));
+  for (std::int64_t t = 0; t < src.tokens; ++t)
+    for (std::int64_t h = 0; h < src.heads; ++h) {
+      load_row(src, t, h, row.data());
+      auto* out = static_cast<float*>(row_ptr(dst, t, h));
+      for (std::int64_t i = 0; i < src.dim; ++i) out[i] += row[i];
+    }
+}
+
+void fill_heads(const head_view& dst, float value) {
+  std::vector<float> row(static_cast<std::size_t>(dst.dim), value);
+  for (std::int64_t t = 0; t < dst.tokens; ++t)
+    for (std::int64_t h = 0; h < dst.heads; ++h) store_row(dst, t, h, row.data());
+}
+
+}  // namespace upipe::cpu

@@ -1,0 +1,99 @@
+// Arguments of the ops, shared by the op entries (ops.hpp) and the backends that
+// implement them. Views carry dtypes and strides; the entries check them.
+#pragma once
+
+#include <cstdint>
+#include <span>
+
+#include "core/tensor.hpp"
+
+namespace upipe {
+
+enum class transpose : std::uint8_t { none, yes };
+
+// c = alpha * op(a) * op(b) + beta * c. op(a) is m x k, op(b) is k x n, c is m x n.
+struct gemm_args {
+  mat_view a;
+  transpose trans_a = transpose::none;
+  mat_view b;
+  transpose trans_b = transpose::none;
+  mat_view c;
+  float alpha = 1.0f;
+  float beta = 0.0f;
+};
+
+// causal: query i sees keys j <= i (queries and keys cover the same positions);
+// none: every query sees every key (a ring block strictly in the past).
+enum class attn_mask : std::uint8_t { causal, none };
+
+// Grouped-query attention: query head h reads kv head h / (q.heads / k.heads).
+struct sdpa_forward_args {
+  head_view q, k, v;  // (sq, hq, d), (skv, hk, d), (skv, hk, d)
+  head_view out;      // (sq, hq, d)
+  head_view lse;      // (sq, hq, 1) f32, natural-log log-sum-exp of the scaled scores
+  attn_mask mask = attn_mask::causal;
+  float scale = 1.0f;
+};
+
+struct sdpa_backward_args {
+  head_view q, k, v, out, d_out;  // as in forward; out is the final output
+  head_view lse;                  // (sq, hq, 1) f32, the final log-sum-exp
+  head_view d_q;                  // (sq, hq, d) written
+  head_view d_k, d_v;             // (skv, hk, d) written (group partials summed)
+  head_view d_q_accum;            // (sq, hq, d) f32 scratch (cuDNN binds the same)
+  head_view softmax_sum;          // (sq, hq, 1) f32 scratch: rowsum(d_out * out)
+  attn_mask mask = attn_mask::causal;
+  float scale = 1.0f;
+};
+
+// Llama 3 frequency scaling (rope_type "llama3" in Hugging Face configs).
+struct rope_scaling {
+  bool enabled = false;
+  double factor = 8.0;
+  double low_freq_factor = 1.0;
+  double high_freq_factor = 4.0;
+  std::int64_t original_max_position = 8192;
+};
+
+struct rope_config {
+  double theta = 500000.0;
+  rope_scaling scaling;
+};
+
+// Tokens [token_begin, token_begin + count) of a view sit at global positions
+// [position_begin, position_begin + count).
+struct position_run {
+  std::int64_t token_begin = 0;
+  std::int64_t position_begin = 0;
+  std::int64_t count = 0;
+};
+
+enum class rope_direction : std::uint8_t { forward, inverse };
+
+// Rotate-half RoPE (the Hugging Face Llama convention): dims i and i + d/2 form a pair.
+struct rope_args {
+  head_view x;  // rotated in place
+  std::span<const position_run> positions;
+  rope_config config;
+  rope_direction direction = rope_direction::forward;
+};
+
+// y = x / rms(x) * weight, per row; rstd (rows x 1, f32) is saved for backward.
+struct rmsnorm_forward_args {
+  mat_view x, weight, y, rstd;
+  float eps = 1e-5f;
+};
+
+// d_x written; d_weight (1 x cols, f32) accumulated.
+struct rmsnorm_backward_args {
+  mat_view x, weight, rstd, d_y, d_x, d_weight;
+};
+
+// Merges a partial attention result into fp32 accumulators (ring attention):
+// lse = log(exp(lse) + exp(lse_part)); out = out * exp(old - lse) + part * exp(lse_part - lse).
+struct lse_merge_args {
+  head_view out, lse;            // f32 accumulators; lse starts at -inf
+  head_view out_part, lse_part;  // a block's result
+};
+
+}  // namespace upipe

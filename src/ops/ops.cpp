@@ -1,0 +1,319 @@
+// The op entries: every shape, dtype and stride rule of the ops lives here, so that the
+// backends' implementations can trust their arguments.
+#include "ops/ops.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <numbers>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/error.hpp"
+
+namespace upipe::ops {
+
+namespace {
+
+// Built by appending, which also keeps GCC 12's -Wrestrict false positive away.
+std::string describe(const mat_view& m) {
+  std::string s = "(";
+  s += std::to_string(m.rows);
+  s += " x ";
+  s += std::to_string(m.cols);
+  s += ", ld ";
+  s += std::to_string(m.ld);
+  s += ", ";
+  s += dtype_name(m.type);
+  s += ")";
+  return s;
+}
+
+std::string describe(const head_view& v) {
+  std::string s = "(tokens ";
+  s += std::to_string(v.tokens);
+  s += ", heads ";
+  s += std::to_string(v.heads);
+  s += ", dim ";
+  s += std::to_string(v.dim);
+  s += ", strides ";
+  s += std::to_string(v.token_stride);
+  s += "/";
+  s += std::to_string(v.head_stride);
+  s += ", ";
+  s += dtype_name(v.type);
+  s += ")";
+  return s;
+}
+
+// "ops::gemm: c (2 x 3, ld 3, f32): <rule>"
+template <class View>
+std::string fail(const char* op, const char* name, const View& v, const std::string& rule) {
+  return std::string("ops::") + op + ": " + name + " " + describe(v) + ": " + rule;
+}
+
+void check_matrix(const char* op, const char* name, const mat_view& m) {
+  UPIPE_CHECK(m.rows >= 0 && m.cols >= 0, fail(op, name, m, "sizes must be non-negative"));
+  UPIPE_CHECK(m.ld >= m.cols, fail(op, name, m, "leading dimension must be >= cols"));
+}
+
+// Sizes non-negative and no two elements at one address (dim is contiguous; the token
+// and head strides may nest either way, e.g. a head-major layout).
+void check_layout(const char* op, const char* name, const head_view& v) {
+  UPIPE_CHECK(v.tokens >= 0 && v.heads >= 0 && v.dim >= 0, fail(op, name, v, "sizes must be non-negative"));
+  UPIPE_CHECK(v.token_stride >= 0 && v.head_stride >= 0, fail(op, name, v, "strides must be non-negative"));
+  if (v.tokens == 0 || v.heads == 0 || v.dim == 0) return;
+  std::vector<std::pair<std::int64_t, std::int64_t>> outer;  // (stride, extent) of extents > 1
+  if (v.tokens > 1) outer.emplace_back(v.token_stride, v.tokens);
+  if (v.heads > 1) outer.emplace_back(v.head_stride, v.heads);
+  std::sort(outer.begin(), outer.end());
+  std::int64_t span = v.dim;
+  for (const auto& [stride, extent] : outer) {
+    UPIPE_CHECK(stride >= span, fail(op, name, v, "strides overlap: each stride must clear the block inside it"));
+    span = stride * (extent - 1) + span;
+  }
+}
+
+void check_type(const char* op, const char* name, const mat_view& m, dtype want, dtype alt) {
+  UPIPE_CHECK(m.type == want || m.type == alt,
+              fail(op, name, m, "dtype must be " + std::string(dtype_name(want)) +
+                                    (want == alt ? "" : " or " + std::string(dtype_name(alt)))));
+}
+
+void check_type(const char* op, const char* name, const head_view& v, dtype want, dtype alt) {
+  UPIPE_CHECK(v.type == want || v.type == alt,
+              fail(op, name, v, "dtype must be " + std::string(dtype_name(want)) +
+                                    (want == alt ? "" : " or " + std::string(dtype_name(alt)))));
+}
+
+void check_dims(const char* op, const char* name, const mat_view& m, std::int64_t rows, std::int64_t cols) {
+  UPIPE_CHECK(m.rows == rows && m.cols == cols,
+              fail(op, name, m, "expected " + std::to_string(rows) + " x " + std::to_string(cols)));
+}
+
+void check_dims(const char* op, const char* name, const head_view& v, std::int64_t tokens, std::int64_t heads,
+                std::int64_t dim) {
+  UPIPE_CHECK(v.tokens == tokens && v.heads == heads && v.dim == dim,
+              fail(op, name, v,
+                   "expected (tokens " + std::to_string(tokens) + ", heads " + std::to_string(heads) + ", dim " +
+                       std::to_string(dim) + ")"));
+}
+
+// A view of the working type (bf16 on GPU storage) or of fp32 (accumulators, the CPU).
+void check_work_or_f32(const backend& be, const char* op, const char* name, const head_view& v) {
+  check_type(op, name, v, be.work_dtype(), dtype::f32);
+}
+
+// The q/k/v triple shared by forward and backward: GQA shapes and the mask rule.
+void check_attention_inputs(const backend& be, const char* op, const head_view& q, const head_view& k,
+                            const head_view& v, attn_mask mask) {
+  for (const auto& [name, view] : {std::pair{"q", &q}, std::pair{"k", &k}, std::pair{"v", &v}}) {
+    check_layout(op, name, *view);
+    check_type(op, name, *view, be.work_dtype(), be.work_dtype());
+  }
+  check_dims(op, "v", v, k.tokens, k.heads, k.dim);
+  UPIPE_CHECK(k.dim == q.dim, fail(op, "k", k, "head dim must equal q's (" + std::to_string(q.dim) + ")"));
+  UPIPE_CHECK(k.heads > 0 && q.heads % k.heads == 0,
+              fail(op, "k", k, "kv heads must divide the query heads (" + std::to_string(q.heads) + ")"));
+  UPIPE_CHECK(mask != attn_mask::causal || q.tokens == k.tokens,
+              fail(op, "k", k,
+                   "a causal mask needs as many keys as queries (" + std::to_string(q.tokens) +
+                       "); use attn_mask::none for a block strictly in the past"));
+}
+
+// An fp32 per-(token, head) scalar such as the log-sum-exp: (tokens, heads, 1).
+void check_row_scalar(const char* op, const char* name, const head_view& s, const head_view& like) {
+  check_layout(op, name, s);
+  check_type(op, name, s, dtype::f32, dtype::f32);
+  check_dims(op, name, s, like.tokens, like.heads, 1);
+}
+
+void check_rope_config(const rope_config& config) {
+  UPIPE_CHECK(config.theta > 0.0, "ops::rope: theta " + std::to_string(config.theta) + " must be positive (e.g. 500000)");
+  const rope_scaling& s = config.scaling;
+  if (!s.enabled) return;
+  UPIPE_CHECK(s.factor > 0.0, "ops::rope: llama3 scaling factor " + std::to_string(s.factor) + " must be positive");
+  UPIPE_CHECK(s.original_max_position > 0, "ops::rope: llama3 original_max_position must be positive (e.g. 8192)");
+  UPIPE_CHECK(s.low_freq_factor > 0.0 && s.high_freq_factor > s.low_freq_factor,
+              "ops::rope: llama3 scaling needs 0 < low_freq_factor (" + std::to_string(s.low_freq_factor) +
+                  ") < high_freq_factor (" + std::to_string(s.high_freq_factor) + "), e.g. 1 and 4");
+}
+
+// Runs lie inside the view and never overlap, since an overlap would rotate a token twice;
+// gaps are allowed and their tokens are left as they are (e.g. padding).
+void check_position_runs(const rope_args& args) {
+  std::vector<std::pair<std::int64_t, std::int64_t>> spans;  // [begin, end) in tokens
+  for (const position_run& run : args.positions) {
+    UPIPE_CHECK(run.token_begin >= 0 && run.count >= 0 && run.token_begin + run.count <= args.x.tokens,
+                fail("rope", "x", args.x,
+                     "position run [" + std::to_string(run.token_begin) + ", +" + std::to_string(run.count) +
+                         ") leaves the view's tokens"));
+    UPIPE_CHECK(run.position_begin >= 0, "ops::rope: position_begin " + std::to_string(run.position_begin) +
+                                             " must be non-negative");
+    if (run.count > 0) spans.emplace_back(run.token_begin, run.token_begin + run.count);
+  }
+  std::sort(spans.begin(), spans.end());
+  for (std::size_t i = 1; i < spans.size(); ++i)
+    UPIPE_CHECK(spans[i].first >= spans[i - 1].second,
+                "ops::rope: position runs overlap at token " + std::to_string(spans[i].first) +
+                    "; each token must be covered at most once");
+}
+
+}  // namespace
+
+void gemm(backend& be, const gemm_args& args) {
+  const char* op = "gemm";
+  check_matrix(op, "a", args.a);
+  check_matrix(op, "b", args.b);
+  check_matrix(op, "c", args.c);
+  check_type(op, "a", args.a, be.work_dtype(), dtype::f32);
+  check_type(op, "b", args.b, be.work_dtype(), dtype::f32);
+  check_type(op, "c", args.c, be.work_dtype(), dtype::f32);
+  const bool ta = args.trans_a == transpose::yes, tb = args.trans_b == transpose::yes;
+  const std::int64_t m = ta ? args.a.cols : args.a.rows, k = ta ? args.a.rows : args.a.cols;
+  const std::int64_t kb = tb ? args.b.cols : args.b.rows, n = tb ? args.b.rows : args.b.cols;
+  UPIPE_CHECK(kb == k, fail(op, "b", args.b,
+                            "op(b) must have " + std::to_string(k) + " rows to match op(a)'s columns" +
+                                (tb ? " (b is transposed)" : "")));
+  check_dims(op, "c", args.c, m, n);
+  be.gemm(args);
+}
+
+void sdpa_forward(backend& be, const sdpa_forward_args& args) {
+  const char* op = "sdpa_forward";
+  check_attention_inputs(be, op, args.q, args.k, args.v, args.mask);
+  check_layout(op, "out", args.out);
+  check_type(op, "out", args.out, be.work_dtype(), be.work_dtype());
+  check_dims(op, "out", args.out, args.q.tokens, args.q.heads, args.q.dim);
+  check_row_scalar(op, "lse", args.lse, args.q);
+  be.sdpa_forward(args);
+}
+
+void sdpa_backward(backend& be, const sdpa_backward_args& args) {
+  const char* op = "sdpa_backward";
+  const head_view& q = args.q;
+  const head_view& k = args.k;
+  check_attention_inputs(be, op, q, k, args.v, args.mask);
+  for (const auto& [name, view] : {std::pair{"out", &args.out}, std::pair{"d_out", &args.d_out},
+                                   std::pair{"d_q", &args.d_q}, std::pair{"d_q_accum", &args.d_q_accum}}) {
+    check_layout(op, name, *view);
+    check_dims(op, name, *view, q.tokens, q.heads, q.dim);
+  }
+  for (const auto& [name, view] : {std::pair{"d_k", &args.d_k}, std::pair{"d_v", &args.d_v}}) {
+    check_layout(op, name, *view);
+    check_dims(op, name, *view, k.tokens, k.heads, k.dim);
+  }
+  for (const auto& [name, view] : {std::pair{"out", &args.out}, std::pair{"d_out", &args.d_out},
+                                   std::pair{"d_q", &args.d_q}, std::pair{"d_k", &args.d_k},
+                                   std::pair{"d_v", &args.d_v}})
+    check_type(op, name, *view, be.work_dtype(), be.work_dtype());
+  check_type(op, "d_q_accum", args.d_q_accum, dtype::f32, dtype::f32);
+  check_row_scalar(op, "lse", args.lse, q);
+  check_row_scalar(op, "softmax_sum", args.softmax_sum, q);
+  be.sdpa_backward(args);
+}
+
+void rope(backend& be, const rope_args& args) {
+  check_layout("rope", "x", args.x);
+  check_work_or_f32(be, "rope", "x", args.x);
+  UPIPE_CHECK(args.x.dim % 2 == 0, fail("rope", "x", args.x, "head dim must be even (rotate-half pairs i, i + d/2)"));
+  check_rope_config(args.config);
+  check_position_runs(args);
+  be.rope(args);
+}
+
+void rmsnorm_forward(backend& be, const rmsnorm_forward_args& args) {
+  const char* op = "rmsnorm_forward";
+  const std::int64_t rows = args.x.rows, cols = args.x.cols;
+  for (const auto& [name, view] :
+       {std::pair{"x", &args.x}, std::pair{"weight", &args.weight}, std::pair{"y", &args.y}}) {
+    check_matrix(op, name, *view);
+    check_type(op, name, *view, be.work_dtype(), dtype::f32);
+  }
+  check_matrix(op, "rstd", args.rstd);
+  check_type(op, "rstd", args.rstd, dtype::f32, dtype::f32);
+  check_dims(op, "weight", args.weight, 1, cols);
+  check_dims(op, "y", args.y, rows, cols);
+  check_dims(op, "rstd", args.rstd, rows, 1);
+  UPIPE_CHECK(args.eps >= 0.0f, "ops::rmsnorm_forward: eps " + std::to_string(args.eps) + " must be >= 0 (e.g. 1e-5)");
+  be.rmsnorm_forward(args);
+}
+
+void rmsnorm_backward(backend& be, const rmsnorm_backward_args& args) {
+  const char* op = "rmsnorm_backward";
+  const std::int64_t rows = args.x.rows, cols = args.x.cols;
+  for (const auto& [name, view] : {std::pair{"x", &args.x}, std::pair{"weight", &args.weight},
+                                   std::pair{"d_y", &args.d_y}, std::pair{"d_x", &args.d_x}}) {
+    check_matrix(op, name, *view);
+    check_type(op, name, *view, be.work_dtype(), dtype::f32);
+  }
+  for (const auto& [name, view] : {std::pair{"rstd", &args.rstd}, std::pair{"d_weight", &args.d_weight}}) {
+    check_matrix(op, name, *view);
+    check_type(op, name, *view, dtype::f32, dtype::f32);
+  }
+  check_dims(op, "weight", args.weight, 1, cols);
+  check_dims(op, "d_weight", args.d_weight, 1, cols);
+  check_dims(op, "d_y", args.d_y, rows, cols);
+  check_dims(op, "d_x", args.d_x, rows, cols);
+  check_dims(op, "rstd", args.rstd, rows, 1);
+  be.rmsnorm_backward(args);
+}
+
+void copy_heads(backend& be, const head_view& dst, const head_view& src) {
+  check_layout("copy_heads", "dst", dst);
+  check_layout("copy_heads", "src", src);
+  check_dims("copy_heads", "dst", dst, src.tokens, src.heads, src.dim);
+  be.copy_heads(dst, src);
+}
+
+void add_heads(backend& be, const head_view& dst, const head_view& src) {
+  check_layout("add_heads", "dst", dst);
+  check_layout("add_heads", "src", src);
+  check_type("add_heads", "dst", dst, dtype::f32, dtype::f32);
+  check_dims("add_heads", "dst", dst, src.tokens, src.heads, src.dim);
+  be.add_heads(dst, src);
+}
+
+void fill_heads(backend& be, const head_view& dst, float value) {
+  check_layout("fill_heads", "dst", dst);
+  be.fill_heads(dst, value);
+}
+
+void lse_merge(backend& be, const lse_merge_args& args) {
+  const char* op = "lse_merge";
+  check_layout(op, "out", args.out);
+  check_layout(op, "out_part", args.out_part);
+  check_type(op, "out", args.out, dtype::f32, dtype::f32);
+  check_work_or_f32(be, op, "out_part", args.out_part);
+  check_dims(op, "out_part", args.out_part, args.out.tokens, args.out.heads, args.out.dim);
+  check_row_scalar(op, "lse", args.lse, args.out);
+  check_row_scalar(op, "lse_part", args.lse_part, args.out);
+  be.lse_merge(args);
+}
+
+std::vector<double> rope_inverse_frequencies(const rope_config& config, std::int64_t head_dim) {
+  UPIPE_CHECK(head_dim > 0 && head_dim % 2 == 0,
+              "ops::rope_inverse_frequencies: head dim " + std::to_string(head_dim) + " must be positive and even");
+  check_rope_config(config);
+  const rope_scaling& s = config.scaling;
+  const auto original = static_cast<double>(s.original_max_position);
+  const double low_wavelen = original / s.low_freq_factor;    // longer waves are slowed by factor
+  const double high_wavelen = original / s.high_freq_factor;  // shorter waves are kept
+  std::vector<double> inv(static_cast<std::size_t>(head_dim / 2));
+  for (std::size_t i = 0; i < inv.size(); ++i) {
+    double f = 1.0 / std::pow(config.theta, static_cast<double>(2 * i) / static_cast<double>(head_dim));
+    if (s.enabled) {
+      const double wavelen = 2.0 * std::numbers::pi / f;
+      if (wavelen > low_wavelen) {
+        f = f / s.factor;
+      } else if (wavelen >= high_wavelen) {
+        const double smooth = (original / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
+        f = (1.0 - smooth) * f / s.factor + smooth * f;
+      }
+    }
+    inv[i] = f;
+  }
+  return inv;
+}
+
+}  // namespace upipe::ops

@@ -1,0 +1,29 @@
+// The op entries: each checks shapes, dtypes and strides, then calls the backend's
+// implementation. Only the entries check; implementations trust their arguments.
+#pragma once
+
+#include <vector>
+
+#include "backend/backend.hpp"
+#include "ops/op_args.hpp"
+
+namespace upipe::ops {
+
+void gemm(backend& be, const gemm_args& args);
+void sdpa_forward(backend& be, const sdpa_forward_args& args);
+void sdpa_backward(backend& be, const sdpa_backward_args& args);
+void rope(backend& be, const rope_args& args);
+void rmsnorm_forward(backend& be, const rmsnorm_forward_args& args);
+void rmsnorm_backward(backend& be, const rmsnorm_backward_args& args);
+// dst = src elementwise (pack/unpack of the all-to-all layouts, dtype conversion).
+void copy_heads(backend& be, const head_view& dst, const head_view& src);
+// dst (f32) += src elementwise.
+void add_heads(backend& be, const head_view& dst, const head_view& src);
+void fill_heads(backend& be, const head_view& dst, float value);
+void lse_merge(backend& be, const lse_merge_args& args);
+
+// The per-pair inverse frequencies of RoPE for head dim d, in fp64, with Llama 3
+// scaling applied when enabled. Every backend derives its angles from these.
+std::vector<double> rope_inverse_frequencies(const rope_config& config, std::int64_t head_dim);
+
+}  // namespace upipe::ops
