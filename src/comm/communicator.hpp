@@ -1,0 +1,85 @@
+// The communicator: collectives over the ranks of one CP group, with byte counters per
+// collective and per label. Buffers live on the ranks' backends; payloads move through
+// backend::copy_bytes (so the meta backend moves nothing) and fp32 sums through
+// backend::add_f32.
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+
+#include "core/dtype.hpp"
+
+namespace upipe {
+
+class backend;
+
+enum class collective : std::uint8_t { all_to_all, all_reduce, reduce_scatter, all_gather, send, recv, barrier, count };
+constexpr std::size_t collective_count = static_cast<std::size_t>(collective::count);
+std::string_view collective_name(collective c);
+
+// Bytes this rank put on the wire (its whole send buffer, its own chunk included, as
+// nccl-tests counts), and calls, per collective; sent bytes also per label ("a2a_q", ...).
+// A send_recv counts its outgoing bytes under send and its incoming ones under recv.
+struct comm_counters {
+  std::array<std::uint64_t, collective_count> bytes{};
+  std::array<std::uint64_t, collective_count> calls{};
+  std::map<std::string, std::uint64_t, std::less<>> bytes_by_label;
+
+  void add(collective c, std::uint64_t n, std::string_view label);
+  std::uint64_t label_bytes(std::string_view label) const;
+};
+
+// Thrown on every rank of a group when another rank failed and the group was aborted.
+class comm_aborted : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+class communicator {
+ public:
+  virtual ~communicator() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+
+  // send holds size() chunks of chunk_bytes (chunk j goes to rank j); recv receives
+  // size() chunks (chunk j came from rank j). send and recv must not overlap.
+  virtual void all_to_all(const void* send, void* recv, std::size_t chunk_bytes, std::string_view label) = 0;
+  // In-place sum of `count` f32 values over all ranks.
+  virtual void all_reduce_sum(float* data, std::size_t count, std::string_view label) = 0;
+  // send: size() chunks of chunk_count f32; recv (chunk_count) = sum over ranks of chunk rank().
+  virtual void reduce_scatter_sum(const float* send, float* recv, std::size_t chunk_count, std::string_view label) = 0;
+  // recv: size() chunks of chunk_bytes, chunk j = rank j's send.
+  virtual void all_gather(const void* send, void* recv, std::size_t chunk_bytes, std::string_view label) = 0;
+  // Sends to dst and receives from src at once (a ring step); either may be skipped by
+  // passing nullptr with 0 bytes. Never deadlocks when every rank calls it together.
+  virtual void send_recv(const void* send, std::size_t send_bytes, int dst, void* recv, std::size_t recv_bytes,
+                         int src, std::string_view label) = 0;
+  virtual void barrier() = 0;
+
+  const comm_counters& counters() const { return counters_; }
+  void reset_counters() { counters_ = {}; }
+
+ protected:
+  comm_counters counters_;
+};
+
+// Rank 0 of a group of `size` alone: each collective moves rank 0's own bytes (recv
+// chunk j = send chunk j), so shapes, memory and compute are rank 0's. Honest for
+// ulysses and upipe, where every rank does the same work; never for communication time.
+std::unique_ptr<communicator> make_loopback_communicator(backend& be, int size);
+
+// Runs fn(rank, communicator) on one thread per backend (rank r uses backends[r]);
+// the communicators form one group. If any rank throws, the group is aborted (every
+// rank blocked in a collective gets comm_aborted) and, after all threads joined, the
+// first exception that is not comm_aborted is rethrown here.
+void run_threads(std::span<backend* const> backends, const std::function<void(int rank, communicator& comm)>& fn);
+
+}  // namespace upipe
