@@ -1,0 +1,40 @@
+// The attention layer's shape under context parallelism, and its validation.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "ops/op_args.hpp"
+
+namespace upipe {
+
+enum class strategy_kind : std::uint8_t { ulysses, upipe, ring };
+std::string_view strategy_name(strategy_kind kind);
+// Parses "ulysses", "upipe" or "ring"; throws config_error naming the valid values.
+strategy_kind parse_strategy_kind(std::string_view name);
+
+struct attention_config {
+  std::int64_t seq_len = 0;  // S, global tokens
+  int heads = 0;             // H, query heads
+  int kv_heads = 0;          // K
+  int head_dim = 0;          // d
+  int model_dim = 0;         // D, width of the layer input
+  int cp = 1;                // C, ranks in the CP group
+  int head_chunk = 0;        // U, query heads per stage (upipe); H for ulysses; unused by ring
+  strategy_kind strategy = strategy_kind::upipe;
+  rope_config rope;
+
+  std::int64_t local_tokens() const { return seq_len / cp; }  // s
+  int group_size() const { return heads / kv_heads; }          // G
+};
+
+// Throws config_error naming the offending value, the rule and a valid alternative.
+// Fills in head_chunk when it is 0 (C for upipe, H for ulysses).
+void validate(attention_config& config);
+
+// The head chunks U that upipe accepts for this shape (C | U, U | H), ascending.
+std::vector<int> valid_head_chunks(int heads, int cp);
+
+}  // namespace upipe

@@ -1,0 +1,31 @@
+#include "cp/attention_layer.hpp"
+
+#include "ops/ops.hpp"
+
+namespace upipe {
+
+attention_layer::attention_layer(const attention_config& config, backend& be, const cp_groups& groups)
+    : config_(config), be_(be) {
+  validate(config_);
+  strategy_ = make_strategy(config_, be, groups);
+}
+
+attention_layer::context attention_layer::forward(const mat_view& x, const attention_weights& w, const mat_view& y) {
+  context ctx;
+  ctx.out = be_.allocate(mem_tag::activations, be_.work_dtype(),
+                         {config_.local_tokens(), std::int64_t{config_.heads} * config_.head_dim}, "attn_out");
+  ctx.saved = strategy_->forward(x, w, ctx.out.matrix());
+  ops::gemm(be_, {ctx.out.matrix(), transpose::none, w.wo, transpose::yes, y});
+  return ctx;
+}
+
+void attention_layer::backward(const context& ctx, const mat_view& x, const attention_weights& w, const mat_view& d_y,
+                               const mat_view& d_x, const attention_grads& grads) {
+  const mat_view out = ctx.out.matrix();
+  ops::gemm(be_, {d_y, transpose::yes, out, transpose::none, grads.wo, 1.0f, 1.0f});
+  tensor d_out = be_.allocate(mem_tag::activations, be_.work_dtype(), ctx.out.dims(), "attn_d_out");
+  ops::gemm(be_, {d_y, transpose::none, w.wo, transpose::none, d_out.matrix()});
+  strategy_->backward(ctx.saved, x, w, out, d_out.matrix(), d_x, grads);
+}
+
+}  // namespace upipe

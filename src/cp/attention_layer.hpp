@@ -1,0 +1,36 @@
+// The attention layer under CP: QKV projection, RoPE and attention (the strategy), then
+// the output projection. Input and weight gradients in backward.
+#pragma once
+
+#include <memory>
+
+#include "cp/strategy.hpp"
+
+namespace upipe {
+
+class attention_layer {
+ public:
+  attention_layer(const attention_config& config, backend& be, const cp_groups& groups);
+
+  // What backward needs besides the layer input.
+  struct context {
+    tensor out;  // (s, H*d) attention output before the output projection
+    attention_saved saved;
+  };
+
+  // y (s, D) = attention(x) W_o^T.
+  context forward(const mat_view& x, const attention_weights& w, const mat_view& y);
+  // d_x (s, D, f32) and the weight gradients are accumulated.
+  void backward(const context& ctx, const mat_view& x, const attention_weights& w, const mat_view& d_y,
+                const mat_view& d_x, const attention_grads& grads);
+
+  const attention_config& config() const { return config_; }
+  const attention_strategy& strategy() const { return *strategy_; }
+
+ private:
+  attention_config config_;
+  backend& be_;
+  std::unique_ptr<attention_strategy> strategy_;
+};
+
+}  // namespace upipe

@@ -1,0 +1,160 @@
+#include "cp/reference.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <random>
+
+#include "ops/ops.hpp"
+
+namespace upipe {
+
+namespace {
+
+using matrix = std::vector<double>;
+
+// c (m, n) = a (m, k) b^T where b is (n, k): the Hugging Face linear layer.
+matrix linear(const matrix& a, const std::vector<float>& b, std::int64_t m, std::int64_t k, std::int64_t n) {
+  matrix c(static_cast<std::size_t>(m * n), 0.0);
+  for (std::int64_t i = 0; i < m; ++i)
+    for (std::int64_t j = 0; j < n; ++j) {
+      double acc = 0;
+      for (std::int64_t p = 0; p < k; ++p) acc += a[i * k + p] * b[j * k + p];
+      c[i * n + j] = acc;
+    }
+  return c;
+}
+
+// c (m, k) += a (m, n) b where b is (n, k).
+void linear_input_grad(matrix& c, const matrix& a, const std::vector<float>& b, std::int64_t m, std::int64_t n,
+                       std::int64_t k) {
+  for (std::int64_t i = 0; i < m; ++i)
+    for (std::int64_t j = 0; j < n; ++j)
+      for (std::int64_t p = 0; p < k; ++p) c[i * k + p] += a[i * n + j] * b[j * k + p];
+}
+
+// (n, k) = a^T (m, n)^T b (m, k).
+matrix weight_grad(const matrix& a, const matrix& b, std::int64_t m, std::int64_t n, std::int64_t k) {
+  matrix c(static_cast<std::size_t>(n * k), 0.0);
+  for (std::int64_t i = 0; i < m; ++i)
+    for (std::int64_t j = 0; j < n; ++j)
+      for (std::int64_t p = 0; p < k; ++p) c[j * k + p] += a[i * n + j] * b[i * k + p];
+  return c;
+}
+
+// Rotate-half RoPE on (S, heads, d) at positions 0..S-1; sign -1 is the inverse.
+void rotate(matrix& t, const attention_config& c, int heads, double sign) {
+  const int d = c.head_dim, half = d / 2;
+  const auto inv = ops::rope_inverse_frequencies(c.rope, d);
+  for (std::int64_t s = 0; s < c.seq_len; ++s)
+    for (int h = 0; h < heads; ++h) {
+      double* row = &t[(s * heads + h) * d];
+      for (int i = 0; i < half; ++i) {
+        const double a = static_cast<double>(s) * inv[i];
+        const double cs = std::cos(a), sn = sign * std::sin(a);
+        const double x1 = row[i], x2 = row[i + half];
+        row[i] = x1 * cs - x2 * sn;
+        row[i + half] = x2 * cs + x1 * sn;
+      }
+    }
+}
+
+matrix widen(const std::vector<float>& v) { return matrix(v.begin(), v.end()); }
+
+}  // namespace
+
+attention_inputs random_attention_inputs(const attention_config& c, unsigned long long seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  const std::int64_t S = c.seq_len, D = c.model_dim, hd = std::int64_t{c.heads} * c.head_dim,
+                     kd = std::int64_t{c.kv_heads} * c.head_dim;
+  auto draw = [&](std::int64_t n, float scale) {
+    std::vector<float> v(static_cast<std::size_t>(n));
+    for (auto& e : v) e = normal(rng) * scale;
+    return v;
+  };
+  attention_inputs in;
+  in.x = draw(S * D, 1.0f);
+  in.wq = draw(hd * D, 1.0f / std::sqrt(static_cast<float>(D)));
+  in.wk = draw(kd * D, 1.0f / std::sqrt(static_cast<float>(D)));
+  in.wv = draw(kd * D, 1.0f / std::sqrt(static_cast<float>(D)));
+  in.wo = draw(D * hd, 1.0f / std::sqrt(static_cast<float>(hd)));
+  in.d_y = draw(S * D, 1.0f);
+  return in;
+}
+
+attention_outputs reference_attention_layer(const attention_config& c, const attention_inputs& in) {
+  const std::int64_t S = c.seq_len, D = c.model_dim, H = c.heads, K = c.kv_heads, d = c.head_dim;
+  const std::int64_t G = H / K, hd = H * d, kd = K * d;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  const matrix x = widen(in.x), d_y = widen(in.d_y);
+  matrix q = linear(x, in.wq, S, D, hd), k = linear(x, in.wk, S, D, kd), v = linear(x, in.wv, S, D, kd);
+  rotate(q, c, static_cast<int>(H), 1.0);
+  rotate(k, c, static_cast<int>(K), 1.0);
+
+  attention_outputs r;
+  r.attn_out.assign(static_cast<std::size_t>(S * hd), 0.0);
+  matrix d_q(q.size(), 0.0), d_k(k.size(), 0.0), d_v(v.size(), 0.0);
+  const matrix d_o = [&] {
+    matrix m(static_cast<std::size_t>(S * hd), 0.0);
+    linear_input_grad(m, d_y, in.wo, S, D, hd);
+    return m;
+  }();
+  std::vector<double> p(static_cast<std::size_t>(S));
+  for (std::int64_t h = 0; h < H; ++h) {
+    const std::int64_t g = h / G;
+    for (std::int64_t i = 0; i < S; ++i) {
+      const double* qi = &q[(i * H + h) * d];
+      double mx = -INFINITY, sum = 0;
+      for (std::int64_t j = 0; j <= i; ++j) {
+        double dot = 0;
+        for (std::int64_t e = 0; e < d; ++e) dot += qi[e] * k[(j * K + g) * d + e];
+        p[j] = dot * scale;
+        mx = std::max(mx, p[j]);
+      }
+      for (std::int64_t j = 0; j <= i; ++j) sum += (p[j] = std::exp(p[j] - mx));
+      double* oi = &r.attn_out[(i * H + h) * d];
+      for (std::int64_t j = 0; j <= i; ++j) {
+        p[j] /= sum;
+        for (std::int64_t e = 0; e < d; ++e) oi[e] += p[j] * v[(j * K + g) * d + e];
+      }
+      // Backward of this row: dS = P (dP - rowsum(dO * O)).
+      const double* doi = &d_o[(i * H + h) * d];
+      double delta = 0;
+      for (std::int64_t e = 0; e < d; ++e) delta += doi[e] * oi[e];
+      for (std::int64_t j = 0; j <= i; ++j) {
+        double dp = 0;
+        for (std::int64_t e = 0; e < d; ++e) dp += doi[e] * v[(j * K + g) * d + e];
+        const double ds = p[j] * (dp - delta) * scale;
+        for (std::int64_t e = 0; e < d; ++e) {
+          d_q[(i * H + h) * d + e] += ds * k[(j * K + g) * d + e];
+          d_k[(j * K + g) * d + e] += ds * qi[e];
+          d_v[(j * K + g) * d + e] += p[j] * doi[e];
+        }
+      }
+    }
+  }
+  r.y = linear(r.attn_out, in.wo, S, hd, D);
+  r.d_wo = weight_grad(d_y, r.attn_out, S, D, hd);
+  rotate(d_q, c, static_cast<int>(H), -1.0);
+  rotate(d_k, c, static_cast<int>(K), -1.0);
+  r.d_x.assign(static_cast<std::size_t>(S * D), 0.0);
+  linear_input_grad(r.d_x, d_q, in.wq, S, hd, D);
+  linear_input_grad(r.d_x, d_k, in.wk, S, kd, D);
+  linear_input_grad(r.d_x, d_v, in.wv, S, kd, D);
+  r.d_wq = weight_grad(d_q, x, S, hd, D);
+  r.d_wk = weight_grad(d_k, x, S, kd, D);
+  r.d_wv = weight_grad(d_v, x, S, kd, D);
+  return r;
+}
+
+double relative_error(std::span<const double> a, std::span<const double> b) {
+  double diff = 0, ref = 0;
+  for (std::size_t i = 0; i < a.size() && i < b.size(); ++i) {
+    diff = std::max(diff, std::abs(a[i] - b[i]));
+    ref = std::max(ref, std::abs(b[i]));
+  }
+  if (a.size() != b.size()) return INFINITY;
+  return ref == 0 ? (diff == 0 ? 0 : INFINITY) : diff / ref;
+}
+
+}  // namespace upipe

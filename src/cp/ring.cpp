@@ -1,0 +1,166 @@
+#include "cp/ring.hpp"
+
+#include <cmath>
+#include <limits>
+
+#include "core/error.hpp"
+#include "ops/ops.hpp"
+
+namespace upipe {
+
+namespace {
+head_view lse_view(const tensor& lse) {  // (H, s) f32 as (s, H, 1)
+  return {lse.data(), dtype::f32, lse.dims()[1], lse.dims()[0], 1, 1, lse.dims()[1]};
+}
+}  // namespace
+
+ring_attention::ring_attention(const attention_config& config, backend& be, communicator& comm)
+    : config_(config), be_(be), comm_(comm), tokens_(config.local_tokens()), chunk_(config.seq_len / (2 * config.cp)),
+      dim_(config.head_dim), scale_(1.0f / std::sqrt(static_cast<float>(config.head_dim))) {
+  UPIPE_CHECK(comm.size() == config.cp, "communicator size must equal cp");
+  positions_ = local_positions(comm.rank());
+}
+
+std::vector<position_run> ring_attention::local_positions(int rank) const {
+  return zigzag_positions(config_.seq_len, config_.cp, rank);
+}
+
+// Global chunk c attends to chunk b fully when b < c, causally when b == c, never after.
+std::vector<ring_attention::block_pair> ring_attention::pairs(int kv_owner) const {
+  const int c2 = 2 * config_.cp, r = comm_.rank();
+  const int q_chunks[2] = {r, c2 - 1 - r}, kv_chunks[2] = {kv_owner, c2 - 1 - kv_owner};
+  std::vector<block_pair> result;
+  for (int a = 0; a < 2; ++a)
+    for (int b = 0; b < 2; ++b) {
+      if (kv_chunks[b] > q_chunks[a]) continue;
+      result.push_back({a, b, kv_chunks[b] == q_chunks[a] ? attn_mask::causal : attn_mask::none});
+    }
+  return result;
+}
+
+tensor ring_attention::project(const mat_view& x, const mat_view& weight, int heads, const char* label) {
+  tensor t = be_.allocate(mem_tag::attention, be_.work_dtype(), {tokens_, heads, dim_}, label);
+  ops::gemm(be_, {x, transpose::none, weight, transpose::yes, t.matrix()});
+  return t;
+}
+
+// Part `which` (0: k, 1: v) of a (2, n, K, d) buffer as (n, K, d).
+head_view ring_attention::kv_part(const tensor& kv, int which) const {
+  const auto& d = kv.dims();
+  const head_view all = {kv.data(), kv.type(), 2 * d[1], d[2], d[3], d[2] * d[3], d[3]};
+  return all.token_block(which * d[1], d[1]);
+}
+
+tensor ring_attention::project_kv(const mat_view& x, const attention_weights& w) {
+  tensor kv = be_.allocate(mem_tag::attention, be_.work_dtype(), {2, tokens_, config_.kv_heads, dim_}, "ring_kv");
+  const std::int64_t kd = std::int64_t{config_.kv_heads} * dim_;
+  for (int which = 0; which < 2; ++which) {
+    const head_view part = kv_part(kv, which);
+    ops::gemm(be_, {x, transpose::none, which == 0 ? w.wk : w.wv, transpose::yes,
+                    {part.data, part.type, tokens_, kd, kd}});
+  }
+  ops::rope(be_, {kv_part(kv, 0), positions_, config_.rope, rope_direction::forward});
+  return kv;
+}
+
+attention_saved ring_attention::forward(const mat_view& x, const attention_weights& w, const mat_view& out) {
+  const int C = config_.cp, r = comm_.rank(), H = config_.heads;
+  tensor q = project(x, w.wq, H, "ring_q");
+  ops::rope(be_, {q.heads(), positions_, config_.rope, rope_direction::forward});
+  tensor kv = project_kv(x, w);
+  tensor out_acc = be_.allocate(mem_tag::attention, dtype::f32, {tokens_, H, dim_}, "ring_out_accum");
+  attention_saved saved;
+  saved.lse = be_.allocate(mem_tag::activations, dtype::f32, {H, tokens_}, "attn_lse");
+  ops::fill_heads(be_, out_acc.heads(), 0.0f);
+  ops::fill_heads(be_, lse_view(saved.lse), -std::numeric_limits<float>::infinity());
+  tensor part = be_.allocate(mem_tag::attention, be_.work_dtype(), {chunk_, H, dim_}, "ring_out_part");
+  tensor part_lse = be_.allocate(mem_tag::attention, dtype::f32, {H, chunk_}, "ring_lse_part");
+  for (int step = 0; step < C; ++step) {
+    const int owner = (r - step + C) % C;
+    for (const block_pair& p : pairs(owner)) {
+      ops::sdpa_forward(be_, {half(q.heads(), p.q_half), half(kv_part(kv, 0), p.kv_half),
+                              half(kv_part(kv, 1), p.kv_half), part.heads(), lse_view(part_lse), p.mask, scale_});
+      ops::lse_merge(be_, {half(out_acc.heads(), p.q_half), half(lse_view(saved.lse), p.q_half), part.heads(),
+                           lse_view(part_lse)});
+    }
+    if (step + 1 < C) {
+      tensor next = be_.allocate(mem_tag::attention, kv.type(), kv.dims(), "ring_kv_next");
+      comm_.send_recv(kv.data(), kv.bytes(), (r + 1) % C, next.data(), next.bytes(), (r - 1 + C) % C, "ring_kv");
+      kv = std::move(next);
+    }
+  }
+  const head_view out_heads = {out.data, out.type, tokens_, H, dim_, out.ld, dim_};
+  ops::copy_heads(be_, out_heads, out_acc.heads());
+  return saved;
+}
+
+void ring_attention::backward(const attention_saved& saved, const mat_view& x, const attention_weights& w,
+                              const mat_view& out, const mat_view& d_out, const mat_view& d_x,
+                              const attention_grads& grads) {
+  const int C = config_.cp, r = comm_.rank(), H = config_.heads, K = config_.kv_heads;
+  tensor q = project(x, w.wq, H, "ring_q");
+  ops::rope(be_, {q.heads(), positions_, config_.rope, rope_direction::forward});
+  tensor kv = project_kv(x, w);
+  const head_view o = {out.data, out.type, tokens_, H, dim_, out.ld, dim_};
+  const head_view d_o = {d_out.data, d_out.type, tokens_, H, dim_, d_out.ld, dim_};
+  tensor dq = be_.allocate_zeroed(mem_tag::attention, dtype::f32, {tokens_, H, dim_}, "ring_dq_accum");
+  tensor dkv = be_.allocate_zeroed(mem_tag::attention, dtype::f32, kv.dims(), "ring_dkv");
+  tensor dq_part = be_.allocate(mem_tag::attention, be_.work_dtype(), {chunk_, H, dim_}, "ring_dq_part");
+  tensor dkv_part = be_.allocate(mem_tag::attention, be_.work_dtype(), {2, chunk_, K, dim_}, "ring_dkv_part");
+  tensor dq_scratch = be_.allocate(mem_tag::attention, dtype::f32, {chunk_, H, dim_}, "attn_dq_accum");
+  tensor sum_scratch = be_.allocate(mem_tag::attention, dtype::f32, {chunk_, H, 1}, "attn_softmax_sum");
+  const head_view dk_part = kv_part(dkv_part, 0), dv_part = kv_part(dkv_part, 1);
+  for (int step = 0; step < C; ++step) {
+    const int owner = (r - step + C) % C;
+    for (const block_pair& p : pairs(owner)) {
+      ops::sdpa_backward(be_, {half(q.heads(), p.q_half), half(kv_part(kv, 0), p.kv_half),
+                               half(kv_part(kv, 1), p.kv_half), half(o, p.q_half), half(d_o, p.q_half),
+                               half(lse_view(saved.lse), p.q_half), dq_part.heads(), dk_part, dv_part,
+                               dq_scratch.heads(), sum_scratch.heads(), p.mask, scale_});
+      ops::add_heads(be_, half(dq.heads(), p.q_half), dq_part.heads());
+      ops::add_heads(be_, half(kv_part(dkv, 0), p.kv_half), dk_part);
+      ops::add_heads(be_, half(kv_part(dkv, 1), p.kv_half), dv_part);
+    }
+    // dK/dV travel with their K/V; after the last step they reach their owner.
+    tensor dkv_next = be_.allocate(mem_tag::attention, dtype::f32, dkv.dims(), "ring_dkv_next");
+    comm_.send_recv(dkv.data(), dkv.bytes(), (r + 1) % C, dkv_next.data(), dkv_next.bytes(), (r - 1 + C) % C,
+                    "ring_dkv");
+    dkv = std::move(dkv_next);
+    if (step + 1 < C) {
+      tensor next = be_.allocate(mem_tag::attention, kv.type(), kv.dims(), "ring_kv_next");
+      comm_.send_recv(kv.data(), kv.bytes(), (r + 1) % C, next.data(), next.bytes(), (r - 1 + C) % C, "ring_kv");
+      kv = std::move(next);
+    }
+  }
+  q.reset();
+  kv.reset();
+  dq_part.reset();
+  dkv_part.reset();
+  ops::rope(be_, {dq.heads(), positions_, config_.rope, rope_direction::inverse});
+  ops::rope(be_, {kv_part(dkv, 0), positions_, config_.rope, rope_direction::inverse});
+  accumulate_input_grads(dq, w.wq, grads.wq, x, d_x);
+  // dkv (2, s, K, d): rows of the k part then the v part.
+  const std::int64_t kd = std::int64_t{K} * dim_;
+  tensor dkv_work = be_.allocate(mem_tag::attention, be_.work_dtype(), dkv.dims(), "ring_dkv_work");
+  ops::copy_heads(be_, {dkv_work.data(), dkv_work.type(), 2 * tokens_, K, dim_, kd, dim_},
+                  {dkv.data(), dkv.type(), 2 * tokens_, K, dim_, kd, dim_});
+  dkv.reset();
+  const mat_view g = {dkv_work.data(), dkv_work.type(), 2 * tokens_, kd, kd};
+  for (int which = 0; which < 2; ++which) {
+    const mat_view g_part = g.row_block(which * tokens_, tokens_);
+    ops::gemm(be_, {g_part, transpose::none, which == 0 ? w.wk : w.wv, transpose::none, d_x, 1.0f, 1.0f});
+    ops::gemm(be_, {g_part, transpose::yes, x, transpose::none, which == 0 ? grads.wk : grads.wv, 1.0f, 1.0f});
+  }
+}
+
+// grad (s, heads, d) f32 -> working dtype, then d_x += g W and dW += g^T x.
+void ring_attention::accumulate_input_grads(tensor& grad, const mat_view& weight, const mat_view& d_weight,
+                                            const mat_view& x, const mat_view& d_x) {
+  tensor g = be_.allocate(mem_tag::attention, be_.work_dtype(), grad.dims(), "ring_grad_work");
+  ops::copy_heads(be_, g.heads(), grad.heads());
+  grad.reset();
+  ops::gemm(be_, {g.matrix(), transpose::none, weight, transpose::none, d_x, 1.0f, 1.0f});
+  ops::gemm(be_, {g.matrix(), transpose::yes, x, transpose::none, d_weight, 1.0f, 1.0f});
+}
+
+}  // namespace upipe

@@ -1,0 +1,44 @@
+// Ring attention: zigzag-balanced sequence layout (rank r holds chunks r and 2C-1-r of
+// 2C), K/V circulating by send/recv, partial outputs merged in fp32 by log-sum-exp;
+// backward circulates fp32 dK/dV with the K/V until they return to their owner.
+#pragma once
+
+#include "cp/strategy.hpp"
+
+namespace upipe {
+
+class ring_attention final : public attention_strategy {
+ public:
+  ring_attention(const attention_config& config, backend& be, communicator& comm);
+
+  std::vector<position_run> local_positions(int rank) const override;
+  attention_saved forward(const mat_view& x, const attention_weights& w, const mat_view& out) override;
+  void backward(const attention_saved& saved, const mat_view& x, const attention_weights& w, const mat_view& out,
+                const mat_view& d_out, const mat_view& d_x, const attention_grads& grads) override;
+
+ private:
+  // A pair of local query chunk and visiting kv chunk that attend, and how.
+  struct block_pair {
+    int q_half, kv_half;
+    attn_mask mask;
+  };
+  std::vector<block_pair> pairs(int kv_owner) const;
+  tensor project(const mat_view& x, const mat_view& weight, int heads, const char* label);
+  // (2, s, K, d): k then v, one buffer so a ring step moves both at once.
+  tensor project_kv(const mat_view& x, const attention_weights& w);
+  head_view half(const head_view& v, int which) const { return v.token_block(which * chunk_, chunk_); }
+  head_view kv_part(const tensor& kv, int which) const;
+  void accumulate_input_grads(tensor& grad, const mat_view& weight, const mat_view& d_weight, const mat_view& x,
+                              const mat_view& d_x);
+
+  attention_config config_;
+  backend& be_;
+  communicator& comm_;
+  std::int64_t tokens_;  // s = 2 * chunk
+  std::int64_t chunk_;   // S / 2C
+  int dim_;
+  float scale_;
+  std::vector<position_run> positions_;
+};
+
+}  // namespace upipe

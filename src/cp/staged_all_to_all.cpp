@@ -1,0 +1,321 @@
+// Ulysses and UPipe: all-to-all attention in H/U stages of U query heads (U = H is
+// Ulysses, the honest baseline with full-size buffers). DESIGN.md section 4: each stage
+// projects its query heads straight into the all-to-all send layout with the heads' own
+// weight rows; kv heads cross to each rank once per pass and stay resident over the
+// stages that use them; the stage output goes back into `out` at the heads' true indices.
+#include "cp/staged_all_to_all.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+
+#include "core/error.hpp"
+#include "ops/ops.hpp"
+
+namespace upipe {
+
+namespace {
+
+// (tokens, heads, d) view of chunk j of a (C, s, n, d) all-to-all buffer.
+head_view chunk_heads(const tensor& t, int chunk) {
+  const auto& d = t.dims();
+  head_view all = {t.data(), t.type(), d[0] * d[1], d[2], d[3], d[2] * d[3], d[3]};
+  return all.token_block(chunk * d[1], d[1]);
+}
+
+// The f32 log-sum-exp of heads [first, first + n) of a (heads, S) tensor.
+head_view lse_heads(const tensor& lse, int first, int n) {
+  const std::int64_t tokens = lse.dims()[1];
+  head_view all = {lse.data(), dtype::f32, tokens, lse.dims()[0], 1, 1, tokens};
+  return all.head_block(first, n);
+}
+
+}  // namespace
+
+struct staged_all_to_all::resident_block {
+  const kv_block* plan = nullptr;
+  tensor k, v;    // (C, s, n, d) = (S, n, d), working dtype; k roped
+  tensor dk, dv;  // backward: f32 accumulators when the block spans stages, else final
+};
+
+staged_all_to_all::staged_all_to_all(const attention_config& config, backend& be, communicator& comm)
+    : config_(config), be_(be), comm_(comm),
+      schedule_(config.heads, config.kv_heads, config.cp, config.head_chunk),
+      tokens_(config.local_tokens()), gathered_(config.seq_len), dim_(config.head_dim),
+      scale_(1.0f / std::sqrt(static_cast<float>(config.head_dim))) {
+  UPIPE_CHECK(comm.size() == config.cp, "communicator size must equal cp");
+  for (int j = 0; j < config.cp; ++j)
+    for (const auto& run : local_positions(j))
+      gathered_positions_.push_back({j * tokens_ + run.token_begin, run.position_begin, run.count});
+}
+
+staged_all_to_all::~staged_all_to_all() = default;
+
+std::vector<position_run> staged_all_to_all::local_positions(int rank) const {
+  return contiguous_positions(config_.seq_len, config_.cp, rank);
+}
+
+staged_all_to_all::head_lists staged_all_to_all::stage_lists(int stage) const {
+  head_lists lists;
+  for (int j = 0; j < config_.cp; ++j) lists.push_back(schedule_.stage_heads(j, stage));
+  return lists;
+}
+
+staged_all_to_all::head_lists staged_all_to_all::arriving_lists(int stage) const {
+  head_lists lists;
+  for (int j = 0; j < config_.cp; ++j) lists.push_back(schedule_.arriving(j, stage)->kv_heads);
+  return lists;
+}
+
+// Chunk j of the send buffer gets the heads rank j computes, each projected with its
+// own weight rows (the pairing trap of DESIGN.md section 4 cannot happen here).
+tensor staged_all_to_all::project_to_send(const mat_view& x, const mat_view& weight, const head_lists& lists,
+                                          const char* label) {
+  const int n = static_cast<int>(lists[0].size());
+  tensor send = be_.allocate(mem_tag::attention, be_.work_dtype(), {config_.cp, tokens_, n, dim_}, label);
+  const std::int64_t d = dim_;
+  for (int j = 0; j < config_.cp; ++j) {
+    const head_view chunk = chunk_heads(send, j);
+    const mat_view dst = {chunk.data, chunk.type, tokens_, n * d, chunk.token_stride};
+    for (const head_run& run : consecutive_runs(lists[j]))
+      ops::gemm(be_, {x, transpose::none, weight.row_block(run.first * d, run.count * d), transpose::yes,
+                      dst.col_block(run.slot * d, run.count * d)});
+  }
+  return send;
+}
+
+// All-to-all of equal chunks; the send buffer is freed as soon as the exchange is done.
+tensor staged_all_to_all::exchange(tensor& send, const char* label) {
+  tensor recv = be_.allocate(mem_tag::attention, send.type(), send.dims(), label);
+  comm_.all_to_all(send.data(), recv.data(), send.bytes() / config_.cp, label);
+  send.reset();
+  return recv;
+}
+
+// A received (C, s, n, d) buffer holds the ranks' shards in order: the whole sequence.
+head_view staged_all_to_all::sequence_heads(const tensor& t) const {
+  const auto& d = t.dims();
+  return {t.data(), t.type(), gathered_, d[2], d[3], d[2] * d[3], d[3]};
+}
+
+void staged_all_to_all::rope(const head_view& x, rope_direction direction) {
+  ops::rope(be_, {x, gathered_positions_, config_.rope, direction});
+}
+
+// Chunk j of the result gets, for this rank's tokens, the stage heads of rank j.
+tensor staged_all_to_all::pack_heads(const mat_view& src, int stage, const char* label) {
+  const int u = schedule_.heads_per_stage();
+  tensor send = be_.allocate(mem_tag::attention, be_.work_dtype(), {config_.cp, tokens_, u, dim_}, label);
+  const head_view all = {src.data, src.type, tokens_, config_.heads, dim_, src.ld, dim_};
+  for (int j = 0; j < config_.cp; ++j)
+    for (const head_run& run : consecutive_runs(schedule_.stage_heads(j, stage)))
+      ops::copy_heads(be_, chunk_heads(send, j).head_block(run.slot, run.count), all.head_block(run.first, run.count));
+  return send;
+}
+
+void staged_all_to_all::unpack_heads(const tensor& recv, int stage, const mat_view& dst) {
+  const head_view all = {dst.data, dst.type, tokens_, config_.heads, dim_, dst.ld, dim_};
+  for (int j = 0; j < config_.cp; ++j)
+    for (const head_run& run : consecutive_runs(schedule_.stage_heads(j, stage)))
+      ops::copy_heads(be_, all.head_block(run.first, run.count), chunk_heads(recv, j).head_block(run.slot, run.count));
+}
+
+staged_all_to_all::resident_block staged_all_to_all::receive_kv(const mat_view& x, const attention_weights& w,
+                                                                int stage, pass which) {
+  const bool fwd = which == pass::forward;
+  const head_lists lists = arriving_lists(stage);
+  resident_block block;
+  block.plan = schedule_.arriving(comm_.rank(), stage);
+  tensor k_send = project_to_send(x, w.wk, lists, "attn_k_send");
+  block.k = exchange(k_send, fwd ? "a2a_k" : "bwd_a2a_k");
+  rope(sequence_heads(block.k), rope_direction::forward);
+  tensor v_send = project_to_send(x, w.wv, lists, "attn_v_send");
+  block.v = exchange(v_send, fwd ? "a2a_v" : "bwd_a2a_v");
+  if (!fwd) {
+    // A kv head used by several stages accumulates its gradient in fp32; one used by a
+    // single stage (always so for Ulysses) gets it written once by the attention kernel.
+    if (block.plan->spans_stages()) {
+      block.dk = be_.allocate_zeroed(mem_tag::attention, dtype::f32, block.k.dims(), "attn_dk_accum");
+      block.dv = be_.allocate_zeroed(mem_tag::attention, dtype::f32, block.v.dims(), "attn_dv_accum");
+    } else {
+      block.dk = be_.allocate(mem_tag::attention, be_.work_dtype(), block.k.dims(), "attn_dk");
+      block.dv = be_.allocate(mem_tag::attention, be_.work_dtype(), block.v.dims(), "attn_dv");
+    }
+  }
+  return block;
+}
+
+// Groups the stage's query slots into fused attention calls: slots sharing a kv head
+// form one grouped-query call, and neighbouring equal groups over consecutive kv slots
+// of one block merge into a single call.
+std::vector<staged_all_to_all::sdpa_call> staged_all_to_all::plan_calls(
+    int stage, const std::vector<resident_block>& resident) const {
+  std::vector<sdpa_call> groups;
+  const auto heads = schedule_.stage_heads(comm_.rank(), stage);
+  for (int slot = 0; slot < static_cast<int>(heads.size()); ++slot) {
+    const int kv = schedule_.kv_of(heads[slot]);
+    std::size_t b = 0;
+    int kv_slot = -1;
+    for (; b < resident.size() && kv_slot < 0; ++b) {
+      const auto& list = resident[b].plan->kv_heads;
+      if (auto it = std::find(list.begin(), list.end(), kv); it != list.end())
+        kv_slot = static_cast<int>(it - list.begin());
+    }
+    UPIPE_CHECK(kv_slot >= 0, "kv head " + std::to_string(kv) + " not resident at stage " + std::to_string(stage));
+    --b;
+    if (!groups.empty() && groups.back().block == b && groups.back().kv_slot == kv_slot)
+      ++groups.back().n_q;
+    else
+      groups.push_back({slot, 1, b, kv_slot, 1});
+  }
+  std::vector<sdpa_call> calls;
+  for (const sdpa_call& g : groups) {
+    if (!calls.empty()) {
+      sdpa_call& last = calls.back();
+      const int ratio = last.n_q / last.n_kv;
+      if (last.block == g.block && last.kv_slot + last.n_kv == g.kv_slot && g.n_q == ratio &&
+          last.q_slot + last.n_q == g.q_slot) {
+        last.n_q += g.n_q;
+        ++last.n_kv;
+        continue;
+      }
+    }
+    calls.push_back(g);
+  }
+  return calls;
+}
+
+void staged_all_to_all::release_finished(std::vector<resident_block>& resident, int stage) {
+  std::erase_if(resident, [stage](const resident_block& b) { return b.plan->last_stage == stage; });
+}
+
+attention_saved staged_all_to_all::forward(const mat_view& x, const attention_weights& w, const mat_view& out) {
+  const int rank = comm_.rank(), u = schedule_.heads_per_stage();
+  attention_saved saved;
+  saved.lse = be_.allocate(mem_tag::activations, dtype::f32, {config_.heads / config_.cp, gathered_}, "attn_lse");
+  std::vector<resident_block> resident;
+  for (int t = 0; t < schedule_.stages(); ++t) {
+    if (schedule_.arriving(rank, t) != nullptr) resident.push_back(receive_kv(x, w, t, pass::forward));
+    tensor q_send = project_to_send(x, w.wq, stage_lists(t), "attn_q_send");
+    tensor q = exchange(q_send, "a2a_q");
+    rope(sequence_heads(q), rope_direction::forward);
+    tensor o = be_.allocate(mem_tag::attention, be_.work_dtype(), q.dims(), "attn_o_stage");
+    const head_view qh = sequence_heads(q), oh = sequence_heads(o);
+    for (const sdpa_call& c : plan_calls(t, resident)) {
+      const resident_block& b = resident[c.block];
+      ops::sdpa_forward(be_, {qh.head_block(c.q_slot, c.n_q), sequence_heads(b.k).head_block(c.kv_slot, c.n_kv),
+                              sequence_heads(b.v).head_block(c.kv_slot, c.n_kv), oh.head_block(c.q_slot, c.n_q),
+                              lse_heads(saved.lse, t * u + c.q_slot, c.n_q), attn_mask::causal, scale_});
+    }
+    q.reset();
+    tensor o_back = exchange(o, "a2a_o");
+    unpack_heads(o_back, t, out);
+    o_back.reset();
+    release_finished(resident, t);
+  }
+  return saved;
+}
+
+void staged_all_to_all::backward(const attention_saved& saved, const mat_view& x, const attention_weights& w,
+                                 const mat_view& out, const mat_view& d_out, const mat_view& d_x,
+                                 const attention_grads& grads) {
+  std::vector<resident_block> resident;
+  for (int t = 0; t < schedule_.stages(); ++t) {
+    if (schedule_.arriving(comm_.rank(), t) != nullptr) resident.push_back(receive_kv(x, w, t, pass::backward));
+    backward_stage(t, resident, saved, x, w, out, d_out, d_x, grads);
+    for (auto& b : resident)
+      if (b.plan->last_stage == t) send_back_kv(b, x, w, d_x, grads);
+    release_finished(resident, t);
+  }
+}
+
+void staged_all_to_all::backward_stage(int t, std::vector<resident_block>& resident, const attention_saved& saved,
+                                       const mat_view& x, const attention_weights& w, const mat_view& out,
+                                       const mat_view& d_out, const mat_view& d_x, const attention_grads& grads) {
+  const int u = schedule_.heads_per_stage();
+  tensor q_send = project_to_send(x, w.wq, stage_lists(t), "attn_q_send");
+  tensor q = exchange(q_send, "bwd_a2a_q");
+  rope(sequence_heads(q), rope_direction::forward);
+  tensor o_send = pack_heads(out, t, "attn_o_send");
+  tensor o = exchange(o_send, "bwd_a2a_o");
+  tensor do_send = pack_heads(d_out, t, "attn_do_send");
+  tensor d_o = exchange(do_send, "bwd_a2a_do");
+  tensor dq = be_.allocate(mem_tag::attention, be_.work_dtype(), q.dims(), "attn_dq");
+  {
+    tensor dq_accum = be_.allocate(mem_tag::attention, dtype::f32, q.dims(), "attn_dq_accum");
+    tensor softmax_sum = be_.allocate(mem_tag::attention, dtype::f32, {config_.cp, tokens_, u, 1}, "attn_softmax_sum");
+    for (const sdpa_call& c : plan_calls(t, resident)) {
+      resident_block& b = resident[c.block];
+      const bool spans = b.plan->spans_stages();
+      const head_view k = sequence_heads(b.k).head_block(c.kv_slot, c.n_kv);
+      tensor dk_stage, dv_stage;
+      if (spans) {
+        dk_stage = be_.allocate(mem_tag::attention, be_.work_dtype(), {gathered_, c.n_kv, dim_}, "attn_dk_stage");
+        dv_stage = be_.allocate(mem_tag::attention, be_.work_dtype(), {gathered_, c.n_kv, dim_}, "attn_dv_stage");
+      }
+      const head_view dk = spans ? dk_stage.heads() : sequence_heads(b.dk).head_block(c.kv_slot, c.n_kv);
+      const head_view dv = spans ? dv_stage.heads() : sequence_heads(b.dv).head_block(c.kv_slot, c.n_kv);
+      ops::sdpa_backward(
+          be_, {sequence_heads(q).head_block(c.q_slot, c.n_q), k, sequence_heads(b.v).head_block(c.kv_slot, c.n_kv),
+                sequence_heads(o).head_block(c.q_slot, c.n_q), sequence_heads(d_o).head_block(c.q_slot, c.n_q),
+                lse_heads(saved.lse, t * u + c.q_slot, c.n_q), sequence_heads(dq).head_block(c.q_slot, c.n_q), dk, dv,
+                sequence_heads(dq_accum).head_block(c.q_slot, c.n_q),
+                sequence_heads(softmax_sum).head_block(c.q_slot, c.n_q), attn_mask::causal, scale_});
+      if (spans) {
+        ops::add_heads(be_, sequence_heads(b.dk).head_block(c.kv_slot, c.n_kv), dk);
+        ops::add_heads(be_, sequence_heads(b.dv).head_block(c.kv_slot, c.n_kv), dv);
+      }
+    }
+  }
+  q.reset();
+  o.reset();
+  d_o.reset();
+  rope(sequence_heads(dq), rope_direction::inverse);
+  tensor dq_back = exchange(dq, "bwd_a2a_dq");
+  accumulate_input_grads(dq_back, stage_lists(t), w.wq, grads.wq, x, d_x);
+}
+
+// Sends a block's kv gradients home once, after the block's last stage; the source rank
+// turns them into input and weight gradients (replicas' partials sum in the gemms).
+void staged_all_to_all::send_back_kv(resident_block& block, const mat_view& x, const attention_weights& w,
+                                     const mat_view& d_x, const attention_grads& grads) {
+  const head_lists lists = arriving_lists(block.plan->first_stage);
+  rope(sequence_heads(block.dk), rope_direction::inverse);
+  block.k.reset();
+  block.v.reset();
+  auto to_send = [&](tensor& grad, const char* label) {
+    if (grad.type() == be_.work_dtype()) return std::move(grad);
+    tensor send = be_.allocate(mem_tag::attention, be_.work_dtype(), grad.dims(), label);
+    ops::copy_heads(be_, sequence_heads(send), sequence_heads(grad));
+    grad.reset();
+    return send;
+  };
+  tensor dk_send = to_send(block.dk, "attn_dk_send");
+  tensor dk_back = exchange(dk_send, "bwd_a2a_dk");
+  accumulate_input_grads(dk_back, lists, w.wk, grads.wk, x, d_x);
+  dk_back.reset();
+  tensor dv_send = to_send(block.dv, "attn_dv_send");
+  tensor dv_back = exchange(dv_send, "bwd_a2a_dv");
+  accumulate_input_grads(dv_back, lists, w.wv, grads.wv, x, d_x);
+}
+
+// For each chunk j of a received gradient (C, s, n, d), whose heads are lists[j]:
+// d_x += g W_rows and dW_rows += g^T x, both accumulated in f32.
+void staged_all_to_all::accumulate_input_grads(const tensor& recv, const head_lists& lists, const mat_view& weight,
+                                               const mat_view& d_weight, const mat_view& x, const mat_view& d_x) {
+  const std::int64_t d = dim_;
+  const std::int64_t n = recv.dims()[2];
+  for (int j = 0; j < config_.cp; ++j) {
+    const head_view chunk = chunk_heads(recv, j);
+    const mat_view g = {chunk.data, chunk.type, tokens_, n * d, chunk.token_stride};
+    for (const head_run& run : consecutive_runs(lists[j])) {
+      const mat_view g_run = g.col_block(run.slot * d, run.count * d);
+      ops::gemm(be_, {g_run, transpose::none, weight.row_block(run.first * d, run.count * d), transpose::none, d_x,
+                      1.0f, 1.0f});
+      ops::gemm(be_, {g_run, transpose::yes, x, transpose::none, d_weight.row_block(run.first * d, run.count * d),
+                      1.0f, 1.0f});
+    }
+  }
+}
+
+}  // namespace upipe

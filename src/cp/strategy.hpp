@@ -1,0 +1,63 @@
+// Attention strategies under context parallelism. A strategy owns the QKV projection,
+// RoPE and the attention itself; the layer (attention_layer.hpp) adds the output
+// projection. Forward keeps only what backward needs (attention_saved).
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include "backend/backend.hpp"
+#include "comm/communicator.hpp"
+#include "cp/attention_config.hpp"
+
+namespace upipe {
+
+// Weights in the backend's working dtype, Hugging Face layout (y = x W^T).
+struct attention_weights {
+  mat_view wq;  // (H*d, D)
+  mat_view wk;  // (K*d, D)
+  mat_view wv;  // (K*d, D)
+  mat_view wo;  // (D, H*d)
+};
+
+// Weight gradients, f32, accumulated (+=) by backward.
+struct attention_grads {
+  mat_view wq, wk, wv, wo;
+};
+
+// The communicators a strategy runs over. One group today; a 2-D mesh (all-to-all
+// inside a node, ring across nodes) passes two different groups.
+struct cp_groups {
+  communicator* all_to_all = nullptr;
+  communicator* ring = nullptr;
+};
+
+struct attention_saved {
+  tensor lse;  // f32 log-sum-exp of the heads this rank attended, layout per strategy
+};
+
+class attention_strategy {
+ public:
+  virtual ~attention_strategy() = default;
+
+  // Global positions of each local token of `rank` (the sequence layout).
+  virtual std::vector<position_run> local_positions(int rank) const = 0;
+
+  // x (s, D) -> out (s, H*d), heads in their true order.
+  virtual attention_saved forward(const mat_view& x, const attention_weights& w, const mat_view& out) = 0;
+
+  // d_out (s, H*d) -> d_x (s, D) f32 and weight gradients, both accumulated. `out` is
+  // the forward's output (recomputed or kept by the caller).
+  virtual void backward(const attention_saved& saved, const mat_view& x, const attention_weights& w,
+                        const mat_view& out, const mat_view& d_out, const mat_view& d_x,
+                        const attention_grads& grads) = 0;
+};
+
+// Validates the configuration (see validate()) and builds the strategy it names.
+std::unique_ptr<attention_strategy> make_strategy(attention_config config, backend& be, const cp_groups& groups);
+
+// Sequence layouts: which global positions rank r holds.
+std::vector<position_run> contiguous_positions(std::int64_t seq_len, int cp, int rank);
+std::vector<position_run> zigzag_positions(std::int64_t seq_len, int cp, int rank);
+
+}  // namespace upipe

@@ -1,0 +1,91 @@
+// Unsupported configurations are refused with a message naming the value, the rule and a
+// valid alternative.
+#include <gtest/gtest.h>
+
+#include "core/error.hpp"
+#include "cp/attention_config.hpp"
+
+namespace upipe {
+namespace {
+
+attention_config base() {
+  attention_config c;
+  c.seq_len = 64;
+  c.heads = 8;
+  c.kv_heads = 2;
+  c.head_dim = 16;
+  c.model_dim = 32;
+  c.cp = 4;
+  c.strategy = strategy_kind::upipe;
+  return c;
+}
+
+void expect_refused(attention_config c, const std::string& fragment) {
+  try {
+    validate(c);
+    FAIL() << "accepted: " << fragment;
+  } catch (const config_error& e) {
+    EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos) << e.what();
+  }
+}
+
+TEST(attention_config, defaults_fill_the_head_chunk) {
+  attention_config c = base();
+  validate(c);
+  EXPECT_EQ(c.head_chunk, 4);
+  c = base();
+  c.strategy = strategy_kind::ulysses;
+  validate(c);
+  EXPECT_EQ(c.head_chunk, 8);
+}
+
+TEST(attention_config, refusals_name_rule_and_alternative) {
+  attention_config c = base();
+  c.head_chunk = 6;
+  expect_refused(c, "U must be a multiple of C and divide H; valid: 4, 8");
+  c = base();
+  c.cp = 3;
+  expect_refused(c, "must divide query heads H = 8");
+  c = base();
+  c.heads = 12;
+  c.kv_heads = 4;
+  c.cp = 3;
+  c.seq_len = 48;
+  expect_refused(c, "C must divide K or K must divide C");
+  c = base();
+  c.seq_len = 66;
+  expect_refused(c, "use S = 68");
+  c = base();
+  c.strategy = strategy_kind::ring;
+  c.seq_len = 36;
+  expect_refused(c, "divisible by 2C = 8");
+  c = base();
+  c.heads = 0;
+  expect_refused(c, "query heads H = 0 is invalid");
+  c = base();
+  c.seq_len = -5;
+  expect_refused(c, "must be a positive integer");
+  c = base();
+  c.kv_heads = 3;
+  expect_refused(c, "must divide query heads H");
+  c = base();
+  c.head_dim = 15;
+  expect_refused(c, "must be even");
+  c = base();
+  c.strategy = strategy_kind::ulysses;
+  c.head_chunk = 4;
+  expect_refused(c, "not allowed for ulysses");
+  c = base();
+  c.strategy = strategy_kind::ring;
+  c.head_chunk = 4;
+  expect_refused(c, "not allowed for ring");
+}
+
+TEST(attention_config, parse_names) {
+  EXPECT_EQ(parse_strategy_kind("ring"), strategy_kind::ring);
+  EXPECT_THROW(parse_strategy_kind("zigzag"), config_error);
+  EXPECT_EQ(valid_head_chunks(16, 4), (std::vector<int>{4, 8, 16}));
+}
+
+}  // namespace
+}  // namespace upipe
