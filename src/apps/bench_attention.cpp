@@ -1,0 +1,195 @@
+// `upipe bench-attention`: the attention layer under CP, one row per configuration
+// (strategy x sequence length x head chunk), nccl-tests style; correctness is checked
+// after timing against the float64 reference.
+#include <cstdio>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "apps/commands.hpp"
+#include "apps/sizes.hpp"
+#include "bench/attention_experiment.hpp"
+#include "core/error.hpp"
+
+namespace upipe::apps {
+
+namespace {
+
+struct bench_flags {
+  std::string backend = "cpu";
+  std::vector<std::string> strategies = {"ulysses", "upipe", "ring"};
+  int heads = 8, kv_heads = 2, head_dim = 64, model_dim = 0, cp = 4;
+  std::vector<std::string> head_chunks;
+  std::vector<std::string> seq_lens = {"512"};
+  unsigned long long seed = 1;
+  std::string json_path, dump_dir;
+  double memory_gib = 8;
+  bool no_check = false;
+  double rope_theta = 500000;
+  bool rope_llama3 = false;
+};
+
+// The head chunks to run for one strategy: the flag's values, "all" for every valid U,
+// or the strategy's default.
+std::vector<int> chunks_for(const bench_flags& f, strategy_kind kind) {
+  if (f.head_chunks.empty()) return {0};
+  // "all" alone sweeps each strategy's valid chunks: ring has none, ulysses only H.
+  if (f.head_chunks == std::vector<std::string>{"all"} && kind != strategy_kind::upipe) return {0};
+  if (kind == strategy_kind::ring)
+    throw config_error("--head-chunk is not allowed with --strategy ring, which has no head stages; leave it out, "
+                       "or use --strategy upipe");
+  std::vector<int> chunks;
+  for (const std::string& v : f.head_chunks) {
+    if (v == "all") {
+      const auto all = kind == strategy_kind::upipe ? valid_head_chunks(f.heads, f.cp) : std::vector<int>{f.heads};
+      chunks.insert(chunks.end(), all.begin(), all.end());
+    } else {
+      chunks.push_back(static_cast<int>(parse_count(v, "--head-chunk")));
+    }
+  }
+  return chunks;
+}
+
+std::vector<attention_config> configurations(const bench_flags& f) {
+  std::vector<attention_config> configs;
+  for (const std::string& name : f.strategies) {
+    const strategy_kind kind = parse_strategy_kind(name);
+    for (const std::string& s : f.seq_lens)
+      for (int chunk : chunks_for(f, kind)) {
+        attention_config c;
+        c.strategy = kind;
+        c.seq_len = parse_count(s, "--seq-len");
+        c.heads = f.heads;
+        c.kv_heads = f.kv_heads;
+        c.head_dim = f.head_dim;
+        c.model_dim = f.model_dim != 0 ? f.model_dim : f.heads * f.head_dim;
+        c.cp = f.cp;
+        c.head_chunk = chunk;
+        c.rope.theta = f.rope_theta;
+        c.rope.scaling.enabled = f.rope_llama3;
+        validate(c);  // every configuration is checked before the first one runs
+        configs.push_back(c);
+      }
+  }
+  return configs;
+}
+
+nlohmann::json to_json(const experiment_result& r, bool wrong) {
+  const attention_config& c = r.config;
+  nlohmann::json j = {{"strategy", strategy_name(c.strategy)},
+                      {"backend", backend_name(r.backend)},
+                      {"seq_len", c.seq_len},
+                      {"heads", c.heads},
+                      {"kv_heads", c.kv_heads},
+                      {"head_dim", c.head_dim},
+                      {"model_dim", c.model_dim},
+                      {"cp", c.cp},
+                      {"head_chunk", c.strategy == strategy_kind::ring ? nlohmann::json(nullptr) : nlohmann::json(c.head_chunk)},
+                      {"time_ms", r.time_ms},
+                      {"peak_bytes", r.peak_bytes},
+                      {"device_peak_bytes", r.device_peak_bytes},
+                      {"arena_high_water_bytes", r.arena_high_water},
+                      {"attention_peak_bytes", r.attention_peak_bytes},
+                      {"attention_forward_peak_bytes", r.attention_forward_peak},
+                      {"attention_backward_peak_bytes", r.attention_backward_peak},
+                      {"attention_peak_formula_bytes", r.attention_peak_formula_bytes},
+                      {"bytes_sent", r.bytes_sent},
+                      {"bytes_sent_by_label", r.bytes_sent_by_label},
+                      {"wrong", wrong}};
+  j["rel_error"] = r.max_rel_error ? nlohmann::json(r.rel_error) : nlohmann::json(nullptr);
+  j["max_rel_error"] = r.max_rel_error ? nlohmann::json(*r.max_rel_error) : nlohmann::json(nullptr);
+  return j;
+}
+
+double mib(double bytes) { return bytes / (1024.0 * 1024.0); }
+
+void print_row(const experiment_result& r, bool wrong) {
+  const attention_config& c = r.config;
+  std::uint64_t sent = 0;
+  for (const auto& [name, bytes] : r.bytes_sent)
+    if (name != "recv") sent += bytes;
+  char err[32] = "-";
+  if (r.max_rel_error) std::snprintf(err, sizeof err, "%.2e", *r.max_rel_error);
+  std::printf("%-8s %-5s %9lld %4d %4d %4d %3d %4s %11.2f %12.2f %12.2f %11.2f %11.2f %9s %6d\n",
+              std::string(strategy_name(c.strategy)).c_str(), std::string(backend_name(r.backend)).c_str(),
+              static_cast<long long>(c.seq_len), c.heads, c.kv_heads, c.head_dim, c.cp,
+              c.strategy == strategy_kind::ring ? "-" : std::to_string(c.head_chunk).c_str(), r.time_ms,
+              mib(static_cast<double>(r.attention_peak_bytes)), mib(static_cast<double>(r.attention_peak_formula_bytes)),
+              mib(static_cast<double>(r.device_peak_bytes)), mib(static_cast<double>(sent)), err, wrong ? 1 : 0);
+  std::fflush(stdout);
+}
+
+int run(const bench_flags& f) {
+  const backend_kind kind = parse_backend_kind(f.backend);
+  if (f.memory_gib <= 0)
+    throw config_error("--memory-gib " + std::to_string(f.memory_gib) + " must be positive (for example 8)");
+  const std::vector<attention_config> configs = configurations(f);
+  experiment_options options;
+  options.backend = kind;
+  options.seed = f.seed;
+  options.check = !f.no_check;
+  if (kind == backend_kind::meta)
+    options.limits = {std::size_t{1} << 50, std::size_t{1} << 50};  // shapes only: nothing is reserved
+  else
+    options.limits = {static_cast<std::size_t>(f.memory_gib * (1 << 30)), std::size_t{1} << 30};
+  const double tolerance = 1e-5;  // fp32 against the float64 reference
+  std::printf("# upipe bench-attention  backend=%s  D=%d  seed=%llu  (time: forward+backward of rank 0; "
+              "memory: rank 0)\n",
+              f.backend.c_str(), configs.empty() ? 0 : configs[0].model_dim, f.seed);
+  std::printf("%-8s %-5s %9s %4s %4s %4s %3s %4s %11s %12s %12s %11s %11s %9s %6s\n", "strategy", "back", "S", "H",
+              "K", "d", "C", "U", "time_ms", "attn_MiB", "formula_MiB", "peak_MiB", "sent_MiB", "max_err", "#wrong");
+  nlohmann::json rows = nlohmann::json::array();
+  int wrong_rows = 0;
+  for (std::size_t i = 0; i < configs.size(); ++i) {
+    experiment_options o = options;
+    if (!f.dump_dir.empty())
+      o.dump_dir = configs.size() == 1 ? f.dump_dir : f.dump_dir + "/config" + std::to_string(i);
+    const experiment_result r = run_attention_experiment(configs[i], o);
+    const bool wrong = r.max_rel_error && !(*r.max_rel_error < tolerance);
+    wrong_rows += wrong ? 1 : 0;
+    print_row(r, wrong);
+    rows.push_back(to_json(r, wrong));
+  }
+  if (!f.json_path.empty()) {
+    std::ofstream out(f.json_path);
+    out << rows.dump(2) << "\n";
+    if (!out) throw io_error("cannot write " + f.json_path + ": check that the directory exists and is writable");
+  }
+  std::printf("# %zu configurations, %d wrong (tolerance %.0e on max|a-b|/max|b|%s)\n", configs.size(), wrong_rows,
+              tolerance, kind == backend_kind::meta ? "; meta has no data, so nothing was checked" : "");
+  return wrong_rows == 0 ? 0 : 1;
+}
+
+}  // namespace
+
+command_runner add_bench_attention(CLI::App& app) {
+  auto f = std::make_shared<bench_flags>();
+  app.add_option("--backend", f->backend, "cpu (fp32 reference, threads as ranks) or meta (shapes only, rank 0)")
+      ->capture_default_str();
+  app.add_option("--strategy", f->strategies, "ulysses, upipe, ring (comma-separated list)")
+      ->delimiter(',')
+      ->capture_default_str();
+  app.add_option("--heads", f->heads, "query heads H")->capture_default_str();
+  app.add_option("--kv-heads", f->kv_heads, "kv heads K")->capture_default_str();
+  app.add_option("--head-dim", f->head_dim, "head dim d")->capture_default_str();
+  app.add_option("--model-dim", f->model_dim, "layer width D (default H*d)");
+  app.add_option("--cp", f->cp, "ranks C in the CP group")->capture_default_str();
+  app.add_option("--head-chunk", f->head_chunks,
+                 "query heads per stage U for upipe (default C; 'all' for every valid U); must equal H for ulysses")
+      ->delimiter(',');
+  app.add_option("--seq-len", f->seq_lens, "global sequence lengths S (comma list; K and M suffixes: 128K, 1M)")
+      ->delimiter(',')
+      ->capture_default_str();
+  app.add_option("--seed", f->seed, "seed of the random inputs and weights")->capture_default_str();
+  app.add_option("--json", f->json_path, "write one JSON object per configuration to this file");
+  app.add_option("--dump", f->dump_dir, "write inputs, weights, outputs and gradients as .npy files here");
+  app.add_option("--memory-gib", f->memory_gib, "cpu arena per rank, GiB")->capture_default_str();
+  app.add_flag("--no-check", f->no_check, "skip the float64 reference (long sequences on cpu)");
+  app.add_option("--rope-theta", f->rope_theta, "RoPE base")->capture_default_str();
+  app.add_flag("--rope-llama3", f->rope_llama3, "Llama 3 RoPE frequency scaling (factor 8, original 8192)");
+  return [f] { return run(*f); };
+}
+
+}  // namespace upipe::apps

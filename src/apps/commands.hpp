@@ -1,0 +1,15 @@
+// Subcommands of the `upipe` program: each registers its flags on a CLI11 subcommand
+// and returns the function that runs it (exit code).
+#pragma once
+
+#include <functional>
+
+#include <CLI/CLI.hpp>
+
+namespace upipe::apps {
+
+using command_runner = std::function<int()>;
+
+command_runner add_bench_attention(CLI::App& app);
+
+}  // namespace upipe::apps

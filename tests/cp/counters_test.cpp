@@ -1,0 +1,72 @@
+// Communication volume: the counters hold each strategy to its analytic byte counts.
+// UPipe sends each kv head once per (destination rank, pass), and its Q/O bytes equal
+// Ulysses'.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+
+#include "bench/attention_experiment.hpp"
+
+namespace upipe {
+namespace {
+
+experiment_result run(strategy_kind kind, int H, int K, int C, int U, std::int64_t S, int d) {
+  attention_config c;
+  c.seq_len = S;
+  c.heads = H;
+  c.kv_heads = K;
+  c.head_dim = d;
+  c.model_dim = 16;
+  c.cp = C;
+  c.head_chunk = U;
+  c.strategy = kind;
+  experiment_options o;
+  o.limits = {std::size_t{64} << 20, std::size_t{1} << 20};
+  return run_attention_experiment(c, o);
+}
+
+std::uint64_t label(const experiment_result& r, const std::string& name) {
+  auto it = r.bytes_sent_by_label.find(name);
+  return it == r.bytes_sent_by_label.end() ? 0 : it->second;
+}
+
+TEST(counters, upipe_and_ulysses_match_the_analytic_volume) {
+  const std::int64_t S = 32, d = 8, f32 = 4;
+  for (auto [H, K, C] : {std::tuple{8, 4, 2}, {8, 2, 4}, {8, 1, 4}, {12, 4, 2}, {16, 16, 4}, {8, 8, 4}}) {
+    const std::int64_t s = S / C;
+    const std::uint64_t q_bytes = s * H * d * f32;
+    // Each destination needs max(K/C, 1) kv heads, and every rank sends its s tokens of each.
+    const std::uint64_t kv_bytes = std::int64_t{C} * std::max(K / C, 1) * s * d * f32;
+    experiment_result uly = run(strategy_kind::ulysses, H, K, C, 0, S, static_cast<int>(d));
+    for (int U = C; U <= H; U += C) {
+      if (H % U) continue;
+      experiment_result up = run(strategy_kind::upipe, H, K, C, U, S, static_cast<int>(d));
+      for (const experiment_result* r : {&uly, &up}) {
+        SCOPED_TRACE("H" + std::to_string(H) + " K" + std::to_string(K) + " C" + std::to_string(C) + " U" +
+                     std::to_string(r->config.head_chunk));
+        for (const char* name : {"a2a_q", "a2a_o", "bwd_a2a_q", "bwd_a2a_o", "bwd_a2a_do", "bwd_a2a_dq"})
+          EXPECT_EQ(label(*r, name), q_bytes) << name;
+        for (const char* name : {"a2a_k", "a2a_v", "bwd_a2a_k", "bwd_a2a_v", "bwd_a2a_dk", "bwd_a2a_dv"})
+          EXPECT_EQ(label(*r, name), kv_bytes) << name;
+        EXPECT_EQ(r->bytes_sent.at("all_to_all"), 6 * q_bytes + 6 * kv_bytes);
+      }
+    }
+  }
+}
+
+TEST(counters, ring_circulates_kv_and_fp32_gradients) {
+  const std::int64_t S = 48, d = 8;
+  for (auto [H, K, C] : {std::tuple{8, 2, 4}, {4, 4, 2}, {12, 3, 3}}) {
+    const std::int64_t s = S / C;
+    const std::uint64_t kv = 2 * s * K * d * 4;  // k and v of the local tokens, f32 on the cpu backend
+    const experiment_result r = run(strategy_kind::ring, H, K, C, 0, S, static_cast<int>(d));
+    // Forward and backward each pass K/V C-1 times; dK/dV (f32) travel C times.
+    EXPECT_EQ(label(r, "ring_kv"), 2 * (C - 1) * kv);
+    EXPECT_EQ(label(r, "ring_dkv"), C * kv);
+    EXPECT_EQ(r.bytes_sent.at("send"), 2 * (C - 1) * kv + C * kv);
+    EXPECT_EQ(r.bytes_sent.count("all_to_all"), 0u);
+  }
+}
+
+}  // namespace
+}  // namespace upipe

@@ -1,0 +1,90 @@
+// Every strategy equals the float64 single-device reference on every supported shape of
+// the sweep (H, K, C, U, d, S), with random asymmetric weights.
+#include <gtest/gtest.h>
+
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "bench/attention_experiment.hpp"
+#include "core/error.hpp"
+
+namespace upipe {
+namespace {
+
+struct group_shape {
+  int heads, kv_heads, cp;
+};
+
+std::vector<group_shape> supported_shapes() {
+  std::vector<group_shape> shapes;
+  for (int H : {4, 8, 12, 16})
+    for (int K : {1, 2, 4, H}) {
+      if (H % K != 0 || (K == H && K <= 4)) continue;  // K = H already listed
+      for (int C : {1, 2, 3, 4})
+        if (H % C == 0 && (K % C == 0 || C % K == 0)) shapes.push_back({H, K, C});
+    }
+  return shapes;
+}
+
+class strategy_sweep : public ::testing::TestWithParam<group_shape> {};
+
+experiment_result run(const attention_config& c) {
+  experiment_options o;
+  o.seed = 1000 + c.heads * 100 + c.kv_heads * 10 + c.cp;
+  o.limits = {std::size_t{64} << 20, std::size_t{1} << 20};
+  return run_attention_experiment(c, o);
+}
+
+TEST_P(strategy_sweep, matches_reference) {
+  const group_shape g = GetParam();
+  int runs = 0;
+  for (int d : {8, 16})
+    for (std::int64_t S : {24, 36, 48}) {
+      std::vector<std::pair<strategy_kind, int>> cases = {{strategy_kind::ulysses, 0}, {strategy_kind::ring, 0}};
+      for (int u : valid_head_chunks(g.heads, g.cp)) cases.push_back({strategy_kind::upipe, u});
+      for (auto [kind, chunk] : cases) {
+        const std::int64_t unit = kind == strategy_kind::ring ? 2 * g.cp : g.cp;
+        if (S % unit != 0) continue;
+        attention_config c;
+        c.seq_len = S;
+        c.heads = g.heads;
+        c.kv_heads = g.kv_heads;
+        c.head_dim = d;
+        c.model_dim = 20;  // unlike H*d, so a transposed weight cannot pass
+        c.cp = g.cp;
+        c.head_chunk = chunk;
+        c.strategy = kind;
+        c.rope.scaling.enabled = (S == 36);  // Llama 3 scaling on one length
+        c.rope.scaling.original_max_position = 16;
+        c.rope.theta = 10000;
+        const experiment_result r = run(c);
+        ASSERT_TRUE(r.max_rel_error.has_value());
+        for (const auto& [name, e] : r.rel_error)
+          EXPECT_LT(e, 1e-5) << strategy_name(kind) << " U=" << c.head_chunk << " d=" << d << " S=" << S << " tensor "
+                             << name;
+        ++runs;
+      }
+    }
+  EXPECT_GT(runs, 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(all_supported, strategy_sweep, ::testing::ValuesIn(supported_shapes()),
+                         [](const auto& info) {
+                           return "H" + std::to_string(info.param.heads) + "_K" + std::to_string(info.param.kv_heads) +
+                                  "_C" + std::to_string(info.param.cp);
+                         });
+
+// The sweep must cover the interesting regimes, or it proves little.
+TEST(strategy_sweep_coverage, covers_split_and_replicated_kv) {
+  bool split = false, replicated = false, odd_cp = false;
+  for (const auto& g : supported_shapes()) {
+    split |= g.kv_heads > g.cp && g.cp > 1;
+    replicated |= g.kv_heads < g.cp;
+    odd_cp |= g.cp == 3;
+  }
+  EXPECT_TRUE(split && replicated && odd_cp);
+}
+
+}  // namespace
+}  // namespace upipe
