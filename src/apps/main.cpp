@@ -7,6 +7,18 @@
 #include "comm/communicator.hpp"
 #include "core/error.hpp"
 
+namespace {
+
+// Exit codes: 2 bad input (configuration, file), 3 out of memory, 4 a bug.
+int report_error(const std::exception& e) {
+  const bool user_error = dynamic_cast<const upipe::config_error*>(&e) || dynamic_cast<const upipe::io_error*>(&e);
+  const bool memory = dynamic_cast<const upipe::out_of_memory_error*>(&e) != nullptr;
+  std::fprintf(stderr, "upipe: %s: %s\n", user_error || memory ? "error" : "internal error", e.what());
+  return user_error ? 2 : memory ? 3 : 4;
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
   CLI::App app{"upipe: long-context training with untied Ulysses (UPipe) context parallelism"};
   app.require_subcommand(1);
@@ -20,18 +32,8 @@ int main(int argc, char** argv) {
   }
   try {
     if (app.got_subcommand("bench-attention")) return bench();
-  } catch (const upipe::config_error& e) {
-    std::fprintf(stderr, "upipe: error: %s\n", e.what());
-    return 2;
-  } catch (const upipe::io_error& e) {
-    std::fprintf(stderr, "upipe: error: %s\n", e.what());
-    return 2;
-  } catch (const upipe::out_of_memory_error& e) {
-    std::fprintf(stderr, "upipe: error: %s\n", e.what());
-    return 3;
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "upipe: internal error: %s\n", e.what());
-    return 4;
+    return report_error(e);
   }
   return 0;
 }

@@ -11,15 +11,8 @@ namespace upipe {
 namespace {
 
 experiment_result run(strategy_kind kind, int H, int K, int C, int U, std::int64_t S, int d) {
-  attention_config c;
-  c.seq_len = S;
-  c.heads = H;
-  c.kv_heads = K;
-  c.head_dim = d;
-  c.model_dim = 16;
-  c.cp = C;
-  c.head_chunk = U;
-  c.strategy = kind;
+  const attention_config c = {.seq_len = S, .heads = H, .kv_heads = K, .head_dim = d, .model_dim = 16, .cp = C,
+                              .head_chunk = U, .strategy = kind};
   experiment_options o;
   o.limits = {std::size_t{64} << 20, std::size_t{1} << 20};
   return run_attention_experiment(c, o);

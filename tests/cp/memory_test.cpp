@@ -9,15 +9,8 @@ namespace upipe {
 namespace {
 
 experiment_result meta_run(strategy_kind kind, int H, int K, int C, int U, std::int64_t S, int d) {
-  attention_config c;
-  c.seq_len = S;
-  c.heads = H;
-  c.kv_heads = K;
-  c.head_dim = d;
-  c.model_dim = H * d;
-  c.cp = C;
-  c.head_chunk = U;
-  c.strategy = kind;
+  const attention_config c = {.seq_len = S, .heads = H, .kv_heads = K, .head_dim = d, .model_dim = H * d, .cp = C,
+                              .head_chunk = U, .strategy = kind};
   experiment_options o;
   o.backend = backend_kind::meta;
   o.limits = {std::size_t{1} << 50, std::size_t{1} << 50};
