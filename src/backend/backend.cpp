@@ -67,6 +67,14 @@ tensor backend::allocate_zeroed(mem_tag tag, dtype type, const shape& dims, cons
   return t;
 }
 
+void backend::retag(tensor& t, mem_tag tag) {
+  UPIPE_CHECK(!t.empty() && t.owner_ == this, "retag of a tensor this backend does not own");
+  UPIPE_CHECK(!is_host_tag(t.tag()) && !is_host_tag(tag), "retag moves between device tags only");
+  ledger_.on_free(t.tag(), t.bytes(), t.label());
+  ledger_.on_alloc(tag, t.bytes(), t.label());
+  t.tag_ = tag;
+}
+
 void backend::release(const tensor& t, std::size_t offset) noexcept {
   const bool host = is_host_tag(t.tag());
   try {

@@ -47,6 +47,9 @@ class backend {
 
   tensor allocate(mem_tag tag, dtype type, const shape& dims, const char* label);
   tensor allocate_zeroed(mem_tag tag, dtype type, const shape& dims, const char* label);
+  // Moves a device tensor's bytes to another device tag in the ledger (an activation
+  // that becomes a checkpoint) without touching memory.
+  void retag(tensor& t, mem_tag tag);
 
   memory_ledger& ledger() { return ledger_; }
   const memory_ledger& ledger() const { return ledger_; }
@@ -61,6 +64,9 @@ class backend {
   // Host f32 values into a tensor of any dtype (converted), and back. No-ops on meta.
   virtual void upload_f32(const tensor& dst, const float* host) = 0;
   virtual void download_f32(float* host, const tensor& src) = 0;
+  // Raw bytes between host memory and a tensor (token ids, checkpoints). No-ops on meta.
+  virtual void upload_bytes(const tensor& dst, const void* host, std::size_t bytes) = 0;
+  virtual void download_bytes(void* host, const tensor& src, std::size_t bytes) = 0;
 
   // Op implementations; call them through the checked entries in ops/ops.hpp.
   virtual void gemm(const gemm_args& args) = 0;
@@ -73,6 +79,11 @@ class backend {
   virtual void add_heads(const head_view& dst, const head_view& src) = 0;
   virtual void fill_heads(const head_view& dst, float value) = 0;
   virtual void lse_merge(const lse_merge_args& args) = 0;
+  virtual void embedding_forward(const embedding_forward_args& args) = 0;
+  virtual void embedding_backward(const embedding_backward_args& args) = 0;
+  virtual void swiglu_forward(const swiglu_forward_args& args) = 0;
+  virtual void swiglu_backward(const swiglu_backward_args& args) = 0;
+  virtual void cross_entropy(const cross_entropy_args& args) = 0;
 
  protected:
   // Base addresses of the two arenas; nullptr on meta. Set by the derived constructor.

@@ -9,10 +9,13 @@
 
 namespace upipe {
 
-enum class dtype : std::uint8_t { f32, bf16 };
+// i32 holds token ids and labels; only f32 and bf16 are arithmetic types.
+enum class dtype : std::uint8_t { f32, bf16, i32 };
 
-constexpr std::size_t dtype_size(dtype t) { return t == dtype::f32 ? 4 : 2; }
-constexpr std::string_view dtype_name(dtype t) { return t == dtype::f32 ? "f32" : "bf16"; }
+constexpr std::size_t dtype_size(dtype t) { return t == dtype::bf16 ? 2 : 4; }
+constexpr std::string_view dtype_name(dtype t) {
+  return t == dtype::f32 ? "f32" : t == dtype::bf16 ? "bf16" : "i32";
+}
 
 // fp32 -> bf16 bits, round to nearest, ties to even; NaN stays a quiet NaN.
 constexpr std::uint16_t float_to_bf16(float value) {

@@ -78,6 +78,7 @@ class tensor {
   head_view heads() const;
 
  private:
+  friend class backend;  // retag()
   void steal(tensor& other) noexcept {
     owner_ = other.owner_;
     offset_ = other.offset_;

@@ -96,4 +96,40 @@ struct lse_merge_args {
   head_view out_part, lse_part;  // a block's result
 };
 
+// out (n, D) = table rows at ids; ids (n x 1, i32) live in backend memory.
+struct embedding_forward_args {
+  mat_view table;  // (V, D)
+  mat_view ids;    // (n, 1) i32
+  mat_view out;    // (n, D)
+};
+
+// d_table (V, D, f32) += d_out rows scattered to their ids (repeated ids add up).
+struct embedding_backward_args {
+  mat_view d_out;    // (n, D)
+  mat_view ids;      // (n, 1) i32
+  mat_view d_table;  // (V, D) f32
+};
+
+// SwiGLU: out = silu(gate) * up, silu(x) = x / (1 + exp(-x)). All (n, F).
+struct swiglu_forward_args {
+  mat_view gate, up, out;
+};
+
+// d_gate and d_up written (they may alias gate and up: each element is read before it
+// is written).
+struct swiglu_backward_args {
+  mat_view gate, up, d_out, d_gate, d_up;
+};
+
+// Fused softmax cross-entropy on one chunk of f32 logits, in place: each row with a
+// label >= 0 becomes (softmax - onehot(label)) * grad_scale and its loss
+// (logsumexp - logit[label]) goes to row_loss; rows with a negative label (masked) get
+// zero gradient and zero loss.
+struct cross_entropy_args {
+  mat_view logits;    // (n, V) f32, replaced by d_logits
+  mat_view labels;    // (n, 1) i32
+  mat_view row_loss;  // (n, 1) f32, written
+  float grad_scale = 1.0f;
+};
+
 }  // namespace upipe

@@ -104,6 +104,18 @@ void check_work_or_f32(const backend& be, const char* op, const char* name, cons
   check_type(op, name, v, be.work_dtype(), dtype::f32);
 }
 
+// The layout ops convert between f32 and bf16; i32 ids and labels are never converted.
+void check_arithmetic(const char* op, const char* name, const head_view& v) {
+  check_type(op, name, v, dtype::f32, dtype::bf16);
+}
+
+// A column of token ids or labels: (rows x 1) i32.
+void check_index_column(const char* op, const char* name, const mat_view& m, std::int64_t rows) {
+  check_matrix(op, name, m);
+  check_type(op, name, m, dtype::i32, dtype::i32);
+  check_dims(op, name, m, rows, 1);
+}
+
 // The q/k/v triple shared by forward and backward: GQA shapes and the mask rule.
 void check_attention_inputs(const backend& be, const char* op, const head_view& q, const head_view& k,
                             const head_view& v, attn_mask mask) {
@@ -262,6 +274,8 @@ void rmsnorm_backward(backend& be, const rmsnorm_backward_args& args) {
 void copy_heads(backend& be, const head_view& dst, const head_view& src) {
   check_layout("copy_heads", "dst", dst);
   check_layout("copy_heads", "src", src);
+  check_arithmetic("copy_heads", "dst", dst);
+  check_arithmetic("copy_heads", "src", src);
   check_dims("copy_heads", "dst", dst, src.tokens, src.heads, src.dim);
   be.copy_heads(dst, src);
 }
@@ -269,13 +283,16 @@ void copy_heads(backend& be, const head_view& dst, const head_view& src) {
 void add_heads(backend& be, const head_view& dst, const head_view& src) {
   check_layout("add_heads", "dst", dst);
   check_layout("add_heads", "src", src);
-  check_type("add_heads", "dst", dst, dtype::f32, dtype::f32);
+  // f32 for cross-stage accumulators; the working dtype for residual adds.
+  check_work_or_f32(be, "add_heads", "dst", dst);
+  check_arithmetic("add_heads", "src", src);
   check_dims("add_heads", "dst", dst, src.tokens, src.heads, src.dim);
   be.add_heads(dst, src);
 }
 
 void fill_heads(backend& be, const head_view& dst, float value) {
   check_layout("fill_heads", "dst", dst);
+  check_arithmetic("fill_heads", "dst", dst);
   be.fill_heads(dst, value);
 }
 
@@ -289,6 +306,74 @@ void lse_merge(backend& be, const lse_merge_args& args) {
   check_row_scalar(op, "lse", args.lse, args.out);
   check_row_scalar(op, "lse_part", args.lse_part, args.out);
   be.lse_merge(args);
+}
+
+// Ids outside [0, V) can only be seen where the data lives: the implementations check them.
+void embedding_forward(backend& be, const embedding_forward_args& args) {
+  const char* op = "embedding_forward";
+  check_matrix(op, "table", args.table);
+  check_matrix(op, "out", args.out);
+  check_type(op, "table", args.table, be.work_dtype(), be.work_dtype());
+  check_type(op, "out", args.out, be.work_dtype(), be.work_dtype());
+  check_index_column(op, "ids", args.ids, args.out.rows);
+  UPIPE_CHECK(args.out.cols == args.table.cols,
+              fail(op, "out", args.out, "cols must equal the table's (" + std::to_string(args.table.cols) + ")"));
+  be.embedding_forward(args);
+}
+
+void embedding_backward(backend& be, const embedding_backward_args& args) {
+  const char* op = "embedding_backward";
+  check_matrix(op, "d_out", args.d_out);
+  check_matrix(op, "d_table", args.d_table);
+  check_type(op, "d_out", args.d_out, be.work_dtype(), dtype::f32);
+  check_type(op, "d_table", args.d_table, dtype::f32, dtype::f32);
+  check_index_column(op, "ids", args.ids, args.d_out.rows);
+  UPIPE_CHECK(args.d_table.cols == args.d_out.cols,
+              fail(op, "d_table", args.d_table, "cols must equal d_out's (" + std::to_string(args.d_out.cols) + ")"));
+  be.embedding_backward(args);
+}
+
+void swiglu_forward(backend& be, const swiglu_forward_args& args) {
+  const char* op = "swiglu_forward";
+  for (const auto& [name, view] :
+       {std::pair{"gate", &args.gate}, std::pair{"up", &args.up}, std::pair{"out", &args.out}}) {
+    check_matrix(op, name, *view);
+    check_type(op, name, *view, be.work_dtype(), be.work_dtype());
+    check_dims(op, name, *view, args.gate.rows, args.gate.cols);
+  }
+  be.swiglu_forward(args);
+}
+
+// d_gate and d_up may alias gate and up (in place); the implementations read an
+// element's inputs before writing its outputs.
+void swiglu_backward(backend& be, const swiglu_backward_args& args) {
+  const char* op = "swiglu_backward";
+  for (const auto& [name, view] : {std::pair{"gate", &args.gate}, std::pair{"up", &args.up},
+                                   std::pair{"d_out", &args.d_out}, std::pair{"d_gate", &args.d_gate},
+                                   std::pair{"d_up", &args.d_up}}) {
+    check_matrix(op, name, *view);
+    check_dims(op, name, *view, args.gate.rows, args.gate.cols);
+  }
+  for (const auto& [name, view] : {std::pair{"gate", &args.gate}, std::pair{"up", &args.up},
+                                   std::pair{"d_gate", &args.d_gate}, std::pair{"d_up", &args.d_up}})
+    check_type(op, name, *view, be.work_dtype(), be.work_dtype());
+  check_type(op, "d_out", args.d_out, be.work_dtype(), dtype::f32);
+  be.swiglu_backward(args);
+}
+
+// Labels >= V can only be seen where the data lives: the implementations check them.
+void cross_entropy(backend& be, const cross_entropy_args& args) {
+  const char* op = "cross_entropy";
+  const std::int64_t rows = args.logits.rows;
+  check_matrix(op, "logits", args.logits);
+  check_matrix(op, "row_loss", args.row_loss);
+  check_type(op, "logits", args.logits, dtype::f32, dtype::f32);
+  check_type(op, "row_loss", args.row_loss, dtype::f32, dtype::f32);
+  check_index_column(op, "labels", args.labels, rows);
+  check_dims(op, "row_loss", args.row_loss, rows, 1);
+  UPIPE_CHECK(std::isfinite(args.grad_scale), "ops::cross_entropy: grad_scale " + std::to_string(args.grad_scale) +
+                                                  " must be finite (e.g. 1 / the number of unmasked tokens)");
+  be.cross_entropy(args);
 }
 
 std::vector<double> rope_inverse_frequencies(const rope_config& config, std::int64_t head_dim) {

@@ -17,10 +17,19 @@ void rmsnorm_forward(backend& be, const rmsnorm_forward_args& args);
 void rmsnorm_backward(backend& be, const rmsnorm_backward_args& args);
 // dst = src elementwise (pack/unpack of the all-to-all layouts, dtype conversion).
 void copy_heads(backend& be, const head_view& dst, const head_view& src);
-// dst (f32) += src elementwise.
+// dst += src elementwise; dst is f32 or the working dtype.
 void add_heads(backend& be, const head_view& dst, const head_view& src);
 void fill_heads(backend& be, const head_view& dst, float value);
 void lse_merge(backend& be, const lse_merge_args& args);
+void embedding_forward(backend& be, const embedding_forward_args& args);
+void embedding_backward(backend& be, const embedding_backward_args& args);
+void swiglu_forward(backend& be, const swiglu_forward_args& args);
+void swiglu_backward(backend& be, const swiglu_backward_args& args);
+void cross_entropy(backend& be, const cross_entropy_args& args);
+
+// A matrix as a (rows, 1, cols) head view, so the head ops copy, convert, add and fill
+// matrices too.
+inline head_view as_heads(const mat_view& m) { return {m.data, m.type, m.rows, 1, m.cols, m.ld, m.cols}; }
 
 // The per-pair inverse frequencies of RoPE for head dim d, in fp64, with Llama 3
 // scaling applied when enabled. Every backend derives its angles from these.

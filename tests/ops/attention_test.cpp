@@ -15,16 +15,15 @@
 
 #include "backend/backend.hpp"
 #include "ops/ops.hpp"
+#include "op_test_support.hpp"
 
 namespace upipe {
 namespace {
 
+using namespace op_test;
+
 constexpr float nan_f = std::numeric_limits<float>::quiet_NaN();
 constexpr float neg_inf_f = -std::numeric_limits<float>::infinity();
-
-std::unique_ptr<backend> make_test_backend() {
-  return make_cpu_backend(memory_limits{std::size_t{256} << 20, std::size_t{64} << 20});
-}
 
 // How a (tokens, heads, dim) view sits in its allocation.
 enum class layout { dense, head_block, head_major };
@@ -93,9 +92,6 @@ array3 to_array(const head_view& v) {
       for (std::int64_t x = 0; x < v.dim; ++x) a(t, h, x) = at(v, t, h, x);
   return a;
 }
-
-// The larger of two errors, where NaN wins (std::max would silently drop it).
-double worse(double err, double diff) { return std::isnan(err) || std::isnan(diff) ? diff + err : std::max(err, diff); }
 
 // max |got - want| / max |want| over the whole tensor.
 double rel_error(const head_view& got, const array3& want) {

@@ -12,28 +12,12 @@
 
 #include "backend/backend.hpp"
 #include "ops/ops.hpp"
+#include "op_test_support.hpp"
 
 namespace upipe {
 namespace {
 
-std::unique_ptr<backend> make_test_backend() {
-  return make_cpu_backend(memory_limits{std::size_t{256} << 20, std::size_t{64} << 20});
-}
-
-// A rows x cols matrix view inside a rows x (cols + pad) allocation, so ld > cols.
-struct padded_matrix {
-  tensor storage;
-  mat_view view;
-};
-
-padded_matrix make_matrix(backend& be, std::int64_t rows, std::int64_t cols, std::int64_t pad, std::mt19937& rng,
-                          const char* label) {
-  tensor t = be.allocate(mem_tag::activations, dtype::f32, shape{rows, cols + pad}, label);
-  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
-  for (std::int64_t i = 0; i < t.numel(); ++i) t.as<float>()[i] = dist(rng);
-  mat_view v = t.matrix().col_block(0, cols);
-  return {std::move(t), v};
-}
+using namespace op_test;
 
 double element(const mat_view& m, std::int64_t i, std::int64_t j) {
   return static_cast<const float*>(m.data)[i * m.ld + j];
@@ -54,9 +38,9 @@ void run_case(const gemm_case& gc, std::uint32_t seed) {
   auto be = make_test_backend();
   std::mt19937 rng(seed);
   const bool ta = gc.trans_a == transpose::yes, tb = gc.trans_b == transpose::yes;
-  auto a = make_matrix(*be, ta ? gc.k : gc.m, ta ? gc.m : gc.k, 3, rng, "a");
-  auto b = make_matrix(*be, tb ? gc.n : gc.k, tb ? gc.k : gc.n, 5, rng, "b");
-  auto c = make_matrix(*be, gc.m, gc.n, 2, rng, "c");
+  auto a = make_matrix(*be, ta ? gc.k : gc.m, ta ? gc.m : gc.k, 3, rng, -1.0f, 1.0f, "a");
+  auto b = make_matrix(*be, tb ? gc.n : gc.k, tb ? gc.k : gc.n, 5, rng, -1.0f, 1.0f, "b");
+  auto c = make_matrix(*be, gc.m, gc.n, 2, rng, -1.0f, 1.0f, "c");
   if (gc.c_holds_nan)
     for (std::int64_t i = 0; i < gc.m; ++i)
       for (std::int64_t j = 0; j < gc.n; ++j)

@@ -11,38 +11,14 @@
 
 #include "backend/backend.hpp"
 #include "ops/ops.hpp"
+#include "op_test_support.hpp"
 
 namespace upipe {
 namespace {
 
-std::unique_ptr<backend> make_test_backend() {
-  return make_cpu_backend(memory_limits{std::size_t{256} << 20, std::size_t{64} << 20});
-}
+using namespace op_test;
 
 constexpr float eps = 1e-5f;
-
-// A rows x cols view with a padded leading dimension, filled from [lo, hi).
-struct matrix {
-  tensor storage;
-  mat_view view;
-  float& operator()(std::int64_t i, std::int64_t j) const { return static_cast<float*>(view.data)[i * view.ld + j]; }
-};
-
-matrix make_matrix(backend& be, std::int64_t rows, std::int64_t cols, std::int64_t pad, std::mt19937& rng, float lo,
-                   float hi, const char* label) {
-  tensor t = be.allocate(mem_tag::activations, dtype::f32, shape{rows, cols + pad}, label);
-  std::uniform_real_distribution<float> dist(lo, hi);
-  for (std::int64_t i = 0; i < t.numel(); ++i) t.as<float>()[i] = dist(rng);
-  mat_view v = t.matrix().col_block(0, cols);
-  return {std::move(t), v};
-}
-
-std::vector<double> to_vector(const matrix& m) {
-  std::vector<double> out;
-  for (std::int64_t i = 0; i < m.view.rows; ++i)
-    for (std::int64_t j = 0; j < m.view.cols; ++j) out.push_back(m(i, j));
-  return out;
-}
 
 // y = x / sqrt(mean(x^2) + eps) * w, row by row, in fp64.
 std::vector<double> reference_forward(const std::vector<double>& x, const std::vector<double>& w, std::int64_t rows,
@@ -58,27 +34,14 @@ std::vector<double> reference_forward(const std::vector<double>& x, const std::v
   return y;
 }
 
-// The larger of two errors, where NaN wins (std::max would silently drop it).
-double worse(double err, double diff) { return std::isnan(err) || std::isnan(diff) ? diff + err : std::max(err, diff); }
-
-double max_rel_error(const matrix& got, const std::vector<double>& want) {
-  double err = 0.0, scale = 0.0;
-  for (std::int64_t i = 0; i < got.view.rows; ++i)
-    for (std::int64_t j = 0; j < got.view.cols; ++j) {
-      err = worse(err, std::abs(got(i, j) - want[i * got.view.cols + j]));
-      scale = std::max(scale, std::abs(want[i * got.view.cols + j]));
-    }
-  return err / scale;
-}
-
 TEST(rmsnorm, forward_matches_fp64_reference) {
   auto be = make_test_backend();
   std::mt19937 rng(7);
   const std::int64_t rows = 9, cols = 48;
-  matrix x = make_matrix(*be, rows, cols, 2, rng, -2.0f, 2.0f, "x");
-  matrix w = make_matrix(*be, 1, cols, 0, rng, 0.5f, 1.5f, "weight");
-  matrix y = make_matrix(*be, rows, cols, 3, rng, 0.0f, 1.0f, "y");
-  matrix rstd = make_matrix(*be, rows, 1, 0, rng, 0.0f, 1.0f, "rstd");
+  test_matrix x = make_matrix(*be, rows, cols, 2, rng, -2.0f, 2.0f, "x");
+  test_matrix w = make_matrix(*be, 1, cols, 0, rng, 0.5f, 1.5f, "weight");
+  test_matrix y = make_matrix(*be, rows, cols, 3, rng, 0.0f, 1.0f, "y");
+  test_matrix rstd = make_matrix(*be, rows, 1, 0, rng, 0.0f, 1.0f, "rstd");
   ops::rmsnorm_forward(*be, rmsnorm_forward_args{x.view, w.view, y.view, rstd.view, eps});
   std::vector<double> want_rstd;
   EXPECT_LT(max_rel_error(y, reference_forward(to_vector(x), to_vector(w), rows, cols, &want_rstd)), 1e-6);
@@ -94,32 +57,17 @@ double loss(const std::vector<double>& x, const std::vector<double>& w, const st
   return sum;
 }
 
-std::vector<double> finite_differences(std::vector<double>& input, const std::function<double()>& eval) {
-  constexpr double step = 1e-6;
-  std::vector<double> grad(input.size());
-  for (std::size_t i = 0; i < input.size(); ++i) {
-    const double saved = input[i];
-    input[i] = saved + step;
-    const double up = eval();
-    input[i] = saved - step;
-    const double down = eval();
-    input[i] = saved;
-    grad[i] = (up - down) / (2 * step);
-  }
-  return grad;
-}
-
 TEST(rmsnorm, backward_matches_finite_differences_and_accumulates_d_weight) {
   auto be = make_test_backend();
   std::mt19937 rng(8);
   const std::int64_t rows = 5, cols = 24;
-  matrix x = make_matrix(*be, rows, cols, 1, rng, -2.0f, 2.0f, "x");
-  matrix w = make_matrix(*be, 1, cols, 0, rng, 0.5f, 1.5f, "weight");
-  matrix y = make_matrix(*be, rows, cols, 0, rng, 0.0f, 1.0f, "y");
-  matrix rstd = make_matrix(*be, rows, 1, 0, rng, 0.0f, 1.0f, "rstd");
-  matrix d_y = make_matrix(*be, rows, cols, 2, rng, -1.0f, 1.0f, "d_y");
-  matrix d_x = make_matrix(*be, rows, cols, 1, rng, 5.0f, 6.0f, "d_x");  // garbage: must be overwritten
-  matrix d_w = make_matrix(*be, 1, cols, 0, rng, 0.0f, 1.0f, "d_weight");
+  test_matrix x = make_matrix(*be, rows, cols, 1, rng, -2.0f, 2.0f, "x");
+  test_matrix w = make_matrix(*be, 1, cols, 0, rng, 0.5f, 1.5f, "weight");
+  test_matrix y = make_matrix(*be, rows, cols, 0, rng, 0.0f, 1.0f, "y");
+  test_matrix rstd = make_matrix(*be, rows, 1, 0, rng, 0.0f, 1.0f, "rstd");
+  test_matrix d_y = make_matrix(*be, rows, cols, 2, rng, -1.0f, 1.0f, "d_y");
+  test_matrix d_x = make_matrix(*be, rows, cols, 1, rng, 5.0f, 6.0f, "d_x");  // garbage: must be overwritten
+  test_matrix d_w = make_matrix(*be, 1, cols, 0, rng, 0.0f, 1.0f, "d_weight");
   const float prior = 0.375f;  // d_weight's earlier contents, to be added to
   for (std::int64_t j = 0; j < cols; ++j) d_w(0, j) = prior;
   ops::rmsnorm_forward(*be, rmsnorm_forward_args{x.view, w.view, y.view, rstd.view, eps});

@@ -12,13 +12,12 @@
 
 #include "backend/backend.hpp"
 #include "ops/ops.hpp"
+#include "op_test_support.hpp"
 
 namespace upipe {
 namespace {
 
-std::unique_ptr<backend> make_test_backend() {
-  return make_cpu_backend(memory_limits{std::size_t{256} << 20, std::size_t{64} << 20});
-}
+using namespace op_test;
 
 float& at(const head_view& v, std::int64_t t, std::int64_t h, std::int64_t x) {
   return static_cast<float*>(v.data)[t * v.token_stride + h * v.head_stride + x];
@@ -39,8 +38,6 @@ rope_input make_input(backend& be, std::int64_t tokens, std::int64_t heads, std:
   return {std::move(t), v};
 }
 
-std::vector<float> snapshot(const tensor& t) { return {t.as<float>(), t.as<float>() + t.numel()}; }
-
 // Plain (unscaled) inverse frequencies, theta^(-2i/d).
 std::vector<double> plain_frequencies(double theta, std::int64_t d) {
   std::vector<double> f(d / 2);
@@ -57,9 +54,6 @@ double expected(const std::vector<float>& before, const head_view& v, const std:
   const double x1 = before[base + i], x2 = before[base + i + half];
   return x < half ? x1 * std::cos(angle) - x2 * std::sin(angle) : x2 * std::cos(angle) + x1 * std::sin(angle);
 }
-
-// The larger of two errors, where NaN wins (std::max would silently drop it).
-double worse(double err, double diff) { return std::isnan(err) || std::isnan(diff) ? diff + err : std::max(err, diff); }
 
 // max |x - reference| over the tokens of one run.
 double run_error(const std::vector<float>& before, const head_view& v, const std::vector<double>& freq,

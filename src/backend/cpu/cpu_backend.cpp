@@ -53,6 +53,14 @@ class cpu_backend final : public backend {
     auto* out = dst.as<std::uint16_t>();
     for (std::int64_t i = 0; i < n; ++i) out[i] = float_to_bf16(host[i]);
   }
+  void upload_bytes(const tensor& dst, const void* host, std::size_t bytes) override {
+    UPIPE_CHECK(bytes <= dst.bytes(), "upload larger than the tensor");
+    std::memcpy(dst.data(), host, bytes);
+  }
+  void download_bytes(void* host, const tensor& src, std::size_t bytes) override {
+    UPIPE_CHECK(bytes <= src.bytes(), "download larger than the tensor");
+    std::memcpy(host, src.data(), bytes);
+  }
   void download_f32(float* host, const tensor& src) override {
     const std::int64_t n = src.numel();
     if (src.type() == dtype::f32) {
@@ -73,6 +81,11 @@ class cpu_backend final : public backend {
   void add_heads(const head_view& d, const head_view& s) override { cpu::add_heads(d, s); }
   void fill_heads(const head_view& d, float v) override { cpu::fill_heads(d, v); }
   void lse_merge(const lse_merge_args& a) override { cpu::lse_merge(a); }
+  void embedding_forward(const embedding_forward_args& a) override { cpu::embedding_forward(a); }
+  void embedding_backward(const embedding_backward_args& a) override { cpu::embedding_backward(a); }
+  void swiglu_forward(const swiglu_forward_args& a) override { cpu::swiglu_forward(a); }
+  void swiglu_backward(const swiglu_backward_args& a) override { cpu::swiglu_backward(a); }
+  void cross_entropy(const cross_entropy_args& a) override { cpu::cross_entropy(a); }
 
  protected:
   // Give large freed blocks' pages back so resident memory follows the ledger.

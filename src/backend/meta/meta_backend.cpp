@@ -17,6 +17,8 @@ class meta_backend final : public backend {
   void synchronize() override {}
   void upload_f32(const tensor&, const float*) override {}
   void download_f32(float*, const tensor&) override {}
+  void upload_bytes(const tensor&, const void*, std::size_t) override {}
+  void download_bytes(void*, const tensor&, std::size_t) override {}
 
   void gemm(const gemm_args&) override {}
   void sdpa_forward(const sdpa_forward_args&) override {}
@@ -28,6 +30,11 @@ class meta_backend final : public backend {
   void add_heads(const head_view&, const head_view&) override {}
   void fill_heads(const head_view&, float) override {}
   void lse_merge(const lse_merge_args&) override {}
+  void embedding_forward(const embedding_forward_args&) override {}
+  void embedding_backward(const embedding_backward_args&) override {}
+  void swiglu_forward(const swiglu_forward_args&) override {}
+  void swiglu_backward(const swiglu_backward_args&) override {}
+  void cross_entropy(const cross_entropy_args&) override {}
 };
 
 }  // namespace

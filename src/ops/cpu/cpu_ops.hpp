@@ -16,5 +16,10 @@ void copy_heads(const head_view& dst, const head_view& src);
 void add_heads(const head_view& dst, const head_view& src);
 void fill_heads(const head_view& dst, float value);
 void lse_merge(const lse_merge_args& args);
+void embedding_forward(const embedding_forward_args& args);
+void embedding_backward(const embedding_backward_args& args);
+void swiglu_forward(const swiglu_forward_args& args);
+void swiglu_backward(const swiglu_backward_args& args);
+void cross_entropy(const cross_entropy_args& args);
 
 }  // namespace upipe::cpu

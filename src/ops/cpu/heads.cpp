@@ -1,5 +1,6 @@
 // Reference layout ops on (tokens, heads, dim) views: copy with dtype conversion (the
-// all-to-all pack/unpack), fp32 accumulate, fill. f32 and bf16 both work here.
+// all-to-all pack/unpack), accumulate (fp32 sums stored to an f32 or bf16 dst), fill.
+// f32 and bf16 both work here.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -46,13 +47,15 @@ void copy_heads(const head_view& dst, const head_view& src) {
     }
 }
 
+// The sum is formed in fp32 and stored once, so a bf16 dst rounds once per add.
 void add_heads(const head_view& dst, const head_view& src) {
-  std::vector<float> row(static_cast<std::size_t>(src.dim));
+  std::vector<float> sum(static_cast<std::size_t>(src.dim)), row(static_cast<std::size_t>(src.dim));
   for (std::int64_t t = 0; t < src.tokens; ++t)
     for (std::int64_t h = 0; h < src.heads; ++h) {
+      load_row(dst, t, h, sum.data());
       load_row(src, t, h, row.data());
-      auto* out = static_cast<float*>(row_ptr(dst, t, h));
-      for (std::int64_t i = 0; i < src.dim; ++i) out[i] += row[i];
+      for (std::int64_t i = 0; i < src.dim; ++i) sum[i] += row[i];
+      store_row(dst, t, h, sum.data());
     }
 }
 

@@ -42,10 +42,11 @@ void rmsnorm_backward(const rmsnorm_backward_args& args) {
     for (std::int64_t j = 0; j < cols; ++j) g_dot_x += static_cast<double>(d_y[j]) * weight[j] * x[j];
     const double correction = cols > 0 ? rstd * rstd * g_dot_x / static_cast<double>(cols) : 0.0;
     float* d_x = mutable_row_of(args.d_x, r);
+    // d_x may alias d_y (in-place backward): read d_y[j] before d_x[j] is written.
     for (std::int64_t j = 0; j < cols; ++j) {
-      const double g = static_cast<double>(d_y[j]) * weight[j];
-      d_x[j] = static_cast<float>(rstd * (g - x[j] * correction));
-      d_weight[j] += static_cast<float>(static_cast<double>(d_y[j]) * x[j] * rstd);
+      const double dy = d_y[j];
+      d_weight[j] += static_cast<float>(dy * x[j] * rstd);
+      d_x[j] = static_cast<float>(rstd * (dy * weight[j] - x[j] * correction));
     }
   }
 }

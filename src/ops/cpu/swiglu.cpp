@@ -1,0 +1,56 @@
+// Reference SwiGLU: out = silu(gate) * up, elementwise, in fp64. The backward may run in
+// place (d_gate over gate, d_up over up): each element's inputs are read before either
+// of its outputs is written.
+#include <cmath>
+#include <cstdint>
+
+#include "ops/cpu/cpu_ops.hpp"
+
+namespace upipe::cpu {
+
+namespace {
+
+const float* row_of(const mat_view& m, std::int64_t i) { return static_cast<const float*>(m.data) + i * m.ld; }
+float* mutable_row_of(const mat_view& m, std::int64_t i) { return static_cast<float*>(m.data) + i * m.ld; }
+
+// exp of a non-positive argument only, so no finite x overflows on the way to 0 or 1.
+double sigmoid(double x) {
+  if (x >= 0.0) return 1.0 / (1.0 + std::exp(-x));
+  const double e = std::exp(x);
+  return e / (1.0 + e);
+}
+
+}  // namespace
+
+void swiglu_forward(const swiglu_forward_args& args) {
+  const std::int64_t cols = args.gate.cols;
+  for (std::int64_t r = 0; r < args.gate.rows; ++r) {
+    const float* gate = row_of(args.gate, r);
+    const float* up = row_of(args.up, r);
+    float* out = mutable_row_of(args.out, r);
+    for (std::int64_t j = 0; j < cols; ++j) {
+      const double g = gate[j];
+      out[j] = static_cast<float>(g * sigmoid(g) * up[j]);
+    }
+  }
+}
+
+// d_gate = d_out * up * silu'(gate), silu'(x) = s (1 + x (1 - s)); d_up = d_out * silu(gate).
+void swiglu_backward(const swiglu_backward_args& args) {
+  const std::int64_t cols = args.gate.cols;
+  for (std::int64_t r = 0; r < args.gate.rows; ++r) {
+    const float* gate = row_of(args.gate, r);
+    const float* up = row_of(args.up, r);
+    const float* d_out = row_of(args.d_out, r);
+    float* d_gate = mutable_row_of(args.d_gate, r);
+    float* d_up = mutable_row_of(args.d_up, r);
+    for (std::int64_t j = 0; j < cols; ++j) {
+      const double g = gate[j], u = up[j], d = d_out[j];
+      const double s = sigmoid(g);
+      d_gate[j] = static_cast<float>(d * u * s * (1.0 + g * (1.0 - s)));
+      d_up[j] = static_cast<float>(d * g * s);
+    }
+  }
+}
+
+}  // namespace upipe::cpu
