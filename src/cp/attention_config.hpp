@@ -25,6 +25,8 @@ struct attention_config {
   int head_chunk = 0;        // U, query heads per stage (upipe); H for ulysses; unused by ring
   strategy_kind strategy = strategy_kind::upipe;
   rope_config rope;
+  bool qk_norm = false;     // Qwen3: RMSNorm over d on every q and k head, before RoPE
+  float norm_eps = 1e-6f;   // epsilon of that RMSNorm
 
   std::int64_t local_tokens() const { return seq_len / cp; }  // s
   int group_size() const { return heads / kv_heads; }          // G

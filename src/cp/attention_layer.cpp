@@ -10,13 +10,20 @@ attention_layer::attention_layer(const attention_config& config, backend& be, co
   strategy_ = make_strategy(config_, be, groups);
 }
 
-attention_layer::context attention_layer::forward(const mat_view& x, const attention_weights& w, const mat_view& y) {
+attention_layer::context attention_layer::forward(const mat_view& x, const attention_weights& w, const mat_view& y,
+                                                  projection_mode mode) {
   context ctx;
   ctx.out = be_.allocate(mem_tag::activations, be_.work_dtype(),
                          {config_.local_tokens(), std::int64_t{config_.heads} * config_.head_dim}, "attn_out");
   ctx.saved = strategy_->forward(x, w, ctx.out.matrix());
-  ops::gemm(be_, {ctx.out.matrix(), transpose::none, w.wo, transpose::yes, y});
+  project_output(ctx, w, y, mode);
   return ctx;
+}
+
+void attention_layer::project_output(const context& ctx, const attention_weights& w, const mat_view& y,
+                                     projection_mode mode) {
+  const float beta = mode == projection_mode::accumulate ? 1.0f : 0.0f;
+  ops::gemm(be_, {ctx.out.matrix(), transpose::none, w.wo, transpose::yes, y, 1.0f, beta});
 }
 
 void attention_layer::backward(const context& ctx, const mat_view& x, const attention_weights& w, const mat_view& d_y,

@@ -8,6 +8,9 @@
 
 namespace upipe {
 
+// Whether the output projection overwrites y or adds to it (the residual stream).
+enum class projection_mode : std::uint8_t { overwrite, accumulate };
+
 class attention_layer {
  public:
   attention_layer(const attention_config& config, backend& be, const cp_groups& groups);
@@ -18,8 +21,12 @@ class attention_layer {
     attention_saved saved;
   };
 
-  // y (s, D) = attention(x) W_o^T.
-  context forward(const mat_view& x, const attention_weights& w, const mat_view& y);
+  // y (s, D) = attention(x) W_o^T, or y += that with projection_mode::accumulate.
+  context forward(const mat_view& x, const attention_weights& w, const mat_view& y,
+                  projection_mode mode = projection_mode::overwrite);
+  // Only the output projection, from a context whose `out` was kept (a checkpoint that
+  // saved the attention output): y (+)= out W_o^T.
+  void project_output(const context& ctx, const attention_weights& w, const mat_view& y, projection_mode mode);
   // d_x (s, D, f32) and the weight gradients are accumulated.
   void backward(const context& ctx, const mat_view& x, const attention_weights& w, const mat_view& d_y,
                 const mat_view& d_x, const attention_grads& grads);

@@ -17,6 +17,8 @@ attention_peak_model staged_model(const attention_config& c, std::size_t w) {
   attention_peak_model m;
   m.forward = w * sd * (2 * U + 2 * Kr);
   m.backward = w * sd * (4 * U + 4 * Kr) + 4 * sd * U + (spans ? 4 * sd * 2 * Kr : 0);
+  // Qwen3's qk-norm keeps the pre-norm q of the stage and the resident k for backward.
+  if (c.qk_norm) m.backward += w * sd * (U + Kr);
   return m;
 }
 
@@ -34,6 +36,7 @@ attention_peak_model ring_model(const attention_config& c, std::size_t w) {
   const std::size_t during_dkv = common + 4 * (4 * s * Kd);
   const std::size_t during_kv = common + w * 2 * s * Kd + 4 * (2 * s * Kd);
   m.backward = std::max(during_dkv, during_kv);
+  if (c.qk_norm) m.backward += w * (s * Hd + s * Kd);
   return m;
 }
 

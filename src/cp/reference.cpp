@@ -60,6 +60,40 @@ void rotate(matrix& t, const attention_config& c, int heads, double sign) {
 
 matrix widen(const std::vector<float>& v) { return matrix(v.begin(), v.end()); }
 
+// Qwen3's per-head RMSNorm over rows of d, in place; returns the inputs and 1/rms.
+struct norm_rows {
+  matrix pre;
+  std::vector<double> rstd;
+};
+norm_rows head_norm(matrix& t, const std::vector<float>& w, std::int64_t d, double eps) {
+  norm_rows saved{t, {}};
+  for (std::size_t r = 0; r * d < t.size(); ++r) {
+    double ss = 0;
+    for (std::int64_t e = 0; e < d; ++e) ss += t[r * d + e] * t[r * d + e];
+    const double rstd = 1.0 / std::sqrt(ss / static_cast<double>(d) + eps);
+    saved.rstd.push_back(rstd);
+    for (std::int64_t e = 0; e < d; ++e) t[r * d + e] = t[r * d + e] * rstd * w[e];
+  }
+  return saved;
+}
+
+// grad: d(normalized) -> d(pre-norm) in place; returns d(weight).
+std::vector<double> head_norm_backward(matrix& grad, const norm_rows& saved, const std::vector<float>& w,
+                                       std::int64_t d) {
+  std::vector<double> d_w(static_cast<std::size_t>(d), 0.0);
+  for (std::size_t r = 0; r < saved.rstd.size(); ++r) {
+    const double rstd = saved.rstd[r];
+    double dot = 0;
+    for (std::int64_t e = 0; e < d; ++e) dot += grad[r * d + e] * w[e] * saved.pre[r * d + e];
+    for (std::int64_t e = 0; e < d; ++e) {
+      const double x = saved.pre[r * d + e], g = grad[r * d + e];
+      d_w[e] += g * x * rstd;
+      grad[r * d + e] = rstd * (g * w[e] - x * rstd * rstd * dot / static_cast<double>(d));
+    }
+  }
+  return d_w;
+}
+
 }  // namespace
 
 attention_inputs random_attention_inputs(const attention_config& c, unsigned long long seed) {
@@ -79,6 +113,12 @@ attention_inputs random_attention_inputs(const attention_config& c, unsigned lon
   in.wv = draw(kd * D, 1.0f / std::sqrt(static_cast<float>(D)));
   in.wo = draw(D * hd, 1.0f / std::sqrt(static_cast<float>(hd)));
   in.d_y = draw(S * D, 1.0f);
+  if (c.qk_norm) {
+    in.q_norm = draw(c.head_dim, 0.2f);
+    in.k_norm = draw(c.head_dim, 0.2f);
+    for (auto* v : {&in.q_norm, &in.k_norm})
+      for (auto& e : *v) e += 1.0f;  // near one, as trained norms are, but not symmetric
+  }
   return in;
 }
 
@@ -88,6 +128,11 @@ attention_outputs reference_attention_layer(const attention_config& c, const att
   const double scale = 1.0 / std::sqrt(static_cast<double>(d));
   const matrix x = widen(in.x), d_y = widen(in.d_y);
   matrix q = linear(x, in.wq, S, D, hd), k = linear(x, in.wk, S, D, kd), v = linear(x, in.wv, S, D, kd);
+  norm_rows q_saved, k_saved;
+  if (c.qk_norm) {
+    q_saved = head_norm(q, in.q_norm, d, c.norm_eps);
+    k_saved = head_norm(k, in.k_norm, d, c.norm_eps);
+  }
   rotate(q, c, static_cast<int>(H), 1.0);
   rotate(k, c, static_cast<int>(K), 1.0);
 
@@ -137,6 +182,10 @@ attention_outputs reference_attention_layer(const attention_config& c, const att
   r.d_wo = weight_grad(d_y, r.attn_out, S, D, hd);
   rotate(d_q, c, static_cast<int>(H), -1.0);
   rotate(d_k, c, static_cast<int>(K), -1.0);
+  if (c.qk_norm) {
+    r.d_q_norm = head_norm_backward(d_q, q_saved, in.q_norm, d);
+    r.d_k_norm = head_norm_backward(d_k, k_saved, in.k_norm, d);
+  }
   r.d_x.assign(static_cast<std::size_t>(S * D), 0.0);
   linear_input_grad(r.d_x, d_q, in.wq, S, hd, D);
   linear_input_grad(r.d_x, d_k, in.wk, S, kd, D);

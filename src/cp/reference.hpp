@@ -17,6 +17,7 @@ struct attention_inputs {
   std::vector<float> wv;  // (K*d, D)
   std::vector<float> wo;  // (D, H*d)
   std::vector<float> d_y; // (S, D)
+  std::vector<float> q_norm, k_norm;  // (d) each, with config.qk_norm
 };
 
 struct attention_outputs {
@@ -24,6 +25,7 @@ struct attention_outputs {
   std::vector<double> attn_out;  // (S, H*d)
   std::vector<double> d_x;       // (S, D)
   std::vector<double> d_wq, d_wk, d_wv, d_wo;
+  std::vector<double> d_q_norm, d_k_norm;  // with config.qk_norm
 };
 
 // Random normal inputs; every weight drawn independently (asymmetric).

@@ -4,6 +4,7 @@
 #include <limits>
 
 #include "core/error.hpp"
+#include "cp/head_norm.hpp"
 #include "ops/ops.hpp"
 
 namespace upipe {
@@ -38,10 +39,13 @@ std::vector<ring_attention::block_pair> ring_attention::pairs(int kv_owner) cons
   return result;
 }
 
-tensor ring_attention::project(const mat_view& x, const mat_view& weight, int heads, const char* label) {
-  tensor t = be_.allocate(mem_tag::attention, be_.work_dtype(), {tokens_, heads, dim_}, label);
-  ops::gemm(be_, {x, transpose::none, weight, transpose::yes, t.matrix()});
-  return t;
+tensor ring_attention::project_q(const mat_view& x, const attention_weights& w, norm_keep keep,
+                                 head_norm_saved& saved) {
+  tensor q = be_.allocate(mem_tag::attention, be_.work_dtype(), {tokens_, config_.heads, dim_}, "ring_q");
+  ops::gemm(be_, {x, transpose::none, w.wq, transpose::yes, q.matrix()});
+  if (config_.qk_norm) saved = head_norm_forward(be_, head_rows(q, dim_), w.q_norm, config_.norm_eps, keep);
+  ops::rope(be_, {q.heads(), positions_, config_.rope, rope_direction::forward});
+  return q;
 }
 
 // Part `which` (0: k, 1: v) of a (2, n, K, d) buffer as (n, K, d).
@@ -51,7 +55,8 @@ head_view ring_attention::kv_part(const tensor& kv, int which) const {
   return all.token_block(which * d[1], d[1]);
 }
 
-tensor ring_attention::project_kv(const mat_view& x, const attention_weights& w) {
+tensor ring_attention::project_kv(const mat_view& x, const attention_weights& w, norm_keep keep,
+                                  head_norm_saved& saved) {
   tensor kv = be_.allocate(mem_tag::attention, be_.work_dtype(), {2, tokens_, config_.kv_heads, dim_}, "ring_kv");
   const std::int64_t kd = std::int64_t{config_.kv_heads} * dim_;
   for (int which = 0; which < 2; ++which) {
@@ -59,15 +64,18 @@ tensor ring_attention::project_kv(const mat_view& x, const attention_weights& w)
     ops::gemm(be_, {x, transpose::none, which == 0 ? w.wk : w.wv, transpose::yes,
                     {part.data, part.type, tokens_, kd, kd}});
   }
-  ops::rope(be_, {kv_part(kv, 0), positions_, config_.rope, rope_direction::forward});
+  const head_view k = kv_part(kv, 0);
+  if (config_.qk_norm)
+    saved = head_norm_forward(be_, head_rows(k.data, k.type, tokens_ * kd, dim_), w.k_norm, config_.norm_eps, keep);
+  ops::rope(be_, {k, positions_, config_.rope, rope_direction::forward});
   return kv;
 }
 
 attention_saved ring_attention::forward(const mat_view& x, const attention_weights& w, const mat_view& out) {
   const int C = config_.cp, r = comm_.rank(), H = config_.heads;
-  tensor q = project(x, w.wq, H, "ring_q");
-  ops::rope(be_, {q.heads(), positions_, config_.rope, rope_direction::forward});
-  tensor kv = project_kv(x, w);
+  head_norm_saved unused;
+  tensor q = project_q(x, w, norm_keep::nothing, unused);
+  tensor kv = project_kv(x, w, norm_keep::nothing, unused);
   tensor out_acc = be_.allocate(mem_tag::attention, dtype::f32, {tokens_, H, dim_}, "ring_out_accum");
   attention_saved saved;
   saved.lse = be_.allocate(mem_tag::activations, dtype::f32, {H, tokens_}, "attn_lse");
@@ -98,9 +106,9 @@ void ring_attention::backward(const attention_saved& saved, const mat_view& x, c
                               const mat_view& out, const mat_view& d_out, const mat_view& d_x,
                               const attention_grads& grads) {
   const int C = config_.cp, r = comm_.rank(), H = config_.heads, K = config_.kv_heads;
-  tensor q = project(x, w.wq, H, "ring_q");
-  ops::rope(be_, {q.heads(), positions_, config_.rope, rope_direction::forward});
-  tensor kv = project_kv(x, w);
+  head_norm_saved q_norm, k_norm;
+  tensor q = project_q(x, w, norm_keep::for_backward, q_norm);
+  tensor kv = project_kv(x, w, norm_keep::for_backward, k_norm);
   const head_view o = {out.data, out.type, tokens_, H, dim_, out.ld, dim_};
   const head_view d_o = {d_out.data, d_out.type, tokens_, H, dim_, d_out.ld, dim_};
   tensor dq = be_.allocate_zeroed(mem_tag::attention, dtype::f32, {tokens_, H, dim_}, "ring_dq_accum");
@@ -136,8 +144,15 @@ void ring_attention::backward(const attention_saved& saved, const mat_view& x, c
   kv.reset();
   dq_part.reset();
   dkv_part.reset();
+  dq_scratch.reset();
+  sum_scratch.reset();
   ops::rope(be_, {dq.heads(), positions_, config_.rope, rope_direction::inverse});
   ops::rope(be_, {kv_part(dkv, 0), positions_, config_.rope, rope_direction::inverse});
+  if (config_.qk_norm) {
+    const std::int64_t kd = std::int64_t{K} * dim_;
+    head_norm_backward(be_, q_norm, head_rows(dq, dim_), w.q_norm, grads.q_norm);
+    head_norm_backward(be_, k_norm, head_rows(dkv.data(), dkv.type(), tokens_ * kd, dim_), w.k_norm, grads.k_norm);
+  }
   accumulate_input_grads(dq, w.wq, grads.wq, x, d_x);
   // dkv (2, s, K, d): rows of the k part then the v part.
   const std::int64_t kd = std::int64_t{K} * dim_;

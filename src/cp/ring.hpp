@@ -3,6 +3,7 @@
 // backward circulates fp32 dK/dV with the K/V until they return to their owner.
 #pragma once
 
+#include "cp/head_norm.hpp"
 #include "cp/strategy.hpp"
 
 namespace upipe {
@@ -23,9 +24,10 @@ class ring_attention final : public attention_strategy {
     attn_mask mask;
   };
   std::vector<block_pair> pairs(int kv_owner) const;
-  tensor project(const mat_view& x, const mat_view& weight, int heads, const char* label);
+  // q (s, H, d), normed (Qwen3) and roped; the norm's inputs kept in `saved` if asked.
+  tensor project_q(const mat_view& x, const attention_weights& w, norm_keep keep, head_norm_saved& saved);
   // (2, s, K, d): k then v, one buffer so a ring step moves both at once.
-  tensor project_kv(const mat_view& x, const attention_weights& w);
+  tensor project_kv(const mat_view& x, const attention_weights& w, norm_keep keep, head_norm_saved& saved);
   head_view half(const head_view& v, int which) const { return v.token_block(which * chunk_, chunk_); }
   head_view kv_part(const tensor& kv, int which) const;
   void accumulate_input_grads(tensor& grad, const mat_view& weight, const mat_view& d_weight, const mat_view& x,

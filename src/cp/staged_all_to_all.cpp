@@ -10,6 +10,7 @@
 #include <string>
 
 #include "core/error.hpp"
+#include "cp/head_norm.hpp"
 #include "ops/ops.hpp"
 
 namespace upipe {
@@ -34,8 +35,9 @@ head_view lse_heads(const tensor& lse, int first, int n) {
 
 struct staged_all_to_all::resident_block {
   const kv_block* plan = nullptr;
-  tensor k, v;    // (C, s, n, d) = (S, n, d), working dtype; k roped
+  tensor k, v;    // (C, s, n, d) = (S, n, d), working dtype; k normed (Qwen3) and roped
   tensor dk, dv;  // backward: f32 accumulators when the block spans stages, else final
+  head_norm_saved k_norm;  // backward with qk-norm: k before its norm
 };
 
 staged_all_to_all::staged_all_to_all(const attention_config& config, backend& be, communicator& comm)
@@ -128,6 +130,9 @@ staged_all_to_all::resident_block staged_all_to_all::receive_kv(const mat_view& 
   block.plan = schedule_.arriving(comm_.rank(), stage);
   tensor k_send = project_to_send(x, w.wk, lists, "attn_k_send");
   block.k = exchange(k_send, fwd ? "a2a_k" : "bwd_a2a_k");
+  if (config_.qk_norm)
+    block.k_norm = head_norm_forward(be_, head_rows(block.k, dim_), w.k_norm, config_.norm_eps,
+                                     fwd ? norm_keep::nothing : norm_keep::for_backward);
   rope(sequence_heads(block.k), rope_direction::forward);
   tensor v_send = project_to_send(x, w.wv, lists, "attn_v_send");
   block.v = exchange(v_send, fwd ? "a2a_v" : "bwd_a2a_v");
@@ -198,6 +203,7 @@ attention_saved staged_all_to_all::forward(const mat_view& x, const attention_we
     if (schedule_.arriving(rank, t) != nullptr) resident.push_back(receive_kv(x, w, t, pass::forward));
     tensor q_send = project_to_send(x, w.wq, stage_lists(t), "attn_q_send");
     tensor q = exchange(q_send, "a2a_q");
+    if (config_.qk_norm) head_norm_forward(be_, head_rows(q, dim_), w.q_norm, config_.norm_eps, norm_keep::nothing);
     rope(sequence_heads(q), rope_direction::forward);
     tensor o = be_.allocate(mem_tag::attention, be_.work_dtype(), q.dims(), "attn_o_stage");
     const head_view qh = sequence_heads(q), oh = sequence_heads(o);
@@ -235,6 +241,9 @@ void staged_all_to_all::backward_stage(int t, std::vector<resident_block>& resid
   const int u = schedule_.heads_per_stage();
   tensor q_send = project_to_send(x, w.wq, stage_lists(t), "attn_q_send");
   tensor q = exchange(q_send, "bwd_a2a_q");
+  head_norm_saved q_norm;
+  if (config_.qk_norm)
+    q_norm = head_norm_forward(be_, head_rows(q, dim_), w.q_norm, config_.norm_eps, norm_keep::for_backward);
   rope(sequence_heads(q), rope_direction::forward);
   tensor o_send = pack_heads(out, t, "attn_o_send");
   tensor o = exchange(o_send, "bwd_a2a_o");
@@ -271,6 +280,7 @@ void staged_all_to_all::backward_stage(int t, std::vector<resident_block>& resid
   o.reset();
   d_o.reset();
   rope(sequence_heads(dq), rope_direction::inverse);
+  if (config_.qk_norm) head_norm_backward(be_, q_norm, head_rows(dq, dim_), w.q_norm, grads.q_norm);
   tensor dq_back = exchange(dq, "bwd_a2a_dq");
   accumulate_input_grads(dq_back, stage_lists(t), w.wq, grads.wq, x, d_x);
 }
@@ -281,6 +291,7 @@ void staged_all_to_all::send_back_kv(resident_block& block, const mat_view& x, c
                                      const mat_view& d_x, const attention_grads& grads) {
   const head_lists lists = arriving_lists(block.plan->first_stage);
   rope(sequence_heads(block.dk), rope_direction::inverse);
+  if (config_.qk_norm) head_norm_backward(be_, block.k_norm, head_rows(block.dk, dim_), w.k_norm, grads.k_norm);
   block.k.reset();
   block.v.reset();
   auto to_send = [&](tensor& grad, const char* label) {

@@ -18,11 +18,13 @@ struct attention_weights {
   mat_view wk;  // (K*d, D)
   mat_view wv;  // (K*d, D)
   mat_view wo;  // (D, H*d)
+  mat_view q_norm, k_norm;  // (1, d) each, only with config.qk_norm
 };
 
 // Weight gradients, f32, accumulated (+=) by backward.
 struct attention_grads {
   mat_view wq, wk, wv, wo;
+  mat_view q_norm, k_norm;  // only with config.qk_norm
 };
 
 // The communicators a strategy runs over. One group today; a 2-D mesh (all-to-all
