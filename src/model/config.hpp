@@ -1,0 +1,62 @@
+// Model configurations: Llama 3 / 3.1 / 3.2 and Qwen3 (per-head RMSNorm on q and k), as
+// presets or read from a Hugging Face config.json, and the parameters they imply under
+// Hugging Face tensor names.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "ops/op_args.hpp"
+
+namespace upipe {
+
+enum class model_family : std::uint8_t { llama, qwen3 };
+
+struct model_config {
+  std::string name;  // preset name, or the config file's path
+  model_family family = model_family::llama;
+  std::int64_t vocab_size = 0;
+  int hidden_size = 0;        // D
+  int intermediate_size = 0;  // F, the SwiGLU width
+  int num_layers = 0;         // L
+  int num_heads = 0;          // H
+  int num_kv_heads = 0;       // K
+  int head_dim = 0;           // d (Qwen3 may have H*d != D)
+  double rms_norm_eps = 1e-5;
+  rope_config rope;
+  bool tie_embeddings = false;  // lm head = embedding matrix
+  bool qk_norm = false;         // Qwen3: RMSNorm over d on each q and k head
+
+  std::int64_t parameter_count() const;
+};
+
+// One parameter: its Hugging Face name and shape (row-major, y = x W^T for linears).
+struct parameter_spec {
+  std::string name;  // e.g. "model.layers.3.self_attn.q_proj.weight"
+  std::vector<std::int64_t> shape;
+};
+
+// Every parameter of the model in a fixed order: embedding, then per layer
+// input_layernorm, q/k/v/o projections, (q_norm, k_norm), post_attention_layernorm,
+// gate/up/down projections, then the final norm, then lm_head unless tied.
+std::vector<parameter_spec> parameter_specs(const model_config& config);
+
+// Names of the presets: llama3-8b, llama3-70b, llama3.2-1b, llama3.2-3b, qwen3-8b,
+// qwen3-32b, tiny-llama, tiny-qwen3.
+std::vector<std::string> preset_names();
+// Throws config_error naming the unknown preset and listing the known ones.
+model_config preset(std::string_view name);
+// Reads a Hugging Face config.json (model_type "llama" or "qwen3"); absent fields take the
+// defaults of transformers' LlamaConfig / Qwen3Config. Throws io_error for an unreadable or
+// malformed file (missing field, wrong JSON type) and config_error for an unsupported
+// configuration (other model_type or rope_type, biases, sliding window).
+model_config read_hf_config(const std::string& path);
+// Writes a config.json that Hugging Face transformers loads (and read_hf_config reads).
+void write_hf_config(const model_config& config, const std::string& path);
+// Checks the configuration's own consistency (positive sizes, H divisible by K, even d);
+// throws config_error naming the value, the rule and a valid alternative.
+void validate(const model_config& config);
+
+}  // namespace upipe

@@ -1,0 +1,136 @@
+#include "model/model_step.hpp"
+
+#include <chrono>
+
+#include "comm/communicator.hpp"
+#include "core/error.hpp"
+
+namespace upipe {
+
+prepared_sequence prepare_sequence(std::span<const std::int32_t> tokens, std::int64_t unit) {
+  const auto n = static_cast<std::int64_t>(tokens.size());
+  const std::int64_t padded = (n + unit - 1) / unit * unit;
+  prepared_sequence p;
+  p.ids.assign(static_cast<std::size_t>(padded), 0);
+  p.labels.assign(static_cast<std::size_t>(padded), masked_label);
+  for (std::int64_t i = 0; i < n; ++i) {
+    p.ids[i] = tokens[i];
+    if (i + 1 < n) p.labels[i] = tokens[i + 1];
+  }
+  p.counted = n > 0 ? n - 1 : 0;
+  return p;
+}
+
+std::int64_t layout_unit(const cp_settings& cp) {
+  return cp.strategy == strategy_kind::ring ? 2 * std::int64_t{cp.cp} : cp.cp;
+}
+
+namespace {
+
+std::vector<std::int32_t> shard(const std::vector<std::int32_t>& global, const std::vector<position_run>& runs,
+                                std::int64_t local) {
+  std::vector<std::int32_t> out(static_cast<std::size_t>(local));
+  for (const auto& r : runs)
+    std::copy_n(global.begin() + r.position_begin, r.count, out.begin() + r.token_begin);
+  return out;
+}
+
+void upload_weights(backend& be, const model_parameters& params, const host_weights& weights) {
+  if (!be.has_data()) return;
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    auto it = weights.find(params.specs()[i].name);
+    if (it == weights.end()) throw io_error("no weights for " + params.specs()[i].name);
+    UPIPE_CHECK(static_cast<std::int64_t>(it->second.size()) == params[i].numel(), "size of " + it->first);
+    be.upload_f32(params[i], it->second.data());
+  }
+}
+
+struct rank_result {
+  double loss_sum = 0;
+  host_weights grads;
+};
+
+void run_rank(const model_step_request& req, const prepared_sequence& seq, const host_weights& weights, backend& be,
+              communicator& comm, rank_result& out, model_step_result* measured) {
+  const auto seq_len = static_cast<std::int64_t>(seq.ids.size());
+  model_parameters w(req.model, be, mem_tag::weights, be.work_dtype(), model_parameters::init::uninitialized);
+  model_parameters g(req.model, be, mem_tag::grads, dtype::f32, model_parameters::init::zeros);
+  upload_weights(be, w, weights);
+  transformer model(req.model, req.cp, seq_len, be, {&comm, &comm}, req.options);
+  const auto runs = model.local_positions(comm.rank());
+  const auto ids = shard(seq.ids, runs, model.local_tokens());
+  const auto labels = shard(seq.labels, runs, model.local_tokens());
+  const double scale = seq.counted > 0 ? 1.0 / static_cast<double>(seq.counted) : 0.0;
+  be.ledger().record_timeline(measured != nullptr && req.record_timeline);
+  comm.barrier();
+  const auto start = std::chrono::steady_clock::now();
+  out.loss_sum = model.forward_backward(w, g, {ids, labels, scale});
+  be.synchronize();
+  comm.barrier();
+  if (measured != nullptr) {
+    measured->time_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+    for (std::size_t t = 0; t < mem_tag_count; ++t)
+      measured->peak_bytes[std::string(mem_tag_name(static_cast<mem_tag>(t)))] = be.ledger().peak(static_cast<mem_tag>(t));
+    measured->device_peak_bytes = be.ledger().device_peak();
+    measured->timeline = be.ledger().timeline();
+  }
+  if (!be.has_data()) return;
+  for (std::size_t i = 0; i < g.size(); ++i) {
+    std::vector<float> v(static_cast<std::size_t>(g[i].numel()));
+    be.download_f32(v.data(), g[i]);
+    out.grads.emplace(g.specs()[i].name, std::move(v));
+  }
+}
+
+}  // namespace
+
+std::size_t peak_of_labels(const std::vector<ledger_event>& timeline, std::initializer_list<std::string_view> prefixes) {
+  std::int64_t live = 0, peak = 0;
+  for (const ledger_event& e : timeline) {
+    bool match = false;
+    for (std::string_view p : prefixes) match = match || std::string_view(e.label).substr(0, p.size()) == p;
+    if (!match) continue;
+    live += e.delta;
+    peak = std::max(peak, live);
+  }
+  return static_cast<std::size_t>(peak);
+}
+
+model_step_result run_model_step(const model_step_request& req, const host_weights& weights,
+                                 std::span<const std::int32_t> tokens) {
+  validate(req.model);
+  const prepared_sequence seq = prepare_sequence(tokens, layout_unit(req.cp));
+  model_step_result result;
+  result.seq_len = static_cast<std::int64_t>(seq.ids.size());
+  result.counted = seq.counted;
+  attention_config_for(req.model, req.cp, result.seq_len);  // refuse a bad CP shape before any thread starts
+  const int ranks = req.backend == backend_kind::meta ? 1 : req.cp.cp;
+  std::vector<std::unique_ptr<backend>> backends;
+  std::vector<backend*> raw;
+  for (int r = 0; r < ranks; ++r) {
+    backends.push_back(make_backend(req.backend, req.limits));
+    raw.push_back(backends.back().get());
+  }
+  std::vector<rank_result> per_rank(static_cast<std::size_t>(ranks));
+  if (!raw[0]->has_data()) {
+    auto comm = make_loopback_communicator(*raw[0], req.cp.cp);
+    run_rank(req, seq, weights, *raw[0], *comm, per_rank[0], &result);
+    return result;
+  }
+  run_threads(raw, [&](int rank, communicator& comm) {
+    run_rank(req, seq, weights, *raw[rank], comm, per_rank[rank], rank == 0 ? &result : nullptr);
+  });
+  double loss_sum = 0;
+  for (rank_result& r : per_rank) {
+    loss_sum += r.loss_sum;
+    for (auto& [name, values] : r.grads) {
+      auto [it, fresh] = result.grads.try_emplace(name, std::move(values));
+      if (!fresh)
+        for (std::size_t i = 0; i < values.size(); ++i) it->second[i] += values[i];
+    }
+  }
+  result.loss = seq.counted > 0 ? loss_sum / static_cast<double>(seq.counted) : 0.0;
+  return result;
+}
+
+}  // namespace upipe

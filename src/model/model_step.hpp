@@ -1,0 +1,58 @@
+// The model-level entry used by tests and tools: given a configuration, weights, one
+// token sequence and a CP configuration, run forward and backward on every rank (threads
+// on the cpu backend, loopback rank 0 on meta) and return the loss and every weight
+// gradient under Hugging Face names.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "backend/backend.hpp"
+#include "model/transformer.hpp"
+#include "model/weights.hpp"
+
+namespace upipe {
+
+// A sequence prepared for CP: labels shifted before sharding (label i = token i+1; the
+// last is masked), padded with masked positions to a multiple of `unit`.
+struct prepared_sequence {
+  std::vector<std::int32_t> ids, labels;  // padded length
+  std::int64_t counted = 0;               // unmasked labels
+};
+constexpr std::int32_t masked_label = -100;
+prepared_sequence prepare_sequence(std::span<const std::int32_t> tokens, std::int64_t unit);
+// The layout unit of a strategy: C for ulysses and upipe, 2C for ring's zigzag.
+std::int64_t layout_unit(const cp_settings& cp);
+
+struct model_step_request {
+  model_config model;
+  cp_settings cp;
+  step_options options;
+  backend_kind backend = backend_kind::cpu;
+  memory_limits limits;
+  bool record_timeline = false;  // keep rank 0's ledger timeline in the result
+};
+
+struct model_step_result {
+  double loss = 0;            // mean over unmasked labels of all ranks
+  std::int64_t counted = 0;   // unmasked labels
+  std::int64_t seq_len = 0;   // after padding
+  host_weights grads;         // summed over ranks (empty on meta)
+  std::map<std::string, std::size_t> peak_bytes;  // rank 0, tag -> bytes
+  std::size_t device_peak_bytes = 0;              // rank 0
+  double time_ms = 0;                             // rank 0, forward + backward
+  std::vector<ledger_event> timeline;             // rank 0, when asked for
+};
+
+// The highest sum of live bytes, over a timeline, of the allocations whose label starts
+// with one of `prefixes` (the working set of one part of the step, such as "mlp_").
+std::size_t peak_of_labels(const std::vector<ledger_event>& timeline, std::initializer_list<std::string_view> prefixes);
+
+// Throws io_error if a weight is missing (weights may be empty on meta).
+model_step_result run_model_step(const model_step_request& request, const host_weights& weights,
+                                 std::span<const std::int32_t> tokens);
+
+}  // namespace upipe

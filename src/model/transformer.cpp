@@ -1,0 +1,258 @@
+#include "model/transformer.hpp"
+
+#include <algorithm>
+
+#include "core/error.hpp"
+#include "ops/ops.hpp"
+
+namespace upipe {
+
+namespace {
+
+attention_grads as_grads(const attention_weights& g) { return {g.wq, g.wk, g.wv, g.wo, g.q_norm, g.k_norm}; }
+
+// dst (rows of the same shape) = src, converting dtypes.
+void copy_matrix(backend& be, const mat_view& dst, const mat_view& src) {
+  ops::copy_heads(be, ops::as_heads(dst), ops::as_heads(src));
+}
+
+// A working-dtype copy of an f32 gradient block, as gemm operands are in the working
+// dtype on the GPU (on the cpu backend both are f32 and this is a plain copy).
+tensor working_copy(backend& be, const mat_view& src, const char* label) {
+  tensor t = be.allocate(mem_tag::activations, be.work_dtype(), {src.rows, src.cols}, label);
+  copy_matrix(be, t.matrix(), src);
+  return t;
+}
+
+}  // namespace
+
+attention_config attention_config_for(const model_config& model, const cp_settings& cp, std::int64_t seq_len) {
+  attention_config c;
+  c.seq_len = seq_len;
+  c.heads = model.num_heads;
+  c.kv_heads = model.num_kv_heads;
+  c.head_dim = model.head_dim;
+  c.model_dim = model.hidden_size;
+  c.cp = cp.cp;
+  c.head_chunk = cp.head_chunk;
+  c.strategy = cp.strategy;
+  c.rope = model.rope;
+  c.qk_norm = model.qk_norm;
+  c.norm_eps = static_cast<float>(model.rms_norm_eps);
+  validate(c);
+  return c;
+}
+
+transformer::transformer(const model_config& model, const cp_settings& cp, std::int64_t seq_len, backend& be,
+                         const cp_groups& groups, const step_options& options)
+    : model_(model), be_(be), attention_(attention_config_for(model, cp, seq_len), be, groups),
+      store_(be, options.policy, model.num_layers), tokens_(seq_len / cp.cp) {
+  if (options.mlp_tile < 0 || options.loss_chunk < 0)
+    throw config_error("--mlp-tile and --loss-chunk must be positive token counts (or 0 for the default)");
+  mlp_tile_ = std::min(options.mlp_tile > 0 ? options.mlp_tile : std::int64_t{model.hidden_size}, tokens_);
+  const std::int64_t fit = std::max<std::int64_t>(1, (std::int64_t{256} << 20) / (4 * model.vocab_size));
+  loss_chunk_ = std::min(options.loss_chunk > 0 ? options.loss_chunk : fit, tokens_);
+}
+
+tensor transformer::upload_ids(std::span<const std::int32_t> values, const char* label) {
+  UPIPE_CHECK(static_cast<std::int64_t>(values.size()) == tokens_ || !be_.has_data(),
+              "batch shard must hold the rank's local tokens");
+  tensor t = be_.allocate(mem_tag::activations, dtype::i32, {tokens_, 1}, label);
+  if (be_.has_data()) be_.upload_bytes(t, values.data(), values.size() * sizeof(std::int32_t));
+  return t;
+}
+
+// Layer inputs that start a recompute block live on as checkpoints; the rest are freed
+// after their layer, so they are allocated under their final tag from the start.
+mem_tag transformer::input_tag(int layer) const {
+  return store_.keeps_input(layer) && store_.policy().where == checkpoint_location::device ? mem_tag::checkpoints_device
+                                                                                           : mem_tag::activations;
+}
+
+double transformer::forward_backward(const model_parameters& w, const model_parameters& g, const local_batch& batch) {
+  tensor ids = upload_ids(batch.ids, "token_ids");
+  tensor labels = upload_ids(batch.labels, "labels");
+  tensor x = be_.allocate(input_tag(0), be_.work_dtype(), {tokens_, model_.hidden_size}, "layer_input");
+  ops::embedding_forward(be_, {w.embedding(), ids.matrix(), x.matrix()});
+  forward_layers(w, std::move(x));
+  tensor d = be_.allocate(mem_tag::activations, dtype::f32, {tokens_, model_.hidden_size}, "d_hidden");
+  const double loss = loss_forward_backward(w, g, final_hidden_, labels, batch.grad_scale, d);
+  final_hidden_.reset();
+  backward_layers(w, g, d);
+  ops::embedding_backward(be_, {d.matrix(), ids.matrix(), g.embedding()});
+  return loss;
+}
+
+void transformer::forward_layers(const model_parameters& w, tensor x) {
+  for (int l = 0; l < model_.num_layers; ++l) {
+    attention_layer::context ctx;
+    const bool keep_attention = store_.keeps_attention(l);
+    const mem_tag out_tag = l + 1 < model_.num_layers ? input_tag(l + 1) : mem_tag::activations;
+    tensor y = layer_forward(w.layer(l), x, out_tag, keep_attention ? &ctx : nullptr);
+    if (store_.keeps_input(l)) store_.save(l, checkpoint_store::item::input, std::move(x));
+    if (keep_attention) {
+      store_.save(l, checkpoint_store::item::attention_out, std::move(ctx.out));
+      store_.save(l, checkpoint_store::item::attention_lse, std::move(ctx.saved.lse));
+    }
+    x = std::move(y);
+  }
+  final_hidden_ = std::move(x);
+}
+
+tensor transformer::layer_forward(const layer_params& p, const tensor& x, mem_tag out_tag,
+                                  attention_layer::context* keep) {
+  const std::int64_t D = model_.hidden_size;
+  tensor out = be_.allocate(out_tag, be_.work_dtype(), {tokens_, D}, "layer_output");
+  copy_matrix(be_, out.matrix(), x.matrix());
+  {
+    tensor h = be_.allocate(mem_tag::activations, be_.work_dtype(), {tokens_, D}, "attn_norm_out");
+    tensor rstd = be_.allocate(mem_tag::activations, dtype::f32, {tokens_, 1}, "attn_norm_rstd");
+    ops::rmsnorm_forward(be_, {x.matrix(), p.input_norm, h.matrix(), rstd.matrix(),
+                               static_cast<float>(model_.rms_norm_eps)});
+    rstd.reset();
+    attention_layer::context ctx = attention_.forward(h.matrix(), p.attention, out.matrix(), projection_mode::accumulate);
+    if (keep != nullptr) *keep = std::move(ctx);
+  }
+  mlp_forward(p, out);
+  return out;
+}
+
+// x += down(silu(gate(norm(x))) * up(norm(x))), one tile of tokens at a time, so the
+// MLP's working set is a tile whatever the sequence length.
+void transformer::mlp_forward(const layer_params& p, const tensor& x) {
+  const std::int64_t D = model_.hidden_size, F = model_.intermediate_size;
+  const float eps = static_cast<float>(model_.rms_norm_eps);
+  for (std::int64_t t0 = 0; t0 < tokens_; t0 += mlp_tile_) {
+    const std::int64_t n = std::min(mlp_tile_, tokens_ - t0);
+    const mat_view xt = x.matrix().row_block(t0, n);
+    tensor h = be_.allocate(mem_tag::activations, be_.work_dtype(), {n, D}, "mlp_norm_out");
+    tensor rstd = be_.allocate(mem_tag::activations, dtype::f32, {n, 1}, "mlp_norm_rstd");
+    ops::rmsnorm_forward(be_, {xt, p.post_norm, h.matrix(), rstd.matrix(), eps});
+    tensor gate = be_.allocate(mem_tag::activations, be_.work_dtype(), {n, F}, "mlp_gate");
+    tensor up = be_.allocate(mem_tag::activations, be_.work_dtype(), {n, F}, "mlp_up");
+    ops::gemm(be_, {h.matrix(), transpose::none, p.gate, transpose::yes, gate.matrix()});
+    ops::gemm(be_, {h.matrix(), transpose::none, p.up, transpose::yes, up.matrix()});
+    h.reset();
+    tensor act = be_.allocate(mem_tag::activations, be_.work_dtype(), {n, F}, "mlp_act");
+    ops::swiglu_forward(be_, {gate.matrix(), up.matrix(), act.matrix()});
+    gate.reset();
+    up.reset();
+    ops::gemm(be_, {act.matrix(), transpose::none, p.down, transpose::yes, xt, 1.0f, 1.0f});
+  }
+}
+
+// d (f32) holds d(layer output) and becomes d(x2), the gradient at the MLP's input
+// residual; x2 is the recomputed input of the MLP block.
+void transformer::mlp_backward(const layer_params& p, const layer_params& g, const tensor& x2, const tensor& d) {
+  const std::int64_t D = model_.hidden_size, F = model_.intermediate_size;
+  const float eps = static_cast<float>(model_.rms_norm_eps);
+  for (std::int64_t t0 = 0; t0 < tokens_; t0 += mlp_tile_) {
+    const std::int64_t n = std::min(mlp_tile_, tokens_ - t0);
+    const mat_view xt = x2.matrix().row_block(t0, n), dt = d.matrix().row_block(t0, n);
+    tensor h = be_.allocate(mem_tag::activations, be_.work_dtype(), {n, D}, "mlp_norm_out");
+    tensor rstd = be_.allocate(mem_tag::activations, dtype::f32, {n, 1}, "mlp_norm_rstd");
+    ops::rmsnorm_forward(be_, {xt, p.post_norm, h.matrix(), rstd.matrix(), eps});
+    tensor gate = be_.allocate(mem_tag::activations, be_.work_dtype(), {n, F}, "mlp_gate");
+    tensor up = be_.allocate(mem_tag::activations, be_.work_dtype(), {n, F}, "mlp_up");
+    ops::gemm(be_, {h.matrix(), transpose::none, p.gate, transpose::yes, gate.matrix()});
+    ops::gemm(be_, {h.matrix(), transpose::none, p.up, transpose::yes, up.matrix()});
+    tensor d_act = be_.allocate(mem_tag::activations, be_.work_dtype(), {n, F}, "mlp_d_act");
+    {
+      tensor act = be_.allocate(mem_tag::activations, be_.work_dtype(), {n, F}, "mlp_act");
+      ops::swiglu_forward(be_, {gate.matrix(), up.matrix(), act.matrix()});
+      tensor d_out = working_copy(be_, dt, "mlp_d_out");
+      ops::gemm(be_, {d_out.matrix(), transpose::yes, act.matrix(), transpose::none, g.down, 1.0f, 1.0f});
+      ops::gemm(be_, {d_out.matrix(), transpose::none, p.down, transpose::none, d_act.matrix()});
+    }
+    // In place: gate and up become their gradients.
+    ops::swiglu_backward(be_, {gate.matrix(), up.matrix(), d_act.matrix(), gate.matrix(), up.matrix()});
+    d_act.reset();
+    ops::gemm(be_, {gate.matrix(), transpose::yes, h.matrix(), transpose::none, g.gate, 1.0f, 1.0f});
+    ops::gemm(be_, {up.matrix(), transpose::yes, h.matrix(), transpose::none, g.up, 1.0f, 1.0f});
+    h.reset();
+    tensor d_h = be_.allocate(mem_tag::activations, dtype::f32, {n, D}, "mlp_d_norm_out");
+    ops::gemm(be_, {gate.matrix(), transpose::none, p.gate, transpose::none, d_h.matrix()});
+    ops::gemm(be_, {up.matrix(), transpose::none, p.up, transpose::none, d_h.matrix(), 1.0f, 1.0f});
+    ops::rmsnorm_backward(be_, {xt, p.post_norm, rstd.matrix(), d_h.matrix(), d_h.matrix(), g.post_norm});
+    ops::add_heads(be_, ops::as_heads(dt), ops::as_heads(d_h.matrix()));
+  }
+}
+
+void transformer::layer_backward(int layer, const layer_params& p, const layer_params& g, const tensor& x,
+                                 const tensor& d) {
+  const std::int64_t D = model_.hidden_size;
+  const float eps = static_cast<float>(model_.rms_norm_eps);
+  tensor h = be_.allocate(mem_tag::activations, be_.work_dtype(), {tokens_, D}, "attn_norm_out");
+  tensor rstd = be_.allocate(mem_tag::activations, dtype::f32, {tokens_, 1}, "attn_norm_rstd");
+  ops::rmsnorm_forward(be_, {x.matrix(), p.input_norm, h.matrix(), rstd.matrix(), eps});
+  tensor x2 = be_.allocate(mem_tag::activations, be_.work_dtype(), {tokens_, D}, "attn_residual");
+  copy_matrix(be_, x2.matrix(), x.matrix());
+  attention_layer::context ctx;
+  if (store_.has(layer, checkpoint_store::item::attention_out)) {
+    // The checkpoint kept the attention output: only the output projection reruns.
+    ctx.out = store_.take(layer, checkpoint_store::item::attention_out, mem_tag::activations);
+    ctx.saved.lse = store_.take(layer, checkpoint_store::item::attention_lse, mem_tag::activations);
+    attention_.project_output(ctx, p.attention, x2.matrix(), projection_mode::accumulate);
+  } else {
+    ctx = attention_.forward(h.matrix(), p.attention, x2.matrix(), projection_mode::accumulate);
+  }
+  mlp_backward(p, g, x2, d);
+  x2.reset();
+  tensor d_y = working_copy(be_, d.matrix(), "attn_d_y");
+  tensor d_h = be_.allocate_zeroed(mem_tag::activations, dtype::f32, {tokens_, D}, "attn_d_norm_out");
+  attention_.backward(ctx, h.matrix(), p.attention, d_y.matrix(), d_h.matrix(), as_grads(g.attention));
+  ctx = {};
+  d_y.reset();
+  ops::rmsnorm_backward(be_, {x.matrix(), p.input_norm, rstd.matrix(), d_h.matrix(), d_h.matrix(), g.input_norm});
+  ops::add_heads(be_, ops::as_heads(d.matrix()), ops::as_heads(d_h.matrix()));
+}
+
+// Backward, newest layer first. A layer whose input was not kept belongs to a block
+// whose first input was: the block's inputs are recomputed from it, then consumed.
+void transformer::backward_layers(const model_parameters& w, const model_parameters& g, const tensor& d) {
+  std::vector<tensor> inputs;  // recomputed inputs of the current block, oldest first
+  for (int l = model_.num_layers - 1; l >= 0; --l) {
+    if (inputs.empty()) {
+      const int start = store_.block_start(l);
+      inputs.push_back(store_.take(start, checkpoint_store::item::input, mem_tag::activations));
+      for (int j = start; j < l; ++j) inputs.push_back(layer_forward(w.layer(j), inputs.back(), mem_tag::activations, nullptr));
+    }
+    layer_backward(l, w.layer(l), g.layer(l), inputs.back(), d);
+    inputs.pop_back();
+  }
+}
+
+// Final RMSNorm and the fused linear + cross-entropy, a chunk of tokens at a time: f32
+// logits exist for one chunk only; d_x (f32) and the lm head's gradient accumulate.
+double transformer::loss_forward_backward(const model_parameters& w, const model_parameters& g, const tensor& x,
+                                          const tensor& labels, double grad_scale, const tensor& d_x) {
+  const std::int64_t D = model_.hidden_size, V = model_.vocab_size;
+  const float eps = static_cast<float>(model_.rms_norm_eps);
+  tensor row_loss = be_.allocate(mem_tag::activations, dtype::f32, {tokens_, 1}, "row_loss");
+  for (std::int64_t t0 = 0; t0 < tokens_; t0 += loss_chunk_) {
+    const std::int64_t n = std::min(loss_chunk_, tokens_ - t0);
+    const mat_view xt = x.matrix().row_block(t0, n);
+    tensor h = be_.allocate(mem_tag::activations, be_.work_dtype(), {n, D}, "final_norm_out");
+    tensor rstd = be_.allocate(mem_tag::activations, dtype::f32, {n, 1}, "final_norm_rstd");
+    ops::rmsnorm_forward(be_, {xt, w.final_norm(), h.matrix(), rstd.matrix(), eps});
+    tensor logits = be_.allocate(mem_tag::workspace, dtype::f32, {n, V}, "logits");
+    ops::gemm(be_, {h.matrix(), transpose::none, w.lm_head(), transpose::yes, logits.matrix()});
+    ops::cross_entropy(be_, {logits.matrix(), labels.matrix().row_block(t0, n), row_loss.matrix().row_block(t0, n),
+                             static_cast<float>(grad_scale)});
+    tensor d_logits = working_copy(be_, logits.matrix(), "d_logits");
+    logits.reset();
+    tensor d_h = be_.allocate(mem_tag::activations, dtype::f32, {n, D}, "d_final_norm_out");
+    ops::gemm(be_, {d_logits.matrix(), transpose::none, w.lm_head(), transpose::none, d_h.matrix()});
+    ops::gemm(be_, {d_logits.matrix(), transpose::yes, h.matrix(), transpose::none, g.lm_head(), 1.0f, 1.0f});
+    ops::rmsnorm_backward(be_, {xt, w.final_norm(), rstd.matrix(), d_h.matrix(), d_x.matrix().row_block(t0, n),
+                                g.final_norm()});
+  }
+  if (!be_.has_data()) return 0.0;
+  std::vector<float> losses(static_cast<std::size_t>(tokens_));
+  be_.download_f32(losses.data(), row_loss);
+  double sum = 0.0;
+  for (float v : losses) sum += v;
+  return sum;
+}
+
+}  // namespace upipe

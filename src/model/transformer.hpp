@@ -1,0 +1,77 @@
+// One rank's forward and backward of a whole decoder model under context parallelism
+// (DESIGN.md section 2): embedding, L layers of RMSNorm -> attention (a CP strategy) ->
+// residual -> tiled RMSNorm + SwiGLU MLP -> residual, final RMSNorm and the fused
+// chunked linear + cross-entropy. Between forward and backward only checkpoints are
+// kept; backward recomputes each layer (or block of layers) from them.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "cp/attention_layer.hpp"
+#include "model/checkpoint_store.hpp"
+#include "model/config.hpp"
+#include "model/parameters.hpp"
+
+namespace upipe {
+
+// The CP side of a run: strategy, group size C and head chunk U (0: the default).
+struct cp_settings {
+  strategy_kind strategy = strategy_kind::upipe;
+  int cp = 1;
+  int head_chunk = 0;
+};
+
+struct step_options {
+  std::int64_t mlp_tile = 0;    // tokens per MLP/RMSNorm tile; 0: D (about d_model tokens)
+  std::int64_t loss_chunk = 0;  // tokens per cross-entropy chunk; 0: logits of at most 256 MiB
+  checkpoint_policy policy;
+};
+
+// This rank's shard of one sequence: token ids and next-token labels (negative = masked).
+struct local_batch {
+  std::span<const std::int32_t> ids, labels;
+  double grad_scale = 1.0;  // 1 / (unmasked labels over all ranks): the loss is their mean
+};
+
+// The attention configuration a model run implies at global length seq_len.
+attention_config attention_config_for(const model_config& model, const cp_settings& cp, std::int64_t seq_len);
+
+class transformer {
+ public:
+  transformer(const model_config& model, const cp_settings& cp, std::int64_t seq_len, backend& be,
+              const cp_groups& groups, const step_options& options);
+
+  std::int64_t local_tokens() const { return tokens_; }
+  // Global positions of rank r's local tokens (the strategy's sequence layout).
+  std::vector<position_run> local_positions(int rank) const { return attention_.strategy().local_positions(rank); }
+  std::int64_t mlp_tile() const { return mlp_tile_; }
+  std::int64_t loss_chunk() const { return loss_chunk_; }
+
+  // Forward and backward; weight gradients accumulate (f32) into grads. Returns this
+  // rank's sum of per-token losses (fp64) over its unmasked labels.
+  double forward_backward(const model_parameters& weights, const model_parameters& grads, const local_batch& batch);
+
+ private:
+  tensor upload_ids(std::span<const std::int32_t> values, const char* label);
+  tensor layer_forward(const layer_params& p, const tensor& x, mem_tag out_tag, attention_layer::context* keep);
+  void mlp_forward(const layer_params& p, const tensor& x);
+  void mlp_backward(const layer_params& p, const layer_params& g, const tensor& x, const tensor& d);
+  void layer_backward(int layer, const layer_params& p, const layer_params& g, const tensor& x, const tensor& d);
+  double loss_forward_backward(const model_parameters& w, const model_parameters& g, const tensor& x,
+                               const tensor& labels, double grad_scale, const tensor& d_x);
+  void forward_layers(const model_parameters& w, tensor x);
+  void backward_layers(const model_parameters& w, const model_parameters& g, const tensor& d);
+  mem_tag input_tag(int layer) const;
+
+  model_config model_;
+  backend& be_;
+  attention_layer attention_;
+  checkpoint_store store_;
+  std::int64_t tokens_;  // s
+  std::int64_t mlp_tile_, loss_chunk_;
+  tensor final_hidden_;  // (s, D): the last layer's output, input of the loss
+};
+
+}  // namespace upipe

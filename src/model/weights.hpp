@@ -1,0 +1,28 @@
+// Model weights on the host under Hugging Face names: read from and written to
+// safetensors (checked against the configuration), or drawn at random.
+#pragma once
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include "core/dtype.hpp"
+#include "model/config.hpp"
+
+namespace upipe {
+
+using host_weights = std::map<std::string, std::vector<float>>;
+
+// Reads a safetensors checkpoint (a file, or a directory holding model.safetensors) and
+// checks every parameter of `config` is there with its shape; a tied model needs no
+// lm_head.weight. Throws io_error naming the tensor, the shape found and the one expected.
+host_weights read_weights(const model_config& config, const std::string& path);
+
+// Writes the parameters of `config` as a safetensors file (atomically), in `type`.
+void write_weights(const model_config& config, const host_weights& weights, const std::string& path, dtype type);
+
+// Random initialization: matrices N(0, 0.02); norm weights 1 + N(0, 0.1), so that a
+// test cannot pass with a norm weight ignored or misplaced.
+host_weights random_weights(const model_config& config, unsigned long long seed);
+
+}  // namespace upipe

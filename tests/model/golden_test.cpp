@@ -1,0 +1,106 @@
+// Golden test: upipe's loss and every weight gradient equal Hugging Face transformers'
+// (fp32, CPU) for a tiny Llama (Llama 3 RoPE scaling, untied head) and a tiny Qwen3
+// (q/k norm, tied head), under every CP strategy and checkpoint policy. The reference
+// files were written by scripts/make_golden.py; see tests/golden/.
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "model/model_step.hpp"
+#include "train/safetensors.hpp"
+
+namespace upipe {
+namespace {
+
+struct golden_case {
+  model_config config;
+  host_weights weights;
+  std::vector<std::int32_t> tokens;
+  double loss = 0;
+  safetensors_file grads;
+};
+
+golden_case load(const std::string& name) {
+  const std::string dir = std::string(UPIPE_SOURCE_DIR) + "/tests/golden/" + name;
+  golden_case g;
+  g.config = read_hf_config(dir + "/config.json");
+  g.weights = read_weights(g.config, dir + "/model.safetensors");
+  g.grads = read_safetensors(dir + "/grads.safetensors");
+  std::ifstream in(dir + "/golden.json");
+  const auto j = nlohmann::json::parse(in);
+  g.tokens = j["tokens"].get<std::vector<std::int32_t>>();
+  g.loss = j["loss"].get<double>();
+  return g;
+}
+
+double rel_error(const std::vector<float>& a, const std::vector<float>& b) {
+  double diff = 0, ref = 0;
+  for (std::size_t i = 0; i < b.size(); ++i) {
+    diff = std::max(diff, std::abs(static_cast<double>(a[i]) - b[i]));
+    ref = std::max(ref, std::abs(static_cast<double>(b[i])));
+  }
+  return a.size() == b.size() ? diff / ref : INFINITY;
+}
+
+void expect_matches(const golden_case& g, const model_step_request& req, const std::string& what) {
+  SCOPED_TRACE(what);
+  const model_step_result r = run_model_step(req, g.weights, g.tokens);
+  EXPECT_LT(std::abs(r.loss - g.loss) / std::abs(g.loss), 1e-5) << "loss " << r.loss << " vs " << g.loss;
+  EXPECT_EQ(r.counted, static_cast<std::int64_t>(g.tokens.size()) - 1);
+  ASSERT_EQ(r.grads.size(), g.grads.tensors.size());
+  for (const auto& [name, entry] : g.grads.tensors) {
+    auto it = r.grads.find(name);
+    ASSERT_NE(it, r.grads.end()) << name;
+    EXPECT_LT(rel_error(it->second, entry.values), 1e-5) << name;
+  }
+}
+
+model_step_request request(const golden_case& g, strategy_kind kind, int cp, int chunk) {
+  model_step_request req;
+  req.model = g.config;
+  req.cp = {kind, cp, chunk};
+  req.options.mlp_tile = 5;    // tiles that do not divide the shard
+  req.options.loss_chunk = 7;  // nor do the loss chunks
+  req.limits = {std::size_t{256} << 20, std::size_t{64} << 20};
+  return req;
+}
+
+class golden : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(golden, single_device_matches_transformers) {
+  const golden_case g = load(GetParam());
+  expect_matches(g, request(g, strategy_kind::ulysses, 1, 0), "cp=1");
+}
+
+TEST_P(golden, every_strategy_with_two_and_four_ranks) {
+  const golden_case g = load(GetParam());
+  for (int cp : {2, 4}) {
+    expect_matches(g, request(g, strategy_kind::ulysses, cp, 0), "ulysses C=" + std::to_string(cp));
+    expect_matches(g, request(g, strategy_kind::ring, cp, 0), "ring C=" + std::to_string(cp));
+    for (int u : valid_head_chunks(g.config.num_heads, cp))
+      expect_matches(g, request(g, strategy_kind::upipe, cp, u), "upipe C=" + std::to_string(cp) + " U=" + std::to_string(u));
+  }
+}
+
+TEST_P(golden, every_checkpoint_policy) {
+  const golden_case g = load(GetParam());
+  for (const char* what : {"input", "input+attention"})
+    for (int every : {1, 2})
+      for (const char* where : {"device", "host-pinned", "host-pageable"}) {
+        const std::string text = std::string("what=") + what + ",every=" + std::to_string(every) + ",where=" + where;
+        for (auto kind : {strategy_kind::upipe, strategy_kind::ring}) {
+          model_step_request req = request(g, kind, 2, 0);
+          req.options.policy = parse_checkpoint_policy(text);
+          expect_matches(g, req, text + " " + std::string(strategy_name(kind)));
+        }
+      }
+}
+
+INSTANTIATE_TEST_SUITE_P(models, golden, ::testing::Values("tiny-llama", "tiny-qwen3"),
+                         [](const auto& info) { return info.param == "tiny-llama" ? "tiny_llama" : "tiny_qwen3"; });
+
+}  // namespace
+}  // namespace upipe

@@ -1,0 +1,91 @@
+// Whole-model memory on the meta backend: the GPU's allocator and ledger, no data.
+#include <gtest/gtest.h>
+
+#include <chrono>
+
+#include "model/model_step.hpp"
+
+namespace upipe {
+namespace {
+
+model_step_result meta_step(const std::string& model, std::int64_t S, int cp, const std::string& policy = "") {
+  model_step_request req;
+  req.model = preset(model);
+  req.cp = {strategy_kind::upipe, cp, 0};
+  req.backend = backend_kind::meta;
+  req.limits = {std::size_t{1} << 50, std::size_t{1} << 50};
+  req.options.policy = parse_checkpoint_policy(policy);
+  req.record_timeline = true;
+  const std::vector<std::int32_t> tokens(static_cast<std::size_t>(S), 0);
+  return run_model_step(req, {}, tokens);
+}
+
+constexpr std::size_t bf16 = 2, f32 = 4;
+
+TEST(model_memory, llama3_8b_one_million_tokens_on_eight_ranks_in_seconds) {
+  const auto start = std::chrono::steady_clock::now();
+  const model_step_result r = meta_step("llama3-8b", 1 << 20, 8);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_LT(seconds, 30.0);
+  const model_config c = preset("llama3-8b");
+  const std::size_t params = static_cast<std::size_t>(c.parameter_count());
+  EXPECT_EQ(r.peak_bytes.at("weights"), params * bf16);
+  EXPECT_EQ(r.peak_bytes.at("grads"), params * f32);
+  // One layer-input checkpoint per layer: s x D bf16 each, s = 1M / 8.
+  const std::size_t s = (1 << 20) / 8;
+  EXPECT_EQ(r.peak_bytes.at("checkpoints_device"), c.num_layers * s * c.hidden_size * bf16);
+  EXPECT_EQ(r.peak_bytes.at("checkpoints_host"), 0u);
+  EXPECT_GT(r.peak_bytes.at("attention"), 0u);
+  EXPECT_GT(r.peak_bytes.at("activations"), 0u);
+  EXPECT_GT(r.device_peak_bytes, r.peak_bytes.at("weights") + r.peak_bytes.at("grads"));
+}
+
+TEST(model_memory, tiled_mlp_peak_is_one_tile_whatever_the_length) {
+  const model_config c = preset("llama3-8b");
+  const std::size_t t = c.hidden_size, D = c.hidden_size, F = c.intermediate_size;
+  // Backward of one tile: norm output and its rstd, gate, up, activation, d_act and the
+  // working copy of the incoming gradient.
+  const std::size_t tile = 2 * t * D * bf16 + 4 * t * F * bf16 + t * f32;
+  for (std::int64_t S : {std::int64_t{1} << 16, std::int64_t{1} << 17}) {
+    const model_step_result r = meta_step("llama3-8b", S, 8);
+    EXPECT_EQ(peak_of_labels(r.timeline, {"mlp_"}), tile) << "S = " << S;
+  }
+}
+
+TEST(model_memory, loss_peak_is_one_chunk_of_logits_whatever_the_length) {
+  const model_config c = preset("llama3-8b");
+  const std::size_t V = static_cast<std::size_t>(c.vocab_size), D = c.hidden_size;
+  const std::size_t n = (std::size_t{256} << 20) / (4 * V);  // the default chunk: 256 MiB of f32 logits
+  const std::size_t chunk = n * D * bf16 + n * f32 + n * V * f32 + n * V * bf16;
+  for (std::int64_t S : {std::int64_t{1} << 16, std::int64_t{1} << 18}) {
+    const model_step_result r = meta_step("llama3-8b", S, 8);
+    EXPECT_EQ(peak_of_labels(r.timeline, {"final_norm", "logits", "d_logits", "d_final_norm"}), chunk) << S;
+  }
+}
+
+TEST(model_memory, checkpoint_policies_move_bytes_between_device_and_host) {
+  const model_config c = preset("llama3.2-1b");
+  const std::int64_t S = 1 << 16;
+  const std::size_t s = S / 8, input = s * c.hidden_size * bf16;
+  const std::size_t attention = s * c.num_heads * c.head_dim * bf16 + c.num_heads / 8 * S * f32;  // out + lse
+  const std::size_t L = c.num_layers;
+  struct expectation {
+    const char* policy;
+    std::size_t device, host;
+  };
+  const expectation cases[] = {
+      {"what=input,every=1,where=device", L * input, 0},
+      {"what=input,every=1,where=host-pinned", 0, L * input},
+      {"what=input,every=4,where=host-pageable", 0, L / 4 * input},
+      {"what=input+attention,every=1,where=device", L * (input + attention), 0},
+      {"what=input+attention,every=2,where=host-pinned", 0, L / 2 * (input + attention)},
+  };
+  for (const expectation& e : cases) {
+    const model_step_result r = meta_step("llama3.2-1b", S, 8, e.policy);
+    EXPECT_EQ(r.peak_bytes.at("checkpoints_device"), e.device) << e.policy;
+    EXPECT_EQ(r.peak_bytes.at("checkpoints_host"), e.host) << e.policy;
+  }
+}
+
+}  // namespace
+}  // namespace upipe
