@@ -29,6 +29,7 @@ struct bench_flags {
   bool no_check = false;
   double rope_theta = 500000;
   bool rope_llama3 = false;
+  bool qk_norm = false;
 };
 
 // The head chunks to run for one strategy: the flag's values, "all" for every valid U,
@@ -69,6 +70,7 @@ std::vector<attention_config> configurations(const bench_flags& f) {
         c.head_chunk = chunk;
         c.rope.theta = f.rope_theta;
         c.rope.scaling.enabled = f.rope_llama3;
+        c.qk_norm = f.qk_norm;
         validate(c);  // every configuration is checked before the first one runs
         configs.push_back(c);
       }
@@ -189,6 +191,7 @@ command_runner add_bench_attention(CLI::App& app) {
   app.add_flag("--no-check", f->no_check, "skip the float64 reference (long sequences on cpu)");
   app.add_option("--rope-theta", f->rope_theta, "RoPE base")->capture_default_str();
   app.add_flag("--rope-llama3", f->rope_llama3, "Llama 3 RoPE frequency scaling (factor 8, original 8192)");
+  app.add_flag("--qk-norm", f->qk_norm, "Qwen3's per-head RMSNorm on q and k before RoPE");
   return [f] { return run(*f); };
 }
 

@@ -11,5 +11,7 @@ namespace upipe::apps {
 using command_runner = std::function<int()>;
 
 command_runner add_bench_attention(CLI::App& app);
+command_runner add_model_config(CLI::App& app);
+command_runner add_step(CLI::App& app);
 
 }  // namespace upipe::apps

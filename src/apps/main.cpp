@@ -25,6 +25,10 @@ int main(int argc, char** argv) {
   upipe::apps::command_runner run;
   auto bench = upipe::apps::add_bench_attention(*app.add_subcommand(
       "bench-attention", "Attention layer forward+backward under CP: time, memory, bytes, error vs reference"));
+  auto model = upipe::apps::add_model_config(
+      *app.add_subcommand("model-config", "Show a model configuration and its parameters; write it as config.json"));
+  auto step = upipe::apps::add_step(*app.add_subcommand(
+      "step", "One forward and backward of a whole model under CP: loss, time, peak memory by tag"));
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -32,6 +36,8 @@ int main(int argc, char** argv) {
   }
   try {
     if (app.got_subcommand("bench-attention")) return bench();
+    if (app.got_subcommand("model-config")) return model();
+    if (app.got_subcommand("step")) return step();
   } catch (const std::exception& e) {
     return report_error(e);
   }

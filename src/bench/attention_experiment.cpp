@@ -21,7 +21,7 @@ namespace {
 // What one rank hands back: its shard of the outputs and its partial weight gradients.
 struct rank_output {
   std::vector<position_run> positions;
-  std::vector<float> y, attn_out, d_x, d_wq, d_wk, d_wv, d_wo;
+  std::vector<float> y, attn_out, d_x, d_wq, d_wk, d_wv, d_wo, d_q_norm, d_k_norm;
 };
 
 // Rows of a (S, width) host matrix that `positions` names, in local order.
@@ -47,6 +47,7 @@ std::vector<float> download(backend& be, const tensor& t) {
 
 struct rank_tensors {
   tensor wq, wk, wv, wo, gq, gk, gv, go, x, d_y, y, d_x;
+  tensor q_norm, k_norm, g_q_norm, g_k_norm;  // with qk-norm
 };
 
 rank_tensors allocate_rank(const attention_config& c, backend& be, const attention_inputs* in,
@@ -67,6 +68,16 @@ rank_tensors allocate_rank(const attention_config& c, backend& be, const attenti
   t.d_y = be.allocate(mem_tag::activations, w, {s, D}, "d_y");
   t.y = be.allocate(mem_tag::activations, w, {s, D}, "y");
   t.d_x = be.allocate_zeroed(mem_tag::activations, dtype::f32, {s, D}, "d_x");
+  if (c.qk_norm) {
+    t.q_norm = be.allocate(mem_tag::weights, w, {1, c.head_dim}, "q_norm");
+    t.k_norm = be.allocate(mem_tag::weights, w, {1, c.head_dim}, "k_norm");
+    t.g_q_norm = be.allocate_zeroed(mem_tag::grads, dtype::f32, {1, c.head_dim}, "grad_q_norm");
+    t.g_k_norm = be.allocate_zeroed(mem_tag::grads, dtype::f32, {1, c.head_dim}, "grad_k_norm");
+    if (in != nullptr) {
+      be.upload_f32(t.q_norm, in->q_norm.data());
+      be.upload_f32(t.k_norm, in->k_norm.data());
+    }
+  }
   if (in != nullptr) {
     be.upload_f32(t.wq, in->wq.data());
     be.upload_f32(t.wk, in->wk.data());
@@ -84,8 +95,10 @@ void run_rank(const attention_config& c, backend& be, communicator& comm, const 
   attention_layer layer(c, be, {&comm, &comm});
   out.positions = layer.strategy().local_positions(comm.rank());
   rank_tensors t = allocate_rank(c, be, in, out.positions);
-  const attention_weights w = {t.wq.matrix(), t.wk.matrix(), t.wv.matrix(), t.wo.matrix()};
-  const attention_grads g = {t.gq.matrix(), t.gk.matrix(), t.gv.matrix(), t.go.matrix()};
+  const attention_weights w = {t.wq.matrix(), t.wk.matrix(), t.wv.matrix(), t.wo.matrix(), t.q_norm.matrix(),
+                               t.k_norm.matrix()};
+  const attention_grads g = {t.gq.matrix(), t.gk.matrix(), t.gv.matrix(), t.go.matrix(), t.g_q_norm.matrix(),
+                             t.g_k_norm.matrix()};
   comm.barrier();
   comm.reset_counters();
   be.synchronize();
@@ -121,6 +134,10 @@ void run_rank(const attention_config& c, backend& be, communicator& comm, const 
     out.d_wk = download(be, t.gk);
     out.d_wv = download(be, t.gv);
     out.d_wo = download(be, t.go);
+    if (c.qk_norm) {
+      out.d_q_norm = download(be, t.g_q_norm);
+      out.d_k_norm = download(be, t.g_k_norm);
+    }
   }
 }
 
@@ -130,7 +147,7 @@ void add_into(std::vector<double>& sum, const std::vector<float>& part) {
 }
 
 struct assembled {
-  std::vector<double> y, attn_out, d_x, d_wq, d_wk, d_wv, d_wo;
+  std::vector<double> y, attn_out, d_x, d_wq, d_wk, d_wv, d_wo, d_q_norm, d_k_norm;
 };
 
 assembled assemble(const attention_config& c, const std::vector<rank_output>& ranks) {
@@ -147,6 +164,8 @@ assembled assemble(const attention_config& c, const std::vector<rank_output>& ra
     add_into(a.d_wk, r.d_wk);
     add_into(a.d_wv, r.d_wv);
     add_into(a.d_wo, r.d_wo);
+    add_into(a.d_q_norm, r.d_q_norm);
+    add_into(a.d_k_norm, r.d_k_norm);
   }
   return a;
 }
@@ -176,13 +195,20 @@ void dump(const std::string& dir, const attention_config& c, const attention_inp
   put_d("d_wk", {kd, D}, a.d_wk);
   put_d("d_wv", {kd, D}, a.d_wv);
   put_d("d_wo", {D, hd}, a.d_wo);
+  if (c.qk_norm) {
+    put("q_norm", {c.head_dim}, in.q_norm);
+    put("k_norm", {c.head_dim}, in.k_norm);
+    put_d("d_q_norm", {c.head_dim}, a.d_q_norm);
+    put_d("d_k_norm", {c.head_dim}, a.d_k_norm);
+  }
   nlohmann::json meta = {{"seq_len", S}, {"heads", c.heads}, {"kv_heads", c.kv_heads}, {"head_dim", c.head_dim},
                          {"model_dim", D}, {"cp", c.cp}, {"head_chunk", c.head_chunk},
                          {"strategy", strategy_name(c.strategy)}, {"rope_theta", c.rope.theta},
                          {"rope_llama3_scaling", c.rope.scaling.enabled}, {"rope_factor", c.rope.scaling.factor},
                          {"rope_low_freq_factor", c.rope.scaling.low_freq_factor},
                          {"rope_high_freq_factor", c.rope.scaling.high_freq_factor},
-                         {"rope_original_max_position", c.rope.scaling.original_max_position}};
+                         {"rope_original_max_position", c.rope.scaling.original_max_position},
+                         {"qk_norm", c.qk_norm}, {"norm_eps", c.norm_eps}};
   std::ofstream f(dir + "/config.json");
   f << meta.dump(2) << "\n";
   if (!f) throw io_error("writing " + dir + "/config.json failed");
@@ -193,6 +219,10 @@ void compare(experiment_result& result, const assembled& a, const attention_outp
                       {"d_input", relative_error(a.d_x, ref.d_x)}, {"d_wq", relative_error(a.d_wq, ref.d_wq)},
                       {"d_wk", relative_error(a.d_wk, ref.d_wk)},  {"d_wv", relative_error(a.d_wv, ref.d_wv)},
                       {"d_wo", relative_error(a.d_wo, ref.d_wo)}};
+  if (!ref.d_q_norm.empty()) {
+    result.rel_error["d_q_norm"] = relative_error(a.d_q_norm, ref.d_q_norm);
+    result.rel_error["d_k_norm"] = relative_error(a.d_k_norm, ref.d_k_norm);
+  }
   double worst = 0;
   for (const auto& [name, e] : result.rel_error) worst = std::max(worst, e);
   result.max_rel_error = worst;

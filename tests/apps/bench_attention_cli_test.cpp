@@ -2,41 +2,19 @@
 // independent NumPy reference, and clear refusals of bad flags.
 #include <gtest/gtest.h>
 
-#include <sys/wait.h>
-
-#include <array>
-#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <string>
 
 #include <nlohmann/json.hpp>
 
+#include "run_upipe.hpp"
+
 namespace {
 
-struct run_result {
-  int exit_code;
-  std::string output;  // stdout and stderr
-};
-
-run_result run_upipe(const std::string& args) {
-  const std::string command = std::string(UPIPE_BINARY) + " " + args + " 2>&1";
-  FILE* pipe = popen(command.c_str(), "r");
-  std::string output;
-  std::array<char, 4096> buffer;
-  while (std::fgets(buffer.data(), buffer.size(), pipe) != nullptr) output += buffer.data();
-  const int status = pclose(pipe);
-  // A crash (signal) is never an acceptable way to refuse input.
-  EXPECT_TRUE(WIFEXITED(status)) << "upipe " << args << " died: " << output;
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, output};
-}
-
-std::filesystem::path temp_dir(const std::string& name) {
-  auto dir = std::filesystem::temp_directory_path() / ("upipe_test_" + name + "_" + std::to_string(::getpid()));
-  std::filesystem::remove_all(dir);
-  std::filesystem::create_directories(dir);
-  return dir;
-}
+using upipe::testing::run_result;
+using upipe::testing::run_upipe;
+using upipe::testing::temp_dir;
 
 TEST(bench_attention_cli, default_run_checks_every_strategy) {
   const run_result r = run_upipe("bench-attention --seq-len 64 --head-dim 16");
@@ -92,10 +70,11 @@ TEST(bench_attention_cli, dump_is_checked_by_an_independent_numpy_reference) {
   if (std::system("python3 -c 'import numpy' >/dev/null 2>&1") != 0) GTEST_SKIP() << "NumPy is not installed";
   const auto dir = temp_dir("dump");
   const run_result r = run_upipe("bench-attention --strategy upipe --heads 8 --kv-heads 2 --cp 4 --head-chunk 4 "
-                                 "--seq-len 64 --head-dim 16 --model-dim 24 --rope-llama3 --rope-theta 10000 --dump " +
+                                 "--seq-len 64 --head-dim 16 --model-dim 24 --rope-llama3 --rope-theta 10000 --qk-norm --dump " +
                                  dir.string());
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  for (const char* f : {"x", "wq", "wk", "wv", "wo", "d_y", "y", "attn_out", "d_x", "d_wq", "d_wk", "d_wv", "d_wo"})
+  for (const char* f : {"x", "wq", "wk", "wv", "wo", "d_y", "y", "attn_out", "d_x", "d_wq", "d_wk", "d_wv", "d_wo",
+                        "q_norm", "d_q_norm", "d_k_norm"})
     EXPECT_TRUE(std::filesystem::exists(dir / (std::string(f) + ".npy"))) << f;
   const std::string check = "python3 " + std::string(UPIPE_SOURCE_DIR) + "/scripts/check_dump.py " + dir.string();
   EXPECT_EQ(std::system(check.c_str()), 0);

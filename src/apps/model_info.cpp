@@ -1,0 +1,58 @@
+// `upipe model-config`: shows a model configuration (a preset or a Hugging Face
+// config.json), its parameter count and shapes, and can write it as a config.json that
+// transformers loads.
+#include <cstdio>
+#include <string>
+
+#include "apps/commands.hpp"
+#include "core/error.hpp"
+#include "model/config.hpp"
+
+namespace upipe::apps {
+
+namespace {
+
+struct model_flags {
+  std::string model = "tiny-llama";
+  std::string config_path;
+  std::string out_path;
+  bool list = false;
+};
+
+int run(const model_flags& f) {
+  if (f.list) {
+    for (const std::string& name : preset_names()) {
+      const model_config c = preset(name);
+      std::printf("%-12s %6.2fB parameters  L=%d D=%d H=%d K=%d d=%d F=%d V=%lld%s%s\n", name.c_str(),
+                  static_cast<double>(c.parameter_count()) / 1e9, c.num_layers, c.hidden_size, c.num_heads,
+                  c.num_kv_heads, c.head_dim, c.intermediate_size, static_cast<long long>(c.vocab_size),
+                  c.tie_embeddings ? " tied" : "", c.qk_norm ? " qk-norm" : "");
+    }
+    return 0;
+  }
+  const model_config c = f.config_path.empty() ? preset(f.model) : read_hf_config(f.config_path);
+  std::printf("%s: %lld parameters\n", c.name.c_str(), static_cast<long long>(c.parameter_count()));
+  for (const parameter_spec& p : parameter_specs(c)) {
+    std::string dims;
+    for (auto d : p.shape) dims += (dims.empty() ? "" : " x ") + std::to_string(d);
+    std::printf("  %-52s %s\n", p.name.c_str(), dims.c_str());
+  }
+  if (!f.out_path.empty()) {
+    write_hf_config(c, f.out_path);
+    std::printf("wrote %s\n", f.out_path.c_str());
+  }
+  return 0;
+}
+
+}  // namespace
+
+command_runner add_model_config(CLI::App& app) {
+  auto f = std::make_shared<model_flags>();
+  app.add_option("--model", f->model, "preset name (see --list)")->capture_default_str();
+  app.add_option("--config", f->config_path, "a Hugging Face config.json instead of a preset");
+  app.add_option("--out", f->out_path, "write the configuration as a Hugging Face config.json here");
+  app.add_flag("--list", f->list, "list the presets");
+  return [f] { return run(*f); };
+}
+
+}  // namespace upipe::apps

@@ -1,0 +1,125 @@
+// `upipe step`: one forward and backward of a whole model under CP (the model-level
+// entry), reporting the loss, the time and the peak memory by tag of rank 0.
+#include <cstdio>
+#include <fstream>
+#include <random>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "apps/commands.hpp"
+#include "apps/sizes.hpp"
+#include "core/error.hpp"
+#include "model/model_step.hpp"
+#include "train/safetensors.hpp"
+
+namespace upipe::apps {
+
+namespace {
+
+struct step_flags {
+  std::string model = "tiny-llama", config_path, weights_path, tokens_path, json_path, grads_path;
+  std::string backend = "cpu", attention = "upipe", policy, seq_len = "256";
+  int cp = 4, head_chunk = 0;
+  std::int64_t mlp_tile = 0, loss_chunk = 0;
+  unsigned long long seed = 1;
+  double memory_gib = 8;
+};
+
+// The first `count` tokens of a flat little-endian uint32 file, checked against the vocabulary.
+std::vector<std::int32_t> read_tokens(const std::string& path, std::int64_t count, std::int64_t vocab) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw io_error("cannot open token file " + path);
+  std::vector<std::uint32_t> raw(static_cast<std::size_t>(count));
+  in.read(reinterpret_cast<char*>(raw.data()), static_cast<std::streamsize>(raw.size() * 4));
+  if (in.gcount() != static_cast<std::streamsize>(raw.size() * 4))
+    throw io_error("token file " + path + " holds " + std::to_string(in.gcount() / 4) + " tokens, fewer than --seq-len " +
+                   std::to_string(count) + ": use a shorter --seq-len or a longer file");
+  std::vector<std::int32_t> tokens(raw.size());
+  for (std::size_t i = 0; i < raw.size(); ++i) {
+    if (raw[i] >= vocab)
+      throw io_error("token file " + path + ": token " + std::to_string(raw[i]) + " at position " + std::to_string(i) +
+                     " is not below the vocabulary size " + std::to_string(vocab));
+    tokens[i] = static_cast<std::int32_t>(raw[i]);
+  }
+  return tokens;
+}
+
+std::vector<std::int32_t> random_tokens(std::int64_t count, std::int64_t vocab, unsigned long long seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_int_distribution<std::int64_t> pick(0, vocab - 1);
+  std::vector<std::int32_t> tokens(static_cast<std::size_t>(count));
+  for (auto& t : tokens) t = static_cast<std::int32_t>(pick(rng));
+  return tokens;
+}
+
+void write_grads(const step_flags& f, const model_config& c, const model_step_result& r) {
+  std::vector<safetensors_tensor> tensors;
+  for (const parameter_spec& p : parameter_specs(c)) tensors.push_back({p.name, p.shape, r.grads.at(p.name), dtype::f32});
+  write_safetensors(f.grads_path, tensors);
+}
+
+int run(const step_flags& f) {
+  model_step_request req;
+  req.model = f.config_path.empty() ? preset(f.model) : read_hf_config(f.config_path);
+  req.backend = parse_backend_kind(f.backend);
+  req.cp = {parse_strategy_kind(f.attention), f.cp, f.head_chunk};
+  req.options = {f.mlp_tile, f.loss_chunk, parse_checkpoint_policy(f.policy)};
+  if (f.memory_gib <= 0) throw config_error("--memory-gib must be positive (for example 8)");
+  req.limits = req.backend == backend_kind::meta
+                   ? memory_limits{std::size_t{1} << 50, std::size_t{1} << 50}
+                   : memory_limits{static_cast<std::size_t>(f.memory_gib * (1 << 30)), static_cast<std::size_t>(f.memory_gib * (1 << 30))};
+  const std::int64_t S = parse_count(f.seq_len, "--seq-len");
+  if (S < 2) throw config_error("--seq-len " + f.seq_len + " must be at least 2 (one prediction needs two tokens)");
+  const bool data = req.backend != backend_kind::meta;
+  const host_weights weights = !data ? host_weights{}
+                               : f.weights_path.empty() ? random_weights(req.model, f.seed)
+                                                        : read_weights(req.model, f.weights_path);
+  const std::vector<std::int32_t> tokens = f.tokens_path.empty() ? random_tokens(S, req.model.vocab_size, f.seed + 1)
+                                                                 : read_tokens(f.tokens_path, S, req.model.vocab_size);
+  const model_step_result r = run_model_step(req, weights, tokens);
+  std::printf("# upipe step  model=%s  backend=%s  attention=%s  cp=%d  S=%lld (padded %lld)  policy=%s\n",
+              req.model.name.c_str(), f.backend.c_str(), f.attention.c_str(), f.cp, static_cast<long long>(S),
+              static_cast<long long>(r.seq_len), req.options.policy.str().c_str());
+  if (data) std::printf("loss %.6f over %lld tokens\n", r.loss, static_cast<long long>(r.counted));
+  std::printf("time %.1f ms (forward + backward, rank 0)\npeak memory of rank 0 by tag (MiB):\n", r.time_ms);
+  for (const auto& [tag, bytes] : r.peak_bytes)
+    if (bytes > 0) std::printf("  %-20s %12.1f\n", tag.c_str(), static_cast<double>(bytes) / (1 << 20));
+  std::printf("  %-20s %12.1f\n", "device total", static_cast<double>(r.device_peak_bytes) / (1 << 20));
+  if (!f.json_path.empty()) {
+    nlohmann::json j = {{"model", req.model.name}, {"backend", f.backend}, {"attention", f.attention}, {"cp", f.cp},
+                        {"seq_len", r.seq_len}, {"time_ms", r.time_ms}, {"peak_bytes", r.peak_bytes},
+                        {"device_peak_bytes", r.device_peak_bytes}, {"checkpoint_policy", req.options.policy.str()}};
+    j["loss"] = data ? nlohmann::json(r.loss) : nlohmann::json(nullptr);
+    std::ofstream out(f.json_path);
+    out << j.dump(2) << "\n";
+    if (!out) throw io_error("cannot write " + f.json_path);
+  }
+  if (!f.grads_path.empty() && data) write_grads(f, req.model, r);
+  return 0;
+}
+
+}  // namespace
+
+command_runner add_step(CLI::App& app) {
+  auto f = std::make_shared<step_flags>();
+  app.add_option("--model", f->model, "preset (upipe model-config --list)")->capture_default_str();
+  app.add_option("--config", f->config_path, "a Hugging Face config.json instead of a preset");
+  app.add_option("--weights", f->weights_path, "safetensors weights (file or directory); default: random");
+  app.add_option("--tokens", f->tokens_path, "flat little-endian uint32 token file; default: random tokens");
+  app.add_option("--seq-len", f->seq_len, "tokens in the sequence (K and M suffixes)")->capture_default_str();
+  app.add_option("--backend", f->backend, "cpu or meta")->capture_default_str();
+  app.add_option("--attention", f->attention, "ulysses, upipe or ring")->capture_default_str();
+  app.add_option("--cp", f->cp, "ranks in the CP group")->capture_default_str();
+  app.add_option("--head-chunk", f->head_chunk, "U for upipe (0: C)");
+  app.add_option("--checkpoint-policy", f->policy, "what=input|input+attention,every=K,where=device|host-pinned|host-pageable");
+  app.add_option("--mlp-tile", f->mlp_tile, "tokens per MLP tile (0: D)");
+  app.add_option("--loss-chunk", f->loss_chunk, "tokens per cross-entropy chunk (0: 256 MiB of logits)");
+  app.add_option("--seed", f->seed, "seed of random weights and tokens")->capture_default_str();
+  app.add_option("--memory-gib", f->memory_gib, "cpu memory per rank, GiB")->capture_default_str();
+  app.add_option("--json", f->json_path, "write the result as JSON");
+  app.add_option("--save-grads", f->grads_path, "write the weight gradients as safetensors");
+  return [f] { return run(*f); };
+}
+
+}  // namespace upipe::apps

@@ -1,0 +1,42 @@
+// Runs the upipe program as a user would, capturing its exit code and output.
+#pragma once
+
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <array>
+#include <cstdio>
+#include <filesystem>
+#include <string>
+
+namespace upipe::testing {
+
+struct run_result {
+  int exit_code;
+  std::string output;  // stdout and stderr
+};
+
+inline run_result run_upipe(const std::string& args) {
+  const std::string command = std::string(UPIPE_BINARY) + " " + args + " 2>&1";
+  FILE* pipe = popen(command.c_str(), "r");
+  std::string output;
+  std::array<char, 4096> buffer;
+  while (std::fgets(buffer.data(), buffer.size(), pipe) != nullptr) output += buffer.data();
+  const int status = pclose(pipe);
+  // A crash (signal) is never an acceptable way to refuse input.
+  EXPECT_TRUE(WIFEXITED(status)) << "upipe " << args << " died: " << output;
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, output};
+}
+
+// A fresh, empty directory for one test.
+inline std::filesystem::path temp_dir(const std::string& name) {
+  auto dir = std::filesystem::temp_directory_path() / ("upipe_test_" + name + "_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  return dir;
+}
+
+inline std::string source_path(const std::string& relative) { return std::string(UPIPE_SOURCE_DIR) + "/" + relative; }
+
+}  // namespace upipe::testing
