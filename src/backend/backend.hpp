@@ -84,6 +84,9 @@ class backend {
   virtual void swiglu_forward(const swiglu_forward_args& args) = 0;
   virtual void swiglu_backward(const swiglu_backward_args& args) = 0;
   virtual void cross_entropy(const cross_entropy_args& args) = 0;
+  virtual void adamw(const adamw_args& args) = 0;
+  // Sum of squares of an f32 vector, accumulated in fp64 (gradient norms).
+  virtual double sum_squares(const mat_view& x) = 0;
 
  protected:
   // Base addresses of the two arenas; nullptr on meta. Set by the derived constructor.

@@ -132,4 +132,15 @@ struct cross_entropy_args {
   float grad_scale = 1.0f;
 };
 
+// One AdamW step on a flat shard, all f32 except `weights` (the working-dtype copy that
+// forward reads, written from the updated master):
+//   g = grad * grad_scale (clipping); m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g^2;
+//   master -= lr * (m / (1 - b1^t) / (sqrt(v / (1 - b2^t)) + eps) + weight_decay * master)
+struct adamw_args {
+  mat_view master, exp_avg, exp_avg_sq, grad;  // (1, n) f32 each
+  mat_view weights;                            // (1, n) working dtype; may be empty (data nullptr, n 0)
+  float lr = 0, beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f, weight_decay = 0, grad_scale = 1;
+  std::int64_t step = 1;  // t, from 1, for the bias corrections
+};
+
 }  // namespace upipe

@@ -171,6 +171,29 @@ void check_position_runs(const rope_args& args) {
                     "; each token must be covered at most once");
 }
 
+// A flat fp32 shard of the optimizer: (1 x n).
+void check_shard(const char* op, const char* name, const mat_view& m, std::int64_t n) {
+  check_matrix(op, name, m);
+  check_type(op, name, m, dtype::f32, dtype::f32);
+  check_dims(op, name, m, 1, n);
+}
+
+void check_adamw_scalars(const adamw_args& args) {
+  UPIPE_CHECK(args.step >= 1, "ops::adamw: step " + std::to_string(args.step) +
+                                  " must be >= 1 (steps count from 1 for the bias corrections)");
+  UPIPE_CHECK(args.lr >= 0.0f && std::isfinite(args.lr),
+              "ops::adamw: lr " + std::to_string(args.lr) + " must be finite and >= 0 (e.g. 3e-4)");
+  for (const auto& [name, beta] : {std::pair{"beta1", args.beta1}, std::pair{"beta2", args.beta2}})
+    UPIPE_CHECK(beta >= 0.0f && beta < 1.0f,
+                std::string("ops::adamw: ") + name + " " + std::to_string(beta) + " must be in [0, 1) (e.g. 0.9)");
+  UPIPE_CHECK(args.eps > 0.0f && std::isfinite(args.eps),
+              "ops::adamw: eps " + std::to_string(args.eps) + " must be finite and > 0 (e.g. 1e-8)");
+  UPIPE_CHECK(args.weight_decay >= 0.0f && std::isfinite(args.weight_decay),
+              "ops::adamw: weight_decay " + std::to_string(args.weight_decay) + " must be finite and >= 0 (e.g. 0.1)");
+  UPIPE_CHECK(std::isfinite(args.grad_scale), "ops::adamw: grad_scale " + std::to_string(args.grad_scale) +
+                                                  " must be finite (e.g. the clipping coefficient)");
+}
+
 }  // namespace
 
 void gemm(backend& be, const gemm_args& args) {
@@ -374,6 +397,30 @@ void cross_entropy(backend& be, const cross_entropy_args& args) {
   UPIPE_CHECK(std::isfinite(args.grad_scale), "ops::cross_entropy: grad_scale " + std::to_string(args.grad_scale) +
                                                   " must be finite (e.g. 1 / the number of unmasked tokens)");
   be.cross_entropy(args);
+}
+
+// master, the moments and the gradient are (1 x n) f32; weights is the working-dtype
+// copy written from the updated master, or empty (data nullptr, 0 cols) to skip it.
+void adamw(backend& be, const adamw_args& args) {
+  const char* op = "adamw";
+  const std::int64_t n = args.master.cols;
+  for (const auto& [name, view] : {std::pair{"master", &args.master}, std::pair{"exp_avg", &args.exp_avg},
+                                   std::pair{"exp_avg_sq", &args.exp_avg_sq}, std::pair{"grad", &args.grad}})
+    check_shard(op, name, *view, n);
+  const bool no_weights = args.weights.data == nullptr && args.weights.cols == 0;
+  if (!no_weights) {
+    check_matrix(op, "weights", args.weights);
+    check_type(op, "weights", args.weights, be.work_dtype(), be.work_dtype());
+    check_dims(op, "weights", args.weights, 1, n);
+  }
+  check_adamw_scalars(args);
+  be.adamw(args);
+}
+
+double sum_squares(backend& be, const mat_view& x) {
+  check_matrix("sum_squares", "x", x);
+  check_type("sum_squares", "x", x, dtype::f32, dtype::f32);
+  return be.sum_squares(x);
 }
 
 std::vector<double> rope_inverse_frequencies(const rope_config& config, std::int64_t head_dim) {

@@ -26,6 +26,8 @@ void embedding_backward(backend& be, const embedding_backward_args& args);
 void swiglu_forward(backend& be, const swiglu_forward_args& args);
 void swiglu_backward(backend& be, const swiglu_backward_args& args);
 void cross_entropy(backend& be, const cross_entropy_args& args);
+void adamw(backend& be, const adamw_args& args);
+double sum_squares(backend& be, const mat_view& x);
 
 // A matrix as a (rows, 1, cols) head view, so the head ops copy, convert, add and fill
 // matrices too.

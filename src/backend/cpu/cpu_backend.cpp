@@ -86,6 +86,8 @@ class cpu_backend final : public backend {
   void swiglu_forward(const swiglu_forward_args& a) override { cpu::swiglu_forward(a); }
   void swiglu_backward(const swiglu_backward_args& a) override { cpu::swiglu_backward(a); }
   void cross_entropy(const cross_entropy_args& a) override { cpu::cross_entropy(a); }
+  void adamw(const adamw_args& a) override { cpu::adamw(a); }
+  double sum_squares(const mat_view& x) override { return cpu::sum_squares(x); }
 
  protected:
   // Give large freed blocks' pages back so resident memory follows the ledger.

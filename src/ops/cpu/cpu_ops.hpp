@@ -21,5 +21,7 @@ void embedding_backward(const embedding_backward_args& args);
 void swiglu_forward(const swiglu_forward_args& args);
 void swiglu_backward(const swiglu_backward_args& args);
 void cross_entropy(const cross_entropy_args& args);
+void adamw(const adamw_args& args);
+double sum_squares(const mat_view& x);
 
 }  // namespace upipe::cpu
