@@ -35,16 +35,6 @@ std::vector<std::int32_t> shard(const std::vector<std::int32_t>& global, const s
   return out;
 }
 
-void upload_weights(backend& be, const model_parameters& params, const host_weights& weights) {
-  if (!be.has_data()) return;
-  for (std::size_t i = 0; i < params.size(); ++i) {
-    auto it = weights.find(params.specs()[i].name);
-    if (it == weights.end()) throw io_error("no weights for " + params.specs()[i].name);
-    UPIPE_CHECK(static_cast<std::int64_t>(it->second.size()) == params[i].numel(), "size of " + it->first);
-    be.upload_f32(params[i], it->second.data());
-  }
-}
-
 struct rank_result {
   double loss_sum = 0;
   host_weights grads;
@@ -53,9 +43,8 @@ struct rank_result {
 void run_rank(const model_step_request& req, const prepared_sequence& seq, const host_weights& weights, backend& be,
               communicator& comm, rank_result& out, model_step_result* measured) {
   const auto seq_len = static_cast<std::int64_t>(seq.ids.size());
-  model_parameters w(req.model, be, mem_tag::weights, be.work_dtype(), model_parameters::init::uninitialized);
-  model_parameters g(req.model, be, mem_tag::grads, dtype::f32, model_parameters::init::zeros);
-  upload_weights(be, w, weights);
+  parameter_store params(req.model, be, comm, zero_stage::replicated);
+  params.load(weights);
   transformer model(req.model, req.cp, seq_len, be, {&comm, &comm}, req.options);
   const auto runs = model.local_positions(comm.rank());
   const auto ids = shard(seq.ids, runs, model.local_tokens());
@@ -64,7 +53,7 @@ void run_rank(const model_step_request& req, const prepared_sequence& seq, const
   be.ledger().record_timeline(measured != nullptr && req.record_timeline);
   comm.barrier();
   const auto start = std::chrono::steady_clock::now();
-  out.loss_sum = model.forward_backward(w, g, {ids, labels, scale});
+  out.loss_sum = model.forward_backward(params, {ids, labels, scale});
   be.synchronize();
   comm.barrier();
   if (measured != nullptr) {
@@ -74,12 +63,7 @@ void run_rank(const model_step_request& req, const prepared_sequence& seq, const
     measured->device_peak_bytes = be.ledger().device_peak();
     measured->timeline = be.ledger().timeline();
   }
-  if (!be.has_data()) return;
-  for (std::size_t i = 0; i < g.size(); ++i) {
-    std::vector<float> v(static_cast<std::size_t>(g[i].numel()));
-    be.download_f32(v.data(), g[i]);
-    out.grads.emplace(g.specs()[i].name, std::move(v));
-  }
+  if (be.has_data()) out.grads = params.local_grads();
 }
 
 }  // namespace

@@ -69,34 +69,76 @@ mem_tag transformer::input_tag(int layer) const {
                                                                                            : mem_tag::activations;
 }
 
-double transformer::forward_backward(const model_parameters& w, const model_parameters& g, const local_batch& batch) {
+tensor transformer::embed(parameter_store& params, const tensor& ids) {
+  tensor x = be_.allocate(input_tag(0), be_.work_dtype(), {tokens_, model_.hidden_size}, "layer_input");
+  params.acquire(params.embedding_unit());
+  ops::embedding_forward(be_, {params.embedding(), ids.matrix(), x.matrix()});
+  params.release(params.embedding_unit());
+  return x;
+}
+
+double transformer::forward_backward(parameter_store& params, const local_batch& batch) {
   tensor ids = upload_ids(batch.ids, "token_ids");
   tensor labels = upload_ids(batch.labels, "labels");
-  tensor x = be_.allocate(input_tag(0), be_.work_dtype(), {tokens_, model_.hidden_size}, "layer_input");
-  ops::embedding_forward(be_, {w.embedding(), ids.matrix(), x.matrix()});
-  forward_layers(w, std::move(x));
+  forward_layers(params, embed(params, ids), &store_);
   tensor d = be_.allocate(mem_tag::activations, dtype::f32, {tokens_, model_.hidden_size}, "d_hidden");
-  const double loss = loss_forward_backward(w, g, final_hidden_, labels, batch.grad_scale, d);
+  const double loss = loss_forward_backward(params, final_hidden_, labels, batch.grad_scale, d);
   final_hidden_.reset();
-  backward_layers(w, g, d);
-  ops::embedding_backward(be_, {d.matrix(), ids.matrix(), g.embedding()});
+  backward_layers(params, d);
+  const int embedding = params.embedding_unit();
+  if (!params.grads_open(embedding)) params.open_grads(embedding);
+  ops::embedding_backward(be_, {d.matrix(), ids.matrix(), params.embedding_grad()});
+  params.close_grads(embedding);
   return loss;
 }
 
-void transformer::forward_layers(const model_parameters& w, tensor x) {
+void transformer::forward_layers(parameter_store& params, tensor x, checkpoint_store* store) {
   for (int l = 0; l < model_.num_layers; ++l) {
     attention_layer::context ctx;
-    const bool keep_attention = store_.keeps_attention(l);
-    const mem_tag out_tag = l + 1 < model_.num_layers ? input_tag(l + 1) : mem_tag::activations;
-    tensor y = layer_forward(w.layer(l), x, out_tag, keep_attention ? &ctx : nullptr);
-    if (store_.keeps_input(l)) store_.save(l, checkpoint_store::item::input, std::move(x));
+    const bool keep_input = store != nullptr && store->keeps_input(l);
+    const bool keep_attention = store != nullptr && store->keeps_attention(l);
+    const mem_tag out_tag = l + 1 < model_.num_layers && store != nullptr ? input_tag(l + 1) : mem_tag::activations;
+    params.acquire(params.layer_unit(l));
+    tensor y = layer_forward(params.layer(l), x, out_tag, keep_attention ? &ctx : nullptr);
+    params.release(params.layer_unit(l));
+    if (keep_input) store->save(l, checkpoint_store::item::input, std::move(x));
     if (keep_attention) {
-      store_.save(l, checkpoint_store::item::attention_out, std::move(ctx.out));
-      store_.save(l, checkpoint_store::item::attention_lse, std::move(ctx.saved.lse));
+      store->save(l, checkpoint_store::item::attention_out, std::move(ctx.out));
+      store->save(l, checkpoint_store::item::attention_lse, std::move(ctx.saved.lse));
     }
     x = std::move(y);
   }
   final_hidden_ = std::move(x);
+}
+
+std::vector<std::int32_t> transformer::forward_argmax(parameter_store& params, std::span<const std::int32_t> ids_host) {
+  tensor ids = upload_ids(ids_host, "token_ids");
+  forward_layers(params, embed(params, ids), nullptr);
+  const std::int64_t D = model_.hidden_size, V = model_.vocab_size;
+  std::vector<std::int32_t> best(static_cast<std::size_t>(tokens_), 0);
+  const int head = params.head_unit(), embedding = params.embedding_unit();
+  params.acquire(head);
+  if (model_.tie_embeddings) params.acquire(embedding);
+  std::vector<float> row_logits(static_cast<std::size_t>(loss_chunk_ * V));
+  for (std::int64_t t0 = 0; t0 < tokens_; t0 += loss_chunk_) {
+    const std::int64_t n = std::min(loss_chunk_, tokens_ - t0);
+    tensor h = be_.allocate(mem_tag::activations, be_.work_dtype(), {n, D}, "final_norm_out");
+    tensor rstd = be_.allocate(mem_tag::activations, dtype::f32, {n, 1}, "final_norm_rstd");
+    ops::rmsnorm_forward(be_, {final_hidden_.matrix().row_block(t0, n), params.final_norm(), h.matrix(), rstd.matrix(),
+                               static_cast<float>(model_.rms_norm_eps)});
+    tensor logits = be_.allocate(mem_tag::workspace, dtype::f32, {n, V}, "logits");
+    ops::gemm(be_, {h.matrix(), transpose::none, params.lm_head(), transpose::yes, logits.matrix()});
+    if (!be_.has_data()) continue;
+    be_.download_f32(row_logits.data(), logits);
+    for (std::int64_t i = 0; i < n; ++i) {
+      const float* row = row_logits.data() + i * V;
+      best[t0 + i] = static_cast<std::int32_t>(std::max_element(row, row + V) - row);
+    }
+  }
+  if (model_.tie_embeddings) params.release(embedding);
+  params.release(head);
+  final_hidden_.reset();
+  return best;
 }
 
 tensor transformer::layer_forward(const layer_params& p, const tensor& x, mem_tag out_tag,
@@ -209,44 +251,64 @@ void transformer::layer_backward(int layer, const layer_params& p, const layer_p
 
 // Backward, newest layer first. A layer whose input was not kept belongs to a block
 // whose first input was: the block's inputs are recomputed from it, then consumed.
-void transformer::backward_layers(const model_parameters& w, const model_parameters& g, const tensor& d) {
+// Each layer's gradients are complete when its backward ends, and are closed (reduced).
+void transformer::backward_layers(parameter_store& params, const tensor& d) {
   std::vector<tensor> inputs;  // recomputed inputs of the current block, oldest first
   for (int l = model_.num_layers - 1; l >= 0; --l) {
     if (inputs.empty()) {
       const int start = store_.block_start(l);
       inputs.push_back(store_.take(start, checkpoint_store::item::input, mem_tag::activations));
-      for (int j = start; j < l; ++j) inputs.push_back(layer_forward(w.layer(j), inputs.back(), mem_tag::activations, nullptr));
+      for (int j = start; j < l; ++j) {
+        params.acquire(params.layer_unit(j));
+        inputs.push_back(layer_forward(params.layer(j), inputs.back(), mem_tag::activations, nullptr));
+        params.release(params.layer_unit(j));
+      }
     }
-    layer_backward(l, w.layer(l), g.layer(l), inputs.back(), d);
+    const int unit = params.layer_unit(l);
+    params.acquire(unit);
+    params.open_grads(unit);
+    layer_backward(l, params.layer(l), params.layer_grads(l), inputs.back(), d);
+    params.close_grads(unit);
+    params.release(unit);
     inputs.pop_back();
   }
 }
 
 // Final RMSNorm and the fused linear + cross-entropy, a chunk of tokens at a time: f32
 // logits exist for one chunk only; d_x (f32) and the lm head's gradient accumulate.
-double transformer::loss_forward_backward(const model_parameters& w, const model_parameters& g, const tensor& x,
-                                          const tensor& labels, double grad_scale, const tensor& d_x) {
+double transformer::loss_forward_backward(parameter_store& params, const tensor& x, const tensor& labels,
+                                          double grad_scale, const tensor& d_x) {
   const std::int64_t D = model_.hidden_size, V = model_.vocab_size;
   const float eps = static_cast<float>(model_.rms_norm_eps);
+  const int head = params.head_unit(), embedding = params.embedding_unit();
+  params.acquire(head);
+  params.open_grads(head);
+  if (model_.tie_embeddings) {  // the lm head is the embedding: its gradient stays open until the embedding's backward
+    params.acquire(embedding);
+    params.open_grads(embedding);
+  }
   tensor row_loss = be_.allocate(mem_tag::activations, dtype::f32, {tokens_, 1}, "row_loss");
   for (std::int64_t t0 = 0; t0 < tokens_; t0 += loss_chunk_) {
     const std::int64_t n = std::min(loss_chunk_, tokens_ - t0);
     const mat_view xt = x.matrix().row_block(t0, n);
     tensor h = be_.allocate(mem_tag::activations, be_.work_dtype(), {n, D}, "final_norm_out");
     tensor rstd = be_.allocate(mem_tag::activations, dtype::f32, {n, 1}, "final_norm_rstd");
-    ops::rmsnorm_forward(be_, {xt, w.final_norm(), h.matrix(), rstd.matrix(), eps});
+    ops::rmsnorm_forward(be_, {xt, params.final_norm(), h.matrix(), rstd.matrix(), eps});
     tensor logits = be_.allocate(mem_tag::workspace, dtype::f32, {n, V}, "logits");
-    ops::gemm(be_, {h.matrix(), transpose::none, w.lm_head(), transpose::yes, logits.matrix()});
+    ops::gemm(be_, {h.matrix(), transpose::none, params.lm_head(), transpose::yes, logits.matrix()});
     ops::cross_entropy(be_, {logits.matrix(), labels.matrix().row_block(t0, n), row_loss.matrix().row_block(t0, n),
                              static_cast<float>(grad_scale)});
     tensor d_logits = working_copy(be_, logits.matrix(), "d_logits");
     logits.reset();
     tensor d_h = be_.allocate(mem_tag::activations, dtype::f32, {n, D}, "d_final_norm_out");
-    ops::gemm(be_, {d_logits.matrix(), transpose::none, w.lm_head(), transpose::none, d_h.matrix()});
-    ops::gemm(be_, {d_logits.matrix(), transpose::yes, h.matrix(), transpose::none, g.lm_head(), 1.0f, 1.0f});
-    ops::rmsnorm_backward(be_, {xt, w.final_norm(), rstd.matrix(), d_h.matrix(), d_x.matrix().row_block(t0, n),
-                                g.final_norm()});
+    ops::gemm(be_, {d_logits.matrix(), transpose::none, params.lm_head(), transpose::none, d_h.matrix()});
+    ops::gemm(be_, {d_logits.matrix(), transpose::yes, h.matrix(), transpose::none, params.lm_head_grad(), 1.0f, 1.0f});
+    ops::rmsnorm_backward(be_, {xt, params.final_norm(), rstd.matrix(), d_h.matrix(), d_x.matrix().row_block(t0, n),
+                                params.final_norm_grad()});
   }
+  if (model_.tie_embeddings) params.release(embedding);
+  params.close_grads(head);
+  params.release(head);
   if (!be_.has_data()) return 0.0;
   std::vector<float> losses(static_cast<std::size_t>(tokens_));
   be_.download_f32(losses.data(), row_loss);

@@ -12,6 +12,7 @@
 #include "cp/attention_layer.hpp"
 #include "model/checkpoint_store.hpp"
 #include "model/config.hpp"
+#include "model/parameter_store.hpp"
 #include "model/parameters.hpp"
 
 namespace upipe {
@@ -49,9 +50,13 @@ class transformer {
   std::int64_t mlp_tile() const { return mlp_tile_; }
   std::int64_t loss_chunk() const { return loss_chunk_; }
 
-  // Forward and backward; weight gradients accumulate (f32) into grads. Returns this
-  // rank's sum of per-token losses (fp64) over its unmasked labels.
-  double forward_backward(const model_parameters& weights, const model_parameters& grads, const local_batch& batch);
+  // Forward and backward; weight gradients go to the store (accumulated when
+  // replicated, reduce-scattered unit by unit otherwise). Returns this rank's sum of
+  // per-token losses (fp64) over its unmasked labels.
+  double forward_backward(parameter_store& params, const local_batch& batch);
+
+  // Forward only: the argmax token of the logits at each local position (evaluation).
+  std::vector<std::int32_t> forward_argmax(parameter_store& params, std::span<const std::int32_t> ids);
 
  private:
   tensor upload_ids(std::span<const std::int32_t> values, const char* label);
@@ -59,10 +64,11 @@ class transformer {
   void mlp_forward(const layer_params& p, const tensor& x);
   void mlp_backward(const layer_params& p, const layer_params& g, const tensor& x, const tensor& d);
   void layer_backward(int layer, const layer_params& p, const layer_params& g, const tensor& x, const tensor& d);
-  double loss_forward_backward(const model_parameters& w, const model_parameters& g, const tensor& x,
-                               const tensor& labels, double grad_scale, const tensor& d_x);
-  void forward_layers(const model_parameters& w, tensor x);
-  void backward_layers(const model_parameters& w, const model_parameters& g, const tensor& d);
+  double loss_forward_backward(parameter_store& params, const tensor& x, const tensor& labels, double grad_scale,
+                               const tensor& d_x);
+  tensor embed(parameter_store& params, const tensor& ids);
+  void forward_layers(parameter_store& params, tensor x, checkpoint_store* store);
+  void backward_layers(parameter_store& params, const tensor& d);
   mem_tag input_tag(int layer) const;
 
   model_config model_;

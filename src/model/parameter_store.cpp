@@ -1,0 +1,286 @@
+#include "model/parameter_store.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "core/error.hpp"
+#include "ops/ops.hpp"
+
+namespace upipe {
+
+struct parameter_store::unit {
+  std::vector<std::size_t> params;    // indices into specs_
+  std::vector<std::int64_t> offsets;  // element offset of each parameter in the flat vector
+  std::int64_t numel = 0, padded = 0, shard = 0;
+  tensor weights;       // (1, padded) working dtype: resident, or gathered while acquired (ZeRO-3)
+  tensor weight_shard;  // ZeRO-3: (1, shard) working dtype
+  int acquired = 0;
+  tensor grads;         // (1, padded) f32: persistent when replicated, else while open
+  bool closed = false;  // ZeRO: this step's gradients were reduced
+  tensor grad_shard, master, exp_avg, exp_avg_sq;  // ZeRO: (1, shard) f32
+};
+
+namespace {
+
+std::int64_t numel_of(const std::vector<std::int64_t>& shape) {
+  std::int64_t n = 1;
+  for (auto d : shape) n *= d;
+  return n;
+}
+
+int unit_of(const std::string& name, int layers) {
+  const std::string prefix = "model.layers.";
+  if (name.rfind(prefix, 0) == 0) return 1 + std::atoi(name.c_str() + prefix.size());
+  return name == "model.embed_tokens.weight" ? 0 : layers + 1;
+}
+
+// A (1, count) view at element `offset` of a (1, n) tensor.
+mat_view slice(const tensor& t, std::int64_t offset, std::int64_t count) {
+  return t.matrix().col_block(offset, count);
+}
+
+}  // namespace
+
+parameter_store::parameter_store(const model_config& config, backend& be, communicator& comm, zero_stage stage)
+    : config_(config), be_(be), comm_(comm), stage_(stage), specs_(parameter_specs(config)) {
+  for (int u = 0; u < config.num_layers + 2; ++u) units_.push_back(std::make_unique<unit>());
+  for (std::size_t i = 0; i < specs_.size(); ++i) {
+    unit& u = *units_[unit_of(specs_[i].name, config.num_layers)];
+    u.params.push_back(i);
+    u.offsets.push_back(u.numel);
+    u.numel += numel_of(specs_[i].shape);
+  }
+  const int C = comm.size();
+  for (auto& up : units_) {
+    unit& u = *up;
+    u.padded = (u.numel + C - 1) / C * C;
+    u.shard = u.padded / C;
+    if (stage == zero_stage::three) {
+      u.weight_shard = be.allocate_zeroed(mem_tag::weights, be.work_dtype(), {1, u.shard}, "weight_shard");
+    } else {
+      u.weights = be.allocate_zeroed(mem_tag::weights, be.work_dtype(), {1, u.padded}, "weights");
+    }
+    if (stage == zero_stage::replicated) {
+      u.grads = be.allocate_zeroed(mem_tag::grads, dtype::f32, {1, u.padded}, "grads");
+      continue;
+    }
+    u.grad_shard = be.allocate_zeroed(mem_tag::grads, dtype::f32, {1, u.shard}, "grad_shard");
+    u.master = be.allocate_zeroed(mem_tag::optimizer, dtype::f32, {1, u.shard}, "master_shard");
+    u.exp_avg = be.allocate_zeroed(mem_tag::optimizer, dtype::f32, {1, u.shard}, "exp_avg_shard");
+    u.exp_avg_sq = be.allocate_zeroed(mem_tag::optimizer, dtype::f32, {1, u.shard}, "exp_avg_sq_shard");
+  }
+}
+
+parameter_store::~parameter_store() = default;
+
+parameter_store::unit& parameter_store::at(int u) const {
+  UPIPE_CHECK(u >= 0 && u < static_cast<int>(units_.size()), "no parameter unit " + std::to_string(u));
+  return *units_[u];
+}
+
+void parameter_store::acquire(int index) {
+  unit& u = at(index);
+  if (stage_ != zero_stage::three || u.acquired++ > 0) return;
+  u.weights = be_.allocate(mem_tag::weights, be_.work_dtype(), {1, u.padded}, "gathered_weights");
+  comm_.all_gather(u.weight_shard.data(), u.weights.data(), u.weight_shard.bytes(), "zero3_all_gather");
+}
+
+void parameter_store::release(int index) {
+  unit& u = at(index);
+  if (stage_ != zero_stage::three) return;
+  UPIPE_CHECK(u.acquired > 0, "release of a unit that was not acquired");
+  if (--u.acquired == 0) u.weights.reset();
+}
+
+void parameter_store::open_grads(int index) {
+  unit& u = at(index);
+  if (stage_ == zero_stage::replicated) return;
+  UPIPE_CHECK(u.grads.empty() && !u.closed, "a unit's gradients open once per step");
+  u.grads = be_.allocate_zeroed(mem_tag::grads, dtype::f32, {1, u.padded}, "unit_grads");
+}
+
+// Each unit's gradients are complete once its backward is done: reduce-scatter them in
+// fp32 straight into this rank's shard and free the full copy.
+void parameter_store::close_grads(int index) {
+  unit& u = at(index);
+  if (stage_ == zero_stage::replicated) return;
+  UPIPE_CHECK(!u.grads.empty(), "close of gradients that are not open");
+  comm_.reduce_scatter_sum(u.grads.as<float>(), u.grad_shard.as<float>(), static_cast<std::size_t>(u.shard),
+                           "zero_reduce_scatter");
+  u.grads.reset();
+  u.closed = true;
+}
+
+bool parameter_store::grads_open(int index) const { return stage_ == zero_stage::replicated || !at(index).grads.empty(); }
+
+mat_view parameter_store::param_view(const unit& u, const tensor& flat, std::size_t k) const {
+  const auto& shape = specs_[u.params[k]].shape;
+  const std::int64_t rows = shape.size() == 1 ? 1 : shape[0], cols = shape.back();
+  const mat_view v = slice(flat, u.offsets[k], rows * cols);
+  return {v.data, v.type, rows, cols, cols};
+}
+
+mat_view parameter_store::named(const std::string& name, bool grad) const {
+  const unit& u = at(unit_of(name, config_.num_layers));
+  for (std::size_t k = 0; k < u.params.size(); ++k) {
+    if (specs_[u.params[k]].name != name) continue;
+    const tensor& flat = grad ? u.grads : u.weights;
+    UPIPE_CHECK(!flat.empty(), name + (grad ? ": gradients not open" : ": weights not acquired"));
+    return param_view(u, flat, k);
+  }
+  throw internal_error("no parameter named " + name);
+}
+
+layer_params parameter_store::layer(int l) const {
+  return make_layer_params(config_, l, [&](const std::string& n) { return named(n, false); });
+}
+layer_params parameter_store::layer_grads(int l) const {
+  return make_layer_params(config_, l, [&](const std::string& n) { return named(n, true); });
+}
+mat_view parameter_store::embedding() const { return named("model.embed_tokens.weight", false); }
+mat_view parameter_store::embedding_grad() const { return named("model.embed_tokens.weight", true); }
+mat_view parameter_store::final_norm() const { return named("model.norm.weight", false); }
+mat_view parameter_store::final_norm_grad() const { return named("model.norm.weight", true); }
+mat_view parameter_store::lm_head() const {
+  return config_.tie_embeddings ? embedding() : named("lm_head.weight", false);
+}
+mat_view parameter_store::lm_head_grad() const {
+  return config_.tie_embeddings ? embedding_grad() : named("lm_head.weight", true);
+}
+
+std::vector<float> parameter_store::unit_values(const unit& u, const host_weights& weights) const {
+  std::vector<float> flat(static_cast<std::size_t>(u.padded), 0.0f);
+  for (std::size_t k = 0; k < u.params.size(); ++k) {
+    const std::string& name = specs_[u.params[k]].name;
+    auto it = weights.find(name);
+    if (it == weights.end()) throw io_error("no weights for " + name);
+    UPIPE_CHECK(static_cast<std::int64_t>(it->second.size()) == numel_of(specs_[u.params[k]].shape), "size of " + name);
+    std::copy(it->second.begin(), it->second.end(), flat.begin() + u.offsets[k]);
+  }
+  return flat;
+}
+
+host_weights parameter_store::split(const unit& u, const std::vector<float>& flat) const {
+  host_weights out;
+  for (std::size_t k = 0; k < u.params.size(); ++k) {
+    const auto n = numel_of(specs_[u.params[k]].shape);
+    out.emplace(specs_[u.params[k]].name, std::vector<float>(flat.begin() + u.offsets[k], flat.begin() + u.offsets[k] + n));
+  }
+  return out;
+}
+
+void parameter_store::load(const host_weights& weights) {
+  if (!be_.has_data()) return;
+  const std::int64_t first = comm_.rank();
+  for (auto& up : units_) {
+    unit& u = *up;
+    const std::vector<float> flat = unit_values(u, weights);
+    const std::vector<float> mine(flat.begin() + first * u.shard, flat.begin() + (first + 1) * u.shard);
+    if (stage_ != zero_stage::three) be_.upload_f32(u.weights, flat.data());
+    if (stage_ == zero_stage::three) be_.upload_f32(u.weight_shard, mine.data());
+    if (stage_ != zero_stage::replicated) be_.upload_f32(u.master, mine.data());
+  }
+}
+
+std::vector<float> parameter_store::gather_flat(const unit& u, const tensor& shard) {
+  tensor full = be_.allocate(mem_tag::workspace, dtype::f32, {1, u.padded}, "gathered_state");
+  comm_.all_gather(shard.data(), full.data(), shard.bytes(), "gather_state");
+  std::vector<float> flat(static_cast<std::size_t>(u.padded));
+  be_.download_f32(flat.data(), full);
+  return flat;
+}
+
+host_weights parameter_store::gather_weights() {
+  host_weights out;
+  for (auto& up : units_) {
+    std::vector<float> flat(static_cast<std::size_t>(up->padded));
+    if (stage_ == zero_stage::replicated) {
+      be_.download_f32(flat.data(), up->weights);
+    } else {
+      flat = gather_flat(*up, up->master);
+    }
+    out.merge(split(*up, flat));
+  }
+  return out;
+}
+
+host_weights parameter_store::gather_moments(int which) {
+  UPIPE_CHECK(stage_ != zero_stage::replicated, "no optimizer state when replicated");
+  host_weights out;
+  for (auto& up : units_) out.merge(split(*up, gather_flat(*up, which == 0 ? up->exp_avg : up->exp_avg_sq)));
+  return out;
+}
+
+void parameter_store::load_moments(const host_weights& exp_avg, const host_weights& exp_avg_sq) {
+  if (!be_.has_data()) return;
+  const std::int64_t r = comm_.rank();
+  for (auto& up : units_) {
+    unit& u = *up;
+    for (auto [source, target] : {std::pair{&exp_avg, &u.exp_avg}, std::pair{&exp_avg_sq, &u.exp_avg_sq}}) {
+      const std::vector<float> flat = unit_values(u, *source);
+      be_.upload_f32(*target, flat.data() + r * u.shard);
+    }
+  }
+}
+
+host_weights parameter_store::local_grads() {
+  UPIPE_CHECK(stage_ == zero_stage::replicated, "full local gradients exist only when replicated");
+  host_weights out;
+  for (auto& up : units_) {
+    std::vector<float> flat(static_cast<std::size_t>(up->padded));
+    be_.download_f32(flat.data(), up->grads);
+    out.merge(split(*up, flat));
+  }
+  return out;
+}
+
+// Each rank's fp64 partial sum travels as 8 raw bytes and every rank adds them in rank
+// order, so the norm is exact in fp64 and identical on every rank.
+double parameter_store::grad_norm() {
+  UPIPE_CHECK(stage_ != zero_stage::replicated, "grad_norm needs sharded gradients");
+  double local = 0;
+  for (auto& up : units_) local += ops::sum_squares(be_, up->grad_shard.matrix());
+  std::vector<double> all(static_cast<std::size_t>(comm_.size()));
+  comm_.all_gather(&local, all.data(), sizeof(double), "grad_norm");
+  double total = 0;
+  for (double v : all) total += v;
+  return std::sqrt(total);
+}
+
+void parameter_store::adamw_step(const adamw_config& config, std::int64_t step, double lr, double grad_scale) {
+  UPIPE_CHECK(stage_ != zero_stage::replicated, "the optimizer needs sharded state");
+  const std::int64_t r = comm_.rank();
+  for (auto& up : units_) {
+    unit& u = *up;
+    const std::int64_t lo = r * u.shard, hi = std::min(lo + u.shard, u.numel);
+    // One call per parameter overlapping this rank's slice: weight decay only on matrices.
+    for (std::size_t k = 0; k < u.params.size(); ++k) {
+      const std::int64_t a = std::max(lo, u.offsets[k]);
+      const std::int64_t b = std::min(hi, u.offsets[k] + numel_of(specs_[u.params[k]].shape));
+      if (a >= b) continue;
+      const bool matrix = specs_[u.params[k]].shape.size() == 2;
+      const mat_view weights = stage_ == zero_stage::three ? slice(u.weight_shard, a - lo, b - a) : slice(u.weights, a, b - a);
+      ops::adamw(be_, {slice(u.master, a - lo, b - a), slice(u.exp_avg, a - lo, b - a), slice(u.exp_avg_sq, a - lo, b - a),
+                       slice(u.grad_shard, a - lo, b - a), weights, static_cast<float>(lr),
+                       static_cast<float>(config.beta1), static_cast<float>(config.beta2), static_cast<float>(config.eps),
+                       static_cast<float>(matrix ? config.weight_decay : 0.0), static_cast<float>(grad_scale), step});
+    }
+    if (stage_ == zero_stage::two) {
+      // In place: this rank's slice of the full weights goes to every rank.
+      const std::size_t bytes = static_cast<std::size_t>(u.shard) * dtype_size(u.weights.type());
+      void* mine = u.weights.data() == nullptr ? nullptr : static_cast<char*>(u.weights.data()) + r * bytes;
+      comm_.all_gather(mine, u.weights.data(), bytes, "zero2_all_gather");
+    }
+  }
+}
+
+void parameter_store::zero_grads() {
+  for (auto& up : units_) {
+    up->closed = false;
+    tensor& g = stage_ == zero_stage::replicated ? up->grads : up->grad_shard;
+    if (be_.has_data()) be_.fill_bytes(g.data(), 0, g.bytes());
+  }
+}
+
+}  // namespace upipe
