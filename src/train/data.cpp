@@ -1,0 +1,208 @@
+#include "train/data.hpp"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <array>
+#include <bit>
+#include <cerrno>
+#include <cstdio>
+#include <random>
+#include <span>
+#include <system_error>
+
+#include "core/error.hpp"
+
+namespace upipe {
+namespace {
+
+// Token files hold little-endian uint32 ids and are read in place from the mapping.
+static_assert(std::endian::native == std::endian::little, "token files are read as little-endian uint32");
+
+std::string errno_message(int err) { return std::generic_category().message(err); }
+
+[[noreturn]] void token_file_failure(const std::string& path, const std::string& problem) {
+  throw io_error("cannot read token file " + path + ": " + problem);
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------
+// token_file
+
+token_file::token_file(const std::string& path, std::int64_t seq_len, std::int64_t vocab_size)
+    : path_(path), seq_len_(seq_len), vocab_(vocab_size) {
+  UPIPE_CHECK(seq_len >= 1, "token_file needs a positive sequence length, got " + std::to_string(seq_len));
+  UPIPE_CHECK(vocab_size >= 1, "token_file needs a positive vocabulary size, got " + std::to_string(vocab_size));
+
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) token_file_failure(path, "cannot open it: " + errno_message(errno));
+  struct stat info {};
+  if (::fstat(fd, &info) != 0) {
+    const int err = errno;
+    ::close(fd);
+    token_file_failure(path, "cannot stat it: " + errno_message(err));
+  }
+  if (!S_ISREG(info.st_mode)) {
+    ::close(fd);
+    token_file_failure(path, "it is not a regular file");
+  }
+  const auto bytes = static_cast<std::uint64_t>(info.st_size);
+  if (bytes == 0) {
+    ::close(fd);
+    token_file_failure(path, "it is empty; a token file holds little-endian uint32 ids, 4 bytes each");
+  }
+  if (bytes % 4 != 0) {
+    ::close(fd);
+    token_file_failure(path, "its size " + std::to_string(bytes) +
+                                 " bytes is not a multiple of 4; a token file holds little-endian uint32 ids, "
+                                 "4 bytes each (was it truncated, or written with another id width?)");
+  }
+  const auto count = static_cast<std::int64_t>(bytes / 4);
+  if (count < seq_len) {
+    ::close(fd);
+    token_file_failure(path, "it holds " + std::to_string(count) + " tokens, fewer than the sequence length " +
+                                 std::to_string(seq_len) + "; use --seq-len " + std::to_string(count) +
+                                 " or less, or a longer file");
+  }
+  void* map = ::mmap(nullptr, bytes, PROT_READ, MAP_PRIVATE, fd, 0);
+  const int err = errno;
+  ::close(fd);  // the mapping keeps the file open
+  if (map == MAP_FAILED) token_file_failure(path, "cannot map it into memory: " + errno_message(err));
+  tokens_ = static_cast<const std::uint32_t*>(map);
+  mapped_bytes_ = bytes;
+  count_ = count;
+}
+
+token_file::~token_file() {
+  if (tokens_ && ::munmap(const_cast<std::uint32_t*>(tokens_), mapped_bytes_) != 0)
+    std::fprintf(stderr, "upipe: cannot unmap token file %s: %s\n", path_.c_str(), errno_message(errno).c_str());
+}
+
+std::vector<std::int32_t> token_file::sequence(std::int64_t position) const {
+  std::int64_t at = position % count_;
+  if (at < 0) at += count_;
+  std::vector<std::int32_t> out(static_cast<std::size_t>(seq_len_));
+  for (std::int64_t i = 0; i < seq_len_; ++i) {
+    const std::uint32_t id = tokens_[at];
+    if (static_cast<std::int64_t>(id) >= vocab_)
+      throw io_error("token " + std::to_string(id) + " at index " + std::to_string(at) + " of " + path_ +
+                     " is not below the vocabulary size " + std::to_string(vocab_) +
+                     ": the file was made with another tokenizer; retokenize it or use a model whose "
+                     "vocabulary covers it");
+    out[static_cast<std::size_t>(i)] = static_cast<std::int32_t>(id);
+    if (++at == count_) at = 0;
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------
+// passkey_task
+
+namespace {
+
+// Filler words are ids 16..63. Every sentence ends with the shared period; every other
+// word occurs in one sentence only, so each word but the period has a single successor
+// and the filler is predictable after a sentence's first word.
+constexpr std::int32_t period = passkey_task::first_word;  // "."
+
+constexpr std::int32_t sentence0[] = {17, 18, 19, 20, period};              // the grass is green .
+constexpr std::int32_t sentence1[] = {21, 22, 23, 24, 25, period};          // a sky looks blue today .
+constexpr std::int32_t sentence2[] = {26, 27, 28, 29, 30, 31, period};      // birds sing in tall old trees .
+constexpr std::int32_t sentence3[] = {32, 33, 34, 35, period};              // rivers flow to seas .
+constexpr std::int32_t sentence4[] = {36, 37, 38, 39, 40, period};          // we walk home after dark .
+constexpr std::int32_t sentence5[] = {41, 42, 43, period};                  // cold snow falls .
+constexpr std::int32_t sentence6[] = {44, 45, 46, 47, 48, 49, period};      // kids play with small red balls .
+constexpr std::int32_t sentence7[] = {50, 51, 52, 53, period};              // stars shine at night .
+
+constexpr std::span<const std::int32_t> sentences[] = {sentence0, sentence1, sentence2, sentence3,
+                                                        sentence4, sentence5, sentence6, sentence7};
+constexpr std::uint64_t sentence_count = std::size(sentences);
+
+constexpr std::int64_t shortest_sentence() {
+  std::size_t shortest = sentences[0].size();
+  for (const auto& s : sentences) shortest = s.size() < shortest ? s.size() : shortest;
+  return static_cast<std::int64_t>(shortest);
+}
+
+constexpr std::int64_t key_block = 1 + passkey_task::key_digits;        // KEY d d d d d
+constexpr std::int64_t query_block = 2 + passkey_task::key_digits;      // QUERY KEY d d d d d
+
+std::uint64_t splitmix64(std::uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+// A value uniform in [0, n) by rejection, straight from the engine's output: mt19937_64's
+// sequence is fixed by the standard, whereas uniform_int_distribution's mapping is not.
+std::uint64_t uniform_below(std::mt19937_64& rng, std::uint64_t n) {
+  const std::uint64_t limit = UINT64_MAX - UINT64_MAX % n;  // a multiple of n
+  std::uint64_t draw;
+  do draw = rng(); while (draw >= limit);
+  return draw % n;
+}
+
+}  // namespace
+
+passkey_task::passkey_task(std::int64_t seq_len) : seq_len_(seq_len) {
+  if (seq_len < min_seq_len())
+    throw config_error("sequence length " + std::to_string(seq_len) +
+                       " is too short for the passkey task: it needs at least " + std::to_string(min_seq_len()) +
+                       " tokens (for example --seq-len 128)");
+}
+
+std::int64_t passkey_task::min_seq_len() { return 1 + key_block + query_block + shortest_sentence(); }
+
+passkey_sample passkey_task::sample(std::uint64_t seed, std::uint64_t index) const {
+  std::mt19937_64 rng(splitmix64(splitmix64(seed) ^ index));
+
+  passkey_sample s;
+  for (std::int64_t i = 0; i < key_digits; ++i)
+    s.digits.push_back(digit0 + static_cast<std::int32_t>(uniform_below(rng, 10)));
+
+  // The filler is a stream of random sentences cut at exactly the space left; the key may
+  // go before any full sentence or after the last one (never inside the cut-off tail).
+  const std::int64_t filler_len = seq_len_ - 1 - key_block - query_block;
+  std::vector<std::int32_t> filler;
+  filler.reserve(static_cast<std::size_t>(filler_len));
+  std::vector<std::size_t> boundaries = {0};
+  while (static_cast<std::int64_t>(filler.size()) < filler_len) {
+    const auto& sentence = sentences[uniform_below(rng, sentence_count)];
+    const auto room = static_cast<std::size_t>(filler_len) - filler.size();
+    const std::size_t take = sentence.size() < room ? sentence.size() : room;
+    filler.insert(filler.end(), sentence.begin(), sentence.begin() + static_cast<std::ptrdiff_t>(take));
+    if (take == sentence.size()) boundaries.push_back(filler.size());
+  }
+  const std::size_t depth = boundaries[uniform_below(rng, boundaries.size())];
+
+  s.tokens.reserve(static_cast<std::size_t>(seq_len_));
+  s.tokens.push_back(bos);
+  s.tokens.insert(s.tokens.end(), filler.begin(), filler.begin() + static_cast<std::ptrdiff_t>(depth));
+  s.tokens.push_back(key);
+  s.tokens.insert(s.tokens.end(), s.digits.begin(), s.digits.end());
+  s.tokens.insert(s.tokens.end(), filler.begin() + static_cast<std::ptrdiff_t>(depth), filler.end());
+  s.tokens.push_back(query);
+  s.tokens.push_back(key);
+  s.tokens.insert(s.tokens.end(), s.digits.begin(), s.digits.end());
+  UPIPE_CHECK(static_cast<std::int64_t>(s.tokens.size()) == seq_len_,
+              "passkey sample has " + std::to_string(s.tokens.size()) + " tokens, not " + std::to_string(seq_len_));
+  s.answer_start = seq_len_ - key_digits;
+  return s;
+}
+
+double passkey_task::digits_right(const passkey_sample& s, const std::vector<std::int32_t>& predicted) {
+  UPIPE_CHECK(static_cast<std::int64_t>(predicted.size()) == key_digits,
+              "digits_right needs " + std::to_string(key_digits) + " predicted digits, got " +
+                  std::to_string(predicted.size()));
+  UPIPE_CHECK(static_cast<std::int64_t>(s.digits.size()) == key_digits,
+              "passkey sample holds " + std::to_string(s.digits.size()) + " digits, not " + std::to_string(key_digits));
+  int right = 0;
+  for (std::size_t i = 0; i < predicted.size(); ++i) right += predicted[i] == s.digits[i] ? 1 : 0;
+  return right / static_cast<double>(key_digits);
+}
+
+}  // namespace upipe

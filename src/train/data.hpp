@@ -1,0 +1,76 @@
+// Training data: flat little-endian uint32 token files (memory-mapped) and the built-in
+// synthetic long-context task (a passkey hidden in low-entropy filler).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace upipe {
+
+// A memory-mapped token file. Sequences are read consecutively from a position and
+// wrap around at the end; every id is checked against the vocabulary as it is read.
+class token_file {
+ public:
+  // Throws io_error when the file cannot be opened or mapped, is empty, has a size that
+  // is not a multiple of 4, or holds fewer than `seq_len` tokens (the message names the
+  // file, its token count and the sequence length, and suggests a shorter --seq-len).
+  token_file(const std::string& path, std::int64_t seq_len, std::int64_t vocab_size);
+  ~token_file();
+  token_file(const token_file&) = delete;
+  token_file& operator=(const token_file&) = delete;
+
+  std::int64_t size() const { return count_; }  // tokens in the file
+  // The seq_len tokens starting at `position` (mod size). Throws io_error naming the
+  // file, the position and the id when a token is not below the vocabulary size.
+  std::vector<std::int32_t> sequence(std::int64_t position) const;
+  // Where the sequence after the one at `position` starts.
+  std::int64_t next_position(std::int64_t position) const { return (position + seq_len_) % count_; }
+
+ private:
+  std::string path_;
+  std::int64_t seq_len_, vocab_, count_ = 0;
+  const std::uint32_t* tokens_ = nullptr;
+  std::size_t mapped_bytes_ = 0;
+};
+
+// The synthetic passkey-retrieval task. Vocabulary (ids below 64, so any model with a
+// vocabulary of at least 64 can learn it):
+//   0 padding, 1 beginning of sequence, 2..11 the digits 0..9, 12 "the pass key is",
+//   13 "what is the pass key?", 16..63 filler words.
+// A sample is: BOS, filler made of short sentences drawn from a small fixed set (each
+// sentence a fixed word sequence, so the text is predictable), with "KEY d d d d d"
+// inserted between two sentences at a random depth, and at the end the query
+// "QUERY KEY d d d d d" (the same five digits), exactly seq_len tokens.
+struct passkey_sample {
+  std::vector<std::int32_t> tokens;  // seq_len ids
+  std::int64_t answer_start = 0;     // index of the first answer digit (after the final KEY)
+  std::vector<std::int32_t> digits;  // the five key digits, as ids
+};
+
+class passkey_task {
+ public:
+  static constexpr std::int32_t pad = 0, bos = 1, digit0 = 2, key = 12, query = 13, first_word = 16;
+  static constexpr std::int64_t vocab_needed = 64, key_digits = 5;
+
+  // Throws config_error when seq_len is too short to hold one sentence, the key and the
+  // query (the message gives the minimum).
+  explicit passkey_task(std::int64_t seq_len);
+  static std::int64_t min_seq_len();
+
+  // Sample number `index` of the stream `seed`: the same (seed, index) gives the same
+  // sample on every rank and every run (training uses the step number as index;
+  // held-out samples use another seed).
+  passkey_sample sample(std::uint64_t seed, std::uint64_t index) const;
+
+  // The fraction of key digits right, where predicted[i] is the model's argmax for the
+  // token at position answer_start + i (teacher forcing: the prediction made at position
+  // answer_start + i - 1).
+  static double digits_right(const passkey_sample& s, const std::vector<std::int32_t>& predicted);
+
+ private:
+  std::int64_t seq_len_;
+};
+
+}  // namespace upipe

@@ -1,0 +1,237 @@
+#include "train/trainer.hpp"
+
+#include <chrono>
+#include <cmath>
+#include <memory>
+
+#include "comm/communicator.hpp"
+#include "core/error.hpp"
+#include "model/model_step.hpp"
+#include "train/data.hpp"
+#include "train/train_checkpoint.hpp"
+
+namespace upipe {
+
+namespace {
+
+constexpr std::uint64_t held_out_stream = 0x9e3779b97f4a7c15ull;  // eval samples never seen in training
+
+using clock_type = std::chrono::steady_clock;
+
+// Where the sequences come from: the passkey task (sample = step) or a token file.
+class data_source {
+ public:
+  data_source(const train_options& o)
+      : seed_(o.seed),
+        task_(o.data_path.empty() ? std::make_unique<passkey_task>(o.seq_len) : nullptr),
+        file_(o.data_path.empty() ? nullptr : std::make_unique<token_file>(o.data_path, o.seq_len, o.model.vocab_size)) {}
+  std::vector<std::int32_t> next(std::int64_t step, std::int64_t& position) {
+    if (task_) return task_->sample(seed_, static_cast<std::uint64_t>(step)).tokens;
+    std::vector<std::int32_t> tokens = file_->sequence(position);
+    position = file_->next_position(position);
+    return tokens;
+  }
+  const passkey_task* task() const { return task_.get(); }
+
+ private:
+  std::uint64_t seed_;
+  std::unique_ptr<passkey_task> task_;
+  std::unique_ptr<token_file> file_;
+};
+
+// The fp64 sum over ranks of one value per rank, identical on every rank.
+double sum_over_ranks(communicator& comm, double value) {
+  std::vector<double> all(static_cast<std::size_t>(comm.size()));
+  comm.all_gather(&value, all.data(), sizeof(double), "sum_over_ranks");
+  double total = 0;
+  for (double v : all) total += v;
+  return total;
+}
+
+std::vector<std::int32_t> shard(const std::vector<std::int32_t>& global, const std::vector<position_run>& runs,
+                                std::int64_t local) {
+  std::vector<std::int32_t> out(static_cast<std::size_t>(local));
+  for (const auto& r : runs) std::copy_n(global.begin() + r.position_begin, r.count, out.begin() + r.token_begin);
+  return out;
+}
+
+std::map<std::string, std::size_t> peaks(const backend& be) {
+  std::map<std::string, std::size_t> out;
+  for (std::size_t t = 0; t < mem_tag_count; ++t)
+    out[std::string(mem_tag_name(static_cast<mem_tag>(t)))] = be.ledger().peak(static_cast<mem_tag>(t));
+  return out;
+}
+
+// Everything one rank holds for the run.
+struct rank_context {
+  const train_options& options;
+  backend& be;
+  communicator& comm;
+  parameter_store params;
+  transformer model;
+  std::int64_t padded_len;
+
+  rank_context(const train_options& o, backend& b, communicator& c, std::int64_t padded)
+      : options(o), be(b), comm(c), params(o.model, b, c, o.zero), model(o.model, o.cp, padded, b, {&c, &c}, o.step),
+        padded_len(padded) {}
+};
+
+double run_step(rank_context& rc, const std::vector<std::int32_t>& tokens, std::int64_t step, step_record& record) {
+  const train_options& o = rc.options;
+  const prepared_sequence seq = prepare_sequence(tokens, layout_unit(o.cp));
+  const auto runs = rc.model.local_positions(rc.comm.rank());
+  const auto ids = shard(seq.ids, runs, rc.model.local_tokens());
+  const auto labels = shard(seq.labels, runs, rc.model.local_tokens());
+  rc.params.zero_grads();
+  const double local = rc.model.forward_backward(rc.params, {ids, labels, 1.0 / static_cast<double>(seq.counted)});
+  record.loss = sum_over_ranks(rc.comm, local) / static_cast<double>(seq.counted);
+  record.grad_norm = rc.params.grad_norm();
+  if (!std::isfinite(record.grad_norm))
+    throw config_error("the gradient norm is not finite at step " + std::to_string(step) +
+                       ": training diverged; lower --lr (now " + std::to_string(o.optim.lr) + ")");
+  record.lr = scheduled_lr(o.optim, step);
+  rc.params.adamw_step(o.optim, step, record.lr, clip_coefficient(o.optim, record.grad_norm));
+  return record.loss;
+}
+
+void save(rank_context& rc, const std::string& dir, std::int64_t step, std::int64_t position) {
+  train_checkpoint c;
+  c.weights = rc.params.gather_weights();
+  c.exp_avg = rc.params.gather_moments(0);
+  c.exp_avg_sq = rc.params.gather_moments(1);
+  if (rc.comm.rank() == 0 && rc.be.has_data()) {
+    c.config = rc.options.model;
+    c.state = {step, position, rc.options.seed, rc.options.optim.total_steps,
+               rc.options.data_path.empty() ? "passkey" : rc.options.data_path};
+    save_train_checkpoint(dir, c);
+  }
+  rc.comm.barrier();
+}
+
+// Teacher-forced retrieval on held-out samples: the argmax at the position before each
+// answer digit must be that digit.
+double evaluate(rank_context& rc, const passkey_task& task) {
+  double right = 0;
+  const int C = rc.comm.size();
+  const std::int64_t s = rc.model.local_tokens();
+  for (int i = 0; i < rc.options.eval_samples; ++i) {
+    const passkey_sample sample = task.sample(rc.options.seed ^ held_out_stream, static_cast<std::uint64_t>(i));
+    const prepared_sequence seq = prepare_sequence(sample.tokens, layout_unit(rc.options.cp));
+    const auto local = rc.model.forward_argmax(rc.params, shard(seq.ids, rc.model.local_positions(rc.comm.rank()), s));
+    std::vector<std::int32_t> all(static_cast<std::size_t>(s * C));
+    rc.comm.all_gather(local.data(), all.data(), local.size() * sizeof(std::int32_t), "eval_gather");
+    std::vector<std::int32_t> global(seq.ids.size());
+    for (int r = 0; r < C; ++r)
+      for (const auto& run : rc.model.local_positions(r))
+        std::copy_n(all.begin() + r * s + run.token_begin, run.count, global.begin() + run.position_begin);
+    std::vector<std::int32_t> predicted;
+    for (std::int64_t k = 0; k < passkey_task::key_digits; ++k) predicted.push_back(global[sample.answer_start + k - 1]);
+    right += passkey_task::digits_right(sample, predicted);
+  }
+  return rc.options.eval_samples > 0 ? right / rc.options.eval_samples : 0.0;
+}
+
+void run_rank(const train_options& o, backend& be, communicator& comm, std::int64_t padded,
+              const train_checkpoint* resume, const host_weights& init, train_summary& summary,
+              const std::function<void(const step_record&)>& on_step) {
+  rank_context rc(o, be, comm, padded);
+  std::int64_t first = 1, position = 0;
+  if (resume != nullptr) {
+    rc.params.load(resume->weights);
+    rc.params.load_moments(resume->exp_avg, resume->exp_avg_sq);
+    first = resume->state.step + 1;
+    position = resume->state.data_position;
+  } else {
+    rc.params.load(init);
+  }
+  data_source data(o);
+  const std::int64_t last = o.stop_after > 0 ? o.stop_after : o.optim.total_steps;
+  for (std::int64_t step = first; step <= last; ++step) {
+    const auto start = clock_type::now();
+    step_record record;
+    record.step = step;
+    run_step(rc, data.next(step, position), step, record);
+    record.seconds = std::chrono::duration<double>(clock_type::now() - start).count();
+    record.tokens_per_s = static_cast<double>(o.seq_len) / record.seconds;
+    if (comm.rank() == 0) {
+      record.peak_bytes = peaks(be);
+      summary.steps.push_back(record);
+      if (on_step) on_step(record);
+    }
+    if (!o.save_dir.empty() && o.save_every > 0 && step % o.save_every == 0 && step != last) save(rc, o.save_dir, step, position);
+  }
+  if (!o.save_dir.empty()) save(rc, o.save_dir, last, position);
+  if (data.task() != nullptr && be.has_data() && o.eval_samples > 0) {
+    const double accuracy = evaluate(rc, *data.task());
+    if (comm.rank() == 0) summary.retrieval_accuracy = accuracy;
+  }
+  summary.peak_bytes[comm.rank()] = peaks(be);
+}
+
+}  // namespace
+
+void validate(const train_options& o) {
+  validate(o.model);
+  if (o.optim.total_steps < 1)
+    throw config_error("--steps " + std::to_string(o.optim.total_steps) + " must be at least 1 (for example --steps 200)");
+  if (o.stop_after < 0 || o.stop_after > o.optim.total_steps)
+    throw config_error("--stop-after " + std::to_string(o.stop_after) + " must lie between 1 and --steps " +
+                       std::to_string(o.optim.total_steps) + " (it stops a run early; --steps is the schedule's length)");
+  if (o.save_every < 0 || (o.save_every > 0 && o.save_dir.empty()))
+    throw config_error("--save-every " + std::to_string(o.save_every) + " needs --save DIR (where to write)");
+  if (!o.resume_dir.empty() && !o.init_path.empty())
+    throw config_error("--resume and --init contradict each other: a resumed run takes its weights from the checkpoint; "
+                       "drop --init");
+  if (!(o.optim.lr > 0) || !std::isfinite(o.optim.lr))
+    throw config_error("--lr " + std::to_string(o.optim.lr) + " must be a positive number (for example 3e-3)");
+  if (o.data_path.empty() && o.model.vocab_size < passkey_task::vocab_needed)
+    throw config_error("the passkey task needs a vocabulary of at least " + std::to_string(passkey_task::vocab_needed) +
+                       " tokens and " + o.model.name + " has " + std::to_string(o.model.vocab_size) + "; use --data FILE");
+  if (o.data_path.empty() && o.seq_len < passkey_task::min_seq_len())
+    passkey_task check(o.seq_len);  // throws with the minimum
+  if (o.seq_len < 2) throw config_error("--seq-len must be at least 2");
+  if (o.seq_len % layout_unit(o.cp) != 0) {
+    const std::int64_t unit = layout_unit(o.cp), fixed = (o.seq_len / unit + 1) * unit;
+    throw config_error("--seq-len " + std::to_string(o.seq_len) + " must be a multiple of " + std::to_string(unit) +
+                       " for " + std::string(strategy_name(o.cp.strategy)) + " with --cp " + std::to_string(o.cp.cp) +
+                       " in training (every step has the same shape); use --seq-len " + std::to_string(fixed));
+  }
+  attention_config_for(o.model, o.cp, o.seq_len);
+}
+
+train_summary train(const train_options& o, const std::function<void(const step_record&)>& on_step) {
+  validate(o);
+  std::unique_ptr<train_checkpoint> resume;
+  host_weights init;
+  if (!o.resume_dir.empty()) {
+    resume = std::make_unique<train_checkpoint>(load_train_checkpoint(o.resume_dir, o.model));
+    if (resume->state.step >= (o.stop_after > 0 ? o.stop_after : o.optim.total_steps))
+      throw config_error("the checkpoint in " + o.resume_dir + " is at step " + std::to_string(resume->state.step) +
+                         ", past the last step asked for; raise --steps or --stop-after");
+  } else if (o.backend != backend_kind::meta) {
+    init = o.init_path.empty() ? random_weights(o.model, o.seed) : read_weights(o.model, o.init_path);
+  }
+  train_summary summary;
+  summary.seq_len = o.seq_len;
+  summary.peak_bytes.resize(static_cast<std::size_t>(o.cp.cp));
+  const auto start = clock_type::now();
+  const int ranks = o.backend == backend_kind::meta ? 1 : o.cp.cp;
+  std::vector<std::unique_ptr<backend>> backends;
+  std::vector<backend*> raw;
+  for (int r = 0; r < ranks; ++r) {
+    backends.push_back(make_backend(o.backend, o.limits));
+    raw.push_back(backends.back().get());
+  }
+  if (!raw[0]->has_data()) {
+    auto comm = make_loopback_communicator(*raw[0], o.cp.cp);
+    run_rank(o, *raw[0], *comm, o.seq_len, resume.get(), init, summary, on_step);
+  } else {
+    run_threads(raw, [&](int rank, communicator& comm) {
+      run_rank(o, *raw[rank], comm, o.seq_len, resume.get(), init, summary, on_step);
+    });
+  }
+  summary.seconds = std::chrono::duration<double>(clock_type::now() - start).count();
+  return summary;
+}
+
+}  // namespace upipe

@@ -1,0 +1,58 @@
+// The training loop: data, forward and backward on every rank of the CP group, sharded
+// AdamW, checkpoints and resume, metrics and the retrieval evaluation.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "model/parameter_store.hpp"
+#include "model/transformer.hpp"
+#include "train/optimizer.hpp"
+
+namespace upipe {
+
+struct train_options {
+  model_config model;
+  std::string init_path;    // weights to start from; empty: random
+  std::string data_path;    // flat uint32 token file; empty: the synthetic passkey task
+  std::int64_t seq_len = 128;
+  cp_settings cp{strategy_kind::upipe, 4, 0};
+  zero_stage zero = zero_stage::two;
+  step_options step;
+  adamw_config optim;            // optim.total_steps is --steps
+  std::int64_t stop_after = 0;   // stop once this step is done; 0: at total_steps
+  std::uint64_t seed = 1;
+  std::string save_dir;
+  std::int64_t save_every = 0;
+  std::string resume_dir;
+  backend_kind backend = backend_kind::cpu;
+  memory_limits limits;
+  int eval_samples = 32;  // held-out passkey samples for the retrieval accuracy
+};
+
+struct step_record {
+  std::int64_t step = 0;
+  double loss = 0, lr = 0, grad_norm = 0, tokens_per_s = 0, seconds = 0;
+  std::map<std::string, std::size_t> peak_bytes;  // rank 0
+};
+
+struct train_summary {
+  std::vector<step_record> steps;             // the steps run in this call
+  std::optional<double> retrieval_accuracy;   // passkey task only
+  std::vector<std::map<std::string, std::size_t>> peak_bytes;  // per rank, tag -> bytes
+  std::int64_t seq_len = 0;                   // after padding
+  double seconds = 0;
+};
+
+// Checks the options as a whole (throws config_error naming the flag, the rule and a
+// valid alternative) before anything runs.
+void validate(const train_options& options);
+
+// Runs training; on_step is called on rank 0 after every step (progress, metrics).
+train_summary train(const train_options& options, const std::function<void(const step_record&)>& on_step);
+
+}  // namespace upipe
