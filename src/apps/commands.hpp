@@ -13,5 +13,6 @@ using command_runner = std::function<int()>;
 command_runner add_bench_attention(CLI::App& app);
 command_runner add_model_config(CLI::App& app);
 command_runner add_step(CLI::App& app);
+command_runner add_train(CLI::App& app);
 
 }  // namespace upipe::apps

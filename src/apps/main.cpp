@@ -1,4 +1,5 @@
 // The upipe command line.
+#include <csignal>
 #include <cstdio>
 #include <exception>
 
@@ -20,9 +21,14 @@ int report_error(const std::exception& e) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // A full file system or a file-size limit must surface as a write error we can report
+  // (and clean up after), not kill the process.
+  std::signal(SIGXFSZ, SIG_IGN);
   CLI::App app{"upipe: long-context training with untied Ulysses (UPipe) context parallelism"};
   app.require_subcommand(1);
   upipe::apps::command_runner run;
+  auto train = upipe::apps::add_train(*app.add_subcommand(
+      "train", "Train under context parallelism (default: a tiny model learns a passkey task on the CPU)"));
   auto bench = upipe::apps::add_bench_attention(*app.add_subcommand(
       "bench-attention", "Attention layer forward+backward under CP: time, memory, bytes, error vs reference"));
   auto model = upipe::apps::add_model_config(
@@ -35,6 +41,7 @@ int main(int argc, char** argv) {
     return app.exit(e);
   }
   try {
+    if (app.got_subcommand("train")) return train();
     if (app.got_subcommand("bench-attention")) return bench();
     if (app.got_subcommand("model-config")) return model();
     if (app.got_subcommand("step")) return step();

@@ -1,0 +1,187 @@
+// `upipe train`: training under context parallelism. With no flags: a tiny Llama learns
+// the synthetic passkey task on the CPU, 4 threaded CP ranks, UPipe.
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "apps/commands.hpp"
+#include "apps/sizes.hpp"
+#include "core/error.hpp"
+#include "train/trainer.hpp"
+
+namespace upipe::apps {
+
+namespace {
+
+struct train_flags {
+  std::string model = "tiny-llama", config_path, init_path, data_path, save_dir, resume_dir, metrics_path;
+  std::string backend = "cpu", attention = "upipe", policy, seq_len = "128";
+  int cp = 4, head_chunk = 0, zero = 2, layers = 0, eval_samples = 32;
+  std::int64_t steps = 300, stop_after = 0, save_every = 0, warmup = 20, mlp_tile = 0, loss_chunk = 0;
+  double lr = 3e-3, weight_decay = 0.01, max_grad_norm = 1.0, memory_gib = 8;
+  unsigned long long seed = 1;
+};
+
+train_options to_options(const train_flags& f) {
+  train_options o;
+  o.model = f.config_path.empty() ? preset(f.model) : read_hf_config(f.config_path);
+  if (f.layers < 0 || f.layers > o.model.num_layers)
+    throw config_error("--layers " + std::to_string(f.layers) + " must lie between 1 and the model's " +
+                       std::to_string(o.model.num_layers) + " layers (a slice of the first N layers)");
+  if (f.layers > 0) o.model.num_layers = f.layers;
+  if (f.zero != 2 && f.zero != 3)
+    throw config_error("--zero " + std::to_string(f.zero) + " is not supported: use --zero 2 (sharded optimizer and "
+                       "gradients) or --zero 3 (weights sharded too)");
+  if (f.memory_gib <= 0) throw config_error("--memory-gib must be positive (for example 8)");
+  o.init_path = f.init_path;
+  o.data_path = f.data_path;
+  o.seq_len = parse_count(f.seq_len, "--seq-len");
+  o.cp = {parse_strategy_kind(f.attention), f.cp, f.head_chunk};
+  o.zero = f.zero == 3 ? zero_stage::three : zero_stage::two;
+  o.step = {f.mlp_tile, f.loss_chunk, parse_checkpoint_policy(f.policy)};
+  o.optim.lr = f.lr;
+  o.optim.weight_decay = f.weight_decay;
+  o.optim.max_grad_norm = f.max_grad_norm;
+  o.optim.total_steps = f.steps;
+  o.optim.warmup_steps = std::min(f.warmup, f.steps);
+  o.stop_after = f.stop_after;
+  o.seed = f.seed;
+  o.save_dir = f.save_dir;
+  o.save_every = f.save_every;
+  o.resume_dir = f.resume_dir;
+  o.backend = parse_backend_kind(f.backend);
+  const auto gib = static_cast<std::size_t>(f.memory_gib * (1 << 30));
+  o.limits = o.backend == backend_kind::meta ? memory_limits{std::size_t{1} << 50, std::size_t{1} << 50}
+                                             : memory_limits{gib, gib};
+  o.eval_samples = f.eval_samples;
+  return o;
+}
+
+std::string clock_text(double seconds) {
+  const long s = std::lround(std::max(0.0, seconds));
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%ld:%02ld", s / 60, s % 60);
+  return buf;
+}
+
+// One progress line per step on a terminal (redrawn), about twenty lines otherwise.
+class progress {
+ public:
+  progress(std::int64_t first, std::int64_t last) : first_(first), last_(last), tty_(::isatty(STDOUT_FILENO)) {}
+  void operator()(const step_record& r) {
+    done_seconds_ += r.seconds;
+    const std::int64_t done = r.step - first_ + 1, left = last_ - r.step;
+    const double eta = done > 0 ? done_seconds_ / static_cast<double>(done) * static_cast<double>(left) : 0;
+    const std::int64_t every = std::max<std::int64_t>(1, (last_ - first_ + 1) / 20);
+    if (!tty_ && r.step != last_ && (r.step - first_) % every != 0) return;
+    const int width = 24, filled = static_cast<int>(width * (r.step - first_ + 1) / std::max<std::int64_t>(1, last_ - first_ + 1));
+    std::printf("%s[%s%s] step %lld/%lld  loss %.4f  lr %.2e  |g| %.3f  %.0f tok/s  ETA %s%s", tty_ ? "\r" : "",
+                std::string(filled, '#').c_str(), std::string(width - filled, '.').c_str(),
+                static_cast<long long>(r.step), static_cast<long long>(last_), r.loss, r.lr, r.grad_norm,
+                r.tokens_per_s, clock_text(eta).c_str(), tty_ ? (r.step == last_ ? "\n" : "") : "\n");
+    std::fflush(stdout);
+  }
+
+ private:
+  std::int64_t first_, last_;
+  bool tty_;
+  double done_seconds_ = 0;
+};
+
+nlohmann::json record_json(const step_record& r) {
+  return {{"step", r.step}, {"loss", r.loss}, {"lr", r.lr}, {"grad_norm", r.grad_norm},
+          {"tokens_per_s", r.tokens_per_s}, {"peak_bytes", r.peak_bytes}};
+}
+
+void print_summary(const train_options& o, const train_summary& s) {
+  if (s.steps.empty()) return;
+  double tail = 0;
+  const std::size_t n = std::min<std::size_t>(10, s.steps.size());
+  for (std::size_t i = s.steps.size() - n; i < s.steps.size(); ++i) tail += s.steps[i].loss;
+  std::printf("\nsummary: %zu steps in %s (%s)  loss %.4f -> %.4f (mean of the last %zu: %.4f)\n", s.steps.size(),
+              clock_text(s.seconds).c_str(), o.data_path.empty() ? "passkey task" : o.data_path.c_str(),
+              s.steps.front().loss, s.steps.back().loss, n, tail / static_cast<double>(n));
+  if (s.retrieval_accuracy)
+    std::printf("retrieval accuracy %.3f on %d held-out samples (key digits right; chance 0.1)\n", *s.retrieval_accuracy,
+                o.eval_samples);
+  std::printf("peak memory by tag per rank (MiB):\n  %-20s", "tag");
+  for (std::size_t r = 0; r < s.peak_bytes.size(); ++r) std::printf(" %9s", ("rank" + std::to_string(r)).c_str());
+  std::printf("\n");
+  for (const auto& [tag, bytes] : s.peak_bytes[0]) {
+    std::printf("  %-20s", tag.c_str());
+    for (const auto& rank : s.peak_bytes) std::printf(" %9.2f", static_cast<double>(rank.at(tag)) / (1 << 20));
+    std::printf("\n");
+  }
+}
+
+int run(const train_flags& f) {
+  const train_options o = to_options(f);
+  validate(o);
+  std::ofstream metrics;
+  if (!f.metrics_path.empty()) {
+    metrics.open(f.metrics_path, std::ios::trunc);
+    if (!metrics) throw io_error("cannot write --metrics-json " + f.metrics_path + ": check the directory");
+  }
+  std::printf("# upipe train  model=%s (%lld parameters)  %s  S=%lld  cp=%d %s  zero=%d  steps=%lld  lr=%g  backend=%s\n",
+              o.model.name.c_str(), static_cast<long long>(o.model.parameter_count()),
+              o.data_path.empty() ? "passkey task" : o.data_path.c_str(), static_cast<long long>(o.seq_len), o.cp.cp,
+              f.attention.c_str(), f.zero, static_cast<long long>(o.optim.total_steps), o.optim.lr, f.backend.c_str());
+  std::fflush(stdout);
+  const std::int64_t last = o.stop_after > 0 ? o.stop_after : o.optim.total_steps;
+  progress bar(1, last);
+  const train_summary s = train(o, [&](const step_record& r) {
+    bar(r);
+    if (metrics.is_open()) metrics << record_json(r).dump() << "\n" << std::flush;
+  });
+  print_summary(o, s);
+  if (metrics.is_open()) {
+    nlohmann::json last_record = {{"final", true}, {"steps", s.steps.size()}, {"seconds", s.seconds},
+                                  {"peak_bytes_per_rank", s.peak_bytes}};
+    last_record["loss"] = s.steps.empty() ? nlohmann::json(nullptr) : nlohmann::json(s.steps.back().loss);
+    last_record["retrieval_accuracy"] = s.retrieval_accuracy ? nlohmann::json(*s.retrieval_accuracy) : nlohmann::json(nullptr);
+    metrics << last_record.dump() << "\n";
+    if (!metrics) throw io_error("writing --metrics-json " + f.metrics_path + " failed");
+  }
+  return 0;
+}
+
+}  // namespace
+
+command_runner add_train(CLI::App& app) {
+  auto f = std::make_shared<train_flags>();
+  app.add_option("--model", f->model, "preset (upipe model-config --list)")->capture_default_str();
+  app.add_option("--config", f->config_path, "a Hugging Face config.json instead of a preset");
+  app.add_option("--init", f->init_path, "safetensors weights to start from (default: random)");
+  app.add_option("--data", f->data_path, "flat little-endian uint32 token file (default: the synthetic passkey task)");
+  app.add_option("--seq-len", f->seq_len, "tokens per sequence (K and M suffixes)")->capture_default_str();
+  app.add_option("--cp", f->cp, "ranks in the CP group (threads on the cpu backend)")->capture_default_str();
+  app.add_option("--attention", f->attention, "ulysses, upipe or ring")->capture_default_str();
+  app.add_option("--head-chunk", f->head_chunk, "U for upipe (default: C)");
+  app.add_option("--steps", f->steps, "length of the learning-rate schedule")->capture_default_str();
+  app.add_option("--stop-after", f->stop_after, "stop once this step is done (the schedule stays --steps long)");
+  app.add_option("--lr", f->lr, "peak learning rate")->capture_default_str();
+  app.add_option("--warmup", f->warmup, "linear warmup steps")->capture_default_str();
+  app.add_option("--weight-decay", f->weight_decay, "AdamW weight decay on matrices")->capture_default_str();
+  app.add_option("--max-grad-norm", f->max_grad_norm, "global-norm clipping (0: off)")->capture_default_str();
+  app.add_option("--seed", f->seed, "seed of the initialization and the data")->capture_default_str();
+  app.add_option("--save", f->save_dir, "write a checkpoint here at the end (and every --save-every steps)");
+  app.add_option("--save-every", f->save_every, "also save every N steps");
+  app.add_option("--resume", f->resume_dir, "continue from this checkpoint");
+  app.add_option("--zero", f->zero, "2: shard optimizer state and gradients; 3: shard weights too")->capture_default_str();
+  app.add_option("--checkpoint-policy", f->policy, "what=input|input+attention,every=K,where=device|host-pinned|host-pageable");
+  app.add_option("--mlp-tile", f->mlp_tile, "tokens per MLP tile (0: D)");
+  app.add_option("--loss-chunk", f->loss_chunk, "tokens per cross-entropy chunk (0: 256 MiB of logits)");
+  app.add_option("--layers", f->layers, "train a slice: the first N layers only");
+  app.add_option("--backend", f->backend, "cpu or meta")->capture_default_str();
+  app.add_option("--memory-gib", f->memory_gib, "cpu memory per rank, GiB")->capture_default_str();
+  app.add_option("--eval-samples", f->eval_samples, "held-out passkey samples for the retrieval accuracy")->capture_default_str();
+  app.add_option("--metrics-json", f->metrics_path, "one JSON object per step, then a final one");
+  return [f] { return run(*f); };
+}
+
+}  // namespace upipe::apps
