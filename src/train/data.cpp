@@ -170,8 +170,11 @@ passkey_sample passkey_task::sample(std::uint64_t seed, std::uint64_t index) con
   std::vector<std::int32_t> filler;
   filler.reserve(static_cast<std::size_t>(filler_len));
   std::vector<std::size_t> boundaries = {0};
-  while (static_cast<std::int64_t>(filler.size()) < filler_len) {
-    const auto& sentence = sentences[uniform_below(rng, sentence_count)];
+  // The sentences follow each other in a fixed cycle from a random first one, so that
+  // once the filler is learned the only thing left to learn is the retrieval.
+  for (std::uint64_t next = uniform_below(rng, sentence_count); static_cast<std::int64_t>(filler.size()) < filler_len;
+       next = (next + 1) % sentence_count) {
+    const auto& sentence = sentences[next];
     const auto room = static_cast<std::size_t>(filler_len) - filler.size();
     const std::size_t take = sentence.size() < room ? sentence.size() : room;
     filler.insert(filler.end(), sentence.begin(), sentence.begin() + static_cast<std::ptrdiff_t>(take));
