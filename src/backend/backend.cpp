@@ -90,7 +90,12 @@ std::unique_ptr<backend> make_backend(backend_kind kind, const memory_limits& li
   switch (kind) {
     case backend_kind::cpu: return make_cpu_backend(limits);
     case backend_kind::meta: return make_meta_backend(limits);
-    case backend_kind::cuda: break;
+    case backend_kind::cuda:
+#ifdef UPIPE_HAVE_CUDA
+      return make_cuda_backend(limits, 0);
+#else
+      break;
+#endif
   }
   throw config_error(
       "backend 'cuda' is not available in this build (no CUDA backend compiled in): use --backend cpu "

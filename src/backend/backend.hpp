@@ -113,6 +113,9 @@ class backend {
 
 std::unique_ptr<backend> make_cpu_backend(const memory_limits& limits);
 std::unique_ptr<backend> make_meta_backend(const memory_limits& limits);
+// The CUDA backend on GPU `device` (only in builds with UPIPE_HAVE_CUDA): an arena of
+// limits.device_bytes on the device, a pinned host pool of limits.host_bytes.
+std::unique_ptr<backend> make_cuda_backend(const memory_limits& limits, int device);
 // Throws config_error when this build has no CUDA backend.
 std::unique_ptr<backend> make_backend(backend_kind kind, const memory_limits& limits);
 

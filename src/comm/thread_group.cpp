@@ -391,6 +391,7 @@ void run_threads(std::span<backend* const> backends, const std::function<void(in
   try {
     for (int r = 0; r < size; ++r)
       threads.emplace_back([&group, &comms, &fn, r] {
+        set_current_rank(r);
         try {
           fn(r, *comms[static_cast<std::size_t>(r)]);
         } catch (...) {

@@ -7,4 +7,11 @@ void throw_internal(const char* expr, const char* file, int line, const std::str
                        std::to_string(line) + (what.empty() ? "" : ": " + what));
 }
 
+namespace {
+thread_local int rank_of_thread = -1;
+}
+
+int current_rank() { return rank_of_thread; }
+void set_current_rank(int rank) { rank_of_thread = rank; }
+
 }  // namespace upipe

@@ -28,6 +28,10 @@ class internal_error : public std::logic_error {
 
 [[noreturn]] void throw_internal(const char* expr, const char* file, int line, const std::string& what);
 
+// The CP rank the calling thread works for (-1 outside a group), for error messages.
+int current_rank();
+void set_current_rank(int rank);
+
 }  // namespace upipe
 
 // Checks an internal invariant; message is a std::string expression.
