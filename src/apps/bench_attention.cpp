@@ -135,8 +135,9 @@ int run(const bench_flags& f) {
   if (kind == backend_kind::meta)
     options.limits = {std::size_t{1} << 50, std::size_t{1} << 50};  // shapes only: nothing is reserved
   else
-    options.limits = {static_cast<std::size_t>(f.memory_gib * (1 << 30)), std::size_t{1} << 30};
-  const double tolerance = 1e-5;  // fp32 against the float64 reference
+    options.limits = {static_cast<std::size_t>(f.memory_gib * (1 << 30)), std::size_t{1} << 28};
+  // fp32 (cpu) or bf16 storage (cuda) against the float64 reference.
+  const double tolerance = kind == backend_kind::cuda ? 2e-2 : 1e-5;
   std::printf("# upipe bench-attention  backend=%s  D=%d  seed=%llu  (time: forward+backward of rank 0; "
               "memory: rank 0)\n",
               f.backend.c_str(), configs.empty() ? 0 : configs[0].model_dim, f.seed);
@@ -168,7 +169,8 @@ int run(const bench_flags& f) {
 
 command_runner add_bench_attention(CLI::App& app) {
   auto f = std::make_shared<bench_flags>();
-  app.add_option("--backend", f->backend, "cpu (fp32 reference, threads as ranks) or meta (shapes only, rank 0)")
+  app.add_option("--backend", f->backend,
+                 "cpu (fp32 reference, threads as ranks), cuda (bf16, virtual ranks on one GPU) or meta (shapes only, rank 0)")
       ->capture_default_str();
   app.add_option("--strategy", f->strategies, "ulysses, upipe, ring (comma-separated list)")
       ->delimiter(',')
@@ -187,7 +189,7 @@ command_runner add_bench_attention(CLI::App& app) {
   app.add_option("--seed", f->seed, "seed of the random inputs and weights")->capture_default_str();
   app.add_option("--json", f->json_path, "write one JSON object per configuration to this file");
   app.add_option("--dump", f->dump_dir, "write inputs, weights, outputs and gradients as .npy files here");
-  app.add_option("--memory-gib", f->memory_gib, "cpu arena per rank, GiB")->capture_default_str();
+  app.add_option("--memory-gib", f->memory_gib, "arena per rank (cpu or GPU memory), GiB")->capture_default_str();
   app.add_flag("--no-check", f->no_check, "skip the float64 reference (long sequences on cpu)");
   app.add_option("--rope-theta", f->rope_theta, "RoPE base")->capture_default_str();
   app.add_flag("--rope-llama3", f->rope_llama3, "Llama 3 RoPE frequency scaling (factor 8, original 8192)");

@@ -35,6 +35,8 @@ int main(int argc, char** argv) {
       *app.add_subcommand("model-config", "Show a model configuration and its parameters; write it as config.json"));
   auto step = upipe::apps::add_step(*app.add_subcommand(
       "step", "One forward and backward of a whole model under CP: loss, time, peak memory by tag"));
+  auto kernels = upipe::apps::add_bench_kernels(*app.add_subcommand(
+      "bench-kernels", "Single-op timings: Llama GEMMs, fused attention, memory-bound kernels vs a device copy"));
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -45,6 +47,7 @@ int main(int argc, char** argv) {
     if (app.got_subcommand("bench-attention")) return bench();
     if (app.got_subcommand("model-config")) return model();
     if (app.got_subcommand("step")) return step();
+    if (app.got_subcommand("bench-kernels")) return kernels();
   } catch (const std::exception& e) {
     return report_error(e);
   }

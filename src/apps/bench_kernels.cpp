@@ -1,0 +1,61 @@
+// `upipe bench-kernels`: single-op timings on one backend (the GEMMs of a Llama layer,
+// fused attention, memory-bound kernels beside a device-to-device copy), nccl-tests
+// style rows and JSON; scripts/bench_torch.py measures PyTorch on the same shapes.
+#include <cstdio>
+#include <fstream>
+
+#include <nlohmann/json.hpp>
+
+#include "apps/commands.hpp"
+#include "apps/sizes.hpp"
+#include "bench/kernel_bench.hpp"
+#include "core/error.hpp"
+
+namespace upipe::apps {
+
+namespace {
+
+struct kernel_flags {
+  std::string backend = "cuda", tokens = "32K", json_path;
+  int repeats = 5;
+  double memory_gib = 40;
+};
+
+int run(const kernel_flags& f) {
+  const backend_kind kind = parse_backend_kind(f.backend);
+  if (f.repeats < 1) throw config_error("--repeats must be at least 1");
+  kernel_bench_options o;
+  o.tokens = parse_count(f.tokens, "--tokens");
+  o.repeats = f.repeats;
+  const std::size_t arena = kind == backend_kind::meta ? std::size_t{1} << 50 : static_cast<std::size_t>(f.memory_gib * (1 << 30));
+  auto be = make_backend(kind, {arena, 0});
+  std::printf("# upipe bench-kernels  backend=%s  tokens=%lld  repeats=%d  (Llama3-8B layer shapes)\n", f.backend.c_str(),
+              static_cast<long long>(o.tokens), o.repeats);
+  std::printf("%-40s %12s %10s %10s\n", "op", "time_ms", "TFLOP/s", "GB/s");
+  nlohmann::json rows = nlohmann::json::array();
+  for (const kernel_timing& t : run_kernel_bench(*be, o)) {
+    std::printf("%-40s %12.3f %10.1f %10.1f\n", t.name.c_str(), t.ms, t.tflops, t.gbytes_per_s);
+    rows.push_back({{"op", t.name}, {"time_ms", t.ms}, {"tflops", t.tflops}, {"gbytes_per_s", t.gbytes_per_s},
+                    {"tokens", o.tokens}, {"backend", f.backend}});
+  }
+  if (!f.json_path.empty()) {
+    std::ofstream out(f.json_path);
+    out << rows.dump(2) << "\n";
+    if (!out) throw io_error("cannot write " + f.json_path);
+  }
+  return 0;
+}
+
+}  // namespace
+
+command_runner add_bench_kernels(CLI::App& app) {
+  auto f = std::make_shared<kernel_flags>();
+  app.add_option("--backend", f->backend, "cuda or cpu")->capture_default_str();
+  app.add_option("--tokens", f->tokens, "tokens s of the shapes (K and M suffixes)")->capture_default_str();
+  app.add_option("--repeats", f->repeats, "timed repeats after one warm-up")->capture_default_str();
+  app.add_option("--memory-gib", f->memory_gib, "arena, GiB")->capture_default_str();
+  app.add_option("--json", f->json_path, "write the rows as JSON");
+  return [f] { return run(*f); };
+}
+
+}  // namespace upipe::apps

@@ -1,0 +1,30 @@
+// Timings of single ops on one backend: the GEMMs of a Llama layer, fused attention
+// forward and backward, and the memory-bound kernels beside a device-to-device copy of
+// the same bytes. Used by `upipe bench-kernels` to compare with PyTorch in the same call.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "backend/backend.hpp"
+
+namespace upipe {
+
+struct kernel_timing {
+  std::string name;      // e.g. "gemm q_proj", "sdpa d=128 forward", "rmsnorm"
+  double ms = 0;         // mean over the timed repeats
+  double tflops = 0;     // for compute-bound ops
+  double gbytes_per_s = 0;  // for memory-bound ops (bytes read + written)
+};
+
+struct kernel_bench_options {
+  std::int64_t tokens = 32768;
+  int repeats = 5;
+  int heads = 32, kv_heads = 8, hidden = 4096, intermediate = 14336;
+  std::int64_t vocab = 128256;
+};
+
+std::vector<kernel_timing> run_kernel_bench(backend& be, const kernel_bench_options& options);
+
+}  // namespace upipe

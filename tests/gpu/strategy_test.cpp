@@ -1,0 +1,73 @@
+// Every CP strategy on the CUDA backend with 2 and 4 virtual ranks sharing one GPU
+// (threads communicator, device copies), against the float64 reference; and a whole
+// training step of a tiny model against the cpu backend.
+#include <gtest/gtest.h>
+
+#include <cuda_runtime_api.h>
+
+#include "bench/attention_experiment.hpp"
+#include "model/model_step.hpp"
+
+namespace upipe {
+namespace {
+
+bool have_gpu() {
+  int count = 0;
+  return cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
+}
+
+constexpr double bf16_tolerance = 2e-2;
+
+TEST(gpu_strategies, virtual_ranks_match_the_reference) {
+  if (!have_gpu()) GTEST_SKIP() << "no GPU";
+  for (int cp : {1, 2, 4})
+    for (auto kind : {strategy_kind::ulysses, strategy_kind::upipe, strategy_kind::ring}) {
+      std::vector<int> chunks = kind == strategy_kind::upipe ? valid_head_chunks(8, cp) : std::vector<int>{0};
+      for (int u : chunks)
+        for (bool qk_norm : {false, true}) {
+          attention_config c{.seq_len = 512, .heads = 8, .kv_heads = 2, .head_dim = 64, .model_dim = 256, .cp = cp,
+                             .head_chunk = u, .strategy = kind};
+          c.qk_norm = qk_norm;
+          experiment_options o;
+          o.backend = backend_kind::cuda;
+          o.limits = {std::size_t{1} << 30, std::size_t{64} << 20};
+          const experiment_result r = run_attention_experiment(c, o);
+          ASSERT_TRUE(r.max_rel_error.has_value());
+          for (const auto& [name, e] : r.rel_error)
+            EXPECT_LT(e, bf16_tolerance) << strategy_name(kind) << " C=" << cp << " U=" << u << " qk_norm=" << qk_norm
+                                         << " " << name;
+        }
+    }
+}
+
+TEST(gpu_model, training_step_matches_the_cpu_backend) {
+  if (!have_gpu()) GTEST_SKIP() << "no GPU";
+  for (const char* name : {"tiny-llama", "tiny-qwen3"}) {
+    model_step_request req;
+    req.model = preset(name);
+    req.cp = {strategy_kind::upipe, 2, 0};
+    req.options.mlp_tile = 24;
+    req.options.loss_chunk = 40;
+    const host_weights w = random_weights(req.model, 3);
+    std::vector<std::int32_t> tokens(256);
+    for (std::size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<std::int32_t>((i * 37 + 11) % 256);
+    req.limits = {std::size_t{256} << 20, std::size_t{64} << 20};
+    const model_step_result cpu = run_model_step(req, w, tokens);
+    req.backend = backend_kind::cuda;
+    req.limits = {std::size_t{1} << 30, std::size_t{64} << 20};
+    const model_step_result gpu = run_model_step(req, w, tokens);
+    EXPECT_LT(std::abs(gpu.loss - cpu.loss) / cpu.loss, bf16_tolerance) << name;
+    for (const auto& [param, values] : cpu.grads) {
+      const auto& got = gpu.grads.at(param);
+      double diff = 0, ref = 0;
+      for (std::size_t i = 0; i < values.size(); ++i) {
+        diff = std::max(diff, std::abs(static_cast<double>(got[i]) - values[i]));
+        ref = std::max(ref, std::abs(static_cast<double>(values[i])));
+      }
+      EXPECT_LT(diff / ref, 5e-2) << name << " " << param;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace upipe
