@@ -66,9 +66,13 @@ int run(const step_flags& f) {
   req.cp = {parse_strategy_kind(f.attention), f.cp, f.head_chunk};
   req.options = {f.mlp_tile, f.loss_chunk, parse_checkpoint_policy(f.policy)};
   if (f.memory_gib <= 0) throw config_error("--memory-gib must be positive (for example 8)");
-  req.limits = req.backend == backend_kind::meta
-                   ? memory_limits{std::size_t{1} << 50, std::size_t{1} << 50}
-                   : memory_limits{static_cast<std::size_t>(f.memory_gib * (1 << 30)), static_cast<std::size_t>(f.memory_gib * (1 << 30))};
+  const auto gib = static_cast<std::size_t>(f.memory_gib * (1 << 30));
+  // On the GPU the host pool is pinned memory, taken at start: 1 GiB unless checkpoints go there.
+  const std::size_t host = req.backend == backend_kind::cuda && req.options.policy.where == checkpoint_location::device
+                               ? std::size_t{1} << 30
+                               : gib;
+  req.limits = req.backend == backend_kind::meta ? memory_limits{std::size_t{1} << 50, std::size_t{1} << 50}
+                                                 : memory_limits{gib, host};
   const std::int64_t S = parse_count(f.seq_len, "--seq-len");
   if (S < 2) throw config_error("--seq-len " + f.seq_len + " must be at least 2 (one prediction needs two tokens)");
   const bool data = req.backend != backend_kind::meta;
@@ -108,7 +112,7 @@ command_runner add_step(CLI::App& app) {
   app.add_option("--weights", f->weights_path, "safetensors weights (file or directory); default: random");
   app.add_option("--tokens", f->tokens_path, "flat little-endian uint32 token file; default: random tokens");
   app.add_option("--seq-len", f->seq_len, "tokens in the sequence (K and M suffixes)")->capture_default_str();
-  app.add_option("--backend", f->backend, "cpu or meta")->capture_default_str();
+  app.add_option("--backend", f->backend, "cpu, cuda (bf16, virtual ranks on one GPU) or meta")->capture_default_str();
   app.add_option("--attention", f->attention, "ulysses, upipe or ring")->capture_default_str();
   app.add_option("--cp", f->cp, "ranks in the CP group")->capture_default_str();
   app.add_option("--head-chunk", f->head_chunk, "U for upipe (0: C)");
