@@ -39,7 +39,8 @@ void tensor::reset() noexcept {
 
 mat_view tensor::matrix() const {
   const std::int64_t rows = dims_.rank == 0 ? 1 : dims_[0];
-  const std::int64_t cols = rows == 0 ? 0 : dims_.numel() / rows;
+  std::int64_t cols = 1;  // the product of the other dimensions, also when there are no rows
+  for (int i = 1; i < dims_.rank; ++i) cols *= dims_[i];
   return {data_, type_, rows, cols, cols};
 }
 
