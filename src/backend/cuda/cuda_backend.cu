@@ -1,0 +1,422 @@
+// The CUDA backend: bf16 storage, fp32 accumulation. One device arena (a single
+// cudaMalloc that the shared arena allocator carves up), one pinned host pool, one
+// non-blocking compute stream on which every op, copy and fill of this backend runs in
+// order. Ops return without synchronizing; host transfers and synchronize() wait.
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "backend/backend.hpp"
+#include "core/error.hpp"
+#include "ops/cuda/cuda_check.hpp"
+#include "ops/cuda/cuda_ops.hpp"
+
+namespace upipe {
+
+namespace {
+
+constexpr std::size_t cudnn_minimum_version = 90000;  // cudnnGetVersion() of cuDNN 9.0.0
+
+// Launch configuration of this file's elementwise kernels: a grid-stride loop.
+struct elementwise_launch {
+  static constexpr int threads = 256;
+  static constexpr std::int64_t max_blocks = 4096;
+  static unsigned blocks(std::int64_t n) {
+    return static_cast<unsigned>(std::clamp<std::int64_t>((n + threads - 1) / threads, 1, max_blocks));
+  }
+};
+
+// The same bits as float_to_bf16 (core/dtype.hpp): round to nearest even, NaN quiet.
+__device__ std::uint16_t to_bf16_bits(float value) {
+  const std::uint32_t bits = __float_as_uint(value);
+  if ((bits & 0x7f800000u) == 0x7f800000u && (bits & 0x007fffffu) != 0)
+    return static_cast<std::uint16_t>((bits >> 16) | 0x0040u);
+  return static_cast<std::uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+__device__ float from_bf16_bits(std::uint16_t bits) { return __uint_as_float(static_cast<std::uint32_t>(bits) << 16); }
+
+__global__ void f32_to_bf16_kernel(const float* in, std::uint16_t* out, std::int64_t n) {
+  const std::int64_t stride = static_cast<std::int64_t>(blockDim.x) * gridDim.x;
+  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride)
+    out[i] = to_bf16_bits(in[i]);
+}
+
+__global__ void bf16_to_f32_kernel(const std::uint16_t* in, float* out, std::int64_t n) {
+  const std::int64_t stride = static_cast<std::int64_t>(blockDim.x) * gridDim.x;
+  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride)
+    out[i] = from_bf16_bits(in[i]);
+}
+
+// c = beta * c over a strided matrix; beta == 0 writes zeros without reading c (a GEMM
+// with k == 0, which cuBLASLt does not take).
+__global__ void scale_matrix_kernel(void* data, bool bf16, std::int64_t rows, std::int64_t cols, std::int64_t ld,
+                                    float beta) {
+  const std::int64_t n = rows * cols;
+  const std::int64_t stride = static_cast<std::int64_t>(blockDim.x) * gridDim.x;
+  for (std::int64_t idx = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < n; idx += stride) {
+    const std::int64_t at = idx / cols * ld + idx % cols;
+    if (bf16) {
+      auto* c = static_cast<std::uint16_t*>(data);
+      c[at] = beta == 0.0f ? std::uint16_t{0} : to_bf16_bits(beta * from_bf16_bits(c[at]));
+    } else {
+      auto* c = static_cast<float*>(data);
+      c[at] = beta == 0.0f ? 0.0f : beta * c[at];
+    }
+  }
+}
+
+std::string gib(std::size_t bytes) {
+  char text[32];
+  std::snprintf(text, sizeof(text), "%.2f GiB", static_cast<double>(bytes) / static_cast<double>(1u << 30));
+  return text;
+}
+
+// cuDNN 9 encodes major * 10000 + minor * 100 + patch; cuDNN 8 major * 1000 + minor * 100 + patch.
+std::string cudnn_version_name(std::size_t v) {
+  if (v >= 10000)
+    return std::to_string(v / 10000) + "." + std::to_string(v / 100 % 100) + "." + std::to_string(v % 100);
+  return std::to_string(v / 1000) + "." + std::to_string(v / 100 % 10) + "." + std::to_string(v % 100);
+}
+
+void log_cuda(cudaError_t status, const char* call) noexcept {
+  if (status != cudaSuccess) std::fprintf(stderr, "upipe: %s failed: %s\n", call, cudaGetErrorString(status));
+}
+
+void check_device(int device) {
+  int count = 0;
+  const cudaError_t status = cudaGetDeviceCount(&count);
+  if (status != cudaSuccess || device < 0 || device >= count) {
+    (void)cudaGetLastError();
+    throw config_error("the cuda backend needs GPU " + std::to_string(device) + " but " +
+                       (status != cudaSuccess ? std::string("the CUDA runtime reports: ") + cudaGetErrorString(status)
+                                              : std::to_string(count) + " GPU(s) are visible") +
+                       ": run on a machine with a GPU, or use --backend cpu");
+  }
+}
+
+void check_cudnn_version() {
+  const std::size_t version = cuda::sdpa_engine::library_version();
+  if (version < cudnn_minimum_version)
+    throw config_error("cuDNN " + cudnn_version_name(version) + " is loaded (cudnnGetVersion() = " +
+                       std::to_string(version) +
+                       ") but the cuda backend's fused attention needs cuDNN 9.0 or newer: install cuDNN 9 and put "
+                       "its library directory first on LD_LIBRARY_PATH");
+}
+
+class cuda_backend final : public backend {
+ public:
+  cuda_backend(const memory_limits& limits, int device)
+      : backend(backend_kind::cuda, dtype::bf16, limits), device_(device) {
+    check_device(device);
+    UPIPE_CUDA_CHECK(cudaSetDevice(device_));
+    check_cudnn_version();
+    try {
+      acquire(device_arena().capacity(), host_arena().capacity());
+    } catch (...) {
+      release_all();
+      throw;
+    }
+  }
+  ~cuda_backend() override { release_all(); }
+
+  void copy_bytes(void* dst, const void* src, std::size_t bytes) override {
+    if (bytes == 0 || dst == src) return;
+    use_device();
+    UPIPE_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream_));
+  }
+  void add_f32(float* dst, const float* src, std::size_t count) override {
+    if (count == 0) return;
+    use_device();
+    cuda::add_f32(dst, src, count, stream_);
+  }
+  void fill_bytes(void* dst, int value, std::size_t bytes) override {
+    if (bytes == 0) return;
+    use_device();
+    if (in_host_pool(dst)) {  // cudaMemset does not take host memory
+      synchronize();
+      std::memset(dst, value, bytes);
+      return;
+    }
+    UPIPE_CUDA_CHECK(cudaMemsetAsync(dst, value, bytes, stream_));
+  }
+  void synchronize() override {
+    use_device();
+    UPIPE_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  }
+
+  void upload_f32(const tensor& dst, const float* host) override;
+  void download_f32(float* host, const tensor& src) override;
+  void upload_bytes(const tensor& dst, const void* host, std::size_t bytes) override {
+    UPIPE_CHECK(bytes <= dst.bytes(), "upload larger than the tensor");
+    if (bytes == 0) return;
+    use_device();
+    UPIPE_CUDA_CHECK(cudaMemcpyAsync(dst.data(), host, bytes, cudaMemcpyDefault, stream_));
+    synchronize();
+  }
+  void download_bytes(void* host, const tensor& src, std::size_t bytes) override {
+    UPIPE_CHECK(bytes <= src.bytes(), "download larger than the tensor");
+    if (bytes == 0) return;
+    use_device();
+    UPIPE_CUDA_CHECK(cudaMemcpyAsync(host, src.data(), bytes, cudaMemcpyDefault, stream_));
+    synchronize();
+  }
+
+  void gemm(const gemm_args& a) override;
+  void sdpa_forward(const sdpa_forward_args& a) override {
+    use_device();
+    sdpa_engine_->forward(a);
+  }
+  void sdpa_backward(const sdpa_backward_args& a) override {
+    use_device();
+    sdpa_engine_->backward(a);
+  }
+  void rope(const rope_args& a) override {
+    use_device();
+    cuda::rope(a, stream_);
+  }
+  void rmsnorm_forward(const rmsnorm_forward_args& a) override {
+    use_device();
+    cuda::rmsnorm_forward(a, stream_);
+  }
+  void rmsnorm_backward(const rmsnorm_backward_args& a) override {
+    use_device();
+    cuda::rmsnorm_backward(a, stream_);
+  }
+  void copy_heads(const head_view& d, const head_view& s) override {
+    use_device();
+    cuda::copy_heads(d, s, stream_);
+  }
+  void add_heads(const head_view& d, const head_view& s) override {
+    use_device();
+    cuda::add_heads(d, s, stream_);
+  }
+  void fill_heads(const head_view& d, float v) override {
+    use_device();
+    cuda::fill_heads(d, v, stream_);
+  }
+  void lse_merge(const lse_merge_args& a) override {
+    use_device();
+    cuda::lse_merge(a, stream_);
+  }
+  void embedding_forward(const embedding_forward_args& a) override {
+    use_device();
+    cuda::embedding_forward(a, stream_);
+  }
+  void embedding_backward(const embedding_backward_args& a) override {
+    use_device();
+    cuda::embedding_backward(a, stream_);
+  }
+  void swiglu_forward(const swiglu_forward_args& a) override {
+    use_device();
+    cuda::swiglu_forward(a, stream_);
+  }
+  void swiglu_backward(const swiglu_backward_args& a) override {
+    use_device();
+    cuda::swiglu_backward(a, stream_);
+  }
+  void cross_entropy(const cross_entropy_args& a) override {
+    use_device();
+    cuda::cross_entropy(a, stream_);
+  }
+  void adamw(const adamw_args& a) override {
+    use_device();
+    cuda::adamw(a, stream_);
+  }
+  double sum_squares(const mat_view& x) override;
+
+ private:
+  // Host conversions go through device staging of at most this many elements, so an
+  // upload needs little memory beyond the arena.
+  static constexpr std::int64_t staging_elements = std::int64_t{4} << 20;
+
+  // Any thread may drive a backend; the device is per thread in the CUDA runtime.
+  void use_device() const { UPIPE_CUDA_CHECK(cudaSetDevice(device_)); }
+
+  bool in_host_pool(const void* p) const {
+    const auto* b = static_cast<const std::byte*>(p);
+    return host_base_ != nullptr && b >= host_base_ && b < host_base_ + host_arena().capacity();
+  }
+
+  void acquire(std::size_t device_bytes, std::size_t host_bytes);
+  void release_all() noexcept;
+  void* engine_scratch(std::size_t bytes, const char* label);
+  void scale_matrix(const mat_view& c, float beta);
+
+  int device_;
+  cudaStream_t stream_ = nullptr;
+  std::byte* device_base_ = nullptr;  // the arena, device_arena().capacity() bytes
+  std::byte* host_base_ = nullptr;    // the pinned host pool, host_arena().capacity() bytes
+  double* sum_result_ = nullptr;      // (1) f64 on the device: sum_squares' result
+  std::vector<tensor> scratch_;       // the engines' cached workspaces (tag workspace)
+  std::unique_ptr<cuda::gemm_engine> gemm_engine_;
+  std::unique_ptr<cuda::sdpa_engine> sdpa_engine_;
+};
+
+void cuda_backend::acquire(std::size_t device_bytes, std::size_t host_bytes) {
+  UPIPE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  if (device_bytes > 0) {
+    void* base = nullptr;
+    const cudaError_t status = cudaMalloc(&base, device_bytes);
+    if (status != cudaSuccess) {
+      (void)cudaGetLastError();
+      std::size_t free_bytes = 0, total_bytes = 0;
+      log_cuda(cudaMemGetInfo(&free_bytes, &total_bytes), "cudaMemGetInfo");
+      const std::size_t suggestion = std::max<std::size_t>(1, free_bytes / (std::size_t{1} << 30) * 9 / 10);
+      throw config_error("cannot allocate the GPU arena of " + std::to_string(device_bytes) + " bytes (" +
+                         gib(device_bytes) + ") on GPU " + std::to_string(device_) + ": " +
+                         cudaGetErrorString(status) + "; the GPU has " + std::to_string(free_bytes) + " bytes (" +
+                         gib(free_bytes) + ") free of " + std::to_string(total_bytes) + " (" + gib(total_bytes) +
+                         "). Lower the arena with --memory-gib (for example --memory-gib " +
+                         std::to_string(suggestion) + ", shared by the ranks on one GPU) or run `upipe plan` to find "
+                         "a configuration that fits");
+    }
+    device_base_ = static_cast<std::byte*>(base);
+  }
+  if (host_bytes > 0) {
+    void* base = nullptr;
+    const cudaError_t status = cudaHostAlloc(&base, host_bytes, cudaHostAllocPortable | cudaHostAllocMapped);
+    if (status != cudaSuccess) {
+      (void)cudaGetLastError();
+      throw config_error("cannot pin a host pool of " + std::to_string(host_bytes) + " bytes (" + gib(host_bytes) +
+                         ") for GPU " + std::to_string(device_) + ": " + cudaGetErrorString(status) +
+                         ". Lower the memory limit (--memory-gib) or run `upipe plan` to find a configuration "
+                         "that fits");
+    }
+    host_base_ = static_cast<std::byte*>(base);
+  }
+  set_bases(device_base_, host_base_);
+  UPIPE_CUDA_CHECK(cudaMalloc(&sum_result_, sizeof(double)));
+  gemm_engine_ = std::make_unique<cuda::gemm_engine>(
+      stream_, [this](std::size_t bytes) { return engine_scratch(bytes, "cublaslt_workspace"); });
+  sdpa_engine_ = std::make_unique<cuda::sdpa_engine>(
+      stream_, [this](std::size_t bytes) { return engine_scratch(bytes, "cudnn_workspace"); });
+}
+
+// Never throws: a destructor (and a failed constructor) only logs.
+void cuda_backend::release_all() noexcept {
+  log_cuda(cudaSetDevice(device_), "cudaSetDevice");
+  if (stream_ != nullptr) log_cuda(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
+  sdpa_engine_.reset();  // engines before the workspaces they hold (their destructors only log)
+  gemm_engine_.reset();
+  scratch_.clear();
+  if (sum_result_ != nullptr) log_cuda(cudaFree(sum_result_), "cudaFree(sum_squares result)");
+  if (device_base_ != nullptr) log_cuda(cudaFree(device_base_), "cudaFree(arena)");
+  if (host_base_ != nullptr) log_cuda(cudaFreeHost(host_base_), "cudaFreeHost(host pool)");
+  if (stream_ != nullptr) log_cuda(cudaStreamDestroy(stream_), "cudaStreamDestroy");
+  sum_result_ = nullptr;
+  device_base_ = host_base_ = nullptr;
+  stream_ = nullptr;
+}
+
+// The engines cache their workspaces, so these tensors live as long as the backend.
+void* cuda_backend::engine_scratch(std::size_t bytes, const char* label) {
+  const auto words = static_cast<std::int64_t>((bytes + sizeof(float) - 1) / sizeof(float));
+  scratch_.push_back(allocate(mem_tag::workspace, dtype::f32, {words}, label));
+  return scratch_.back().data();
+}
+
+void cuda_backend::upload_f32(const tensor& dst, const float* host) {
+  const std::int64_t n = dst.numel();
+  UPIPE_CHECK(dst.type() != dtype::i32,
+              std::string("upload_f32 into the i32 tensor ") + dst.label() + ": ids go through upload_bytes");
+  if (dst.type() == dtype::f32) {
+    upload_bytes(dst, host, static_cast<std::size_t>(n) * sizeof(float));
+    return;
+  }
+  if (n == 0) return;
+  use_device();
+  auto* out = dst.as<std::uint16_t>();
+  if (in_host_pool(out)) {
+    synchronize();
+    for (std::int64_t i = 0; i < n; ++i) out[i] = float_to_bf16(host[i]);
+    return;
+  }
+  const std::int64_t chunk = std::min(n, staging_elements);
+  float* staging = nullptr;
+  UPIPE_CUDA_CHECK(cudaMallocAsync(&staging, static_cast<std::size_t>(chunk) * sizeof(float), stream_));
+  for (std::int64_t first = 0; first < n; first += chunk) {
+    const std::int64_t count = std::min(chunk, n - first);
+    UPIPE_CUDA_CHECK(cudaMemcpyAsync(staging, host + first, static_cast<std::size_t>(count) * sizeof(float),
+                                     cudaMemcpyHostToDevice, stream_));
+    f32_to_bf16_kernel<<<elementwise_launch::blocks(count), elementwise_launch::threads, 0, stream_>>>(
+        staging, out + first, count);
+    UPIPE_CUDA_CHECK(cudaGetLastError());
+  }
+  UPIPE_CUDA_CHECK(cudaFreeAsync(staging, stream_));
+  synchronize();
+}
+
+void cuda_backend::download_f32(float* host, const tensor& src) {
+  const std::int64_t n = src.numel();
+  UPIPE_CHECK(src.type() != dtype::i32,
+              std::string("download_f32 from the i32 tensor ") + src.label() + ": ids go through download_bytes");
+  if (src.type() == dtype::f32) {
+    download_bytes(host, src, static_cast<std::size_t>(n) * sizeof(float));
+    return;
+  }
+  if (n == 0) return;
+  use_device();
+  const auto* in = src.as<std::uint16_t>();
+  if (in_host_pool(in)) {
+    synchronize();
+    for (std::int64_t i = 0; i < n; ++i) host[i] = bf16_to_float(in[i]);
+    return;
+  }
+  const std::int64_t chunk = std::min(n, staging_elements);
+  float* staging = nullptr;
+  UPIPE_CUDA_CHECK(cudaMallocAsync(&staging, static_cast<std::size_t>(chunk) * sizeof(float), stream_));
+  for (std::int64_t first = 0; first < n; first += chunk) {
+    const std::int64_t count = std::min(chunk, n - first);
+    bf16_to_f32_kernel<<<elementwise_launch::blocks(count), elementwise_launch::threads, 0, stream_>>>(
+        in + first, staging, count);
+    UPIPE_CUDA_CHECK(cudaGetLastError());
+    UPIPE_CUDA_CHECK(cudaMemcpyAsync(host + first, staging, static_cast<std::size_t>(count) * sizeof(float),
+                                     cudaMemcpyDeviceToHost, stream_));
+  }
+  UPIPE_CUDA_CHECK(cudaFreeAsync(staging, stream_));
+  synchronize();
+}
+
+void cuda_backend::gemm(const gemm_args& a) {
+  if (a.c.rows == 0 || a.c.cols == 0) return;
+  use_device();
+  const std::int64_t k = a.trans_a == transpose::yes ? a.a.rows : a.a.cols;
+  if (k == 0) {
+    scale_matrix(a.c, a.beta);
+    return;
+  }
+  gemm_engine_->run(a);
+}
+
+void cuda_backend::scale_matrix(const mat_view& c, float beta) {
+  if (beta == 1.0f) return;
+  const std::int64_t n = c.rows * c.cols;
+  scale_matrix_kernel<<<elementwise_launch::blocks(n), elementwise_launch::threads, 0, stream_>>>(
+      c.data, c.type == dtype::bf16, c.rows, c.cols, c.ld, beta);
+  UPIPE_CUDA_CHECK(cudaGetLastError());
+}
+
+double cuda_backend::sum_squares(const mat_view& x) {
+  if (x.rows == 0 || x.cols == 0) return 0.0;
+  use_device();
+  cuda::sum_squares(x, sum_result_, stream_);
+  double result = 0.0;
+  UPIPE_CUDA_CHECK(cudaMemcpyAsync(&result, sum_result_, sizeof(double), cudaMemcpyDeviceToHost, stream_));
+  synchronize();
+  return result;
+}
+
+}  // namespace
+
+std::unique_ptr<backend> make_cuda_backend(const memory_limits& limits, int device) {
+  return std::make_unique<cuda_backend>(limits, device);
+}
+
+}  // namespace upipe
