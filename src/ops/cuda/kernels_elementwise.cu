@@ -1,0 +1,154 @@
+// Elementwise kernels: SwiGLU forward and backward on bf16 (n, F) matrices (d_out bf16 or
+// f32), as ops/cpu/swiglu.cpp but in fp32, and the fp32 add of the communicators.
+// Grid-stride over 16-byte chunks when every row is 16-byte aligned, element by element
+// otherwise; matrices without row padding are walked as one long row.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <initializer_list>
+
+#include "ops/cuda/cuda_ops.hpp"
+#include "ops/cuda/kernels_common.cuh"
+
+namespace upipe::cuda {
+
+namespace {
+
+using namespace kernels;
+
+constexpr kernel_config elementwise_config{.threads = 256, .blocks_per_sm = 8};
+constexpr int vec_width = 8;  // elements per chunk: 16 bytes of bf16
+
+// A matrix operand: base pointer and leading dimension.
+struct operand {
+  void* data;
+  std::int64_t ld;
+};
+
+struct swiglu_params {
+  std::int64_t rows, cols;
+  operand gate, up, d_out, out_or_d_gate, d_up;  // forward uses gate, up, out_or_d_gate
+  bool vec;
+};
+
+// exp of a non-positive argument only, as the reference does.
+__device__ __forceinline__ float sigmoid(float x) {
+  if (x >= 0.0f) return 1.0f / (1.0f + expf(-x));
+  const float e = expf(x);
+  return e / (1.0f + e);
+}
+
+template <class T>
+__device__ __forceinline__ T* row_of(const operand& m, std::int64_t row) {
+  return static_cast<T*>(m.data) + row * m.ld;
+}
+
+__global__ void __launch_bounds__(elementwise_config.threads) swiglu_forward_kernel(swiglu_params p) {
+  for_each_matrix_chunk<vec_width>(p.rows, p.cols, p.vec, [&](std::int64_t row, std::int64_t j, auto width) {
+    constexpr int w = decltype(width)::value;
+    float g[w], u[w];
+    load_vec<w>(row_of<const bf16>(p.gate, row) + j, g);
+    load_vec<w>(row_of<const bf16>(p.up, row) + j, u);
+#pragma unroll
+    for (int e = 0; e < w; ++e) g[e] = g[e] * sigmoid(g[e]) * u[e];
+    store_vec<w>(row_of<bf16>(p.out_or_d_gate, row) + j, g);
+  });
+}
+
+// d_gate = d_out * up * silu'(gate), silu'(x) = s (1 + x (1 - s)); d_up = d_out * silu(gate).
+// d_gate and d_up may be gate and up: a thread loads its chunk before storing it.
+template <class DOut>
+__global__ void __launch_bounds__(elementwise_config.threads) swiglu_backward_kernel(swiglu_params p) {
+  for_each_matrix_chunk<vec_width>(p.rows, p.cols, p.vec, [&](std::int64_t row, std::int64_t j, auto width) {
+    constexpr int w = decltype(width)::value;
+    float g[w], u[w], d[w];
+    load_vec<w>(row_of<const bf16>(p.gate, row) + j, g);
+    load_vec<w>(row_of<const bf16>(p.up, row) + j, u);
+    load_vec<w>(row_of<const DOut>(p.d_out, row) + j, d);
+#pragma unroll
+    for (int e = 0; e < w; ++e) {
+      const float s = sigmoid(g[e]);
+      const float d_gate = d[e] * u[e] * s * (1.0f + g[e] * (1.0f - s));
+      u[e] = d[e] * g[e] * s;
+      g[e] = d_gate;
+    }
+    store_vec<w>(row_of<bf16>(p.out_or_d_gate, row) + j, g);
+    store_vec<w>(row_of<bf16>(p.d_up, row) + j, u);
+  });
+}
+
+__global__ void __launch_bounds__(elementwise_config.threads)
+    add_f32_kernel(float* dst, const float* src, std::int64_t count, bool vec) {
+  for_each_matrix_chunk<4>(1, count, vec, [&](std::int64_t, std::int64_t j, auto width) {
+    constexpr int w = decltype(width)::value;
+    float a[w], b[w];
+    load_vec<w>(dst + j, a);
+    load_vec<w>(src + j, b);
+#pragma unroll
+    for (int e = 0; e < w; ++e) a[e] += b[e];
+    store_vec<w>(dst + j, a);
+  });
+}
+
+// The (rows, cols) walk of same-shaped matrices: one long row when none has padding,
+// chunked when every row of every operand is 16-byte aligned.
+struct matrix_walk {
+  std::int64_t rows, cols;
+  bool vec;
+};
+
+matrix_walk walk_of(std::initializer_list<mat_view> views) {
+  const mat_view& first = *views.begin();
+  bool packed = true, bases_aligned = true, rows_aligned = true;
+  for (const mat_view& m : views) {
+    packed = packed && (m.rows <= 1 || m.ld == m.cols);
+    bases_aligned = bases_aligned && aligned16(m.data);
+    rows_aligned = rows_aligned && rows_aligned16(m.data, m.rows, m.ld, dtype_size(m.type));
+  }
+  if (packed) return {1, first.rows * first.cols, bases_aligned};
+  return {first.rows, first.cols, rows_aligned};
+}
+
+operand operand_of(const mat_view& m) { return {m.data, m.ld}; }
+
+}  // namespace
+
+void swiglu_forward(const swiglu_forward_args& args, cudaStream_t stream) {
+  const matrix_walk walk = walk_of({args.gate, args.up, args.out});
+  if (walk.rows * walk.cols == 0) return;
+  const swiglu_params params{walk.rows,           walk.cols, operand_of(args.gate), operand_of(args.up), {nullptr, 0},
+                             operand_of(args.out), {nullptr, 0}, walk.vec};
+  const std::int64_t units = walk.rows * (walk.vec ? ceil_div(walk.cols, vec_width) : walk.cols);
+  launch("swiglu_forward_kernel", swiglu_forward_kernel, grid_for_units(elementwise_config, units), elementwise_config,
+         0, stream, params);
+}
+
+void swiglu_backward(const swiglu_backward_args& args, cudaStream_t stream) {
+  const matrix_walk walk = walk_of({args.gate, args.up, args.d_out, args.d_gate, args.d_up});
+  if (walk.rows * walk.cols == 0) return;
+  const swiglu_params params{walk.rows,
+                             walk.cols,
+                             operand_of(args.gate),
+                             operand_of(args.up),
+                             operand_of(args.d_out),
+                             operand_of(args.d_gate),
+                             operand_of(args.d_up),
+                             walk.vec};
+  const std::int64_t units = walk.rows * (walk.vec ? ceil_div(walk.cols, vec_width) : walk.cols);
+  const int grid = grid_for_units(elementwise_config, units);
+  if (args.d_out.type == dtype::bf16)
+    launch("swiglu_backward_kernel<bf16>", swiglu_backward_kernel<bf16>, grid, elementwise_config, 0, stream, params);
+  else
+    launch("swiglu_backward_kernel<f32>", swiglu_backward_kernel<float>, grid, elementwise_config, 0, stream, params);
+}
+
+void add_f32(float* dst, const float* src, std::size_t count, cudaStream_t stream) {
+  if (count == 0) return;
+  const auto n = static_cast<std::int64_t>(count);
+  const bool vec = aligned16(dst) && aligned16(src);
+  const std::int64_t units = vec ? ceil_div(n, 4) : n;
+  launch("add_f32_kernel", add_f32_kernel, grid_for_units(elementwise_config, units), elementwise_config, 0, stream,
+         dst, src, n, vec);
+}
+
+}  // namespace upipe::cuda
