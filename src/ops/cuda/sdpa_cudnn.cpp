@@ -1,0 +1,410 @@
+// Fused attention through cuDNN's graph API, built with NVIDIA's header-only cudnn-frontend:
+// one SDPA forward graph (O and the natural-log Stats) and one SDPA backward graph (dQ, dK,
+// dV) per shape, built once, cached, and executed with the views' own pointers and strides.
+// bf16 operands, fp32 softmax statistics and accumulation.
+#include <cudnn.h>
+
+// The frontend defines helpers this file never calls; its warnings are not ours to fix.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wunused-function"
+#include <cudnn_frontend.h>
+#pragma GCC diagnostic pop
+
+#include <algorithm>
+#include <bit>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <exception>
+#include <limits>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <utility>
+
+#include "core/error.hpp"
+#include "ops/cuda/cuda_check.hpp"
+#include "ops/cuda/cuda_ops.hpp"
+
+namespace upipe::cuda {
+
+namespace {
+
+namespace fe = cudnn_frontend;
+using tensor_ptr = std::shared_ptr<fe::graph::Tensor_attributes>;
+
+enum class pass : std::uint8_t { forward, backward };
+
+// The caller's tensors carry fixed uids, so a cached plan binds fresh pointers by number.
+enum : std::int64_t { uid_q = 1, uid_k, uid_v, uid_o, uid_stats, uid_d_o, uid_d_q, uid_d_k, uid_d_v };
+
+// The largest head dim cuDNN's fused bf16 attention runs, forward and backward, on Hopper.
+constexpr std::int64_t max_head_dim = 256;
+// The fused kernels move Q, K, V, O and their gradients in 16-byte vectors (and TMA tiles):
+// every such pointer and outer stride must be a multiple of 16 bytes.
+constexpr std::uintptr_t operand_alignment = 16;
+constexpr std::int64_t bf16_per_vector = 8;
+constexpr std::int64_t f32_per_vector = 4;
+constexpr std::int64_t workspace_alignment = 256;
+// cuDNN writes forward Stats at their declared strides from 9.12 on, and reads backward
+// Stats at their declared strides from 9.26 on; before that only packed [1, h, s, 1] works.
+constexpr std::size_t strided_stats_write_version = 91200;
+constexpr std::size_t strided_stats_read_version = 92600;
+
+std::string version_name(std::size_t v) {
+  return std::to_string(v / 10000) + "." + std::to_string(v % 10000 / 100) + "." + std::to_string(v % 100);
+}
+
+// A head_view as cuDNN's [b = 1, h, s, d] tensor: sizes and element strides (d contiguous).
+struct bhsd {
+  std::int64_t heads = 0, tokens = 0, dim = 0;
+  std::int64_t batch_stride = 0, head_stride = 0, token_stride = 0;
+  bool operator==(const bhsd&) const = default;
+};
+
+bhsd layout_of(const head_view& v) {
+  bhsd l{v.heads, v.tokens, v.dim, 0, v.head_stride, v.token_stride};
+  // A stride over an extent of one addresses nothing: canonical values keep the plan key
+  // and cuDNN's stride checks independent of whatever the view carried there.
+  if (l.tokens == 1) l.token_stride = l.dim;
+  if (l.heads == 1) l.head_stride = l.tokens * l.token_stride;
+  l.batch_stride = std::max(l.heads * l.head_stride, l.tokens * l.token_stride);
+  return l;
+}
+
+// The packed layout of a (tokens, heads, 1) f32 statistic that every cuDNN 9 reads.
+bhsd packed_stats(std::int64_t heads, std::int64_t tokens) { return {heads, tokens, 1, heads * tokens, tokens, 1}; }
+
+// The view of a packed statistic at `data`, for copying between it and the caller's view.
+head_view packed_stats_view(void* data, const head_view& like) {
+  return {data, dtype::f32, like.tokens, like.heads, 1, 1, like.tokens};
+}
+
+bool vector_aligned(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % operand_alignment == 0; }
+
+// Whether cuDNN can write (forward) or read (backward) the caller's log-sum-exp in place;
+// otherwise it goes through a packed copy in the workspace.
+bool stats_bindable(const head_view& lse, bool strided_supported) {
+  const bhsd l = layout_of(lse);
+  if (!vector_aligned(lse.data)) return false;
+  if (l == packed_stats(l.heads, l.tokens)) return true;
+  const auto vector_stride = [](std::int64_t extent, std::int64_t stride) {
+    return extent == 1 || stride == 1 || stride % f32_per_vector == 0;
+  };
+  return strided_supported && vector_stride(l.heads, l.head_stride) && vector_stride(l.tokens, l.token_stride);
+}
+
+// Everything a built plan depends on. Pointers are not part of it: they are bound per call.
+struct plan_key {
+  pass direction = pass::forward;
+  attn_mask mask = attn_mask::causal;
+  std::uint32_t scale_bits = 0;
+  bool stage_stats = false;       // Stats live in the workspace, packed, and are copied
+  bhsd q, k, v, o, stats;         // stats as cuDNN sees them (packed when staged)
+  bhsd d_o, d_q, d_k, d_v;        // backward only
+  bool operator==(const plan_key&) const = default;
+};
+
+struct plan_key_hash {
+  std::size_t operator()(const plan_key& key) const {
+    std::size_t h = 0;
+    const auto mix = [&h](std::int64_t x) {
+      h ^= std::hash<std::int64_t>{}(x) + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);
+    };
+    mix(static_cast<std::int64_t>(key.direction));
+    mix(static_cast<std::int64_t>(key.mask));
+    mix(key.scale_bits);
+    mix(key.stage_stats);
+    for (const bhsd* l : {&key.q, &key.k, &key.v, &key.o, &key.stats, &key.d_o, &key.d_q, &key.d_k, &key.d_v})
+      for (std::int64_t x : {l->heads, l->tokens, l->dim, l->batch_stride, l->head_stride, l->token_stride}) mix(x);
+    return h;
+  }
+};
+
+std::string describe(const plan_key& key) {
+  std::string s = "attention ";
+  s += key.direction == pass::forward ? "forward" : "backward";
+  s += " (sq " + std::to_string(key.q.tokens) + ", skv " + std::to_string(key.k.tokens) + ", hq " +
+       std::to_string(key.q.heads) + ", hk " + std::to_string(key.k.heads) + ", d " + std::to_string(key.q.dim) +
+       ", " + (key.mask == attn_mask::causal ? "causal" : "unmasked") + ", scale " +
+       std::to_string(std::bit_cast<float>(key.scale_bits)) + ")";
+  return s;
+}
+
+[[noreturn]] void cannot_run(const plan_key& key, const std::string& reason) {
+  throw config_error("cuDNN " + version_name(cudnnGetVersion()) + " cannot run fused " + describe(key) + ": " +
+                     reason);
+}
+
+// The rules the fused kernels state up front, checked before the frontend so that the
+// message names the value; whatever else cuDNN refuses comes back from the frontend.
+void check_layouts(const plan_key& key) {
+  const std::int64_t d = key.q.dim;
+  if (d > max_head_dim)
+    cannot_run(key, "head dim " + std::to_string(d) + " (supported up to " + std::to_string(max_head_dim) +
+                        "); use a model with head dim <= 256");
+  if (d % bf16_per_vector != 0)
+    cannot_run(key, "head dim " + std::to_string(d) + " is not a multiple of 8 (the fused kernels load 16 bytes)");
+  const std::pair<const char*, const bhsd*> operands[] = {
+      {"q", &key.q},         {"k", &key.k},     {"v", &key.v},     {"out", &key.o},
+      {"d_out", &key.d_o},   {"d_q", &key.d_q}, {"d_k", &key.d_k}, {"d_v", &key.d_v}};
+  for (const auto& [name, l] : operands) {
+    if (l->heads > 1 && l->head_stride % bf16_per_vector != 0)
+      cannot_run(key, std::string(name) + " head stride " + std::to_string(l->head_stride) +
+                          " is not a multiple of 8 elements (16 bytes); pack the heads densely");
+    if (l->tokens > 1 && l->token_stride % bf16_per_vector != 0)
+      cannot_run(key, std::string(name) + " token stride " + std::to_string(l->token_stride) +
+                          " is not a multiple of 8 elements (16 bytes); pack the tokens densely");
+  }
+}
+
+void check_pointer(const plan_key& key, const char* name, const head_view& v) {
+  if (!vector_aligned(v.data))
+    cannot_run(key, std::string(name) + " does not start on a 16-byte boundary; take head and token blocks at "
+                                        "multiples of 8 elements");
+}
+
+fe::graph::Tensor_attributes& shape_tensor(fe::graph::Tensor_attributes& t, const char* name, std::int64_t uid,
+                                           const bhsd& l, fe::DataType_t type) {
+  return t.set_name(name)
+      .set_uid(uid)
+      .set_data_type(type)
+      .set_dim({1, l.heads, l.tokens, l.dim})
+      .set_stride({l.batch_stride, l.head_stride, l.token_stride, 1});
+}
+
+tensor_ptr input(fe::graph::Graph& g, const char* name, std::int64_t uid, const bhsd& l, fe::DataType_t type) {
+  fe::graph::Tensor_attributes t;
+  return g.tensor(shape_tensor(t, name, uid, l, type));
+}
+
+void output(const tensor_ptr& t, const char* name, std::int64_t uid, const bhsd& l, fe::DataType_t type) {
+  shape_tensor(*t, name, uid, l, type).set_output(true);
+}
+
+// The composite graph (matmuls, a generated-index mask, softmax) is the one cuDNN fuses
+// into its Hopper flash-attention kernels (shared/reference/cudnn_sdpa_graphs.txt), and the
+// only one with a causal mask before cuDNN 9.21; both masks use it, so they share numerics.
+void add_forward(fe::graph::Graph& g, const plan_key& key) {
+  const auto bf16 = fe::DataType_t::BFLOAT16;
+  const tensor_ptr q = input(g, "q", uid_q, key.q, bf16);
+  const tensor_ptr k = input(g, "k", uid_k, key.k, bf16);
+  const tensor_ptr v = input(g, "v", uid_v, key.v, bf16);
+  auto attributes = fe::graph::SDPA_attributes()
+                        .set_name("sdpa_forward")
+                        .set_generate_stats(true)
+                        .set_attn_scale(std::bit_cast<float>(key.scale_bits))
+                        .set_implementation(fe::AttentionImplementation_t::COMPOSITE);
+  // Top-left diagonal with right bound 0: query i sees key j iff j <= i.
+  if (key.mask == attn_mask::causal)
+    attributes.set_diagonal_alignment(fe::DiagonalAlignment_t::TOP_LEFT).set_diagonal_band_right_bound(0);
+  const auto [o, stats] = g.sdpa(q, k, v, attributes);
+  output(o, "out", uid_o, key.o, bf16);
+  output(stats, "lse", uid_stats, key.stats, fe::DataType_t::FLOAT);
+}
+
+// Grouped-query heads: the frontend computes dK and dV at the query head count in virtual
+// tensors and reduces each group, so d_k and d_v are written, never accumulated.
+void add_backward(fe::graph::Graph& g, const plan_key& key) {
+  const auto bf16 = fe::DataType_t::BFLOAT16;
+  const tensor_ptr q = input(g, "q", uid_q, key.q, bf16);
+  const tensor_ptr k = input(g, "k", uid_k, key.k, bf16);
+  const tensor_ptr v = input(g, "v", uid_v, key.v, bf16);
+  const tensor_ptr o = input(g, "out", uid_o, key.o, bf16);
+  const tensor_ptr d_o = input(g, "d_out", uid_d_o, key.d_o, bf16);
+  const tensor_ptr stats = input(g, "lse", uid_stats, key.stats, fe::DataType_t::FLOAT);
+  auto attributes = fe::graph::SDPA_backward_attributes()
+                        .set_name("sdpa_backward")
+                        .set_attn_scale(std::bit_cast<float>(key.scale_bits));
+  if (key.mask == attn_mask::causal)
+    attributes.set_diagonal_alignment(fe::DiagonalAlignment_t::TOP_LEFT).set_diagonal_band_right_bound(0);
+  const auto [d_q, d_k, d_v] = g.sdpa_backward(q, k, v, o, d_o, stats, attributes);
+  output(d_q, "d_q", uid_d_q, key.d_q, bf16);
+  output(d_k, "d_k", uid_d_k, key.d_k, bf16);
+  output(d_v, "d_v", uid_d_v, key.d_v, bf16);
+}
+
+// A built graph and the workspace it needs: cuDNN's own plus the frontend's (the backward's
+// fp32 dQ accumulator and row sums live there), then the packed Stats when staged.
+struct sdpa_plan {
+  fe::graph::Graph graph;
+  std::int64_t stats_offset = 0;
+  std::int64_t workspace_bytes = 0;
+};
+
+void check_built(fe::error_t status, const plan_key& key) {
+  if (status.is_bad()) cannot_run(key, status.get_message());
+}
+
+std::unique_ptr<sdpa_plan> build_plan(const plan_key& key, cudnnHandle_t handle) {
+  auto plan = std::make_unique<sdpa_plan>();
+  fe::graph::Graph& g = plan->graph;
+  g.set_io_data_type(fe::DataType_t::BFLOAT16)
+      .set_intermediate_data_type(fe::DataType_t::FLOAT)
+      .set_compute_data_type(fe::DataType_t::FLOAT);
+  if (key.direction == pass::forward)
+    add_forward(g, key);
+  else
+    add_backward(g, key);
+  check_built(g.validate(), key);
+  check_built(g.build_operation_graph(handle), key);
+  check_built(g.create_execution_plans({fe::HeurMode_t::A, fe::HeurMode_t::FALLBACK}), key);
+  check_built(g.check_support(), key);
+  check_built(g.build_plans(fe::BuildPlanPolicy_t::HEURISTICS_CHOICE), key);
+  std::int64_t graph_bytes = 0;
+  check_built(g.get_workspace_size(graph_bytes), key);
+  plan->stats_offset = (graph_bytes + workspace_alignment - 1) / workspace_alignment * workspace_alignment;
+  const std::int64_t stats_bytes = key.stage_stats ? key.q.heads * key.q.tokens * std::int64_t{sizeof(float)} : 0;
+  plan->workspace_bytes = plan->stats_offset + stats_bytes;
+  return plan;
+}
+
+plan_key forward_key(const sdpa_forward_args& a, std::size_t version) {
+  plan_key key;
+  key.direction = pass::forward;
+  key.mask = a.mask;
+  key.scale_bits = std::bit_cast<std::uint32_t>(a.scale);
+  key.q = layout_of(a.q);
+  key.k = layout_of(a.k);
+  key.v = layout_of(a.v);
+  key.o = layout_of(a.out);
+  key.stage_stats = !stats_bindable(a.lse, version >= strided_stats_write_version);
+  key.stats = key.stage_stats ? packed_stats(a.lse.heads, a.lse.tokens) : layout_of(a.lse);
+  return key;
+}
+
+plan_key backward_key(const sdpa_backward_args& a, std::size_t version) {
+  plan_key key;
+  key.direction = pass::backward;
+  key.mask = a.mask;
+  key.scale_bits = std::bit_cast<std::uint32_t>(a.scale);
+  key.q = layout_of(a.q);
+  key.k = layout_of(a.k);
+  key.v = layout_of(a.v);
+  key.o = layout_of(a.out);
+  key.d_o = layout_of(a.d_out);
+  key.d_q = layout_of(a.d_q);
+  key.d_k = layout_of(a.d_k);
+  key.d_v = layout_of(a.d_v);
+  key.stage_stats = !stats_bindable(a.lse, version >= strided_stats_read_version);
+  key.stats = key.stage_stats ? packed_stats(a.lse.heads, a.lse.tokens) : layout_of(a.lse);
+  return key;
+}
+
+bool empty(const head_view& v) { return v.tokens == 0 || v.heads == 0 || v.dim == 0; }
+
+void zero(const head_view& v, cudaStream_t stream) {
+  if (!empty(v)) fill_heads(v, 0.0f, stream);
+}
+
+}  // namespace
+
+struct sdpa_engine::impl {
+  cudaStream_t stream;
+  scratch_fn scratch;
+  std::size_t version = cudnnGetVersion();
+  cudnnHandle_t handle = nullptr;
+  std::unordered_map<plan_key, std::unique_ptr<sdpa_plan>, plan_key_hash> plans;
+  // One workspace serves every plan: they all run in order on one stream.
+  std::byte* workspace = nullptr;
+  std::int64_t workspace_bytes = 0;
+
+  impl(cudaStream_t s, const scratch_fn& fn) : stream(s), scratch(fn) {
+    if (version / 10000 != static_cast<std::size_t>(CUDNN_MAJOR))
+      throw config_error("cuDNN " + version_name(version) + " is loaded, but upipe was built against cuDNN " +
+                         version_name(CUDNN_VERSION) + ": put a cuDNN " + std::to_string(CUDNN_MAJOR) +
+                         ".x library first on the library path");
+    UPIPE_LIBRARY_CHECK("cuDNN", cudnnCreate(&handle), cudnnGetErrorString);
+    UPIPE_LIBRARY_CHECK("cuDNN", cudnnSetStream(handle, stream), cudnnGetErrorString);
+  }
+
+  ~impl() {
+    plans.clear();  // execution plans before the handle they were built with
+    if (handle == nullptr) return;
+    const cudnnStatus_t status = cudnnDestroy(handle);
+    if (status != CUDNN_STATUS_SUCCESS)
+      std::fprintf(stderr, "upipe: cudnnDestroy failed: %s\n", cudnnGetErrorString(status));
+  }
+
+  sdpa_plan& plan_for(const plan_key& key) {
+    if (auto it = plans.find(key); it != plans.end()) return *it->second;
+    check_layouts(key);
+    std::unique_ptr<sdpa_plan> plan;
+    try {
+      plan = build_plan(key, handle);
+    } catch (const config_error&) {
+      throw;
+    } catch (const std::exception& e) {  // the frontend throws for a few graphs it cannot express
+      cannot_run(key, e.what());
+    }
+    // Scratch belongs to the backend for its lifetime, so a smaller block is simply left behind.
+    if (plan->workspace_bytes > workspace_bytes) {
+      workspace = static_cast<std::byte*>(scratch(static_cast<std::size_t>(plan->workspace_bytes)));
+      workspace_bytes = plan->workspace_bytes;
+    }
+    return *plans.emplace(key, std::move(plan)).first->second;
+  }
+
+  void* staged_stats(const sdpa_plan& plan) const { return workspace + plan.stats_offset; }
+
+  void execute(sdpa_plan& plan, std::unordered_map<std::int64_t, void*>& pack) {
+    fe::error_t status = plan.graph.execute(handle, pack, workspace);
+    if (status.is_bad())
+      fail("cuDNN", "cudnn_frontend Graph::execute", status.get_message().c_str(), __FILE__, __LINE__);
+  }
+};
+
+sdpa_engine::sdpa_engine(cudaStream_t stream, const scratch_fn& scratch)
+    : impl_(std::make_unique<impl>(stream, scratch)) {}
+
+sdpa_engine::~sdpa_engine() = default;
+
+std::size_t sdpa_engine::library_version() { return cudnnGetVersion(); }
+
+void sdpa_engine::forward(const sdpa_forward_args& a) {
+  if (empty(a.q)) return;
+  if (a.k.tokens == 0) {  // no keys: out 0 and lse -inf, which lse_merge ignores
+    zero(a.out, impl_->stream);
+    fill_heads(a.lse, -std::numeric_limits<float>::infinity(), impl_->stream);
+    return;
+  }
+  const plan_key key = forward_key(a, impl_->version);
+  for (const auto& [name, view] : {std::pair{"q", &a.q}, std::pair{"k", &a.k}, std::pair{"v", &a.v},
+                                   std::pair{"out", &a.out}})
+    check_pointer(key, name, *view);
+  sdpa_plan& plan = impl_->plan_for(key);
+  void* stats = key.stage_stats ? impl_->staged_stats(plan) : a.lse.data;
+  std::unordered_map<std::int64_t, void*> pack{
+      {uid_q, a.q.data}, {uid_k, a.k.data}, {uid_v, a.v.data}, {uid_o, a.out.data}, {uid_stats, stats}};
+  impl_->execute(plan, pack);
+  if (key.stage_stats) copy_heads(a.lse, packed_stats_view(stats, a.lse), impl_->stream);
+}
+
+// The caller's d_q_accum and softmax_sum are not bound: the frontend keeps its own fp32 dQ
+// accumulator and row sums in the plan's workspace, laid out as its kernels want them.
+void sdpa_engine::backward(const sdpa_backward_args& a) {
+  if (empty(a.q) || a.k.tokens == 0) {  // nothing attends: every gradient is zero
+    zero(a.d_q, impl_->stream);
+    zero(a.d_k, impl_->stream);
+    zero(a.d_v, impl_->stream);
+    return;
+  }
+  const plan_key key = backward_key(a, impl_->version);
+  for (const auto& [name, view] :
+       {std::pair{"q", &a.q}, std::pair{"k", &a.k}, std::pair{"v", &a.v}, std::pair{"out", &a.out},
+        std::pair{"d_out", &a.d_out}, std::pair{"d_q", &a.d_q}, std::pair{"d_k", &a.d_k}, std::pair{"d_v", &a.d_v}})
+    check_pointer(key, name, *view);
+  sdpa_plan& plan = impl_->plan_for(key);
+  void* stats = a.lse.data;
+  if (key.stage_stats) {
+    stats = impl_->staged_stats(plan);
+    copy_heads(packed_stats_view(stats, a.lse), a.lse, impl_->stream);
+  }
+  std::unordered_map<std::int64_t, void*> pack{
+      {uid_q, a.q.data},     {uid_k, a.k.data},         {uid_v, a.v.data},
+      {uid_o, a.out.data},   {uid_d_o, a.d_out.data},   {uid_stats, stats},
+      {uid_d_q, a.d_q.data}, {uid_d_k, a.d_k.data},     {uid_d_v, a.d_v.data}};
+  impl_->execute(plan, pack);
+}
+
+}  // namespace upipe::cuda

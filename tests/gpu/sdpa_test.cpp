@@ -1,0 +1,269 @@
+// sdpa_forward and sdpa_backward on the cuda backend (cuDNN's fused attention) against the
+// cpu backend on the same bf16-representable inputs: causal and unmasked, grouped-query
+// heads, sequence lengths that are not multiples of 64, head blocks of wider buffers (as
+// UPipe's stages pass them), a token-major and a head-major log-sum-exp, a repeated shape
+// served from the plan cache with fresh buffers, and the config_error of a head dim cuDNN
+// cannot run.
+#include <gtest/gtest.h>
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <random>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "backend/backend.hpp"
+#include "core/dtype.hpp"
+#include "core/error.hpp"
+#include "ops/cuda/cuda_ops.hpp"
+#include "ops/ops.hpp"
+
+namespace upipe {
+namespace {
+
+bool have_gpu() {
+  int count = 0;
+  return cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
+}
+
+constexpr double rel_tolerance = 2e-2;  // max|gpu - cpu| / max|cpu| for bf16 outputs
+constexpr double lse_tolerance = 1e-2;  // absolute, on the fp32 log-sum-exp
+// Written into every output buffer first: the spare heads around a view must keep it.
+constexpr float sentinel = 3.0f;
+
+memory_limits gpu_limits() { return {std::size_t{1} << 30, std::size_t{64} << 20}; }
+memory_limits cpu_limits() { return {std::size_t{512} << 20, std::size_t{16} << 20}; }
+
+struct attention_case {
+  std::int64_t sq, skv, hq, hk, d;
+  attn_mask mask;
+  bool strided;          // head blocks of buffers with spare heads on both sides
+  bool head_major_lse;   // lse stored (heads, tokens) rather than (tokens, heads)
+};
+
+std::string name_of(const attention_case& c) {
+  return "sq " + std::to_string(c.sq) + " skv " + std::to_string(c.skv) + " hq " + std::to_string(c.hq) + " hk " +
+         std::to_string(c.hk) + " d " + std::to_string(c.d) + (c.mask == attn_mask::causal ? " causal" : " unmasked") +
+         (c.strided ? " strided" : " dense") + (c.head_major_lse ? " head-major lse" : " token-major lse");
+}
+
+// A (tokens, heads, dim) view inside its buffer: heads [1, 1 + heads) of heads + 3 when
+// strided, the whole buffer otherwise.
+struct heads_buffer {
+  tensor storage;
+  head_view view;
+};
+
+heads_buffer make_heads(backend& be, dtype type, std::int64_t tokens, std::int64_t heads, std::int64_t dim,
+                        bool strided, const char* label) {
+  tensor t = be.allocate(mem_tag::activations, type, shape{tokens, heads + (strided ? 3 : 0), dim}, label);
+  const head_view v = t.heads().head_block(strided ? 1 : 0, heads);
+  return {std::move(t), v};
+}
+
+heads_buffer make_lse(backend& be, std::int64_t tokens, std::int64_t heads, bool head_major, const char* label) {
+  if (!head_major) return make_heads(be, dtype::f32, tokens, heads, 1, false, label);
+  tensor t = be.allocate(mem_tag::activations, dtype::f32, shape{heads, tokens}, label);
+  const head_view v{t.data(), dtype::f32, tokens, heads, 1, 1, tokens};
+  return {std::move(t), v};
+}
+
+// Host values of whole buffers, spare heads included, already rounded to bf16.
+struct host_inputs {
+  std::vector<float> q, k, v, d_out;
+};
+
+std::vector<float> random_values(std::int64_t count, std::mt19937& rng, float range) {
+  std::uniform_real_distribution<float> dist(-range, range);
+  std::vector<float> values(static_cast<std::size_t>(count));
+  for (float& x : values) x = round_to_bf16(dist(rng));
+  return values;
+}
+
+// Every buffer of one case on one backend.
+struct attention_run {
+  heads_buffer q, k, v, out, lse, d_out, d_q, d_k, d_v, d_q_accum, softmax_sum;
+};
+
+void upload_value(backend& be, const tensor& t, float value) {
+  const std::vector<float> values(static_cast<std::size_t>(t.numel()), value);
+  be.upload_f32(t, values.data());
+}
+
+attention_run make_run(backend& be, const attention_case& c, const host_inputs& in) {
+  const dtype w = be.work_dtype();
+  attention_run r{make_heads(be, w, c.sq, c.hq, c.d, c.strided, "q"),
+                  make_heads(be, w, c.skv, c.hk, c.d, c.strided, "k"),
+                  make_heads(be, w, c.skv, c.hk, c.d, c.strided, "v"),
+                  make_heads(be, w, c.sq, c.hq, c.d, c.strided, "out"),
+                  make_lse(be, c.sq, c.hq, c.head_major_lse, "lse"),
+                  make_heads(be, w, c.sq, c.hq, c.d, c.strided, "d_out"),
+                  make_heads(be, w, c.sq, c.hq, c.d, c.strided, "d_q"),
+                  make_heads(be, w, c.skv, c.hk, c.d, c.strided, "d_k"),
+                  make_heads(be, w, c.skv, c.hk, c.d, c.strided, "d_v"),
+                  make_heads(be, dtype::f32, c.sq, c.hq, c.d, false, "d_q_accum"),
+                  make_heads(be, dtype::f32, c.sq, c.hq, 1, false, "softmax_sum")};
+  be.upload_f32(r.q.storage, in.q.data());
+  be.upload_f32(r.k.storage, in.k.data());
+  be.upload_f32(r.v.storage, in.v.data());
+  be.upload_f32(r.d_out.storage, in.d_out.data());
+  for (const tensor* t : {&r.out.storage, &r.lse.storage, &r.d_q.storage, &r.d_k.storage, &r.d_v.storage})
+    upload_value(be, *t, sentinel);
+  return r;
+}
+
+host_inputs make_inputs(const attention_case& c, std::uint32_t seed) {
+  std::mt19937 rng(seed);
+  const std::int64_t spare = c.strided ? 3 : 0;
+  host_inputs in;
+  in.q = random_values(c.sq * (c.hq + spare) * c.d, rng, 1.5f);
+  in.k = random_values(c.skv * (c.hk + spare) * c.d, rng, 1.5f);
+  in.v = random_values(c.skv * (c.hk + spare) * c.d, rng, 1.0f);
+  in.d_out = random_values(c.sq * (c.hq + spare) * c.d, rng, 1.0f);
+  return in;
+}
+
+// Forward, then backward from this backend's own out and lse, as training runs them.
+void run_attention(backend& be, const attention_run& r, const attention_case& c) {
+  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(c.d)));
+  ops::sdpa_forward(be, {r.q.view, r.k.view, r.v.view, r.out.view, r.lse.view, c.mask, scale});
+  sdpa_backward_args b;
+  b.q = r.q.view;
+  b.k = r.k.view;
+  b.v = r.v.view;
+  b.out = r.out.view;
+  b.d_out = r.d_out.view;
+  b.lse = r.lse.view;
+  b.d_q = r.d_q.view;
+  b.d_k = r.d_k.view;
+  b.d_v = r.d_v.view;
+  b.d_q_accum = r.d_q_accum.view;
+  b.softmax_sum = r.softmax_sum.view;
+  b.mask = c.mask;
+  b.scale = scale;
+  ops::sdpa_backward(be, b);
+  be.synchronize();
+}
+
+std::vector<float> download(backend& be, const tensor& t) {
+  std::vector<float> values(static_cast<std::size_t>(t.numel()));
+  be.download_f32(values.data(), t);
+  return values;
+}
+
+// The buffer index of (token, head, x) of a view, counted in elements from the buffer start.
+std::int64_t index_of(const heads_buffer& b, std::int64_t t, std::int64_t h, std::int64_t x) {
+  const std::int64_t base =
+      (static_cast<const std::byte*>(b.view.data) - static_cast<const std::byte*>(b.storage.data())) /
+      static_cast<std::int64_t>(dtype_size(b.view.type));
+  return base + t * b.view.token_stride + h * b.view.head_stride + x;
+}
+
+struct comparison {
+  double max_abs = 0.0, max_ref = 0.0;
+  std::int64_t touched_spares = 0;  // buffer elements outside the view that lost the sentinel
+  double relative() const { return max_abs / max_ref; }
+};
+
+// gpu against cpu over the view; NaN counts as an infinite difference.
+comparison compare(backend& gpu, const heads_buffer& got, backend& cpu, const heads_buffer& want) {
+  const std::vector<float> a = download(gpu, got.storage), b = download(cpu, want.storage);
+  std::vector<bool> in_view(a.size(), false);
+  comparison c;
+  for (std::int64_t t = 0; t < got.view.tokens; ++t)
+    for (std::int64_t h = 0; h < got.view.heads; ++h)
+      for (std::int64_t x = 0; x < got.view.dim; ++x) {
+        const auto i = static_cast<std::size_t>(index_of(got, t, h, x));
+        const auto j = static_cast<std::size_t>(index_of(want, t, h, x));
+        in_view[i] = true;
+        const double diff = std::abs(static_cast<double>(a[i]) - b[j]);
+        c.max_abs = std::isnan(diff) ? std::numeric_limits<double>::infinity() : std::max(c.max_abs, diff);
+        c.max_ref = std::max(c.max_ref, std::abs(static_cast<double>(b[j])));
+      }
+  for (std::size_t i = 0; i < a.size(); ++i)
+    if (!in_view[i] && a[i] != sentinel) ++c.touched_spares;
+  return c;
+}
+
+void expect_match(backend& gpu, const attention_run& g, backend& cpu, const attention_run& r,
+                  const attention_case& c) {
+  const std::string name = name_of(c);
+  const comparison lse = compare(gpu, g.lse, cpu, r.lse);
+  EXPECT_LT(lse.max_abs, lse_tolerance) << name << ": lse";
+  EXPECT_EQ(lse.touched_spares, 0) << name << ": lse";
+  for (const auto& [label, got, want] : {std::tuple{"out", &g.out, &r.out}, std::tuple{"d_q", &g.d_q, &r.d_q},
+                                         std::tuple{"d_k", &g.d_k, &r.d_k}, std::tuple{"d_v", &g.d_v, &r.d_v}}) {
+    const comparison e = compare(gpu, *got, cpu, *want);
+    EXPECT_LT(e.relative(), rel_tolerance) << name << ": " << label << " (max |diff| " << e.max_abs << ")";
+    EXPECT_EQ(e.touched_spares, 0) << name << ": " << label << " written outside its view";
+  }
+}
+
+void check_case(backend& gpu, backend& cpu, const attention_case& c, std::uint32_t seed) {
+  const host_inputs in = make_inputs(c, seed);
+  const attention_run g = make_run(gpu, c, in);
+  const attention_run r = make_run(cpu, c, in);
+  run_attention(gpu, g, c);
+  run_attention(cpu, r, c);
+  expect_match(gpu, g, cpu, r, c);
+}
+
+TEST(gpu_sdpa, reports_the_loaded_cudnn) {
+  EXPECT_GE(cuda::sdpa_engine::library_version(), std::size_t{90000});
+}
+
+// Group sizes 1, 2, 4 and 8; d 64 and 128; s 128 and 1000 (not a multiple of 64); sq != skv
+// for an unmasked block; dense and strided views; both lse layouts (on cuDNN < 9.26 a
+// token-major lse goes through the packed copy in backward).
+TEST(gpu_sdpa, matches_the_cpu_backend) {
+  if (!have_gpu()) GTEST_SKIP() << "no GPU";
+  auto gpu = make_backend(backend_kind::cuda, gpu_limits());
+  auto cpu = make_cpu_backend(cpu_limits());
+  const attention_case cases[] = {
+      {128, 128, 1, 1, 64, attn_mask::causal, false, false},
+      {128, 128, 4, 1, 128, attn_mask::none, true, true},
+      {128, 128, 8, 8, 64, attn_mask::causal, true, false},
+      {128, 128, 8, 1, 128, attn_mask::causal, false, true},
+      {128, 1000, 8, 1, 128, attn_mask::none, true, false},
+      {1000, 1000, 8, 4, 64, attn_mask::causal, true, false},
+      {1000, 1000, 4, 4, 128, attn_mask::none, true, true},
+  };
+  std::uint32_t seed = 1;
+  for (const attention_case& c : cases) check_case(*gpu, *cpu, c, seed++);
+}
+
+// The second call finds its plan in the cache and binds the new buffers' pointers.
+TEST(gpu_sdpa, a_repeated_shape_runs_on_fresh_buffers) {
+  if (!have_gpu()) GTEST_SKIP() << "no GPU";
+  auto gpu = make_backend(backend_kind::cuda, gpu_limits());
+  auto cpu = make_cpu_backend(cpu_limits());
+  const attention_case c{1000, 1000, 4, 1, 64, attn_mask::causal, true, false};
+  check_case(*gpu, *cpu, c, 11);
+  check_case(*gpu, *cpu, c, 12);
+}
+
+TEST(gpu_sdpa, rejects_a_head_dim_it_cannot_run) {
+  if (!have_gpu()) GTEST_SKIP() << "no GPU";
+  auto gpu = make_backend(backend_kind::cuda, gpu_limits());
+  const attention_case c{64, 64, 2, 1, 320, attn_mask::causal, false, false};
+  const attention_run g = make_run(*gpu, c, make_inputs(c, 5));
+  try {
+    ops::sdpa_forward(*gpu, {g.q.view, g.k.view, g.v.view, g.out.view, g.lse.view, c.mask, 0.125f});
+    ADD_FAILURE() << "head dim 320 was accepted";
+  } catch (const config_error& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("head dim 320"), std::string::npos) << what;
+    EXPECT_NE(what.find("256"), std::string::npos) << what;
+  }
+}
+
+}  // namespace
+}  // namespace upipe
