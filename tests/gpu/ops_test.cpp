@@ -146,7 +146,7 @@ struct norm_case {
 TEST_F(gpu_ops, rmsnorm_forward_matches_cpu) {
   // Warp rows and block rows; aligned rows, odd lds (alternating alignment) and tails.
   for (const norm_case& c : {norm_case{37, 128, 0, 0}, norm_case{37, 96, 3, 1}, norm_case{9, 2048, 0, 0},
-                             norm_case{9, 3000, 5, 2}}) {
+                             norm_case{9, 3000, 5, 2}, norm_case{5, 6144, 0, 0}}) {
     SCOPED_TRACE("rows " + std::to_string(c.rows) + " cols " + std::to_string(c.cols));
     const std::int64_t width = c.cols + c.pad;
     const twin x = work_twin(shape{c.rows, width}, -2.0f, 2.0f);

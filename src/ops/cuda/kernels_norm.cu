@@ -77,6 +77,46 @@ __global__ void __launch_bounds__(norm_config.threads) rmsnorm_forward_kernel(rm
   });
 }
 
+// A block per row with the row kept in registers between the sum of squares and the
+// scaling, so x is read from memory once: for rows of at most threads x 8 x Chunks
+// elements whose rows and weight are 16-byte aligned and whose length is a multiple of 8.
+template <class X, class W, class Y, int Chunks>
+__global__ void __launch_bounds__(norm_config.threads) rmsnorm_forward_cached_kernel(rmsnorm_forward_params p) {
+  __shared__ float scratch[32];
+  constexpr int threads = norm_config.threads;
+  const auto* weight = static_cast<const W*>(p.weight);
+  for (std::int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
+    const X* x = static_cast<const X*>(p.x) + row * p.ld_x;
+    Y* y = static_cast<Y*>(p.y) + row * p.ld_y;
+    float v[Chunks][vec_width];
+    float sum_sq = 0.0f;
+#pragma unroll
+    for (int c = 0; c < Chunks; ++c) {
+      const std::int64_t j = (static_cast<std::int64_t>(c) * threads + threadIdx.x) * vec_width;
+      if (j < p.cols) {
+        load_vec<vec_width>(x + j, v[c]);
+#pragma unroll
+        for (int e = 0; e < vec_width; ++e) sum_sq = fmaf(v[c][e], v[c][e], sum_sq);
+      }
+    }
+    sum_sq = group_sum<threads, threads>(sum_sq, scratch);
+    const double mean_sq = static_cast<double>(sum_sq) / static_cast<double>(p.cols);
+    const auto rstd = static_cast<float>(1.0 / sqrt(mean_sq + static_cast<double>(p.eps)));
+    if (threadIdx.x == 0) p.rstd[row * p.ld_rstd] = rstd;
+#pragma unroll
+    for (int c = 0; c < Chunks; ++c) {
+      const std::int64_t j = (static_cast<std::int64_t>(c) * threads + threadIdx.x) * vec_width;
+      if (j < p.cols) {
+        float g[vec_width];
+        load_vec<vec_width>(weight + j, g);
+#pragma unroll
+        for (int e = 0; e < vec_width; ++e) v[c][e] = v[c][e] * rstd * g[e];
+        store_vec<vec_width>(y + j, v[c]);
+      }
+    }
+  }
+}
+
 template <class X, class W, class DY, class DX, int Group>
 __global__ void __launch_bounds__(norm_config.threads) rmsnorm_backward_kernel(rmsnorm_backward_params p) {
   extern __shared__ float d_weight_partial[];  // (cols) when p.shared_accumulator
@@ -155,6 +195,13 @@ void rmsnorm_forward(const rmsnorm_forward_args& args, cudaStream_t stream) {
   const bool warp_rows = use_warp_rows(cols);
   const int rows_per_block = warp_rows ? norm_config.threads / 32 : 1;
   const int grid = grid_size(norm_config, ceil_div(rows, rows_per_block));
+  // Every row start 16-byte aligned: the base pointers and the leading dimensions.
+  const auto aligned = [](const void* ptr, std::int64_t ld, dtype type) {
+    return reinterpret_cast<std::uintptr_t>(ptr) % 16 == 0 && (ld * static_cast<std::int64_t>(dtype_size(type))) % 16 == 0;
+  };
+  const bool cached = cols % vec_width == 0 && cols <= norm_config.threads * vec_width * 4 &&
+                      aligned(args.x.data, args.x.ld, args.x.type) && aligned(args.y.data, args.y.ld, args.y.type) &&
+                      aligned(args.weight.data, 0, args.weight.type);
   with_types(
       [&](auto x, auto w, auto y) {
         using X = typename decltype(x)::type;
@@ -163,6 +210,12 @@ void rmsnorm_forward(const rmsnorm_forward_args& args, cudaStream_t stream) {
         if (warp_rows)
           launch("rmsnorm_forward_kernel<warp>", rmsnorm_forward_kernel<X, W, Y, 32>, grid, norm_config, 0, stream,
                  params);
+        else if (cached && cols <= norm_config.threads * vec_width * 2)
+          launch("rmsnorm_forward_cached_kernel<2>", rmsnorm_forward_cached_kernel<X, W, Y, 2>, grid, norm_config, 0,
+                 stream, params);
+        else if (cached)
+          launch("rmsnorm_forward_cached_kernel<4>", rmsnorm_forward_cached_kernel<X, W, Y, 4>, grid, norm_config, 0,
+                 stream, params);
         else
           launch("rmsnorm_forward_kernel<block>", rmsnorm_forward_kernel<X, W, Y, norm_config.threads>, grid,
                  norm_config, 0, stream, params);
