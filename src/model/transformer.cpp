@@ -159,26 +159,31 @@ tensor transformer::layer_forward(const layer_params& p, const tensor& x, mem_ta
   return out;
 }
 
+// The inputs of one MLP tile: its normed rows (and their 1/rms) and both projections.
+transformer::mlp_tile_buffers transformer::mlp_tile_inputs(const layer_params& p, const mat_view& xt) {
+  const std::int64_t n = xt.rows, D = model_.hidden_size, F = model_.intermediate_size;
+  mlp_tile_buffers t;
+  t.h = be_.allocate(mem_tag::activations, be_.work_dtype(), {n, D}, "mlp_norm_out");
+  t.rstd = be_.allocate(mem_tag::activations, dtype::f32, {n, 1}, "mlp_norm_rstd");
+  ops::rmsnorm_forward(be_, {xt, p.post_norm, t.h.matrix(), t.rstd.matrix(), static_cast<float>(model_.rms_norm_eps)});
+  t.gate = be_.allocate(mem_tag::activations, be_.work_dtype(), {n, F}, "mlp_gate");
+  t.up = be_.allocate(mem_tag::activations, be_.work_dtype(), {n, F}, "mlp_up");
+  ops::gemm(be_, {t.h.matrix(), transpose::none, p.gate, transpose::yes, t.gate.matrix()});
+  ops::gemm(be_, {t.h.matrix(), transpose::none, p.up, transpose::yes, t.up.matrix()});
+  return t;
+}
+
 // x += down(silu(gate(norm(x))) * up(norm(x))), one tile of tokens at a time, so the
 // MLP's working set is a tile whatever the sequence length.
 void transformer::mlp_forward(const layer_params& p, const tensor& x) {
-  const std::int64_t D = model_.hidden_size, F = model_.intermediate_size;
-  const float eps = static_cast<float>(model_.rms_norm_eps);
   for (std::int64_t t0 = 0; t0 < tokens_; t0 += mlp_tile_) {
-    const std::int64_t n = std::min(mlp_tile_, tokens_ - t0);
-    const mat_view xt = x.matrix().row_block(t0, n);
-    tensor h = be_.allocate(mem_tag::activations, be_.work_dtype(), {n, D}, "mlp_norm_out");
-    tensor rstd = be_.allocate(mem_tag::activations, dtype::f32, {n, 1}, "mlp_norm_rstd");
-    ops::rmsnorm_forward(be_, {xt, p.post_norm, h.matrix(), rstd.matrix(), eps});
-    tensor gate = be_.allocate(mem_tag::activations, be_.work_dtype(), {n, F}, "mlp_gate");
-    tensor up = be_.allocate(mem_tag::activations, be_.work_dtype(), {n, F}, "mlp_up");
-    ops::gemm(be_, {h.matrix(), transpose::none, p.gate, transpose::yes, gate.matrix()});
-    ops::gemm(be_, {h.matrix(), transpose::none, p.up, transpose::yes, up.matrix()});
-    h.reset();
-    tensor act = be_.allocate(mem_tag::activations, be_.work_dtype(), {n, F}, "mlp_act");
-    ops::swiglu_forward(be_, {gate.matrix(), up.matrix(), act.matrix()});
-    gate.reset();
-    up.reset();
+    const mat_view xt = x.matrix().row_block(t0, std::min(mlp_tile_, tokens_ - t0));
+    mlp_tile_buffers t = mlp_tile_inputs(p, xt);
+    t.h.reset();
+    t.rstd.reset();
+    tensor act = be_.allocate(mem_tag::activations, be_.work_dtype(), t.gate.dims(), "mlp_act");
+    ops::swiglu_forward(be_, {t.gate.matrix(), t.up.matrix(), act.matrix()});
+    t = {};
     ops::gemm(be_, {act.matrix(), transpose::none, p.down, transpose::yes, xt, 1.0f, 1.0f});
   }
 }
@@ -187,17 +192,11 @@ void transformer::mlp_forward(const layer_params& p, const tensor& x) {
 // residual; x2 is the recomputed input of the MLP block.
 void transformer::mlp_backward(const layer_params& p, const layer_params& g, const tensor& x2, const tensor& d) {
   const std::int64_t D = model_.hidden_size, F = model_.intermediate_size;
-  const float eps = static_cast<float>(model_.rms_norm_eps);
   for (std::int64_t t0 = 0; t0 < tokens_; t0 += mlp_tile_) {
     const std::int64_t n = std::min(mlp_tile_, tokens_ - t0);
     const mat_view xt = x2.matrix().row_block(t0, n), dt = d.matrix().row_block(t0, n);
-    tensor h = be_.allocate(mem_tag::activations, be_.work_dtype(), {n, D}, "mlp_norm_out");
-    tensor rstd = be_.allocate(mem_tag::activations, dtype::f32, {n, 1}, "mlp_norm_rstd");
-    ops::rmsnorm_forward(be_, {xt, p.post_norm, h.matrix(), rstd.matrix(), eps});
-    tensor gate = be_.allocate(mem_tag::activations, be_.work_dtype(), {n, F}, "mlp_gate");
-    tensor up = be_.allocate(mem_tag::activations, be_.work_dtype(), {n, F}, "mlp_up");
-    ops::gemm(be_, {h.matrix(), transpose::none, p.gate, transpose::yes, gate.matrix()});
-    ops::gemm(be_, {h.matrix(), transpose::none, p.up, transpose::yes, up.matrix()});
+    mlp_tile_buffers t = mlp_tile_inputs(p, xt);
+    tensor &h = t.h, &rstd = t.rstd, &gate = t.gate, &up = t.up;
     tensor d_act = be_.allocate(mem_tag::activations, be_.work_dtype(), {n, F}, "mlp_d_act");
     {
       tensor act = be_.allocate(mem_tag::activations, be_.work_dtype(), {n, F}, "mlp_act");

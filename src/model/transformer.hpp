@@ -59,6 +59,10 @@ class transformer {
   std::vector<std::int32_t> forward_argmax(parameter_store& params, std::span<const std::int32_t> ids);
 
  private:
+  struct mlp_tile_buffers {
+    tensor h, rstd, gate, up;  // (n, D), (n, 1) f32, (n, F), (n, F)
+  };
+  mlp_tile_buffers mlp_tile_inputs(const layer_params& p, const mat_view& xt);
   tensor upload_ids(std::span<const std::int32_t> values, const char* label);
   tensor layer_forward(const layer_params& p, const tensor& x, mem_tag out_tag, attention_layer::context* keep);
   void mlp_forward(const layer_params& p, const tensor& x);
