@@ -93,6 +93,7 @@ nlohmann::json to_json(const experiment_result& r, bool wrong) {
                       {"peak_bytes", r.peak_bytes},
                       {"device_peak_bytes", r.device_peak_bytes},
                       {"arena_high_water_bytes", r.arena_high_water},
+                      {"driver_peak_bytes", r.driver_peak_bytes},
                       {"attention_peak_bytes", r.attention_peak_bytes},
                       {"attention_forward_peak_bytes", r.attention_forward_peak},
                       {"attention_backward_peak_bytes", r.attention_backward_peak},

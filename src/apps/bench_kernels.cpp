@@ -29,8 +29,8 @@ int run(const kernel_flags& f) {
   o.repeats = f.repeats;
   const std::size_t arena = kind == backend_kind::meta ? std::size_t{1} << 50 : static_cast<std::size_t>(f.memory_gib * (1 << 30));
   auto be = make_backend(kind, {arena, 0});
-  std::printf("# upipe bench-kernels  backend=%s  tokens=%lld  repeats=%d  (Llama3-8B layer shapes)\n", f.backend.c_str(),
-              static_cast<long long>(o.tokens), o.repeats);
+  std::printf("# upipe bench-kernels  backend=%s (%s)  tokens=%lld  repeats=%d  (Llama3-8B layer shapes)\n",
+              f.backend.c_str(), be->library_versions().c_str(), static_cast<long long>(o.tokens), o.repeats);
   std::printf("%-40s %12s %10s %10s\n", "op", "time_ms", "TFLOP/s", "GB/s");
   nlohmann::json rows = nlohmann::json::array();
   for (const kernel_timing& t : run_kernel_bench(*be, o)) {
@@ -38,6 +38,15 @@ int run(const kernel_flags& f) {
     rows.push_back({{"op", t.name}, {"time_ms", t.ms}, {"tflops", t.tflops}, {"gbytes_per_s", t.gbytes_per_s},
                     {"tokens", o.tokens}, {"backend", f.backend}});
   }
+  be->synchronize();
+  const std::size_t capacity = be->device_arena().capacity(), driver = be->driver_peak_bytes();
+  std::printf("# memory: arena %.1f MiB (high water %.1f MiB; %.1f MiB of it library workspaces); driver in use at "
+              "most %.1f MiB, %.1f MiB of it outside the arena (CUDA context, cuBLASLt and cuDNN handles, staging)\n",
+              capacity / 1048576.0, be->device_arena().high_water() / 1048576.0,
+              be->ledger().peak(mem_tag::workspace) / 1048576.0, driver / 1048576.0,
+              driver > capacity ? (driver - capacity) / 1048576.0 : 0.0);
+  rows.push_back({{"op", "memory"}, {"arena_bytes", capacity}, {"arena_high_water_bytes", be->device_arena().high_water()},
+                  {"driver_peak_bytes", driver}});
   if (!f.json_path.empty()) {
     std::ofstream out(f.json_path);
     out << rows.dump(2) << "\n";

@@ -61,6 +61,12 @@ class backend {
   virtual void add_f32(float* dst, const float* src, std::size_t count) = 0;
   virtual void fill_bytes(void* dst, int value, std::size_t bytes) = 0;
   virtual void synchronize() = 0;
+  // What the device's driver reports in use (all of the GPU, every context on it) at its
+  // highest seen at a synchronize(); 0 where there is no driver (cpu, meta). Beside the
+  // ledger it shows what lies outside the arena: the CUDA context and the libraries.
+  virtual std::size_t driver_peak_bytes() const { return 0; }
+  // The libraries this backend runs on, as loaded at run time (e.g. "cuDNN 9.14.0").
+  virtual std::string library_versions() const { return "none"; }
   // Host f32 values into a tensor of any dtype (converted), and back. No-ops on meta.
   virtual void upload_f32(const tensor& dst, const float* host) = 0;
   virtual void download_f32(float* host, const tensor& src) = 0;

@@ -121,6 +121,7 @@ void run_rank(const attention_config& c, backend& be, communicator& comm, const 
       result->peak_bytes[std::string(mem_tag_name(static_cast<mem_tag>(i)))] = be.ledger().peak(static_cast<mem_tag>(i));
     result->device_peak_bytes = be.ledger().device_peak();
     result->arena_high_water = be.device_arena().high_water();
+    result->driver_peak_bytes = be.driver_peak_bytes();
     const comm_counters& counters = comm.counters();
     for (std::size_t i = 0; i < collective_count; ++i)
       if (counters.calls[i] > 0) result->bytes_sent[std::string(collective_name(static_cast<collective>(i)))] = counters.bytes[i];

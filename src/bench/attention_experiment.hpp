@@ -29,6 +29,7 @@ struct experiment_result {
   std::map<std::string, std::size_t> peak_bytes;    // tag -> peak, rank 0
   std::size_t device_peak_bytes = 0;                // all device tags together, rank 0
   std::size_t arena_high_water = 0;                 // rank 0's arena high-water mark
+  std::size_t driver_peak_bytes = 0;                // whole GPU per its driver (all virtual ranks); 0 on cpu
   std::size_t attention_peak_bytes = 0;             // max(forward, backward) of tag attention
   std::size_t attention_forward_peak = 0, attention_backward_peak = 0;
   std::size_t attention_peak_formula_bytes = 0;

@@ -22,7 +22,7 @@ double time_ms(backend& be, int repeats, const std::function<void()>& fn) {
 }
 
 tensor filled(backend& be, dtype type, const shape& dims, float value, const char* label) {
-  tensor t = be.allocate(mem_tag::workspace, type, dims, label);
+  tensor t = be.allocate(mem_tag::activations, type, dims, label);
   ops::fill_heads(be, ops::as_heads(t.matrix()), value);
   return t;
 }
@@ -39,7 +39,7 @@ void bench_gemms(backend& be, const kernel_bench_options& o, std::vector<kernel_
   for (const shape_case& c : cases) {
     tensor x = filled(be, w, {s, c.inner}, 0.01f, "bench_x");
     tensor wt = filled(be, w, {c.rows_out, c.inner}, 0.01f, "bench_w");
-    tensor y = be.allocate(mem_tag::workspace, w, {s, c.rows_out}, "bench_y");
+    tensor y = be.allocate(mem_tag::activations, w, {s, c.rows_out}, "bench_y");
     const double ms = time_ms(be, o.repeats, [&] {
       ops::gemm(be, {x.matrix(), transpose::none, wt.matrix(), transpose::yes, y.matrix()});
     });
@@ -52,12 +52,12 @@ void bench_attention(backend& be, const kernel_bench_options& o, std::vector<ker
   for (int d : {128, 64}) {
     const dtype w = be.work_dtype();
     tensor q = filled(be, w, {s, o.heads, d}, 0.01f, "bench_q"), k = filled(be, w, {s, o.kv_heads, d}, 0.01f, "bench_k");
-    tensor v = filled(be, w, {s, o.kv_heads, d}, 0.01f, "bench_v"), out_t = be.allocate(mem_tag::workspace, w, {s, o.heads, d}, "bench_o");
-    tensor lse = be.allocate(mem_tag::workspace, dtype::f32, {s, o.heads, 1}, "bench_lse");
-    tensor d_o = filled(be, w, {s, o.heads, d}, 0.01f, "bench_do"), d_q = be.allocate(mem_tag::workspace, w, q.dims(), "bench_dq");
-    tensor d_k = be.allocate(mem_tag::workspace, w, k.dims(), "bench_dk"), d_v = be.allocate(mem_tag::workspace, w, v.dims(), "bench_dv");
-    tensor acc = be.allocate(mem_tag::workspace, dtype::f32, q.dims(), "bench_dq_accum");
-    tensor sum = be.allocate(mem_tag::workspace, dtype::f32, lse.dims(), "bench_softmax_sum");
+    tensor v = filled(be, w, {s, o.kv_heads, d}, 0.01f, "bench_v"), out_t = be.allocate(mem_tag::activations, w, {s, o.heads, d}, "bench_o");
+    tensor lse = be.allocate(mem_tag::activations, dtype::f32, {s, o.heads, 1}, "bench_lse");
+    tensor d_o = filled(be, w, {s, o.heads, d}, 0.01f, "bench_do"), d_q = be.allocate(mem_tag::activations, w, q.dims(), "bench_dq");
+    tensor d_k = be.allocate(mem_tag::activations, w, k.dims(), "bench_dk"), d_v = be.allocate(mem_tag::activations, w, v.dims(), "bench_dv");
+    tensor acc = be.allocate(mem_tag::activations, dtype::f32, q.dims(), "bench_dq_accum");
+    tensor sum = be.allocate(mem_tag::activations, dtype::f32, lse.dims(), "bench_softmax_sum");
     const float scale = 1.0f / std::sqrt(static_cast<float>(d));
     const sdpa_forward_args fwd{q.heads(), k.heads(), v.heads(), out_t.heads(), lse.heads(), attn_mask::causal, scale};
     const sdpa_backward_args bwd{q.heads(), k.heads(), v.heads(), out_t.heads(), d_o.heads(), lse.heads(), d_q.heads(),
@@ -81,8 +81,8 @@ void bench_memory_bound(backend& be, const kernel_bench_options& o, std::vector<
     const double ms = time_ms(be, o.repeats, fn);
     out.push_back({name, ms, 0, bytes / (ms * 1e6)});
   };
-  tensor x = filled(be, w, {s, D}, 0.5f, "bench_x"), y = be.allocate(mem_tag::workspace, w, {s, D}, "bench_y");
-  tensor weight = filled(be, w, {1, D}, 1.0f, "bench_norm_w"), rstd = be.allocate(mem_tag::workspace, dtype::f32, {s, 1}, "bench_rstd");
+  tensor x = filled(be, w, {s, D}, 0.5f, "bench_x"), y = be.allocate(mem_tag::activations, w, {s, D}, "bench_y");
+  tensor weight = filled(be, w, {1, D}, 1.0f, "bench_norm_w"), rstd = be.allocate(mem_tag::activations, dtype::f32, {s, 1}, "bench_rstd");
   record("copy (device to device)", 2.0 * s * D * e, [&] { be.copy_bytes(y.data(), x.data(), x.bytes()); });
   record("rmsnorm forward", 2.0 * s * D * e, [&] {
     ops::rmsnorm_forward(be, {x.matrix(), weight.matrix(), y.matrix(), rstd.matrix(), 1e-5f});
@@ -93,12 +93,12 @@ void bench_memory_bound(backend& be, const kernel_bench_options& o, std::vector<
   const head_view yh = {y.data(), w, s, o.heads, hd, D, hd};
   record("pack heads (strided copy)", 1.0 * s * D * e, [&] { ops::copy_heads(be, yh.head_block(0, o.heads / 2), xh.head_block(o.heads / 2, o.heads / 2)); });
   tensor gate = filled(be, w, {s, F}, 0.5f, "bench_gate"), up = filled(be, w, {s, F}, 0.5f, "bench_up");
-  tensor act = be.allocate(mem_tag::workspace, w, {s, F}, "bench_act");
+  tensor act = be.allocate(mem_tag::activations, w, {s, F}, "bench_act");
   record("swiglu forward", 3.0 * s * F * e, [&] { ops::swiglu_forward(be, {gate.matrix(), up.matrix(), act.matrix()}); });
   const std::int64_t n = std::max<std::int64_t>(1, (std::int64_t{256} << 20) / (4 * o.vocab));
   tensor logits = filled(be, dtype::f32, {n, o.vocab}, 0.1f, "bench_logits");
-  tensor labels = be.allocate_zeroed(mem_tag::workspace, dtype::i32, {n, 1}, "bench_labels");
-  tensor loss = be.allocate(mem_tag::workspace, dtype::f32, {n, 1}, "bench_loss");
+  tensor labels = be.allocate_zeroed(mem_tag::activations, dtype::i32, {n, 1}, "bench_labels");
+  tensor loss = be.allocate(mem_tag::activations, dtype::f32, {n, 1}, "bench_loss");
   record("cross-entropy chunk (f32, in place)", 2.0 * n * o.vocab * 4, [&] {
     ops::cross_entropy(be, {logits.matrix(), labels.matrix(), loss.matrix(), 1.0f});
   });

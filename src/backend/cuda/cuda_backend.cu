@@ -149,6 +149,17 @@ class cuda_backend final : public backend {
   void synchronize() override {
     use_device();
     UPIPE_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    std::size_t free_bytes = 0, total_bytes = 0;
+    UPIPE_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+    driver_peak_ = std::max(driver_peak_, total_bytes - free_bytes);
+  }
+  std::size_t driver_peak_bytes() const override { return driver_peak_; }
+  std::string library_versions() const override {
+    const std::size_t v = cuda::sdpa_engine::library_version();  // major*10000 + minor*100 + patch (cuDNN 9)
+    int runtime = 0;
+    UPIPE_CUDA_CHECK(cudaRuntimeGetVersion(&runtime));
+    return "cuDNN " + std::to_string(v / 10000) + "." + std::to_string(v / 100 % 100) + "." + std::to_string(v % 100) +
+           ", CUDA runtime " + std::to_string(runtime / 1000) + "." + std::to_string(runtime % 1000 / 10);
   }
 
   void upload_f32(const tensor& dst, const float* host) override;
@@ -257,6 +268,7 @@ class cuda_backend final : public backend {
   std::vector<tensor> scratch_;       // the engines' cached workspaces (tag workspace)
   std::unique_ptr<cuda::gemm_engine> gemm_engine_;
   std::unique_ptr<cuda::sdpa_engine> sdpa_engine_;
+  std::size_t driver_peak_ = 0;
 };
 
 void cuda_backend::acquire(std::size_t device_bytes, std::size_t host_bytes) {
