@@ -24,15 +24,6 @@ struct rank_output {
   std::vector<float> y, attn_out, d_x, d_wq, d_wk, d_wv, d_wo, d_q_norm, d_k_norm;
 };
 
-// Rows of a (S, width) host matrix that `positions` names, in local order.
-std::vector<float> shard_rows(const std::vector<float>& global, std::int64_t width,
-                              const std::vector<position_run>& positions, std::int64_t local) {
-  std::vector<float> out(static_cast<std::size_t>(local * width));
-  for (const auto& run : positions)
-    std::copy_n(global.begin() + run.position_begin * width, run.count * width, out.begin() + run.token_begin * width);
-  return out;
-}
-
 void scatter_rows(std::vector<double>& global, std::int64_t width, const std::vector<position_run>& positions,
                   const std::vector<float>& local) {
   for (const auto& run : positions)
@@ -117,8 +108,7 @@ void run_rank(const attention_config& c, backend& be, communicator& comm, const 
     result->attention_forward_peak = forward_peak;
     result->attention_backward_peak = backward_peak;
     result->attention_peak_bytes = std::max(forward_peak, backward_peak);
-    for (std::size_t i = 0; i < mem_tag_count; ++i)
-      result->peak_bytes[std::string(mem_tag_name(static_cast<mem_tag>(i)))] = be.ledger().peak(static_cast<mem_tag>(i));
+    result->peak_bytes = be.ledger().peaks_by_name();
     result->device_peak_bytes = be.ledger().device_peak();
     result->arena_high_water = be.device_arena().high_water();
     result->driver_peak_bytes = be.driver_peak_bytes();
@@ -236,24 +226,14 @@ experiment_result run_attention_experiment(attention_config config, const experi
   experiment_result result;
   result.config = config;
   result.backend = options.backend;
-  std::vector<std::unique_ptr<backend>> backends;
-  const int ranks = options.backend == backend_kind::meta ? 1 : config.cp;
-  for (int r = 0; r < ranks; ++r) backends.push_back(make_backend(options.backend, options.limits));
-  result.attention_peak_formula_bytes = attention_peak_formula(config, backends[0]->work_dtype()).peak();
-
-  if (!backends[0]->has_data()) {
-    auto comm = make_loopback_communicator(*backends[0], config.cp);
-    rank_output ignored;
-    run_rank(config, *backends[0], *comm, nullptr, ignored, &result);
-    return result;
-  }
-  const attention_inputs in = random_attention_inputs(config, options.seed);
+  const bool data = options.backend != backend_kind::meta;
+  const attention_inputs in = data ? random_attention_inputs(config, options.seed) : attention_inputs{};
   std::vector<rank_output> outputs(static_cast<std::size_t>(config.cp));
-  std::vector<backend*> raw;
-  for (auto& b : backends) raw.push_back(b.get());
-  run_threads(raw, [&](int rank, communicator& comm) {
-    run_rank(config, *raw[rank], comm, &in, outputs[rank], rank == 0 ? &result : nullptr);
+  const auto backends = run_cp_group(options.backend, options.limits, config.cp, [&](int rank, backend& be, communicator& comm) {
+    run_rank(config, be, comm, data ? &in : nullptr, outputs[rank], rank == 0 ? &result : nullptr);
   });
+  result.attention_peak_formula_bytes = attention_peak_formula(config, backends[0]->work_dtype()).peak();
+  if (!data) return result;
   const assembled a = assemble(config, outputs);
   if (!options.dump_dir.empty()) dump(options.dump_dir, config, in, a);
   if (options.check) compare(result, a, reference_attention_layer(config, in));

@@ -14,6 +14,7 @@
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "core/dtype.hpp"
 
@@ -81,5 +82,19 @@ std::unique_ptr<communicator> make_loopback_communicator(backend& be, int size);
 // rank blocked in a collective gets comm_aborted) and, after all threads joined, the
 // first exception that is not comm_aborted is rethrown here.
 void run_threads(std::span<backend* const> backends, const std::function<void(int rank, communicator& comm)>& fn);
+
+// The fp64 sum over the group of one value per rank, identical on every rank: the values
+// travel as raw bytes and every rank adds them in rank order.
+double sum_over_ranks(communicator& comm, double value, std::string_view label);
+
+enum class backend_kind : std::uint8_t;
+struct memory_limits;
+
+// Runs fn(rank, backend, communicator) on every rank of a CP group of `size`: one thread
+// per rank, each with its own backend of `kind`, when the backend holds data; rank 0
+// alone over a loopback communicator on meta (every rank's shapes are rank 0's). Returns
+// the backends, so their ledgers can be read afterwards.
+std::vector<std::unique_ptr<backend>> run_cp_group(backend_kind kind, const memory_limits& limits, int size,
+                                                   const std::function<void(int rank, backend& be, communicator& comm)>& fn);
 
 }  // namespace upipe

@@ -49,6 +49,12 @@ void memory_ledger::on_free(mem_tag tag, std::size_t bytes, std::string_view lab
     timeline_.push_back({seq_, tag, -static_cast<std::int64_t>(bytes), device_current_, std::string(label)});
 }
 
+std::map<std::string, std::size_t> memory_ledger::peaks_by_name() const {
+  std::map<std::string, std::size_t> out;
+  for (std::size_t i = 0; i < mem_tag_count; ++i) out[std::string(mem_tag_name(static_cast<mem_tag>(i)))] = peak_[i];
+  return out;
+}
+
 void memory_ledger::reset_window() {
   window_peak_ = current_;
   window_device_peak_ = device_current_;

@@ -5,6 +5,7 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <map>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -47,6 +48,8 @@ class memory_ledger {
   // Device bytes (all non-host tags together), now and at their highest.
   std::size_t device_current() const { return device_current_; }
   std::size_t device_peak() const { return device_peak_; }
+  // Every tag's peak under its name (for reports and JSON).
+  std::map<std::string, std::size_t> peaks_by_name() const;
 
   // A window starts at the current values; window_peak() is the highest value since.
   void reset_window();

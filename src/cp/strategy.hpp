@@ -3,6 +3,7 @@
 // projection. Forward keeps only what backward needs (attention_saved).
 #pragma once
 
+#include <algorithm>
 #include <memory>
 #include <vector>
 
@@ -61,5 +62,16 @@ std::unique_ptr<attention_strategy> make_strategy(attention_config config, backe
 // Sequence layouts: which global positions rank r holds.
 std::vector<position_run> contiguous_positions(std::int64_t seq_len, int cp, int rank);
 std::vector<position_run> zigzag_positions(std::int64_t seq_len, int cp, int rank);
+
+// A rank's shard of a global (S, width) host matrix: the rows `positions` names, in local
+// order (width 1 for token ids and labels).
+template <class T>
+std::vector<T> shard_rows(const std::vector<T>& global, std::int64_t width, const std::vector<position_run>& positions,
+                          std::int64_t local_tokens) {
+  std::vector<T> out(static_cast<std::size_t>(local_tokens * width));
+  for (const position_run& run : positions)
+    std::copy_n(global.begin() + run.position_begin * width, run.count * width, out.begin() + run.token_begin * width);
+  return out;
+}
 
 }  // namespace upipe

@@ -27,14 +27,6 @@ std::int64_t layout_unit(const cp_settings& cp) {
 
 namespace {
 
-std::vector<std::int32_t> shard(const std::vector<std::int32_t>& global, const std::vector<position_run>& runs,
-                                std::int64_t local) {
-  std::vector<std::int32_t> out(static_cast<std::size_t>(local));
-  for (const auto& r : runs)
-    std::copy_n(global.begin() + r.position_begin, r.count, out.begin() + r.token_begin);
-  return out;
-}
-
 struct rank_result {
   double loss_sum = 0;
   host_weights grads;
@@ -47,8 +39,8 @@ void run_rank(const model_step_request& req, const prepared_sequence& seq, const
   params.load(weights);
   transformer model(req.model, req.cp, seq_len, be, {&comm, &comm}, req.options);
   const auto runs = model.local_positions(comm.rank());
-  const auto ids = shard(seq.ids, runs, model.local_tokens());
-  const auto labels = shard(seq.labels, runs, model.local_tokens());
+  const auto ids = shard_rows(seq.ids, 1, runs, model.local_tokens());
+  const auto labels = shard_rows(seq.labels, 1, runs, model.local_tokens());
   const double scale = seq.counted > 0 ? 1.0 / static_cast<double>(seq.counted) : 0.0;
   be.ledger().record_timeline(measured != nullptr && req.record_timeline);
   comm.barrier();
@@ -58,8 +50,7 @@ void run_rank(const model_step_request& req, const prepared_sequence& seq, const
   comm.barrier();
   if (measured != nullptr) {
     measured->time_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
-    for (std::size_t t = 0; t < mem_tag_count; ++t)
-      measured->peak_bytes[std::string(mem_tag_name(static_cast<mem_tag>(t)))] = be.ledger().peak(static_cast<mem_tag>(t));
+    measured->peak_bytes = be.ledger().peaks_by_name();
     measured->device_peak_bytes = be.ledger().device_peak();
     measured->timeline = be.ledger().timeline();
   }
@@ -88,21 +79,9 @@ model_step_result run_model_step(const model_step_request& req, const host_weigh
   result.seq_len = static_cast<std::int64_t>(seq.ids.size());
   result.counted = seq.counted;
   attention_config_for(req.model, req.cp, result.seq_len);  // refuse a bad CP shape before any thread starts
-  const int ranks = req.backend == backend_kind::meta ? 1 : req.cp.cp;
-  std::vector<std::unique_ptr<backend>> backends;
-  std::vector<backend*> raw;
-  for (int r = 0; r < ranks; ++r) {
-    backends.push_back(make_backend(req.backend, req.limits));
-    raw.push_back(backends.back().get());
-  }
-  std::vector<rank_result> per_rank(static_cast<std::size_t>(ranks));
-  if (!raw[0]->has_data()) {
-    auto comm = make_loopback_communicator(*raw[0], req.cp.cp);
-    run_rank(req, seq, weights, *raw[0], *comm, per_rank[0], &result);
-    return result;
-  }
-  run_threads(raw, [&](int rank, communicator& comm) {
-    run_rank(req, seq, weights, *raw[rank], comm, per_rank[rank], rank == 0 ? &result : nullptr);
+  std::vector<rank_result> per_rank(static_cast<std::size_t>(req.cp.cp));
+  run_cp_group(req.backend, req.limits, req.cp.cp, [&](int rank, backend& be, communicator& comm) {
+    run_rank(req, seq, weights, be, comm, per_rank[rank], rank == 0 ? &result : nullptr);
   });
   double loss_sum = 0;
   for (rank_result& r : per_rank) {

@@ -235,17 +235,12 @@ host_weights parameter_store::local_grads() {
   return out;
 }
 
-// Each rank's fp64 partial sum travels as 8 raw bytes and every rank adds them in rank
-// order, so the norm is exact in fp64 and identical on every rank.
+// The fp64 partial sums are added exactly, in rank order, on every rank.
 double parameter_store::grad_norm() {
   UPIPE_CHECK(stage_ != zero_stage::replicated, "grad_norm needs sharded gradients");
   double local = 0;
   for (auto& up : units_) local += ops::sum_squares(be_, up->grad_shard.matrix());
-  std::vector<double> all(static_cast<std::size_t>(comm_.size()));
-  comm_.all_gather(&local, all.data(), sizeof(double), "grad_norm");
-  double total = 0;
-  for (double v : all) total += v;
-  return std::sqrt(total);
+  return std::sqrt(sum_over_ranks(comm_, local, "grad_norm"));
 }
 
 void parameter_store::adamw_step(const adamw_config& config, std::int64_t step, double lr, double grad_scale) {

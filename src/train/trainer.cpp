@@ -39,29 +39,6 @@ class data_source {
   std::unique_ptr<token_file> file_;
 };
 
-// The fp64 sum over ranks of one value per rank, identical on every rank.
-double sum_over_ranks(communicator& comm, double value) {
-  std::vector<double> all(static_cast<std::size_t>(comm.size()));
-  comm.all_gather(&value, all.data(), sizeof(double), "sum_over_ranks");
-  double total = 0;
-  for (double v : all) total += v;
-  return total;
-}
-
-std::vector<std::int32_t> shard(const std::vector<std::int32_t>& global, const std::vector<position_run>& runs,
-                                std::int64_t local) {
-  std::vector<std::int32_t> out(static_cast<std::size_t>(local));
-  for (const auto& r : runs) std::copy_n(global.begin() + r.position_begin, r.count, out.begin() + r.token_begin);
-  return out;
-}
-
-std::map<std::string, std::size_t> peaks(const backend& be) {
-  std::map<std::string, std::size_t> out;
-  for (std::size_t t = 0; t < mem_tag_count; ++t)
-    out[std::string(mem_tag_name(static_cast<mem_tag>(t)))] = be.ledger().peak(static_cast<mem_tag>(t));
-  return out;
-}
-
 // Everything one rank holds for the run.
 struct rank_context {
   const train_options& options;
@@ -80,11 +57,11 @@ double run_step(rank_context& rc, const std::vector<std::int32_t>& tokens, std::
   const train_options& o = rc.options;
   const prepared_sequence seq = prepare_sequence(tokens, layout_unit(o.cp));
   const auto runs = rc.model.local_positions(rc.comm.rank());
-  const auto ids = shard(seq.ids, runs, rc.model.local_tokens());
-  const auto labels = shard(seq.labels, runs, rc.model.local_tokens());
+  const auto ids = shard_rows(seq.ids, 1, runs, rc.model.local_tokens());
+  const auto labels = shard_rows(seq.labels, 1, runs, rc.model.local_tokens());
   rc.params.zero_grads();
   const double local = rc.model.forward_backward(rc.params, {ids, labels, 1.0 / static_cast<double>(seq.counted)});
-  record.loss = sum_over_ranks(rc.comm, local) / static_cast<double>(seq.counted);
+  record.loss = sum_over_ranks(rc.comm, local, "loss_sum") / static_cast<double>(seq.counted);
   record.grad_norm = rc.params.grad_norm();
   if (!std::isfinite(record.grad_norm))
     throw config_error("the gradient norm is not finite at step " + std::to_string(step) +
@@ -117,7 +94,7 @@ double evaluate(rank_context& rc, const passkey_task& task) {
   for (int i = 0; i < rc.options.eval_samples; ++i) {
     const passkey_sample sample = task.sample(rc.options.seed ^ held_out_stream, static_cast<std::uint64_t>(i));
     const prepared_sequence seq = prepare_sequence(sample.tokens, layout_unit(rc.options.cp));
-    const auto local = rc.model.forward_argmax(rc.params, shard(seq.ids, rc.model.local_positions(rc.comm.rank()), s));
+    const auto local = rc.model.forward_argmax(rc.params, shard_rows(seq.ids, 1, rc.model.local_positions(rc.comm.rank()), s));
     std::vector<std::int32_t> all(static_cast<std::size_t>(s * C));
     rc.comm.all_gather(local.data(), all.data(), local.size() * sizeof(std::int32_t), "eval_gather");
     std::vector<std::int32_t> global(seq.ids.size());
@@ -154,7 +131,7 @@ void run_rank(const train_options& o, backend& be, communicator& comm, std::int6
     record.seconds = std::chrono::duration<double>(clock_type::now() - start).count();
     record.tokens_per_s = static_cast<double>(o.seq_len) / record.seconds;
     if (comm.rank() == 0) {
-      record.peak_bytes = peaks(be);
+      record.peak_bytes = be.ledger().peaks_by_name();
       summary.steps.push_back(record);
       if (on_step) on_step(record);
     }
@@ -165,7 +142,7 @@ void run_rank(const train_options& o, backend& be, communicator& comm, std::int6
     const double accuracy = evaluate(rc, *data.task());
     if (comm.rank() == 0) summary.retrieval_accuracy = accuracy;
   }
-  summary.peak_bytes[comm.rank()] = peaks(be);
+  summary.peak_bytes[comm.rank()] = be.ledger().peaks_by_name();
 }
 
 }  // namespace
@@ -215,21 +192,9 @@ train_summary train(const train_options& o, const std::function<void(const step_
   summary.seq_len = o.seq_len;
   summary.peak_bytes.resize(static_cast<std::size_t>(o.cp.cp));
   const auto start = clock_type::now();
-  const int ranks = o.backend == backend_kind::meta ? 1 : o.cp.cp;
-  std::vector<std::unique_ptr<backend>> backends;
-  std::vector<backend*> raw;
-  for (int r = 0; r < ranks; ++r) {
-    backends.push_back(make_backend(o.backend, o.limits));
-    raw.push_back(backends.back().get());
-  }
-  if (!raw[0]->has_data()) {
-    auto comm = make_loopback_communicator(*raw[0], o.cp.cp);
-    run_rank(o, *raw[0], *comm, o.seq_len, resume.get(), init, summary, on_step);
-  } else {
-    run_threads(raw, [&](int rank, communicator& comm) {
-      run_rank(o, *raw[rank], comm, o.seq_len, resume.get(), init, summary, on_step);
-    });
-  }
+  run_cp_group(o.backend, o.limits, o.cp.cp, [&](int, backend& be, communicator& comm) {
+    run_rank(o, be, comm, o.seq_len, resume.get(), init, summary, on_step);
+  });
   summary.seconds = std::chrono::duration<double>(clock_type::now() - start).count();
   return summary;
 }
