@@ -126,17 +126,13 @@ void print_row(const experiment_result& r, bool wrong) {
 
 int run(const bench_flags& f) {
   const backend_kind kind = parse_backend_kind(f.backend);
-  if (f.memory_gib <= 0)
-    throw config_error("--memory-gib " + std::to_string(f.memory_gib) + " must be positive (for example 8)");
   const std::vector<attention_config> configs = configurations(f);
   experiment_options options;
   options.backend = kind;
   options.seed = f.seed;
   options.check = !f.no_check;
-  if (kind == backend_kind::meta)
-    options.limits = {std::size_t{1} << 50, std::size_t{1} << 50};  // shapes only: nothing is reserved
-  else
-    options.limits = {static_cast<std::size_t>(f.memory_gib * (1 << 30)), std::size_t{1} << 28};
+  // The host pool only stages; checkpoints are not used here.
+  options.limits = run_limits(kind, f.memory_gib, checkpoint_location::device);
   // fp32 (cpu) or bf16 storage (cuda) against the float64 reference.
   const double tolerance = kind == backend_kind::cuda ? 2e-2 : 1e-5;
   std::printf("# upipe bench-attention  backend=%s  D=%d  seed=%llu  (time: forward+backward of rank 0; "

@@ -4,7 +4,9 @@
 #include <cstdint>
 #include <string>
 
+#include "backend/backend.hpp"
 #include "core/error.hpp"
+#include "model/checkpoint_store.hpp"
 
 namespace upipe::apps {
 
@@ -25,6 +27,18 @@ inline std::int64_t parse_count(const std::string& text, const char* flag) {
     throw config_error(std::string(flag) + " '" + text + "' is not a count: use an integer, optionally with K or M "
                        "(for example 4096, 128K or 1M)");
   return value * unit;
+}
+
+// The arenas for a run: `memory_gib` per rank (checked positive); nothing reserved on
+// meta; on the GPU a 1 GiB pinned host pool unless checkpoints go to the host, since
+// pinned memory is taken at start.
+inline memory_limits run_limits(backend_kind kind, double memory_gib, checkpoint_location checkpoints) {
+  if (!(memory_gib > 0))
+    throw config_error("--memory-gib " + std::to_string(memory_gib) + " must be positive (for example 8)");
+  if (kind == backend_kind::meta) return {std::size_t{1} << 50, std::size_t{1} << 50};
+  const auto bytes = static_cast<std::size_t>(memory_gib * (1 << 30));
+  const bool small_host = kind == backend_kind::cuda && checkpoints == checkpoint_location::device;
+  return {bytes, small_host ? std::size_t{1} << 30 : bytes};
 }
 
 }  // namespace upipe::apps

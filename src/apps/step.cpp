@@ -65,14 +65,7 @@ int run(const step_flags& f) {
   req.backend = parse_backend_kind(f.backend);
   req.cp = {parse_strategy_kind(f.attention), f.cp, f.head_chunk};
   req.options = {f.mlp_tile, f.loss_chunk, parse_checkpoint_policy(f.policy)};
-  if (f.memory_gib <= 0) throw config_error("--memory-gib must be positive (for example 8)");
-  const auto gib = static_cast<std::size_t>(f.memory_gib * (1 << 30));
-  // On the GPU the host pool is pinned memory, taken at start: 1 GiB unless checkpoints go there.
-  const std::size_t host = req.backend == backend_kind::cuda && req.options.policy.where == checkpoint_location::device
-                               ? std::size_t{1} << 30
-                               : gib;
-  req.limits = req.backend == backend_kind::meta ? memory_limits{std::size_t{1} << 50, std::size_t{1} << 50}
-                                                 : memory_limits{gib, host};
+  req.limits = run_limits(req.backend, f.memory_gib, req.options.policy.where);
   const std::int64_t S = parse_count(f.seq_len, "--seq-len");
   if (S < 2) throw config_error("--seq-len " + f.seq_len + " must be at least 2 (one prediction needs two tokens)");
   const bool data = req.backend != backend_kind::meta;
@@ -120,7 +113,7 @@ command_runner add_step(CLI::App& app) {
   app.add_option("--mlp-tile", f->mlp_tile, "tokens per MLP tile (0: D)");
   app.add_option("--loss-chunk", f->loss_chunk, "tokens per cross-entropy chunk (0: 256 MiB of logits)");
   app.add_option("--seed", f->seed, "seed of random weights and tokens")->capture_default_str();
-  app.add_option("--memory-gib", f->memory_gib, "cpu memory per rank, GiB")->capture_default_str();
+  app.add_option("--memory-gib", f->memory_gib, "arena per rank (cpu or GPU memory), GiB")->capture_default_str();
   app.add_option("--json", f->json_path, "write the result as JSON");
   app.add_option("--save-grads", f->grads_path, "write the weight gradients as safetensors");
   return [f] { return run(*f); };

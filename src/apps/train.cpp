@@ -37,7 +37,6 @@ train_options to_options(const train_flags& f) {
   if (f.zero != 2 && f.zero != 3)
     throw config_error("--zero " + std::to_string(f.zero) + " is not supported: use --zero 2 (sharded optimizer and "
                        "gradients) or --zero 3 (weights sharded too)");
-  if (f.memory_gib <= 0) throw config_error("--memory-gib must be positive (for example 8)");
   o.init_path = f.init_path;
   o.data_path = f.data_path;
   o.seq_len = parse_count(f.seq_len, "--seq-len");
@@ -55,13 +54,7 @@ train_options to_options(const train_flags& f) {
   o.save_every = f.save_every;
   o.resume_dir = f.resume_dir;
   o.backend = parse_backend_kind(f.backend);
-  const auto gib = static_cast<std::size_t>(f.memory_gib * (1 << 30));
-  // On the GPU the host pool is pinned memory, taken at start: 1 GiB unless checkpoints go there.
-  const std::size_t host = o.backend == backend_kind::cuda && o.step.policy.where == checkpoint_location::device
-                               ? std::size_t{1} << 30
-                               : gib;
-  o.limits = o.backend == backend_kind::meta ? memory_limits{std::size_t{1} << 50, std::size_t{1} << 50}
-                                             : memory_limits{gib, host};
+  o.limits = run_limits(o.backend, f.memory_gib, o.step.policy.where);
   o.eval_samples = f.eval_samples;
   return o;
 }
@@ -182,7 +175,7 @@ command_runner add_train(CLI::App& app) {
   app.add_option("--loss-chunk", f->loss_chunk, "tokens per cross-entropy chunk (0: 256 MiB of logits)");
   app.add_option("--layers", f->layers, "train a slice: the first N layers only");
   app.add_option("--backend", f->backend, "cpu, cuda (bf16, virtual ranks on one GPU) or meta")->capture_default_str();
-  app.add_option("--memory-gib", f->memory_gib, "cpu memory per rank, GiB")->capture_default_str();
+  app.add_option("--memory-gib", f->memory_gib, "arena per rank (cpu or GPU memory), GiB")->capture_default_str();
   app.add_option("--eval-samples", f->eval_samples, "held-out passkey samples for the retrieval accuracy")->capture_default_str();
   app.add_option("--metrics-json", f->metrics_path, "one JSON object per step, then a final one");
   return [f] { return run(*f); };
