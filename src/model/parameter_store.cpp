@@ -17,7 +17,7 @@ struct parameter_store::unit {
   tensor weight_shard;  // ZeRO-3: (1, shard) working dtype
   int acquired = 0;
   tensor grads;         // (1, padded) f32: persistent when replicated, else while open
-  bool closed = false;  // ZeRO: this step's gradients were reduced
+  bool reduced = false;  // ZeRO: a micro-batch of this step was reduced into grad_shard
   tensor grad_shard, master, exp_avg, exp_avg_sq;  // ZeRO: (1, shard) f32
 };
 
@@ -96,7 +96,7 @@ void parameter_store::release(int index) {
 void parameter_store::open_grads(int index) {
   unit& u = at(index);
   if (stage_ == zero_stage::replicated) return;
-  UPIPE_CHECK(u.grads.empty() && !u.closed, "a unit's gradients open once per step");
+  UPIPE_CHECK(u.grads.empty(), "a unit's gradients open once per micro-batch");
   u.grads = be_.allocate_zeroed(mem_tag::grads, dtype::f32, {1, u.padded}, "unit_grads");
 }
 
@@ -106,10 +106,25 @@ void parameter_store::close_grads(int index) {
   unit& u = at(index);
   if (stage_ == zero_stage::replicated) return;
   UPIPE_CHECK(!u.grads.empty(), "close of gradients that are not open");
-  comm_.reduce_scatter_sum(u.grads.as<float>(), u.grad_shard.as<float>(), static_cast<std::size_t>(u.shard),
-                           "zero_reduce_scatter");
+  if (!u.reduced) {
+    comm_.reduce_scatter_sum(u.grads.as<float>(), u.grad_shard.as<float>(), static_cast<std::size_t>(u.shard),
+                             "zero_reduce_scatter");
+  } else {
+    // A later micro-batch of the same step: reduce into a scratch shard and add.
+    tensor part = be_.allocate(mem_tag::grads, dtype::f32, {1, u.shard}, "micro_batch_grad_shard");
+    comm_.reduce_scatter_sum(u.grads.as<float>(), part.as<float>(), static_cast<std::size_t>(u.shard),
+                             "zero_reduce_scatter");
+    // As rows of up to 1024 elements, so that a device walks them in parallel.
+    std::int64_t row = 1024;
+    while (u.shard % row != 0) row /= 2;
+    const head_view flat = {nullptr, dtype::f32, u.shard / row, 1, row, row, row};
+    head_view dst = flat, src = flat;
+    dst.data = u.grad_shard.data();
+    src.data = part.data();
+    ops::add_heads(be_, dst, src);
+  }
   u.grads.reset();
-  u.closed = true;
+  u.reduced = true;
 }
 
 bool parameter_store::grads_open(int index) const { return stage_ == zero_stage::replicated || !at(index).grads.empty(); }
@@ -272,7 +287,7 @@ void parameter_store::adamw_step(const adamw_config& config, std::int64_t step, 
 
 void parameter_store::zero_grads() {
   for (auto& up : units_) {
-    up->closed = false;
+    up->reduced = false;
     tensor& g = stage_ == zero_stage::replicated ? up->grads : up->grad_shard;
     if (be_.has_data()) be_.fill_bytes(g.data(), 0, g.bytes());
   }

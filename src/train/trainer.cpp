@@ -25,9 +25,17 @@ class data_source {
       : seed_(o.seed),
         task_(o.data_path.empty() ? std::make_unique<passkey_task>(o.seq_len) : nullptr),
         file_(o.data_path.empty() ? nullptr : std::make_unique<token_file>(o.data_path, o.seq_len, o.model.vocab_size)) {}
-  std::vector<std::int32_t> next(std::int64_t step, std::int64_t& position) {
-    if (task_) return task_->sample(seed_, static_cast<std::uint64_t>(step)).tokens;
+  // Sequence `index` (counted from 1 over the whole run) of the passkey task, or the
+  // file's sequence at `position`, which then moves on.
+  // A shorter `length` (sequence-length warmup) takes a passkey sample of that length,
+  // or the first `length` tokens of the file's sequence.
+  std::vector<std::int32_t> next(std::int64_t index, std::int64_t& position, std::int64_t length) {
+    if (task_) {
+      if (length == task_->seq_len()) return task_->sample(seed_, static_cast<std::uint64_t>(index)).tokens;
+      return passkey_task(length).sample(seed_, static_cast<std::uint64_t>(index)).tokens;
+    }
     std::vector<std::int32_t> tokens = file_->sequence(position);
+    tokens.resize(static_cast<std::size_t>(length));
     position = file_->next_position(position);
     return tokens;
   }
@@ -39,29 +47,46 @@ class data_source {
   std::unique_ptr<token_file> file_;
 };
 
-// Everything one rank holds for the run.
+// Everything one rank holds for the run: one transformer per sequence length (more
+// than one only under sequence-length warmup).
 struct rank_context {
   const train_options& options;
   backend& be;
   communicator& comm;
   parameter_store params;
-  transformer model;
-  std::int64_t padded_len;
+  std::map<std::int64_t, std::unique_ptr<transformer>> models;
 
-  rank_context(const train_options& o, backend& b, communicator& c, std::int64_t padded)
-      : options(o), be(b), comm(c), params(o.model, b, c, o.zero), model(o.model, o.cp, padded, b, {&c, &c}, o.step),
-        padded_len(padded) {}
+  rank_context(const train_options& o, backend& b, communicator& c)
+      : options(o), be(b), comm(c), params(o.model, b, c, o.zero) {}
+
+  transformer& model(std::int64_t seq_len) {
+    auto& m = models[seq_len];
+    if (!m) m = std::make_unique<transformer>(options.model, options.cp, seq_len, be, cp_groups{&comm, &comm}, options.step);
+    return *m;
+  }
 };
 
-double run_step(rank_context& rc, const std::vector<std::int32_t>& tokens, std::int64_t step, step_record& record) {
+// One optimizer step over the step's sequences: gradients of every sequence accumulate
+// in the shards, and the loss is the mean over all counted tokens of the step.
+double run_step(rank_context& rc, const std::vector<std::vector<std::int32_t>>& batch, std::int64_t step,
+                step_record& record) {
   const train_options& o = rc.options;
-  const prepared_sequence seq = prepare_sequence(tokens, layout_unit(o.cp));
-  const auto runs = rc.model.local_positions(rc.comm.rank());
-  const auto ids = shard_rows(seq.ids, 1, runs, rc.model.local_tokens());
-  const auto labels = shard_rows(seq.labels, 1, runs, rc.model.local_tokens());
+  std::vector<prepared_sequence> seqs;
+  std::int64_t counted = 0;
+  for (const auto& tokens : batch) {
+    seqs.push_back(prepare_sequence(tokens, layout_unit(o.cp)));
+    counted += seqs.back().counted;
+  }
+  transformer& model = rc.model(static_cast<std::int64_t>(batch.front().size()));
+  const auto runs = model.local_positions(rc.comm.rank());
   rc.params.zero_grads();
-  const double local = rc.model.forward_backward(rc.params, {ids, labels, 1.0 / static_cast<double>(seq.counted)});
-  record.loss = sum_over_ranks(rc.comm, local, "loss_sum") / static_cast<double>(seq.counted);
+  double local = 0;
+  for (const auto& seq : seqs) {
+    const auto ids = shard_rows(seq.ids, 1, runs, model.local_tokens());
+    const auto labels = shard_rows(seq.labels, 1, runs, model.local_tokens());
+    local += model.forward_backward(rc.params, {ids, labels, 1.0 / static_cast<double>(counted)});
+  }
+  record.loss = sum_over_ranks(rc.comm, local, "loss_sum") / static_cast<double>(counted);
   record.grad_norm = rc.params.grad_norm();
   if (!std::isfinite(record.grad_norm))
     throw config_error("the gradient norm is not finite at step " + std::to_string(step) +
@@ -90,16 +115,17 @@ void save(rank_context& rc, const std::string& dir, std::int64_t step, std::int6
 double evaluate(rank_context& rc, const passkey_task& task) {
   double right = 0;
   const int C = rc.comm.size();
-  const std::int64_t s = rc.model.local_tokens();
+  transformer& model = rc.model(rc.options.seq_len);
+  const std::int64_t s = model.local_tokens();
   for (int i = 0; i < rc.options.eval_samples; ++i) {
     const passkey_sample sample = task.sample(rc.options.seed ^ held_out_stream, static_cast<std::uint64_t>(i));
     const prepared_sequence seq = prepare_sequence(sample.tokens, layout_unit(rc.options.cp));
-    const auto local = rc.model.forward_argmax(rc.params, shard_rows(seq.ids, 1, rc.model.local_positions(rc.comm.rank()), s));
+    const auto local = model.forward_argmax(rc.params, shard_rows(seq.ids, 1, model.local_positions(rc.comm.rank()), s));
     std::vector<std::int32_t> all(static_cast<std::size_t>(s * C));
     rc.comm.all_gather(local.data(), all.data(), local.size() * sizeof(std::int32_t), "eval_gather");
     std::vector<std::int32_t> global(seq.ids.size());
     for (int r = 0; r < C; ++r)
-      for (const auto& run : rc.model.local_positions(r))
+      for (const auto& run : model.local_positions(r))
         std::copy_n(all.begin() + r * s + run.token_begin, run.count, global.begin() + run.position_begin);
     std::vector<std::int32_t> predicted;
     for (std::int64_t k = 0; k < passkey_task::key_digits; ++k) predicted.push_back(global[sample.answer_start + k - 1]);
@@ -108,10 +134,10 @@ double evaluate(rank_context& rc, const passkey_task& task) {
   return rc.options.eval_samples > 0 ? right / rc.options.eval_samples : 0.0;
 }
 
-void run_rank(const train_options& o, backend& be, communicator& comm, std::int64_t padded,
+void run_rank(const train_options& o, backend& be, communicator& comm,
               const train_checkpoint* resume, const host_weights& init, train_summary& summary,
               const std::function<void(const step_record&)>& on_step) {
-  rank_context rc(o, be, comm, padded);
+  rank_context rc(o, be, comm);
   std::int64_t first = 1, position = 0;
   if (resume != nullptr) {
     rc.params.load(resume->weights);
@@ -127,9 +153,13 @@ void run_rank(const train_options& o, backend& be, communicator& comm, std::int6
     const auto start = clock_type::now();
     step_record record;
     record.step = step;
-    run_step(rc, data.next(step, position), step, record);
+    record.seq_len = step_seq_len(o, step);
+    std::vector<std::vector<std::int32_t>> batch;
+    for (std::int64_t i = 0; i < o.batch; ++i)
+      batch.push_back(data.next((step - 1) * o.batch + i + 1, position, record.seq_len));
+    run_step(rc, batch, step, record);
     record.seconds = std::chrono::duration<double>(clock_type::now() - start).count();
-    record.tokens_per_s = static_cast<double>(o.seq_len) / record.seconds;
+    record.tokens_per_s = static_cast<double>(record.seq_len * o.batch) / record.seconds;
     if (comm.rank() == 0) {
       record.peak_bytes = be.ledger().peaks_by_name();
       summary.steps.push_back(record);
@@ -145,7 +175,39 @@ void run_rank(const train_options& o, backend& be, communicator& comm, std::int6
   summary.peak_bytes[comm.rank()] = be.ledger().peaks_by_name();
 }
 
+std::int64_t shortest_sequence(const train_options& o) { return o.data_path.empty() ? passkey_task::min_seq_len() : 2; }
+
+// The warmup's first length: as given, or a quarter of seq_len rounded up to the
+// layout's unit (at least the passkey task's minimum, at most seq_len).
+std::int64_t warmup_start(const train_options& o) {
+  if (o.seq_warmup_start > 0) return o.seq_warmup_start;
+  const std::int64_t unit = layout_unit(o.cp);
+  return std::min(o.seq_len, (std::max(shortest_sequence(o), o.seq_len / 4) + unit - 1) / unit * unit);
+}
+
+void validate_seq_warmup(const train_options& o) {
+  if (o.seq_warmup < 0 || o.seq_warmup > o.optim.total_steps)
+    throw config_error("--seq-warmup " + std::to_string(o.seq_warmup) + " must lie between 0 (off) and --steps " +
+                       std::to_string(o.optim.total_steps));
+  if (o.seq_warmup == 0) return;
+  const std::int64_t unit = layout_unit(o.cp), shortest = shortest_sequence(o), start = warmup_start(o);
+  if (start < shortest || start > o.seq_len || start % unit != 0) {
+    train_options fixed = o;
+    fixed.seq_warmup_start = 0;
+    throw config_error("--seq-warmup-start " + std::to_string(start) + " must be a multiple of " +
+                       std::to_string(unit) + " (the layout's unit for " + std::string(strategy_name(o.cp.strategy)) +
+                       " with --cp " + std::to_string(o.cp.cp) + ") between " + std::to_string(shortest) +
+                       " and --seq-len " + std::to_string(o.seq_len) + "; use --seq-warmup-start " +
+                       std::to_string(warmup_start(fixed)));
+  }
+  attention_config_for(o.model, o.cp, start);
+}
+
 }  // namespace
+
+std::int64_t step_seq_len(const train_options& o, std::int64_t step) {
+  return step <= o.seq_warmup ? warmup_start(o) : o.seq_len;
+}
 
 void validate(const train_options& o) {
   validate(o.model);
@@ -154,6 +216,9 @@ void validate(const train_options& o) {
   if (o.stop_after < 0 || o.stop_after > o.optim.total_steps)
     throw config_error("--stop-after " + std::to_string(o.stop_after) + " must lie between 1 and --steps " +
                        std::to_string(o.optim.total_steps) + " (it stops a run early; --steps is the schedule's length)");
+  if (o.batch < 1)
+    throw config_error("--batch " + std::to_string(o.batch) + " must be at least 1 (sequences per optimizer step, "
+                       "for example --batch 8)");
   if (o.save_every < 0 || (o.save_every > 0 && o.save_dir.empty()))
     throw config_error("--save-every " + std::to_string(o.save_every) + " needs --save DIR (where to write)");
   if (!o.resume_dir.empty() && !o.init_path.empty())
@@ -174,6 +239,7 @@ void validate(const train_options& o) {
                        " in training (every step has the same shape); use --seq-len " + std::to_string(fixed));
   }
   attention_config_for(o.model, o.cp, o.seq_len);
+  validate_seq_warmup(o);
 }
 
 train_summary train(const train_options& o, const std::function<void(const step_record&)>& on_step) {
@@ -193,7 +259,7 @@ train_summary train(const train_options& o, const std::function<void(const step_
   summary.peak_bytes.resize(static_cast<std::size_t>(o.cp.cp));
   const auto start = clock_type::now();
   run_cp_group(o.backend, o.limits, o.cp.cp, [&](int, backend& be, communicator& comm) {
-    run_rank(o, be, comm, o.seq_len, resume.get(), init, summary, on_step);
+    run_rank(o, be, comm, resume.get(), init, summary, on_step);
   });
   summary.seconds = std::chrono::duration<double>(clock_type::now() - start).count();
   return summary;

@@ -20,6 +20,11 @@ struct train_options {
   std::string init_path;    // weights to start from; empty: random
   std::string data_path;    // flat uint32 token file; empty: the synthetic passkey task
   std::int64_t seq_len = 128;
+  std::int64_t batch = 1;   // sequences per optimizer step (gradients accumulated)
+  // Short-sequence stage: steps 1..seq_warmup train on sequences of seq_warmup_start
+  // tokens (0: a quarter of seq_len), the rest on seq_len; seq_warmup 0: every step at
+  // seq_len.
+  std::int64_t seq_warmup = 0, seq_warmup_start = 0;
   cp_settings cp{strategy_kind::upipe, 4, 0};
   zero_stage zero = zero_stage::two;
   step_options step;
@@ -35,7 +40,7 @@ struct train_options {
 };
 
 struct step_record {
-  std::int64_t step = 0;
+  std::int64_t step = 0, seq_len = 0;
   double loss = 0, lr = 0, grad_norm = 0, tokens_per_s = 0, seconds = 0;
   std::map<std::string, std::size_t> peak_bytes;  // rank 0
 };
@@ -51,6 +56,9 @@ struct train_summary {
 // Checks the options as a whole (throws config_error naming the flag, the rule and a
 // valid alternative) before anything runs.
 void validate(const train_options& options);
+
+// The sequence length of a step under the options' sequence-length warmup.
+std::int64_t step_seq_len(const train_options& options, std::int64_t step);
 
 // Runs training; on_step is called on rank 0 after every step (progress, metrics).
 train_summary train(const train_options& options, const std::function<void(const step_record&)>& on_step);

@@ -87,6 +87,72 @@ TEST(trainer, resume_with_a_different_cp_layout_follows_the_same_schedule) {
   std::filesystem::remove_all(dir);
 }
 
+TEST(trainer, accumulated_batches_agree_across_strategies_and_zero_stages) {
+  // Two sequences per step: their gradients accumulate in the shards (the second
+  // micro-batch is reduced into a scratch shard and added).
+  train_options one = base(strategy_kind::upipe, 1, 0, zero_stage::two);
+  one.batch = 2;
+  one.optim.total_steps = 8;
+  const std::vector<double> reference = losses(one);
+  ASSERT_EQ(reference.size(), 8u);
+  for (zero_stage z : {zero_stage::two, zero_stage::three})
+    for (strategy_kind kind : {strategy_kind::upipe, strategy_kind::ring}) {
+      train_options o = base(kind, 4, 0, z);
+      o.batch = 2;
+      o.optim.total_steps = 8;
+      const std::vector<double> got = losses(o);
+      for (std::size_t i = 0; i < got.size(); ++i)
+        EXPECT_LT(std::abs(got[i] - reference[i]) / reference[i], 1e-4) << strategy_name(kind) << " step " << i + 1;
+    }
+}
+
+TEST(trainer, a_batch_step_is_the_mean_over_its_sequences) {
+  // Step 1 of a batch of two sees the same weights as step 1 of the two single-sequence
+  // runs that start at those sequences, so its loss is their token-weighted mean.
+  train_options pair = base(strategy_kind::upipe, 2, 0, zero_stage::two);
+  pair.batch = 2;
+  pair.optim.total_steps = 1;
+  const double mean = losses(pair).front();
+  train_options single = base(strategy_kind::upipe, 2, 0, zero_stage::two);
+  single.optim.total_steps = 2;
+  // The single run's step 1 is sequence 1; its step 2 is sequence 2, but after an
+  // update; a zero learning rate keeps the weights.
+  single.optim.lr = 1e-30;
+  const std::vector<double> both = losses(single);
+  EXPECT_NEAR(mean, 0.5 * (both[0] + both[1]), 1e-6 * mean);
+}
+
+TEST(trainer, short_sequence_stage_then_full_length_and_exact_resume) {
+  train_options whole = base(strategy_kind::upipe, 2, 0, zero_stage::two);
+  whole.seq_warmup = 6;
+  whole.seq_warmup_start = 24;
+  EXPECT_EQ(step_seq_len(whole, 1), 24);
+  EXPECT_EQ(step_seq_len(whole, 6), 24);
+  EXPECT_EQ(step_seq_len(whole, 7), 64);
+  const train_summary run = train(whole, nullptr);
+  ASSERT_EQ(run.steps.size(), 20u);
+  for (const step_record& r : run.steps) EXPECT_EQ(r.seq_len, r.step <= 6 ? 24 : 64) << r.step;
+  // Stopped inside the short stage and resumed: the same losses, bit for bit.
+  const auto dir = std::filesystem::temp_directory_path() / ("upipe_seq_warmup_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  train_options first = whole;
+  first.stop_after = 4;
+  first.save_dir = dir.string();
+  losses(first);
+  train_options second = whole;
+  second.resume_dir = dir.string();
+  const std::vector<double> resumed = losses(second);
+  ASSERT_EQ(resumed.size(), 16u);
+  for (std::size_t i = 0; i < resumed.size(); ++i) EXPECT_EQ(resumed[i], run.steps[4 + i].loss) << "step " << 5 + i;
+  std::filesystem::remove_all(dir);
+  // The default start is a quarter of the length rounded up to the layout's unit, but
+  // at least the passkey task's minimum (18 here, a quarter of 64 being 16).
+  whole.seq_warmup_start = 0;
+  EXPECT_EQ(step_seq_len(whole, 1), 18);
+  whole.seq_len = 128;
+  EXPECT_EQ(step_seq_len(whole, 1), 32);
+}
+
 TEST(trainer, contradictory_options_are_refused) {
   train_options o = base(strategy_kind::upipe, 2, 0, zero_stage::two);
   o.stop_after = 30;
@@ -103,6 +169,21 @@ TEST(trainer, contradictory_options_are_refused) {
   EXPECT_THROW(validate(o), config_error);
   o = base(strategy_kind::upipe, 2, 0, zero_stage::two);
   o.seq_len = 10;  // shorter than the passkey task's minimum
+  EXPECT_THROW(validate(o), config_error);
+  o = base(strategy_kind::upipe, 2, 0, zero_stage::two);
+  o.batch = 0;
+  EXPECT_THROW(validate(o), config_error);
+  o = base(strategy_kind::ring, 4, 0, zero_stage::two);
+  o.seq_warmup = 5;
+  o.seq_warmup_start = 20;  // not a multiple of ring's unit 2C = 8
+  try {
+    validate(o);
+    ADD_FAILURE() << "no config_error";
+  } catch (const config_error& e) {
+    EXPECT_NE(std::string(e.what()).find("use --seq-warmup-start 24"), std::string::npos) << e.what();
+  }
+  o.seq_warmup = 21;  // past --steps
+  o.seq_warmup_start = 24;
   EXPECT_THROW(validate(o), config_error);
 }
 
