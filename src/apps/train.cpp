@@ -22,8 +22,8 @@ struct train_flags {
   std::string model = "tiny-llama", config_path, init_path, data_path, save_dir, resume_dir, metrics_path;
   std::string backend = "cpu", attention = "upipe", policy, seq_len = "128";
   int cp = 4, head_chunk = 0, zero = 2, layers = 0, eval_samples = 32;
-  std::int64_t steps = 300, stop_after = 0, save_every = 0, warmup = 20, mlp_tile = 0, loss_chunk = 0;
-  double lr = 3e-3, weight_decay = 0.01, max_grad_norm = 1.0, memory_gib = 8;
+  std::int64_t batch = -1, seq_warmup = -1, seq_warmup_start = 0, steps = 3300, stop_after = 0, save_every = 0, warmup = 20, mlp_tile = 0, loss_chunk = 0;
+  double lr = 1e-3, weight_decay = 0.01, max_grad_norm = 1.0, memory_gib = 8;
   unsigned long long seed = 1;
 };
 
@@ -40,6 +40,9 @@ train_options to_options(const train_flags& f) {
   o.init_path = f.init_path;
   o.data_path = f.data_path;
   o.seq_len = parse_count(f.seq_len, "--seq-len");
+  o.batch = f.batch >= 0 ? f.batch : (f.data_path.empty() ? 4 : 1);
+  o.seq_warmup = f.seq_warmup >= 0 ? f.seq_warmup : (f.data_path.empty() ? f.steps * 9 / 10 : 0);
+  o.seq_warmup_start = f.seq_warmup_start;
   o.cp = {parse_strategy_kind(f.attention), f.cp, f.head_chunk};
   o.zero = f.zero == 3 ? zero_stage::three : zero_stage::two;
   o.step = {f.mlp_tile, f.loss_chunk, parse_checkpoint_policy(f.policy)};
@@ -66,32 +69,40 @@ std::string clock_text(double seconds) {
   return buf;
 }
 
-// One progress line per step on a terminal (redrawn), about twenty lines otherwise.
+// One progress line per step on a terminal (redrawn), about twenty lines otherwise. The
+// ETA counts the tokens left at the rate so far (steps differ in length during the
+// short-sequence stage).
 class progress {
  public:
-  progress(std::int64_t first, std::int64_t last) : first_(first), last_(last), tty_(::isatty(STDOUT_FILENO)) {}
+  progress(const train_options& o, std::int64_t first, std::int64_t last)
+      : options_(o), first_(first), last_(last), tty_(::isatty(STDOUT_FILENO)) {}
   void operator()(const step_record& r) {
     done_seconds_ += r.seconds;
-    const std::int64_t done = r.step - first_ + 1, left = last_ - r.step;
-    const double eta = done > 0 ? done_seconds_ / static_cast<double>(done) * static_cast<double>(left) : 0;
+    done_tokens_ += static_cast<double>(r.seq_len * options_.batch);
+    double left_tokens = 0;
+    for (std::int64_t step = r.step + 1; step <= last_; ++step)
+      left_tokens += static_cast<double>(step_seq_len(options_, step) * options_.batch);
+    const double eta = done_tokens_ > 0 ? done_seconds_ / done_tokens_ * left_tokens : 0;
     const std::int64_t every = std::max<std::int64_t>(1, (last_ - first_ + 1) / 20);
     if (!tty_ && r.step != last_ && (r.step - first_) % every != 0) return;
     const int width = 24, filled = static_cast<int>(width * (r.step - first_ + 1) / std::max<std::int64_t>(1, last_ - first_ + 1));
-    std::printf("%s[%s%s] step %lld/%lld  loss %.4f  lr %.2e  |g| %.3f  %.0f tok/s  ETA %s%s", tty_ ? "\r" : "",
+    std::printf("%s[%s%s] step %lld/%lld  S %lld  loss %.4f  lr %.2e  |g| %.3f  %.0f tok/s  ETA %s%s", tty_ ? "\r" : "",
                 std::string(filled, '#').c_str(), std::string(width - filled, '.').c_str(),
-                static_cast<long long>(r.step), static_cast<long long>(last_), r.loss, r.lr, r.grad_norm,
-                r.tokens_per_s, clock_text(eta).c_str(), tty_ ? (r.step == last_ ? "\n" : "") : "\n");
+                static_cast<long long>(r.step), static_cast<long long>(last_), static_cast<long long>(r.seq_len), r.loss,
+                r.lr, r.grad_norm, r.tokens_per_s, clock_text(eta).c_str(),
+                tty_ ? (r.step == last_ ? "\n" : "") : "\n");
     std::fflush(stdout);
   }
 
  private:
+  const train_options& options_;
   std::int64_t first_, last_;
   bool tty_;
-  double done_seconds_ = 0;
+  double done_seconds_ = 0, done_tokens_ = 0;
 };
 
 nlohmann::json record_json(const step_record& r) {
-  return {{"step", r.step}, {"loss", r.loss}, {"lr", r.lr}, {"grad_norm", r.grad_norm},
+  return {{"step", r.step}, {"seq_len", r.seq_len}, {"loss", r.loss}, {"lr", r.lr}, {"grad_norm", r.grad_norm},
           {"tokens_per_s", r.tokens_per_s}, {"peak_bytes", r.peak_bytes}};
 }
 
@@ -124,13 +135,19 @@ int run(const train_flags& f) {
     metrics.open(f.metrics_path, std::ios::trunc);
     if (!metrics) throw io_error("cannot write --metrics-json " + f.metrics_path + ": check the directory");
   }
-  std::printf("# upipe train  model=%s (%lld parameters)  %s  S=%lld  cp=%d %s  zero=%d  steps=%lld  lr=%g  backend=%s\n",
+  std::printf("# upipe train  model=%s (%lld parameters)  %s  S=%lld x %lld per step  cp=%d %s  zero=%d  steps=%lld  "
+              "lr=%g  backend=%s\n",
               o.model.name.c_str(), static_cast<long long>(o.model.parameter_count()),
-              o.data_path.empty() ? "passkey task" : o.data_path.c_str(), static_cast<long long>(o.seq_len), o.cp.cp,
-              f.attention.c_str(), f.zero, static_cast<long long>(o.optim.total_steps), o.optim.lr, f.backend.c_str());
+              o.data_path.empty() ? "passkey task" : o.data_path.c_str(), static_cast<long long>(o.seq_len),
+              static_cast<long long>(o.batch), o.cp.cp, f.attention.c_str(), f.zero,
+              static_cast<long long>(o.optim.total_steps), o.optim.lr, f.backend.c_str());
+  if (o.seq_warmup > 0)
+    std::printf("# steps 1-%lld on sequences of %lld tokens, then %lld (--seq-warmup, --seq-warmup-start)\n",
+                static_cast<long long>(o.seq_warmup), static_cast<long long>(step_seq_len(o, 1)),
+                static_cast<long long>(o.seq_len));
   std::fflush(stdout);
   const std::int64_t last = o.stop_after > 0 ? o.stop_after : o.optim.total_steps;
-  progress bar(1, last);
+  progress bar(o, 1, last);
   const train_summary s = train(o, [&](const step_record& r) {
     bar(r);
     if (metrics.is_open()) metrics << record_json(r).dump() << "\n" << std::flush;
@@ -156,6 +173,13 @@ command_runner add_train(CLI::App& app) {
   app.add_option("--init", f->init_path, "safetensors weights to start from (default: random)");
   app.add_option("--data", f->data_path, "flat little-endian uint32 token file (default: the synthetic passkey task)");
   app.add_option("--seq-len", f->seq_len, "tokens per sequence (K and M suffixes)")->capture_default_str();
+  app.add_option("--batch", f->batch,
+                 "sequences per optimizer step, gradients accumulated (default: 4 on the passkey task, 1 with --data)");
+  app.add_option("--seq-warmup", f->seq_warmup,
+                 "steps trained on short sequences before --seq-len (default: 9/10 of --steps on the "
+                 "passkey task, 0 with --data)");
+  app.add_option("--seq-warmup-start", f->seq_warmup_start,
+                 "tokens per sequence during --seq-warmup (default: a quarter of --seq-len)");
   app.add_option("--cp", f->cp, "ranks in the CP group (threads on the cpu backend)")->capture_default_str();
   app.add_option("--attention", f->attention, "ulysses, upipe or ring")->capture_default_str();
   app.add_option("--head-chunk", f->head_chunk, "U for upipe (default: C)");

@@ -103,19 +103,20 @@ std::vector<std::int32_t> token_file::sequence(std::int64_t position) const {
 
 namespace {
 
-// Filler words are ids 16..63. Every sentence ends with the shared period; every other
+// Filler words are ids 54..91. Every sentence ends with the shared period; every other
 // word occurs in one sentence only, so each word but the period has a single successor
 // and the filler is predictable after a sentence's first word.
 constexpr std::int32_t period = passkey_task::first_word;  // "."
 
-constexpr std::int32_t sentence0[] = {17, 18, 19, 20, period};              // the grass is green .
-constexpr std::int32_t sentence1[] = {21, 22, 23, 24, 25, period};          // a sky looks blue today .
-constexpr std::int32_t sentence2[] = {26, 27, 28, 29, 30, 31, period};      // birds sing in tall old trees .
-constexpr std::int32_t sentence3[] = {32, 33, 34, 35, period};              // rivers flow to seas .
-constexpr std::int32_t sentence4[] = {36, 37, 38, 39, 40, period};          // we walk home after dark .
-constexpr std::int32_t sentence5[] = {41, 42, 43, period};                  // cold snow falls .
-constexpr std::int32_t sentence6[] = {44, 45, 46, 47, 48, 49, period};      // kids play with small red balls .
-constexpr std::int32_t sentence7[] = {50, 51, 52, 53, period};              // stars shine at night .
+constexpr std::int32_t w = passkey_task::first_word;  // the other words are w + 1, w + 2, ...
+constexpr std::int32_t sentence0[] = {w + 1, w + 2, w + 3, w + 4, period};            // the grass is green .
+constexpr std::int32_t sentence1[] = {w + 5, w + 6, w + 7, w + 8, w + 9, period};     // a sky looks blue today .
+constexpr std::int32_t sentence2[] = {w + 10, w + 11, w + 12, w + 13, w + 14, w + 15, period}; // birds sing in tall old trees .
+constexpr std::int32_t sentence3[] = {w + 16, w + 17, w + 18, w + 19, period};        // rivers flow to seas .
+constexpr std::int32_t sentence4[] = {w + 20, w + 21, w + 22, w + 23, w + 24, period}; // we walk home after dark .
+constexpr std::int32_t sentence5[] = {w + 25, w + 26, w + 27, period};                // cold snow falls .
+constexpr std::int32_t sentence6[] = {w + 28, w + 29, w + 30, w + 31, w + 32, w + 33, period}; // kids play with small red balls .
+constexpr std::int32_t sentence7[] = {w + 34, w + 35, w + 36, w + 37, period};        // stars shine at night .
 
 constexpr std::span<const std::int32_t> sentences[] = {sentence0, sentence1, sentence2, sentence3,
                                                         sentence4, sentence5, sentence6, sentence7};
@@ -162,7 +163,7 @@ passkey_sample passkey_task::sample(std::uint64_t seed, std::uint64_t index) con
 
   passkey_sample s;
   for (std::int64_t i = 0; i < key_digits; ++i)
-    s.digits.push_back(digit0 + static_cast<std::int32_t>(uniform_below(rng, 10)));
+    s.digits.push_back(digit_id(i, static_cast<std::int32_t>(uniform_below(rng, 10))));
 
   // The filler is a stream of random sentences cut at exactly the space left; the key may
   // go before any full sentence or after the last one (never inside the cut-off tail).

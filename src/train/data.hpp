@@ -35,10 +35,15 @@ class token_file {
   std::size_t mapped_bytes_ = 0;
 };
 
-// The synthetic passkey-retrieval task. Vocabulary (ids below 64, so any model with a
-// vocabulary of at least 64 can learn it):
-//   0 padding, 1 beginning of sequence, 2..11 the digits 0..9, 12 "the pass key is",
-//   13 "what is the pass key?", 16..63 filler words.
+// The synthetic passkey-retrieval task. Vocabulary (ids below 96, so any model with a
+// vocabulary of at least 96 can learn it):
+//   0 padding, 1 beginning of sequence, 2 "the pass key is", 3 "what is the pass key?",
+//   4..53 the key's digits, 54..91 filler words.
+// Digit i of the key (i = 0..4) is written with its own ten ids, 4 + 10 i + value, as a
+// tokenizer that marks a digit's place would: the answer is then a lookup of "the
+// digit in place i" anywhere in the context, which a 2-layer model learns within the
+// default run's budget, whereas copying five shared digit ids in order needs an
+// induction circuit that did not form within it (docs/benchmarks.md).
 // A sample is: BOS, filler made of short sentences drawn from a small fixed set (each
 // sentence a fixed word sequence, so the text is predictable), with "KEY d d d d d"
 // inserted between two sentences at a random depth, and at the end the query
@@ -51,13 +56,18 @@ struct passkey_sample {
 
 class passkey_task {
  public:
-  static constexpr std::int32_t pad = 0, bos = 1, digit0 = 2, key = 12, query = 13, first_word = 16;
-  static constexpr std::int64_t vocab_needed = 64, key_digits = 5;
+  static constexpr std::int32_t pad = 0, bos = 1, key = 2, query = 3, digit0 = 4, first_word = 54;
+  static constexpr std::int64_t vocab_needed = 96, key_digits = 5;
+  // The id of value (0..9) in place `place` (0..4) of the key.
+  static constexpr std::int32_t digit_id(std::int64_t place, std::int32_t value) {
+    return digit0 + static_cast<std::int32_t>(10 * place) + value;
+  }
 
   // Throws config_error when seq_len is too short to hold one sentence, the key and the
   // query (the message gives the minimum).
   explicit passkey_task(std::int64_t seq_len);
   static std::int64_t min_seq_len();
+  std::int64_t seq_len() const { return seq_len_; }
 
   // Sample number `index` of the stream `seed`: the same (seed, index) gives the same
   // sample on every rank and every run (training uses the step number as index;

@@ -113,7 +113,7 @@ TEST(train_cli, bad_input_is_refused_and_a_saved_checkpoint_survives) {
 
 namespace {
 
-TEST(train_cli, default_run_learns_the_filler_and_reports_retrieval) {
+TEST(train_cli, default_run_learns_the_passkey_within_two_minutes) {
   const auto dir = upipe::testing::temp_dir("train_default");
   const auto start = std::chrono::steady_clock::now();
   const upipe::testing::run_result r = upipe::testing::run_upipe("train --metrics-json " + (dir / "m.jsonl").string());
@@ -124,8 +124,12 @@ TEST(train_cli, default_run_learns_the_filler_and_reports_retrieval) {
   ASSERT_GE(rows.size(), 2u);
   // The predictable filler is learned: the loss falls well below a quarter of its start.
   EXPECT_LT(rows[rows.size() - 2]["loss"].get<double>(), 0.25 * rows.front()["loss"].get<double>());
-  EXPECT_TRUE(rows.back()["retrieval_accuracy"].is_number());
+  // And the key is retrieved from anywhere in the context (chance is 0.1).
+  EXPECT_GE(rows.back()["retrieval_accuracy"].get<double>(), 0.5);
   EXPECT_NE(r.output.find("retrieval accuracy"), std::string::npos);
+  // The last tenth of the steps runs at the full length.
+  EXPECT_EQ(rows[rows.size() - 2]["seq_len"].get<int>(), 128);
+  EXPECT_EQ(rows.front()["seq_len"].get<int>(), 32);
   fs::remove_all(dir);
 }
 

@@ -172,9 +172,10 @@ std::int64_t check_layout(const passkey_sample& s, std::int64_t seq_len) {
   EXPECT_EQ(s.answer_start, seq_len - digits);
   EXPECT_EQ(s.tokens[0], passkey_task::bos);
   EXPECT_EQ(static_cast<std::int64_t>(s.digits.size()), digits);
-  for (auto d : s.digits) {
-    EXPECT_GE(d, passkey_task::digit0);
-    EXPECT_LT(d, passkey_task::digit0 + 10);
+  for (std::int64_t place = 0; place < digits; ++place) {
+    // Digit i of the key is one of its place's ten ids.
+    EXPECT_GE(s.digits[place], passkey_task::digit_id(place, 0));
+    EXPECT_LE(s.digits[place], passkey_task::digit_id(place, 9));
   }
   // The end: QUERY KEY d d d d d.
   EXPECT_EQ(s.tokens[n - digits - 2], passkey_task::query);
@@ -316,12 +317,30 @@ TEST(passkey_task, filler_is_predictable_within_a_sentence) {
   }
 }
 
+TEST(passkey_task, each_place_draws_all_ten_values_from_its_own_ids) {
+  passkey_task task(64);
+  std::vector<std::set<std::int32_t>> seen(digits);
+  for (std::uint64_t index = 0; index < 400; ++index) {
+    const auto s = task.sample(9, index);
+    for (std::int64_t place = 0; place < digits; ++place) seen[place].insert(s.digits[place]);
+  }
+  for (std::int64_t place = 0; place < digits; ++place) {
+    EXPECT_EQ(seen[place].size(), 10u) << "place " << place;
+    EXPECT_EQ(*seen[place].begin(), passkey_task::digit_id(place, 0));
+    EXPECT_EQ(*seen[place].rbegin(), passkey_task::digit_id(place, 9));
+  }
+  // The places' ids do not overlap and end below the first filler word.
+  EXPECT_EQ(passkey_task::digit_id(1, 0), passkey_task::digit_id(0, 9) + 1);
+  EXPECT_LT(passkey_task::digit_id(digits - 1, 9), passkey_task::first_word);
+}
+
 TEST(passkey_task, digits_right_counts_matches) {
   passkey_task task(64);
   const auto s = task.sample(5, 1);
   EXPECT_DOUBLE_EQ(passkey_task::digits_right(s, s.digits), 1.0);
   auto predicted = s.digits;
-  predicted[1] = predicted[1] == passkey_task::digit0 ? passkey_task::digit0 + 1 : passkey_task::digit0;
+  const std::int32_t zero = passkey_task::digit_id(1, 0);
+  predicted[1] = predicted[1] == zero ? zero + 1 : zero;
   EXPECT_DOUBLE_EQ(passkey_task::digits_right(s, predicted), 0.8);
   predicted[4] = passkey_task::pad;
   EXPECT_DOUBLE_EQ(passkey_task::digits_right(s, predicted), 0.6);
