@@ -360,7 +360,10 @@ TEST_F(gpu_ops, embedding_forward_and_backward_match_cpu) {
 // Cross-entropy
 
 TEST_F(gpu_ops, cross_entropy_matches_cpu_with_masked_rows) {
-  for (const norm_case& c : {norm_case{20, 1000, 0, 0}, norm_case{6, 32003, 3, 1}}) {
+  // Short rows (a block per row), a long unaligned row (a cluster, element loads) and
+  // long aligned rows (a cluster, bulk asynchronous loads; one with a short last slice).
+  for (const norm_case& c : {norm_case{20, 1000, 0, 0}, norm_case{6, 32003, 3, 1}, norm_case{6, 128256, 0, 0},
+                             norm_case{7, 16388, 4, 0}}) {
     SCOPED_TRACE("vocab " + std::to_string(c.cols));
     std::vector<std::int32_t> labels(static_cast<std::size_t>(c.rows));
     std::uniform_int_distribution<std::int32_t> pick_label(0, static_cast<std::int32_t>(c.cols - 1));
@@ -369,6 +372,7 @@ TEST_F(gpu_ops, cross_entropy_matches_cpu_with_masked_rows) {
     labels[1] = -100;  // masked
     labels[2] = static_cast<std::int32_t>(c.cols - 1);
     labels[4] = -1;  // masked
+    labels[5] = static_cast<std::int32_t>((c.cols + 7) / 8);  // at a cluster slice's start
     const twin label_column = index_twin(labels);
     const twin logits = f32_twin(shape{c.rows, c.cols + c.pad}, -8.0f, 8.0f);
     const twin row_loss = f32_twin(shape{c.rows, 2});

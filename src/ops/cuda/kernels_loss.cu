@@ -1,7 +1,7 @@
 // Fused softmax cross-entropy on f32 logits, in place, as ops/cpu/cross_entropy.cpp: a
 // block per row; one pass forms the running max and the fp64 sum of exp (online
-// softmax), a second writes (softmax - onehot(label)) * grad_scale. Long rows go to a
-// cluster of blocks that keeps the row on chip and reads it once. The row's loss
+// softmax), a second writes (softmax - onehot(label)) * grad_scale. Long aligned rows go
+// to a cluster of blocks that keeps the row on chip and reads it once. The row's loss
 // (logsumexp - logit[label]) goes to row_loss; rows with a negative label get zeros.
 #include <cooperative_groups.h>
 #include <cuda_runtime.h>
@@ -87,23 +87,70 @@ __global__ void __launch_bounds__(cross_entropy_config.threads) cross_entropy_ke
   }
 }
 
-// Rows too long to keep in one block's shared memory (a 128K-token vocabulary is 512 KB
-// of f32) are split over a cluster of blocks, each keeping its slice on chip: the max
-// and the sum of exp travel through distributed shared memory, so the logits are read
-// from memory once and written once.
+// Long aligned rows (a 128K-token vocabulary is 512 KB of f32) are split over a cluster
+// of blocks, each keeping its slice on chip: the first register_units float4 of a
+// thread's share in registers (plain 16-byte loads), the rest in shared memory by one
+// bulk asynchronous copy (the Hopper copy engine, completion counted on an mbarrier).
+// The max and the sum of exp travel through distributed shared memory, so the logits are
+// read from memory once and written once; keeping half of the slice in registers lets
+// four blocks share a multiprocessor.
 constexpr int cluster_blocks = 8;
-constexpr std::size_t cluster_slice_limit = 200 * 1024;  // bytes of shared memory per block
+constexpr int register_units = 8;  // float4 per thread held in registers
+constexpr int cluster_min_blocks_per_sm = 4;
+constexpr std::size_t cluster_shared_limit = 200 * 1024;  // bytes of shared memory per block
 
-__global__ void __cluster_dims__(cluster_blocks, 1, 1) __launch_bounds__(cross_entropy_config.threads)
-    cross_entropy_cluster_kernel(cross_entropy_params p, std::int64_t slice) {
+__device__ inline std::uint32_t shared_address(const void* p) {
+  return static_cast<std::uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// Thread 0: starts the copy of `bytes` (a multiple of 16, both ends 16-byte aligned) into
+// shared memory, completing `barrier`; every thread then waits for it with wait_bulk.
+__device__ inline void start_bulk_load(void* dst, const void* src, std::uint32_t bytes, std::uint64_t* barrier) {
+  const std::uint32_t bar = shared_address(barrier);
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar) : "memory");
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                   shared_address(dst)),
+               "l"(src), "r"(bytes), "r"(bar)
+               : "memory");
+}
+
+__device__ inline void wait_bulk(std::uint64_t* barrier) {
+  const std::uint32_t bar = shared_address(barrier);
+  std::uint32_t done = 0;
+  while (!done)
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0;\n selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar)
+        : "memory");
+}
+
+__device__ inline float max4(const float4& v) { return fmaxf(fmaxf(v.x, v.y), fmaxf(v.z, v.w)); }
+
+__device__ inline float4 exp4_minus(const float4& v, float top) {
+  return {expf(v.x - top), expf(v.y - top), expf(v.z - top), expf(v.w - top)};
+}
+
+// (e * factor) minus `hit` at index `at` - first of the four elements.
+__device__ inline float4 gradient4(const float4& e, float factor, std::int64_t at, float hit) {
+  return {e.x * factor - (at == 0 ? hit : 0.0f), e.y * factor - (at == 1 ? hit : 0.0f),
+          e.z * factor - (at == 2 ? hit : 0.0f), e.w * factor - (at == 3 ? hit : 0.0f)};
+}
+
+__global__ void __cluster_dims__(cluster_blocks, 1, 1)
+    __launch_bounds__(cross_entropy_config.threads, cluster_min_blocks_per_sm)
+        cross_entropy_cluster_kernel(cross_entropy_params p, std::int64_t slice) {
   namespace cg = cooperative_groups;
   constexpr int threads = cross_entropy_config.threads;
-  extern __shared__ float4 slice_storage[];
-  float* cache = reinterpret_cast<float*>(slice_storage);
+  constexpr std::int64_t held = std::int64_t{register_units} * threads;  // float4 units in registers
+  extern __shared__ float4 rest[];  // the slice's units from `held` on
   __shared__ float max_scratch[32];
   __shared__ double sum_scratch[32];
   __shared__ float block_top;
   __shared__ double block_sum;
+  __shared__ alignas(8) std::uint64_t loaded;
   cg::cluster_group cluster = cg::this_cluster();
   const int part = static_cast<int>(cluster.block_rank());
   const std::int64_t row = blockIdx.x / cluster_blocks;
@@ -112,65 +159,83 @@ __global__ void __cluster_dims__(cluster_blocks, 1, 1) __launch_bounds__(cross_e
   if (label >= p.vocab) trap_out_of_range("cross_entropy", "label", label, row, p.vocab);
   float* x = p.logits + row * p.ld_logits;
   const std::int64_t begin = part * slice, end = begin + slice < p.vocab ? begin + slice : p.vocab;
-  const std::int64_t n = end > begin ? end - begin : 0;
+  const std::int64_t units = end > begin ? (end - begin) / 4 : 0;  // the launcher makes slices whole units
+  auto* src = reinterpret_cast<float4*>(x + begin);
   if (label < 0) {  // masked: every block of the cluster takes this branch, no cluster sync
-    for (std::int64_t j = tid; j < n; j += threads) x[begin + j] = 0.0f;
+    for (std::int64_t j = tid; j < units; j += threads) src[j] = float4{0.0f, 0.0f, 0.0f, 0.0f};
     if (part == 0 && tid == 0) p.row_loss[row * p.ld_loss] = 0.0f;
     return;
   }
-  // 16-byte accesses when the slice starts aligned (the usual case: a vocabulary that is a
-  // multiple of 32 and an aligned row), element by element otherwise.
-  const bool vec = n % 4 == 0 && reinterpret_cast<std::uintptr_t>(x + begin) % 16 == 0;
+  const std::int64_t in_shared = units > held ? units - held : 0;
+  if (tid == 0 && in_shared > 0)
+    start_bulk_load(rest, src + held, static_cast<std::uint32_t>(in_shared * sizeof(float4)), &loaded);
+  float4 reg[register_units];
   float top = -INFINITY;
-  if (vec) {
-    const auto* src = reinterpret_cast<const float4*>(x + begin);
-    for (std::int64_t j = tid; j < n / 4; j += threads) {
-      const float4 v = src[j];
-      slice_storage[j] = v;
-      top = fmaxf(top, fmaxf(fmaxf(v.x, v.y), fmaxf(v.z, v.w)));
+#pragma unroll
+  for (int k = 0; k < register_units; ++k) {
+    const std::int64_t j = tid + std::int64_t{k} * threads;
+    reg[k] = j < units ? src[j] : float4{-INFINITY, -INFINITY, -INFINITY, -INFINITY};
+    top = fmaxf(top, max4(reg[k]));
+  }
+  __syncthreads();  // the barrier is initialized before anyone waits on it
+  if (in_shared > 0) wait_bulk(&loaded);
+  for (std::int64_t j = tid; j < in_shared; j += threads) top = fmaxf(top, max4(rest[j]));
+  // The label's logit, read by the thread that holds it before it becomes exp(x - top).
+  const std::int64_t at = label - begin;  // the label's index in this slice, if it is here
+  const bool label_here = at >= 0 && at < units * 4;
+  const std::int64_t label_unit = at / 4;
+  const bool owner = label_here && label_unit % threads == tid;
+  float label_logit = 0.0f;
+  if (owner) {
+    float4 u = label_unit < held ? float4{} : rest[label_unit - held];
+#pragma unroll
+    for (int k = 0; k < register_units; ++k)
+      if (label_unit == tid + std::int64_t{k} * threads) u = reg[k];
+    const int e = static_cast<int>(at % 4);
+    label_logit = e == 0 ? u.x : e == 1 ? u.y : e == 2 ? u.z : u.w;
+  }
+  // e = exp(x - this thread's max) in place, and their sum.
+  float thread_sum = 0.0f;  // a few dozen terms of at most 1 per thread
+  if (top != -INFINITY) {
+#pragma unroll
+    for (int k = 0; k < register_units; ++k) {
+      reg[k] = exp4_minus(reg[k], top);  // padding (-inf) becomes 0
+      thread_sum += (reg[k].x + reg[k].y) + (reg[k].z + reg[k].w);
     }
-  } else {
-    for (std::int64_t j = tid; j < n; j += threads) {
-      const float v = x[begin + j];
-      cache[j] = v;
-      top = fmaxf(top, v);
+    for (std::int64_t j = tid; j < in_shared; j += threads) {
+      const float4 e = exp4_minus(rest[j], top);
+      rest[j] = e;
+      thread_sum += (e.x + e.y) + (e.z + e.w);
     }
   }
-  top = group_reduce<max_op, threads, threads>(top, max_scratch);
-  if (tid == 0) block_top = top;
+  const float local_top = group_reduce<max_op, threads, threads>(top, max_scratch);
+  const double local_sum = group_sum<threads, threads>(
+      top == -INFINITY ? 0.0 : static_cast<double>(thread_sum) * static_cast<double>(expf(top - local_top)), sum_scratch);
+  if (tid == 0) {
+    block_top = local_top;
+    block_sum = local_sum;
+  }
   cluster.sync();
   float row_top = -INFINITY;
   for (int r = 0; r < cluster_blocks; ++r) row_top = fmaxf(row_top, *cluster.map_shared_rank(&block_top, r));
-  float thread_sum = 0.0f;  // a few dozen terms per thread; the block and cluster sums are fp64
-  if (row_top != -INFINITY)
-    for (std::int64_t j = tid; j < n; j += threads) thread_sum += expf(cache[j] - row_top);
-  const double sum = group_sum<threads, threads>(static_cast<double>(thread_sum), sum_scratch);
-  if (tid == 0) block_sum = sum;
-  cluster.sync();
   double row_sum = 0.0;
-  for (int r = 0; r < cluster_blocks; ++r) row_sum += *cluster.map_shared_rank(&block_sum, r);
-  const double lse = static_cast<double>(row_top) + log(row_sum);
-  if (tid == 0 && label >= begin && label < end)
-    p.row_loss[row * p.ld_loss] = static_cast<float>(lse - static_cast<double>(cache[label - begin]));
-  const auto lse_f = static_cast<float>(lse);
-  if (vec) {
-    auto* dst = reinterpret_cast<float4*>(x + begin);
-    for (std::int64_t j = tid; j < n / 4; j += threads) {
-      float4 v = slice_storage[j];
-      v.x = expf(v.x - lse_f) * p.grad_scale;
-      v.y = expf(v.y - lse_f) * p.grad_scale;
-      v.z = expf(v.z - lse_f) * p.grad_scale;
-      v.w = expf(v.w - lse_f) * p.grad_scale;
-      dst[j] = v;
-    }
-    __syncthreads();  // the label's element is fixed after the vector stores
-    if (tid == 0 && label >= begin && label < end) x[label] -= p.grad_scale;
-  } else {
-    for (std::int64_t j = tid; j < n; j += threads) {
-      const float onehot = begin + j == label ? 1.0f : 0.0f;
-      x[begin + j] = (expf(cache[j] - lse_f) - onehot) * p.grad_scale;
-    }
+  for (int r = 0; r < cluster_blocks; ++r) {
+    const float t = *cluster.map_shared_rank(&block_top, r);
+    if (t != -INFINITY) row_sum += *cluster.map_shared_rank(&block_sum, r) * static_cast<double>(expf(t - row_top));
   }
+  const double lse = static_cast<double>(row_top) + log(row_sum);
+  if (owner) p.row_loss[row * p.ld_loss] = static_cast<float>(lse - static_cast<double>(label_logit));
+  // softmax = e * exp(top - lse); the elements of a thread whose values are all -inf are 0.
+  const float factor = top == -INFINITY ? 0.0f : expf(top - static_cast<float>(lse)) * p.grad_scale;
+  const float hit = p.grad_scale;  // subtracted at the label
+  const std::int64_t miss = 8;     // an offset no float4 contains
+#pragma unroll
+  for (int k = 0; k < register_units; ++k) {
+    const std::int64_t j = tid + std::int64_t{k} * threads;
+    if (j < units) src[j] = gradient4(reg[k], factor, j == label_unit ? at % 4 : miss, hit);
+  }
+  for (std::int64_t j = tid; j < in_shared; j += threads)
+    src[held + j] = gradient4(rest[j], factor, held + j == label_unit ? at % 4 : miss, hit);
   cluster.sync();  // the other blocks may still read this block's partials
 }
 
@@ -188,12 +253,16 @@ void cross_entropy(const cross_entropy_args& args, cudaStream_t stream) {
                                     args.labels.ld,
                                     args.row_loss.ld,
                                     args.grad_scale};
-  const std::int64_t slice = (args.logits.cols + cluster_blocks - 1) / cluster_blocks;
-  const auto slice_bytes = static_cast<std::size_t>(slice) * sizeof(float);
-  // Long rows that a cluster can hold take the single-read path; short ones gain nothing.
-  if (args.logits.cols >= 8192 && slice_bytes <= cluster_slice_limit && rows * cluster_blocks <= INT32_MAX) {
+  // Long aligned rows that a cluster can hold take the single-read path; short ones gain
+  // nothing, and unaligned ones take the block-per-row kernel (two reads).
+  const std::int64_t slice = ceil_div(ceil_div(args.logits.cols, cluster_blocks), 4) * 4;  // whole float4 units
+  const std::int64_t held = std::int64_t{register_units} * cross_entropy_config.threads * 4;
+  const auto shared_bytes = static_cast<std::size_t>(slice > held ? slice - held : 0) * sizeof(float);
+  const bool aligned = reinterpret_cast<std::uintptr_t>(args.logits.data) % 16 == 0 && args.logits.ld % 4 == 0 &&
+                       args.logits.cols % 4 == 0;
+  if (aligned && args.logits.cols >= 8192 && shared_bytes <= cluster_shared_limit && rows * cluster_blocks <= INT32_MAX) {
     launch("cross_entropy_cluster_kernel", cross_entropy_cluster_kernel, static_cast<int>(rows * cluster_blocks),
-           cross_entropy_config, slice_bytes, stream, params, slice);
+           cross_entropy_config, shared_bytes, stream, params, slice);
     return;
   }
   launch("cross_entropy_kernel", cross_entropy_kernel, grid_size(cross_entropy_config, rows), cross_entropy_config, 0,
