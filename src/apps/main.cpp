@@ -37,6 +37,8 @@ int main(int argc, char** argv) {
       "step", "One forward and backward of a whole model under CP: loss, time, peak memory by tag"));
   auto kernels = upipe::apps::add_bench_kernels(*app.add_subcommand(
       "bench-kernels", "Single-op timings: Llama GEMMs, fused attention, memory-bound kernels vs a device copy"));
+  auto plan = upipe::apps::add_plan(*app.add_subcommand(
+      "plan", "The longest sequence each strategy fits on C GPUs, the checkpoint policy and the recommended U"));
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -48,6 +50,7 @@ int main(int argc, char** argv) {
     if (app.got_subcommand("model-config")) return model();
     if (app.got_subcommand("step")) return step();
     if (app.got_subcommand("bench-kernels")) return kernels();
+    if (app.got_subcommand("plan")) return plan();
   } catch (const std::exception& e) {
     return report_error(e);
   }

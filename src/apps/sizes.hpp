@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 
 #include "backend/backend.hpp"
 #include "core/error.hpp"
@@ -27,6 +28,26 @@ inline std::int64_t parse_count(const std::string& text, const char* flag) {
     throw config_error(std::string(flag) + " '" + text + "' is not a count: use an integer, optionally with K or M "
                        "(for example 4096, 128K or 1M)");
   return value * unit;
+}
+
+// Bytes with a unit: 80GiB, 1.9TiB, 512MiB (binary) or 80GB (decimal); a bare number
+// is bytes. Throws config_error naming the flag, the value and an example.
+inline std::size_t parse_bytes(const std::string& text, const char* flag) {
+  std::size_t used = 0;
+  double value = 0;
+  try {
+    value = std::stod(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  const std::string unit = used == 0 ? text : text.substr(used);
+  const std::pair<const char*, double> units[] = {
+      {"", 1.0},           {"B", 1.0},           {"KiB", 0x1p10},      {"MiB", 0x1p20}, {"GiB", 0x1p30},
+      {"TiB", 0x1p40},     {"KB", 1e3},          {"MB", 1e6},          {"GB", 1e9},     {"TB", 1e12}};
+  for (const auto& [name, scale] : units)
+    if (used > 0 && unit == name && value > 0) return static_cast<std::size_t>(value * scale);
+  throw config_error(std::string(flag) + " '" + text + "' is not a positive size: use a number with KiB, MiB, GiB or "
+                     "TiB (or KB, MB, GB, TB), for example 80GiB or 1.9TiB");
 }
 
 // The arenas for a run: `memory_gib` per rank (checked positive); nothing reserved on

@@ -117,12 +117,20 @@ void print_summary(const train_options& o, const train_summary& s) {
   if (s.retrieval_accuracy)
     std::printf("retrieval accuracy %.3f on %d held-out samples (key digits right; chance 0.1)\n", *s.retrieval_accuracy,
                 o.eval_samples);
+  std::printf("rank 0's device arena high water: %.2f MiB\n", static_cast<double>(s.arena_high_water) / (1 << 20));
+  // Every rank on data backends; rank 0 alone on meta (the loopback emulation).
+  std::vector<std::size_t> ranks;
+  for (std::size_t r = 0; r < s.peak_bytes.size(); ++r)
+    if (!s.peak_bytes[r].empty()) ranks.push_back(r);
   std::printf("peak memory by tag per rank (MiB):\n  %-20s", "tag");
-  for (std::size_t r = 0; r < s.peak_bytes.size(); ++r) std::printf(" %9s", ("rank" + std::to_string(r)).c_str());
+  for (std::size_t r : ranks) std::printf(" %9s", ("rank" + std::to_string(r)).c_str());
   std::printf("\n");
   for (const auto& [tag, bytes] : s.peak_bytes[0]) {
     std::printf("  %-20s", tag.c_str());
-    for (const auto& rank : s.peak_bytes) std::printf(" %9.2f", static_cast<double>(rank.at(tag)) / (1 << 20));
+    for (std::size_t r : ranks) {
+      const auto it = s.peak_bytes[r].find(tag);
+      std::printf(" %9.2f", it == s.peak_bytes[r].end() ? 0.0 : static_cast<double>(it->second) / (1 << 20));
+    }
     std::printf("\n");
   }
 }
@@ -155,7 +163,7 @@ int run(const train_flags& f) {
   print_summary(o, s);
   if (metrics.is_open()) {
     nlohmann::json last_record = {{"final", true}, {"steps", s.steps.size()}, {"seconds", s.seconds},
-                                  {"peak_bytes_per_rank", s.peak_bytes}};
+                                  {"peak_bytes_per_rank", s.peak_bytes}, {"arena_high_water_bytes", s.arena_high_water}};
     last_record["loss"] = s.steps.empty() ? nlohmann::json(nullptr) : nlohmann::json(s.steps.back().loss);
     last_record["retrieval_accuracy"] = s.retrieval_accuracy ? nlohmann::json(*s.retrieval_accuracy) : nlohmann::json(nullptr);
     metrics << last_record.dump() << "\n";

@@ -87,6 +87,7 @@ double run_step(rank_context& rc, const std::vector<std::vector<std::int32_t>>& 
     local += model.forward_backward(rc.params, {ids, labels, 1.0 / static_cast<double>(counted)});
   }
   record.loss = sum_over_ranks(rc.comm, local, "loss_sum") / static_cast<double>(counted);
+  if (rc.params.stage() == zero_stage::replicated) return record.loss;  // forward and backward only (planner)
   record.grad_norm = rc.params.grad_norm();
   if (!std::isfinite(record.grad_norm))
     throw config_error("the gradient norm is not finite at step " + std::to_string(step) +
@@ -173,6 +174,7 @@ void run_rank(const train_options& o, backend& be, communicator& comm,
     if (comm.rank() == 0) summary.retrieval_accuracy = accuracy;
   }
   summary.peak_bytes[comm.rank()] = be.ledger().peaks_by_name();
+  if (comm.rank() == 0) summary.arena_high_water = be.device_arena().high_water();
 }
 
 std::int64_t shortest_sequence(const train_options& o) { return o.data_path.empty() ? passkey_task::min_seq_len() : 2; }
@@ -240,6 +242,24 @@ void validate(const train_options& o) {
   }
   attention_config_for(o.model, o.cp, o.seq_len);
   validate_seq_warmup(o);
+}
+
+step_memory measure_step_memory(const train_options& o) {
+  UPIPE_CHECK(o.backend == backend_kind::meta, "measure_step_memory runs on the meta backend");
+  validate(o);
+  step_memory out;
+  run_cp_group(o.backend, o.limits, o.cp.cp, [&](int rank, backend& be, communicator& comm) {
+    rank_context rc(o, be, comm);
+    const std::vector<std::vector<std::int32_t>> batch(1, std::vector<std::int32_t>(static_cast<std::size_t>(o.seq_len), 0));
+    step_record record;
+    run_step(rc, batch, 1, record);
+    if (rank != 0) return;
+    out.peak_bytes = be.ledger().peaks_by_name();
+    out.device_peak = be.ledger().device_peak();
+    out.arena_high_water = be.device_arena().high_water();
+    out.host_high_water = be.host_arena().high_water();
+  });
+  return out;
 }
 
 train_summary train(const train_options& o, const std::function<void(const step_record&)>& on_step) {

@@ -51,6 +51,15 @@ struct train_summary {
   std::vector<std::map<std::string, std::size_t>> peak_bytes;  // per rank, tag -> bytes
   std::int64_t seq_len = 0;                   // after padding
   double seconds = 0;
+  std::size_t arena_high_water = 0;           // rank 0's device arena, bytes
+};
+
+// One optimizer step's memory on rank 0 of the meta backend (zero tokens, no data).
+struct step_memory {
+  std::map<std::string, std::size_t> peak_bytes;  // tag -> bytes
+  std::size_t device_peak = 0;       // all device tags together, at their highest
+  std::size_t arena_high_water = 0;  // the device arena's highest end offset (with fragmentation)
+  std::size_t host_high_water = 0;   // the host arena's (checkpoints offloaded to the host)
 };
 
 // Checks the options as a whole (throws config_error naming the flag, the rule and a
@@ -59,6 +68,11 @@ void validate(const train_options& options);
 
 // The sequence length of a step under the options' sequence-length warmup.
 std::int64_t step_seq_len(const train_options& options, std::int64_t step);
+
+// Runs one step of `options` on the meta backend (the planner's probe); with
+// zero_stage::replicated, forward and backward only (full weights and f32 gradients, no
+// optimizer state).
+step_memory measure_step_memory(const train_options& options);
 
 // Runs training; on_step is called on rank 0 after every step (progress, metrics).
 train_summary train(const train_options& options, const std::function<void(const step_record&)>& on_step);

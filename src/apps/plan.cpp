@@ -1,0 +1,208 @@
+// `upipe plan`: the longest sequence each CP strategy fits on C GPUs, the checkpoint
+// policy that fits the GPU and the host, and the recommended U (meta backend only).
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <optional>
+#include <sstream>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "apps/commands.hpp"
+#include "apps/sizes.hpp"
+#include "core/error.hpp"
+#include "model/config.hpp"
+#include "plan/planner.hpp"
+
+namespace upipe::apps {
+
+namespace {
+
+struct plan_flags {
+  std::string model = "llama3-8b", config_path, gpu_memory = "80GiB", host_memory, seq_len, json_path,
+      optimizer = "adamw", policy;
+  std::vector<std::string> attention{"ulysses", "upipe", "ring"};
+  int gpus = 8, zero = 3, layers = 0;
+  double margin = 0.05;
+  std::int64_t mlp_tile = 0, loss_chunk = 0;
+};
+
+constexpr const char* paper_host_memory = "1.9TiB";  // the paper's 8 x H100 machine
+
+double gib(std::size_t bytes) { return static_cast<double>(bytes) / (1 << 30); }
+
+std::string tokens_text(std::int64_t s) {
+  char buf[32];
+  if (s >= (1 << 20) && s % (1 << 10) == 0)
+    std::snprintf(buf, sizeof buf, "%.2fM", static_cast<double>(s) / (1 << 20));
+  else if (s >= (1 << 10))
+    std::snprintf(buf, sizeof buf, "%.0fK", static_cast<double>(s) / (1 << 10));
+  else
+    std::snprintf(buf, sizeof buf, "%lld", static_cast<long long>(s));
+  return buf;
+}
+
+std::string u_text(const plan_entry& e) {
+  return e.strategy == strategy_kind::ring ? "-" : std::to_string(e.head_chunk);
+}
+
+nlohmann::json point_json(const plan_point& p) {
+  nlohmann::json policy = {{"text", p.policy.str()},
+                           {"what", p.policy.what == checkpoint_content::layer_input ? "input" : "input+attention"},
+                           {"every", p.policy.every},
+                           {"where", p.policy.where == checkpoint_location::device        ? "device"
+                                     : p.policy.where == checkpoint_location::host_pinned ? "host-pinned"
+                                                                                          : "host-pageable"}};
+  return {{"seq_len", p.seq_len},
+          {"fits", p.fits},
+          {"checkpoint_policy", policy},
+          {"peak_bytes", p.memory.peak_bytes},
+          {"step_device_peak_bytes", p.memory.device_peak},
+          {"step_arena_high_water_bytes", p.memory.arena_high_water},
+          {"cublaslt_workspace_bytes", p.overheads.cublaslt_workspace},
+          {"cudnn_workspace_bytes", p.overheads.cudnn_workspace},
+          {"context_bytes", p.overheads.context},
+          {"arena_bytes", p.arena_bytes},
+          {"gpu_bytes", p.gpu_bytes},
+          {"host_bytes", p.host_bytes}};
+}
+
+int run(const plan_flags& f) {
+  const auto start = std::chrono::steady_clock::now();
+  plan_request r;
+  r.model = f.config_path.empty() ? preset(f.model) : read_hf_config(f.config_path);
+  if (f.layers < 0 || f.layers > r.model.num_layers)
+    throw config_error("--layers " + std::to_string(f.layers) + " must lie between 1 and the model's " +
+                       std::to_string(r.model.num_layers) + " layers (a slice of the first N layers)");
+  if (f.layers > 0) r.model.num_layers = f.layers;
+  r.gpus = f.gpus;
+  r.gpu_memory = parse_bytes(f.gpu_memory, "--gpu-memory");
+  const bool host_default = f.host_memory.empty();
+  r.host_memory = parse_bytes(host_default ? paper_host_memory : f.host_memory, "--host-memory");
+  r.margin = f.margin;
+  if (!f.seq_len.empty()) r.seq_len = parse_count(f.seq_len, "--seq-len");
+  r.strategies.clear();
+  for (const std::string& name : f.attention) r.strategies.push_back(parse_strategy_kind(name));
+  if (f.zero != 2 && f.zero != 3)
+    throw config_error("--zero " + std::to_string(f.zero) + " is not supported: use --zero 2 or --zero 3");
+  r.zero = f.zero == 3 ? zero_stage::three : zero_stage::two;
+  if (f.optimizer == "none") r.zero = zero_stage::replicated;
+  else if (f.optimizer != "adamw")
+    throw config_error("--optimizer " + f.optimizer + " is not known: use adamw (a training step, sharded per --zero) "
+                       "or none (forward and backward only: full weights and f32 gradients)");
+  if (!f.policy.empty()) r.policy = parse_checkpoint_policy(f.policy);
+  r.mlp_tile = f.mlp_tile;
+  r.loss_chunk = f.loss_chunk;
+  validate(r);
+  std::ofstream json_out;
+  if (!f.json_path.empty()) {
+    json_out.open(f.json_path, std::ios::trunc);
+    if (!json_out) throw io_error("cannot write --json " + f.json_path + ": check the directory");
+  }
+
+  const std::string step_kind = r.zero == zero_stage::replicated ? "forward+backward, no optimizer"
+                                                                  : "training step, zero=" + std::to_string(f.zero);
+  std::printf("# upipe plan  model=%s (%d layers)  gpus=%d  %s  gpu-memory=%.1f GiB (margin %.0f%%: %.1f GiB usable)\n",
+              r.model.name.c_str(), r.model.num_layers, r.gpus, step_kind.c_str(), gib(r.gpu_memory), 100 * r.margin,
+              gib(r.gpu_memory) * (1 - r.margin));
+  std::printf("# host-memory=%.1f GiB%s, shared by the node's %d ranks (pinned checkpoints)\n", gib(r.host_memory),
+              host_default ? " (default: 1.9 TiB, the paper's 8 x H100 machine; set --host-memory)" : "", r.gpus);
+  std::printf("# GPU bytes = the step's arena high water (meta backend) + cuBLASLt and cuDNN workspaces + "
+              "%.2f GiB of CUDA context\n", gib(estimate_overheads(r.model, {strategy_kind::ulysses, r.gpus, 0}, 0).context));
+  std::fflush(stdout);
+  const plan_result plan = make_plan(r);
+
+  std::printf("\n%-8s %4s %12s %8s %8s  %s\n", "strategy", "U", "longest S", "GPU GiB", "host GiB", "checkpoint policy");
+  for (const plan_entry& e : plan.entries) {
+    if (!e.longest) {
+      std::printf("%-8s %4s %12s %8s %8s  %s\n", std::string(strategy_name(e.strategy)).c_str(), u_text(e).c_str(),
+                  "none", "-", "-", "does not fit even the shortest length");
+      continue;
+    }
+    const plan_point& p = *e.longest;
+    std::printf("%-8s %4s %12s %8.1f %8.1f  %s\n", std::string(strategy_name(e.strategy)).c_str(), u_text(e).c_str(),
+                tokens_text(p.seq_len).c_str(), gib(p.gpu_bytes), gib(p.host_bytes), p.policy.str().c_str());
+  }
+  if (r.seq_len) {
+    std::printf("\nat S = %s:\n%-8s %4s %6s %8s %8s  %s\n", tokens_text(*r.seq_len).c_str(), "strategy", "U", "fits",
+                "GPU GiB", "host GiB", "checkpoint policy (the fastest that fits, else the thriftiest)");
+    for (const plan_entry& e : plan.entries) {
+      const plan_point& p = *e.at_request;
+      std::printf("%-8s %4s %6s %8.1f %8.1f  %s\n", std::string(strategy_name(e.strategy)).c_str(), u_text(e).c_str(),
+                  p.fits ? "yes" : "no", gib(p.gpu_bytes), gib(p.host_bytes), p.policy.str().c_str());
+    }
+  }
+  if (plan.recommended_head_chunk)
+    std::printf("\nrecommended: upipe with U = %d (the largest U that fits S = %s with the margin; a larger U runs "
+                "fewer, larger stages)\n",
+                *plan.recommended_head_chunk, tokens_text(plan.planned_seq_len).c_str());
+  else
+    std::printf("\nrecommended: none, upipe fits no U at S = %s; shorten --seq-len or add GPUs\n",
+                tokens_text(plan.planned_seq_len).c_str());
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  std::printf("# planned in %.1f s\n", seconds);
+
+  if (json_out.is_open()) {
+    nlohmann::json entries = nlohmann::json::array();
+    for (const plan_entry& e : plan.entries) {
+      nlohmann::json j = {{"strategy", std::string(strategy_name(e.strategy))},
+                          {"head_chunk", e.strategy == strategy_kind::ring ? nlohmann::json(nullptr)
+                                                                           : nlohmann::json(e.head_chunk)},
+                          {"max_seq_len", e.longest ? e.longest->seq_len : 0}};
+      if (e.longest) {
+        const nlohmann::json p = point_json(*e.longest);
+        for (const auto& [key, value] : p.items())
+          if (key != "seq_len") j[key] = value;
+      }
+      if (e.at_request) j["at_seq_len"] = point_json(*e.at_request);
+      entries.push_back(j);
+    }
+    const nlohmann::json doc = {
+        {"model", r.model.name},
+        {"layers", r.model.num_layers},
+        {"gpus", r.gpus},
+        {"zero", r.zero == zero_stage::replicated ? nlohmann::json(nullptr) : nlohmann::json(f.zero)},
+        {"optimizer", f.optimizer},
+        {"gpu_memory_bytes", r.gpu_memory},
+        {"host_memory_bytes", r.host_memory},
+        {"host_memory_default", host_default},
+        {"margin", r.margin},
+        {"planned_seq_len", plan.planned_seq_len},
+        {"recommended_head_chunk",
+         plan.recommended_head_chunk ? nlohmann::json(*plan.recommended_head_chunk) : nlohmann::json(nullptr)},
+        {"entries", entries}};
+    json_out << doc.dump(1) << "\n";
+    if (!json_out) throw io_error("writing --json " + f.json_path + " failed");
+  }
+  return 0;
+}
+
+}  // namespace
+
+command_runner add_plan(CLI::App& app) {
+  auto f = std::make_shared<plan_flags>();
+  app.add_option("--model", f->model, "preset (upipe model-config --list)")->capture_default_str();
+  app.add_option("--config", f->config_path, "a Hugging Face config.json instead of a preset");
+  app.add_option("--gpus", f->gpus, "GPUs in the CP group, one node")->capture_default_str();
+  app.add_option("--gpu-memory", f->gpu_memory, "memory per GPU (80GiB, 141GB, ...)")->capture_default_str();
+  app.add_option("--host-memory", f->host_memory,
+                 "host memory of the node (default 1.9TiB, the paper's machine)");
+  app.add_option("--seq-len", f->seq_len, "also plan this length (K and M suffixes)");
+  app.add_option("--attention", f->attention, "strategies to plan (ulysses, upipe, ring)")
+      ->delimiter(',')
+      ->capture_default_str();
+  app.add_option("--zero", f->zero, "2: shard optimizer state and gradients; 3: weights too")->capture_default_str();
+  app.add_option("--optimizer", f->optimizer, "adamw (a training step) or none (forward and backward only)")
+      ->capture_default_str();
+  app.add_option("--margin", f->margin, "fraction of GPU and host memory kept free")->capture_default_str();
+  app.add_option("--layers", f->layers, "plan a slice: the first N layers only");
+  app.add_option("--checkpoint-policy", f->policy,
+                 "plan only this policy (what=input|input+attention,every=K,where=device|host-pinned|host-pageable)");
+  app.add_option("--mlp-tile", f->mlp_tile, "tokens per MLP tile (0: D)");
+  app.add_option("--loss-chunk", f->loss_chunk, "tokens per cross-entropy chunk (0: 256 MiB of logits)");
+  app.add_option("--json", f->json_path, "write the plan as JSON");
+  return [f] { return run(*f); };
+}
+
+}  // namespace upipe::apps

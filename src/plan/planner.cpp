@@ -1,0 +1,198 @@
+#include "plan/planner.hpp"
+
+#include <algorithm>
+#include <future>
+#include <string>
+
+#include "core/error.hpp"
+#include "model/model_step.hpp"
+
+namespace upipe {
+
+namespace {
+
+constexpr std::size_t mib = std::size_t{1} << 20;
+constexpr std::int64_t longest_searched = std::int64_t{1} << 30;  // tokens
+
+// Outside the arena on the H200 (driver peak minus arena, docs/benchmarks.md): the CUDA
+// context, the cuBLASLt and cuDNN handles and the staging buffers, rounded up.
+constexpr std::size_t context_bytes = 640 * mib;
+constexpr std::size_t cublaslt_bytes = 32 * mib;  // the GEMM engine's workspace (ops/cuda/gemm_cublaslt.cpp)
+
+train_options probe_options(const plan_request& r, const cp_settings& cp, std::int64_t seq_len,
+                            const checkpoint_policy& policy) {
+  train_options o;
+  o.model = r.model;
+  o.seq_len = seq_len;
+  o.cp = cp;
+  o.zero = r.zero;
+  o.step = {r.mlp_tile, r.loss_chunk, policy};
+  o.optim.total_steps = 1;
+  o.optim.warmup_steps = 0;
+  o.eval_samples = 0;
+  o.backend = backend_kind::meta;
+  o.limits = {std::size_t{1} << 50, std::size_t{1} << 50};
+  return o;
+}
+
+// The lengths searched: multiples of the layout's unit times 1024.
+std::int64_t granule(const cp_settings& cp) { return layout_unit(cp) * 1024; }
+
+// The longest multiple of the granule at which `policy` fits (0: not even one granule).
+std::int64_t longest_fit(const plan_request& r, const cp_settings& cp, const checkpoint_policy& policy) {
+  const std::int64_t g = granule(cp);
+  auto fits = [&](std::int64_t k) { return evaluate(r, cp, k * g, policy).fits; };
+  if (!fits(1)) return 0;
+  std::int64_t good = 1, bad = 2;
+  while (bad * g <= longest_searched && fits(bad)) {
+    good = bad;
+    bad *= 2;
+  }
+  if (bad * g > longest_searched) return good * g;
+  while (bad - good > 1) {
+    const std::int64_t mid = good + (bad - good) / 2;
+    (fits(mid) ? good : bad) = mid;
+  }
+  return good * g;
+}
+
+// The configurations: ulysses (U = H), upipe at every valid U, ring.
+std::vector<cp_settings> configurations(const plan_request& r) {
+  std::vector<cp_settings> out;
+  for (strategy_kind kind : r.strategies) {
+    if (kind == strategy_kind::upipe) {
+      for (int u : valid_head_chunks(r.model.num_heads, r.gpus)) out.push_back({kind, r.gpus, u});
+    } else {
+      out.push_back({kind, r.gpus, kind == strategy_kind::ulysses ? r.model.num_heads : 0});
+    }
+  }
+  return out;
+}
+
+plan_entry plan_configuration(const plan_request& r, const cp_settings& cp) {
+  plan_entry e;
+  e.strategy = cp.strategy;
+  e.head_chunk = cp.head_chunk;
+  const std::vector<checkpoint_policy> policies =
+      r.policy ? std::vector<checkpoint_policy>{*r.policy} : candidate_policies();
+  std::int64_t best = 0;
+  std::size_t chosen = 0;
+  for (std::size_t i = 0; i < policies.size(); ++i) {
+    const std::int64_t s = longest_fit(r, cp, policies[i]);
+    if (s > best) best = s, chosen = i;  // ties keep the earlier (faster) policy
+  }
+  if (best > 0) e.longest = evaluate(r, cp, best, policies[chosen]);
+  if (r.seq_len) {
+    std::optional<plan_point> thriftiest;
+    for (const checkpoint_policy& p : policies) {
+      plan_point point = evaluate(r, cp, *r.seq_len, p);
+      if (point.fits) {
+        e.at_request = std::move(point);
+        break;
+      }
+      if (!thriftiest || point.gpu_bytes < thriftiest->gpu_bytes) thriftiest = std::move(point);
+    }
+    if (!e.at_request) e.at_request = std::move(thriftiest);
+  }
+  return e;
+}
+
+}  // namespace
+
+std::vector<checkpoint_policy> candidate_policies() {
+  using c = checkpoint_content;
+  using l = checkpoint_location;
+  // Fastest first: nothing recomputed but the layer (attention kept), then the attention
+  // recomputed too, then the same with the checkpoints in pinned host memory (copied
+  // while the GPU computes), then fewer checkpoints (longer recompute blocks).
+  return {{c::layer_input_and_attention, 1, l::device}, {c::layer_input, 1, l::device},
+          {c::layer_input_and_attention, 1, l::host_pinned}, {c::layer_input, 1, l::host_pinned},
+          {c::layer_input, 2, l::host_pinned}, {c::layer_input, 4, l::host_pinned},
+          {c::layer_input, 2, l::device}, {c::layer_input, 4, l::device}};
+}
+
+gpu_overheads estimate_overheads(const model_config& model, const cp_settings& cp, std::int64_t seq_len) {
+  // One attention call per stage: q heads h over sq tokens. The cuDNN backward keeps an
+  // fp32 dQ accumulator (sq h d floats), doubled when the call's heads are strided
+  // (h > 1 on the full sequence); the staged log-sum-exp adds sq h floats. Measured on
+  // the H200 with cuDNN 9.14/9.19 for h = 1, 2, 4, 8 and ring (docs/benchmarks.md).
+  const std::int64_t d = model.head_dim, H = model.num_heads, C = cp.cp;
+  std::int64_t h = 0, sq = seq_len;
+  double copies = 2;
+  switch (cp.strategy) {
+    case strategy_kind::ulysses: h = H / C; break;
+    case strategy_kind::upipe: h = (cp.head_chunk > 0 ? cp.head_chunk : C) / C; break;
+    case strategy_kind::ring:
+      h = H;
+      sq = seq_len / C;
+      copies = 1;
+      break;
+  }
+  if (h == 1) copies = 1;
+  const auto floats = static_cast<double>(sq) * static_cast<double>(h);
+  gpu_overheads o;
+  o.cublaslt_workspace = cublaslt_bytes;
+  o.cudnn_workspace = static_cast<std::size_t>((copies * static_cast<double>(d) + 1) * floats * sizeof(float));
+  o.context = context_bytes;
+  return o;
+}
+
+plan_point evaluate(const plan_request& r, const cp_settings& cp, std::int64_t seq_len, const checkpoint_policy& policy) {
+  plan_point p;
+  p.seq_len = seq_len;
+  p.policy = policy;
+  p.memory = measure_step_memory(probe_options(r, cp, seq_len, policy));
+  p.overheads = estimate_overheads(r.model, cp, seq_len);
+  p.arena_bytes = p.memory.arena_high_water + p.overheads.cublaslt_workspace + p.overheads.cudnn_workspace;
+  p.gpu_bytes = p.arena_bytes + p.overheads.context;
+  p.host_bytes = p.memory.host_high_water * static_cast<std::size_t>(r.gpus);
+  const double keep = 1.0 - r.margin;
+  p.fits = static_cast<double>(p.gpu_bytes) <= keep * static_cast<double>(r.gpu_memory) &&
+           static_cast<double>(p.host_bytes) <= keep * static_cast<double>(r.host_memory);
+  return p;
+}
+
+void validate(const plan_request& r) {
+  validate(r.model);
+  if (r.gpus < 1)
+    throw config_error("--gpus " + std::to_string(r.gpus) + " must be at least 1 (for example --gpus 8)");
+  if (r.gpu_memory == 0) throw config_error("--gpu-memory must be positive (for example --gpu-memory 80GiB)");
+  if (r.host_memory == 0) throw config_error("--host-memory must be positive (for example --host-memory 1.9TiB)");
+  if (!(r.margin >= 0 && r.margin < 1))
+    throw config_error("--margin " + std::to_string(r.margin) + " must lie in [0, 1) (for example 0.05)");
+  if (r.strategies.empty()) throw config_error("--attention needs at least one of ulysses, upipe, ring");
+  for (strategy_kind kind : r.strategies) {
+    const cp_settings cp{kind, r.gpus, kind == strategy_kind::ulysses ? r.model.num_heads : 0};
+    if (kind == strategy_kind::upipe && valid_head_chunks(r.model.num_heads, r.gpus).empty())
+      throw config_error("upipe has no valid head chunk for " + std::to_string(r.model.num_heads) + " heads on " +
+                         std::to_string(r.gpus) + " GPUs; use --gpus dividing the heads");
+    attention_config_for(r.model, cp, layout_unit(cp));  // throws for a group size the model cannot use
+    if (r.seq_len && *r.seq_len % layout_unit(cp) != 0) {
+      const std::int64_t unit = layout_unit(cp);
+      throw config_error("--seq-len " + std::to_string(*r.seq_len) + " must be a multiple of " + std::to_string(unit) +
+                         " for " + std::string(strategy_name(kind)) + " on " + std::to_string(r.gpus) +
+                         " GPUs; use --seq-len " + std::to_string((*r.seq_len / unit + 1) * unit));
+    }
+  }
+}
+
+plan_result make_plan(const plan_request& r) {
+  validate(r);
+  plan_result out;
+  // Configurations are independent meta runs: one thread each.
+  std::vector<std::future<plan_entry>> work;
+  for (const cp_settings& cp : configurations(r))
+    work.push_back(std::async(std::launch::async, [&r, cp] { return plan_configuration(r, cp); }));
+  for (auto& w : work) out.entries.push_back(w.get());
+  std::int64_t upipe_longest = 0;
+  for (const plan_entry& e : out.entries)
+    if (e.strategy == strategy_kind::upipe && e.longest) upipe_longest = std::max(upipe_longest, e.longest->seq_len);
+  out.planned_seq_len = r.seq_len ? *r.seq_len : upipe_longest;
+  for (const plan_entry& e : out.entries) {
+    if (e.strategy != strategy_kind::upipe || !e.longest || e.longest->seq_len < out.planned_seq_len) continue;
+    if (!out.recommended_head_chunk || e.head_chunk > *out.recommended_head_chunk) out.recommended_head_chunk = e.head_chunk;
+  }
+  return out;
+}
+
+}  // namespace upipe

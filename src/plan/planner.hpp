@@ -1,0 +1,83 @@
+// The planner: for a model on C GPUs with a memory budget per GPU and a host memory
+// budget per node, the per-rank peak of one training step for each CP strategy (and each
+// valid U of UPipe), the longest sequence each fits, the checkpoint policy that fits both
+// budgets, and the recommended U. Every number comes from the meta backend running the
+// real step (the same allocator and ledger as the GPU), plus what lies outside the
+// step's own allocations on a GPU: the libraries' workspaces and the CUDA context.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "model/checkpoint_store.hpp"
+#include "model/parameter_store.hpp"
+#include "train/trainer.hpp"
+
+namespace upipe {
+
+struct plan_request {
+  model_config model;
+  int gpus = 8;                        // C, the CP group (one node)
+  std::size_t gpu_memory = 0;          // bytes per GPU
+  std::size_t host_memory = 0;         // bytes per node, shared by its C ranks
+  double margin = 0.05;                // fraction of gpu_memory kept free
+  std::optional<std::int64_t> seq_len;  // also report every configuration at this length
+  std::vector<strategy_kind> strategies{strategy_kind::ulysses, strategy_kind::upipe, strategy_kind::ring};
+  zero_stage zero = zero_stage::three;
+  std::int64_t mlp_tile = 0, loss_chunk = 0;  // as for training (0: defaults)
+  std::optional<checkpoint_policy> policy;    // only this policy (default: candidate_policies())
+};
+
+// What lies on a GPU besides the step's arena allocations.
+struct gpu_overheads {
+  std::size_t cublaslt_workspace = 0;  // in the arena
+  std::size_t cudnn_workspace = 0;     // in the arena: the attention plans' workspaces
+  std::size_t context = 0;             // outside the arena: CUDA context, handles, staging
+};
+
+// One configuration at one length under one checkpoint policy.
+struct plan_point {
+  std::int64_t seq_len = 0;
+  checkpoint_policy policy;
+  step_memory memory;             // meta: the step's own allocations
+  gpu_overheads overheads;
+  std::size_t arena_bytes = 0;    // predicted arena high water on the GPU (step + workspaces)
+  std::size_t gpu_bytes = 0;      // arena + context: what the GPU must hold
+  std::size_t host_bytes = 0;     // pinned host memory of the node (all C ranks)
+  bool fits = false;
+};
+
+struct plan_entry {
+  strategy_kind strategy = strategy_kind::upipe;
+  int head_chunk = 0;                 // U (upipe), H (ulysses), 0 (ring)
+  std::optional<plan_point> longest;  // at the longest length that fits (none: nothing fits)
+  std::optional<plan_point> at_request;  // at the requested length: the fastest policy that fits, or the
+                                         // smallest footprint when none does
+};
+
+struct plan_result {
+  std::vector<plan_entry> entries;
+  std::optional<int> recommended_head_chunk;  // the largest U that fits at the planned length
+  std::int64_t planned_seq_len = 0;           // the requested length, or UPipe's longest
+};
+
+// The checkpoint policies the planner tries, fastest first.
+std::vector<checkpoint_policy> candidate_policies();
+
+// The libraries' workspaces and the context for a configuration (see docs/benchmarks.md
+// for the measurements behind the cuDNN term).
+gpu_overheads estimate_overheads(const model_config& model, const cp_settings& cp, std::int64_t seq_len);
+
+// One configuration at one length and policy.
+plan_point evaluate(const plan_request& request, const cp_settings& cp, std::int64_t seq_len,
+                    const checkpoint_policy& policy);
+
+// Throws config_error for a bad request (naming the flag, the rule and a valid value).
+void validate(const plan_request& request);
+
+plan_result make_plan(const plan_request& request);
+
+}  // namespace upipe

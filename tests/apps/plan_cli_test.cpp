@@ -1,0 +1,60 @@
+// `upipe plan` as a user runs it: the table, the JSON the issue names, the default host
+// memory stated, and clear refusals of bad sizes.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include <nlohmann/json.hpp>
+
+#include "run_upipe.hpp"
+
+namespace {
+
+using upipe::testing::run_result;
+using upipe::testing::run_upipe;
+using upipe::testing::temp_dir;
+
+const std::string small = "plan --model llama3.2-1b --layers 2 --gpus 4 --gpu-memory 6GiB ";
+
+TEST(plan_cli, json_holds_every_configuration_with_its_policy_and_peaks) {
+  const auto dir = temp_dir("plan_cli");
+  const auto path = (dir / "plan.json").string();
+  const run_result r = run_upipe(small + "--host-memory 64GiB --seq-len 64K --json " + path);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("recommended: upipe with U = "), std::string::npos) << r.output;
+  std::ifstream in(path);
+  const nlohmann::json doc = nlohmann::json::parse(in);
+  EXPECT_FALSE(doc["host_memory_default"].get<bool>());
+  EXPECT_EQ(doc["planned_seq_len"], 65536);
+  ASSERT_EQ(doc["entries"].size(), 2u + 4u);  // ulysses, upipe U = 4, 8, 16, 32, ring
+  for (const auto& e : doc["entries"]) {
+    for (const char* key : {"strategy", "head_chunk", "max_seq_len", "peak_bytes", "checkpoint_policy", "gpu_bytes",
+                            "arena_bytes", "host_bytes", "at_seq_len"})
+      EXPECT_TRUE(e.contains(key)) << key << " in " << e.dump();
+    EXPECT_GT(e["max_seq_len"].get<long long>(), 0);
+    EXPECT_GT(e["peak_bytes"]["weights"].get<long long>(), 0);
+    EXPECT_TRUE(e["checkpoint_policy"].contains("where"));
+  }
+  std::filesystem::remove_all(dir);
+}
+
+TEST(plan_cli, default_host_memory_is_the_papers_and_says_so) {
+  const run_result r = run_upipe(small + "--attention upipe");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("default: 1.9 TiB, the paper's"), std::string::npos) << r.output;
+}
+
+TEST(plan_cli, bad_sizes_are_refused_with_an_example) {
+  const run_result r = run_upipe("plan --gpu-memory 80XB");
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("--gpu-memory '80XB' is not a positive size"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("80GiB"), std::string::npos) << r.output;
+  const run_result h = run_upipe("plan --host-memory 0GiB");
+  EXPECT_EQ(h.exit_code, 2) << h.output;
+  const run_result o = run_upipe("plan --optimizer sgd");
+  EXPECT_EQ(o.exit_code, 2) << o.output;
+  EXPECT_NE(o.output.find("use adamw"), std::string::npos) << o.output;
+}
+
+}  // namespace
