@@ -108,8 +108,8 @@ int run(const plan_flags& f) {
               gib(r.gpu_memory) * (1 - r.margin));
   std::printf("# host-memory=%.1f GiB%s, shared by the node's %d ranks (pinned checkpoints)\n", gib(r.host_memory),
               host_default ? " (default: 1.9 TiB, the paper's 8 x H100 machine; set --host-memory)" : "", r.gpus);
-  std::printf("# GPU bytes = the step's arena high water (meta backend) + cuBLASLt and cuDNN workspaces + "
-              "%.2f GiB of CUDA context\n", gib(estimate_overheads(r.model, {strategy_kind::ulysses, r.gpus, 0}, 0).context));
+  std::printf("# GPU bytes = the step's arena high water (meta backend, with cuBLASLt's and cuDNN's workspaces "
+              "taken as on the GPU) + %.2f GiB of CUDA context\n", gib(estimate_overheads(step_memory{}).context));
   std::fflush(stdout);
   const plan_result plan = make_plan(r);
 

@@ -30,6 +30,10 @@ class out_of_memory_error : public std::runtime_error {
 struct memory_limits {
   std::size_t device_bytes = std::size_t{16} << 30;  // arena capacity
   std::size_t host_bytes = std::size_t{64} << 30;    // host pool capacity
+  // meta only: reserve the CUDA backend's library workspaces (cuBLASLt at start, cuDNN's
+  // attention workspace as it grows) at the same moments, so that the arena's placement
+  // is the GPU's (the planner's probe).
+  bool gpu_workspaces = false;
 };
 
 class backend {

@@ -17,7 +17,7 @@ constexpr std::int64_t longest_searched = std::int64_t{1} << 30;  // tokens
 // Outside the arena on the H200 (driver peak minus arena, docs/benchmarks.md): the CUDA
 // context, the cuBLASLt and cuDNN handles and the staging buffers, rounded up.
 constexpr std::size_t context_bytes = 640 * mib;
-constexpr std::size_t cublaslt_bytes = 32 * mib;  // the GEMM engine's workspace (ops/cuda/gemm_cublaslt.cpp)
+constexpr std::size_t cublaslt_bytes = 32 * mib;  // reserved first by the probe, as by the CUDA backend
 
 train_options probe_options(const plan_request& r, const cp_settings& cp, std::int64_t seq_len,
                             const checkpoint_policy& policy) {
@@ -31,7 +31,7 @@ train_options probe_options(const plan_request& r, const cp_settings& cp, std::i
   o.optim.warmup_steps = 0;
   o.eval_samples = 0;
   o.backend = backend_kind::meta;
-  o.limits = {std::size_t{1} << 50, std::size_t{1} << 50};
+  o.limits = {std::size_t{1} << 50, std::size_t{1} << 50, true};  // with the GPU's library workspaces
   return o;
 }
 
@@ -111,28 +111,10 @@ std::vector<checkpoint_policy> candidate_policies() {
           {c::layer_input, 2, l::device}, {c::layer_input, 4, l::device}};
 }
 
-gpu_overheads estimate_overheads(const model_config& model, const cp_settings& cp, std::int64_t seq_len) {
-  // One attention call per stage: q heads h over sq tokens. The cuDNN backward keeps an
-  // fp32 dQ accumulator (sq h d floats), doubled when the call's heads are strided
-  // (h > 1 on the full sequence); the staged log-sum-exp adds sq h floats. Measured on
-  // the H200 with cuDNN 9.14/9.19 for h = 1, 2, 4, 8 and ring (docs/benchmarks.md).
-  const std::int64_t d = model.head_dim, H = model.num_heads, C = cp.cp;
-  std::int64_t h = 0, sq = seq_len;
-  double copies = 2;
-  switch (cp.strategy) {
-    case strategy_kind::ulysses: h = H / C; break;
-    case strategy_kind::upipe: h = (cp.head_chunk > 0 ? cp.head_chunk : C) / C; break;
-    case strategy_kind::ring:
-      h = H;
-      sq = seq_len / C;
-      copies = 1;
-      break;
-  }
-  if (h == 1) copies = 1;
-  const auto floats = static_cast<double>(sq) * static_cast<double>(h);
+gpu_overheads estimate_overheads(const step_memory& memory) {
   gpu_overheads o;
-  o.cublaslt_workspace = cublaslt_bytes;
-  o.cudnn_workspace = static_cast<std::size_t>((copies * static_cast<double>(d) + 1) * floats * sizeof(float));
+  o.cublaslt_workspace = std::min(memory.workspace_at_end, cublaslt_bytes);
+  o.cudnn_workspace = memory.workspace_at_end - o.cublaslt_workspace;
   o.context = context_bytes;
   return o;
 }
@@ -142,8 +124,8 @@ plan_point evaluate(const plan_request& r, const cp_settings& cp, std::int64_t s
   p.seq_len = seq_len;
   p.policy = policy;
   p.memory = measure_step_memory(probe_options(r, cp, seq_len, policy));
-  p.overheads = estimate_overheads(r.model, cp, seq_len);
-  p.arena_bytes = p.memory.arena_high_water + p.overheads.cublaslt_workspace + p.overheads.cudnn_workspace;
+  p.overheads = estimate_overheads(p.memory);
+  p.arena_bytes = p.memory.arena_high_water;  // the meta probe reserves the workspaces as the GPU does
   p.gpu_bytes = p.arena_bytes + p.overheads.context;
   p.host_bytes = p.memory.host_high_water * static_cast<std::size_t>(r.gpus);
   const double keep = 1.0 - r.margin;

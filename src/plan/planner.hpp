@@ -3,7 +3,8 @@
 // valid U of UPipe), the longest sequence each fits, the checkpoint policy that fits both
 // budgets, and the recommended U. Every number comes from the meta backend running the
 // real step (the same allocator and ledger as the GPU), plus what lies outside the
-// step's own allocations on a GPU: the libraries' workspaces and the CUDA context.
+// step's own allocations on a GPU: the libraries' workspaces (reserved by the probe as
+// the CUDA backend reserves them) and the CUDA context.
 #pragma once
 
 #include <cstdint>
@@ -31,10 +32,11 @@ struct plan_request {
   std::optional<checkpoint_policy> policy;    // only this policy (default: candidate_policies())
 };
 
-// What lies on a GPU besides the step's arena allocations.
+// The libraries' share of a GPU: their workspaces (in the arena, reserved by the meta
+// probe at the moments the CUDA backend takes them) and the context outside it.
 struct gpu_overheads {
   std::size_t cublaslt_workspace = 0;  // in the arena
-  std::size_t cudnn_workspace = 0;     // in the arena: the attention plans' workspaces
+  std::size_t cudnn_workspace = 0;     // in the arena: the attention plans' workspaces, all kept
   std::size_t context = 0;             // outside the arena: CUDA context, handles, staging
 };
 
@@ -44,7 +46,7 @@ struct plan_point {
   checkpoint_policy policy;
   step_memory memory;             // meta: the step's own allocations
   gpu_overheads overheads;
-  std::size_t arena_bytes = 0;    // predicted arena high water on the GPU (step + workspaces)
+  std::size_t arena_bytes = 0;    // predicted arena high water on the GPU (the probe's, workspaces included)
   std::size_t gpu_bytes = 0;      // arena + context: what the GPU must hold
   std::size_t host_bytes = 0;     // pinned host memory of the node (all C ranks)
   bool fits = false;
@@ -67,9 +69,8 @@ struct plan_result {
 // The checkpoint policies the planner tries, fastest first.
 std::vector<checkpoint_policy> candidate_policies();
 
-// The libraries' workspaces and the context for a configuration (see docs/benchmarks.md
-// for the measurements behind the cuDNN term).
-gpu_overheads estimate_overheads(const model_config& model, const cp_settings& cp, std::int64_t seq_len);
+// The libraries' share of a probe's memory, and the context.
+gpu_overheads estimate_overheads(const step_memory& memory);
 
 // One configuration at one length and policy.
 plan_point evaluate(const plan_request& request, const cp_settings& cp, std::int64_t seq_len,

@@ -258,6 +258,7 @@ step_memory measure_step_memory(const train_options& o) {
     out.device_peak = be.ledger().device_peak();
     out.arena_high_water = be.device_arena().high_water();
     out.host_high_water = be.host_arena().high_water();
+    out.workspace_at_end = be.ledger().current(mem_tag::workspace);
   });
   return out;
 }

@@ -60,6 +60,7 @@ struct step_memory {
   std::size_t device_peak = 0;       // all device tags together, at their highest
   std::size_t arena_high_water = 0;  // the device arena's highest end offset (with fragmentation)
   std::size_t host_high_water = 0;   // the host arena's (checkpoints offloaded to the host)
+  std::size_t workspace_at_end = 0;  // workspace tag live after the step: the libraries' cached workspaces
 };
 
 // Checks the options as a whole (throws config_error naming the flag, the rule and a

@@ -3,6 +3,7 @@
 // and bad requests.
 #include <gtest/gtest.h>
 
+#include "backend/backend.hpp"
 #include "core/error.hpp"
 #include "model/model_step.hpp"
 #include "plan/planner.hpp"
@@ -12,22 +13,55 @@ namespace {
 
 constexpr std::size_t mib = std::size_t{1} << 20;
 
-TEST(planner, cudnn_workspace_model_matches_the_h200_measurements) {
-  // bench-attention on the H200, H = 32, K = 8, d = 128, C = 4, S = 16K (workspace tag
-  // minus cuBLASLt's 32 MiB): ulysses 128.5 MiB, upipe U = 4 8.0625, U = 8 32.125,
-  // U = 16 64.25, ring 64.5; S = 64K: ulysses 514, upipe U = 4 32.25.
-  model_config m = preset("llama3-8b");
-  auto ws = [&](strategy_kind kind, int u, std::int64_t s) {
-    return static_cast<double>(estimate_overheads(m, {kind, 4, u}, s).cudnn_workspace) / mib;
+// Workspace bytes after an attention forward and backward of q heads h over sq tokens on
+// a meta backend that reserves the GPU's library workspaces.
+double workspace_mib(std::int64_t sq, std::int64_t h, std::int64_t hk, std::int64_t d) {
+  auto be = make_backend(backend_kind::meta, {std::size_t{1} << 40, std::size_t{1} << 30, true});
+  const head_view q{nullptr, dtype::bf16, sq, h, d, h * d, d}, kv{nullptr, dtype::bf16, sq, hk, d, hk * d, d};
+  const head_view lse{nullptr, dtype::f32, sq, h, 1, h, 1};
+  be->sdpa_forward({q, kv, kv, q, lse, attn_mask::causal, 1.0f});
+  be->sdpa_backward({q, kv, kv, q, q, lse, q, kv, kv, {}, {}, attn_mask::causal, 1.0f});
+  return static_cast<double>(be->ledger().current(mem_tag::workspace)) / mib;
+}
+
+TEST(planner, meta_workspaces_match_the_h200_measurements) {
+  // bench-attention on the H200, H = 32, K = 8, d = 128, C = 4 (workspace tag; cuBLASLt's
+  // 32 MiB included): S = 16K ulysses (8 q heads a call) 160.5 MiB, upipe U = 4 (1 head)
+  // 40.0625, U = 8 64.125, U = 16 96.25; S = 64K ulysses 546, upipe U = 4 64.25.
+  EXPECT_DOUBLE_EQ(workspace_mib(16384, 8, 2, 128), 160.5);
+  EXPECT_DOUBLE_EQ(workspace_mib(16384, 1, 1, 128), 40.0625);
+  EXPECT_DOUBLE_EQ(workspace_mib(16384, 2, 1, 128), 64.125);
+  EXPECT_DOUBLE_EQ(workspace_mib(16384, 4, 1, 128), 96.25);
+  EXPECT_DOUBLE_EQ(workspace_mib(65536, 8, 2, 128), 546.0);
+  EXPECT_DOUBLE_EQ(workspace_mib(65536, 1, 1, 128), 64.25);
+  // Without the flag the meta backend reserves nothing.
+  auto plain = make_backend(backend_kind::meta, {std::size_t{1} << 40, std::size_t{1} << 30});
+  EXPECT_EQ(plain->ledger().current(mem_tag::workspace), 0u);
+}
+
+TEST(planner, predicts_the_h200_arena_high_water) {
+  // Rank 0's arena high water of one training step on the H200 (llama3-8b, one layer,
+  // ZeRO-3, 4 virtual ranks, checkpoints what=input on the device; docs/benchmarks.md),
+  // MiB, against the probe's prediction.
+  struct point {
+    strategy_kind kind;
+    int u;
+    std::int64_t s;
+    double measured_mib;
   };
-  EXPECT_DOUBLE_EQ(ws(strategy_kind::ulysses, 32, 16384), 128.5);
-  EXPECT_DOUBLE_EQ(ws(strategy_kind::upipe, 4, 16384), 8.0625);
-  EXPECT_DOUBLE_EQ(ws(strategy_kind::upipe, 8, 16384), 32.125);
-  EXPECT_DOUBLE_EQ(ws(strategy_kind::upipe, 16, 16384), 64.25);
-  EXPECT_DOUBLE_EQ(ws(strategy_kind::ring, 0, 16384), 64.5);
-  EXPECT_DOUBLE_EQ(ws(strategy_kind::ulysses, 32, 65536), 514.0);
-  EXPECT_DOUBLE_EQ(ws(strategy_kind::upipe, 4, 65536), 32.25);
-  EXPECT_EQ(estimate_overheads(m, {strategy_kind::upipe, 4, 4}, 16384).cublaslt_workspace, 32 * mib);
+  const point points[] = {{strategy_kind::ulysses, 32, 65536, 9413.2},  {strategy_kind::ulysses, 32, 131072, 11861.4},
+                          {strategy_kind::ulysses, 32, 262144, 16997.6}, {strategy_kind::upipe, 4, 65536, 10155.5},
+                          {strategy_kind::upipe, 4, 131072, 10055.3},    {strategy_kind::upipe, 4, 262144, 12430.6}};
+  plan_request r;
+  r.model = preset("llama3-8b");
+  r.model.num_layers = 1;
+  r.gpus = 4;
+  r.gpu_memory = r.host_memory = std::size_t{1} << 40;
+  for (const point& p : points) {
+    const plan_point got = evaluate(r, {p.kind, 4, p.u}, p.s, checkpoint_policy{});
+    const double predicted = static_cast<double>(got.arena_bytes) / mib;
+    EXPECT_NEAR(predicted / p.measured_mib, 1.0, 0.005) << strategy_name(p.kind) << " S=" << p.s;
+  }
 }
 
 plan_request small_request() {

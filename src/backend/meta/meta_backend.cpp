@@ -3,13 +3,31 @@
 // step at millions of tokens runs in milliseconds and reports the exact peak.
 #include "backend/backend.hpp"
 
+#include <vector>
+
+#include "ops/op_args.hpp"
+
 namespace upipe {
 
 namespace {
 
+constexpr std::size_t cublaslt_workspace_bytes = std::size_t{32} << 20;  // ops/cuda/gemm_cublaslt.cpp
+
+// The cuDNN backward's workspace as measured on the H200 (cuDNN 9.14 and 9.19,
+// docs/benchmarks.md): the fp32 dQ accumulator (sq h d floats), doubled for causal
+// self-attention over several heads of at least 8K tokens, plus the row sums (sq h).
+std::size_t cudnn_backward_workspace_bytes(const sdpa_backward_args& a) {
+  const std::int64_t sq = a.q.tokens, h = a.q.heads, d = a.q.dim;
+  const bool doubled = h > 1 && sq >= 8192 && a.k.tokens == sq && a.mask == attn_mask::causal;
+  return static_cast<std::size_t>((doubled ? 2 : 1) * d * sq * h) * sizeof(float);
+}
+
 class meta_backend final : public backend {
  public:
-  explicit meta_backend(const memory_limits& limits) : backend(backend_kind::meta, dtype::bf16, limits) {}
+  explicit meta_backend(const memory_limits& limits)
+      : backend(backend_kind::meta, dtype::bf16, limits), gpu_workspaces_(limits.gpu_workspaces) {
+    if (gpu_workspaces_) reserve(cublaslt_workspace_bytes, "cublaslt_workspace");
+  }
 
   void copy_bytes(void*, const void*, std::size_t) override {}
   void add_f32(float*, const float*, std::size_t) override {}
@@ -21,8 +39,12 @@ class meta_backend final : public backend {
   void download_bytes(void*, const tensor&, std::size_t) override {}
 
   void gemm(const gemm_args&) override {}
-  void sdpa_forward(const sdpa_forward_args&) override {}
-  void sdpa_backward(const sdpa_backward_args&) override {}
+  void sdpa_forward(const sdpa_forward_args& a) override {
+    if (gpu_workspaces_) grow_cudnn_workspace(static_cast<std::size_t>(a.q.tokens * a.q.heads) * sizeof(float));
+  }
+  void sdpa_backward(const sdpa_backward_args& a) override {
+    if (gpu_workspaces_) grow_cudnn_workspace(cudnn_backward_workspace_bytes(a));
+  }
   void rope(const rope_args&) override {}
   void rmsnorm_forward(const rmsnorm_forward_args&) override {}
   void rmsnorm_backward(const rmsnorm_backward_args&) override {}
@@ -37,6 +59,23 @@ class meta_backend final : public backend {
   void cross_entropy(const cross_entropy_args&) override {}
   void adamw(const adamw_args&) override {}
   double sum_squares(const mat_view&) override { return 0.0; }
+
+ private:
+  // As the CUDA engines: cached workspaces that live as long as the backend, a larger
+  // one taken (and the smaller kept) when a plan needs more.
+  void reserve(std::size_t bytes, const char* label) {
+    const auto words = static_cast<std::int64_t>((bytes + sizeof(float) - 1) / sizeof(float));
+    workspaces_.push_back(allocate(mem_tag::workspace, dtype::f32, {words}, label));
+  }
+  void grow_cudnn_workspace(std::size_t bytes) {
+    if (bytes <= cudnn_bytes_) return;
+    reserve(bytes, "cudnn_workspace");
+    cudnn_bytes_ = bytes;
+  }
+
+  bool gpu_workspaces_;
+  std::size_t cudnn_bytes_ = 0;
+  std::vector<tensor> workspaces_;
 };
 
 }  // namespace
