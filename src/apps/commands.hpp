@@ -16,5 +16,6 @@ command_runner add_step(CLI::App& app);
 command_runner add_train(CLI::App& app);
 command_runner add_bench_kernels(CLI::App& app);
 command_runner add_plan(CLI::App& app);
+command_runner add_bench(CLI::App& app);
 
 }  // namespace upipe::apps

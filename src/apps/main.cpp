@@ -39,6 +39,8 @@ int main(int argc, char** argv) {
       "bench-kernels", "Single-op timings: Llama GEMMs, fused attention, memory-bound kernels vs a device copy"));
   auto plan = upipe::apps::add_plan(*app.add_subcommand(
       "plan", "The longest sequence each strategy fits on C GPUs, the checkpoint policy and the recommended U"));
+  auto bench_steps = upipe::apps::add_bench(*app.add_subcommand(
+      "bench", "Whole-step benchmarks over strategy x U x S: tokens/s/GPU, TFLOP/s, MFU, peak by tag, checked"));
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -51,6 +53,7 @@ int main(int argc, char** argv) {
     if (app.got_subcommand("step")) return step();
     if (app.got_subcommand("bench-kernels")) return kernels();
     if (app.got_subcommand("plan")) return plan();
+    if (app.got_subcommand("bench")) return bench_steps();
   } catch (const std::exception& e) {
     return report_error(e);
   }

@@ -92,9 +92,12 @@ struct memory_limits;
 
 // Runs fn(rank, backend, communicator) on every rank of a CP group of `size`: one thread
 // per rank, each with its own backend of `kind`, when the backend holds data; rank 0
-// alone over a loopback communicator on meta (every rank's shapes are rank 0's). Returns
-// the backends, so their ledgers can be read afterwards.
+// alone over a loopback communicator on meta (every rank's shapes are rank 0's), or on
+// any backend when `emulate` is set (one GPU measures rank 0 of a group of `size`: its
+// memory, compute and device copies of the bytes it would exchange). Returns the
+// backends, so their ledgers can be read afterwards.
 std::vector<std::unique_ptr<backend>> run_cp_group(backend_kind kind, const memory_limits& limits, int size,
-                                                   const std::function<void(int rank, backend& be, communicator& comm)>& fn);
+                                                   const std::function<void(int rank, backend& be, communicator& comm)>& fn,
+                                                   bool emulate = false);
 
 }  // namespace upipe

@@ -12,11 +12,13 @@ double sum_over_ranks(communicator& comm, double value, std::string_view label) 
 }
 
 std::vector<std::unique_ptr<backend>> run_cp_group(backend_kind kind, const memory_limits& limits, int size,
-                                                   const std::function<void(int rank, backend& be, communicator& comm)>& fn) {
+                                                   const std::function<void(int rank, backend& be, communicator& comm)>& fn,
+                                                   bool emulate) {
   std::vector<std::unique_ptr<backend>> backends;
-  const int ranks = kind == backend_kind::meta ? 1 : size;
+  const bool alone = emulate || kind == backend_kind::meta;
+  const int ranks = alone ? 1 : size;
   for (int r = 0; r < ranks; ++r) backends.push_back(make_backend(kind, limits));
-  if (!backends[0]->has_data()) {
+  if (alone) {
     auto comm = make_loopback_communicator(*backends[0], size);
     fn(0, *backends[0], *comm);
     return backends;

@@ -395,6 +395,19 @@ std::int64_t model_config::parameter_count() const {
   return V * D + num_layers * per_layer + D + (tie_embeddings ? 0 : V * D);
 }
 
+std::int64_t model_config::matmul_parameter_count() const {
+  const std::int64_t D = hidden_size, F = intermediate_size, V = vocab_size;
+  const std::int64_t q = std::int64_t(num_heads) * head_dim;
+  const std::int64_t kv = std::int64_t(num_kv_heads) * head_dim;
+  return num_layers * (2 * q * D + 2 * kv * D + 3 * F * D) + V * D;
+}
+
+double model_config::model_flops(std::int64_t seq_len) const {
+  const auto s = static_cast<double>(seq_len);
+  return 6.0 * static_cast<double>(matmul_parameter_count()) * s +
+         6.0 * num_layers * num_heads * static_cast<double>(head_dim) * s * s;
+}
+
 std::vector<parameter_spec> parameter_specs(const model_config& config) {
   const std::int64_t D = config.hidden_size, F = config.intermediate_size, V = config.vocab_size;
   const std::int64_t d = config.head_dim;

@@ -30,6 +30,12 @@ struct model_config {
   bool qk_norm = false;         // Qwen3: RMSNorm over d on each q and k head
 
   std::int64_t parameter_count() const;
+  // Weights used in a matmul (every projection and the lm head; not the embedding
+  // lookup or the norms): DESIGN.md section 7's N_matmul.
+  std::int64_t matmul_parameter_count() const;
+  // Model FLOPs of one forward+backward over S tokens, recompute not counted:
+  // 6 N_matmul S + 6 L H d S^2 (causal attention).
+  double model_flops(std::int64_t seq_len) const;
 };
 
 // One parameter: its Hugging Face name and shape (row-major, y = x W^T for linears).

@@ -263,6 +263,50 @@ step_memory measure_step_memory(const train_options& o) {
   return out;
 }
 
+step_timing time_steps(const train_options& o, std::int64_t warmup_len, int repeats, bool emulate) {
+  validate(o);
+  UPIPE_CHECK(repeats >= 1, "time_steps needs at least one timed step");
+  const auto random_tokens = [&](std::int64_t n, std::uint64_t stream) {
+    std::vector<std::int32_t> t(static_cast<std::size_t>(n));
+    std::uint64_t x = o.seed * 0x9e3779b97f4a7c15ull + stream;
+    for (auto& id : t) {
+      x = x * 6364136223846793005ull + 1442695040888963407ull;
+      id = static_cast<std::int32_t>((x >> 33) % static_cast<std::uint64_t>(o.model.vocab_size));
+    }
+    return t;
+  };
+  step_timing out;
+  run_cp_group(
+      o.backend, o.limits, o.cp.cp,
+      [&](int rank, backend& be, communicator& comm) {
+        rank_context rc(o, be, comm);
+        step_record record;
+        if (warmup_len > 0) run_step(rc, {random_tokens(warmup_len, 0)}, 1, record);
+        for (int i = 0; i < repeats; ++i) {
+          const std::vector<std::vector<std::int32_t>> batch{random_tokens(o.seq_len, 1 + static_cast<std::uint64_t>(i))};
+          be.synchronize();
+          comm.barrier();
+          const auto start = clock_type::now();
+          run_step(rc, batch, 1 + i, record);
+          be.synchronize();
+          comm.barrier();
+          if (rank == 0) {
+            out.seconds.push_back(std::chrono::duration<double>(clock_type::now() - start).count());
+            out.losses.push_back(record.loss);
+          }
+        }
+        if (rank != 0) return;
+        out.memory.peak_bytes = be.ledger().peaks_by_name();
+        out.memory.device_peak = be.ledger().device_peak();
+        out.memory.arena_high_water = be.device_arena().high_water();
+        out.memory.host_high_water = be.host_arena().high_water();
+        out.memory.workspace_at_end = be.ledger().current(mem_tag::workspace);
+        out.driver_peak = be.driver_peak_bytes();
+      },
+      emulate);
+  return out;
+}
+
 train_summary train(const train_options& o, const std::function<void(const step_record&)>& on_step) {
   validate(o);
   std::unique_ptr<train_checkpoint> resume;

@@ -75,6 +75,18 @@ std::int64_t step_seq_len(const train_options& options, std::int64_t step);
 // optimizer state).
 step_memory measure_step_memory(const train_options& options);
 
+// Timed steps for benchmarks: one warm-up step at warmup_len tokens (0: none), then
+// `repeats` steps at options.seq_len on random tokens, each timed on rank 0 between device
+// synchronizations. With `emulate`, rank 0 alone over a loopback communicator (one GPU
+// measures rank 0 of a group of options.cp.cp).
+struct step_timing {
+  std::vector<double> seconds;  // per timed step
+  std::vector<double> losses;
+  step_memory memory;           // rank 0, over the whole run
+  std::size_t driver_peak = 0;  // rank 0's device, bytes the driver reported in use (0: not a GPU)
+};
+step_timing time_steps(const train_options& options, std::int64_t warmup_len, int repeats, bool emulate);
+
 // Runs training; on_step is called on rank 0 after every step (progress, metrics).
 train_summary train(const train_options& options, const std::function<void(const step_record&)>& on_step);
 

@@ -153,6 +153,24 @@ TEST(trainer, short_sequence_stage_then_full_length_and_exact_resume) {
   EXPECT_EQ(step_seq_len(whole, 1), 32);
 }
 
+TEST(trainer, timed_steps_equal_cp1_and_emulation_measures_rank_0) {
+  train_options o = base(strategy_kind::ring, 4, 0, zero_stage::three);
+  o.seq_len = 256;
+  const step_timing all = time_steps(o, 64, 2, false);
+  ASSERT_EQ(all.seconds.size(), 2u);
+  ASSERT_EQ(all.losses.size(), 2u);
+  train_options one = o;
+  one.cp = {strategy_kind::ulysses, 1, 0};
+  const step_timing single = time_steps(one, 64, 2, false);
+  EXPECT_NE(all.losses[0], 0.0);
+  EXPECT_LT(std::abs(all.losses[0] - single.losses[0]) / single.losses[0], 1e-5)
+      << all.losses[0] << " vs " << single.losses[0];
+  // Rank 0 alone over loopback holds exactly the memory rank 0 holds among real ranks.
+  const step_timing emulated = time_steps(o, 64, 1, true);
+  EXPECT_EQ(emulated.memory.peak_bytes, all.memory.peak_bytes);
+  EXPECT_EQ(emulated.memory.arena_high_water, all.memory.arena_high_water);
+}
+
 TEST(trainer, contradictory_options_are_refused) {
   train_options o = base(strategy_kind::upipe, 2, 0, zero_stage::two);
   o.stop_after = 30;

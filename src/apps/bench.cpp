@@ -1,0 +1,233 @@
+// `upipe bench`: whole training steps (or forward+backward) of a model or a slice of its
+// first layers over strategy x U x S, with a warm-up at a small size, timed repeats,
+// nccl-tests-style rows, a correctness check after timing, and JSON with tokens/s/GPU,
+// model TFLOP/s and MFU (DESIGN.md section 7), the peak by tag and the arena high water.
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "apps/commands.hpp"
+#include "apps/sizes.hpp"
+#include "core/error.hpp"
+#include "model/config.hpp"
+#include "model/model_step.hpp"
+#include "train/trainer.hpp"
+
+namespace upipe::apps {
+
+namespace {
+
+struct bench_flags {
+  std::string model = "tiny-llama", config_path, backend = "cpu", optimizer = "adamw", policy, json_path;
+  std::string single_pass_from = "1M", warmup_len;
+  std::vector<std::string> attention{"ulysses", "upipe"}, head_chunks, seq_lens{"512"};
+  int cp = 0, emulate_cp = 0, layers = 0, zero = 3, repeats = 3;
+  std::int64_t mlp_tile = 0, loss_chunk = 0;
+  double memory_gib = 8, peak_tflops = 778, datasheet_tflops = 989;
+  bool no_check = false;
+  unsigned long long seed = 1;
+};
+
+struct row {
+  std::string strategy;
+  int head_chunk = 0, cp = 0, layers = 0, repeats = 0;
+  std::int64_t seq_len = 0;
+  double step_ms = 0, layer_ms = 0, tokens_per_s_per_gpu = 0, tflops = 0, mfu = 0, mfu_datasheet = 0;
+  step_memory memory;
+  std::size_t driver_peak = 0;
+  std::optional<double> check_rel_diff;
+  bool check_pass = true;
+};
+
+double gib(std::size_t bytes) { return static_cast<double>(bytes) / (1 << 30); }
+
+// The loss of step 1 on a short sequence under `o`'s strategy with every rank real, against
+// C = 1 on the same backend: relative difference.
+double check_against_cp1(train_options o, std::int64_t check_len) {
+  o.seq_len = check_len;
+  const double got = time_steps(o, 0, 1, false).losses.front();
+  train_options one = o;
+  one.cp = {strategy_kind::ulysses, 1, 0};
+  const double want = time_steps(one, 0, 1, false).losses.front();
+  return std::abs(got - want) / std::abs(want);
+}
+
+std::vector<int> chunks_for(const bench_flags& f, const model_config& m, int C) {
+  if (f.head_chunks.empty()) return {C};
+  if (f.head_chunks.size() == 1 && f.head_chunks[0] == "all") return valid_head_chunks(m.num_heads, C);
+  std::vector<int> out;
+  for (const std::string& t : f.head_chunks) out.push_back(static_cast<int>(parse_count(t, "--head-chunk")));
+  return out;
+}
+
+int run(const bench_flags& f) {
+  if ((f.cp > 0) == (f.emulate_cp > 0) && !(f.cp == 0 && f.emulate_cp == 0))
+    throw config_error("--cp " + std::to_string(f.cp) + " and --emulate-cp " + std::to_string(f.emulate_cp) +
+                       " contradict each other: --cp C runs every rank, --emulate-cp C runs rank 0 of C alone; give one");
+  const bool emulate = f.emulate_cp > 0;
+  const int C = emulate ? f.emulate_cp : (f.cp > 0 ? f.cp : 4);
+  model_config m = f.config_path.empty() ? preset(f.model) : read_hf_config(f.config_path);
+  if (f.layers < 0 || f.layers > m.num_layers)
+    throw config_error("--layers " + std::to_string(f.layers) + " must lie between 1 and the model's " +
+                       std::to_string(m.num_layers) + " layers (a slice of the first N layers)");
+  if (f.layers > 0) m.num_layers = f.layers;
+  if (f.repeats < 1) throw config_error("--repeats " + std::to_string(f.repeats) + " must be at least 1");
+  if (f.zero != 2 && f.zero != 3) throw config_error("--zero " + std::to_string(f.zero) + ": use 2 or 3");
+  if (f.optimizer != "adamw" && f.optimizer != "none")
+    throw config_error("--optimizer " + f.optimizer + " is not known: use adamw or none (forward and backward only)");
+  const backend_kind kind = parse_backend_kind(f.backend);
+  const checkpoint_policy policy = parse_checkpoint_policy(f.policy);
+  const std::int64_t single_from = parse_count(f.single_pass_from, "--single-pass-from");
+  std::vector<std::int64_t> lengths;
+  for (const std::string& t : f.seq_lens) lengths.push_back(parse_count(t, "--seq-len"));
+
+  std::ofstream json_out;
+  if (!f.json_path.empty()) {
+    json_out.open(f.json_path, std::ios::trunc);
+    if (!json_out) throw io_error("cannot write --json " + f.json_path + ": check the directory");
+  }
+  std::printf("# upipe bench  model=%s  layers=%d of %d (a slice: per-layer time and working set)  backend=%s  %s C=%d  "
+              "%s  repeats=%d (1 pass from S=%s)\n",
+              m.name.c_str(), m.num_layers, f.config_path.empty() ? preset(f.model).num_layers : m.num_layers,
+              f.backend.c_str(), emulate ? "emulated (rank 0 alone, loopback)" : "every rank", C,
+              f.optimizer == "none" ? "forward+backward" : ("training step, zero=" + std::to_string(f.zero)).c_str(),
+              f.repeats, f.single_pass_from.c_str());
+  std::printf("# MFU against %.0f TFLOP/s (measured bf16 GEMM peak) and, in the JSON, %.0f (datasheet)\n",
+              f.peak_tflops, f.datasheet_tflops);
+  std::printf("%-8s %4s %9s %6s %3s %4s %11s %10s %11s %8s %6s %9s %9s %8s\n", "strategy", "U", "S", "layers", "C",
+              "reps", "step_ms", "layer_ms", "tok/s/GPU", "TFLOP/s", "MFU", "peak_GiB", "arena_GiB", "check");
+  std::fflush(stdout);
+
+  std::vector<row> rows;
+  for (const std::string& name : f.attention) {
+    const strategy_kind strategy = parse_strategy_kind(name);
+    const std::vector<int> us =
+        strategy == strategy_kind::upipe ? chunks_for(f, m, C)
+                                         : std::vector<int>{strategy == strategy_kind::ulysses ? m.num_heads : 0};
+    for (int u : us)
+      for (std::int64_t s : lengths) {
+        train_options o;
+        o.model = m;
+        o.seq_len = s;
+        o.cp = {strategy, C, u};
+        o.zero = f.optimizer == "none" ? zero_stage::replicated : (f.zero == 3 ? zero_stage::three : zero_stage::two);
+        o.step = {f.mlp_tile, f.loss_chunk, policy};
+        o.optim.total_steps = 1 + f.repeats;
+        o.optim.warmup_steps = 0;
+        o.seed = f.seed;
+        o.eval_samples = 0;
+        o.backend = kind;
+        o.limits = run_limits(kind, f.memory_gib, policy.where);
+        const std::int64_t unit = layout_unit(o.cp);
+        const std::int64_t warmup =
+            f.warmup_len.empty() ? std::min<std::int64_t>(s, unit * 256) : parse_count(f.warmup_len, "--warmup-seq-len");
+        const int repeats = s >= single_from ? 1 : f.repeats;
+        const step_timing t = time_steps(o, warmup, repeats, emulate);
+        row r;
+        r.strategy = name;
+        r.head_chunk = strategy == strategy_kind::ring ? 0 : u;
+        r.cp = C;
+        r.layers = m.num_layers;
+        r.repeats = repeats;
+        r.seq_len = s;
+        // The fastest repeat: the step's own time, free of one-off stalls.
+        const double seconds = *std::min_element(t.seconds.begin(), t.seconds.end());
+        r.step_ms = 1e3 * seconds;
+        r.layer_ms = r.step_ms / m.num_layers;
+        r.tokens_per_s_per_gpu = static_cast<double>(s) / seconds / C;
+        r.tflops = m.model_flops(s) / seconds / C / 1e12;
+        r.mfu = r.tflops / f.peak_tflops;
+        r.mfu_datasheet = r.tflops / f.datasheet_tflops;
+        r.memory = t.memory;
+        r.driver_peak = t.driver_peak;
+        if (!f.no_check && kind != backend_kind::meta) {
+          r.check_rel_diff = check_against_cp1(o, std::min<std::int64_t>(s, unit * 64));
+          r.check_pass = *r.check_rel_diff < (kind == backend_kind::cpu ? 1e-4 : 2e-2);
+        }
+        char check[32] = "-";
+        if (r.check_rel_diff) std::snprintf(check, sizeof check, "%s %.1e", r.check_pass ? "ok" : "WRONG", *r.check_rel_diff);
+        // Times exist only where ops run (not on meta).
+        char times[96] = "          -          -           -        -      -";
+        if (kind != backend_kind::meta)
+          std::snprintf(times, sizeof times, "%11.2f %10.2f %11.0f %8.1f %6.3f", r.step_ms, r.layer_ms,
+                        r.tokens_per_s_per_gpu, r.tflops, r.mfu);
+        std::printf("%-8s %4s %9lld %6d %3d %4d %s %9.2f %9.2f %8s\n", name.c_str(),
+                    strategy == strategy_kind::ring ? "-" : std::to_string(u).c_str(), static_cast<long long>(s),
+                    r.layers, C, repeats, times, gib(r.memory.device_peak), gib(r.memory.arena_high_water), check);
+        std::fflush(stdout);
+        rows.push_back(std::move(r));
+      }
+  }
+  int wrong = 0;
+  for (const row& r : rows) wrong += r.check_pass ? 0 : 1;
+  std::printf("# %zu configurations, %d wrong (the step-1 loss at a short length against C = 1, after timing)\n",
+              rows.size(), wrong);
+  if (json_out.is_open()) {
+    nlohmann::json all = nlohmann::json::array();
+    const bool timed = kind != backend_kind::meta;
+    for (const row& r : rows)
+      all.push_back({{"strategy", r.strategy},
+                     {"head_chunk", r.head_chunk == 0 ? nlohmann::json(nullptr) : nlohmann::json(r.head_chunk)},
+                     {"cp", r.cp},
+                     {"emulated", emulate},
+                     {"backend", f.backend},
+                     {"model", m.name},
+                     {"layers", r.layers},
+                     {"seq_len", r.seq_len},
+                     {"repeats", r.repeats},
+                     {"step_ms", timed ? nlohmann::json(r.step_ms) : nlohmann::json(nullptr)},
+                     {"layer_ms", timed ? nlohmann::json(r.layer_ms) : nlohmann::json(nullptr)},
+                     {"tokens_per_s_per_gpu", timed ? nlohmann::json(r.tokens_per_s_per_gpu) : nlohmann::json(nullptr)},
+                     {"model_tflops", timed ? nlohmann::json(r.tflops) : nlohmann::json(nullptr)},
+                     {"model_flops_per_step", m.model_flops(r.seq_len)},
+                     {"mfu", timed ? nlohmann::json(r.mfu) : nlohmann::json(nullptr)},
+                     {"mfu_datasheet", timed ? nlohmann::json(r.mfu_datasheet) : nlohmann::json(nullptr)},
+                     {"peak_bytes", r.memory.peak_bytes},
+                     {"device_peak_bytes", r.memory.device_peak},
+                     {"arena_high_water_bytes", r.memory.arena_high_water},
+                     {"driver_peak_bytes", r.driver_peak},
+                     {"check_rel_diff", r.check_rel_diff ? nlohmann::json(*r.check_rel_diff) : nlohmann::json(nullptr)},
+                     {"check_pass", r.check_pass}});
+    json_out << all.dump(1) << "\n";
+    if (!json_out) throw io_error("writing --json " + f.json_path + " failed");
+  }
+  return wrong == 0 ? 0 : 1;
+}
+
+}  // namespace
+
+command_runner add_bench(CLI::App& app) {
+  auto f = std::make_shared<bench_flags>();
+  app.add_option("--model", f->model, "preset (upipe model-config --list)")->capture_default_str();
+  app.add_option("--config", f->config_path, "a Hugging Face config.json instead of a preset");
+  app.add_option("--layers", f->layers, "a slice: the first N layers at full width and length");
+  app.add_option("--backend", f->backend, "cpu, cuda or meta")->capture_default_str();
+  app.add_option("--cp", f->cp, "ranks in the CP group, every one run (default 4)");
+  app.add_option("--emulate-cp", f->emulate_cp, "run rank 0 of a group of C alone (loopback), as on one GPU");
+  app.add_option("--attention", f->attention, "strategies (ulysses, upipe, ring)")->delimiter(',')->capture_default_str();
+  app.add_option("--head-chunk", f->head_chunks, "U values for upipe (default C; 'all' for every valid U)")
+      ->delimiter(',');
+  app.add_option("--seq-len", f->seq_lens, "lengths (K and M suffixes)")->delimiter(',')->capture_default_str();
+  app.add_option("--zero", f->zero, "2 or 3 (training step)")->capture_default_str();
+  app.add_option("--optimizer", f->optimizer, "adamw (training step) or none (forward and backward only)")
+      ->capture_default_str();
+  app.add_option("--checkpoint-policy", f->policy, "what=input|input+attention,every=K,where=device|host-pinned|host-pageable");
+  app.add_option("--mlp-tile", f->mlp_tile, "tokens per MLP tile (0: D)");
+  app.add_option("--loss-chunk", f->loss_chunk, "tokens per cross-entropy chunk (0: 256 MiB of logits)");
+  app.add_option("--repeats", f->repeats, "timed steps per configuration (the fastest is reported)")->capture_default_str();
+  app.add_option("--single-pass-from", f->single_pass_from, "one timed step from this length on")->capture_default_str();
+  app.add_option("--warmup-seq-len", f->warmup_len, "length of the warm-up step (default 256 layout units)");
+  app.add_option("--no-check", f->no_check, "skip the correctness check after timing");
+  app.add_option("--memory-gib", f->memory_gib, "arena per rank, GiB")->capture_default_str();
+  app.add_option("--peak-tflops", f->peak_tflops, "the card's measured bf16 GEMM peak, for MFU")->capture_default_str();
+  app.add_option("--seed", f->seed, "seed of the weights and tokens")->capture_default_str();
+  app.add_option("--json", f->json_path, "write one object per configuration");
+  return [f] { return run(*f); };
+}
+
+}  // namespace upipe::apps

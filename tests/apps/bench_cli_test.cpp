@@ -1,0 +1,68 @@
+// `upipe bench` as a user runs it: rows per strategy, U and length, JSON with the
+// measures DESIGN.md section 7 names, the check after timing, and refusals.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include <nlohmann/json.hpp>
+
+#include "run_upipe.hpp"
+
+namespace {
+
+using upipe::testing::run_result;
+using upipe::testing::run_upipe;
+using upipe::testing::temp_dir;
+
+TEST(bench_cli, rows_json_and_checks_on_the_cpu) {
+  const auto dir = temp_dir("bench_cli");
+  const auto path = (dir / "bench.json").string();
+  const run_result r = run_upipe("bench --cp 4 --attention ulysses,upipe,ring --head-chunk all --seq-len 128,256 "
+                                 "--repeats 2 --json " + path);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("0 wrong"), std::string::npos) << r.output;
+  std::ifstream in(path);
+  const nlohmann::json rows = nlohmann::json::parse(in);
+  ASSERT_EQ(rows.size(), (1u + 1u + 1u) * 2u);  // ulysses, upipe U = 4 (H = 4, C = 4), ring; two lengths
+  for (const auto& row : rows) {
+    for (const char* key : {"tokens_per_s_per_gpu", "model_tflops", "mfu", "peak_bytes", "arena_high_water_bytes",
+                            "check_rel_diff", "layer_ms"})
+      EXPECT_TRUE(row.contains(key)) << key;
+    EXPECT_GT(row["tokens_per_s_per_gpu"].get<double>(), 0.0);
+    EXPECT_TRUE(row["check_pass"].get<bool>());
+    EXPECT_LT(row["check_rel_diff"].get<double>(), 1e-4);
+    EXPECT_EQ(row["repeats"], 2);
+  }
+  std::filesystem::remove_all(dir);
+}
+
+TEST(bench_cli, emulated_rank_zero_on_meta_reports_memory_only) {
+  const auto dir = temp_dir("bench_meta");
+  const auto path = (dir / "bench.json").string();
+  const run_result r = run_upipe("bench --backend meta --emulate-cp 8 --model llama3-8b --layers 1 --attention "
+                                 "ulysses,upipe --head-chunk 8 --seq-len 128K,2M --json " + path);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  std::ifstream in(path);
+  const nlohmann::json rows = nlohmann::json::parse(in);
+  ASSERT_EQ(rows.size(), 4u);
+  for (const auto& row : rows) {
+    EXPECT_TRUE(row["step_ms"].is_null());
+    EXPECT_TRUE(row["emulated"].get<bool>());
+    EXPECT_GT(row["arena_high_water_bytes"].get<double>(), 0.0);
+  }
+  // At 2M tokens one timed pass (stated in the header) and UPipe's peak below Ulysses'.
+  EXPECT_EQ(rows[1]["repeats"], 1);
+  EXPECT_LT(rows[3]["device_peak_bytes"].get<double>(), rows[1]["device_peak_bytes"].get<double>());
+  std::filesystem::remove_all(dir);
+}
+
+TEST(bench_cli, contradictory_flags_are_refused) {
+  const run_result r = run_upipe("bench --cp 4 --emulate-cp 8");
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("contradict"), std::string::npos) << r.output;
+  const run_result o = run_upipe("bench --optimizer sgd");
+  EXPECT_EQ(o.exit_code, 2) << o.output;
+}
+
+}  // namespace
