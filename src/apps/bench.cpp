@@ -222,7 +222,7 @@ command_runner add_bench(CLI::App& app) {
   app.add_option("--repeats", f->repeats, "timed steps per configuration (the fastest is reported)")->capture_default_str();
   app.add_option("--single-pass-from", f->single_pass_from, "one timed step from this length on")->capture_default_str();
   app.add_option("--warmup-seq-len", f->warmup_len, "length of the warm-up step (default 256 layout units)");
-  app.add_option("--no-check", f->no_check, "skip the correctness check after timing");
+  app.add_flag("--no-check", f->no_check, "skip the correctness check after timing");
   app.add_option("--memory-gib", f->memory_gib, "arena per rank, GiB")->capture_default_str();
   app.add_option("--peak-tflops", f->peak_tflops, "the card's measured bf16 GEMM peak, for MFU")->capture_default_str();
   app.add_option("--seed", f->seed, "seed of the weights and tokens")->capture_default_str();

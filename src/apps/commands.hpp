@@ -17,5 +17,6 @@ command_runner add_train(CLI::App& app);
 command_runner add_bench_kernels(CLI::App& app);
 command_runner add_plan(CLI::App& app);
 command_runner add_bench(CLI::App& app);
+command_runner add_report(CLI::App& app);
 
 }  // namespace upipe::apps

@@ -41,6 +41,8 @@ int main(int argc, char** argv) {
       "plan", "The longest sequence each strategy fits on C GPUs, the checkpoint policy and the recommended U"));
   auto bench_steps = upipe::apps::add_bench(*app.add_subcommand(
       "bench", "Whole-step benchmarks over strategy x U x S: tokens/s/GPU, TFLOP/s, MFU, peak by tag, checked"));
+  auto report = upipe::apps::add_report(*app.add_subcommand(
+      "report", "Plots (SVG) of bench, bench-attention and plan results: memory by tag, throughput and peak vs S, U"));
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -54,6 +56,7 @@ int main(int argc, char** argv) {
     if (app.got_subcommand("bench-kernels")) return kernels();
     if (app.got_subcommand("plan")) return plan();
     if (app.got_subcommand("bench")) return bench_steps();
+    if (app.got_subcommand("report")) return report();
   } catch (const std::exception& e) {
     return report_error(e);
   }

@@ -1,0 +1,160 @@
+#!/usr/bin/env python3
+"""Plots of upipe results (run by `upipe report`, which embeds this file).
+
+usage: report.py OUT_DIR RESULTS.json...
+
+Reads the JSON of `upipe bench`, `upipe bench-attention` (lists of rows) and
+`upipe plan` (an object with "entries") and writes SVG files into OUT_DIR:
+  memory_breakdown.svg  stacked bars of the peak by tag per strategy and U, at the
+                        longest length of each (plan entries at their longest length)
+  throughput_vs_s.svg   tokens/s/GPU against S per strategy and U (timed rows)
+  peak_vs_s.svg         device peak against S per strategy and U
+  u_ablation.svg        UPipe at one length: time and peak against U
+Prints one line per file written.
+"""
+import json
+import os
+import sys
+
+import matplotlib
+
+matplotlib.use("svg")
+import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.ticker  # noqa: E402
+
+GIB = float(1 << 30)
+TAGS = ["weights", "grads", "optimizer", "activations", "attention", "comm", "workspace", "checkpoints_device"]
+
+
+def rows_of(path):
+    with open(path) as f:
+        doc = json.load(f)
+    if isinstance(doc, dict) and "entries" in doc:  # upipe plan
+        out = []
+        for e in doc["entries"]:
+            if not e.get("max_seq_len"):
+                continue
+            out.append({"strategy": e["strategy"], "head_chunk": e["head_chunk"], "seq_len": e["max_seq_len"],
+                        "peak_bytes": e.get("peak_bytes", {}), "device_peak_bytes": e.get("arena_bytes"),
+                        "source": "plan"})
+        return out
+    if isinstance(doc, list):
+        for r in doc:
+            r.setdefault("source", "bench")
+        return doc
+    raise SystemExit(f"report: {path} is neither a list of benchmark rows nor a plan (an object with 'entries')")
+
+
+def label(r):
+    u = r.get("head_chunk")
+    return r["strategy"] if r["strategy"] != "upipe" or u is None else f"upipe U={u}"
+
+
+def tokens(s):
+    return f"{s / (1 << 20):g}M" if s >= (1 << 20) else f"{s / (1 << 10):g}K" if s >= 1024 else str(s)
+
+
+def time_of(r):
+    return r.get("step_ms") if r.get("step_ms") is not None else r.get("time_ms")
+
+
+def series(rows):
+    groups = {}
+    for r in rows:
+        groups.setdefault(label(r), []).append(r)
+    for g in groups.values():
+        g.sort(key=lambda r: r["seq_len"])
+    return groups
+
+
+def save(fig, out_dir, name):
+    path = os.path.join(out_dir, name)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    print(path)
+
+
+def memory_breakdown(rows, out_dir):
+    longest = {}
+    for r in rows:
+        if r.get("peak_bytes") and (label(r) not in longest or r["seq_len"] > longest[label(r)]["seq_len"]):
+            longest[label(r)] = r
+    if not longest:
+        return
+    names = list(longest)
+    fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(names) + 2), 4.5))
+    bottom = [0.0] * len(names)
+    for tag in TAGS:
+        heights = [longest[n]["peak_bytes"].get(tag, 0) / GIB for n in names]
+        if any(heights):
+            ax.bar(names, heights, bottom=bottom, label=tag)
+            bottom = [b + h for b, h in zip(bottom, heights)]
+    ax.set_ylabel("peak by tag (GiB; each tag at its own peak)")
+    ax.set_title("memory per rank at " + ", ".join(sorted({tokens(longest[n]["seq_len"]) for n in names})))
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    plt.setp(ax.get_xticklabels(), rotation=20, ha="right")
+    save(fig, out_dir, "memory_breakdown.svg")
+
+
+def against_s(rows, out_dir, key, ylabel, name, scale=1.0):
+    groups = {k: [r for r in g if r.get(key) is not None] for k, g in series(rows).items()}
+    groups = {k: g for k, g in groups.items() if g}
+    if not groups:
+        return
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    for k, g in groups.items():
+        ax.plot([r["seq_len"] for r in g], [r[key] / scale for r in g], marker="o", label=k)
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: tokens(int(v))))
+    ax.set_xlabel("sequence length S (tokens)")
+    ax.set_ylabel(ylabel)
+    ax.legend(fontsize="small")
+    ax.grid(alpha=0.3)
+    save(fig, out_dir, name)
+
+
+def u_ablation(rows, out_dir):
+    up = [r for r in rows if r["strategy"] == "upipe" and r.get("head_chunk") and r["source"] == "bench"]
+    by_s = {}
+    for r in up:
+        by_s.setdefault(r["seq_len"], []).append(r)
+    candidates = {s: g for s, g in by_s.items() if len({r["head_chunk"] for r in g}) >= 2}
+    if not candidates:
+        return
+    s = max(candidates)
+    g = sorted(candidates[s], key=lambda r: r["head_chunk"])
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    us = [r["head_chunk"] for r in g]
+    ax.plot(us, [r["device_peak_bytes"] / GIB for r in g], marker="o", color="C0", label="device peak")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("U (query heads per stage)")
+    ax.set_ylabel("device peak per rank (GiB)", color="C0")
+    times = [time_of(r) for r in g]
+    if all(t is not None for t in times):
+        ax2 = ax.twinx()
+        ax2.plot(us, times, marker="s", color="C1", label="time")
+        ax2.set_ylabel("time per step (ms)", color="C1")
+    ax.set_title(f"UPipe U ablation at S = {tokens(s)}")
+    save(fig, out_dir, "u_ablation.svg")
+
+
+def main(argv):
+    if len(argv) < 3:
+        raise SystemExit(__doc__)
+    out_dir = argv[1]
+    os.makedirs(out_dir, exist_ok=True)
+    rows = []
+    for path in argv[2:]:
+        rows.extend(rows_of(path))
+    if not rows:
+        raise SystemExit("report: the files hold no rows")
+    memory_breakdown(rows, out_dir)
+    against_s([r for r in rows if r["source"] == "bench"], out_dir, "tokens_per_s_per_gpu", "tokens/s/GPU",
+              "throughput_vs_s.svg")
+    against_s(rows, out_dir, "device_peak_bytes", "device peak per rank (GiB)", "peak_vs_s.svg", GIB)
+    u_ablation(rows, out_dir)
+
+
+if __name__ == "__main__":
+    main(sys.argv)
