@@ -26,9 +26,9 @@ class data_source {
         task_(o.data_path.empty() ? std::make_unique<passkey_task>(o.seq_len) : nullptr),
         file_(o.data_path.empty() ? nullptr : std::make_unique<token_file>(o.data_path, o.seq_len, o.model.vocab_size)) {}
   // Sequence `index` (counted from 1 over the whole run) of the passkey task, or the
-  // file's sequence at `position`, which then moves on.
-  // A shorter `length` (sequence-length warmup) takes a passkey sample of that length,
-  // or the first `length` tokens of the file's sequence.
+  // file's sequence at `position`, which then moves on. A shorter `length` (the
+  // short-sequence stage) takes a passkey sample of that length, or the first `length`
+  // tokens of the file's sequence.
   std::vector<std::int32_t> next(std::int64_t index, std::int64_t& position, std::int64_t length) {
     if (task_) {
       if (length == task_->seq_len()) return task_->sample(seed_, static_cast<std::uint64_t>(index)).tokens;
@@ -177,6 +177,16 @@ void run_rank(const train_options& o, backend& be, communicator& comm,
   if (comm.rank() == 0) summary.arena_high_water = be.device_arena().high_water();
 }
 
+step_memory memory_of(const backend& be) {
+  step_memory m;
+  m.peak_bytes = be.ledger().peaks_by_name();
+  m.device_peak = be.ledger().device_peak();
+  m.arena_high_water = be.device_arena().high_water();
+  m.host_high_water = be.host_arena().high_water();
+  m.workspace_at_end = be.ledger().current(mem_tag::workspace);
+  return m;
+}
+
 std::int64_t shortest_sequence(const train_options& o) { return o.data_path.empty() ? passkey_task::min_seq_len() : 2; }
 
 // The warmup's first length: as given, or a quarter of seq_len rounded up to the
@@ -253,12 +263,7 @@ step_memory measure_step_memory(const train_options& o) {
     const std::vector<std::vector<std::int32_t>> batch(1, std::vector<std::int32_t>(static_cast<std::size_t>(o.seq_len), 0));
     step_record record;
     run_step(rc, batch, 1, record);
-    if (rank != 0) return;
-    out.peak_bytes = be.ledger().peaks_by_name();
-    out.device_peak = be.ledger().device_peak();
-    out.arena_high_water = be.device_arena().high_water();
-    out.host_high_water = be.host_arena().high_water();
-    out.workspace_at_end = be.ledger().current(mem_tag::workspace);
+    if (rank == 0) out = memory_of(be);
   });
   return out;
 }
@@ -296,11 +301,7 @@ step_timing time_steps(const train_options& o, std::int64_t warmup_len, int repe
           }
         }
         if (rank != 0) return;
-        out.memory.peak_bytes = be.ledger().peaks_by_name();
-        out.memory.device_peak = be.ledger().device_peak();
-        out.memory.arena_high_water = be.device_arena().high_water();
-        out.memory.host_high_water = be.host_arena().high_water();
-        out.memory.workspace_at_end = be.ledger().current(mem_tag::workspace);
+        out.memory = memory_of(be);
         out.driver_peak = be.driver_peak_bytes();
       },
       emulate);
