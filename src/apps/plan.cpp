@@ -1,5 +1,6 @@
 // `upipe plan`: the longest sequence each CP strategy fits on C GPUs, the checkpoint
 // policy that fits the GPU and the host, and the recommended U (meta backend only).
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <fstream>
@@ -133,11 +134,13 @@ int run(const plan_flags& f) {
                   p.fits ? "yes" : "no", gib(p.gpu_bytes), gib(p.host_bytes), p.policy.str().c_str());
     }
   }
-  if (plan.recommended_head_chunk)
+  const bool upipe_planned =
+      std::find(r.strategies.begin(), r.strategies.end(), strategy_kind::upipe) != r.strategies.end();
+  if (upipe_planned && plan.recommended_head_chunk)
     std::printf("\nrecommended: upipe with U = %d (the largest U that fits S = %s with the margin; a larger U runs "
                 "fewer, larger stages)\n",
                 *plan.recommended_head_chunk, tokens_text(plan.planned_seq_len).c_str());
-  else
+  else if (upipe_planned)
     std::printf("\nrecommended: none, upipe fits no U at S = %s; shorten --seq-len or add GPUs\n",
                 tokens_text(plan.planned_seq_len).c_str());
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
