@@ -256,23 +256,16 @@ void validate(const train_options& o) {
 
 step_memory measure_step_memory(const train_options& o) {
   UPIPE_CHECK(o.backend == backend_kind::meta, "measure_step_memory runs on the meta backend");
-  validate(o);
-  step_memory out;
-  run_cp_group(o.backend, o.limits, o.cp.cp, [&](int rank, backend& be, communicator& comm) {
-    rank_context rc(o, be, comm);
-    const std::vector<std::vector<std::int32_t>> batch(1, std::vector<std::int32_t>(static_cast<std::size_t>(o.seq_len), 0));
-    step_record record;
-    run_step(rc, batch, 1, record);
-    if (rank == 0) out = memory_of(be);
-  });
-  return out;
+  return time_steps(o, 0, 1, false).memory;
 }
 
 step_timing time_steps(const train_options& o, std::int64_t warmup_len, int repeats, bool emulate) {
   validate(o);
   UPIPE_CHECK(repeats >= 1, "time_steps needs at least one timed step");
-  const auto random_tokens = [&](std::int64_t n, std::uint64_t stream) {
+  // Random ids where there is data; zeros on meta, which never reads them.
+  const auto tokens = [&](const backend& be, std::int64_t n, std::uint64_t stream) {
     std::vector<std::int32_t> t(static_cast<std::size_t>(n));
+    if (!be.has_data()) return t;
     std::uint64_t x = o.seed * 0x9e3779b97f4a7c15ull + stream;
     for (auto& id : t) {
       x = x * 6364136223846793005ull + 1442695040888963407ull;
@@ -286,9 +279,9 @@ step_timing time_steps(const train_options& o, std::int64_t warmup_len, int repe
       [&](int rank, backend& be, communicator& comm) {
         rank_context rc(o, be, comm);
         step_record record;
-        if (warmup_len > 0) run_step(rc, {random_tokens(warmup_len, 0)}, 1, record);
+        if (warmup_len > 0) run_step(rc, {tokens(be, warmup_len, 0)}, 1, record);
         for (int i = 0; i < repeats; ++i) {
-          const std::vector<std::vector<std::int32_t>> batch{random_tokens(o.seq_len, 1 + static_cast<std::uint64_t>(i))};
+          const std::vector<std::vector<std::int32_t>> batch{tokens(be, o.seq_len, 1 + static_cast<std::uint64_t>(i))};
           be.synchronize();
           comm.barrier();
           const auto start = clock_type::now();
