@@ -79,9 +79,12 @@ class progress {
   void operator()(const step_record& r) {
     done_seconds_ += r.seconds;
     done_tokens_ += static_cast<double>(r.seq_len * options_.batch);
-    double left_tokens = 0;
-    for (std::int64_t step = r.step + 1; step <= last_; ++step)
-      left_tokens += static_cast<double>(step_seq_len(options_, step) * options_.batch);
+    // Steps left in the short stage at its length, the rest at the full length.
+    const std::int64_t left = last_ - r.step;
+    const std::int64_t short_left = std::clamp<std::int64_t>(std::min(last_, options_.seq_warmup) - r.step, 0, left);
+    const double left_tokens = static_cast<double>(options_.batch) *
+                               static_cast<double>(short_left * step_seq_len(options_, 1) +
+                                                   (left - short_left) * options_.seq_len);
     const double eta = done_tokens_ > 0 ? done_seconds_ / done_tokens_ * left_tokens : 0;
     const std::int64_t every = std::max<std::int64_t>(1, (last_ - first_ + 1) / 20);
     if (!tty_ && r.step != last_ && (r.step - first_) % every != 0) return;
