@@ -2,6 +2,7 @@
 // the synthetic passkey task on the CPU, 4 threaded CP ranks, UPipe.
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
