@@ -2,14 +2,10 @@
 // matplotlib through the script this binary carries (scripts/report.py).
 #include <spawn.h>
 #include <sys/wait.h>
-#include <unistd.h>
 
 #include <cerrno>
-#include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <string>
 #include <vector>
 
@@ -49,20 +45,10 @@ int run(const report_flags& f) {
   if (spawn({"python3", "-c", "import matplotlib"}) != 0)
     throw config_error("upipe report needs matplotlib for python3: scripts/setup-deps installs it "
                        "(or: python3 -m pip install matplotlib)");
-  std::string pattern = (std::filesystem::temp_directory_path() / "upipe-report-XXXXXX.py").string();
-  std::vector<char> name(pattern.begin(), pattern.end());
-  name.push_back('\0');
-  char* script = name.data();
-  const int fd = ::mkstemps(script, 3);
-  if (fd < 0) throw io_error(std::string("cannot create a temporary file for the report script: ") + std::strerror(errno));
-  const std::size_t n = std::strlen(report_script);
-  const bool written = ::write(fd, report_script, n) == static_cast<ssize_t>(n);
-  ::close(fd);
-  std::vector<std::string> args = {"python3", std::string(script), f.out_dir};
+  // The script travels as python3's -c argument (its argv[0] becomes "-c").
+  std::vector<std::string> args = {"python3", "-c", report_script, f.out_dir};
   args.insert(args.end(), f.inputs.begin(), f.inputs.end());
-  const int status = written ? spawn(args) : -1;
-  std::filesystem::remove(script);
-  if (!written) throw io_error("cannot write the report script to " + std::string(script));
+  const int status = spawn(args);
   return status == 0 ? 0 : 2;  // the script names the bad input
 }
 
