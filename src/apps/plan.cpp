@@ -49,12 +49,10 @@ std::string u_text(const plan_entry& e) {
 }
 
 nlohmann::json point_json(const plan_point& p) {
-  nlohmann::json policy = {{"text", p.policy.str()},
-                           {"what", p.policy.what == checkpoint_content::layer_input ? "input" : "input+attention"},
-                           {"every", p.policy.every},
-                           {"where", p.policy.where == checkpoint_location::device        ? "device"
-                                     : p.policy.where == checkpoint_location::host_pinned ? "host-pinned"
-                                                                                          : "host-pageable"}};
+  const nlohmann::json policy = {{"text", p.policy.str()},
+                                 {"what", content_name(p.policy.what)},
+                                 {"every", p.policy.every},
+                                 {"where", location_name(p.policy.where)}};
   return {{"seq_len", p.seq_len},
           {"fits", p.fits},
           {"checkpoint_policy", policy},

@@ -12,15 +12,6 @@ constexpr const char* policy_help =
     "use what=input|input+attention, every=K (K >= 1), where=device|host-pinned|host-pageable, for example "
     "--checkpoint-policy what=input,every=1,where=host-pinned";
 
-std::string_view location_name(checkpoint_location where) {
-  switch (where) {
-    case checkpoint_location::device: return "device";
-    case checkpoint_location::host_pinned: return "host-pinned";
-    case checkpoint_location::host_pageable: return "host-pageable";
-  }
-  return "unknown";
-}
-
 void parse_part(checkpoint_policy& p, std::string_view part) {
   const auto eq = part.find('=');
   const std::string_view key = part.substr(0, eq), value = eq == part.npos ? "" : part.substr(eq + 1);
@@ -45,9 +36,22 @@ void parse_part(checkpoint_policy& p, std::string_view part) {
 
 }  // namespace
 
+std::string_view content_name(checkpoint_content what) {
+  return what == checkpoint_content::layer_input ? "input" : "input+attention";
+}
+
+std::string_view location_name(checkpoint_location where) {
+  switch (where) {
+    case checkpoint_location::device: return "device";
+    case checkpoint_location::host_pinned: return "host-pinned";
+    case checkpoint_location::host_pageable: return "host-pageable";
+  }
+  return "unknown";
+}
+
 std::string checkpoint_policy::str() const {
-  return std::string("what=") + (what == checkpoint_content::layer_input ? "input" : "input+attention") +
-         ",every=" + std::to_string(every) + ",where=" + std::string(location_name(where));
+  return "what=" + std::string(content_name(what)) + ",every=" + std::to_string(every) +
+         ",where=" + std::string(location_name(where));
 }
 
 checkpoint_policy parse_checkpoint_policy(std::string_view text) {

@@ -28,6 +28,11 @@ struct checkpoint_policy {
   std::string str() const;
 };
 
+// The names the policy text uses ("input", "input+attention"; "device", "host-pinned",
+// "host-pageable").
+std::string_view content_name(checkpoint_content what);
+std::string_view location_name(checkpoint_location where);
+
 // Parses "what=input|input+attention,every=K,where=device|host-pinned|host-pageable"
 // (any subset, comma-separated; the rest keeps its default). Throws config_error naming
 // the bad part and the valid values.
