@@ -259,35 +259,33 @@ std::unique_ptr<sdpa_plan> build_plan(const plan_key& key, cudnnHandle_t handle)
   return plan;
 }
 
-plan_key forward_key(const sdpa_forward_args& a, std::size_t version) {
+// The parts both directions share: mask, scale, q, k, v, o and the statistics (bound in
+// place when cuDNN can address the caller's layout, else staged packed).
+template <class Args>
+plan_key common_key(pass direction, const Args& a, bool strided_stats_supported) {
   plan_key key;
-  key.direction = pass::forward;
+  key.direction = direction;
   key.mask = a.mask;
   key.scale_bits = std::bit_cast<std::uint32_t>(a.scale);
   key.q = layout_of(a.q);
   key.k = layout_of(a.k);
   key.v = layout_of(a.v);
   key.o = layout_of(a.out);
-  key.stage_stats = !stats_bindable(a.lse, version >= strided_stats_write_version);
+  key.stage_stats = !stats_bindable(a.lse, strided_stats_supported);
   key.stats = key.stage_stats ? packed_stats(a.lse.heads, a.lse.tokens) : layout_of(a.lse);
   return key;
 }
 
+plan_key forward_key(const sdpa_forward_args& a, std::size_t version) {
+  return common_key(pass::forward, a, version >= strided_stats_write_version);
+}
+
 plan_key backward_key(const sdpa_backward_args& a, std::size_t version) {
-  plan_key key;
-  key.direction = pass::backward;
-  key.mask = a.mask;
-  key.scale_bits = std::bit_cast<std::uint32_t>(a.scale);
-  key.q = layout_of(a.q);
-  key.k = layout_of(a.k);
-  key.v = layout_of(a.v);
-  key.o = layout_of(a.out);
+  plan_key key = common_key(pass::backward, a, version >= strided_stats_read_version);
   key.d_o = layout_of(a.d_out);
   key.d_q = layout_of(a.d_q);
   key.d_k = layout_of(a.d_k);
   key.d_v = layout_of(a.d_v);
-  key.stage_stats = !stats_bindable(a.lse, version >= strided_stats_read_version);
-  key.stats = key.stage_stats ? packed_stats(a.lse.heads, a.lse.tokens) : layout_of(a.lse);
   return key;
 }
 
