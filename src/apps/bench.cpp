@@ -75,6 +75,7 @@ int run(const bench_flags& f) {
   const bool emulate = f.emulate_cp > 0;
   const int C = emulate ? f.emulate_cp : (f.cp > 0 ? f.cp : 4);
   model_config m = f.config_path.empty() ? preset(f.model) : read_hf_config(f.config_path);
+  const int model_layers = m.num_layers;
   if (f.layers < 0 || f.layers > m.num_layers)
     throw config_error("--layers " + std::to_string(f.layers) + " must lie between 1 and the model's " +
                        std::to_string(m.num_layers) + " layers (a slice of the first N layers)");
@@ -96,7 +97,7 @@ int run(const bench_flags& f) {
   }
   std::printf("# upipe bench  model=%s  layers=%d of %d (a slice: per-layer time and working set)  backend=%s  %s C=%d  "
               "%s  repeats=%d (1 pass from S=%s)\n",
-              m.name.c_str(), m.num_layers, f.config_path.empty() ? preset(f.model).num_layers : m.num_layers,
+              m.name.c_str(), m.num_layers, model_layers,
               f.backend.c_str(), emulate ? "emulated (rank 0 alone, loopback)" : "every rank", C,
               f.optimizer == "none" ? "forward+backward" : ("training step, zero=" + std::to_string(f.zero)).c_str(),
               f.repeats, f.single_pass_from.c_str());
