@@ -28,7 +28,10 @@ TAGS = ["weights", "grads", "optimizer", "activations", "attention", "comm", "wo
 
 def rows_of(path):
     with open(path) as f:
-        doc = json.load(f)
+        try:
+            doc = json.load(f)
+        except json.JSONDecodeError as e:
+            sys.exit(f"upipe report: {path} is not JSON ({e}); give the --json file of a finished upipe bench or plan")
     if isinstance(doc, dict) and "entries" in doc:  # upipe plan
         out = []
         for e in doc["entries"]:

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -28,8 +29,8 @@ struct bench_flags {
   std::vector<std::string> attention{"ulysses", "upipe"}, head_chunks, seq_lens{"512"};
   int cp = 0, emulate_cp = 0, layers = 0, zero = 3, repeats = 3;
   std::int64_t mlp_tile = 0, loss_chunk = 0;
-  double memory_gib = 8, peak_tflops = 778, datasheet_tflops = 989;
-  bool no_check = false;
+  double memory_gib = 8, host_memory_gib = 0, peak_tflops = 778, datasheet_tflops = 989;
+  bool no_check = false, phases = false;
   unsigned long long seed = 1;
 };
 
@@ -42,20 +43,34 @@ struct row {
   std::size_t driver_peak = 0;
   std::optional<double> check_rel_diff;
   bool check_pass = true;
+  std::string check_error;  // why the check could not run, if it could not
+  std::map<std::string, double> phases_ms;  // --phases: the fastest step by phase
 };
 
 double gib(std::size_t bytes) { return static_cast<double>(bytes) / (1 << 30); }
+
+// One line under a row: the fastest step's time by phase, longest first, and its share.
+void print_phases(const std::map<std::string, double>& phases) {
+  std::vector<std::pair<std::string, double>> sorted(phases.begin(), phases.end());
+  std::sort(sorted.begin(), sorted.end(), [](const auto& a, const auto& b) { return a.second > b.second; });
+  double total = 0;
+  for (const auto& p : sorted) total += p.second;
+  std::printf("#   phases (ms, %% of the step):");
+  for (const auto& [name, ms] : sorted) std::printf("  %s %.2f (%.1f%%)", name.c_str(), ms, 100.0 * ms / total);
+  std::printf("\n");
+}
 
 // The loss of step 1 on a short sequence under `o`'s strategy with every rank real, against
 // C = 1 on the same backend: relative difference (the check after timing; an emulated
 // run's own loss is not the model's, since rank 0 receives its own bytes).
 double check_against_cp1(train_options o, std::int64_t check_len) {
   o.seq_len = check_len;
-  // Every rank is real here, and on a GPU they share it: each gets 1/C of the arena.
-  o.limits.device_bytes /= static_cast<std::size_t>(o.cp.cp);
-  const double got = time_steps(o, 0, 1, false).losses.front();
-  train_options one = o;
+  train_options one = o;  // C = 1 runs alone afterwards: the whole arenas, as timed
   one.cp = {strategy_kind::ulysses, 1, 0};
+  // Every rank is real here, and on a GPU they share it: each gets 1/C of the arenas.
+  o.limits.device_bytes /= static_cast<std::size_t>(o.cp.cp);
+  o.limits.host_bytes /= static_cast<std::size_t>(o.cp.cp);
+  const double got = time_steps(o, 0, 1, false).losses.front();
   const double want = time_steps(one, 0, 1, false).losses.front();
   return std::abs(got - want) / std::abs(want);
 }
@@ -90,88 +105,12 @@ int run(const bench_flags& f) {
   std::vector<std::int64_t> lengths;
   for (const std::string& t : f.seq_lens) lengths.push_back(parse_count(t, "--seq-len"));
 
-  std::ofstream json_out;
-  if (!f.json_path.empty()) {
-    json_out.open(f.json_path, std::ios::trunc);
-    if (!json_out) throw io_error("cannot write --json " + f.json_path + ": check the directory");
-  }
-  std::printf("# upipe bench  model=%s  layers=%d of %d (a slice: per-layer time and working set)  backend=%s  %s C=%d  "
-              "%s  repeats=%d (1 pass from S=%s)\n",
-              m.name.c_str(), m.num_layers, model_layers,
-              f.backend.c_str(), emulate ? "emulated (rank 0 alone, loopback)" : "every rank", C,
-              f.optimizer == "none" ? "forward+backward" : ("training step, zero=" + std::to_string(f.zero)).c_str(),
-              f.repeats, f.single_pass_from.c_str());
-  std::printf("# MFU against %.0f TFLOP/s (measured bf16 GEMM peak) and, in the JSON, %.0f (datasheet)\n",
-              f.peak_tflops, f.datasheet_tflops);
-  std::printf("%-8s %4s %9s %6s %3s %4s %11s %10s %11s %8s %6s %9s %9s %8s\n", "strategy", "U", "S", "layers", "C",
-              "reps", "step_ms", "layer_ms", "tok/s/GPU", "TFLOP/s", "MFU", "peak_GiB", "arena_GiB", "check");
-  std::fflush(stdout);
-
+  if (!f.json_path.empty() && !std::ofstream(f.json_path, std::ios::trunc))
+    throw io_error("cannot write --json " + f.json_path + ": check the directory");
   std::vector<row> rows;
-  for (const std::string& name : f.attention) {
-    const strategy_kind strategy = parse_strategy_kind(name);
-    const std::vector<int> us =
-        strategy == strategy_kind::upipe ? chunks_for(f, m, C)
-                                         : std::vector<int>{strategy == strategy_kind::ulysses ? m.num_heads : 0};
-    for (int u : us)
-      for (std::int64_t s : lengths) {
-        train_options o;
-        o.model = m;
-        o.seq_len = s;
-        o.cp = {strategy, C, u};
-        o.zero = f.optimizer == "none" ? zero_stage::replicated : (f.zero == 3 ? zero_stage::three : zero_stage::two);
-        o.step = {f.mlp_tile, f.loss_chunk, policy};
-        o.optim.total_steps = 1 + f.repeats;
-        o.optim.warmup_steps = 0;
-        o.seed = f.seed;
-        o.eval_samples = 0;
-        o.backend = kind;
-        o.limits = run_limits(kind, f.memory_gib, policy.where);
-        const std::int64_t unit = layout_unit(o.cp);
-        const std::int64_t warmup =
-            f.warmup_len.empty() ? std::min<std::int64_t>(s, unit * 256) : parse_count(f.warmup_len, "--warmup-seq-len");
-        const int repeats = s >= single_from ? 1 : f.repeats;
-        const step_timing t = time_steps(o, warmup, repeats, emulate);
-        row r;
-        r.strategy = name;
-        r.head_chunk = strategy == strategy_kind::ring ? 0 : u;
-        r.cp = C;
-        r.layers = m.num_layers;
-        r.repeats = repeats;
-        r.seq_len = s;
-        // The fastest repeat: the step's own time, free of one-off stalls.
-        const double seconds = *std::min_element(t.seconds.begin(), t.seconds.end());
-        r.step_ms = 1e3 * seconds;
-        r.layer_ms = r.step_ms / m.num_layers;
-        r.tokens_per_s_per_gpu = static_cast<double>(s) / seconds / C;
-        r.tflops = m.model_flops(s) / seconds / C / 1e12;
-        r.mfu = r.tflops / f.peak_tflops;
-        r.mfu_datasheet = r.tflops / f.datasheet_tflops;
-        r.memory = t.memory;
-        r.driver_peak = t.driver_peak;
-        if (!f.no_check && kind != backend_kind::meta) {
-          r.check_rel_diff = check_against_cp1(o, std::min<std::int64_t>(s, unit * 64));
-          r.check_pass = *r.check_rel_diff < (kind == backend_kind::cpu ? 1e-4 : 2e-2);
-        }
-        char check[32] = "-";
-        if (r.check_rel_diff) std::snprintf(check, sizeof check, "%s %.1e", r.check_pass ? "ok" : "WRONG", *r.check_rel_diff);
-        // Times exist only where ops run (not on meta).
-        char times[96] = "          -          -           -        -      -";
-        if (kind != backend_kind::meta)
-          std::snprintf(times, sizeof times, "%11.2f %10.2f %11.0f %8.1f %6.3f", r.step_ms, r.layer_ms,
-                        r.tokens_per_s_per_gpu, r.tflops, r.mfu);
-        std::printf("%-8s %4s %9lld %6d %3d %4d %s %9.2f %9.2f %8s\n", name.c_str(),
-                    strategy == strategy_kind::ring ? "-" : std::to_string(u).c_str(), static_cast<long long>(s),
-                    r.layers, C, repeats, times, gib(r.memory.device_peak), gib(r.memory.arena_high_water), check);
-        std::fflush(stdout);
-        rows.push_back(std::move(r));
-      }
-  }
-  int wrong = 0;
-  for (const row& r : rows) wrong += r.check_pass ? 0 : 1;
-  std::printf("# %zu configurations, %d wrong (the step-1 loss at a short length against C = 1, after timing)\n",
-              rows.size(), wrong);
-  if (json_out.is_open()) {
+  // Rewritten after every row, so a run cut short (a time limit, a crash) keeps its rows.
+  const auto write_json = [&] {
+    if (f.json_path.empty()) return;
     nlohmann::json all = nlohmann::json::array();
     const bool timed = kind != backend_kind::meta;
     for (const row& r : rows)
@@ -196,10 +135,100 @@ int run(const bench_flags& f) {
                      {"arena_high_water_bytes", r.memory.arena_high_water},
                      {"driver_peak_bytes", r.driver_peak},
                      {"check_rel_diff", r.check_rel_diff ? nlohmann::json(*r.check_rel_diff) : nlohmann::json(nullptr)},
-                     {"check_pass", r.check_pass}});
-    json_out << all.dump(1) << "\n";
-    if (!json_out) throw io_error("writing --json " + f.json_path + " failed");
+                     {"check_pass", r.check_pass},
+                     {"check_error", r.check_error.empty() ? nlohmann::json(nullptr) : nlohmann::json(r.check_error)},
+                     {"phases_ms", r.phases_ms.empty() ? nlohmann::json(nullptr) : nlohmann::json(r.phases_ms)}});
+    std::ofstream out(f.json_path, std::ios::trunc);
+    out << all.dump(1) << "\n";
+    if (!out) throw io_error("writing --json " + f.json_path + " failed");
+  };
+  std::printf("# upipe bench  model=%s  layers=%d of %d (a slice: per-layer time and working set)  backend=%s  %s C=%d  "
+              "%s  repeats=%d (1 pass from S=%s)\n",
+              m.name.c_str(), m.num_layers, model_layers,
+              f.backend.c_str(), emulate ? "emulated (rank 0 alone, loopback)" : "every rank", C,
+              f.optimizer == "none" ? "forward+backward" : ("training step, zero=" + std::to_string(f.zero)).c_str(),
+              f.repeats, f.single_pass_from.c_str());
+  std::printf("# MFU against %.0f TFLOP/s (measured bf16 GEMM peak) and, in the JSON, %.0f (datasheet)\n",
+              f.peak_tflops, f.datasheet_tflops);
+  std::printf("%-8s %4s %9s %6s %3s %4s %11s %10s %11s %8s %6s %9s %9s %8s\n", "strategy", "U", "S", "layers", "C",
+              "reps", "step_ms", "layer_ms", "tok/s/GPU", "TFLOP/s", "MFU", "peak_GiB", "arena_GiB", "check");
+  std::fflush(stdout);
+
+  for (const std::string& name : f.attention) {
+    const strategy_kind strategy = parse_strategy_kind(name);
+    const std::vector<int> us =
+        strategy == strategy_kind::upipe ? chunks_for(f, m, C)
+                                         : std::vector<int>{strategy == strategy_kind::ulysses ? m.num_heads : 0};
+    for (int u : us)
+      for (std::int64_t s : lengths) {
+        train_options o;
+        o.model = m;
+        o.seq_len = s;
+        o.cp = {strategy, C, u};
+        o.zero = f.optimizer == "none" ? zero_stage::replicated : (f.zero == 3 ? zero_stage::three : zero_stage::two);
+        o.step = {f.mlp_tile, f.loss_chunk, policy};
+        o.optim.total_steps = 1 + f.repeats;
+        o.optim.warmup_steps = 0;
+        o.seed = f.seed;
+        o.eval_samples = 0;
+        o.backend = kind;
+        o.limits = run_limits(kind, f.memory_gib, policy.where, f.host_memory_gib);
+        const std::int64_t unit = layout_unit(o.cp);
+        const std::int64_t warmup =
+            f.warmup_len.empty() ? std::min<std::int64_t>(s, unit * 256) : parse_count(f.warmup_len, "--warmup-seq-len");
+        const int repeats = s >= single_from ? 1 : f.repeats;
+        const step_timing t = time_steps(o, warmup, repeats, emulate, f.phases);
+        row r;
+        r.strategy = name;
+        r.head_chunk = strategy == strategy_kind::ring ? 0 : u;
+        r.cp = C;
+        r.layers = m.num_layers;
+        r.repeats = repeats;
+        r.seq_len = s;
+        // The fastest repeat: the step's own time, free of one-off stalls.
+        const double seconds = *std::min_element(t.seconds.begin(), t.seconds.end());
+        r.step_ms = 1e3 * seconds;
+        r.layer_ms = r.step_ms / m.num_layers;
+        r.tokens_per_s_per_gpu = static_cast<double>(s) / seconds / C;
+        r.tflops = m.model_flops(s) / seconds / C / 1e12;
+        r.mfu = r.tflops / f.peak_tflops;
+        r.mfu_datasheet = r.tflops / f.datasheet_tflops;
+        r.memory = t.memory;
+        r.driver_peak = t.driver_peak;
+        r.phases_ms = t.phases_ms;
+        if (!f.no_check && kind != backend_kind::meta) {
+          // A check that cannot run (memory, say) fails its row but keeps the timing.
+          try {
+            r.check_rel_diff = check_against_cp1(o, std::min<std::int64_t>(s, unit * 64));
+            r.check_pass = *r.check_rel_diff < (kind == backend_kind::cpu ? 1e-4 : 2e-2);
+          } catch (const std::exception& e) {
+            r.check_error = e.what();
+            r.check_pass = false;
+            std::fprintf(stderr, "upipe bench: the check of %s at S = %lld could not run: %s\n", name.c_str(),
+                         static_cast<long long>(s), e.what());
+          }
+        }
+        char check[32] = "-";
+        if (r.check_rel_diff) std::snprintf(check, sizeof check, "%s %.1e", r.check_pass ? "ok" : "WRONG", *r.check_rel_diff);
+        if (!r.check_error.empty()) std::snprintf(check, sizeof check, "ERROR");
+        // Times exist only where ops run (not on meta).
+        char times[96] = "          -          -           -        -      -";
+        if (kind != backend_kind::meta)
+          std::snprintf(times, sizeof times, "%11.2f %10.2f %11.0f %8.1f %6.3f", r.step_ms, r.layer_ms,
+                        r.tokens_per_s_per_gpu, r.tflops, r.mfu);
+        std::printf("%-8s %4s %9lld %6d %3d %4d %s %9.2f %9.2f %8s\n", name.c_str(),
+                    strategy == strategy_kind::ring ? "-" : std::to_string(u).c_str(), static_cast<long long>(s),
+                    r.layers, C, repeats, times, gib(r.memory.device_peak), gib(r.memory.arena_high_water), check);
+        std::fflush(stdout);
+        if (!r.phases_ms.empty()) print_phases(r.phases_ms);
+        rows.push_back(std::move(r));
+        write_json();
+      }
   }
+  int wrong = 0;
+  for (const row& r : rows) wrong += r.check_pass ? 0 : 1;
+  std::printf("# %zu configurations, %d wrong (the step-1 loss at a short length against C = 1, after timing)\n",
+              rows.size(), wrong);
   return wrong == 0 ? 0 : 1;
 }
 
@@ -227,7 +256,10 @@ command_runner add_bench(CLI::App& app) {
   app.add_option("--single-pass-from", f->single_pass_from, "one timed step from this length on")->capture_default_str();
   app.add_option("--warmup-seq-len", f->warmup_len, "length of the warm-up step (default 256 layout units)");
   app.add_flag("--no-check", f->no_check, "skip the correctness check after timing");
+  app.add_flag("--phases", f->phases, "also time each phase of the fastest step (attention parts, MLP, loss)");
   app.add_option("--memory-gib", f->memory_gib, "arena per rank, GiB")->capture_default_str();
+  app.add_option("--host-memory-gib", f->host_memory_gib,
+                 "pinned host pool per rank, GiB (0: 1 GiB, or --memory-gib when checkpoints go to the host)");
   app.add_option("--peak-tflops", f->peak_tflops, "the card's measured bf16 GEMM peak, for MFU")->capture_default_str();
   app.add_option("--seed", f->seed, "seed of the weights and tokens")->capture_default_str();
   app.add_option("--json", f->json_path, "write one object per configuration");

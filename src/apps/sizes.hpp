@@ -51,15 +51,22 @@ inline std::size_t parse_bytes(const std::string& text, const char* flag) {
 }
 
 // The arenas for a run: `memory_gib` per rank (checked positive); nothing reserved on
-// meta; on the GPU a 1 GiB pinned host pool unless checkpoints go to the host, since
-// pinned memory is taken at start.
-inline memory_limits run_limits(backend_kind kind, double memory_gib, checkpoint_location checkpoints) {
+// meta, which takes the GPU libraries' workspaces as the cuda backend would so that its
+// peak is the GPU's; on the GPU a pinned host pool of `host_gib` when given, else 1 GiB
+// unless checkpoints go to the host (then `memory_gib`), since pinned memory is taken at
+// start.
+inline memory_limits run_limits(backend_kind kind, double memory_gib, checkpoint_location checkpoints,
+                                double host_gib = 0) {
   if (!(memory_gib > 0))
     throw config_error("--memory-gib " + std::to_string(memory_gib) + " must be positive (for example 8)");
-  if (kind == backend_kind::meta) return {std::size_t{1} << 50, std::size_t{1} << 50};
-  const auto bytes = static_cast<std::size_t>(memory_gib * (1 << 30));
+  if (!(host_gib >= 0))
+    throw config_error("--host-memory-gib " + std::to_string(host_gib) +
+                       " must be positive (for example 16), or 0 for the default");
+  if (kind == backend_kind::meta) return {std::size_t{1} << 50, std::size_t{1} << 50, true};
+  const auto bytes = [](double gib) { return static_cast<std::size_t>(gib * (1 << 30)); };
+  if (host_gib > 0) return {bytes(memory_gib), bytes(host_gib)};
   const bool small_host = kind == backend_kind::cuda && checkpoints == checkpoint_location::device;
-  return {bytes, small_host ? std::size_t{1} << 30 : bytes};
+  return {bytes(memory_gib), small_host ? std::size_t{1} << 30 : bytes(memory_gib)};
 }
 
 }  // namespace upipe::apps

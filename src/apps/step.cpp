@@ -23,7 +23,7 @@ struct step_flags {
   int cp = 4, head_chunk = 0;
   std::int64_t mlp_tile = 0, loss_chunk = 0;
   unsigned long long seed = 1;
-  double memory_gib = 8;
+  double memory_gib = 8, host_memory_gib = 0;
 };
 
 // The first `count` tokens of a flat little-endian uint32 file, checked against the vocabulary.
@@ -65,7 +65,7 @@ int run(const step_flags& f) {
   req.backend = parse_backend_kind(f.backend);
   req.cp = {parse_strategy_kind(f.attention), f.cp, f.head_chunk};
   req.options = {f.mlp_tile, f.loss_chunk, parse_checkpoint_policy(f.policy)};
-  req.limits = run_limits(req.backend, f.memory_gib, req.options.policy.where);
+  req.limits = run_limits(req.backend, f.memory_gib, req.options.policy.where, f.host_memory_gib);
   const std::int64_t S = parse_count(f.seq_len, "--seq-len");
   if (S < 2) throw config_error("--seq-len " + f.seq_len + " must be at least 2 (one prediction needs two tokens)");
   const bool data = req.backend != backend_kind::meta;
@@ -114,6 +114,8 @@ command_runner add_step(CLI::App& app) {
   app.add_option("--loss-chunk", f->loss_chunk, "tokens per cross-entropy chunk (0: 256 MiB of logits)");
   app.add_option("--seed", f->seed, "seed of random weights and tokens")->capture_default_str();
   app.add_option("--memory-gib", f->memory_gib, "arena per rank (cpu or GPU memory), GiB")->capture_default_str();
+  app.add_option("--host-memory-gib", f->host_memory_gib,
+                 "pinned host pool per rank, GiB (0: 1 GiB, or --memory-gib when checkpoints go to the host)");
   app.add_option("--json", f->json_path, "write the result as JSON");
   app.add_option("--save-grads", f->grads_path, "write the weight gradients as safetensors");
   return [f] { return run(*f); };

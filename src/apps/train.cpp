@@ -24,7 +24,7 @@ struct train_flags {
   std::string backend = "cpu", attention = "upipe", policy, seq_len = "128";
   int cp = 4, head_chunk = 0, zero = 2, layers = 0, eval_samples = 32;
   std::int64_t batch = -1, seq_warmup = -1, seq_warmup_start = 0, steps = 3300, stop_after = 0, save_every = 0, warmup = 20, mlp_tile = 0, loss_chunk = 0;
-  double lr = 1e-3, weight_decay = 0.01, max_grad_norm = 1.0, memory_gib = 8;
+  double lr = 1e-3, weight_decay = 0.01, max_grad_norm = 1.0, memory_gib = 8, host_memory_gib = 0;
   unsigned long long seed = 1;
 };
 
@@ -58,7 +58,7 @@ train_options to_options(const train_flags& f) {
   o.save_every = f.save_every;
   o.resume_dir = f.resume_dir;
   o.backend = parse_backend_kind(f.backend);
-  o.limits = run_limits(o.backend, f.memory_gib, o.step.policy.where);
+  o.limits = run_limits(o.backend, f.memory_gib, o.step.policy.where, f.host_memory_gib);
   o.eval_samples = f.eval_samples;
   return o;
 }
@@ -212,6 +212,8 @@ command_runner add_train(CLI::App& app) {
   app.add_option("--layers", f->layers, "train a slice: the first N layers only");
   app.add_option("--backend", f->backend, "cpu, cuda (bf16, virtual ranks on one GPU) or meta")->capture_default_str();
   app.add_option("--memory-gib", f->memory_gib, "arena per rank (cpu or GPU memory), GiB")->capture_default_str();
+  app.add_option("--host-memory-gib", f->host_memory_gib,
+                 "pinned host pool per rank, GiB (0: 1 GiB, or --memory-gib when checkpoints go to the host)");
   app.add_option("--eval-samples", f->eval_samples, "held-out passkey samples for the retrieval accuracy")->capture_default_str();
   app.add_option("--metrics-json", f->metrics_path, "one JSON object per step, then a final one");
   return [f] { return run(*f); };

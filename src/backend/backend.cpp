@@ -29,6 +29,50 @@ backend::backend(backend_kind kind, dtype work_type, const memory_limits& limits
 
 backend::~backend() = default;
 
+void backend::set_phase_timing(bool on) {
+  phase_timing_ = on && has_data();
+  phase_stack_.clear();
+  phase_of_mark_.clear();
+  host_marks_.clear();
+  if (!phase_timing_) return;
+  record_mark(0);
+  phase_of_mark_.emplace_back("other");
+}
+
+void backend::change_phase(const char* name, bool push) {
+  if (push) {
+    phase_stack_.push_back(name);
+  } else if (!phase_stack_.empty()) {
+    phase_stack_.pop_back();
+  }
+  record_mark(phase_of_mark_.size());
+  phase_of_mark_.emplace_back(phase_stack_.empty() ? "other" : phase_stack_.back());
+}
+
+std::map<std::string, double> backend::take_phase_ms() {
+  std::map<std::string, double> out;
+  if (!phase_timing_) return out;
+  record_mark(phase_of_mark_.size());  // closes the last phase
+  synchronize();
+  for (std::size_t i = 0; i + 1 <= phase_of_mark_.size(); ++i)
+    out[phase_of_mark_[i]] += mark_interval_ms(i, i + 1);
+  phase_of_mark_.clear();
+  host_marks_.clear();
+  // The open scopes go on from here: their phase owns the time until the next change.
+  record_mark(0);
+  phase_of_mark_.emplace_back(phase_stack_.empty() ? "other" : phase_stack_.back());
+  return out;
+}
+
+void backend::record_mark(std::size_t index) {
+  if (host_marks_.size() <= index) host_marks_.resize(index + 1);
+  host_marks_[index] = std::chrono::steady_clock::now();
+}
+
+double backend::mark_interval_ms(std::size_t from, std::size_t to) {
+  return std::chrono::duration<double, std::milli>(host_marks_[to] - host_marks_[from]).count();
+}
+
 std::string backend::breakdown() const {
   std::ostringstream out;
   for (std::size_t i = 0; i < mem_tag_count; ++i) {

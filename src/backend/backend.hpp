@@ -3,10 +3,14 @@
 // never asks which backend it runs on; it calls the op entries in ops/ops.hpp.
 #pragma once
 
+#include <chrono>
 #include <cstddef>
+#include <map>
 #include <memory>
 #include <string>
 #include <string_view>
+#include <utility>
+#include <vector>
 
 #include "core/allocator.hpp"
 #include "core/ledger.hpp"
@@ -78,6 +82,19 @@ class backend {
   virtual void upload_bytes(const tensor& dst, const void* host, std::size_t bytes) = 0;
   virtual void download_bytes(void* host, const tensor& src, std::size_t bytes) = 0;
 
+  // Phase timing, off by default (and never on meta): code brackets its phases with
+  // phase_scope; while on, the backend marks every change of phase in its stream of
+  // work and take_phase_ms() returns the time between marks summed per phase (the
+  // innermost open scope owns the time; none open: "other"), then starts afresh.
+  void set_phase_timing(bool on);
+  void push_phase(const char* name) {
+    if (phase_timing_) change_phase(name, true);
+  }
+  void pop_phase() {
+    if (phase_timing_) change_phase(nullptr, false);
+  }
+  std::map<std::string, double> take_phase_ms();
+
   // Op implementations; call them through the checked entries in ops/ops.hpp.
   virtual void gemm(const gemm_args& args) = 0;
   virtual void sdpa_forward(const sdpa_forward_args& args) = 0;
@@ -106,6 +123,11 @@ class backend {
   }
   // Called when a block is returned, with its address and size (e.g. to drop pages).
   virtual void on_release(void* /*data*/, std::size_t /*bytes*/, bool /*host*/) {}
+  // Phase marks: mark i is recorded now in this backend's order of work; the time
+  // between two marks once synchronize() returned. The defaults read the host clock,
+  // right where ops run synchronously on the host (cpu).
+  virtual void record_mark(std::size_t index);
+  virtual double mark_interval_ms(std::size_t from, std::size_t to);
 
  private:
   friend class tensor;
@@ -119,6 +141,24 @@ class backend {
   std::byte* device_base_ = nullptr;
   std::byte* host_base_ = nullptr;
   memory_ledger ledger_;
+  bool phase_timing_ = false;
+  std::vector<const char*> phase_stack_;
+  std::vector<std::string> phase_of_mark_;  // the phase that starts at mark i
+  std::vector<std::chrono::steady_clock::time_point> host_marks_;
+
+  void change_phase(const char* name, bool push);
+};
+
+// Brackets one phase of work for the backend's phase timing (a no-op while it is off).
+class phase_scope {
+ public:
+  phase_scope(backend& be, const char* name) : be_(be) { be_.push_phase(name); }
+  ~phase_scope() { be_.pop_phase(); }
+  phase_scope(const phase_scope&) = delete;
+  phase_scope& operator=(const phase_scope&) = delete;
+
+ private:
+  backend& be_;
 };
 
 std::unique_ptr<backend> make_cpu_backend(const memory_limits& limits);

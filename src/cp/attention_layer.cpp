@@ -23,15 +23,19 @@ attention_layer::context attention_layer::forward(const mat_view& x, const atten
 void attention_layer::project_output(const context& ctx, const attention_weights& w, const mat_view& y,
                                      projection_mode mode) {
   const float beta = mode == projection_mode::accumulate ? 1.0f : 0.0f;
+  const phase_scope phase(be_, "attn_out_proj");
   ops::gemm(be_, {ctx.out.matrix(), transpose::none, w.wo, transpose::yes, y, 1.0f, beta});
 }
 
 void attention_layer::backward(const context& ctx, const mat_view& x, const attention_weights& w, const mat_view& d_y,
                                const mat_view& d_x, const attention_grads& grads) {
   const mat_view out = ctx.out.matrix();
-  ops::gemm(be_, {d_y, transpose::yes, out, transpose::none, grads.wo, 1.0f, 1.0f});
   tensor d_out = be_.allocate(mem_tag::activations, be_.work_dtype(), ctx.out.dims(), "attn_d_out");
-  ops::gemm(be_, {d_y, transpose::none, w.wo, transpose::none, d_out.matrix()});
+  {
+    const phase_scope phase(be_, "attn_out_proj");
+    ops::gemm(be_, {d_y, transpose::yes, out, transpose::none, grads.wo, 1.0f, 1.0f});
+    ops::gemm(be_, {d_y, transpose::none, w.wo, transpose::none, d_out.matrix()});
+  }
   strategy_->backward(ctx.saved, x, w, out, d_out.matrix(), d_x, grads);
 }
 

@@ -73,6 +73,7 @@ staged_all_to_all::head_lists staged_all_to_all::arriving_lists(int stage) const
 // own weight rows (the pairing trap of DESIGN.md section 4 cannot happen here).
 tensor staged_all_to_all::project_to_send(const mat_view& x, const mat_view& weight, const head_lists& lists,
                                           const char* label) {
+  const phase_scope phase(be_, "attn_project");
   const int n = static_cast<int>(lists[0].size());
   tensor send = be_.allocate(mem_tag::attention, be_.work_dtype(), {config_.cp, tokens_, n, dim_}, label);
   const std::int64_t d = dim_;
@@ -88,6 +89,7 @@ tensor staged_all_to_all::project_to_send(const mat_view& x, const mat_view& wei
 
 // All-to-all of equal chunks; the send buffer is freed as soon as the exchange is done.
 tensor staged_all_to_all::exchange(tensor& send, const char* label) {
+  const phase_scope phase(be_, "attn_a2a");
   tensor recv = be_.allocate(mem_tag::attention, send.type(), send.dims(), label);
   comm_.all_to_all(send.data(), recv.data(), send.bytes() / config_.cp, label);
   send.reset();
@@ -101,11 +103,13 @@ head_view staged_all_to_all::sequence_heads(const tensor& t) const {
 }
 
 void staged_all_to_all::rope(const head_view& x, rope_direction direction) {
+  const phase_scope phase(be_, "attn_rope");
   ops::rope(be_, {x, gathered_positions_, config_.rope, direction});
 }
 
 // Chunk j of the result gets, for this rank's tokens, the stage heads of rank j.
 tensor staged_all_to_all::pack_heads(const mat_view& src, int stage, const char* label) {
+  const phase_scope phase(be_, "attn_pack");
   const int u = schedule_.heads_per_stage();
   tensor send = be_.allocate(mem_tag::attention, be_.work_dtype(), {config_.cp, tokens_, u, dim_}, label);
   const head_view all = {src.data, src.type, tokens_, config_.heads, dim_, src.ld, dim_};
@@ -116,6 +120,7 @@ tensor staged_all_to_all::pack_heads(const mat_view& src, int stage, const char*
 }
 
 void staged_all_to_all::unpack_heads(const tensor& recv, int stage, const mat_view& dst) {
+  const phase_scope phase(be_, "attn_pack");
   const head_view all = {dst.data, dst.type, tokens_, config_.heads, dim_, dst.ld, dim_};
   for (int j = 0; j < config_.cp; ++j)
     for (const head_run& run : consecutive_runs(schedule_.stage_heads(j, stage)))
@@ -207,6 +212,7 @@ attention_saved staged_all_to_all::forward(const mat_view& x, const attention_we
     rope(sequence_heads(q), rope_direction::forward);
     tensor o = be_.allocate(mem_tag::attention, be_.work_dtype(), q.dims(), "attn_o_stage");
     const head_view qh = sequence_heads(q), oh = sequence_heads(o);
+    const phase_scope phase(be_, "attn_sdpa");
     for (const sdpa_call& c : plan_calls(t, resident)) {
       const resident_block& b = resident[c.block];
       ops::sdpa_forward(be_, {qh.head_block(c.q_slot, c.n_q), sequence_heads(b.k).head_block(c.kv_slot, c.n_kv),
@@ -251,6 +257,7 @@ void staged_all_to_all::backward_stage(int t, std::vector<resident_block>& resid
   tensor d_o = exchange(do_send, "bwd_a2a_do");
   tensor dq = be_.allocate(mem_tag::attention, be_.work_dtype(), q.dims(), "attn_dq");
   {
+    const phase_scope phase(be_, "attn_sdpa");
     tensor dq_accum = be_.allocate(mem_tag::attention, dtype::f32, q.dims(), "attn_dq_accum");
     tensor softmax_sum = be_.allocate(mem_tag::attention, dtype::f32, {config_.cp, tokens_, u, 1}, "attn_softmax_sum");
     for (const sdpa_call& c : plan_calls(t, resident)) {
@@ -314,6 +321,7 @@ void staged_all_to_all::send_back_kv(resident_block& block, const mat_view& x, c
 // d_x += g W_rows and dW_rows += g^T x, both accumulated in f32.
 void staged_all_to_all::accumulate_input_grads(const tensor& recv, const head_lists& lists, const mat_view& weight,
                                                const mat_view& d_weight, const mat_view& x, const mat_view& d_x) {
+  const phase_scope phase(be_, "attn_input_grads");
   const std::int64_t d = dim_;
   const std::int64_t n = recv.dims()[2];
   for (int j = 0; j < config_.cp; ++j) {

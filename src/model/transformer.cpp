@@ -176,6 +176,7 @@ transformer::mlp_tile_buffers transformer::mlp_tile_inputs(const layer_params& p
 // x += down(silu(gate(norm(x))) * up(norm(x))), one tile of tokens at a time, so the
 // MLP's working set is a tile whatever the sequence length.
 void transformer::mlp_forward(const layer_params& p, const tensor& x) {
+  const phase_scope phase(be_, "mlp");
   for (std::int64_t t0 = 0; t0 < tokens_; t0 += mlp_tile_) {
     const mat_view xt = x.matrix().row_block(t0, std::min(mlp_tile_, tokens_ - t0));
     mlp_tile_buffers t = mlp_tile_inputs(p, xt);
@@ -191,6 +192,7 @@ void transformer::mlp_forward(const layer_params& p, const tensor& x) {
 // d (f32) holds d(layer output) and becomes d(x2), the gradient at the MLP's input
 // residual; x2 is the recomputed input of the MLP block.
 void transformer::mlp_backward(const layer_params& p, const layer_params& g, const tensor& x2, const tensor& d) {
+  const phase_scope phase(be_, "mlp");
   const std::int64_t D = model_.hidden_size, F = model_.intermediate_size;
   for (std::int64_t t0 = 0; t0 < tokens_; t0 += mlp_tile_) {
     const std::int64_t n = std::min(mlp_tile_, tokens_ - t0);
@@ -277,6 +279,7 @@ void transformer::backward_layers(parameter_store& params, const tensor& d) {
 // logits exist for one chunk only; d_x (f32) and the lm head's gradient accumulate.
 double transformer::loss_forward_backward(parameter_store& params, const tensor& x, const tensor& labels,
                                           double grad_scale, const tensor& d_x) {
+  const phase_scope phase(be_, "loss");
   const std::int64_t D = model_.hidden_size, V = model_.vocab_size;
   const float eps = static_cast<float>(model_.rms_norm_eps);
   const int head = params.head_unit(), embedding = params.embedding_unit();

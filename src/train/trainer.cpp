@@ -1,5 +1,6 @@
 #include "train/trainer.hpp"
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <memory>
@@ -259,7 +260,7 @@ step_memory measure_step_memory(const train_options& o) {
   return time_steps(o, 0, 1, false).memory;
 }
 
-step_timing time_steps(const train_options& o, std::int64_t warmup_len, int repeats, bool emulate) {
+step_timing time_steps(const train_options& o, std::int64_t warmup_len, int repeats, bool emulate, bool phases) {
   validate(o);
   UPIPE_CHECK(repeats >= 1, "time_steps needs at least one timed step");
   // Random ids where there is data; zeros on meta, which never reads them.
@@ -284,12 +285,18 @@ step_timing time_steps(const train_options& o, std::int64_t warmup_len, int repe
           const std::vector<std::vector<std::int32_t>> batch{tokens(be, o.seq_len, 1 + static_cast<std::uint64_t>(i))};
           be.synchronize();
           comm.barrier();
+          be.set_phase_timing(phases);
           const auto start = clock_type::now();
           run_step(rc, batch, 1 + i, record);
           be.synchronize();
           comm.barrier();
+          const double seconds = std::chrono::duration<double>(clock_type::now() - start).count();
+          std::map<std::string, double> by_phase = be.take_phase_ms();
+          be.set_phase_timing(false);
           if (rank == 0) {
-            out.seconds.push_back(std::chrono::duration<double>(clock_type::now() - start).count());
+            if (out.seconds.empty() || seconds < *std::min_element(out.seconds.begin(), out.seconds.end()))
+              out.phases_ms = std::move(by_phase);
+            out.seconds.push_back(seconds);
             out.losses.push_back(record.loss);
           }
         }

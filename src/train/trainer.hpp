@@ -84,8 +84,12 @@ struct step_timing {
   std::vector<double> losses;
   step_memory memory;           // rank 0, over the whole run
   std::size_t driver_peak = 0;  // rank 0's device, bytes the driver reported in use (0: not a GPU)
+  std::map<std::string, double> phases_ms;  // with `phases`: rank 0's fastest step by phase
 };
-step_timing time_steps(const train_options& options, std::int64_t warmup_len, int repeats, bool emulate);
+// Times `repeats` steps after one warm-up step of warmup_len tokens (0: none); with
+// `phases`, also the fastest step's time by phase (backend::take_phase_ms).
+step_timing time_steps(const train_options& options, std::int64_t warmup_len, int repeats, bool emulate,
+                       bool phases = false);
 
 // Runs training; on_step is called on rank 0 after every step (progress, metrics).
 train_summary train(const train_options& options, const std::function<void(const step_record&)>& on_step);

@@ -171,6 +171,26 @@ TEST(trainer, timed_steps_equal_cp1_and_emulation_measures_rank_0) {
   EXPECT_EQ(emulated.memory.arena_high_water, all.memory.arena_high_water);
 }
 
+TEST(trainer, phase_timing_accounts_for_the_step_and_leaves_losses_alone) {
+  train_options o = base(strategy_kind::upipe, 2, 0, zero_stage::two);
+  o.seq_len = 256;
+  const step_timing plain = time_steps(o, 0, 1, true);
+  const step_timing timed = time_steps(o, 0, 1, true, true);
+  EXPECT_TRUE(plain.phases_ms.empty());
+  EXPECT_EQ(plain.losses, timed.losses);
+  double sum = 0;
+  for (const auto& [name, ms] : timed.phases_ms) {
+    EXPECT_GE(ms, 0.0) << name;
+    sum += ms;
+  }
+  for (const char* name : {"attn_project", "attn_a2a", "attn_sdpa", "attn_input_grads", "attn_out_proj", "mlp", "loss"})
+    EXPECT_GT(timed.phases_ms.count(name), 0u) << name;
+  // The marks span the step: their sum is the step's time, up to the timer's own reads.
+  const double step_ms = 1e3 * timed.seconds.front();
+  EXPECT_LE(sum, step_ms * 1.02 + 0.1);
+  EXPECT_GE(sum, step_ms * 0.9);
+}
+
 TEST(trainer, contradictory_options_are_refused) {
   train_options o = base(strategy_kind::upipe, 2, 0, zero_stage::two);
   o.stop_after = 30;

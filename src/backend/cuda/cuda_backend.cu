@@ -242,6 +242,22 @@ class cuda_backend final : public backend {
   }
   double sum_squares(const mat_view& x) override;
 
+ protected:
+  void record_mark(std::size_t index) override {
+    use_device();
+    while (marks_.size() <= index) {
+      cudaEvent_t e = nullptr;
+      UPIPE_CUDA_CHECK(cudaEventCreate(&e));
+      marks_.push_back(e);
+    }
+    UPIPE_CUDA_CHECK(cudaEventRecord(marks_[index], stream_));
+  }
+  double mark_interval_ms(std::size_t from, std::size_t to) override {
+    float ms = 0;
+    UPIPE_CUDA_CHECK(cudaEventElapsedTime(&ms, marks_[from], marks_[to]));
+    return ms;
+  }
+
  private:
   // Host conversions go through device staging of at most this many elements, so an
   // upload needs little memory beyond the arena.
@@ -269,6 +285,7 @@ class cuda_backend final : public backend {
   std::unique_ptr<cuda::gemm_engine> gemm_engine_;
   std::unique_ptr<cuda::sdpa_engine> sdpa_engine_;
   std::size_t driver_peak_ = 0;
+  std::vector<cudaEvent_t> marks_;  // phase timing's events, reused
 };
 
 void cuda_backend::acquire(std::size_t device_bytes, std::size_t host_bytes) {
@@ -315,6 +332,8 @@ void cuda_backend::acquire(std::size_t device_bytes, std::size_t host_bytes) {
 void cuda_backend::release_all() noexcept {
   log_cuda(cudaSetDevice(device_), "cudaSetDevice");
   if (stream_ != nullptr) log_cuda(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
+  for (cudaEvent_t e : marks_) log_cuda(cudaEventDestroy(e), "cudaEventDestroy");
+  marks_.clear();
   sdpa_engine_.reset();  // engines before the workspaces they hold (their destructors only log)
   gemm_engine_.reset();
   scratch_.clear();
