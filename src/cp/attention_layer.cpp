@@ -27,16 +27,26 @@ void attention_layer::project_output(const context& ctx, const attention_weights
   ops::gemm(be_, {ctx.out.matrix(), transpose::none, w.wo, transpose::yes, y, 1.0f, beta});
 }
 
+tensor attention_layer::output_backward(const context& ctx, const attention_weights& w, const mat_view& d_y,
+                                       const attention_grads& grads) {
+  tensor d_out = be_.allocate(mem_tag::activations, be_.work_dtype(), ctx.out.dims(), "attn_d_out");
+  const phase_scope phase(be_, "attn_out_proj");
+  ops::gemm(be_, {d_y, transpose::yes, ctx.out.matrix(), transpose::none, grads.wo, 1.0f, 1.0f});
+  ops::gemm(be_, {d_y, transpose::none, w.wo, transpose::none, d_out.matrix()});
+  return d_out;
+}
+
 void attention_layer::backward(const context& ctx, const mat_view& x, const attention_weights& w, const mat_view& d_y,
                                const mat_view& d_x, const attention_grads& grads) {
-  const mat_view out = ctx.out.matrix();
-  tensor d_out = be_.allocate(mem_tag::activations, be_.work_dtype(), ctx.out.dims(), "attn_d_out");
-  {
-    const phase_scope phase(be_, "attn_out_proj");
-    ops::gemm(be_, {d_y, transpose::yes, out, transpose::none, grads.wo, 1.0f, 1.0f});
-    ops::gemm(be_, {d_y, transpose::none, w.wo, transpose::none, d_out.matrix()});
-  }
-  strategy_->backward(ctx.saved, x, w, out, d_out.matrix(), d_x, grads);
+  const tensor d_out = output_backward(ctx, w, d_y, grads);
+  strategy_->backward(ctx.saved, x, w, ctx.out.matrix(), d_out.matrix(), d_x, grads);
+}
+
+void attention_layer::backward(const context& ctx, const mat_view& x, const attention_weights& w, tensor&& d_y,
+                               const mat_view& d_x, const attention_grads& grads) {
+  const tensor d_out = output_backward(ctx, w, d_y.matrix(), grads);
+  d_y.reset();
+  strategy_->backward(ctx.saved, x, w, ctx.out.matrix(), d_out.matrix(), d_x, grads);
 }
 
 }  // namespace upipe

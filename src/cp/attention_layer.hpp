@@ -30,11 +30,19 @@ class attention_layer {
   // d_x (s, D, f32) and the weight gradients are accumulated.
   void backward(const context& ctx, const mat_view& x, const attention_weights& w, const mat_view& d_y,
                 const mat_view& d_x, const attention_grads& grads);
+  // The same, freeing d_y once the output projection's backward has read it, so that its
+  // bytes are not held through the attention's own backward (the layer's peak).
+  void backward(const context& ctx, const mat_view& x, const attention_weights& w, tensor&& d_y,
+                const mat_view& d_x, const attention_grads& grads);
 
   const attention_config& config() const { return config_; }
   const attention_strategy& strategy() const { return *strategy_; }
 
  private:
+  // dW_o += d_y^T out; returns d_out = d_y W_o.
+  tensor output_backward(const context& ctx, const attention_weights& w, const mat_view& d_y,
+                         const attention_grads& grads);
+
   attention_config config_;
   backend& be_;
   std::unique_ptr<attention_strategy> strategy_;

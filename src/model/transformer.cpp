@@ -63,10 +63,13 @@ tensor transformer::upload_ids(std::span<const std::int32_t> values, const char*
 }
 
 // Layer inputs that start a recompute block live on as checkpoints; the rest are freed
-// after their layer, so they are allocated under their final tag from the start.
+// after their layer, so they are allocated under their final tag from the start. Layer
+// 0's input is never kept: backward looks the token ids up again (a gather), which saves
+// one checkpoint, the difference between fitting and not at the longest lengths.
 mem_tag transformer::input_tag(int layer) const {
-  return store_.keeps_input(layer) && store_.policy().where == checkpoint_location::device ? mem_tag::checkpoints_device
-                                                                                           : mem_tag::activations;
+  return layer > 0 && store_.keeps_input(layer) && store_.policy().where == checkpoint_location::device
+             ? mem_tag::checkpoints_device
+             : mem_tag::activations;
 }
 
 tensor transformer::embed(parameter_store& params, const tensor& ids) {
@@ -84,7 +87,7 @@ double transformer::forward_backward(parameter_store& params, const local_batch&
   tensor d = be_.allocate(mem_tag::activations, dtype::f32, {tokens_, model_.hidden_size}, "d_hidden");
   const double loss = loss_forward_backward(params, final_hidden_, labels, batch.grad_scale, d);
   final_hidden_.reset();
-  backward_layers(params, d);
+  backward_layers(params, ids, d);
   const int embedding = params.embedding_unit();
   if (!params.grads_open(embedding)) params.open_grads(embedding);
   ops::embedding_backward(be_, {d.matrix(), ids.matrix(), params.embedding_grad()});
@@ -101,7 +104,7 @@ void transformer::forward_layers(parameter_store& params, tensor x, checkpoint_s
     params.acquire(params.layer_unit(l));
     tensor y = layer_forward(params.layer(l), x, out_tag, keep_attention ? &ctx : nullptr);
     params.release(params.layer_unit(l));
-    if (keep_input) store->save(l, checkpoint_store::item::input, std::move(x));
+    if (keep_input && l > 0) store->save(l, checkpoint_store::item::input, std::move(x));
     if (keep_attention) {
       store->save(l, checkpoint_store::item::attention_out, std::move(ctx.out));
       store->save(l, checkpoint_store::item::attention_lse, std::move(ctx.saved.lse));
@@ -243,9 +246,8 @@ void transformer::layer_backward(int layer, const layer_params& p, const layer_p
   x2.reset();
   tensor d_y = working_copy(be_, d.matrix(), "attn_d_y");
   tensor d_h = be_.allocate_zeroed(mem_tag::activations, dtype::f32, {tokens_, D}, "attn_d_norm_out");
-  attention_.backward(ctx, h.matrix(), p.attention, d_y.matrix(), d_h.matrix(), as_grads(g.attention));
+  attention_.backward(ctx, h.matrix(), p.attention, std::move(d_y), d_h.matrix(), as_grads(g.attention));
   ctx = {};
-  d_y.reset();
   ops::rmsnorm_backward(be_, {x.matrix(), p.input_norm, rstd.matrix(), d_h.matrix(), d_h.matrix(), g.input_norm});
   ops::add_heads(be_, ops::as_heads(d.matrix()), ops::as_heads(d_h.matrix()));
 }
@@ -253,12 +255,13 @@ void transformer::layer_backward(int layer, const layer_params& p, const layer_p
 // Backward, newest layer first. A layer whose input was not kept belongs to a block
 // whose first input was: the block's inputs are recomputed from it, then consumed.
 // Each layer's gradients are complete when its backward ends, and are closed (reduced).
-void transformer::backward_layers(parameter_store& params, const tensor& d) {
+void transformer::backward_layers(parameter_store& params, const tensor& ids, const tensor& d) {
   std::vector<tensor> inputs;  // recomputed inputs of the current block, oldest first
   for (int l = model_.num_layers - 1; l >= 0; --l) {
     if (inputs.empty()) {
       const int start = store_.block_start(l);
-      inputs.push_back(store_.take(start, checkpoint_store::item::input, mem_tag::activations));
+      inputs.push_back(start == 0 ? embed(params, ids)
+                                  : store_.take(start, checkpoint_store::item::input, mem_tag::activations));
       for (int j = start; j < l; ++j) {
         params.acquire(params.layer_unit(j));
         inputs.push_back(layer_forward(params.layer(j), inputs.back(), mem_tag::activations, nullptr));

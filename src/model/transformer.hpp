@@ -72,7 +72,7 @@ class transformer {
                                const tensor& d_x);
   tensor embed(parameter_store& params, const tensor& ids);
   void forward_layers(parameter_store& params, tensor x, checkpoint_store* store);
-  void backward_layers(parameter_store& params, const tensor& d);
+  void backward_layers(parameter_store& params, const tensor& ids, const tensor& d);
   mem_tag input_tag(int layer) const;
 
   model_config model_;

@@ -107,7 +107,7 @@ std::vector<checkpoint_policy> candidate_policies() {
   // while the GPU computes), then fewer checkpoints (longer recompute blocks).
   return {{c::layer_input_and_attention, 1, l::device}, {c::layer_input, 1, l::device},
           {c::layer_input_and_attention, 1, l::host_pinned}, {c::layer_input, 1, l::host_pinned},
-          {c::layer_input, 2, l::host_pinned}, {c::layer_input, 4, l::host_pinned},
+          {c::layer_input, 2, l::host_pinned}, {c::layer_input, 3, l::host_pinned}, {c::layer_input, 4, l::host_pinned},
           {c::layer_input, 2, l::device}, {c::layer_input, 4, l::device}};
 }
 
