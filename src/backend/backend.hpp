@@ -69,6 +69,12 @@ class backend {
   virtual void add_f32(float* dst, const float* src, std::size_t count) = 0;
   virtual void fill_bytes(void* dst, int value, std::size_t bytes) = 0;
   virtual void synchronize() = 0;
+  // A copy beside the compute: it starts once the work issued so far is done and runs
+  // while later work computes (on a GPU, on a copy stream). Neither buffer may be
+  // written, nor src freed, before join_side_copies(). The defaults copy in order.
+  virtual void copy_bytes_side(void* dst, const void* src, std::size_t bytes) { copy_bytes(dst, src, bytes); }
+  // Work issued after this call waits for every side copy issued before it.
+  virtual void join_side_copies() {}
   // What the device's driver reports in use (all of the GPU, every context on it) at its
   // highest seen at a synchronize(); 0 where there is no driver (cpu, meta). Beside the
   // ledger it shows what lies outside the arena: the CUDA context and the libraries.

@@ -65,32 +65,61 @@ checkpoint_policy parse_checkpoint_policy(std::string_view text) {
 }
 
 checkpoint_store::checkpoint_store(backend& be, const checkpoint_policy& policy, int num_layers)
-    : be_(be), policy_(policy), items_(static_cast<std::size_t>(num_layers) * slots) {
+    : be_(be),
+      policy_(policy),
+      items_(static_cast<std::size_t>(num_layers) * slots),
+      prefetched_(items_.size()),
+      offloading_(items_.size(), false) {
   UPIPE_CHECK(policy.every >= 1, "checkpoint interval must be >= 1");
 }
 
+void checkpoint_store::start_offload(int layer, item which, const tensor& t) {
+  if (!on_host()) return;
+  const std::size_t i = index(layer, which);
+  UPIPE_CHECK(items_[i].empty(), "checkpoint of layer " + std::to_string(layer) + " saved twice");
+  items_[i] = be_.allocate(mem_tag::checkpoints_host, t.type(), t.dims(), "checkpoint");
+  if (be_.has_data()) be_.copy_bytes_side(items_[i].data(), t.data(), t.bytes());
+  offloading_[i] = true;
+}
+
 void checkpoint_store::save(int layer, item which, tensor&& t) {
-  tensor& slot = items_[index(layer, which)];
-  if (policy_.where == checkpoint_location::device) {
+  const std::size_t i = index(layer, which);
+  if (!on_host()) {
     be_.retag(t, mem_tag::checkpoints_device);
-    slot = std::move(t);
+    items_[i] = std::move(t);
     return;
   }
-  slot = be_.allocate(mem_tag::checkpoints_host, t.type(), t.dims(), "checkpoint");
-  if (be_.has_data()) be_.copy_bytes(slot.data(), t.data(), t.bytes());
+  if (!offloading_[i]) start_offload(layer, which, t);
+  // The device bytes may be reused by the next op only once the copy has read them.
+  be_.join_side_copies();
+  offloading_[i] = false;
   t.reset();
 }
 
+void checkpoint_store::prefetch(int layer, item which, mem_tag device_tag) {
+  if (!on_host()) return;
+  const std::size_t i = index(layer, which);
+  const tensor& stored = items_[i];
+  UPIPE_CHECK(!stored.empty(), "no checkpoint for layer " + std::to_string(layer) + " to prefetch");
+  if (!prefetched_[i].empty()) return;
+  prefetched_[i] = be_.allocate(device_tag, stored.type(), stored.dims(), "restored");
+  if (be_.has_data()) be_.copy_bytes_side(prefetched_[i].data(), stored.data(), stored.bytes());
+}
+
 tensor checkpoint_store::take(int layer, item which, mem_tag device_tag) {
-  tensor& stored = items_[index(layer, which)];
+  const std::size_t i = index(layer, which);
+  tensor& stored = items_[i];
   UPIPE_CHECK(!stored.empty(), "no checkpoint for layer " + std::to_string(layer));
-  if (policy_.where == checkpoint_location::device) {
+  if (!on_host()) {
     tensor out = std::move(stored);
     be_.retag(out, device_tag);
     return out;
   }
-  tensor out = be_.allocate(device_tag, stored.type(), stored.dims(), "restored");
-  if (be_.has_data()) be_.copy_bytes(out.data(), stored.data(), stored.bytes());
+  if (prefetched_[i].empty()) prefetch(layer, which, device_tag);
+  be_.join_side_copies();  // the next op reads the restored bytes
+  tensor out = std::move(prefetched_[i]);
+  if (out.tag() != device_tag) be_.retag(out, device_tag);
+  // Later side copies into this host block run after this one on the same stream.
   stored.reset();
   return out;
 }

@@ -3,9 +3,10 @@
 // the attention forward), how often (every k-th layer; the block between is recomputed)
 // and where (GPU, pinned host, pageable host memory).
 //
-// Copies are issued through the backend; on a GPU the host locations will be served by
-// a copy stream with pinned bounce buffers (issue #7), behind this same interface:
-// save() starts an offload, take() waits for the prefetch.
+// Host locations move through the backend's side copies (on a GPU a copy stream beside
+// the compute): start_offload() copies a layer input out while its layer computes and
+// save() only joins that copy before the device bytes are freed; prefetch() brings an
+// item back early and take() joins it. No copy in the step waits on the host.
 #pragma once
 
 #include <cstdint>
@@ -57,6 +58,12 @@ class checkpoint_store {
   // Takes `t` (a device tensor) as layer `layer`'s item: on the device it is kept as it
   // is (retagged checkpoints_device); for host locations it is copied out and freed.
   void save(int layer, item which, tensor&& t);
+  // Starts copying `t` to its host slot now (host locations only; a no-op on the device),
+  // so that the copy overlaps the work issued next; save() of the same item finishes it.
+  void start_offload(int layer, item which, const tensor& t);
+  // Starts bringing a host item back into device memory under `device_tag` (a no-op on
+  // the device); take() of the same item finishes it.
+  void prefetch(int layer, item which, mem_tag device_tag);
   // The item back in device memory under `device_tag`; the store lets go of it.
   tensor take(int layer, item which, mem_tag device_tag);
   bool has(int layer, item which) const;
@@ -66,9 +73,13 @@ class checkpoint_store {
     return static_cast<std::size_t>(layer) * slots + static_cast<std::size_t>(which);
   }
 
+  bool on_host() const { return policy_.where != checkpoint_location::device; }
+
   backend& be_;
   checkpoint_policy policy_;
   std::vector<tensor> items_;
+  std::vector<tensor> prefetched_;  // device copies of host items, in flight or done
+  std::vector<bool> offloading_;    // the item's copy to the host was started early
 };
 
 }  // namespace upipe

@@ -101,6 +101,8 @@ void transformer::forward_layers(parameter_store& params, tensor x, checkpoint_s
     const bool keep_input = store != nullptr && store->keeps_input(l);
     const bool keep_attention = store != nullptr && store->keeps_attention(l);
     const mem_tag out_tag = l + 1 < model_.num_layers && store != nullptr ? input_tag(l + 1) : mem_tag::activations;
+    // Layer 0's input is looked up again in backward; the others go out while their layer runs.
+    if (keep_input && l > 0) store->start_offload(l, checkpoint_store::item::input, x);
     params.acquire(params.layer_unit(l));
     tensor y = layer_forward(params.layer(l), x, out_tag, keep_attention ? &ctx : nullptr);
     params.release(params.layer_unit(l));
@@ -225,7 +227,7 @@ void transformer::mlp_backward(const layer_params& p, const layer_params& g, con
 }
 
 void transformer::layer_backward(int layer, const layer_params& p, const layer_params& g, const tensor& x,
-                                 const tensor& d) {
+                                 const tensor& d, int prefetch_layer) {
   const std::int64_t D = model_.hidden_size;
   const float eps = static_cast<float>(model_.rms_norm_eps);
   tensor h = be_.allocate(mem_tag::activations, be_.work_dtype(), {tokens_, D}, "attn_norm_out");
@@ -248,6 +250,8 @@ void transformer::layer_backward(int layer, const layer_params& p, const layer_p
   tensor d_h = be_.allocate_zeroed(mem_tag::activations, dtype::f32, {tokens_, D}, "attn_d_norm_out");
   attention_.backward(ctx, h.matrix(), p.attention, std::move(d_y), d_h.matrix(), as_grads(g.attention));
   ctx = {};
+  // Past the layer's peak (the attention backward), so the early copy costs no memory at it.
+  if (prefetch_layer > 0) store_.prefetch(prefetch_layer, checkpoint_store::item::input, mem_tag::activations);
   ops::rmsnorm_backward(be_, {x.matrix(), p.input_norm, rstd.matrix(), d_h.matrix(), d_h.matrix(), g.input_norm});
   ops::add_heads(be_, ops::as_heads(d.matrix()), ops::as_heads(d_h.matrix()));
 }
@@ -271,7 +275,9 @@ void transformer::backward_layers(parameter_store& params, const tensor& ids, co
     const int unit = params.layer_unit(l);
     params.acquire(unit);
     params.open_grads(unit);
-    layer_backward(l, params.layer(l), params.layer_grads(l), inputs.back(), d);
+    // The last layer of a block to go back prefetches the next block's checkpoint.
+    const int next_start = l > 0 && l == store_.block_start(l) ? store_.block_start(l - 1) : 0;
+    layer_backward(l, params.layer(l), params.layer_grads(l), inputs.back(), d, next_start);
     params.close_grads(unit);
     params.release(unit);
     inputs.pop_back();

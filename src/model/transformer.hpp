@@ -67,7 +67,8 @@ class transformer {
   tensor layer_forward(const layer_params& p, const tensor& x, mem_tag out_tag, attention_layer::context* keep);
   void mlp_forward(const layer_params& p, const tensor& x);
   void mlp_backward(const layer_params& p, const layer_params& g, const tensor& x, const tensor& d);
-  void layer_backward(int layer, const layer_params& p, const layer_params& g, const tensor& x, const tensor& d);
+  void layer_backward(int layer, const layer_params& p, const layer_params& g, const tensor& x, const tensor& d,
+                      int prefetch_layer = 0);
   double loss_forward_backward(parameter_store& params, const tensor& x, const tensor& labels, double grad_scale,
                                const tensor& d_x);
   tensor embed(parameter_store& params, const tensor& ids);

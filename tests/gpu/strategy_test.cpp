@@ -40,10 +40,15 @@ TEST(gpu_strategies, virtual_ranks_match_the_reference) {
     }
 }
 
+// Checkpoints on the device, and in pinned host memory through the copy stream (offload
+// while the layer runs, prefetch during the previous layer's backward).
 TEST(gpu_model, training_step_matches_the_cpu_backend) {
   if (!have_gpu()) GTEST_SKIP() << "no GPU";
+  for (const char* policy : {"what=input,every=1,where=device", "what=input,every=1,where=host-pinned",
+                             "what=input+attention,every=2,where=host-pinned"})
   for (const char* name : {"tiny-llama", "tiny-qwen3"}) {
     model_step_request req;
+    req.options.policy = parse_checkpoint_policy(policy);
     req.model = preset(name);
     req.cp = {strategy_kind::upipe, 2, 0};
     req.options.mlp_tile = 24;
@@ -56,7 +61,7 @@ TEST(gpu_model, training_step_matches_the_cpu_backend) {
     req.backend = backend_kind::cuda;
     req.limits = {std::size_t{1} << 30, std::size_t{64} << 20};
     const model_step_result gpu = run_model_step(req, w, tokens);
-    EXPECT_LT(std::abs(gpu.loss - cpu.loss) / cpu.loss, bf16_tolerance) << name;
+    EXPECT_LT(std::abs(gpu.loss - cpu.loss) / cpu.loss, bf16_tolerance) << name << " " << policy;
     for (const auto& [param, values] : cpu.grads) {
       const auto& got = gpu.grads.at(param);
       double diff = 0, ref = 0;
@@ -64,7 +69,7 @@ TEST(gpu_model, training_step_matches_the_cpu_backend) {
         diff = std::max(diff, std::abs(static_cast<double>(got[i]) - values[i]));
         ref = std::max(ref, std::abs(static_cast<double>(values[i])));
       }
-      EXPECT_LT(diff / ref, 5e-2) << name << " " << param;
+      EXPECT_LT(diff / ref, 5e-2) << name << " " << policy << " " << param;
     }
   }
 }

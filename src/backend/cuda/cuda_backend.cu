@@ -1,7 +1,8 @@
 // The CUDA backend: bf16 storage, fp32 accumulation. One device arena (a single
 // cudaMalloc that the shared arena allocator carves up), one pinned host pool, one
 // non-blocking compute stream on which every op, copy and fill of this backend runs in
-// order. Ops return without synchronizing; host transfers and synchronize() wait.
+// order, and a copy stream for side copies (checkpoint offload and prefetch) joined to
+// it by events. Ops return without synchronizing; host transfers and synchronize() wait.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -131,6 +132,18 @@ class cuda_backend final : public backend {
     use_device();
     UPIPE_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream_));
   }
+  void copy_bytes_side(void* dst, const void* src, std::size_t bytes) override {
+    if (bytes == 0 || dst == src) return;
+    use_device();
+    UPIPE_CUDA_CHECK(cudaEventRecord(compute_done_, stream_));
+    UPIPE_CUDA_CHECK(cudaStreamWaitEvent(copy_stream_, compute_done_, 0));
+    UPIPE_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, copy_stream_));
+  }
+  void join_side_copies() override {
+    use_device();
+    UPIPE_CUDA_CHECK(cudaEventRecord(copies_done_, copy_stream_));
+    UPIPE_CUDA_CHECK(cudaStreamWaitEvent(stream_, copies_done_, 0));
+  }
   void add_f32(float* dst, const float* src, std::size_t count) override {
     if (count == 0) return;
     use_device();
@@ -149,6 +162,7 @@ class cuda_backend final : public backend {
   void synchronize() override {
     use_device();
     UPIPE_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    UPIPE_CUDA_CHECK(cudaStreamSynchronize(copy_stream_));
     std::size_t free_bytes = 0, total_bytes = 0;
     UPIPE_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
     driver_peak_ = std::max(driver_peak_, total_bytes - free_bytes);
@@ -278,6 +292,8 @@ class cuda_backend final : public backend {
 
   int device_;
   cudaStream_t stream_ = nullptr;
+  cudaStream_t copy_stream_ = nullptr;  // side copies (checkpoint offload and prefetch)
+  cudaEvent_t compute_done_ = nullptr, copies_done_ = nullptr;
   std::byte* device_base_ = nullptr;  // the arena, device_arena().capacity() bytes
   std::byte* host_base_ = nullptr;    // the pinned host pool, host_arena().capacity() bytes
   double* sum_result_ = nullptr;      // (1) f64 on the device: sum_squares' result
@@ -290,6 +306,9 @@ class cuda_backend final : public backend {
 
 void cuda_backend::acquire(std::size_t device_bytes, std::size_t host_bytes) {
   UPIPE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  UPIPE_CUDA_CHECK(cudaStreamCreateWithFlags(&copy_stream_, cudaStreamNonBlocking));
+  UPIPE_CUDA_CHECK(cudaEventCreateWithFlags(&compute_done_, cudaEventDisableTiming));
+  UPIPE_CUDA_CHECK(cudaEventCreateWithFlags(&copies_done_, cudaEventDisableTiming));
   if (device_bytes > 0) {
     void* base = nullptr;
     const cudaError_t status = cudaMalloc(&base, device_bytes);
@@ -331,6 +350,7 @@ void cuda_backend::acquire(std::size_t device_bytes, std::size_t host_bytes) {
 // Never throws: a destructor (and a failed constructor) only logs.
 void cuda_backend::release_all() noexcept {
   log_cuda(cudaSetDevice(device_), "cudaSetDevice");
+  if (copy_stream_ != nullptr) log_cuda(cudaStreamSynchronize(copy_stream_), "cudaStreamSynchronize(copies)");
   if (stream_ != nullptr) log_cuda(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
   for (cudaEvent_t e : marks_) log_cuda(cudaEventDestroy(e), "cudaEventDestroy");
   marks_.clear();
@@ -340,10 +360,14 @@ void cuda_backend::release_all() noexcept {
   if (sum_result_ != nullptr) log_cuda(cudaFree(sum_result_), "cudaFree(sum_squares result)");
   if (device_base_ != nullptr) log_cuda(cudaFree(device_base_), "cudaFree(arena)");
   if (host_base_ != nullptr) log_cuda(cudaFreeHost(host_base_), "cudaFreeHost(host pool)");
+  if (compute_done_ != nullptr) log_cuda(cudaEventDestroy(compute_done_), "cudaEventDestroy");
+  if (copies_done_ != nullptr) log_cuda(cudaEventDestroy(copies_done_), "cudaEventDestroy");
+  if (copy_stream_ != nullptr) log_cuda(cudaStreamDestroy(copy_stream_), "cudaStreamDestroy(copies)");
   if (stream_ != nullptr) log_cuda(cudaStreamDestroy(stream_), "cudaStreamDestroy");
   sum_result_ = nullptr;
   device_base_ = host_base_ = nullptr;
-  stream_ = nullptr;
+  stream_ = copy_stream_ = nullptr;
+  compute_done_ = copies_done_ = nullptr;
 }
 
 // The engines cache their workspaces, so these tensors live as long as the backend.
