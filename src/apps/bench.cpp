@@ -25,6 +25,8 @@ namespace {
 
 struct bench_flags {
   std::string model = "tiny-llama", config_path, backend = "cpu", optimizer = "adamw", policy, json_path;
+  std::string comm = "auto";
+  double comm_timeout = 600;
   std::string single_pass_from = "1M", warmup_len;
   std::vector<std::string> attention{"ulysses", "upipe"}, head_chunks, seq_lens{"512"};
   int cp = 0, emulate_cp = 0, layers = 0, zero = 3, repeats = 3;
@@ -172,6 +174,7 @@ int run(const bench_flags& f) {
         o.seed = f.seed;
         o.eval_samples = 0;
         o.backend = kind;
+        o.comm = parse_comm_options(f.comm, f.comm_timeout);
         o.limits = run_limits(kind, f.memory_gib, policy.where, f.host_memory_gib);
         const std::int64_t unit = layout_unit(o.cp);
         const std::int64_t warmup =
@@ -240,6 +243,10 @@ command_runner add_bench(CLI::App& app) {
   app.add_option("--config", f->config_path, "a Hugging Face config.json instead of a preset");
   app.add_option("--layers", f->layers, "a slice: the first N layers at full width and length");
   app.add_option("--backend", f->backend, "cpu, cuda or meta")->capture_default_str();
+  app.add_option("--comm", f->comm, "how ranks talk: auto (NCCL with a GPU per rank, else threads), threads, nccl")
+      ->capture_default_str();
+  app.add_option("--comm-timeout", f->comm_timeout, "seconds before a stuck collective aborts every rank (NCCL)")
+      ->capture_default_str();
   app.add_option("--cp", f->cp, "ranks in the CP group, every one run (default 4)");
   app.add_option("--emulate-cp", f->emulate_cp, "run rank 0 of a group of C alone (loopback), as on one GPU");
   app.add_option("--attention", f->attention, "strategies (ulysses, upipe, ring)")->delimiter(',')->capture_default_str();

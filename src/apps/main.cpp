@@ -2,10 +2,12 @@
 #include <csignal>
 #include <cstdio>
 #include <exception>
+#include <string>
 
 #include "apps/commands.hpp"
 #include "backend/backend.hpp"
 #include "comm/communicator.hpp"
+#include "comm/launch.hpp"
 #include "core/error.hpp"
 
 namespace {
@@ -49,6 +51,10 @@ int main(int argc, char** argv) {
     return app.exit(e);
   }
   try {
+    // Under a launcher every process runs one rank; rank 0 speaks for the job (errors
+    // still reach stderr from every rank).
+    if (const auto env = upipe::launcher_environment(); env && env->rank > 0 && !std::freopen("/dev/null", "w", stdout))
+      throw upipe::io_error("cannot silence rank " + std::to_string(env->rank) + "'s output");
     if (app.got_subcommand("train")) return train();
     if (app.got_subcommand("bench-attention")) return bench();
     if (app.got_subcommand("model-config")) return model();

@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "backend/backend.hpp"
+#include "comm/communicator.hpp"
 #include "core/error.hpp"
 #include "model/checkpoint_store.hpp"
 
@@ -67,6 +68,14 @@ inline memory_limits run_limits(backend_kind kind, double memory_gib, checkpoint
   if (host_gib > 0) return {bytes(memory_gib), bytes(host_gib)};
   const bool small_host = kind == backend_kind::cuda && checkpoints == checkpoint_location::device;
   return {bytes(memory_gib), small_host ? std::size_t{1} << 30 : bytes(memory_gib)};
+}
+
+// --comm and --comm-timeout, checked.
+inline comm_options parse_comm_options(const std::string& kind, double timeout_s) {
+  if (!(timeout_s > 0))
+    throw config_error("--comm-timeout " + std::to_string(timeout_s) +
+                       " must be a positive number of seconds (for example 600)");
+  return {parse_comm_kind(kind), timeout_s};
 }
 
 }  // namespace upipe::apps

@@ -21,6 +21,8 @@ namespace {
 
 struct train_flags {
   std::string model = "tiny-llama", config_path, init_path, data_path, save_dir, resume_dir, metrics_path;
+  std::string comm = "auto";
+  double comm_timeout = 600;
   std::string backend = "cpu", attention = "upipe", policy, seq_len = "128";
   int cp = 4, head_chunk = 0, zero = 2, layers = 0, eval_samples = 32;
   std::int64_t batch = -1, seq_warmup = -1, seq_warmup_start = 0, steps = 3300, stop_after = 0, save_every = 0, warmup = 20, mlp_tile = 0, loss_chunk = 0;
@@ -58,6 +60,7 @@ train_options to_options(const train_flags& f) {
   o.save_every = f.save_every;
   o.resume_dir = f.resume_dir;
   o.backend = parse_backend_kind(f.backend);
+  o.comm = parse_comm_options(f.comm, f.comm_timeout);
   o.limits = run_limits(o.backend, f.memory_gib, o.step.policy.where, f.host_memory_gib);
   o.eval_samples = f.eval_samples;
   return o;
@@ -211,6 +214,10 @@ command_runner add_train(CLI::App& app) {
   app.add_option("--loss-chunk", f->loss_chunk, "tokens per cross-entropy chunk (0: 256 MiB of logits)");
   app.add_option("--layers", f->layers, "train a slice: the first N layers only");
   app.add_option("--backend", f->backend, "cpu, cuda (bf16, virtual ranks on one GPU) or meta")->capture_default_str();
+  app.add_option("--comm", f->comm, "how ranks talk: auto (NCCL with a GPU per rank, else threads), threads, nccl")
+      ->capture_default_str();
+  app.add_option("--comm-timeout", f->comm_timeout, "seconds before a stuck collective aborts every rank (NCCL)")
+      ->capture_default_str();
   app.add_option("--memory-gib", f->memory_gib, "arena per rank (cpu or GPU memory), GiB")->capture_default_str();
   app.add_option("--host-memory-gib", f->host_memory_gib,
                  "pinned host pool per rank, GiB (0: 1 GiB, or --memory-gib when checkpoints go to the host)");

@@ -79,6 +79,10 @@ class backend {
   // highest seen at a synchronize(); 0 where there is no driver (cpu, meta). Beside the
   // ledger it shows what lies outside the arena: the CUDA context and the libraries.
   virtual std::size_t driver_peak_bytes() const { return 0; }
+  // The GPU and the stream this backend's work runs on in order (a cudaStream_t), for
+  // communicators that enqueue on it (NCCL); -1 and nullptr off the GPU.
+  virtual int device_index() const { return -1; }
+  virtual void* native_stream() const { return nullptr; }
   // The libraries this backend runs on, as loaded at run time (e.g. "cuDNN 9.14.0").
   virtual std::string library_versions() const { return "none"; }
   // Host f32 values into a tensor of any dtype (converted), and back. No-ops on meta.

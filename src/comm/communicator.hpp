@@ -5,6 +5,7 @@
 #pragma once
 
 #include <array>
+#include <exception>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -83,6 +84,27 @@ std::unique_ptr<communicator> make_loopback_communicator(backend& be, int size);
 // first exception that is not comm_aborted is rethrown here.
 void run_threads(std::span<backend* const> backends, const std::function<void(int rank, communicator& comm)>& fn);
 
+// After a group's threads joined: rethrows the failure that caused the abort, the first
+// that is not comm_aborted (or the first, if all are); nothing when there is none.
+void rethrow_first_failure(const std::vector<std::exception_ptr>& failures);
+
+// Which communicator a group of real ranks uses: `threads` (ranks are threads sharing
+// memory, on the CPU or as virtual ranks on one GPU), `nccl` (one GPU per rank: one
+// thread per GPU of this node, or one process per GPU under mpirun/srun), or `automatic`:
+// nccl on the cuda backend when a launcher started several processes or this node has a
+// GPU for every rank, threads otherwise.
+enum class comm_kind : std::uint8_t { automatic, threads, nccl };
+std::string_view comm_kind_name(comm_kind kind);
+// Parses "auto", "threads" or "nccl"; throws config_error naming the valid values.
+comm_kind parse_comm_kind(std::string_view name);
+
+struct comm_options {
+  comm_kind kind = comm_kind::automatic;
+  // NCCL: a collective not done after this many seconds aborts every rank with a message
+  // naming the rank, the collective and the layer.
+  double timeout_s = 600;
+};
+
 // The fp64 sum over the group of one value per rank, identical on every rank: the values
 // travel as raw bytes and every rank adds them in rank order.
 double sum_over_ranks(communicator& comm, double value, std::string_view label);
@@ -94,10 +116,12 @@ struct memory_limits;
 // per rank, each with its own backend of `kind`, when the backend holds data; rank 0
 // alone over a loopback communicator on meta (every rank's shapes are rank 0's), or on
 // any backend when `emulate` is set (one GPU measures rank 0 of a group of `size`: its
-// memory, compute and device copies of the bytes it would exchange). Returns the
-// backends, so their ledgers can be read afterwards.
+// memory, compute and device copies of the bytes it would exchange). Real ranks talk
+// through `comm` (see comm_kind); under a launcher this process runs its own rank only.
+// Returns the backends of the ranks this process ran, so their ledgers can be read
+// afterwards.
 std::vector<std::unique_ptr<backend>> run_cp_group(backend_kind kind, const memory_limits& limits, int size,
                                                    const std::function<void(int rank, backend& be, communicator& comm)>& fn,
-                                                   bool emulate = false);
+                                                   bool emulate = false, const comm_options& comm = {});
 
 }  // namespace upipe

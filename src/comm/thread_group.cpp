@@ -367,6 +367,8 @@ bool is_comm_aborted(const std::exception_ptr& error) {
   }
 }
 
+}  // namespace
+
 // The failure that caused the abort is the first that is not comm_aborted.
 void rethrow_first_failure(const std::vector<std::exception_ptr>& failures) {
   if (failures.empty()) return;
@@ -374,8 +376,6 @@ void rethrow_first_failure(const std::vector<std::exception_ptr>& failures) {
     if (!is_comm_aborted(error)) std::rethrow_exception(error);
   std::rethrow_exception(failures.front());
 }
-
-}  // namespace
 
 void run_threads(std::span<backend* const> backends, const std::function<void(int rank, communicator& comm)>& fn) {
   UPIPE_CHECK(!backends.empty(), "run_threads needs at least one backend");

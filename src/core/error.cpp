@@ -9,9 +9,12 @@ void throw_internal(const char* expr, const char* file, int line, const std::str
 
 namespace {
 thread_local int rank_of_thread = -1;
+thread_local int layer_of_thread = -1;
 }
 
 int current_rank() { return rank_of_thread; }
 void set_current_rank(int rank) { rank_of_thread = rank; }
+int current_layer() { return layer_of_thread; }
+void set_current_layer(int layer) { layer_of_thread = layer; }
 
 }  // namespace upipe

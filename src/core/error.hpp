@@ -31,6 +31,10 @@ class internal_error : public std::logic_error {
 // The CP rank the calling thread works for (-1 outside a group), for error messages.
 int current_rank();
 void set_current_rank(int rank);
+// The layer the calling thread's step is in (-1 outside the layers), for messages about
+// failed collectives.
+int current_layer();
+void set_current_layer(int layer);
 
 }  // namespace upipe
 

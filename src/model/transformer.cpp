@@ -88,6 +88,7 @@ double transformer::forward_backward(parameter_store& params, const local_batch&
   const double loss = loss_forward_backward(params, final_hidden_, labels, batch.grad_scale, d);
   final_hidden_.reset();
   backward_layers(params, ids, d);
+  set_current_layer(-1);
   const int embedding = params.embedding_unit();
   if (!params.grads_open(embedding)) params.open_grads(embedding);
   ops::embedding_backward(be_, {d.matrix(), ids.matrix(), params.embedding_grad()});
@@ -101,6 +102,7 @@ void transformer::forward_layers(parameter_store& params, tensor x, checkpoint_s
     const bool keep_input = store != nullptr && store->keeps_input(l);
     const bool keep_attention = store != nullptr && store->keeps_attention(l);
     const mem_tag out_tag = l + 1 < model_.num_layers && store != nullptr ? input_tag(l + 1) : mem_tag::activations;
+    set_current_layer(l);
     // Layer 0's input is looked up again in backward; the others go out while their layer runs.
     if (keep_input && l > 0) store->start_offload(l, checkpoint_store::item::input, x);
     params.acquire(params.layer_unit(l));
@@ -114,6 +116,7 @@ void transformer::forward_layers(parameter_store& params, tensor x, checkpoint_s
     x = std::move(y);
   }
   final_hidden_ = std::move(x);
+  set_current_layer(-1);
 }
 
 std::vector<std::int32_t> transformer::forward_argmax(parameter_store& params, std::span<const std::int32_t> ids_host) {
@@ -267,11 +270,13 @@ void transformer::backward_layers(parameter_store& params, const tensor& ids, co
       inputs.push_back(start == 0 ? embed(params, ids)
                                   : store_.take(start, checkpoint_store::item::input, mem_tag::activations));
       for (int j = start; j < l; ++j) {
+        set_current_layer(j);
         params.acquire(params.layer_unit(j));
         inputs.push_back(layer_forward(params.layer(j), inputs.back(), mem_tag::activations, nullptr));
         params.release(params.layer_unit(j));
       }
     }
+    set_current_layer(l);
     const int unit = params.layer_unit(l);
     params.acquire(unit);
     params.open_grads(unit);

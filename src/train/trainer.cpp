@@ -304,7 +304,7 @@ step_timing time_steps(const train_options& o, std::int64_t warmup_len, int repe
         out.memory = memory_of(be);
         out.driver_peak = be.driver_peak_bytes();
       },
-      emulate);
+      emulate, o.comm);
   return out;
 }
 
@@ -324,9 +324,10 @@ train_summary train(const train_options& o, const std::function<void(const step_
   summary.seq_len = o.seq_len;
   summary.peak_bytes.resize(static_cast<std::size_t>(o.cp.cp));
   const auto start = clock_type::now();
-  run_cp_group(o.backend, o.limits, o.cp.cp, [&](int, backend& be, communicator& comm) {
-    run_rank(o, be, comm, resume.get(), init, summary, on_step);
-  });
+  run_cp_group(
+      o.backend, o.limits, o.cp.cp,
+      [&](int, backend& be, communicator& comm) { run_rank(o, be, comm, resume.get(), init, summary, on_step); },
+      false, o.comm);
   summary.seconds = std::chrono::duration<double>(clock_type::now() - start).count();
   return summary;
 }

@@ -36,6 +36,7 @@ struct train_options {
   std::string resume_dir;
   backend_kind backend = backend_kind::cpu;
   memory_limits limits;
+  comm_options comm;      // how real ranks talk (threads, NCCL)
   int eval_samples = 32;  // held-out passkey samples for the retrieval accuracy
 };
 

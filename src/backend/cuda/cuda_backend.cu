@@ -168,6 +168,8 @@ class cuda_backend final : public backend {
     driver_peak_ = std::max(driver_peak_, total_bytes - free_bytes);
   }
   std::size_t driver_peak_bytes() const override { return driver_peak_; }
+  int device_index() const override { return device_; }
+  void* native_stream() const override { return stream_; }
   std::string library_versions() const override {
     const std::size_t v = cuda::sdpa_engine::library_version();  // major*10000 + minor*100 + patch (cuDNN 9)
     int runtime = 0;

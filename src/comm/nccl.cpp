@@ -1,0 +1,496 @@
+// The NCCL communicator (see nccl.hpp). Every collective is enqueued on the rank's
+// compute stream, so it is ordered with the ops around it and the host never waits for
+// it; a buffer in host memory (a loss being summed) goes through a device staging
+// buffer. After each collective an event is recorded; the rank's watchdog thread checks
+// the oldest unfinished one and, past the timeout, aborts the whole group (every
+// communicator of this process; the other processes' watchdogs see the same hang),
+// naming the rank, the collective, its label and the layer.
+#ifdef UPIPE_HAVE_CUDA
+
+#include "comm/nccl.hpp"
+
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
+#include <deque>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include <dlfcn.h>
+#include <unistd.h>
+
+#include "core/error.hpp"
+
+namespace upipe {
+
+namespace {
+
+using clock_type = std::chrono::steady_clock;
+
+std::string nccl_message(ncclResult_t status, ncclComm_t comm) {
+  std::string text = ncclGetErrorString(status);
+  if (comm != nullptr) {
+    const char* last = ncclGetLastError(comm);
+    if (last != nullptr && *last != '\0') text += std::string(" (") + last + ")";
+  }
+  return text;
+}
+
+void check_cuda(cudaError_t status, const std::string& what) {
+  if (status != cudaSuccess) throw std::runtime_error(what + ": " + cudaGetErrorString(status));
+}
+
+// Where a collective was called from, for messages.
+std::string place(int rank, collective c, std::string_view label) {
+  std::string text = "rank " + std::to_string(rank) + ": " + std::string(collective_name(c));
+  if (!label.empty()) text += " '" + std::string(label) + "'";
+  const int layer = current_layer();
+  text += layer >= 0 ? " in layer " + std::to_string(layer) : " outside the layers";
+  return text;
+}
+
+// The communicators of one group in this process, aborted together.
+class nccl_group {
+ public:
+  void add(ncclComm_t comm) {
+    std::lock_guard lock(mutex_);
+    comms_.push_back(comm);
+  }
+  bool aborted() const { return aborted_.load(std::memory_order_acquire); }
+  std::string reason() const {
+    std::lock_guard lock(mutex_);
+    return reason_;
+  }
+  // The first reason wins; every communicator is aborted once, which also ends any
+  // collective kernel still waiting for a peer.
+  void abort(const std::string& reason) {
+    std::lock_guard lock(mutex_);
+    if (aborted_.load(std::memory_order_relaxed)) return;
+    reason_ = reason;
+    aborted_.store(true, std::memory_order_release);
+    std::fprintf(stderr, "upipe: aborting the NCCL group: %s\n", reason.c_str());
+    for (ncclComm_t c : comms_) (void)ncclCommAbort(c);
+    comms_.clear();
+  }
+  // Destroys what abort() did not already release.
+  void destroy_all() {
+    std::lock_guard lock(mutex_);
+    for (ncclComm_t c : comms_) (void)ncclCommDestroy(c);
+    comms_.clear();
+  }
+
+ private:
+  mutable std::mutex mutex_;
+  std::vector<ncclComm_t> comms_;
+  std::atomic<bool> aborted_{false};
+  std::string reason_;
+};
+
+// Watches one rank's collectives: each is an event recorded after it on the stream.
+class watchdog {
+ public:
+  watchdog(int device, double timeout_s, nccl_group& group)
+      : device_(device), timeout_(std::chrono::duration<double>(timeout_s)), group_(group),
+        thread_([this] { loop(); }) {}
+  ~watchdog() {
+    {
+      std::lock_guard lock(mutex_);
+      stop_ = true;
+    }
+    wake_.notify_all();
+    thread_.join();
+    for (const pending& p : pending_) (void)cudaEventDestroy(p.done);
+  }
+  watchdog(const watchdog&) = delete;
+  watchdog& operator=(const watchdog&) = delete;
+
+  void watch(cudaStream_t stream, std::string what) {
+    cudaEvent_t done = nullptr;
+    check_cuda(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), "cudaEventCreate");
+    check_cuda(cudaEventRecord(done, stream), "cudaEventRecord");
+    std::lock_guard lock(mutex_);
+    pending_.push_back({done, std::move(what), clock_type::now()});
+  }
+
+ private:
+  struct pending {
+    cudaEvent_t done;
+    std::string what;
+    clock_type::time_point issued;
+  };
+
+  void loop() {
+    (void)cudaSetDevice(device_);
+    std::unique_lock lock(mutex_);
+    while (!stop_) {
+      wake_.wait_for(lock, std::chrono::milliseconds(50));
+      while (!pending_.empty()) {
+        const cudaError_t state = cudaEventQuery(pending_.front().done);
+        if (state == cudaErrorNotReady) break;
+        (void)cudaEventDestroy(pending_.front().done);
+        pending_.pop_front();
+      }
+      if (pending_.empty() || group_.aborted()) continue;
+      const pending& oldest = pending_.front();
+      if (clock_type::now() - oldest.issued < timeout_) continue;
+      const std::string reason = oldest.what + " did not complete within " +
+                                 std::to_string(static_cast<long long>(timeout_.count())) +
+                                 " s (a rank failed, stopped or called another collective); raise --comm-timeout "
+                                 "if a step legitimately takes longer";
+      lock.unlock();
+      group_.abort(reason);
+      lock.lock();
+    }
+  }
+
+  const int device_;
+  const std::chrono::duration<double> timeout_;
+  nccl_group& group_;
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  std::deque<pending> pending_;
+  bool stop_ = false;
+  std::thread thread_;  // last: starts once the rest is built
+};
+
+class nccl_communicator final : public communicator {
+ public:
+  nccl_communicator(backend& be, ncclComm_t comm, int rank, int size, nccl_group& group, double timeout_s)
+      : be_(be), comm_(comm), rank_(rank), size_(size), group_(group),
+        stream_(static_cast<cudaStream_t>(be.native_stream())), dog_(be.device_index(), timeout_s, group) {
+    UPIPE_CHECK(stream_ != nullptr, "the NCCL communicator needs a cuda backend");
+  }
+  ~nccl_communicator() override {
+    if (staging_ != nullptr) (void)cudaFree(staging_);
+  }
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+
+  void all_to_all(const void* send, void* recv, std::size_t chunk_bytes, std::string_view label) override {
+    run(collective::all_to_all, label, [&] {
+      check_nccl(ncclGroupStart(), collective::all_to_all, label);
+      for (int j = 0; j < size_; ++j) {
+        check_nccl(ncclSend(static_cast<const std::byte*>(send) + j * chunk_bytes, chunk_bytes, ncclUint8, j, comm_,
+                            stream_),
+                   collective::all_to_all, label);
+        check_nccl(ncclRecv(static_cast<std::byte*>(recv) + j * chunk_bytes, chunk_bytes, ncclUint8, j, comm_, stream_),
+                   collective::all_to_all, label);
+      }
+      check_nccl(ncclGroupEnd(), collective::all_to_all, label);
+    });
+    counters_.add(collective::all_to_all, chunk_bytes * size_, label);
+  }
+
+  void all_reduce_sum(float* data, std::size_t count, std::string_view label) override {
+    const std::size_t bytes = count * sizeof(float);
+    staged(data, bytes, data, bytes, [&](const void* in, void* out) {
+      run(collective::all_reduce, label, [&] {
+        check_nccl(ncclAllReduce(in, out, count, ncclFloat32, ncclSum, comm_, stream_), collective::all_reduce, label);
+      });
+    });
+    counters_.add(collective::all_reduce, bytes, label);
+  }
+
+  void reduce_scatter_sum(const float* send, float* recv, std::size_t chunk_count, std::string_view label) override {
+    const std::size_t bytes = chunk_count * sizeof(float);
+    staged(send, bytes * size_, recv, bytes, [&](const void* in, void* out) {
+      run(collective::reduce_scatter, label, [&] {
+        check_nccl(ncclReduceScatter(in, out, chunk_count, ncclFloat32, ncclSum, comm_, stream_),
+                   collective::reduce_scatter, label);
+      });
+    });
+    counters_.add(collective::reduce_scatter, bytes * size_, label);
+  }
+
+  void all_gather(const void* send, void* recv, std::size_t chunk_bytes, std::string_view label) override {
+    staged(send, chunk_bytes, recv, chunk_bytes * size_, [&](const void* in, void* out) {
+      run(collective::all_gather, label, [&] {
+        check_nccl(ncclAllGather(in, out, chunk_bytes, ncclUint8, comm_, stream_), collective::all_gather, label);
+      });
+    });
+    counters_.add(collective::all_gather, chunk_bytes * size_, label);
+  }
+
+  void send_recv(const void* send, std::size_t send_bytes, int dst, void* recv, std::size_t recv_bytes, int src,
+                 std::string_view label) override {
+    if (send_bytes > 0) check_peer(dst, "destination");
+    if (recv_bytes > 0) check_peer(src, "source");
+    run(collective::send, label, [&] {
+      check_nccl(ncclGroupStart(), collective::send, label);
+      if (send_bytes > 0) check_nccl(ncclSend(send, send_bytes, ncclUint8, dst, comm_, stream_), collective::send, label);
+      if (recv_bytes > 0) check_nccl(ncclRecv(recv, recv_bytes, ncclUint8, src, comm_, stream_), collective::recv, label);
+      check_nccl(ncclGroupEnd(), collective::send, label);
+    });
+    if (send_bytes > 0) counters_.add(collective::send, send_bytes, label);
+    if (recv_bytes > 0) counters_.add(collective::recv, recv_bytes, label);
+  }
+
+  void barrier() override {
+    float* one = static_cast<float*>(staging(sizeof(float)));
+    run(collective::barrier, "", [&] {
+      check_nccl(ncclAllReduce(one, one, 1, ncclFloat32, ncclSum, comm_, stream_), collective::barrier, "");
+    });
+    wait_for_stream();
+    counters_.add(collective::barrier, 0, "");
+  }
+
+ private:
+  void throw_if_aborted() const {
+    if (group_.aborted())
+      throw comm_aborted("rank " + std::to_string(rank_) + ": the NCCL group was aborted: " + group_.reason());
+  }
+
+  void check_nccl(ncclResult_t status, collective c, std::string_view label) {
+    if (status == ncclSuccess) return;
+    const std::string what = place(rank_, c, label) + " failed: " + nccl_message(status, comm_);
+    group_.abort(what);
+    throw comm_aborted(what);
+  }
+
+  void check_peer(int peer, const char* role) const {
+    UPIPE_CHECK(peer >= 0 && peer < size_, "send_recv: " + std::string(role) + " rank " + std::to_string(peer) +
+                                               " is outside the group of " + std::to_string(size_));
+  }
+
+  // Enqueues one collective and hands it to the watchdog.
+  template <class body_fn>
+  void run(collective c, std::string_view label, const body_fn& body) {
+    throw_if_aborted();
+    check_cuda(cudaSetDevice(be_.device_index()), "cudaSetDevice");
+    body();
+    dog_.watch(stream_, place(rank_, c, label));
+  }
+
+  // Waits for the stream; a hang ends when the watchdog aborts the group.
+  void wait_for_stream() {
+    const cudaError_t status = cudaStreamSynchronize(stream_);
+    throw_if_aborted();
+    check_cuda(status, "rank " + std::to_string(rank_) + ": cudaStreamSynchronize after a collective");
+  }
+
+  static bool on_device(const void* p) {
+    if (p == nullptr) return true;
+    cudaPointerAttributes a{};
+    if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return false;
+    }
+    return a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged;
+  }
+
+  void* staging(std::size_t bytes) {
+    if (bytes > staging_bytes_) {
+      if (staging_ != nullptr) {
+        wait_for_stream();
+        check_cuda(cudaFree(staging_), "cudaFree(staging)");
+        staging_ = nullptr;
+      }
+      check_cuda(cudaMalloc(&staging_, bytes), "cudaMalloc(staging)");
+      staging_bytes_ = bytes;
+    }
+    return staging_;
+  }
+
+  // Runs `body(in, out)` on device buffers: host buffers (small values such as a loss)
+  // are copied through the staging buffer and waited for; device buffers go as they are.
+  template <class body_fn>
+  void staged(const void* in, std::size_t in_bytes, void* out, std::size_t out_bytes, const body_fn& body) {
+    if (on_device(in) && on_device(out)) {
+      body(in, out);
+      return;
+    }
+    auto* base = static_cast<std::byte*>(staging(in_bytes + out_bytes));
+    std::byte* const out_dev = in == out ? base : base + in_bytes;
+    check_cuda(cudaMemcpyAsync(base, in, in_bytes, cudaMemcpyDefault, stream_), "cudaMemcpyAsync(staging)");
+    body(base, out_dev);
+    check_cuda(cudaMemcpyAsync(out, out_dev, out_bytes, cudaMemcpyDefault, stream_), "cudaMemcpyAsync(staging)");
+    wait_for_stream();
+  }
+
+  backend& be_;
+  ncclComm_t comm_;
+  const int rank_, size_;
+  nccl_group& group_;
+  cudaStream_t stream_;
+  void* staging_ = nullptr;
+  std::size_t staging_bytes_ = 0;
+  watchdog dog_;  // last: destroyed first, while the rest is still valid
+};
+
+// Runs one rank's function; a failure aborts the group so that no other rank waits.
+void run_rank(int rank, backend& be, ncclComm_t comm, int size, nccl_group& group, double timeout_s,
+              const rank_fn& fn, std::exception_ptr& failure) {
+  set_current_rank(rank);
+  try {
+    nccl_communicator c(be, comm, rank, size, group, timeout_s);
+    fn(rank, be, c);
+    be.synchronize();
+  } catch (...) {
+    failure = std::current_exception();
+    try {
+      std::rethrow_exception(failure);
+    } catch (const comm_aborted&) {
+    } catch (const std::exception& e) {
+      group.abort("rank " + std::to_string(rank) + " failed: " + e.what());
+    } catch (...) {
+      group.abort("rank " + std::to_string(rank) + " failed");
+    }
+  }
+}
+
+// libupipe_mpi.so, beside the running binary, loaded once.
+class mpi_plugin {
+ public:
+  int (*init)(int* rank, int* size) = nullptr;
+  int (*broadcast)(void* data, int bytes) = nullptr;
+  void (*abort)(int code) = nullptr;
+
+  static const mpi_plugin& load(const launch_env& env) {
+    static const mpi_plugin plugin = open(env);
+    return plugin;
+  }
+
+ private:
+  static std::string beside_binary(const char* name) {
+    char path[4096];
+    const ssize_t n = readlink("/proc/self/exe", path, sizeof(path) - 1);
+    if (n <= 0) return name;
+    std::string exe(path, static_cast<std::size_t>(n));
+    return exe.substr(0, exe.rfind('/') + 1) + name;
+  }
+
+  static mpi_plugin open(const launch_env& env) {
+    const std::string path = beside_binary("libupipe_mpi.so");
+    void* handle = dlopen(path.c_str(), RTLD_NOW | RTLD_GLOBAL);
+    if (handle == nullptr)
+      throw config_error(env.launcher + " started upipe as rank " + std::to_string(env.rank) + " of " +
+                         std::to_string(env.size) + ", which needs MPI to carry NCCL's id: " + path +
+                         " could not be loaded (" + dlerror() +
+                         "). Build where MPI's development files are installed (libopenmpi-dev) and run with the "
+                         "MPI that built it, or run one process with a thread per GPU (no launcher)");
+    mpi_plugin p;
+    p.init = reinterpret_cast<int (*)(int*, int*)>(dlsym(handle, "upipe_mpi_init"));
+    p.broadcast = reinterpret_cast<int (*)(void*, int)>(dlsym(handle, "upipe_mpi_broadcast"));
+    p.abort = reinterpret_cast<void (*)(int)>(dlsym(handle, "upipe_mpi_abort"));
+    if (p.init == nullptr || p.broadcast == nullptr || p.abort == nullptr)
+      throw config_error(path + " lacks the upipe_mpi_* entry points: rebuild it with this upipe");
+    return p;
+  }
+};
+
+void check_timeout(double timeout_s) {
+  if (!(timeout_s > 0))
+    throw config_error("--comm-timeout " + std::to_string(timeout_s) + " must be a positive number of seconds, "
+                       "for example 600");
+}
+
+}  // namespace
+
+int visible_gpus() {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return count;
+}
+
+std::vector<std::unique_ptr<backend>> run_nccl_threads(const memory_limits& limits, int size, const rank_fn& fn,
+                                                       double timeout_s) {
+  check_timeout(timeout_s);
+  const int gpus = visible_gpus();
+  if (gpus < size)
+    throw config_error("--comm nccl with " + std::to_string(size) + " ranks needs a GPU per rank but " +
+                       std::to_string(gpus) + " GPU(s) are visible: use --cp " + std::to_string(std::max(gpus, 1)) +
+                       ", start one process per GPU with mpirun, or --comm threads for virtual ranks on one GPU");
+  std::vector<std::unique_ptr<backend>> backends;
+  std::vector<int> devices;
+  for (int r = 0; r < size; ++r) {
+    backends.push_back(make_cuda_backend(limits, r));
+    devices.push_back(r);
+  }
+  std::vector<ncclComm_t> comms(static_cast<std::size_t>(size), nullptr);
+  const ncclResult_t status = ncclCommInitAll(comms.data(), size, devices.data());
+  if (status != ncclSuccess)
+    throw std::runtime_error("ncclCommInitAll over " + std::to_string(size) + " GPUs failed: " +
+                             nccl_message(status, nullptr));
+  nccl_group group;
+  for (ncclComm_t c : comms) group.add(c);
+  std::vector<std::exception_ptr> failures(static_cast<std::size_t>(size));
+  {
+    std::vector<std::thread> threads;
+    for (int r = 0; r < size; ++r)
+      threads.emplace_back(run_rank, r, std::ref(*backends[r]), comms[r], size, std::ref(group), timeout_s,
+                           std::cref(fn), std::ref(failures[r]));
+    for (auto& t : threads) t.join();
+  }
+  group.destroy_all();
+  std::vector<std::exception_ptr> raised;
+  for (auto& f : failures)
+    if (f) raised.push_back(f);
+  rethrow_first_failure(raised);
+  return backends;
+}
+
+std::vector<std::unique_ptr<backend>> run_nccl_process(const memory_limits& limits, const launch_env& env,
+                                                       const rank_fn& fn, double timeout_s) {
+  check_timeout(timeout_s);
+  const int gpus = visible_gpus();
+  if (env.local_rank >= gpus)
+    throw config_error("rank " + std::to_string(env.rank) + " (started by " + env.launcher + ") has local rank " +
+                       std::to_string(env.local_rank) + " but this node shows " + std::to_string(gpus) +
+                       " GPU(s): start at most one process per GPU on each node");
+  std::vector<std::unique_ptr<backend>> backends;
+  backends.push_back(make_cuda_backend(limits, env.local_rank));
+  const mpi_plugin& mpi = mpi_plugin::load(env);
+  int mpi_rank = 0, mpi_size = 1;
+  if (mpi.init(&mpi_rank, &mpi_size) != 0) throw std::runtime_error("MPI_Init failed (" + env.launcher + ")");
+  if (mpi_rank != env.rank || mpi_size != env.size)
+    throw config_error("MPI says rank " + std::to_string(mpi_rank) + " of " + std::to_string(mpi_size) + " but " +
+                       env.launcher + "'s environment says " + std::to_string(env.rank) + " of " +
+                       std::to_string(env.size) + ": start upipe with the launcher of the MPI it was built with");
+  ncclUniqueId id{};
+  if (env.rank == 0) {
+    const ncclResult_t got_id = ncclGetUniqueId(&id);
+    if (got_id != ncclSuccess) {
+      std::fprintf(stderr, "upipe: error: ncclGetUniqueId failed: %s\n", nccl_message(got_id, nullptr).c_str());
+      mpi.abort(1);
+    }
+  }
+  if (mpi.broadcast(&id, sizeof(id)) != 0) throw std::runtime_error("MPI_Bcast of the NCCL id failed");
+  check_cuda(cudaSetDevice(env.local_rank), "cudaSetDevice");
+  ncclComm_t comm = nullptr;
+  const ncclResult_t status = ncclCommInitRank(&comm, env.size, id, env.rank);
+  if (status != ncclSuccess)
+    throw std::runtime_error("rank " + std::to_string(env.rank) + ": ncclCommInitRank over " +
+                             std::to_string(env.size) + " processes failed: " + nccl_message(status, nullptr));
+  nccl_group group;
+  group.add(comm);
+  std::exception_ptr failure;
+  run_rank(env.rank, *backends[0], comm, env.size, group, timeout_s, fn, failure);
+  group.destroy_all();
+  // A failed rank ends the job at once: the other processes may be waiting for it.
+  if (failure && env.size > 1) {
+    try {
+      std::rethrow_exception(failure);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "upipe: error: rank %d: %s; aborting the job\n", env.rank, e.what());
+    } catch (...) {
+      std::fprintf(stderr, "upipe: error: rank %d failed; aborting the job\n", env.rank);
+    }
+    mpi.abort(1);
+  }
+  if (failure) std::rethrow_exception(failure);
+  return backends;
+}
+
+}  // namespace upipe
+
+#endif  // UPIPE_HAVE_CUDA

@@ -1,0 +1,137 @@
+// The NCCL communicator on the GPUs this machine has (one is enough for a single-rank
+// group; every GPU is one rank): each collective against what it must deliver, host
+// buffers included; a training step over NCCL against the same step over threads; and
+// the watchdog, which aborts a group whose collective does not finish in time.
+#include <gtest/gtest.h>
+
+#include <cuda_runtime_api.h>
+
+#include <chrono>
+#include <numeric>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "comm/communicator.hpp"
+#include "comm/launch.hpp"
+#include "comm/nccl.hpp"
+#include "core/error.hpp"
+#include "train/trainer.hpp"
+
+namespace upipe {
+namespace {
+
+int gpus() { return visible_gpus(); }
+
+// Group sizes to try: every power of two up to 4 GPUs, or, under mpirun/srun, the job's.
+std::vector<int> group_sizes() {
+  if (const auto env = launcher_environment()) return {env->size};
+  std::vector<int> sizes;
+  for (int size = 1; size <= std::min(gpus(), 4); size *= 2) sizes.push_back(size);
+  return sizes;
+}
+
+// The value rank `from` puts in element i of the chunk it sends to rank `to`.
+float value(int from, int to, int i) { return static_cast<float>(1000 * from + 10 * to + i); }
+
+TEST(gpu_nccl, collectives_deliver_what_they_promise) {
+  if (gpus() < 1) GTEST_SKIP() << "no GPU";
+  for (int size : group_sizes()) {
+    const memory_limits limits{std::size_t{64} << 20, std::size_t{16} << 20};
+    run_cp_group(
+        backend_kind::cuda, limits, size,
+        [&](int rank, backend& be, communicator& comm) {
+          const int n = 5;
+          tensor send = be.allocate(mem_tag::comm, dtype::f32, {size * n}, "send");
+          tensor recv = be.allocate(mem_tag::comm, dtype::f32, {size * n}, "recv");
+          std::vector<float> host(static_cast<std::size_t>(size * n)), got(host.size());
+          for (int j = 0; j < size; ++j)
+            for (int i = 0; i < n; ++i) host[static_cast<std::size_t>(j * n + i)] = value(rank, j, i);
+          be.upload_f32(send, host.data());
+          comm.all_to_all(send.data(), recv.data(), n * sizeof(float), "a2a");
+          be.download_f32(got.data(), recv);
+          for (int j = 0; j < size; ++j)
+            for (int i = 0; i < n; ++i) EXPECT_EQ(got[static_cast<std::size_t>(j * n + i)], value(j, rank, i));
+          // all_reduce, in place: element k sums value(r, 0, k) over the ranks.
+          comm.all_reduce_sum(send.as<float>(), static_cast<std::size_t>(size * n), "ar");
+          be.download_f32(got.data(), send);
+          for (int k = 0; k < size * n; ++k) {
+            float want = 0;
+            for (int r = 0; r < size; ++r) want += value(r, k / n, k % n);
+            EXPECT_EQ(got[static_cast<std::size_t>(k)], want);
+          }
+          // reduce_scatter of the summed buffer: this rank's chunk times size.
+          tensor chunk = be.allocate(mem_tag::comm, dtype::f32, {n}, "chunk");
+          comm.reduce_scatter_sum(send.as<float>(), chunk.as<float>(), n, "rs");
+          std::vector<float> mine(n);
+          be.download_f32(mine.data(), chunk);
+          for (int i = 0; i < n; ++i) EXPECT_EQ(mine[i], size * got[static_cast<std::size_t>(rank * n + i)]);
+          // all_gather of the chunks, and of a host value (staged through the device).
+          comm.all_gather(chunk.data(), recv.data(), n * sizeof(float), "ag");
+          be.download_f32(got.data(), recv);
+          for (int i = 0; i < n; ++i) EXPECT_EQ(got[static_cast<std::size_t>(rank * n + i)], mine[i]);
+          EXPECT_DOUBLE_EQ(sum_over_ranks(comm, rank + 0.5, "sum"), size * (size - 1) / 2.0 + 0.5 * size);
+          // A ring step: send to the next rank, receive from the previous one.
+          comm.send_recv(send.data(), n * sizeof(float), (rank + 1) % size, recv.data(), n * sizeof(float),
+                         (rank + size - 1) % size, "ring");
+          comm.barrier();
+          EXPECT_EQ(comm.counters().calls[static_cast<std::size_t>(collective::all_to_all)], 1u);
+        },
+        false, {comm_kind::nccl, 60});
+  }
+}
+
+TEST(gpu_nccl, a_training_step_over_nccl_equals_the_step_over_threads) {
+  if (gpus() < 1) GTEST_SKIP() << "no GPU";
+  const int cp = group_sizes().back();
+  for (strategy_kind kind : {strategy_kind::ulysses, strategy_kind::upipe, strategy_kind::ring}) {
+    if (kind == strategy_kind::ring && cp == 1) continue;
+    train_options o;
+    o.model = preset("tiny-llama");
+    o.seq_len = 256;
+    o.cp = {kind, cp, 0};
+    o.zero = zero_stage::three;
+    o.optim.total_steps = 2;
+    o.eval_samples = 0;
+    o.backend = backend_kind::cuda;
+    o.limits = {std::size_t{512} << 20, std::size_t{64} << 20};
+    o.comm = {comm_kind::nccl, 60};
+    const step_timing nccl = time_steps(o, 0, 1, false);
+    o.comm = {comm_kind::threads, 60};
+    o.limits.device_bytes /= static_cast<std::size_t>(cp);  // virtual ranks share one GPU
+    const step_timing threads = time_steps(o, 0, 1, false);
+    EXPECT_LT(std::abs(nccl.losses[0] - threads.losses[0]) / threads.losses[0], 2e-2)
+        << strategy_name(kind) << " C=" << cp << ": " << nccl.losses[0] << " vs " << threads.losses[0];
+  }
+}
+
+TEST(gpu_nccl, a_collective_stuck_past_the_timeout_aborts_the_group_and_names_it) {
+  if (gpus() < 1) GTEST_SKIP() << "no GPU";
+  const memory_limits limits{std::size_t{64} << 20, std::size_t{16} << 20};
+  std::string message;
+  try {
+    run_cp_group(
+        backend_kind::cuda, limits, 1,
+        [&](int, backend& be, communicator& comm) {
+          tensor x = be.allocate(mem_tag::comm, dtype::f32, {16}, "x");
+          // The stream sleeps for 4 s before the collective can start: past the 1 s timeout.
+          auto* stream = static_cast<cudaStream_t>(be.native_stream());
+          ASSERT_EQ(cudaLaunchHostFunc(
+                        stream, [](void*) { std::this_thread::sleep_for(std::chrono::seconds(4)); }, nullptr),
+                    cudaSuccess);
+          set_current_layer(7);
+          comm.all_reduce_sum(x.as<float>(), 16, "stuck_grads");
+          set_current_layer(-1);
+          std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+          comm.all_reduce_sum(x.as<float>(), 16, "next");
+        },
+        false, {comm_kind::nccl, 1.0});
+  } catch (const comm_aborted& e) {
+    message = e.what();
+  }
+  EXPECT_NE(message.find("rank 0: all_reduce 'stuck_grads' in layer 7 did not complete within 1 s"), std::string::npos)
+      << message;
+}
+
+}  // namespace
+}  // namespace upipe
