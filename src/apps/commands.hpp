@@ -18,5 +18,6 @@ command_runner add_bench_kernels(CLI::App& app);
 command_runner add_plan(CLI::App& app);
 command_runner add_bench(CLI::App& app);
 command_runner add_report(CLI::App& app);
+command_runner add_bench_comm(CLI::App& app);
 
 }  // namespace upipe::apps

@@ -45,6 +45,8 @@ int main(int argc, char** argv) {
       "bench", "Whole-step benchmarks over strategy x U x S: tokens/s/GPU, TFLOP/s, MFU, peak by tag, checked"));
   auto report = upipe::apps::add_report(*app.add_subcommand(
       "report", "Plots (SVG) of bench, bench-attention and plan results: memory by tag, throughput and peak vs S, U"));
+  auto comm = upipe::apps::add_bench_comm(*app.add_subcommand(
+      "bench-comm", "The strategies' collectives at their message sizes: time, algorithm and bus bandwidth"));
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -63,6 +65,7 @@ int main(int argc, char** argv) {
     if (app.got_subcommand("plan")) return plan();
     if (app.got_subcommand("bench")) return bench_steps();
     if (app.got_subcommand("report")) return report();
+    if (app.got_subcommand("bench-comm")) return comm();
   } catch (const std::exception& e) {
     return report_error(e);
   }

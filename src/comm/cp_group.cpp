@@ -49,14 +49,9 @@ bool use_nccl(backend_kind kind, int size, const comm_options& comm, const std::
                          " backend's ranks talk through --comm threads)");
     return true;
   }
+  // Asked for by name, threads run the whole group in this process even under a launcher.
+  if (comm.kind == comm_kind::threads) return false;
   const bool several_processes = env && env->size > 1;
-  if (comm.kind == comm_kind::threads) {
-    if (several_processes)
-      throw config_error(env->launcher + " started " + std::to_string(env->size) +
-                         " processes, but --comm threads keeps every rank in one process: use --comm nccl, or start "
-                         "one process");
-    return false;
-  }
   if (kind != backend_kind::cuda) {
     if (several_processes)
       throw config_error(env->launcher + " started " + std::to_string(env->size) + " processes, but the " +

@@ -1,0 +1,157 @@
+// `upipe bench-comm`: the collectives of the CP strategies at their real message sizes,
+// nccl-tests style (time, algorithm and bus bandwidth), on the group's communicator:
+// UPipe's per-stage all-to-all of the query heads and of a kv block, Ulysses' all-heads
+// all-to-alls, and ring attention's K/V send/recv step, for each sequence length.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "apps/commands.hpp"
+#include "apps/sizes.hpp"
+#include "comm/communicator.hpp"
+#include "core/error.hpp"
+#include "cp/attention_config.hpp"
+#include "model/config.hpp"
+
+namespace upipe::apps {
+
+namespace {
+
+struct comm_flags {
+  std::string model = "llama3-8b", backend = "cpu", comm = "auto", json_path;
+  std::vector<std::string> seq_lens{"4K"};
+  int cp = 4, head_chunk = 0, repeats = 10;
+  double memory_gib = 4, comm_timeout = 600;
+};
+
+// One message of one strategy: all-to-all of `bytes` per rank (its whole send buffer),
+// or a ring step sending `bytes` to the next rank while receiving as many.
+struct message {
+  std::string name;
+  bool ring = false;
+  std::int64_t seq_len = 0;
+  std::size_t bytes = 0;
+};
+
+struct timing {
+  message m;
+  double ms = 0;
+};
+
+std::vector<message> messages(const model_config& m, int C, int U, std::int64_t S, std::size_t elem) {
+  const std::size_t s = static_cast<std::size_t>(S / C), d = m.head_dim;
+  const std::size_t H = m.num_heads, K = m.num_kv_heads;
+  // A UPipe stage sends U query heads' worth of s tokens (u = U/C to each rank); a kv
+  // block one kv head to each rank (U = C).
+  return {{"a2a upipe q/o/dq stage (U=" + std::to_string(U) + ")", false, S, s * U * d * elem},
+          {"a2a upipe k/v block (a kv head per rank)", false, S, s * C * d * elem},
+          {"a2a ulysses q/o/dq", false, S, s * H * d * elem},
+          {"a2a ulysses k/v", false, S, s * K * d * elem},
+          {"sendrecv ring k+v step", true, S, 2 * s * K * d * elem}};
+}
+
+int run(const comm_flags& f) {
+  const backend_kind kind = parse_backend_kind(f.backend);
+  if (kind == backend_kind::meta) throw config_error("--backend meta moves no bytes: use cpu or cuda");
+  if (f.cp < 2) throw config_error("--cp " + std::to_string(f.cp) + ": a collective needs at least 2 ranks");
+  if (f.repeats < 1) throw config_error("--repeats " + std::to_string(f.repeats) + " must be at least 1");
+  const model_config m = preset(f.model);
+  const int U = f.head_chunk > 0 ? f.head_chunk : f.cp;
+  const std::vector<int> valid = valid_head_chunks(m.num_heads, f.cp);
+  if (valid.empty())
+    throw config_error("--cp " + std::to_string(f.cp) + " does not divide the " + std::to_string(m.num_heads) +
+                       " heads of " + m.name + ": use a C that does, for example 2, 4 or 8");
+  if (std::find(valid.begin(), valid.end(), U) == valid.end())
+    throw config_error("--head-chunk " + std::to_string(U) + " is not valid for " + std::to_string(m.num_heads) +
+                       " heads over " + std::to_string(f.cp) + " ranks (C must divide U and U must divide H), for "
+                       "example --head-chunk " + std::to_string(valid.front()));
+  const comm_options comm = parse_comm_options(f.comm, f.comm_timeout);
+  std::vector<message> all;
+  const std::size_t elem = kind == backend_kind::cpu ? 4 : 2;  // the backend's working dtype
+  for (const std::string& t : f.seq_lens) {
+    const std::int64_t S = parse_count(t, "--seq-len");
+    if (S % f.cp != 0)
+      throw config_error("--seq-len " + t + " is not a multiple of --cp " + std::to_string(f.cp));
+    for (message& msg : messages(m, f.cp, U, S, elem)) all.push_back(std::move(msg));
+  }
+  std::size_t largest = 0;
+  for (const message& msg : all) largest = std::max(largest, msg.bytes);
+  memory_limits limits = run_limits(kind, f.memory_gib, checkpoint_location::device);
+  if (2 * largest > limits.device_bytes)
+    throw config_error("the largest message, " + std::to_string(largest) + " bytes, needs --memory-gib of at least " +
+                       std::to_string(2.0 * static_cast<double>(largest) / (1 << 30) + 0.01));
+  std::vector<timing> results;
+  std::string communicator_name;
+  run_cp_group(
+      kind, limits, f.cp,
+      [&](int rank, backend& be, communicator& c) {
+        const auto words = static_cast<std::int64_t>((largest + 3) / 4);
+        tensor send = be.allocate_zeroed(mem_tag::comm, dtype::f32, {words}, "comm_send");
+        tensor recv = be.allocate_zeroed(mem_tag::comm, dtype::f32, {words}, "comm_recv");
+        const auto once = [&](const message& msg) {
+          if (msg.ring)
+            c.send_recv(send.data(), msg.bytes, (rank + 1) % f.cp, recv.data(), msg.bytes, (rank + f.cp - 1) % f.cp,
+                        "ring");
+          else
+            c.all_to_all(send.data(), recv.data(), msg.bytes / f.cp, "a2a");
+        };
+        for (const message& msg : all) {
+          once(msg);  // warm-up (NCCL connects lazily)
+          be.synchronize();
+          c.barrier();
+          const auto start = std::chrono::steady_clock::now();
+          for (int i = 0; i < f.repeats; ++i) once(msg);
+          be.synchronize();
+          c.barrier();
+          const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+          if (rank == 0) results.push_back({msg, ms / f.repeats});
+        }
+      },
+      false, comm);
+  std::printf("# upipe bench-comm  model=%s  C=%d  U=%d  backend=%s  comm=%s  repeats=%d\n", m.name.c_str(), f.cp, U,
+              f.backend.c_str(), f.comm.c_str(), f.repeats);
+  std::printf("# bytes: one rank's send buffer; algbw = bytes / time; busbw = algbw x (C-1)/C for all-to-all, "
+              "algbw for send/recv (nccl-tests)\n");
+  std::printf("%-44s %9s %14s %10s %10s %10s\n", "collective", "S", "bytes", "time_us", "algbw", "busbw");
+  nlohmann::json rows = nlohmann::json::array();
+  for (const timing& t : results) {
+    const double algbw = static_cast<double>(t.m.bytes) / (t.ms * 1e-3) / 1e9;
+    const double busbw = t.m.ring ? algbw : algbw * (f.cp - 1) / f.cp;
+    std::printf("%-44s %9lld %14zu %10.1f %10.2f %10.2f\n", t.m.name.c_str(), static_cast<long long>(t.m.seq_len),
+                t.m.bytes, t.ms * 1e3, algbw, busbw);
+    rows.push_back({{"collective", t.m.name}, {"seq_len", t.m.seq_len}, {"bytes", t.m.bytes}, {"time_us", t.ms * 1e3},
+                    {"algbw_gbytes_per_s", algbw}, {"busbw_gbytes_per_s", busbw}, {"cp", f.cp}, {"head_chunk", U},
+                    {"model", m.name}, {"backend", f.backend}, {"comm", f.comm}});
+  }
+  if (!f.json_path.empty()) {
+    std::ofstream out(f.json_path);
+    out << rows.dump(1) << "\n";
+    if (!out) throw io_error("cannot write --json " + f.json_path + ": check the directory");
+  }
+  return 0;
+}
+
+}  // namespace
+
+command_runner add_bench_comm(CLI::App& app) {
+  auto f = std::make_shared<comm_flags>();
+  app.add_option("--model", f->model, "preset whose heads set the message sizes")->capture_default_str();
+  app.add_option("--backend", f->backend, "cpu or cuda")->capture_default_str();
+  app.add_option("--comm", f->comm, "auto, threads or nccl")->capture_default_str();
+  app.add_option("--comm-timeout", f->comm_timeout, "seconds before a stuck collective aborts (NCCL)")
+      ->capture_default_str();
+  app.add_option("--cp", f->cp, "ranks in the group")->capture_default_str();
+  app.add_option("--head-chunk", f->head_chunk, "UPipe's U (default C)");
+  app.add_option("--seq-len", f->seq_lens, "sequence lengths S (K and M suffixes)")->delimiter(',')->capture_default_str();
+  app.add_option("--repeats", f->repeats, "timed repeats per message after one warm-up")->capture_default_str();
+  app.add_option("--memory-gib", f->memory_gib, "arena per rank, GiB")->capture_default_str();
+  app.add_option("--json", f->json_path, "write the rows as JSON");
+  return [f] { return run(*f); };
+}
+
+}  // namespace upipe::apps
