@@ -13,6 +13,7 @@
 #include "apps/commands.hpp"
 #include "apps/sizes.hpp"
 #include "core/error.hpp"
+#include "plan/planner.hpp"
 #include "train/trainer.hpp"
 
 namespace upipe::apps {
@@ -23,12 +24,14 @@ struct train_flags {
   std::string model = "tiny-llama", config_path, init_path, data_path, save_dir, resume_dir, metrics_path;
   std::string comm = "auto";
   double comm_timeout = 600;
-  std::string backend = "cpu", attention = "upipe", policy, seq_len = "128";
+  std::string backend = "cpu", attention = "upipe", policy = "auto", seq_len = "128";
   int cp = 4, head_chunk = 0, zero = 2, layers = 0, eval_samples = 32;
   std::int64_t batch = -1, seq_warmup = -1, seq_warmup_start = 0, steps = 3300, stop_after = 0, save_every = 0, warmup = 20, mlp_tile = 0, loss_chunk = 0;
   double lr = 1e-3, weight_decay = 0.01, max_grad_norm = 1.0, memory_gib = 8, host_memory_gib = 0;
   unsigned long long seed = 1;
 };
+
+bool auto_policy(const train_flags& f) { return f.policy == "auto"; }
 
 train_options to_options(const train_flags& f) {
   train_options o;
@@ -48,7 +51,7 @@ train_options to_options(const train_flags& f) {
   o.seq_warmup_start = f.seq_warmup_start;
   o.cp = {parse_strategy_kind(f.attention), f.cp, f.head_chunk};
   o.zero = f.zero == 3 ? zero_stage::three : zero_stage::two;
-  o.step = {f.mlp_tile, f.loss_chunk, parse_checkpoint_policy(f.policy)};
+  o.step = {f.mlp_tile, f.loss_chunk, auto_policy(f) ? checkpoint_policy{} : parse_checkpoint_policy(f.policy)};
   o.optim.lr = f.lr;
   o.optim.weight_decay = f.weight_decay;
   o.optim.max_grad_norm = f.max_grad_norm;
@@ -64,6 +67,35 @@ train_options to_options(const train_flags& f) {
   o.limits = run_limits(o.backend, f.memory_gib, o.step.policy.where, f.host_memory_gib);
   o.eval_samples = f.eval_samples;
   return o;
+}
+
+std::string gib_text(double gib) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%g GiB", gib);
+  return text;
+}
+
+// --checkpoint-policy auto: the planner's fastest policy whose step fits this run's
+// arena and host pool (the meta probe with the GPU's library workspaces), 2% kept free.
+void choose_policy(const train_flags& f, train_options& o) {
+  plan_request r;
+  r.model = o.model;
+  r.gpus = o.cp.cp;
+  r.zero = o.zero;
+  r.mlp_tile = o.step.mlp_tile;
+  r.loss_chunk = o.step.loss_chunk;
+  r.margin = 0.02;
+  const memory_limits host = run_limits(o.backend, f.memory_gib, checkpoint_location::host_pinned, f.host_memory_gib);
+  const std::optional<fitting_policy> chosen =
+      fastest_fitting_policy(r, o.cp, o.seq_len, o.limits.device_bytes, host.host_bytes);
+  if (!chosen)
+    throw config_error("no checkpoint policy fits S = " + std::to_string(o.seq_len) + " in an arena of " +
+                       gib_text(f.memory_gib) + " per rank: raise --memory-gib or --host-memory-gib, shorten --seq-len, or run `upipe plan` "
+                       "to see what fits");
+  o.step.policy = chosen->policy;
+  o.limits = run_limits(o.backend, f.memory_gib, chosen->policy.where, f.host_memory_gib);
+  std::printf("# checkpoint policy %s (auto: the fastest that fits; predicted arena high water %.2f GiB)\n",
+              chosen->policy.str().c_str(), static_cast<double>(chosen->point.arena_bytes) / (1 << 30));
 }
 
 std::string clock_text(double seconds) {
@@ -143,8 +175,9 @@ void print_summary(const train_options& o, const train_summary& s) {
 }
 
 int run(const train_flags& f) {
-  const train_options o = to_options(f);
+  train_options o = to_options(f);
   validate(o);
+  if (auto_policy(f)) choose_policy(f, o);
   std::ofstream metrics;
   if (!f.metrics_path.empty()) {
     metrics.open(f.metrics_path, std::ios::trunc);
@@ -209,7 +242,10 @@ command_runner add_train(CLI::App& app) {
   app.add_option("--save-every", f->save_every, "also save every N steps");
   app.add_option("--resume", f->resume_dir, "continue from this checkpoint");
   app.add_option("--zero", f->zero, "2: shard optimizer state and gradients; 3: shard weights too")->capture_default_str();
-  app.add_option("--checkpoint-policy", f->policy, "what=input|input+attention,every=K,where=device|host-pinned|host-pageable");
+  app.add_option("--checkpoint-policy", f->policy,
+                 "auto (the planner's fastest that fits --memory-gib and --host-memory-gib) or "
+                 "what=input|input+attention,every=K,where=device|host-pinned|host-pageable")
+      ->capture_default_str();
   app.add_option("--mlp-tile", f->mlp_tile, "tokens per MLP tile (0: D)");
   app.add_option("--loss-chunk", f->loss_chunk, "tokens per cross-entropy chunk (0: 256 MiB of logits)");
   app.add_option("--layers", f->layers, "train a slice: the first N layers only");

@@ -177,4 +177,18 @@ plan_result make_plan(const plan_request& r) {
   return out;
 }
 
+std::optional<fitting_policy> fastest_fitting_policy(const plan_request& r, const cp_settings& cp,
+                                                     std::int64_t seq_len, std::size_t arena_bytes,
+                                                     std::size_t host_bytes) {
+  const double keep = 1.0 - r.margin;
+  for (const checkpoint_policy& policy : candidate_policies()) {
+    plan_point p = evaluate(r, cp, seq_len, policy);
+    const std::size_t host_per_rank = p.host_bytes / static_cast<std::size_t>(r.gpus);
+    if (static_cast<double>(p.arena_bytes) <= keep * static_cast<double>(arena_bytes) &&
+        static_cast<double>(host_per_rank) <= keep * static_cast<double>(host_bytes))
+      return fitting_policy{policy, std::move(p)};
+  }
+  return std::nullopt;
+}
+
 }  // namespace upipe

@@ -81,4 +81,16 @@ void validate(const plan_request& request);
 
 plan_result make_plan(const plan_request& request);
 
+// The fastest of candidate_policies() whose step at `seq_len` fits a device arena of
+// `arena_bytes` and a host pool of `host_bytes` per rank (as `upipe train --memory-gib
+// --host-memory-gib` sizes them), keeping request.margin of each free: what
+// `--checkpoint-policy auto` trains with. Nothing when none fits.
+struct fitting_policy {
+  checkpoint_policy policy;
+  plan_point point;
+};
+std::optional<fitting_policy> fastest_fitting_policy(const plan_request& request, const cp_settings& cp,
+                                                     std::int64_t seq_len, std::size_t arena_bytes,
+                                                     std::size_t host_bytes);
+
 }  // namespace upipe

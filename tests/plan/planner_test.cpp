@@ -151,5 +151,32 @@ TEST(planner, bad_requests_are_refused) {
   EXPECT_THROW(validate(r), config_error);
 }
 
+TEST(planner, auto_policy_is_the_fastest_that_fits_the_arena_and_host_pool) {
+  plan_request r = small_request();
+  r.margin = 0;
+  const cp_settings cp{strategy_kind::upipe, 4, 4};
+  const std::int64_t S = 16384;
+  const std::vector<checkpoint_policy> all = candidate_policies();
+  const plan_point first = evaluate(r, cp, S, all[0]);
+  // Room for the fastest: it is chosen.
+  auto chosen = fastest_fitting_policy(r, cp, S, first.arena_bytes, std::size_t{1} << 40);
+  ASSERT_TRUE(chosen.has_value());
+  EXPECT_EQ(chosen->policy.str(), all[0].str());
+  // One byte less of arena: a later policy, the first in order that fits, and it does.
+  chosen = fastest_fitting_policy(r, cp, S, first.arena_bytes - 1, std::size_t{1} << 40);
+  ASSERT_TRUE(chosen.has_value());
+  EXPECT_NE(chosen->policy.str(), all[0].str());
+  EXPECT_LE(chosen->point.arena_bytes, first.arena_bytes - 1);
+  for (const checkpoint_policy& p : all) {
+    if (p.str() == chosen->policy.str()) break;
+    const plan_point earlier = evaluate(r, cp, S, p);
+    EXPECT_GT(earlier.arena_bytes, first.arena_bytes - 1) << p.str();
+  }
+  // No host pool to speak of: only what keeps nothing on the host qualifies; no arena: nothing.
+  chosen = fastest_fitting_policy(r, cp, S, first.arena_bytes - 1, 1);
+  if (chosen) EXPECT_EQ(chosen->point.host_bytes, 0u) << chosen->policy.str();
+  EXPECT_FALSE(fastest_fitting_policy(r, cp, S, 1, 1).has_value());
+}
+
 }  // namespace
 }  // namespace upipe
