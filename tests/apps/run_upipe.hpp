@@ -17,8 +17,9 @@ struct run_result {
   std::string output;  // stdout and stderr
 };
 
-inline run_result run_upipe(const std::string& args) {
-  const std::string command = std::string(UPIPE_BINARY) + " " + args + " 2>&1";
+// With `env` ("NAME=value ...") set for the program only.
+inline run_result run_upipe_env(const std::string& env, const std::string& args) {
+  const std::string command = "env " + env + " " + std::string(UPIPE_BINARY) + " " + args + " 2>&1";
   FILE* pipe = popen(command.c_str(), "r");
   std::string output;
   std::array<char, 4096> buffer;
@@ -28,6 +29,8 @@ inline run_result run_upipe(const std::string& args) {
   EXPECT_TRUE(WIFEXITED(status)) << "upipe " << args << " died: " << output;
   return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, output};
 }
+
+inline run_result run_upipe(const std::string& args) { return run_upipe_env("", args); }
 
 // A fresh, empty directory for one test.
 inline std::filesystem::path temp_dir(const std::string& name) {

@@ -15,6 +15,7 @@ namespace {
 
 using upipe::testing::run_result;
 using upipe::testing::run_upipe;
+using upipe::testing::run_upipe_env;
 using upipe::testing::source_path;
 using upipe::testing::temp_dir;
 namespace fs = std::filesystem;
@@ -83,6 +84,10 @@ TEST(train_cli, bad_input_is_refused_and_a_saved_checkpoint_survives) {
       {"--lr -1", "must be a positive number"},
       {"--save " + (dir / "other").string(), "is not an upipe checkpoint"},
       {"--save /proc/no/such/dir", "cannot create"},
+      {"--comm nccl", "--comm nccl needs --backend cuda"},
+      {"--comm carrier-pigeon", "unknown communicator 'carrier-pigeon'"},
+      {"--comm-timeout 0", "--comm-timeout 0"},
+      {"--memory-gib 0.00001", "no checkpoint policy fits S = 64 in an arena of 1e-05 GiB"},
   };
   for (const auto& [args, message] : cases) {
     const bool has_length = args.find("--seq-len") != std::string::npos;
@@ -143,6 +148,25 @@ TEST(train_cli, checkpoint_loads_in_transformers_with_the_same_loss) {
                               dir.string();
   EXPECT_EQ(std::system(command.c_str()), 0);
   fs::remove_all(dir);
+}
+
+}  // namespace
+
+namespace {
+
+// Under a launcher: the cpu backend cannot spread over processes and says so; a rank
+// other than 0 keeps quiet on stdout (rank 0 speaks for the job).
+TEST(train_cli, launcher_processes_are_refused_on_the_cpu_and_ranks_above_zero_are_quiet) {
+  const run_result several = run_upipe_env("OMPI_COMM_WORLD_RANK=0 OMPI_COMM_WORLD_SIZE=2", "train --steps 2");
+  EXPECT_EQ(several.exit_code, 2) << several.output;
+  EXPECT_NE(several.output.find("mpirun (Open MPI) started 2 processes"), std::string::npos) << several.output;
+  const run_result quiet =
+      run_upipe_env("SLURM_PROCID=1 SLURM_NTASKS=2", "model-config --model tiny-llama");
+  EXPECT_EQ(quiet.exit_code, 0) << quiet.output;
+  EXPECT_EQ(quiet.output, "");
+  const run_result bad = run_upipe_env("PMI_RANK=two PMI_SIZE=2", "model-config --model tiny-llama");
+  EXPECT_EQ(bad.exit_code, 2) << bad.output;
+  EXPECT_NE(bad.output.find("PMI_RANK='two'"), std::string::npos) << bad.output;
 }
 
 }  // namespace
