@@ -15,6 +15,7 @@
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "core/dtype.hpp"
@@ -45,6 +46,23 @@ class comm_aborted : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// A collective in flight (all_to_all_start): wait() orders this rank's later work after
+// it (on a GPU without blocking the host). Its buffers must stay allocated, and its send
+// buffer unwritten, until wait() returned. A request that was never started, or whose
+// collective already completed, waits for nothing.
+class comm_request {
+ public:
+  comm_request() = default;
+  explicit comm_request(std::function<void()> wait) : wait_(std::move(wait)) {}
+  void wait() {
+    if (wait_) std::exchange(wait_, nullptr)();
+  }
+  bool pending() const { return static_cast<bool>(wait_); }
+
+ private:
+  std::function<void()> wait_;
+};
+
 class communicator {
  public:
   virtual ~communicator() = default;
@@ -54,6 +72,14 @@ class communicator {
   // send holds size() chunks of chunk_bytes (chunk j goes to rank j); recv receives
   // size() chunks (chunk j came from rank j). send and recv must not overlap.
   virtual void all_to_all(const void* send, void* recv, std::size_t chunk_bytes, std::string_view label) = 0;
+  // The same exchange, returned in flight so that independent work can run beside it.
+  // Every rank starts it at the same point in its sequence of collectives. The default
+  // completes it at once (threads, loopback); NCCL runs it on a stream of its own.
+  virtual comm_request all_to_all_start(const void* send, void* recv, std::size_t chunk_bytes,
+                                        std::string_view label) {
+    all_to_all(send, recv, chunk_bytes, label);
+    return {};
+  }
   // In-place sum of `count` f32 values over all ranks.
   virtual void all_reduce_sum(float* data, std::size_t count, std::string_view label) = 0;
   // send: size() chunks of chunk_count f32; recv (chunk_count) = sum over ranks of chunk rank().

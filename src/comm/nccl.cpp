@@ -165,8 +165,17 @@ class nccl_communicator final : public communicator {
       : be_(be), comm_(comm), rank_(rank), size_(size), group_(group),
         stream_(static_cast<cudaStream_t>(be.native_stream())), dog_(be.device_index(), timeout_s, group) {
     UPIPE_CHECK(stream_ != nullptr, "the NCCL communicator needs a cuda backend");
+    check_cuda(cudaSetDevice(be.device_index()), "cudaSetDevice");
+    check_cuda(cudaStreamCreateWithFlags(&comm_stream_, cudaStreamNonBlocking), "cudaStreamCreate(collectives)");
+    check_cuda(cudaEventCreateWithFlags(&inputs_ready_, cudaEventDisableTiming), "cudaEventCreate");
   }
   ~nccl_communicator() override {
+    (void)cudaSetDevice(be_.device_index());
+    if (comm_stream_ != nullptr) {
+      (void)cudaStreamSynchronize(comm_stream_);
+      (void)cudaStreamDestroy(comm_stream_);
+    }
+    if (inputs_ready_ != nullptr) (void)cudaEventDestroy(inputs_ready_);
     if (staging_ != nullptr) (void)cudaFree(staging_);
   }
 
@@ -186,6 +195,36 @@ class nccl_communicator final : public communicator {
       check_nccl(ncclGroupEnd(), collective::all_to_all, label);
     });
     counters_.add(collective::all_to_all, chunk_bytes * size_, label);
+  }
+
+  // On the collectives' own stream, after the work issued so far; the request makes the
+  // compute stream wait for it.
+  comm_request all_to_all_start(const void* send, void* recv, std::size_t chunk_bytes,
+                                std::string_view label) override {
+    throw_if_aborted();
+    check_cuda(cudaSetDevice(be_.device_index()), "cudaSetDevice");
+    check_cuda(cudaEventRecord(inputs_ready_, stream_), "cudaEventRecord");
+    check_cuda(cudaStreamWaitEvent(comm_stream_, inputs_ready_, 0), "cudaStreamWaitEvent");
+    check_nccl(ncclGroupStart(), collective::all_to_all, label);
+    for (int j = 0; j < size_; ++j) {
+      check_nccl(ncclSend(static_cast<const std::byte*>(send) + j * chunk_bytes, chunk_bytes, ncclUint8, j, comm_,
+                          comm_stream_),
+                 collective::all_to_all, label);
+      check_nccl(ncclRecv(static_cast<std::byte*>(recv) + j * chunk_bytes, chunk_bytes, ncclUint8, j, comm_,
+                          comm_stream_),
+                 collective::all_to_all, label);
+    }
+    check_nccl(ncclGroupEnd(), collective::all_to_all, label);
+    dog_.watch(comm_stream_, place(rank_, collective::all_to_all, label));
+    cudaEvent_t done = nullptr;
+    check_cuda(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), "cudaEventCreate");
+    check_cuda(cudaEventRecord(done, comm_stream_), "cudaEventRecord");
+    counters_.add(collective::all_to_all, chunk_bytes * size_, label);
+    return comm_request([this, done] {
+      const cudaError_t waited = cudaStreamWaitEvent(stream_, done, 0);
+      (void)cudaEventDestroy(done);
+      check_cuda(waited, "cudaStreamWaitEvent");
+    });
   }
 
   void all_reduce_sum(float* data, std::size_t count, std::string_view label) override {
@@ -318,7 +357,9 @@ class nccl_communicator final : public communicator {
   ncclComm_t comm_;
   const int rank_, size_;
   nccl_group& group_;
-  cudaStream_t stream_;
+  cudaStream_t stream_;                   // the rank's compute stream: collectives run in order with its ops
+  cudaStream_t comm_stream_ = nullptr;    // collectives started in flight (all_to_all_start)
+  cudaEvent_t inputs_ready_ = nullptr;    // the compute stream's point an in-flight collective waits for
   void* staging_ = nullptr;
   std::size_t staging_bytes_ = 0;
   watchdog dog_;  // last: destroyed first, while the rest is still valid

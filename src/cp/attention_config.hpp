@@ -27,6 +27,9 @@ struct attention_config {
   rope_config rope;
   bool qk_norm = false;     // Qwen3: RMSNorm over d on every q and k head, before RoPE
   float norm_eps = 1e-6f;   // epsilon of that RMSNorm
+  // Ulysses/UPipe: a stage's output all-to-all stays in flight while the next stage
+  // projects its K/V and Q (holding one more stage buffer meanwhile).
+  bool overlap_comm = false;
 
   std::int64_t local_tokens() const { return seq_len / cp; }  // s
   int group_size() const { return heads / kv_heads; }          // G

@@ -204,27 +204,51 @@ attention_saved staged_all_to_all::forward(const mat_view& x, const attention_we
   attention_saved saved;
   saved.lse = be_.allocate(mem_tag::activations, dtype::f32, {config_.heads / config_.cp, gathered_}, "attn_lse");
   std::vector<resident_block> resident;
+  // The previous stage's output exchange, in flight while this stage projects.
+  struct in_flight {
+    tensor send, recv;
+    comm_request request;
+    int stage = -1;
+  } previous;
+  const auto finish_previous = [&] {
+    if (previous.stage < 0) return;
+    previous.request.wait();
+    previous.send.reset();
+    unpack_heads(previous.recv, previous.stage, out);
+    previous = {};
+  };
   for (int t = 0; t < schedule_.stages(); ++t) {
     if (schedule_.arriving(rank, t) != nullptr) resident.push_back(receive_kv(x, w, t, pass::forward));
     tensor q_send = project_to_send(x, w.wq, stage_lists(t), "attn_q_send");
+    finish_previous();
     tensor q = exchange(q_send, "a2a_q");
     if (config_.qk_norm) head_norm_forward(be_, head_rows(q, dim_), w.q_norm, config_.norm_eps, norm_keep::nothing);
     rope(sequence_heads(q), rope_direction::forward);
     tensor o = be_.allocate(mem_tag::attention, be_.work_dtype(), q.dims(), "attn_o_stage");
-    const head_view qh = sequence_heads(q), oh = sequence_heads(o);
-    const phase_scope phase(be_, "attn_sdpa");
-    for (const sdpa_call& c : plan_calls(t, resident)) {
-      const resident_block& b = resident[c.block];
-      ops::sdpa_forward(be_, {qh.head_block(c.q_slot, c.n_q), sequence_heads(b.k).head_block(c.kv_slot, c.n_kv),
-                              sequence_heads(b.v).head_block(c.kv_slot, c.n_kv), oh.head_block(c.q_slot, c.n_q),
-                              lse_heads(saved.lse, t * u + c.q_slot, c.n_q), attn_mask::causal, scale_});
+    {
+      const head_view qh = sequence_heads(q), oh = sequence_heads(o);
+      const phase_scope phase(be_, "attn_sdpa");
+      for (const sdpa_call& c : plan_calls(t, resident)) {
+        const resident_block& b = resident[c.block];
+        ops::sdpa_forward(be_, {qh.head_block(c.q_slot, c.n_q), sequence_heads(b.k).head_block(c.kv_slot, c.n_kv),
+                                sequence_heads(b.v).head_block(c.kv_slot, c.n_kv), oh.head_block(c.q_slot, c.n_q),
+                                lse_heads(saved.lse, t * u + c.q_slot, c.n_q), attn_mask::causal, scale_});
+      }
     }
     q.reset();
-    tensor o_back = exchange(o, "a2a_o");
-    unpack_heads(o_back, t, out);
-    o_back.reset();
+    if (config_.overlap_comm && t + 1 < schedule_.stages()) {
+      const phase_scope phase(be_, "attn_a2a");
+      previous.recv = be_.allocate(mem_tag::attention, o.type(), o.dims(), "a2a_o");
+      previous.request = comm_.all_to_all_start(o.data(), previous.recv.data(), o.bytes() / config_.cp, "a2a_o");
+      previous.send = std::move(o);
+      previous.stage = t;
+    } else {
+      tensor o_back = exchange(o, "a2a_o");
+      unpack_heads(o_back, t, out);
+    }
     release_finished(resident, t);
   }
+  finish_previous();
   return saved;
 }
 

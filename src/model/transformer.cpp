@@ -43,9 +43,16 @@ attention_config attention_config_for(const model_config& model, const cp_settin
   return c;
 }
 
+namespace {
+attention_config with_overlap(attention_config c, const step_options& options) {
+  c.overlap_comm = options.overlap_comm;
+  return c;
+}
+}  // namespace
+
 transformer::transformer(const model_config& model, const cp_settings& cp, std::int64_t seq_len, backend& be,
                          const cp_groups& groups, const step_options& options)
-    : model_(model), be_(be), attention_(attention_config_for(model, cp, seq_len), be, groups),
+    : model_(model), be_(be), attention_(with_overlap(attention_config_for(model, cp, seq_len), options), be, groups),
       store_(be, options.policy, model.num_layers), tokens_(seq_len / cp.cp) {
   if (options.mlp_tile < 0 || options.loss_chunk < 0)
     throw config_error("--mlp-tile and --loss-chunk must be positive token counts (or 0 for the default)");

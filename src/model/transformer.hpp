@@ -28,6 +28,7 @@ struct step_options {
   std::int64_t mlp_tile = 0;    // tokens per MLP/RMSNorm tile; 0: D (about d_model tokens)
   std::int64_t loss_chunk = 0;  // tokens per cross-entropy chunk; 0: logits of at most 256 MiB
   checkpoint_policy policy;
+  bool overlap_comm = false;  // see attention_config::overlap_comm
 };
 
 // This rank's shard of one sequence: token ids and next-token labels (negative = masked).

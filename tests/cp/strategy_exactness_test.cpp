@@ -59,6 +59,7 @@ TEST_P(strategy_sweep, matches_reference) {
         c.rope.scaling.original_max_position = 16;
         c.rope.theta = 10000;
         c.qk_norm = (S == 48 && d == 16);  // Qwen3's per-head q/k norm on one configuration
+        c.overlap_comm = (d == 16);         // the output exchange in flight during the next stage
         const experiment_result r = run(c);
         ASSERT_TRUE(r.max_rel_error.has_value());
         for (const auto& [name, e] : r.rel_error)

@@ -52,6 +52,14 @@ TEST(gpu_nccl, collectives_deliver_what_they_promise) {
           be.download_f32(got.data(), recv);
           for (int j = 0; j < size; ++j)
             for (int i = 0; i < n; ++i) EXPECT_EQ(got[static_cast<std::size_t>(j * n + i)], value(j, rank, i));
+          // The same exchange in flight on the collectives' stream, waited for by the compute stream.
+          be.fill_bytes(recv.data(), 0, recv.bytes());
+          comm_request in_flight = comm.all_to_all_start(send.data(), recv.data(), n * sizeof(float), "a2a_async");
+          in_flight.wait();
+          EXPECT_FALSE(in_flight.pending());
+          be.download_f32(got.data(), recv);
+          for (int j = 0; j < size; ++j)
+            for (int i = 0; i < n; ++i) EXPECT_EQ(got[static_cast<std::size_t>(j * n + i)], value(j, rank, i));
           // all_reduce, in place: element k sums value(r, 0, k) over the ranks.
           comm.all_reduce_sum(send.as<float>(), static_cast<std::size_t>(size * n), "ar");
           be.download_f32(got.data(), send);
@@ -75,7 +83,7 @@ TEST(gpu_nccl, collectives_deliver_what_they_promise) {
           comm.send_recv(send.data(), n * sizeof(float), (rank + 1) % size, recv.data(), n * sizeof(float),
                          (rank + size - 1) % size, "ring");
           comm.barrier();
-          EXPECT_EQ(comm.counters().calls[static_cast<std::size_t>(collective::all_to_all)], 1u);
+          EXPECT_EQ(comm.counters().calls[static_cast<std::size_t>(collective::all_to_all)], 2u);
         },
         false, {comm_kind::nccl, 60});
   }
@@ -84,8 +92,9 @@ TEST(gpu_nccl, collectives_deliver_what_they_promise) {
 TEST(gpu_nccl, a_training_step_over_nccl_equals_the_step_on_one_rank) {
   if (gpus() < 1) GTEST_SKIP() << "no GPU";
   const int cp = group_sizes().back();
-  for (strategy_kind kind : {strategy_kind::ulysses, strategy_kind::upipe, strategy_kind::ring}) {
-    if (kind == strategy_kind::ring && cp == 1) continue;
+  for (strategy_kind kind : {strategy_kind::ulysses, strategy_kind::upipe, strategy_kind::ring})
+  for (bool overlap : {false, true}) {
+    if (kind == strategy_kind::ring && (cp == 1 || overlap)) continue;
     train_options o;
     o.model = preset("tiny-llama");
     o.seq_len = 256;
@@ -96,13 +105,15 @@ TEST(gpu_nccl, a_training_step_over_nccl_equals_the_step_on_one_rank) {
     o.backend = backend_kind::cuda;
     o.limits = {std::size_t{512} << 20, std::size_t{64} << 20};
     o.comm = {comm_kind::nccl, 60};
+    o.step.overlap_comm = overlap;
     const step_timing nccl = time_steps(o, 0, 1, false);
     train_options one = o;  // the reference: the same step on one rank
     one.cp = {strategy_kind::ulysses, 1, 0};
     one.comm = {comm_kind::threads, 60};
     const step_timing single = time_steps(one, 0, 1, false);
     EXPECT_LT(std::abs(nccl.losses[0] - single.losses[0]) / single.losses[0], 2e-2)
-        << strategy_name(kind) << " C=" << cp << ": " << nccl.losses[0] << " vs " << single.losses[0];
+        << strategy_name(kind) << " C=" << cp << " overlap=" << overlap << ": " << nccl.losses[0] << " vs "
+        << single.losses[0];
   }
 }
 
