@@ -26,7 +26,7 @@ namespace {
 struct bench_flags {
   std::string model = "tiny-llama", config_path, backend = "cpu", optimizer = "adamw", policy, json_path;
   std::string comm = "auto";
-  bool overlap_comm = false;
+  bool overlap_comm = false, prefetch_weights = false;
   double comm_timeout = 600;
   std::string single_pass_from = "1M", warmup_len;
   std::vector<std::string> attention{"ulysses", "upipe"}, head_chunks, seq_lens{"512"};
@@ -171,6 +171,7 @@ int run(const bench_flags& f) {
         o.zero = f.optimizer == "none" ? zero_stage::replicated : (f.zero == 3 ? zero_stage::three : zero_stage::two);
         o.step = {f.mlp_tile, f.loss_chunk, policy};
         o.step.overlap_comm = f.overlap_comm;
+        o.step.prefetch_weights = f.prefetch_weights;
         o.optim.total_steps = 1 + f.repeats;
         o.optim.warmup_steps = 0;
         o.seed = f.seed;
@@ -251,6 +252,8 @@ command_runner add_bench(CLI::App& app) {
       ->capture_default_str();
   app.add_flag("--overlap-comm", f->overlap_comm,
                "keep each attention stage's output all-to-all in flight while the next stage projects (NCCL)");
+  app.add_flag("--prefetch-weights", f->prefetch_weights,
+               "ZeRO-3: gather the next layer's weights while this layer computes");
   app.add_option("--cp", f->cp, "ranks in the CP group, every one run (default 4)");
   app.add_option("--emulate-cp", f->emulate_cp, "run rank 0 of a group of C alone (loopback), as on one GPU");
   app.add_option("--attention", f->attention, "strategies (ulysses, upipe, ring)")->delimiter(',')->capture_default_str();

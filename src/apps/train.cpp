@@ -23,7 +23,7 @@ namespace {
 struct train_flags {
   std::string model = "tiny-llama", config_path, init_path, data_path, save_dir, resume_dir, metrics_path;
   std::string comm = "auto";
-  bool overlap_comm = false;
+  bool overlap_comm = false, prefetch_weights = false;
   double comm_timeout = 600;
   std::string backend = "cpu", attention = "upipe", policy = "auto", seq_len = "128";
   int cp = 4, head_chunk = 0, zero = 2, layers = 0, eval_samples = 32;
@@ -54,6 +54,7 @@ train_options to_options(const train_flags& f) {
   o.zero = f.zero == 3 ? zero_stage::three : zero_stage::two;
   o.step = {f.mlp_tile, f.loss_chunk, auto_policy(f) ? checkpoint_policy{} : parse_checkpoint_policy(f.policy)};
   o.step.overlap_comm = f.overlap_comm;
+  o.step.prefetch_weights = f.prefetch_weights;
   o.optim.lr = f.lr;
   o.optim.weight_decay = f.weight_decay;
   o.optim.max_grad_norm = f.max_grad_norm;
@@ -258,6 +259,8 @@ command_runner add_train(CLI::App& app) {
       ->capture_default_str();
   app.add_flag("--overlap-comm", f->overlap_comm,
                "keep each attention stage's output all-to-all in flight while the next stage projects (NCCL)");
+  app.add_flag("--prefetch-weights", f->prefetch_weights,
+               "ZeRO-3: gather the next layer's weights while this layer computes");
   app.add_option("--memory-gib", f->memory_gib, "arena per rank (cpu or GPU memory), GiB")->capture_default_str();
   app.add_option("--host-memory-gib", f->host_memory_gib,
                  "pinned host pool per rank, GiB (0: 1 GiB, or --memory-gib when checkpoints go to the host)");

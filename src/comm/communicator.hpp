@@ -86,6 +86,12 @@ class communicator {
   virtual void reduce_scatter_sum(const float* send, float* recv, std::size_t chunk_count, std::string_view label) = 0;
   // recv: size() chunks of chunk_bytes, chunk j = rank j's send.
   virtual void all_gather(const void* send, void* recv, std::size_t chunk_bytes, std::string_view label) = 0;
+  // The same gather in flight (see all_to_all_start); device buffers only.
+  virtual comm_request all_gather_start(const void* send, void* recv, std::size_t chunk_bytes,
+                                        std::string_view label) {
+    all_gather(send, recv, chunk_bytes, label);
+    return {};
+  }
   // Sends to dst and receives from src at once (a ring step); either may be skipped by
   // passing nullptr with 0 bytes. Never deadlocks when every rank calls it together.
   virtual void send_recv(const void* send, std::size_t send_bytes, int dst, void* recv, std::size_t recv_bytes,

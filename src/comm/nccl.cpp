@@ -197,34 +197,32 @@ class nccl_communicator final : public communicator {
     counters_.add(collective::all_to_all, chunk_bytes * size_, label);
   }
 
-  // On the collectives' own stream, after the work issued so far; the request makes the
-  // compute stream wait for it.
   comm_request all_to_all_start(const void* send, void* recv, std::size_t chunk_bytes,
                                 std::string_view label) override {
-    throw_if_aborted();
-    check_cuda(cudaSetDevice(be_.device_index()), "cudaSetDevice");
-    check_cuda(cudaEventRecord(inputs_ready_, stream_), "cudaEventRecord");
-    check_cuda(cudaStreamWaitEvent(comm_stream_, inputs_ready_, 0), "cudaStreamWaitEvent");
-    check_nccl(ncclGroupStart(), collective::all_to_all, label);
-    for (int j = 0; j < size_; ++j) {
-      check_nccl(ncclSend(static_cast<const std::byte*>(send) + j * chunk_bytes, chunk_bytes, ncclUint8, j, comm_,
-                          comm_stream_),
-                 collective::all_to_all, label);
-      check_nccl(ncclRecv(static_cast<std::byte*>(recv) + j * chunk_bytes, chunk_bytes, ncclUint8, j, comm_,
-                          comm_stream_),
-                 collective::all_to_all, label);
-    }
-    check_nccl(ncclGroupEnd(), collective::all_to_all, label);
-    dog_.watch(comm_stream_, place(rank_, collective::all_to_all, label));
-    cudaEvent_t done = nullptr;
-    check_cuda(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), "cudaEventCreate");
-    check_cuda(cudaEventRecord(done, comm_stream_), "cudaEventRecord");
-    counters_.add(collective::all_to_all, chunk_bytes * size_, label);
-    return comm_request([this, done] {
-      const cudaError_t waited = cudaStreamWaitEvent(stream_, done, 0);
-      (void)cudaEventDestroy(done);
-      check_cuda(waited, "cudaStreamWaitEvent");
+    comm_request r = in_flight(collective::all_to_all, label, [&] {
+      check_nccl(ncclGroupStart(), collective::all_to_all, label);
+      for (int j = 0; j < size_; ++j) {
+        check_nccl(ncclSend(static_cast<const std::byte*>(send) + j * chunk_bytes, chunk_bytes, ncclUint8, j, comm_,
+                            comm_stream_),
+                   collective::all_to_all, label);
+        check_nccl(ncclRecv(static_cast<std::byte*>(recv) + j * chunk_bytes, chunk_bytes, ncclUint8, j, comm_,
+                            comm_stream_),
+                   collective::all_to_all, label);
+      }
+      check_nccl(ncclGroupEnd(), collective::all_to_all, label);
     });
+    counters_.add(collective::all_to_all, chunk_bytes * size_, label);
+    return r;
+  }
+
+  comm_request all_gather_start(const void* send, void* recv, std::size_t chunk_bytes,
+                                std::string_view label) override {
+    comm_request r = in_flight(collective::all_gather, label, [&] {
+      check_nccl(ncclAllGather(send, recv, chunk_bytes, ncclUint8, comm_, comm_stream_), collective::all_gather,
+                 label);
+    });
+    counters_.add(collective::all_gather, chunk_bytes * size_, label);
+    return r;
   }
 
   void all_reduce_sum(float* data, std::size_t count, std::string_view label) override {
@@ -305,6 +303,26 @@ class nccl_communicator final : public communicator {
     check_cuda(cudaSetDevice(be_.device_index()), "cudaSetDevice");
     body();
     dog_.watch(stream_, place(rank_, c, label));
+  }
+
+  // Enqueues one collective on the collectives' own stream, after the work issued so far
+  // on the compute stream; the request makes the compute stream wait for it.
+  template <class body_fn>
+  comm_request in_flight(collective c, std::string_view label, const body_fn& body) {
+    throw_if_aborted();
+    check_cuda(cudaSetDevice(be_.device_index()), "cudaSetDevice");
+    check_cuda(cudaEventRecord(inputs_ready_, stream_), "cudaEventRecord");
+    check_cuda(cudaStreamWaitEvent(comm_stream_, inputs_ready_, 0), "cudaStreamWaitEvent");
+    body();
+    dog_.watch(comm_stream_, place(rank_, c, label));
+    cudaEvent_t done = nullptr;
+    check_cuda(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), "cudaEventCreate");
+    check_cuda(cudaEventRecord(done, comm_stream_), "cudaEventRecord");
+    return comm_request([this, done] {
+      const cudaError_t waited = cudaStreamWaitEvent(stream_, done, 0);
+      (void)cudaEventDestroy(done);
+      check_cuda(waited, "cudaStreamWaitEvent");
+    });
   }
 
   // Waits for the stream; a hang ends when the watchdog aborts the group.

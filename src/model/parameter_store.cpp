@@ -16,6 +16,7 @@ struct parameter_store::unit {
   tensor weights;       // (1, padded) working dtype: resident, or gathered while acquired (ZeRO-3)
   tensor weight_shard;  // ZeRO-3: (1, shard) working dtype
   int acquired = 0;
+  comm_request gathering;  // ZeRO-3: the prefetched gather in flight
   tensor grads;         // (1, padded) f32: persistent when replicated, else while open
   bool reduced = false;  // ZeRO: a micro-batch of this step was reduced into grad_shard
   tensor grad_shard, master, exp_avg, exp_avg_sq;  // ZeRO: (1, shard) f32
@@ -82,8 +83,20 @@ parameter_store::unit& parameter_store::at(int u) const {
 void parameter_store::acquire(int index) {
   unit& u = at(index);
   if (stage_ != zero_stage::three || u.acquired++ > 0) return;
+  if (!u.weights.empty()) {  // prefetched
+    u.gathering.wait();
+    return;
+  }
   u.weights = be_.allocate(mem_tag::weights, be_.work_dtype(), {1, u.padded}, "gathered_weights");
   comm_.all_gather(u.weight_shard.data(), u.weights.data(), u.weight_shard.bytes(), "zero3_all_gather");
+}
+
+void parameter_store::prefetch(int index) {
+  unit& u = at(index);
+  if (stage_ != zero_stage::three || u.acquired > 0 || !u.weights.empty()) return;
+  u.weights = be_.allocate(mem_tag::weights, be_.work_dtype(), {1, u.padded}, "gathered_weights");
+  u.gathering =
+      comm_.all_gather_start(u.weight_shard.data(), u.weights.data(), u.weight_shard.bytes(), "zero3_all_gather");
 }
 
 void parameter_store::release(int index) {

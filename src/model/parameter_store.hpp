@@ -40,6 +40,10 @@ class parameter_store {
   // them in release(). Calls nest (a tied embedding is both input and head).
   void acquire(int unit);
   void release(int unit);
+  // ZeRO-3: starts gathering a unit that acquire() will ask for next, so the gather runs
+  // beside the current unit's compute (its full weights are held from here). A no-op
+  // otherwise, or when the unit is already gathered or on its way.
+  void prefetch(int unit);
   // Full f32 gradients of a unit: zeroed here (persistent when replicated); close_grads
   // reduce-scatters them into this rank's shard and frees them (ZeRO-2/3).
   void open_grads(int unit);

@@ -53,7 +53,7 @@ attention_config with_overlap(attention_config c, const step_options& options) {
 transformer::transformer(const model_config& model, const cp_settings& cp, std::int64_t seq_len, backend& be,
                          const cp_groups& groups, const step_options& options)
     : model_(model), be_(be), attention_(with_overlap(attention_config_for(model, cp, seq_len), options), be, groups),
-      store_(be, options.policy, model.num_layers), tokens_(seq_len / cp.cp) {
+      store_(be, options.policy, model.num_layers), tokens_(seq_len / cp.cp), prefetch_weights_(options.prefetch_weights) {
   if (options.mlp_tile < 0 || options.loss_chunk < 0)
     throw config_error("--mlp-tile and --loss-chunk must be positive token counts (or 0 for the default)");
   mlp_tile_ = std::min(options.mlp_tile > 0 ? options.mlp_tile : std::int64_t{model.hidden_size}, tokens_);
@@ -113,6 +113,7 @@ void transformer::forward_layers(parameter_store& params, tensor x, checkpoint_s
     // Layer 0's input is looked up again in backward; the others go out while their layer runs.
     if (keep_input && l > 0) store->start_offload(l, checkpoint_store::item::input, x);
     params.acquire(params.layer_unit(l));
+    if (l + 1 < model_.num_layers) prefetch_layer(params, l + 1);
     tensor y = layer_forward(params.layer(l), x, out_tag, keep_attention ? &ctx : nullptr);
     params.release(params.layer_unit(l));
     if (keep_input && l > 0) store->save(l, checkpoint_store::item::input, std::move(x));
@@ -266,6 +267,10 @@ void transformer::layer_backward(int layer, const layer_params& p, const layer_p
   ops::add_heads(be_, ops::as_heads(d.matrix()), ops::as_heads(d_h.matrix()));
 }
 
+void transformer::prefetch_layer(parameter_store& params, int layer) {
+  if (prefetch_weights_) params.prefetch(params.layer_unit(layer));
+}
+
 // Backward, newest layer first. A layer whose input was not kept belongs to a block
 // whose first input was: the block's inputs are recomputed from it, then consumed.
 // Each layer's gradients are complete when its backward ends, and are closed (reduced).
@@ -279,6 +284,7 @@ void transformer::backward_layers(parameter_store& params, const tensor& ids, co
       for (int j = start; j < l; ++j) {
         set_current_layer(j);
         params.acquire(params.layer_unit(j));
+        prefetch_layer(params, j + 1);  // the next to be acquired: j + 1 <= l
         inputs.push_back(layer_forward(params.layer(j), inputs.back(), mem_tag::activations, nullptr));
         params.release(params.layer_unit(j));
       }
@@ -286,6 +292,9 @@ void transformer::backward_layers(parameter_store& params, const tensor& ids, co
     set_current_layer(l);
     const int unit = params.layer_unit(l);
     params.acquire(unit);
+    // Next acquired: layer l - 1 if its input is already recomputed, else the first
+    // layer of the previous block (its recompute, or its backward for a block of one).
+    if (l > 0) prefetch_layer(params, l > store_.block_start(l) ? l - 1 : store_.block_start(l - 1));
     params.open_grads(unit);
     // The last layer of a block to go back prefetches the next block's checkpoint.
     const int next_start = l > 0 && l == store_.block_start(l) ? store_.block_start(l - 1) : 0;

@@ -29,6 +29,9 @@ struct step_options {
   std::int64_t loss_chunk = 0;  // tokens per cross-entropy chunk; 0: logits of at most 256 MiB
   checkpoint_policy policy;
   bool overlap_comm = false;  // see attention_config::overlap_comm
+  // ZeRO-3: gather the next layer's weights while this layer computes (one more layer's
+  // weights held meanwhile).
+  bool prefetch_weights = false;
 };
 
 // This rank's shard of one sequence: token ids and next-token labels (negative = masked).
@@ -75,13 +78,15 @@ class transformer {
   tensor embed(parameter_store& params, const tensor& ids);
   void forward_layers(parameter_store& params, tensor x, checkpoint_store* store);
   void backward_layers(parameter_store& params, const tensor& ids, const tensor& d);
+  void prefetch_layer(parameter_store& params, int layer);
   mem_tag input_tag(int layer) const;
 
   model_config model_;
   backend& be_;
   attention_layer attention_;
   checkpoint_store store_;
-  std::int64_t tokens_;  // s
+  std::int64_t tokens_;
+  bool prefetch_weights_ = false;  // s
   std::int64_t mlp_tile_, loss_chunk_;
   tensor final_hidden_;  // (s, D): the last layer's output, input of the loss
 };

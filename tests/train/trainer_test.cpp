@@ -192,6 +192,23 @@ TEST(trainer, phase_timing_accounts_for_the_step_and_leaves_losses_alone) {
   EXPECT_LE(sum, step_ms + 50.0);
 }
 
+TEST(trainer, prefetched_weights_and_overlapped_exchanges_change_nothing_but_memory) {
+  for (auto kind : {strategy_kind::ulysses, strategy_kind::upipe, strategy_kind::ring})
+    for (const char* policy : {"what=input,every=1", "what=input,every=2", "what=input+attention,every=3"}) {
+      train_options o = base(kind, 4, 0, zero_stage::three);
+      o.model.num_layers = 4;
+      o.seq_len = 256;
+      o.step.policy = parse_checkpoint_policy(policy);
+      const step_timing plain = time_steps(o, 0, 2, false);
+      o.step.prefetch_weights = true;
+      o.step.overlap_comm = true;
+      const step_timing fast = time_steps(o, 0, 2, false);
+      EXPECT_EQ(plain.losses, fast.losses) << strategy_name(kind) << " " << policy;
+      // The next layer's gathered weights are held beside the current one's.
+      EXPECT_GT(fast.memory.peak_bytes.at("weights"), plain.memory.peak_bytes.at("weights"));
+    }
+}
+
 TEST(trainer, contradictory_options_are_refused) {
   train_options o = base(strategy_kind::upipe, 2, 0, zero_stage::two);
   o.stop_after = 30;
