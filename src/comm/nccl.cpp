@@ -1,7 +1,10 @@
-// The NCCL communicator (see nccl.hpp). Every collective is enqueued on the rank's
-// compute stream, so it is ordered with the ops around it and the host never waits for
-// it; a buffer in host memory (a loss being summed) goes through a device staging
-// buffer. After each collective an event is recorded; the rank's watchdog thread checks
+// The NCCL communicator (see nccl.hpp). Every collective runs on the rank's collectives
+// stream, one after another in the order they were issued (NCCL gives no order between
+// operations of one communicator on different streams), joined to the compute stream by
+// events: it starts after the compute work issued before it, and the compute work issued
+// after it waits for it unless it was started in flight (all_to_all_start,
+// all_gather_start) and not yet waited for. The host never waits; a buffer in host memory
+// (a loss being summed) goes through a device staging buffer. After each collective an event is recorded; the rank's watchdog thread checks
 // the oldest unfinished one and, past the timeout, aborts the whole group (every
 // communicator of this process; the other processes' watchdogs see the same hang),
 // naming the rank, the collective, its label and the layer.
@@ -183,18 +186,7 @@ class nccl_communicator final : public communicator {
   int size() const override { return size_; }
 
   void all_to_all(const void* send, void* recv, std::size_t chunk_bytes, std::string_view label) override {
-    run(collective::all_to_all, label, [&] {
-      check_nccl(ncclGroupStart(), collective::all_to_all, label);
-      for (int j = 0; j < size_; ++j) {
-        check_nccl(ncclSend(static_cast<const std::byte*>(send) + j * chunk_bytes, chunk_bytes, ncclUint8, j, comm_,
-                            stream_),
-                   collective::all_to_all, label);
-        check_nccl(ncclRecv(static_cast<std::byte*>(recv) + j * chunk_bytes, chunk_bytes, ncclUint8, j, comm_, stream_),
-                   collective::all_to_all, label);
-      }
-      check_nccl(ncclGroupEnd(), collective::all_to_all, label);
-    });
-    counters_.add(collective::all_to_all, chunk_bytes * size_, label);
+    all_to_all_start(send, recv, chunk_bytes, label).wait();
   }
 
   comm_request all_to_all_start(const void* send, void* recv, std::size_t chunk_bytes,
@@ -229,7 +221,7 @@ class nccl_communicator final : public communicator {
     const std::size_t bytes = count * sizeof(float);
     staged(data, bytes, data, bytes, [&](const void* in, void* out) {
       run(collective::all_reduce, label, [&] {
-        check_nccl(ncclAllReduce(in, out, count, ncclFloat32, ncclSum, comm_, stream_), collective::all_reduce, label);
+        check_nccl(ncclAllReduce(in, out, count, ncclFloat32, ncclSum, comm_, comm_stream_), collective::all_reduce, label);
       });
     });
     counters_.add(collective::all_reduce, bytes, label);
@@ -239,7 +231,7 @@ class nccl_communicator final : public communicator {
     const std::size_t bytes = chunk_count * sizeof(float);
     staged(send, bytes * size_, recv, bytes, [&](const void* in, void* out) {
       run(collective::reduce_scatter, label, [&] {
-        check_nccl(ncclReduceScatter(in, out, chunk_count, ncclFloat32, ncclSum, comm_, stream_),
+        check_nccl(ncclReduceScatter(in, out, chunk_count, ncclFloat32, ncclSum, comm_, comm_stream_),
                    collective::reduce_scatter, label);
       });
     });
@@ -249,7 +241,7 @@ class nccl_communicator final : public communicator {
   void all_gather(const void* send, void* recv, std::size_t chunk_bytes, std::string_view label) override {
     staged(send, chunk_bytes, recv, chunk_bytes * size_, [&](const void* in, void* out) {
       run(collective::all_gather, label, [&] {
-        check_nccl(ncclAllGather(in, out, chunk_bytes, ncclUint8, comm_, stream_), collective::all_gather, label);
+        check_nccl(ncclAllGather(in, out, chunk_bytes, ncclUint8, comm_, comm_stream_), collective::all_gather, label);
       });
     });
     counters_.add(collective::all_gather, chunk_bytes * size_, label);
@@ -261,8 +253,8 @@ class nccl_communicator final : public communicator {
     if (recv_bytes > 0) check_peer(src, "source");
     run(collective::send, label, [&] {
       check_nccl(ncclGroupStart(), collective::send, label);
-      if (send_bytes > 0) check_nccl(ncclSend(send, send_bytes, ncclUint8, dst, comm_, stream_), collective::send, label);
-      if (recv_bytes > 0) check_nccl(ncclRecv(recv, recv_bytes, ncclUint8, src, comm_, stream_), collective::recv, label);
+      if (send_bytes > 0) check_nccl(ncclSend(send, send_bytes, ncclUint8, dst, comm_, comm_stream_), collective::send, label);
+      if (recv_bytes > 0) check_nccl(ncclRecv(recv, recv_bytes, ncclUint8, src, comm_, comm_stream_), collective::recv, label);
       check_nccl(ncclGroupEnd(), collective::send, label);
     });
     if (send_bytes > 0) counters_.add(collective::send, send_bytes, label);
@@ -272,7 +264,7 @@ class nccl_communicator final : public communicator {
   void barrier() override {
     float* one = static_cast<float*>(staging(sizeof(float)));
     run(collective::barrier, "", [&] {
-      check_nccl(ncclAllReduce(one, one, 1, ncclFloat32, ncclSum, comm_, stream_), collective::barrier, "");
+      check_nccl(ncclAllReduce(one, one, 1, ncclFloat32, ncclSum, comm_, comm_stream_), collective::barrier, "");
     });
     wait_for_stream();
     counters_.add(collective::barrier, 0, "");
@@ -296,13 +288,11 @@ class nccl_communicator final : public communicator {
                                                " is outside the group of " + std::to_string(size_));
   }
 
-  // Enqueues one collective and hands it to the watchdog.
+  // Runs one collective in order: on the collectives' stream after the compute stream's
+  // work so far, with the compute stream's later work after it.
   template <class body_fn>
   void run(collective c, std::string_view label, const body_fn& body) {
-    throw_if_aborted();
-    check_cuda(cudaSetDevice(be_.device_index()), "cudaSetDevice");
-    body();
-    dog_.watch(stream_, place(rank_, c, label));
+    in_flight(c, label, body).wait();
   }
 
   // Enqueues one collective on the collectives' own stream, after the work issued so far
@@ -375,8 +365,8 @@ class nccl_communicator final : public communicator {
   ncclComm_t comm_;
   const int rank_, size_;
   nccl_group& group_;
-  cudaStream_t stream_;                   // the rank's compute stream: collectives run in order with its ops
-  cudaStream_t comm_stream_ = nullptr;    // collectives started in flight (all_to_all_start)
+  cudaStream_t stream_;                   // the rank's compute stream
+  cudaStream_t comm_stream_ = nullptr;    // every collective, in issue order
   cudaEvent_t inputs_ready_ = nullptr;    // the compute stream's point an in-flight collective waits for
   void* staging_ = nullptr;
   std::size_t staging_bytes_ = 0;
