@@ -45,9 +45,12 @@ class checkpoint_store {
 
   const checkpoint_policy& policy() const { return policy_; }
   // Does layer `layer` start a recompute block (its input is checkpointed)?
-  bool keeps_input(int layer) const { return layer % policy_.every == 0; }
+  bool starts_block(int layer) const { return layer % policy_.every == 0; }
+  // Is this layer's input kept? Every block's first layer's but layer 0's: its input is
+  // the embedding of the token ids, looked up again in backward rather than stored.
+  bool keeps_input(int layer) const { return layer > 0 && starts_block(layer); }
   bool keeps_attention(int layer) const {
-    return keeps_input(layer) && policy_.what == checkpoint_content::layer_input_and_attention;
+    return starts_block(layer) && policy_.what == checkpoint_content::layer_input_and_attention;
   }
   // The first layer of the block that holds `layer`.
   int block_start(int layer) const { return layer - layer % policy_.every; }

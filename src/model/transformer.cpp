@@ -69,12 +69,10 @@ tensor transformer::upload_ids(std::span<const std::int32_t> values, const char*
   return t;
 }
 
-// Layer inputs that start a recompute block live on as checkpoints; the rest are freed
-// after their layer, so they are allocated under their final tag from the start. Layer
-// 0's input is never kept: backward looks the token ids up again (a gather), which saves
-// one checkpoint, the difference between fitting and not at the longest lengths.
+// Kept layer inputs live on as checkpoints; the rest are freed after their layer, so they
+// are allocated under their final tag from the start.
 mem_tag transformer::input_tag(int layer) const {
-  return layer > 0 && store_.keeps_input(layer) && store_.policy().where == checkpoint_location::device
+  return store_.keeps_input(layer) && store_.policy().where == checkpoint_location::device
              ? mem_tag::checkpoints_device
              : mem_tag::activations;
 }
@@ -110,13 +108,13 @@ void transformer::forward_layers(parameter_store& params, tensor x, checkpoint_s
     const bool keep_attention = store != nullptr && store->keeps_attention(l);
     const mem_tag out_tag = l + 1 < model_.num_layers && store != nullptr ? input_tag(l + 1) : mem_tag::activations;
     set_current_layer(l);
-    // Layer 0's input is looked up again in backward; the others go out while their layer runs.
-    if (keep_input && l > 0) store->start_offload(l, checkpoint_store::item::input, x);
+    // A kept input goes out to the host (when it goes there) while its layer runs.
+    if (keep_input) store->start_offload(l, checkpoint_store::item::input, x);
     params.acquire(params.layer_unit(l));
     if (l + 1 < model_.num_layers) prefetch_layer(params, l + 1);
     tensor y = layer_forward(params.layer(l), x, out_tag, keep_attention ? &ctx : nullptr);
     params.release(params.layer_unit(l));
-    if (keep_input && l > 0) store->save(l, checkpoint_store::item::input, std::move(x));
+    if (keep_input) store->save(l, checkpoint_store::item::input, std::move(x));
     if (keep_attention) {
       store->save(l, checkpoint_store::item::attention_out, std::move(ctx.out));
       store->save(l, checkpoint_store::item::attention_lse, std::move(ctx.saved.lse));
@@ -279,6 +277,7 @@ void transformer::backward_layers(parameter_store& params, const tensor& ids, co
   for (int l = model_.num_layers - 1; l >= 0; --l) {
     if (inputs.empty()) {
       const int start = store_.block_start(l);
+      // Layer 0's input was not kept (checkpoint_store::keeps_input): the ids' embedding.
       inputs.push_back(start == 0 ? embed(params, ids)
                                   : store_.take(start, checkpoint_store::item::input, mem_tag::activations));
       for (int j = start; j < l; ++j) {
