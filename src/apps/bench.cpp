@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "apps/commands.hpp"
+#include "apps/comm_flags.hpp"
 #include "apps/sizes.hpp"
 #include "core/error.hpp"
 #include "model/config.hpp"
@@ -25,9 +26,7 @@ namespace {
 
 struct bench_flags {
   std::string model = "tiny-llama", config_path, backend = "cpu", optimizer = "adamw", policy, json_path;
-  std::string comm = "auto";
-  bool overlap_comm = false, prefetch_weights = false;
-  double comm_timeout = 600;
+  comm_flags comm;
   std::string single_pass_from = "1M", warmup_len;
   std::vector<std::string> attention{"ulysses", "upipe"}, head_chunks, seq_lens{"512"};
   int cp = 0, emulate_cp = 0, layers = 0, zero = 3, repeats = 3;
@@ -170,14 +169,13 @@ int run(const bench_flags& f) {
         o.cp = {strategy, C, u};
         o.zero = f.optimizer == "none" ? zero_stage::replicated : (f.zero == 3 ? zero_stage::three : zero_stage::two);
         o.step = {f.mlp_tile, f.loss_chunk, policy};
-        o.step.overlap_comm = f.overlap_comm;
-        o.step.prefetch_weights = f.prefetch_weights;
+        f.comm.apply(o.step);
         o.optim.total_steps = 1 + f.repeats;
         o.optim.warmup_steps = 0;
         o.seed = f.seed;
         o.eval_samples = 0;
         o.backend = kind;
-        o.comm = parse_comm_options(f.comm, f.comm_timeout);
+        o.comm = f.comm.options();
         o.limits = run_limits(kind, f.memory_gib, policy.where, f.host_memory_gib);
         const std::int64_t unit = layout_unit(o.cp);
         const std::int64_t warmup =
@@ -246,14 +244,7 @@ command_runner add_bench(CLI::App& app) {
   app.add_option("--config", f->config_path, "a Hugging Face config.json instead of a preset");
   app.add_option("--layers", f->layers, "a slice: the first N layers at full width and length");
   app.add_option("--backend", f->backend, "cpu, cuda or meta")->capture_default_str();
-  app.add_option("--comm", f->comm, "how ranks talk: auto (NCCL with a GPU per rank, else threads), threads, nccl")
-      ->capture_default_str();
-  app.add_option("--comm-timeout", f->comm_timeout, "seconds before a stuck collective aborts every rank (NCCL)")
-      ->capture_default_str();
-  app.add_flag("--overlap-comm", f->overlap_comm,
-               "keep each attention stage's output all-to-all in flight while the next stage projects (NCCL)");
-  app.add_flag("--prefetch-weights", f->prefetch_weights,
-               "ZeRO-3: gather the next layer's weights while this layer computes");
+  add_comm_flags(app, f->comm, true);
   app.add_option("--cp", f->cp, "ranks in the CP group, every one run (default 4)");
   app.add_option("--emulate-cp", f->emulate_cp, "run rank 0 of a group of C alone (loopback), as on one GPU");
   app.add_option("--attention", f->attention, "strategies (ulysses, upipe, ring)")->delimiter(',')->capture_default_str();

@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "apps/commands.hpp"
+#include "apps/comm_flags.hpp"
 #include "apps/sizes.hpp"
 #include "comm/communicator.hpp"
 #include "core/error.hpp"
@@ -22,11 +23,12 @@ namespace upipe::apps {
 
 namespace {
 
-struct comm_flags {
-  std::string model = "llama3-8b", backend = "cpu", comm = "auto", json_path;
+struct bench_comm_flags {
+  std::string model = "llama3-8b", backend = "cpu", json_path;
+  comm_flags comm;
   std::vector<std::string> seq_lens{"4K"};
   int cp = 4, head_chunk = 0, repeats = 10;
-  double memory_gib = 4, comm_timeout = 600;
+  double memory_gib = 4;
 };
 
 // One message of one strategy: all-to-all of `bytes` per rank (its whole send buffer),
@@ -55,7 +57,7 @@ std::vector<message> messages(const model_config& m, int C, int U, std::int64_t 
           {"sendrecv ring k+v step", true, S, 2 * s * K * d * elem}};
 }
 
-int run(const comm_flags& f) {
+int run(const bench_comm_flags& f) {
   const backend_kind kind = parse_backend_kind(f.backend);
   if (kind == backend_kind::meta) throw config_error("--backend meta moves no bytes: use cpu or cuda");
   if (f.cp < 2) throw config_error("--cp " + std::to_string(f.cp) + ": a collective needs at least 2 ranks");
@@ -70,7 +72,7 @@ int run(const comm_flags& f) {
     throw config_error("--head-chunk " + std::to_string(U) + " is not valid for " + std::to_string(m.num_heads) +
                        " heads over " + std::to_string(f.cp) + " ranks (C must divide U and U must divide H), for "
                        "example --head-chunk " + std::to_string(valid.front()));
-  const comm_options comm = parse_comm_options(f.comm, f.comm_timeout);
+  const comm_options comm = f.comm.options();
   std::vector<message> all;
   const std::size_t elem = kind == backend_kind::cpu ? 4 : 2;  // the backend's working dtype
   for (const std::string& t : f.seq_lens) {
@@ -114,7 +116,7 @@ int run(const comm_flags& f) {
       },
       false, comm);
   std::printf("# upipe bench-comm  model=%s  C=%d  U=%d  backend=%s  comm=%s  repeats=%d\n", m.name.c_str(), f.cp, U,
-              f.backend.c_str(), f.comm.c_str(), f.repeats);
+              f.backend.c_str(), f.comm.kind.c_str(), f.repeats);
   std::printf("# bytes: one rank's send buffer; algbw = bytes / time; busbw = algbw x (C-1)/C for all-to-all, "
               "algbw for send/recv (nccl-tests)\n");
   std::printf("%-44s %9s %14s %10s %10s %10s\n", "collective", "S", "bytes", "time_us", "algbw", "busbw");
@@ -126,7 +128,7 @@ int run(const comm_flags& f) {
                 t.m.bytes, t.ms * 1e3, algbw, busbw);
     rows.push_back({{"collective", t.m.name}, {"seq_len", t.m.seq_len}, {"bytes", t.m.bytes}, {"time_us", t.ms * 1e3},
                     {"algbw_gbytes_per_s", algbw}, {"busbw_gbytes_per_s", busbw}, {"cp", f.cp}, {"head_chunk", U},
-                    {"model", m.name}, {"backend", f.backend}, {"comm", f.comm}});
+                    {"model", m.name}, {"backend", f.backend}, {"comm", f.comm.kind}});
   }
   if (!f.json_path.empty()) {
     std::ofstream out(f.json_path);
@@ -139,12 +141,10 @@ int run(const comm_flags& f) {
 }  // namespace
 
 command_runner add_bench_comm(CLI::App& app) {
-  auto f = std::make_shared<comm_flags>();
+  auto f = std::make_shared<bench_comm_flags>();
   app.add_option("--model", f->model, "preset whose heads set the message sizes")->capture_default_str();
   app.add_option("--backend", f->backend, "cpu or cuda")->capture_default_str();
-  app.add_option("--comm", f->comm, "auto, threads or nccl")->capture_default_str();
-  app.add_option("--comm-timeout", f->comm_timeout, "seconds before a stuck collective aborts (NCCL)")
-      ->capture_default_str();
+  add_comm_flags(app, f->comm, false);
   app.add_option("--cp", f->cp, "ranks in the group")->capture_default_str();
   app.add_option("--head-chunk", f->head_chunk, "UPipe's U (default C)");
   app.add_option("--seq-len", f->seq_lens, "sequence lengths S (K and M suffixes)")->delimiter(',')->capture_default_str();

@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "apps/commands.hpp"
+#include "apps/comm_flags.hpp"
 #include "apps/sizes.hpp"
 #include "core/error.hpp"
 #include "plan/planner.hpp"
@@ -22,9 +23,7 @@ namespace {
 
 struct train_flags {
   std::string model = "tiny-llama", config_path, init_path, data_path, save_dir, resume_dir, metrics_path;
-  std::string comm = "auto";
-  bool overlap_comm = false, prefetch_weights = false;
-  double comm_timeout = 600;
+  comm_flags comm;
   std::string backend = "cpu", attention = "upipe", policy = "auto", seq_len = "128";
   int cp = 4, head_chunk = 0, zero = 2, layers = 0, eval_samples = 32;
   std::int64_t batch = -1, seq_warmup = -1, seq_warmup_start = 0, steps = 3300, stop_after = 0, save_every = 0, warmup = 20, mlp_tile = 0, loss_chunk = 0;
@@ -53,8 +52,7 @@ train_options to_options(const train_flags& f) {
   o.cp = {parse_strategy_kind(f.attention), f.cp, f.head_chunk};
   o.zero = f.zero == 3 ? zero_stage::three : zero_stage::two;
   o.step = {f.mlp_tile, f.loss_chunk, auto_policy(f) ? checkpoint_policy{} : parse_checkpoint_policy(f.policy)};
-  o.step.overlap_comm = f.overlap_comm;
-  o.step.prefetch_weights = f.prefetch_weights;
+  f.comm.apply(o.step);
   o.optim.lr = f.lr;
   o.optim.weight_decay = f.weight_decay;
   o.optim.max_grad_norm = f.max_grad_norm;
@@ -66,7 +64,7 @@ train_options to_options(const train_flags& f) {
   o.save_every = f.save_every;
   o.resume_dir = f.resume_dir;
   o.backend = parse_backend_kind(f.backend);
-  o.comm = parse_comm_options(f.comm, f.comm_timeout);
+  o.comm = f.comm.options();
   o.limits = run_limits(o.backend, f.memory_gib, o.step.policy.where, f.host_memory_gib);
   o.eval_samples = f.eval_samples;
   return o;
@@ -253,14 +251,7 @@ command_runner add_train(CLI::App& app) {
   app.add_option("--loss-chunk", f->loss_chunk, "tokens per cross-entropy chunk (0: 256 MiB of logits)");
   app.add_option("--layers", f->layers, "train a slice: the first N layers only");
   app.add_option("--backend", f->backend, "cpu, cuda (bf16, virtual ranks on one GPU) or meta")->capture_default_str();
-  app.add_option("--comm", f->comm, "how ranks talk: auto (NCCL with a GPU per rank, else threads), threads, nccl")
-      ->capture_default_str();
-  app.add_option("--comm-timeout", f->comm_timeout, "seconds before a stuck collective aborts every rank (NCCL)")
-      ->capture_default_str();
-  app.add_flag("--overlap-comm", f->overlap_comm,
-               "keep each attention stage's output all-to-all in flight while the next stage projects (NCCL)");
-  app.add_flag("--prefetch-weights", f->prefetch_weights,
-               "ZeRO-3: gather the next layer's weights while this layer computes");
+  add_comm_flags(app, f->comm, true);
   app.add_option("--memory-gib", f->memory_gib, "arena per rank (cpu or GPU memory), GiB")->capture_default_str();
   app.add_option("--host-memory-gib", f->host_memory_gib,
                  "pinned host pool per rank, GiB (0: 1 GiB, or --memory-gib when checkpoints go to the host)");
