@@ -73,25 +73,28 @@ int run(const bench_comm_flags& f) {
                        " heads over " + std::to_string(f.cp) + " ranks (C must divide U and U must divide H), for "
                        "example --head-chunk " + std::to_string(valid.front()));
   const comm_options comm = f.comm.options();
-  std::vector<message> all;
-  const std::size_t elem = kind == backend_kind::cpu ? 4 : 2;  // the backend's working dtype
+  std::vector<std::int64_t> lengths;
   for (const std::string& t : f.seq_lens) {
     const std::int64_t S = parse_count(t, "--seq-len");
     if (S % f.cp != 0)
       throw config_error("--seq-len " + t + " is not a multiple of --cp " + std::to_string(f.cp));
-    for (message& msg : messages(m, f.cp, U, S, elem)) all.push_back(std::move(msg));
+    lengths.push_back(S);
   }
-  std::size_t largest = 0;
-  for (const message& msg : all) largest = std::max(largest, msg.bytes);
-  memory_limits limits = run_limits(kind, f.memory_gib, checkpoint_location::device);
-  if (2 * largest > limits.device_bytes)
-    throw config_error("the largest message, " + std::to_string(largest) + " bytes, needs --memory-gib of at least " +
-                       std::to_string(2.0 * static_cast<double>(largest) / (1 << 30) + 0.01));
+  const memory_limits limits = run_limits(kind, f.memory_gib, checkpoint_location::device);
   std::vector<timing> results;
-  std::string communicator_name;
   run_cp_group(
       kind, limits, f.cp,
       [&](int rank, backend& be, communicator& c) {
+        // Messages in the backend's working dtype, as the strategies send them.
+        std::vector<message> all;
+        for (std::int64_t S : lengths)
+          for (message& msg : messages(m, f.cp, U, S, dtype_size(be.work_dtype()))) all.push_back(std::move(msg));
+        std::size_t largest = 0;
+        for (const message& msg : all) largest = std::max(largest, msg.bytes);
+        if (2 * largest > limits.device_bytes)
+          throw config_error("the largest message, " + std::to_string(largest) +
+                             " bytes, needs --memory-gib of at least " +
+                             std::to_string(2.0 * static_cast<double>(largest) / (1 << 30) + 0.01));
         const auto words = static_cast<std::int64_t>((largest + 3) / 4);
         tensor send = be.allocate_zeroed(mem_tag::comm, dtype::f32, {words}, "comm_send");
         tensor recv = be.allocate_zeroed(mem_tag::comm, dtype::f32, {words}, "comm_recv");
