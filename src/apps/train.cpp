@@ -77,7 +77,7 @@ std::string gib_text(double gib) {
 }
 
 // --checkpoint-policy auto: the planner's fastest policy whose step fits this run's
-// arena and host pool (the meta probe with the GPU's library workspaces), 2% kept free.
+// arena (beside the GPU context the planner adds) and host pool, 2% kept free.
 void choose_policy(const train_flags& f, train_options& o) {
   plan_request r;
   r.model = o.model;
@@ -86,17 +86,18 @@ void choose_policy(const train_flags& f, train_options& o) {
   r.mlp_tile = o.step.mlp_tile;
   r.loss_chunk = o.step.loss_chunk;
   r.margin = 0.02;
+  r.gpu_memory = o.limits.device_bytes + gpu_context_bytes();
   const memory_limits host = run_limits(o.backend, f.memory_gib, checkpoint_location::host_pinned, f.host_memory_gib);
-  const std::optional<fitting_policy> chosen =
-      fastest_fitting_policy(r, o.cp, o.seq_len, o.limits.device_bytes, host.host_bytes);
-  if (!chosen)
+  r.host_memory = host.host_bytes * static_cast<std::size_t>(r.gpus);
+  const plan_point chosen = fastest_fit(r, o.cp, o.seq_len);
+  if (!chosen.fits)
     throw config_error("no checkpoint policy fits S = " + std::to_string(o.seq_len) + " in an arena of " +
-                       gib_text(f.memory_gib) + " per rank: raise --memory-gib or --host-memory-gib, shorten --seq-len, or run `upipe plan` "
-                       "to see what fits");
-  o.step.policy = chosen->policy;
-  o.limits = run_limits(o.backend, f.memory_gib, chosen->policy.where, f.host_memory_gib);
+                       gib_text(f.memory_gib) + " per rank: raise --memory-gib or --host-memory-gib, shorten "
+                       "--seq-len, or run `upipe plan` to see what fits");
+  o.step.policy = chosen.policy;
+  o.limits = run_limits(o.backend, f.memory_gib, chosen.policy.where, f.host_memory_gib);
   std::printf("# checkpoint policy %s (auto: the fastest that fits; predicted arena high water %.2f GiB)\n",
-              chosen->policy.str().c_str(), static_cast<double>(chosen->point.arena_bytes) / (1 << 30));
+              chosen.policy.str().c_str(), static_cast<double>(chosen.arena_bytes) / (1 << 30));
 }
 
 std::string clock_text(double seconds) {

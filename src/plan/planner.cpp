@@ -82,18 +82,7 @@ plan_entry plan_configuration(const plan_request& r, const cp_settings& cp) {
     if (s > best) best = s, chosen = i;  // ties keep the earlier (faster) policy
   }
   if (best > 0) e.longest = evaluate(r, cp, best, policies[chosen]);
-  if (r.seq_len) {
-    std::optional<plan_point> thriftiest;
-    for (const checkpoint_policy& p : policies) {
-      plan_point point = evaluate(r, cp, *r.seq_len, p);
-      if (point.fits) {
-        e.at_request = std::move(point);
-        break;
-      }
-      if (!thriftiest || point.gpu_bytes < thriftiest->gpu_bytes) thriftiest = std::move(point);
-    }
-    if (!e.at_request) e.at_request = std::move(thriftiest);
-  }
+  if (r.seq_len) e.at_request = fastest_fit(r, cp, *r.seq_len);
   return e;
 }
 
@@ -115,7 +104,7 @@ gpu_overheads estimate_overheads(const step_memory& memory) {
   gpu_overheads o;
   o.cublaslt_workspace = std::min(memory.workspace_at_end, cublaslt_bytes);
   o.cudnn_workspace = memory.workspace_at_end - o.cublaslt_workspace;
-  o.context = context_bytes;
+  o.context = gpu_context_bytes();
   return o;
 }
 
@@ -177,18 +166,16 @@ plan_result make_plan(const plan_request& r) {
   return out;
 }
 
-std::optional<fitting_policy> fastest_fitting_policy(const plan_request& r, const cp_settings& cp,
-                                                     std::int64_t seq_len, std::size_t arena_bytes,
-                                                     std::size_t host_bytes) {
-  const double keep = 1.0 - r.margin;
-  for (const checkpoint_policy& policy : candidate_policies()) {
-    plan_point p = evaluate(r, cp, seq_len, policy);
-    const std::size_t host_per_rank = p.host_bytes / static_cast<std::size_t>(r.gpus);
-    if (static_cast<double>(p.arena_bytes) <= keep * static_cast<double>(arena_bytes) &&
-        static_cast<double>(host_per_rank) <= keep * static_cast<double>(host_bytes))
-      return fitting_policy{policy, std::move(p)};
+plan_point fastest_fit(const plan_request& r, const cp_settings& cp, std::int64_t seq_len) {
+  std::optional<plan_point> thriftiest;
+  for (const checkpoint_policy& p : r.policy ? std::vector<checkpoint_policy>{*r.policy} : candidate_policies()) {
+    plan_point point = evaluate(r, cp, seq_len, p);
+    if (point.fits) return point;
+    if (!thriftiest || point.gpu_bytes < thriftiest->gpu_bytes) thriftiest = std::move(point);
   }
-  return std::nullopt;
+  return *thriftiest;
 }
+
+std::size_t gpu_context_bytes() { return context_bytes; }
 
 }  // namespace upipe

@@ -81,16 +81,14 @@ void validate(const plan_request& request);
 
 plan_result make_plan(const plan_request& request);
 
-// The fastest of candidate_policies() whose step at `seq_len` fits a device arena of
-// `arena_bytes` and a host pool of `host_bytes` per rank (as `upipe train --memory-gib
-// --host-memory-gib` sizes them), keeping request.margin of each free: what
-// `--checkpoint-policy auto` trains with. Nothing when none fits.
-struct fitting_policy {
-  checkpoint_policy policy;
-  plan_point point;
-};
-std::optional<fitting_policy> fastest_fitting_policy(const plan_request& request, const cp_settings& cp,
-                                                     std::int64_t seq_len, std::size_t arena_bytes,
-                                                     std::size_t host_bytes);
+// The fastest of the request's policies (request.policy, else candidate_policies())
+// whose step at `seq_len` fits the request's budgets; when none does, the one with the
+// smallest GPU footprint (its `fits` is false). What `plan --seq-len` reports and what
+// `train --checkpoint-policy auto` trains with.
+plan_point fastest_fit(const plan_request& request, const cp_settings& cp, std::int64_t seq_len);
+
+// What the planner adds to a step's arena on a GPU: the CUDA context and the libraries'
+// handles outside it.
+std::size_t gpu_context_bytes();
 
 }  // namespace upipe

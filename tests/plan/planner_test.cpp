@@ -151,31 +151,39 @@ TEST(planner, bad_requests_are_refused) {
   EXPECT_THROW(validate(r), config_error);
 }
 
-TEST(planner, auto_policy_is_the_fastest_that_fits_the_arena_and_host_pool) {
+TEST(planner, fastest_fit_is_the_first_policy_that_fits_else_the_thriftiest) {
   plan_request r = small_request();
   r.margin = 0;
+  r.host_memory = std::size_t{1} << 40;
   const cp_settings cp{strategy_kind::upipe, 4, 4};
   const std::int64_t S = 16384;
   const std::vector<checkpoint_policy> all = candidate_policies();
+  r.gpu_memory = std::size_t{1} << 40;
   const plan_point first = evaluate(r, cp, S, all[0]);
   // Room for the fastest: it is chosen.
-  auto chosen = fastest_fitting_policy(r, cp, S, first.arena_bytes, std::size_t{1} << 40);
-  ASSERT_TRUE(chosen.has_value());
-  EXPECT_EQ(chosen->policy.str(), all[0].str());
-  // One byte less of arena: a later policy, the first in order that fits, and it does.
-  chosen = fastest_fitting_policy(r, cp, S, first.arena_bytes - 1, std::size_t{1} << 40);
-  ASSERT_TRUE(chosen.has_value());
-  EXPECT_NE(chosen->policy.str(), all[0].str());
-  EXPECT_LE(chosen->point.arena_bytes, first.arena_bytes - 1);
+  r.gpu_memory = first.gpu_bytes;
+  plan_point chosen = fastest_fit(r, cp, S);
+  ASSERT_TRUE(chosen.fits);
+  EXPECT_EQ(chosen.policy.str(), all[0].str());
+  // One byte less: a later policy, the first in order that fits, and it does.
+  r.gpu_memory = first.gpu_bytes - 1;
+  chosen = fastest_fit(r, cp, S);
+  ASSERT_TRUE(chosen.fits);
+  EXPECT_NE(chosen.policy.str(), all[0].str());
+  EXPECT_LE(chosen.gpu_bytes, first.gpu_bytes - 1);
   for (const checkpoint_policy& p : all) {
-    if (p.str() == chosen->policy.str()) break;
-    const plan_point earlier = evaluate(r, cp, S, p);
-    EXPECT_GT(earlier.arena_bytes, first.arena_bytes - 1) << p.str();
+    if (p.str() == chosen.policy.str()) break;
+    EXPECT_FALSE(evaluate(r, cp, S, p).fits) << p.str();
   }
-  // No host pool to speak of: only what keeps nothing on the host qualifies; no arena: nothing.
-  chosen = fastest_fitting_policy(r, cp, S, first.arena_bytes - 1, 1);
-  if (chosen) EXPECT_EQ(chosen->point.host_bytes, 0u) << chosen->policy.str();
-  EXPECT_FALSE(fastest_fitting_policy(r, cp, S, 1, 1).has_value());
+  // No host memory to speak of: only what keeps nothing on the host qualifies.
+  r.host_memory = 1;
+  chosen = fastest_fit(r, cp, S);
+  if (chosen.fits) EXPECT_EQ(chosen.host_bytes, 0u) << chosen.policy.str();
+  // Nothing fits: the smallest GPU footprint, marked as not fitting.
+  r.gpu_memory = 1;
+  chosen = fastest_fit(r, cp, S);
+  EXPECT_FALSE(chosen.fits);
+  for (const checkpoint_policy& p : all) EXPECT_LE(chosen.gpu_bytes, evaluate(r, cp, S, p).gpu_bytes) << p.str();
 }
 
 }  // namespace
