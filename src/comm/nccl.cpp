@@ -21,6 +21,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <deque>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -57,6 +58,20 @@ std::string place(int rank, collective c, std::string_view label) {
   text += layer >= 0 ? " in layer " + std::to_string(layer) : " outside the layers";
   return text;
 }
+
+// An event recorded on a stream at construction, destroyed with the last holder.
+struct completion {
+  cudaEvent_t event = nullptr;
+  explicit completion(cudaStream_t stream) {
+    check_cuda(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), "cudaEventCreate");
+    const cudaError_t recorded = cudaEventRecord(event, stream);
+    if (recorded != cudaSuccess) (void)cudaEventDestroy(event);
+    check_cuda(recorded, "cudaEventRecord");
+  }
+  ~completion() { (void)cudaEventDestroy(event); }
+  completion(const completion&) = delete;
+  completion& operator=(const completion&) = delete;
+};
 
 // The communicators of one group in this process, aborted together.
 class nccl_group {
@@ -108,22 +123,19 @@ class watchdog {
     }
     wake_.notify_all();
     thread_.join();
-    for (const pending& p : pending_) (void)cudaEventDestroy(p.done);
   }
   watchdog(const watchdog&) = delete;
   watchdog& operator=(const watchdog&) = delete;
 
-  void watch(cudaStream_t stream, std::string what) {
-    cudaEvent_t done = nullptr;
-    check_cuda(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), "cudaEventCreate");
-    check_cuda(cudaEventRecord(done, stream), "cudaEventRecord");
+  // `done` was recorded after the collective; the watchdog keeps it until it completes.
+  void watch(std::shared_ptr<const completion> done, std::string what) {
     std::lock_guard lock(mutex_);
-    pending_.push_back({done, std::move(what), clock_type::now()});
+    pending_.push_back({std::move(done), std::move(what), clock_type::now()});
   }
 
  private:
   struct pending {
-    cudaEvent_t done;
+    std::shared_ptr<const completion> done;
     std::string what;
     clock_type::time_point issued;
   };
@@ -134,9 +146,7 @@ class watchdog {
     while (!stop_) {
       wake_.wait_for(lock, std::chrono::milliseconds(50));
       while (!pending_.empty()) {
-        const cudaError_t state = cudaEventQuery(pending_.front().done);
-        if (state == cudaErrorNotReady) break;
-        (void)cudaEventDestroy(pending_.front().done);
+        if (cudaEventQuery(pending_.front().done->event) == cudaErrorNotReady) break;
         pending_.pop_front();
       }
       if (pending_.empty() || group_.aborted()) continue;
@@ -304,14 +314,11 @@ class nccl_communicator final : public communicator {
     check_cuda(cudaEventRecord(inputs_ready_, stream_), "cudaEventRecord");
     check_cuda(cudaStreamWaitEvent(comm_stream_, inputs_ready_, 0), "cudaStreamWaitEvent");
     body();
-    dog_.watch(comm_stream_, place(rank_, c, label));
-    cudaEvent_t done = nullptr;
-    check_cuda(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), "cudaEventCreate");
-    check_cuda(cudaEventRecord(done, comm_stream_), "cudaEventRecord");
+    // One event marks the collective's end, for the watchdog and for the compute stream.
+    auto done = std::make_shared<const completion>(comm_stream_);
+    dog_.watch(done, place(rank_, c, label));
     return comm_request([this, done] {
-      const cudaError_t waited = cudaStreamWaitEvent(stream_, done, 0);
-      (void)cudaEventDestroy(done);
-      check_cuda(waited, "cudaStreamWaitEvent");
+      check_cuda(cudaStreamWaitEvent(stream_, done->event, 0), "cudaStreamWaitEvent");
     });
   }
 
