@@ -14,6 +14,7 @@
 
 #include "apps/commands.hpp"
 #include "apps/comm_flags.hpp"
+#include "apps/model_flags.hpp"
 #include "apps/sizes.hpp"
 #include "core/error.hpp"
 #include "model/config.hpp"
@@ -91,12 +92,9 @@ int run(const bench_flags& f) {
                        " contradict each other: --cp C runs every rank, --emulate-cp C runs rank 0 of C alone; give one");
   const bool emulate = f.emulate_cp > 0;
   const int C = emulate ? f.emulate_cp : (f.cp > 0 ? f.cp : 4);
-  model_config m = f.config_path.empty() ? preset(f.model) : read_hf_config(f.config_path);
-  const int model_layers = m.num_layers;
-  if (f.layers < 0 || f.layers > m.num_layers)
-    throw config_error("--layers " + std::to_string(f.layers) + " must lie between 1 and the model's " +
-                       std::to_string(m.num_layers) + " layers (a slice of the first N layers)");
-  if (f.layers > 0) m.num_layers = f.layers;
+  const model_config whole = load_model(f.model, f.config_path);
+  const model_config m = slice_layers(whole, f.layers);
+  const int model_layers = whole.num_layers;
   if (f.repeats < 1) throw config_error("--repeats " + std::to_string(f.repeats) + " must be at least 1");
   if (f.zero != 2 && f.zero != 3) throw config_error("--zero " + std::to_string(f.zero) + ": use 2 or 3");
   if (f.optimizer != "adamw" && f.optimizer != "none")

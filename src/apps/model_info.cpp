@@ -5,6 +5,7 @@
 #include <string>
 
 #include "apps/commands.hpp"
+#include "apps/model_flags.hpp"
 #include "core/error.hpp"
 #include "model/config.hpp"
 
@@ -30,7 +31,7 @@ int run(const model_flags& f) {
     }
     return 0;
   }
-  const model_config c = f.config_path.empty() ? preset(f.model) : read_hf_config(f.config_path);
+  const model_config c = load_model(f.model, f.config_path);
   std::printf("%s: %lld parameters\n", c.name.c_str(), static_cast<long long>(c.parameter_count()));
   for (const parameter_spec& p : parameter_specs(c)) {
     std::string dims;

@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "apps/commands.hpp"
+#include "apps/model_flags.hpp"
 #include "apps/sizes.hpp"
 #include "core/error.hpp"
 #include "model/config.hpp"
@@ -70,11 +71,7 @@ nlohmann::json point_json(const plan_point& p) {
 int run(const plan_flags& f) {
   const auto start = std::chrono::steady_clock::now();
   plan_request r;
-  r.model = f.config_path.empty() ? preset(f.model) : read_hf_config(f.config_path);
-  if (f.layers < 0 || f.layers > r.model.num_layers)
-    throw config_error("--layers " + std::to_string(f.layers) + " must lie between 1 and the model's " +
-                       std::to_string(r.model.num_layers) + " layers (a slice of the first N layers)");
-  if (f.layers > 0) r.model.num_layers = f.layers;
+  r.model = load_model(f.model, f.config_path, f.layers);
   r.gpus = f.gpus;
   r.gpu_memory = parse_bytes(f.gpu_memory, "--gpu-memory");
   const bool host_default = f.host_memory.empty();

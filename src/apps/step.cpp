@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "apps/commands.hpp"
+#include "apps/model_flags.hpp"
 #include "apps/sizes.hpp"
 #include "core/error.hpp"
 #include "model/model_step.hpp"
@@ -61,7 +62,7 @@ void write_grads(const step_flags& f, const model_config& c, const model_step_re
 
 int run(const step_flags& f) {
   model_step_request req;
-  req.model = f.config_path.empty() ? preset(f.model) : read_hf_config(f.config_path);
+  req.model = load_model(f.model, f.config_path);
   req.backend = parse_backend_kind(f.backend);
   req.cp = {parse_strategy_kind(f.attention), f.cp, f.head_chunk};
   req.options = {f.mlp_tile, f.loss_chunk, parse_checkpoint_policy(f.policy)};

@@ -12,6 +12,7 @@
 
 #include "apps/commands.hpp"
 #include "apps/comm_flags.hpp"
+#include "apps/model_flags.hpp"
 #include "apps/sizes.hpp"
 #include "core/error.hpp"
 #include "plan/planner.hpp"
@@ -35,11 +36,7 @@ bool auto_policy(const train_flags& f) { return f.policy == "auto"; }
 
 train_options to_options(const train_flags& f) {
   train_options o;
-  o.model = f.config_path.empty() ? preset(f.model) : read_hf_config(f.config_path);
-  if (f.layers < 0 || f.layers > o.model.num_layers)
-    throw config_error("--layers " + std::to_string(f.layers) + " must lie between 1 and the model's " +
-                       std::to_string(o.model.num_layers) + " layers (a slice of the first N layers)");
-  if (f.layers > 0) o.model.num_layers = f.layers;
+  o.model = load_model(f.model, f.config_path, f.layers);
   if (f.zero != 2 && f.zero != 3)
     throw config_error("--zero " + std::to_string(f.zero) + " is not supported: use --zero 2 (sharded optimizer and "
                        "gradients) or --zero 3 (weights sharded too)");
