@@ -238,8 +238,7 @@ int run(const bench_flags& f) {
 
 command_runner add_bench(CLI::App& app) {
   auto f = std::make_shared<bench_flags>();
-  app.add_option("--model", f->model, "preset (upipe model-config --list)")->capture_default_str();
-  app.add_option("--config", f->config_path, "a Hugging Face config.json instead of a preset");
+  add_model_flags(app, f->model, f->config_path);
   app.add_option("--layers", f->layers, "a slice: the first N layers at full width and length");
   app.add_option("--backend", f->backend, "cpu, cuda or meta")->capture_default_str();
   add_comm_flags(app, f->comm, true);

@@ -4,6 +4,8 @@
 
 #include <string>
 
+#include <CLI/CLI.hpp>
+
 #include "core/error.hpp"
 #include "model/config.hpp"
 
@@ -20,6 +22,12 @@ inline model_config slice_layers(model_config m, int layers) {
 
 inline model_config load_model(const std::string& preset_name, const std::string& config_path, int layers = 0) {
   return slice_layers(config_path.empty() ? preset(preset_name) : read_hf_config(config_path), layers);
+}
+
+// --model and --config.
+inline void add_model_flags(CLI::App& app, std::string& preset_name, std::string& config_path) {
+  app.add_option("--model", preset_name, "preset (upipe model-config --list)")->capture_default_str();
+  app.add_option("--config", config_path, "a Hugging Face config.json instead of a preset");
 }
 
 }  // namespace upipe::apps

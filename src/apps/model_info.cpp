@@ -49,8 +49,7 @@ int run(const model_flags& f) {
 
 command_runner add_model_config(CLI::App& app) {
   auto f = std::make_shared<model_flags>();
-  app.add_option("--model", f->model, "preset name (see --list)")->capture_default_str();
-  app.add_option("--config", f->config_path, "a Hugging Face config.json instead of a preset");
+  add_model_flags(app, f->model, f->config_path);
   app.add_option("--out", f->out_path, "write the configuration as a Hugging Face config.json here");
   app.add_flag("--list", f->list, "list the presets");
   return [f] { return run(*f); };

@@ -180,8 +180,7 @@ int run(const plan_flags& f) {
 
 command_runner add_plan(CLI::App& app) {
   auto f = std::make_shared<plan_flags>();
-  app.add_option("--model", f->model, "preset (upipe model-config --list)")->capture_default_str();
-  app.add_option("--config", f->config_path, "a Hugging Face config.json instead of a preset");
+  add_model_flags(app, f->model, f->config_path);
   app.add_option("--gpus", f->gpus, "GPUs in the CP group, one node")->capture_default_str();
   app.add_option("--gpu-memory", f->gpu_memory, "memory per GPU (80GiB, 141GB, ...)")->capture_default_str();
   app.add_option("--host-memory", f->host_memory,

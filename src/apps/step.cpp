@@ -101,8 +101,7 @@ int run(const step_flags& f) {
 
 command_runner add_step(CLI::App& app) {
   auto f = std::make_shared<step_flags>();
-  app.add_option("--model", f->model, "preset (upipe model-config --list)")->capture_default_str();
-  app.add_option("--config", f->config_path, "a Hugging Face config.json instead of a preset");
+  add_model_flags(app, f->model, f->config_path);
   app.add_option("--weights", f->weights_path, "safetensors weights (file or directory); default: random");
   app.add_option("--tokens", f->tokens_path, "flat little-endian uint32 token file; default: random tokens");
   app.add_option("--seq-len", f->seq_len, "tokens in the sequence (K and M suffixes)")->capture_default_str();

@@ -215,8 +215,7 @@ int run(const train_flags& f) {
 
 command_runner add_train(CLI::App& app) {
   auto f = std::make_shared<train_flags>();
-  app.add_option("--model", f->model, "preset (upipe model-config --list)")->capture_default_str();
-  app.add_option("--config", f->config_path, "a Hugging Face config.json instead of a preset");
+  add_model_flags(app, f->model, f->config_path);
   app.add_option("--init", f->init_path, "safetensors weights to start from (default: random)");
   app.add_option("--data", f->data_path, "flat little-endian uint32 token file (default: the synthetic passkey task)");
   app.add_option("--seq-len", f->seq_len, "tokens per sequence (K and M suffixes)")->capture_default_str();
