@@ -25,4 +25,9 @@ void write_weights(const model_config& config, const host_weights& weights, cons
 // test cannot pass with a norm weight ignored or misplaced.
 host_weights random_weights(const model_config& config, unsigned long long seed);
 
+// Weights for benchmarks of models with billions of parameters: the same means and
+// standard deviations as random_weights, drawn uniformly from a counter-based hash on all
+// cores (about a second per billion), so a timed step multiplies real numbers, not zeros.
+host_weights quick_random_weights(const model_config& config, unsigned long long seed);
+
 }  // namespace upipe

@@ -275,10 +275,14 @@ step_timing time_steps(const train_options& o, std::int64_t warmup_len, int repe
     return t;
   };
   step_timing out;
+  // Random weights wherever there is data: a step over zeros would time multiplications of
+  // zeros (which draw less power) and its loss would be log(vocab) whatever the strategy.
+  const host_weights init = o.backend == backend_kind::meta ? host_weights{} : quick_random_weights(o.model, o.seed);
   run_cp_group(
       o.backend, o.limits, o.cp.cp,
       [&](int rank, backend& be, communicator& comm) {
         rank_context rc(o, be, comm);
+        rc.params.load(init);
         step_record record;
         if (warmup_len > 0) run_step(rc, {tokens(be, warmup_len, 0)}, 1, record);
         for (int i = 0; i < repeats; ++i) {
