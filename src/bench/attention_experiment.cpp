@@ -231,7 +231,7 @@ experiment_result run_attention_experiment(attention_config config, const experi
   std::vector<rank_output> outputs(static_cast<std::size_t>(config.cp));
   const auto backends = run_cp_group(options.backend, options.limits, config.cp, [&](int rank, backend& be, communicator& comm) {
     run_rank(config, be, comm, data ? &in : nullptr, outputs[rank], rank == 0 ? &result : nullptr);
-  });
+  }, false, options.comm);
   result.attention_peak_formula_bytes = attention_peak_formula(config, backends[0]->work_dtype()).peak();
   if (!data) return result;
   const assembled a = assemble(config, outputs);

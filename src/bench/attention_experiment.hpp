@@ -10,6 +10,7 @@
 #include <string>
 
 #include "backend/backend.hpp"
+#include "comm/communicator.hpp"
 #include "cp/attention_config.hpp"
 
 namespace upipe {
@@ -20,6 +21,7 @@ struct experiment_options {
   memory_limits limits;
   bool check = true;           // compare against the reference (backends with data)
   std::string dump_dir;        // write inputs, weights, outputs and gradients as .npy
+  comm_options comm;           // how the ranks talk (threads in one process unless told)
 };
 
 struct experiment_result {

@@ -82,7 +82,7 @@ model_step_result run_model_step(const model_step_request& req, const host_weigh
   std::vector<rank_result> per_rank(static_cast<std::size_t>(req.cp.cp));
   run_cp_group(req.backend, req.limits, req.cp.cp, [&](int rank, backend& be, communicator& comm) {
     run_rank(req, seq, weights, be, comm, per_rank[rank], rank == 0 ? &result : nullptr);
-  });
+  }, false, req.comm);
   double loss_sum = 0;
   for (rank_result& r : per_rank) {
     loss_sum += r.loss_sum;

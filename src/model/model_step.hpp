@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "backend/backend.hpp"
+#include "comm/communicator.hpp"
 #include "model/transformer.hpp"
 #include "model/weights.hpp"
 
@@ -34,6 +35,7 @@ struct model_step_request {
   backend_kind backend = backend_kind::cpu;
   memory_limits limits;
   bool record_timeline = false;  // keep rank 0's ledger timeline in the result
+  comm_options comm;             // how the ranks talk (threads in one process unless told)
 };
 
 struct model_step_result {
