@@ -15,6 +15,7 @@
 #include "apps/commands.hpp"
 #include "apps/comm_flags.hpp"
 #include "apps/model_flags.hpp"
+#include "apps/policy_flags.hpp"
 #include "apps/sizes.hpp"
 #include "core/error.hpp"
 #include "model/config.hpp"
@@ -38,7 +39,7 @@ struct bench_flags {
 };
 
 struct row {
-  std::string strategy;
+  std::string strategy, checkpoint_policy;
   int head_chunk = 0, cp = 0, layers = 0, repeats = 0;
   std::int64_t seq_len = 0;
   double step_ms = 0, layer_ms = 0, tokens_per_s_per_gpu = 0, tflops = 0, mfu = 0, mfu_datasheet = 0;
@@ -100,7 +101,8 @@ int run(const bench_flags& f) {
   if (f.optimizer != "adamw" && f.optimizer != "none")
     throw config_error("--optimizer " + f.optimizer + " is not known: use adamw or none (forward and backward only)");
   const backend_kind kind = parse_backend_kind(f.backend);
-  const checkpoint_policy policy = parse_checkpoint_policy(f.policy);
+  const bool auto_policy = is_auto_policy(f.policy);
+  const checkpoint_policy fixed_policy = auto_policy ? checkpoint_policy{} : parse_checkpoint_policy(f.policy);
   const std::int64_t single_from = parse_count(f.single_pass_from, "--single-pass-from");
   std::vector<std::int64_t> lengths;
   for (const std::string& t : f.seq_lens) lengths.push_back(parse_count(t, "--seq-len"));
@@ -123,6 +125,7 @@ int run(const bench_flags& f) {
                      {"layers", r.layers},
                      {"seq_len", r.seq_len},
                      {"repeats", r.repeats},
+                     {"checkpoint_policy", r.checkpoint_policy},
                      {"step_ms", timed ? nlohmann::json(r.step_ms) : nlohmann::json(nullptr)},
                      {"layer_ms", timed ? nlohmann::json(r.layer_ms) : nlohmann::json(nullptr)},
                      {"tokens_per_s_per_gpu", timed ? nlohmann::json(r.tokens_per_s_per_gpu) : nlohmann::json(nullptr)},
@@ -166,7 +169,7 @@ int run(const bench_flags& f) {
         o.seq_len = s;
         o.cp = {strategy, C, u};
         o.zero = f.optimizer == "none" ? zero_stage::replicated : (f.zero == 3 ? zero_stage::three : zero_stage::two);
-        o.step = {f.mlp_tile, f.loss_chunk, policy};
+        o.step = {f.mlp_tile, f.loss_chunk, fixed_policy};
         f.comm.apply(o.step);
         o.optim.total_steps = 1 + f.repeats;
         o.optim.warmup_steps = 0;
@@ -174,7 +177,12 @@ int run(const bench_flags& f) {
         o.eval_samples = 0;
         o.backend = kind;
         o.comm = f.comm.options();
-        o.limits = run_limits(kind, f.memory_gib, policy.where, f.host_memory_gib);
+        o.limits = run_limits(kind, f.memory_gib, fixed_policy.where, f.host_memory_gib);
+        if (auto_policy) {
+          const plan_point chosen = choose_checkpoint_policy(o, f.memory_gib, f.host_memory_gib);
+          std::printf("# %s U=%d S=%lld: checkpoint policy %s (auto: the fastest that fits)\n", name.c_str(), u,
+                      static_cast<long long>(s), chosen.policy.str().c_str());
+        }
         const std::int64_t unit = layout_unit(o.cp);
         const std::int64_t warmup =
             f.warmup_len.empty() ? std::min<std::int64_t>(s, unit * 256) : parse_count(f.warmup_len, "--warmup-seq-len");
@@ -182,6 +190,7 @@ int run(const bench_flags& f) {
         const step_timing t = time_steps(o, warmup, repeats, emulate, f.phases);
         row r;
         r.strategy = name;
+        r.checkpoint_policy = o.step.policy.str();
         r.head_chunk = strategy == strategy_kind::ring ? 0 : u;
         r.cp = C;
         r.layers = m.num_layers;
@@ -251,7 +260,8 @@ command_runner add_bench(CLI::App& app) {
   app.add_option("--zero", f->zero, "2 or 3 (training step)")->capture_default_str();
   app.add_option("--optimizer", f->optimizer, "adamw (training step) or none (forward and backward only)")
       ->capture_default_str();
-  app.add_option("--checkpoint-policy", f->policy, "what=input|input+attention,every=K,where=device|host-pinned|host-pageable");
+  app.add_option("--checkpoint-policy", f->policy,
+                 std::string(checkpoint_policy_help()) + " (default what=input,every=1,where=device)");
   app.add_option("--mlp-tile", f->mlp_tile, "tokens per MLP tile (0: D)");
   app.add_option("--loss-chunk", f->loss_chunk, "tokens per cross-entropy chunk (0: 256 MiB of logits)");
   app.add_option("--repeats", f->repeats, "timed steps per configuration (the fastest is reported)")->capture_default_str();

@@ -13,6 +13,7 @@
 #include "apps/commands.hpp"
 #include "apps/comm_flags.hpp"
 #include "apps/model_flags.hpp"
+#include "apps/policy_flags.hpp"
 #include "apps/sizes.hpp"
 #include "core/error.hpp"
 #include "plan/planner.hpp"
@@ -32,8 +33,6 @@ struct train_flags {
   unsigned long long seed = 1;
 };
 
-bool auto_policy(const train_flags& f) { return f.policy == "auto"; }
-
 train_options to_options(const train_flags& f) {
   train_options o;
   o.model = load_model(f.model, f.config_path, f.layers);
@@ -48,7 +47,7 @@ train_options to_options(const train_flags& f) {
   o.seq_warmup_start = f.seq_warmup_start;
   o.cp = {parse_strategy_kind(f.attention), f.cp, f.head_chunk};
   o.zero = f.zero == 3 ? zero_stage::three : zero_stage::two;
-  o.step = {f.mlp_tile, f.loss_chunk, auto_policy(f) ? checkpoint_policy{} : parse_checkpoint_policy(f.policy)};
+  o.step = {f.mlp_tile, f.loss_chunk, is_auto_policy(f.policy) ? checkpoint_policy{} : parse_checkpoint_policy(f.policy)};
   f.comm.apply(o.step);
   o.optim.lr = f.lr;
   o.optim.weight_decay = f.weight_decay;
@@ -65,36 +64,6 @@ train_options to_options(const train_flags& f) {
   o.limits = run_limits(o.backend, f.memory_gib, o.step.policy.where, f.host_memory_gib);
   o.eval_samples = f.eval_samples;
   return o;
-}
-
-std::string gib_text(double gib) {
-  char text[32];
-  std::snprintf(text, sizeof text, "%g GiB", gib);
-  return text;
-}
-
-// --checkpoint-policy auto: the planner's fastest policy whose step fits this run's
-// arena (beside the GPU context the planner adds) and host pool, 2% kept free.
-void choose_policy(const train_flags& f, train_options& o) {
-  plan_request r;
-  r.model = o.model;
-  r.gpus = o.cp.cp;
-  r.zero = o.zero;
-  r.mlp_tile = o.step.mlp_tile;
-  r.loss_chunk = o.step.loss_chunk;
-  r.margin = 0.02;
-  r.gpu_memory = o.limits.device_bytes + gpu_context_bytes();
-  const memory_limits host = run_limits(o.backend, f.memory_gib, checkpoint_location::host_pinned, f.host_memory_gib);
-  r.host_memory = host.host_bytes * static_cast<std::size_t>(r.gpus);
-  const plan_point chosen = fastest_fit(r, o.cp, o.seq_len);
-  if (!chosen.fits)
-    throw config_error("no checkpoint policy fits S = " + std::to_string(o.seq_len) + " in an arena of " +
-                       gib_text(f.memory_gib) + " per rank: raise --memory-gib or --host-memory-gib, shorten "
-                       "--seq-len, or run `upipe plan` to see what fits");
-  o.step.policy = chosen.policy;
-  o.limits = run_limits(o.backend, f.memory_gib, chosen.policy.where, f.host_memory_gib);
-  std::printf("# checkpoint policy %s (auto: the fastest that fits; predicted arena high water %.2f GiB)\n",
-              chosen.policy.str().c_str(), static_cast<double>(chosen.arena_bytes) / (1 << 30));
 }
 
 std::string clock_text(double seconds) {
@@ -176,7 +145,11 @@ void print_summary(const train_options& o, const train_summary& s) {
 int run(const train_flags& f) {
   train_options o = to_options(f);
   validate(o);
-  if (auto_policy(f)) choose_policy(f, o);
+  if (is_auto_policy(f.policy)) {
+    const plan_point chosen = choose_checkpoint_policy(o, f.memory_gib, f.host_memory_gib);
+    std::printf("# checkpoint policy %s (auto: the fastest that fits; predicted arena high water %.2f GiB)\n",
+                chosen.policy.str().c_str(), static_cast<double>(chosen.arena_bytes) / (1 << 30));
+  }
   std::ofstream metrics;
   if (!f.metrics_path.empty()) {
     metrics.open(f.metrics_path, std::ios::trunc);
@@ -240,10 +213,7 @@ command_runner add_train(CLI::App& app) {
   app.add_option("--save-every", f->save_every, "also save every N steps");
   app.add_option("--resume", f->resume_dir, "continue from this checkpoint");
   app.add_option("--zero", f->zero, "2: shard optimizer state and gradients; 3: shard weights too")->capture_default_str();
-  app.add_option("--checkpoint-policy", f->policy,
-                 "auto (the planner's fastest that fits --memory-gib and --host-memory-gib) or "
-                 "what=input|input+attention,every=K,where=device|host-pinned|host-pageable")
-      ->capture_default_str();
+  app.add_option("--checkpoint-policy", f->policy, checkpoint_policy_help())->capture_default_str();
   app.add_option("--mlp-tile", f->mlp_tile, "tokens per MLP tile (0: D)");
   app.add_option("--loss-chunk", f->loss_chunk, "tokens per cross-entropy chunk (0: 256 MiB of logits)");
   app.add_option("--layers", f->layers, "train a slice: the first N layers only");

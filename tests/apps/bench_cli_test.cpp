@@ -57,6 +57,32 @@ TEST(bench_cli, emulated_rank_zero_on_meta_reports_memory_only) {
   std::filesystem::remove_all(dir);
 }
 
+// --checkpoint-policy auto: each row runs the planner's fastest policy that fits the GPU
+// arena (meta predicts the GPU's choice), names it, and keeps it in the JSON; a length no
+// policy fits is refused with the way out.
+TEST(bench_cli, auto_policy_is_chosen_per_row_and_recorded) {
+  const auto dir = temp_dir("bench_auto");
+  const auto path = (dir / "bench.json").string();
+  const std::string common = "bench --backend meta --emulate-cp 8 --model llama3-8b --layers 2 --attention upipe "
+                             "--head-chunk 8 --checkpoint-policy auto --memory-gib 20 ";
+  const run_result r = run_upipe(common + "--seq-len 128K --json " + path);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("checkpoint policy what=input+attention,every=1,where=device (auto"), std::string::npos)
+      << r.output;
+  std::ifstream in(path);
+  const nlohmann::json rows = nlohmann::json::parse(in);
+  ASSERT_EQ(rows.size(), 1u);
+  EXPECT_EQ(rows[0]["checkpoint_policy"], "what=input+attention,every=1,where=device");
+  EXPECT_LT(rows[0]["arena_high_water_bytes"].get<double>(), 20.0 * (1 << 30));
+  const run_result refused = run_upipe(common + "--seq-len 16M");
+  EXPECT_EQ(refused.exit_code, 2) << refused.output;
+  EXPECT_NE(refused.output.find("no checkpoint policy fits S = 16777216 in an arena of 20 GiB per rank: raise "
+                                "--memory-gib"),
+            std::string::npos)
+      << refused.output;
+  std::filesystem::remove_all(dir);
+}
+
 TEST(bench_cli, contradictory_flags_are_refused) {
   const run_result r = run_upipe("bench --cp 4 --emulate-cp 8");
   EXPECT_EQ(r.exit_code, 2) << r.output;
