@@ -53,9 +53,9 @@ inline std::size_t parse_bytes(const std::string& text, const char* flag) {
 
 // The arenas for a run: `memory_gib` per rank (checked positive); nothing reserved on
 // meta, which takes the GPU libraries' workspaces as the cuda backend would so that its
-// peak is the GPU's; on the GPU a pinned host pool of `host_gib` when given, else 1 GiB
-// unless checkpoints go to the host (then `memory_gib`), since pinned memory is taken at
-// start.
+// peak is the GPU's; on the GPU a host pool of `host_gib` when given, else 1 GiB unless
+// checkpoints go to the host (then `memory_gib`), since pinned memory is taken at start;
+// pageable (and only reserved) when checkpoints go to pageable host memory.
 inline memory_limits run_limits(backend_kind kind, double memory_gib, checkpoint_location checkpoints,
                                 double host_gib = 0) {
   if (!(memory_gib > 0))
@@ -65,9 +65,11 @@ inline memory_limits run_limits(backend_kind kind, double memory_gib, checkpoint
                        " must be positive (for example 16), or 0 for the default");
   if (kind == backend_kind::meta) return {std::size_t{1} << 50, std::size_t{1} << 50, true};
   const auto bytes = [](double gib) { return static_cast<std::size_t>(gib * (1 << 30)); };
-  if (host_gib > 0) return {bytes(memory_gib), bytes(host_gib)};
   const bool small_host = kind == backend_kind::cuda && checkpoints == checkpoint_location::device;
-  return {bytes(memory_gib), small_host ? std::size_t{1} << 30 : bytes(memory_gib)};
+  memory_limits limits{bytes(memory_gib), host_gib > 0 ? bytes(host_gib)
+                                                       : (small_host ? std::size_t{1} << 30 : bytes(memory_gib))};
+  limits.host_pageable = kind == backend_kind::cuda && checkpoints == checkpoint_location::host_pageable;
+  return limits;
 }
 
 // --comm and --comm-timeout, checked.

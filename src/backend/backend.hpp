@@ -38,6 +38,10 @@ struct memory_limits {
   // attention workspace as it grows) at the same moments, so that the arena's placement
   // is the GPU's (the planner's probe).
   bool gpu_workspaces = false;
+  // cuda only: the host pool is ordinary pageable memory (checkpoints where=host-pageable)
+  // instead of pinned; side copies to and from it pass through small pinned bounce
+  // buffers, the pageable side copied by a host thread, never by the step's stream.
+  bool host_pageable = false;
 };
 
 class backend {
@@ -174,7 +178,8 @@ class phase_scope {
 std::unique_ptr<backend> make_cpu_backend(const memory_limits& limits);
 std::unique_ptr<backend> make_meta_backend(const memory_limits& limits);
 // The CUDA backend on GPU `device` (only in builds with UPIPE_HAVE_CUDA): an arena of
-// limits.device_bytes on the device, a pinned host pool of limits.host_bytes.
+// limits.device_bytes on the device, a host pool of limits.host_bytes (pinned, or pageable
+// with limits.host_pageable).
 std::unique_ptr<backend> make_cuda_backend(const memory_limits& limits, int device);
 // Throws config_error when this build has no CUDA backend.
 std::unique_ptr<backend> make_backend(backend_kind kind, const memory_limits& limits);

@@ -224,6 +224,35 @@ TEST_F(cuda_backend_test, copies_and_sums_between_two_backends_on_one_gpu) {
   EXPECT_EQ(std::vector<float>(pinned.as<float>(), pinned.as<float>() + n), a);
 }
 
+// Side copies to and from a pinned and a pageable host pool (the pageable one through
+// the bounce buffers, in several chunks and a ragged last one) bring back every byte, and
+// the host pool holds them once synchronized; the compute stream's later work sees the
+// restored bytes after join_side_copies().
+TEST_F(cuda_backend_test, side_copies_through_pinned_and_pageable_host_pools) {
+  for (bool pageable : {false, true}) {
+    memory_limits limits{std::size_t{512} << 20, std::size_t{256} << 20};
+    limits.host_pageable = pageable;
+    auto gpu = make_cuda_backend(limits, 0);
+    const std::int64_t n = (std::int64_t{70} << 20) / 4 + 12345;  // 70 MiB and a bit: 3 chunks of 32 MiB
+    tensor src = gpu->allocate(mem_tag::activations, dtype::f32, {n}, "src");
+    tensor host = gpu->allocate(mem_tag::checkpoints_host, dtype::f32, {n}, "host");
+    tensor back = gpu->allocate(mem_tag::activations, dtype::f32, {n}, "back");
+    std::vector<float> a(static_cast<std::size_t>(n)), out(a.size());
+    for (std::int64_t i = 0; i < n; ++i) a[i] = static_cast<float>(i % 100003) * 0.5f - 11.0f;
+    gpu->upload_f32(src, a.data());
+    gpu->copy_bytes_side(host.data(), src.data(), src.bytes());
+    gpu->join_side_copies();
+    gpu->fill_bytes(src.data(), 0, src.bytes());  // ordered after the copy has read src
+    gpu->copy_bytes_side(back.data(), host.data(), host.bytes());
+    gpu->join_side_copies();
+    gpu->add_f32(back.as<float>(), src.as<float>(), static_cast<std::size_t>(n));  // + 0, on the compute stream
+    gpu->synchronize();
+    gpu->download_f32(out.data(), back);
+    EXPECT_EQ(out, a) << (pageable ? "pageable" : "pinned");
+    EXPECT_EQ(std::vector<float>(host.as<float>(), host.as<float>() + n), a) << (pageable ? "pageable" : "pinned");
+  }
+}
+
 TEST_F(cuda_backend_test, sum_squares_of_a_strided_view) {
   auto gpu = make_cuda_backend(gpu_limits, 0);
   tensor t = gpu->allocate(mem_tag::grads, dtype::f32, {67, 130}, "grad");

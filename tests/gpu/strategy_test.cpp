@@ -40,12 +40,14 @@ TEST(gpu_strategies, virtual_ranks_match_the_reference) {
     }
 }
 
-// Checkpoints on the device, and in pinned host memory through the copy stream (offload
-// while the layer runs, prefetch during the previous layer's backward).
+// Checkpoints on the device, and in pinned or pageable host memory through the copy
+// stream (offload while the layer runs, prefetch during the previous layer's backward;
+// pageable through the bounce buffers).
 TEST(gpu_model, training_step_matches_the_cpu_backend) {
   if (!have_gpu()) GTEST_SKIP() << "no GPU";
   for (const char* policy : {"what=input,every=1,where=device", "what=input,every=1,where=host-pinned",
-                             "what=input+attention,every=2,where=host-pinned"})
+                             "what=input+attention,every=2,where=host-pinned", "what=input,every=1,where=host-pageable",
+                             "what=input+attention,every=2,where=host-pageable"})
   for (const char* name : {"tiny-llama", "tiny-qwen3"}) {
     model_step_request req;
     req.options.policy = parse_checkpoint_policy(policy);
@@ -60,6 +62,7 @@ TEST(gpu_model, training_step_matches_the_cpu_backend) {
     const model_step_result cpu = run_model_step(req, w, tokens);
     req.backend = backend_kind::cuda;
     req.limits = {std::size_t{1} << 30, std::size_t{64} << 20};
+    req.limits.host_pageable = req.options.policy.where == checkpoint_location::host_pageable;
     const model_step_result gpu = run_model_step(req, w, tokens);
     EXPECT_LT(std::abs(gpu.loss - cpu.loss) / cpu.loss, bf16_tolerance) << name << " " << policy;
     for (const auto& [param, values] : cpu.grads) {

@@ -1,11 +1,15 @@
 // The CUDA backend: bf16 storage, fp32 accumulation. One device arena (a single
-// cudaMalloc that the shared arena allocator carves up), one pinned host pool, one
-// non-blocking compute stream on which every op, copy and fill of this backend runs in
-// order, and a copy stream for side copies (checkpoint offload and prefetch) joined to
-// it by events. Ops return without synchronizing; host transfers and synchronize() wait.
+// cudaMalloc that the shared arena allocator carves up), one host pool (pinned, or
+// pageable behind pinned bounce buffers), one non-blocking compute stream on which every
+// op, copy and fill of this backend runs in order, and a copy stream for side copies
+// (checkpoint offload and prefetch) joined to it by events. Ops return without
+// synchronizing; host transfers and synchronize() wait.
 #include <cuda_runtime_api.h>
+#include <sys/mman.h>
 
 #include <algorithm>
+#include <array>
+#include <cerrno>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -111,6 +115,108 @@ void check_cudnn_version() {
                        "its library directory first on LD_LIBRARY_PATH");
 }
 
+// Side copies between device memory and pageable host memory, which the GPU's copy
+// engines cannot reach asynchronously: each chunk passes through one of two pinned
+// bounce buffers, the device side copied on the copy stream and the pageable side by a
+// host function on a stream of its own (run by the CUDA runtime's host thread). Events
+// order each buffer's writer after its last reader, so a device-to-bounce copy overlaps
+// the previous chunk's host copy. Nothing here waits on the host.
+class pageable_mover {
+ public:
+  static constexpr std::size_t chunk_bytes = std::size_t{32} << 20;
+
+  explicit pageable_mover(cudaStream_t copy_stream) : copy_stream_(copy_stream) {
+    try {
+      UPIPE_CUDA_CHECK(cudaStreamCreateWithFlags(&host_stream_, cudaStreamNonBlocking));
+      for (slot& s : slots_) {
+        UPIPE_CUDA_CHECK(cudaHostAlloc(&s.buffer, chunk_bytes, cudaHostAllocPortable));
+        UPIPE_CUDA_CHECK(cudaEventCreateWithFlags(&s.filled, cudaEventDisableTiming));
+        UPIPE_CUDA_CHECK(cudaEventCreateWithFlags(&s.free, cudaEventDisableTiming));
+      }
+    } catch (...) {
+      release();
+      throw;
+    }
+  }
+  pageable_mover(const pageable_mover&) = delete;
+  pageable_mover& operator=(const pageable_mover&) = delete;
+  ~pageable_mover() { release(); }
+
+  // device -> pageable host, after what the copy stream holds so far.
+  void to_host(std::byte* host, const std::byte* device, std::size_t bytes) {
+    for (std::size_t off = 0; off < bytes; off += chunk_bytes) {
+      const std::size_t n = std::min(chunk_bytes, bytes - off);
+      slot& s = next();
+      if (s.used) UPIPE_CUDA_CHECK(cudaStreamWaitEvent(copy_stream_, s.free, 0));
+      UPIPE_CUDA_CHECK(cudaMemcpyAsync(s.buffer, device + off, n, cudaMemcpyDeviceToHost, copy_stream_));
+      UPIPE_CUDA_CHECK(cudaEventRecord(s.filled, copy_stream_));
+      UPIPE_CUDA_CHECK(cudaStreamWaitEvent(host_stream_, s.filled, 0));
+      host_copy(host + off, s.buffer, n);
+      UPIPE_CUDA_CHECK(cudaEventRecord(s.free, host_stream_));
+      s.used = true;
+    }
+  }
+  // pageable host -> device; the last device copy is on the copy stream, so joining the
+  // copy stream joins it. The host side runs after every earlier host copy (to_host's
+  // included), in order on the host stream.
+  void to_device(std::byte* device, const std::byte* host, std::size_t bytes) {
+    for (std::size_t off = 0; off < bytes; off += chunk_bytes) {
+      const std::size_t n = std::min(chunk_bytes, bytes - off);
+      slot& s = next();
+      if (s.used) UPIPE_CUDA_CHECK(cudaStreamWaitEvent(host_stream_, s.free, 0));
+      host_copy(s.buffer, host + off, n);
+      UPIPE_CUDA_CHECK(cudaEventRecord(s.filled, host_stream_));
+      UPIPE_CUDA_CHECK(cudaStreamWaitEvent(copy_stream_, s.filled, 0));
+      UPIPE_CUDA_CHECK(cudaMemcpyAsync(device + off, s.buffer, n, cudaMemcpyHostToDevice, copy_stream_));
+      UPIPE_CUDA_CHECK(cudaEventRecord(s.free, copy_stream_));
+      s.used = true;
+    }
+  }
+  void synchronize() const { UPIPE_CUDA_CHECK(cudaStreamSynchronize(host_stream_)); }
+
+ private:
+  struct slot {
+    std::byte* buffer = nullptr;
+    cudaEvent_t filled = nullptr, free = nullptr;
+    bool used = false;
+  };
+  struct copy_job {
+    std::byte* dst;
+    const std::byte* src;
+    std::size_t bytes;
+  };
+
+  // Never throws: waits for the host copies, then frees the buffers.
+  void release() noexcept {
+    if (host_stream_ != nullptr) log_cuda(cudaStreamSynchronize(host_stream_), "cudaStreamSynchronize(host copies)");
+    for (slot& s : slots_) {
+      if (s.buffer != nullptr) log_cuda(cudaFreeHost(s.buffer), "cudaFreeHost(bounce buffer)");
+      if (s.filled != nullptr) log_cuda(cudaEventDestroy(s.filled), "cudaEventDestroy");
+      if (s.free != nullptr) log_cuda(cudaEventDestroy(s.free), "cudaEventDestroy");
+    }
+    if (host_stream_ != nullptr) log_cuda(cudaStreamDestroy(host_stream_), "cudaStreamDestroy(host copies)");
+    host_stream_ = nullptr;
+    for (slot& s : slots_) s = slot{};
+  }
+  slot& next() { return slots_[next_++ % slots_.size()]; }
+  void host_copy(std::byte* dst, const std::byte* src, std::size_t bytes) {
+    auto job = std::make_unique<copy_job>(copy_job{dst, src, bytes});
+    UPIPE_CUDA_CHECK(cudaLaunchHostFunc(
+        host_stream_,
+        [](void* p) {
+          std::unique_ptr<copy_job> j(static_cast<copy_job*>(p));
+          std::memcpy(j->dst, j->src, j->bytes);
+        },
+        job.get()));
+    job.release();  // the host function owns it now
+  }
+
+  cudaStream_t copy_stream_;
+  cudaStream_t host_stream_ = nullptr;
+  std::array<slot, 2> slots_{};
+  std::size_t next_ = 0;
+};
+
 class cuda_backend final : public backend {
  public:
   cuda_backend(const memory_limits& limits, int device)
@@ -119,7 +225,7 @@ class cuda_backend final : public backend {
     UPIPE_CUDA_CHECK(cudaSetDevice(device_));
     check_cudnn_version();
     try {
-      acquire(device_arena().capacity(), host_arena().capacity());
+      acquire(device_arena().capacity(), host_arena().capacity(), limits.host_pageable);
     } catch (...) {
       release_all();
       throw;
@@ -137,7 +243,13 @@ class cuda_backend final : public backend {
     use_device();
     UPIPE_CUDA_CHECK(cudaEventRecord(compute_done_, stream_));
     UPIPE_CUDA_CHECK(cudaStreamWaitEvent(copy_stream_, compute_done_, 0));
-    UPIPE_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, copy_stream_));
+    if (pageable_ && in_host_pool(dst) && !in_host_pool(src)) {
+      pageable_->to_host(static_cast<std::byte*>(dst), static_cast<const std::byte*>(src), bytes);
+    } else if (pageable_ && in_host_pool(src) && !in_host_pool(dst)) {
+      pageable_->to_device(static_cast<std::byte*>(dst), static_cast<const std::byte*>(src), bytes);
+    } else {
+      UPIPE_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, copy_stream_));
+    }
   }
   void join_side_copies() override {
     use_device();
@@ -163,6 +275,7 @@ class cuda_backend final : public backend {
     use_device();
     UPIPE_CUDA_CHECK(cudaStreamSynchronize(stream_));
     UPIPE_CUDA_CHECK(cudaStreamSynchronize(copy_stream_));
+    if (pageable_) pageable_->synchronize();  // the host reads and writes the pool after this
     std::size_t free_bytes = 0, total_bytes = 0;
     UPIPE_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
     driver_peak_ = std::max(driver_peak_, total_bytes - free_bytes);
@@ -287,7 +400,7 @@ class cuda_backend final : public backend {
     return host_base_ != nullptr && b >= host_base_ && b < host_base_ + host_arena().capacity();
   }
 
-  void acquire(std::size_t device_bytes, std::size_t host_bytes);
+  void acquire(std::size_t device_bytes, std::size_t host_bytes, bool host_pageable);
   void release_all() noexcept;
   void* engine_scratch(std::size_t bytes, const char* label);
   void scale_matrix(const mat_view& c, float beta);
@@ -297,7 +410,9 @@ class cuda_backend final : public backend {
   cudaStream_t copy_stream_ = nullptr;  // side copies (checkpoint offload and prefetch)
   cudaEvent_t compute_done_ = nullptr, copies_done_ = nullptr;
   std::byte* device_base_ = nullptr;  // the arena, device_arena().capacity() bytes
-  std::byte* host_base_ = nullptr;    // the pinned host pool, host_arena().capacity() bytes
+  std::byte* host_base_ = nullptr;    // the host pool, host_arena().capacity() bytes
+  bool host_pageable_ = false;                 // the host pool is mmap'ed pageable memory
+  std::unique_ptr<pageable_mover> pageable_;  // its bounce buffers and host copies
   double* sum_result_ = nullptr;      // (1) f64 on the device: sum_squares' result
   std::vector<tensor> scratch_;       // the engines' cached workspaces (tag workspace)
   std::unique_ptr<cuda::gemm_engine> gemm_engine_;
@@ -306,7 +421,7 @@ class cuda_backend final : public backend {
   std::vector<cudaEvent_t> marks_;  // phase timing's events, reused
 };
 
-void cuda_backend::acquire(std::size_t device_bytes, std::size_t host_bytes) {
+void cuda_backend::acquire(std::size_t device_bytes, std::size_t host_bytes, bool host_pageable) {
   UPIPE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   UPIPE_CUDA_CHECK(cudaStreamCreateWithFlags(&copy_stream_, cudaStreamNonBlocking));
   UPIPE_CUDA_CHECK(cudaEventCreateWithFlags(&compute_done_, cudaEventDisableTiming));
@@ -329,7 +444,17 @@ void cuda_backend::acquire(std::size_t device_bytes, std::size_t host_bytes) {
     }
     device_base_ = static_cast<std::byte*>(base);
   }
-  if (host_bytes > 0) {
+  if (host_bytes > 0 && host_pageable) {
+    // Reserved, not committed: pages are backed as checkpoints first touch them.
+    void* base = mmap(nullptr, host_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (base == MAP_FAILED)
+      throw config_error("cannot reserve a pageable host pool of " + std::to_string(host_bytes) + " bytes (" +
+                         gib(host_bytes) + ") for GPU " + std::to_string(device_) + ": " + std::strerror(errno) +
+                         ". Lower --host-memory-gib or run `upipe plan` to find a configuration that fits");
+    host_base_ = static_cast<std::byte*>(base);
+    host_pageable_ = true;
+    pageable_ = std::make_unique<pageable_mover>(copy_stream_);
+  } else if (host_bytes > 0) {
     void* base = nullptr;
     const cudaError_t status = cudaHostAlloc(&base, host_bytes, cudaHostAllocPortable | cudaHostAllocMapped);
     if (status != cudaSuccess) {
@@ -361,7 +486,12 @@ void cuda_backend::release_all() noexcept {
   scratch_.clear();
   if (sum_result_ != nullptr) log_cuda(cudaFree(sum_result_), "cudaFree(sum_squares result)");
   if (device_base_ != nullptr) log_cuda(cudaFree(device_base_), "cudaFree(arena)");
-  if (host_base_ != nullptr) log_cuda(cudaFreeHost(host_base_), "cudaFreeHost(host pool)");
+  pageable_.reset();  // waits for its host copies
+  if (host_base_ != nullptr && host_pageable_) {
+    if (munmap(host_base_, host_arena().capacity()) != 0) std::fprintf(stderr, "upipe: munmap(host pool) failed\n");
+  } else if (host_base_ != nullptr) {
+    log_cuda(cudaFreeHost(host_base_), "cudaFreeHost(host pool)");
+  }
   if (compute_done_ != nullptr) log_cuda(cudaEventDestroy(compute_done_), "cudaEventDestroy");
   if (copies_done_ != nullptr) log_cuda(cudaEventDestroy(copies_done_), "cudaEventDestroy");
   if (copy_stream_ != nullptr) log_cuda(cudaStreamDestroy(copy_stream_), "cudaStreamDestroy(copies)");
