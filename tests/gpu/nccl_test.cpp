@@ -17,9 +17,11 @@
 #include "comm/communicator.hpp"
 #include "comm/launch.hpp"
 #include "comm/nccl.hpp"
-#include "model/model_step.hpp"
 #include "core/error.hpp"
+#include "model/model_step.hpp"
 #include "train/trainer.hpp"
+
+#include "compare.hpp"
 
 namespace upipe {
 namespace {
@@ -143,15 +145,8 @@ TEST(gpu_nccl, model_gradients_over_nccl_match_the_cpu_backend_on_one_rank) {
     std::printf("nccl C=%d %s: loss %.6f, cpu C=1 %.6f\n", cp, std::string(strategy_name(kind)).c_str(), gpu.loss,
                 cpu.loss);
     EXPECT_LT(std::abs(gpu.loss - cpu.loss) / cpu.loss, 1e-2) << strategy_name(kind);
-    for (const auto& [param, values] : cpu.grads) {
-      const auto& got = gpu.grads.at(param);
-      double diff = 0, ref = 0;
-      for (std::size_t i = 0; i < values.size(); ++i) {
-        diff = std::max(diff, std::abs(static_cast<double>(got[i]) - values[i]));
-        ref = std::max(ref, std::abs(static_cast<double>(values[i])));
-      }
-      EXPECT_LT(diff / ref, 5e-2) << strategy_name(kind) << " C=" << cp << " " << param;
-    }
+    for (const auto& [param, values] : cpu.grads)
+      EXPECT_LT(testing::max_difference_over_max(gpu.grads.at(param), values), 5e-2) << strategy_name(kind) << " C=" << cp << " " << param;
   }
 }
 

@@ -8,6 +8,8 @@
 #include "bench/attention_experiment.hpp"
 #include "model/model_step.hpp"
 
+#include "compare.hpp"
+
 namespace upipe {
 namespace {
 
@@ -65,15 +67,8 @@ TEST(gpu_model, training_step_matches_the_cpu_backend) {
     req.limits.host_pageable = req.options.policy.where == checkpoint_location::host_pageable;
     const model_step_result gpu = run_model_step(req, w, tokens);
     EXPECT_LT(std::abs(gpu.loss - cpu.loss) / cpu.loss, bf16_tolerance) << name << " " << policy;
-    for (const auto& [param, values] : cpu.grads) {
-      const auto& got = gpu.grads.at(param);
-      double diff = 0, ref = 0;
-      for (std::size_t i = 0; i < values.size(); ++i) {
-        diff = std::max(diff, std::abs(static_cast<double>(got[i]) - values[i]));
-        ref = std::max(ref, std::abs(static_cast<double>(values[i])));
-      }
-      EXPECT_LT(diff / ref, 5e-2) << name << " " << policy << " " << param;
-    }
+    for (const auto& [param, values] : cpu.grads)
+      EXPECT_LT(testing::max_difference_over_max(gpu.grads.at(param), values), 5e-2) << name << " " << policy << " " << param;
   }
 }
 
