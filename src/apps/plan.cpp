@@ -122,7 +122,7 @@ int run(const plan_flags& f) {
   }
   if (r.seq_len) {
     std::printf("\nat S = %s:\n%-8s %4s %6s %8s %8s  %s\n", tokens_text(*r.seq_len).c_str(), "strategy", "U", "fits",
-                "GPU GiB", "host GiB", "checkpoint policy (the fastest that fits, else the thriftiest)");
+                "GPU GiB", "host GiB", "checkpoint policy (the fastest that fits, else the closest to fitting)");
     for (const plan_entry& e : plan.entries) {
       const plan_point& p = *e.at_request;
       std::printf("%-8s %4s %6s %8.1f %8.1f  %s\n", std::string(strategy_name(e.strategy)).c_str(), u_text(e).c_str(),

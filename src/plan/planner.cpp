@@ -167,13 +167,19 @@ plan_result make_plan(const plan_request& r) {
 }
 
 plan_point fastest_fit(const plan_request& r, const cp_settings& cp, std::int64_t seq_len) {
-  std::optional<plan_point> thriftiest;
+  // How far a point is from fitting: its larger need over the budget it must keep to.
+  const double keep = 1.0 - r.margin;
+  const auto overshoot = [&](const plan_point& p) {
+    return std::max(static_cast<double>(p.gpu_bytes) / (keep * static_cast<double>(r.gpu_memory)),
+                    static_cast<double>(p.host_bytes) / (keep * static_cast<double>(r.host_memory)));
+  };
+  std::optional<plan_point> closest;
   for (const checkpoint_policy& p : r.policy ? std::vector<checkpoint_policy>{*r.policy} : candidate_policies()) {
     plan_point point = evaluate(r, cp, seq_len, p);
     if (point.fits) return point;
-    if (!thriftiest || point.gpu_bytes < thriftiest->gpu_bytes) thriftiest = std::move(point);
+    if (!closest || overshoot(point) < overshoot(*closest)) closest = std::move(point);
   }
-  return *thriftiest;
+  return *closest;
 }
 
 std::size_t gpu_context_bytes() { return context_bytes; }

@@ -151,7 +151,7 @@ TEST(planner, bad_requests_are_refused) {
   EXPECT_THROW(validate(r), config_error);
 }
 
-TEST(planner, fastest_fit_is_the_first_policy_that_fits_else_the_thriftiest) {
+TEST(planner, fastest_fit_is_the_first_policy_that_fits_else_the_closest_to_fitting) {
   plan_request r = small_request();
   r.margin = 0;
   r.host_memory = std::size_t{1} << 40;
@@ -179,11 +179,24 @@ TEST(planner, fastest_fit_is_the_first_policy_that_fits_else_the_thriftiest) {
   r.host_memory = 1;
   chosen = fastest_fit(r, cp, S);
   if (chosen.fits) EXPECT_EQ(chosen.host_bytes, 0u) << chosen.policy.str();
-  // Nothing fits: the smallest GPU footprint, marked as not fitting.
+  // Nothing fits: the policy closest to fitting (the smallest larger need over its
+  // budget), marked as not fitting. With GPU memory short and host memory plenty, that
+  // is the smallest GPU footprint...
+  r.host_memory = std::size_t{1} << 40;
   r.gpu_memory = 1;
   chosen = fastest_fit(r, cp, S);
   EXPECT_FALSE(chosen.fits);
   for (const checkpoint_policy& p : all) EXPECT_LE(chosen.gpu_bytes, evaluate(r, cp, S, p).gpu_bytes) << p.str();
+  // ...and with both short, not a policy that only moves the need to the host.
+  r.gpu_memory = first.gpu_bytes / 4;
+  r.host_memory = 1 + first.gpu_bytes / 4;
+  chosen = fastest_fit(r, cp, S);
+  EXPECT_FALSE(chosen.fits);
+  const auto overshoot = [&](const plan_point& p) {
+    return std::max(static_cast<double>(p.gpu_bytes) / static_cast<double>(r.gpu_memory),
+                    static_cast<double>(p.host_bytes) / static_cast<double>(r.host_memory));
+  };
+  for (const checkpoint_policy& p : all) EXPECT_LE(overshoot(chosen), overshoot(evaluate(r, cp, S, p))) << p.str();
 }
 
 }  // namespace
