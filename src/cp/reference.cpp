@@ -2,8 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
-#include <random>
 
+#include "core/random.hpp"
 #include "ops/ops.hpp"
 
 namespace upipe {
@@ -97,13 +97,12 @@ std::vector<double> head_norm_backward(matrix& grad, const norm_rows& saved, con
 }  // namespace
 
 attention_inputs random_attention_inputs(const attention_config& c, unsigned long long seed) {
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> normal(0.0f, 1.0f);
   const std::int64_t S = c.seq_len, D = c.model_dim, hd = std::int64_t{c.heads} * c.head_dim,
                      kd = std::int64_t{c.kv_heads} * c.head_dim;
+  std::uint64_t stream = 0;  // one stream per array, on every core (S x D at 1M tokens is billions)
   auto draw = [&](std::int64_t n, float scale) {
     std::vector<float> v(static_cast<std::size_t>(n));
-    for (auto& e : v) e = normal(rng) * scale;
+    fill_normal(v, seed, ++stream, scale);
     return v;
   };
   attention_inputs in;

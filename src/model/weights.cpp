@@ -1,13 +1,12 @@
 #include "model/weights.hpp"
 
-#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <random>
 #include <set>
-#include <thread>
 
 #include "core/error.hpp"
+#include "core/random.hpp"
 #include "train/safetensors.hpp"
 
 namespace upipe {
@@ -83,32 +82,13 @@ host_weights random_weights(const model_config& config, unsigned long long seed)
 }
 
 host_weights quick_random_weights(const model_config& config, unsigned long long seed) {
-  // splitmix64 of (seed, parameter, element): the same values whatever the thread count.
-  const auto mix = [](std::uint64_t x) {
-    x += 0x9e3779b97f4a7c15ull;
-    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-    return x ^ (x >> 31);
-  };
   const float half_width = std::sqrt(3.0f);  // uniform on [-sqrt 3, sqrt 3] has variance 1
   host_weights weights;
-  std::uint64_t index = 0;
+  std::uint64_t stream = 0;
   for (const parameter_spec& spec : parameter_specs(config)) {
     std::vector<float> v(static_cast<std::size_t>(numel(spec.shape)));
     const bool norm = spec.shape.size() == 1;
-    const float mean = norm ? 1.0f : 0.0f, scale = (norm ? 0.1f : 0.02f) * half_width;
-    const std::uint64_t base = mix(seed ^ mix(++index));
-    const std::size_t workers = std::clamp<std::size_t>(std::thread::hardware_concurrency(), 1, 64);
-    const std::size_t per = (v.size() + workers - 1) / workers;
-    std::vector<std::thread> pool;
-    for (std::size_t w = 0; w < workers && w * per < v.size(); ++w)
-      pool.emplace_back([&, w] {
-        for (std::size_t i = w * per; i < std::min(v.size(), (w + 1) * per); ++i) {
-          const double u = static_cast<double>(mix(base + i) >> 11) * 0x1.0p-53;  // [0, 1)
-          v[i] = mean + scale * static_cast<float>(2.0 * u - 1.0);
-        }
-      });
-    for (auto& t : pool) t.join();
+    fill_uniform(v, seed, ++stream, norm ? 1.0f : 0.0f, (norm ? 0.1f : 0.02f) * half_width);
     weights.emplace(spec.name, std::move(v));
   }
   return weights;
