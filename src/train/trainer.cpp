@@ -302,6 +302,7 @@ step_timing time_steps(const train_options& o, std::int64_t warmup_len, int repe
               out.phases_ms = std::move(by_phase);
             out.seconds.push_back(seconds);
             out.losses.push_back(record.loss);
+            out.grad_norms.push_back(record.grad_norm);
           }
         }
         if (rank != 0) return;

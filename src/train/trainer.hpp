@@ -83,6 +83,7 @@ step_memory measure_step_memory(const train_options& options);
 struct step_timing {
   std::vector<double> seconds;  // per timed step
   std::vector<double> losses;
+  std::vector<double> grad_norms;  // per timed step, before clipping (0 without an optimizer)
   step_memory memory;           // rank 0, over the whole run
   std::size_t driver_peak = 0;  // rank 0's device, bytes the driver reported in use (0: not a GPU)
   std::map<std::string, double> phases_ms;  // with `phases`: rank 0's fastest step by phase

@@ -2,6 +2,7 @@
 // and a stopped-and-resumed run that is bit-identical to an uninterrupted one.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <filesystem>
 
 #include "core/error.hpp"
@@ -165,6 +166,14 @@ TEST(trainer, timed_steps_equal_cp1_and_emulation_measures_rank_0) {
   EXPECT_NE(all.losses[0], 0.0);
   EXPECT_LT(std::abs(all.losses[0] - single.losses[0]) / single.losses[0], 1e-5)
       << all.losses[0] << " vs " << single.losses[0];
+  // The weights are random: over zeros every logit is equal and the loss is log(vocab)
+  // at any C, which would make the comparison above empty. The second step sees the
+  // update, whose gradients the norms check.
+  EXPECT_GT(std::abs(all.losses[0] - std::log(static_cast<double>(o.model.vocab_size))), 1e-4);
+  EXPECT_NE(all.losses[0], all.losses[1]);
+  for (std::size_t i = 0; i < 2; ++i)
+    EXPECT_LT(std::abs(all.grad_norms[i] - single.grad_norms[i]) / single.grad_norms[i], 1e-4)
+        << "step " << i + 1 << ": " << all.grad_norms[i] << " vs " << single.grad_norms[i];
   // Rank 0 alone over loopback holds exactly the memory rank 0 holds among real ranks.
   const step_timing emulated = time_steps(o, 64, 1, true);
   EXPECT_EQ(emulated.memory.peak_bytes, all.memory.peak_bytes);
@@ -204,6 +213,7 @@ TEST(trainer, prefetched_weights_and_overlapped_exchanges_change_nothing_but_mem
       o.step.overlap_comm = true;
       const step_timing fast = time_steps(o, 0, 2, false);
       EXPECT_EQ(plain.losses, fast.losses) << strategy_name(kind) << " " << policy;
+      EXPECT_EQ(plain.grad_norms, fast.grad_norms) << strategy_name(kind) << " " << policy;
       // The next layer's gathered weights are held beside the current one's.
       EXPECT_GT(fast.memory.peak_bytes.at("weights"), plain.memory.peak_bytes.at("weights"));
     }
