@@ -6,7 +6,6 @@
 
 #include <CLI/CLI.hpp>
 
-#include "apps/sizes.hpp"
 #include "comm/communicator.hpp"
 #include "model/transformer.hpp"
 
@@ -14,10 +13,15 @@ namespace upipe::apps {
 
 struct comm_flags {
   std::string kind = "auto";
-  double timeout_s = 600;
+  double timeout_s = comm_options{}.timeout_s;
   bool overlap = false, prefetch = false;
 
-  comm_options options() const { return parse_comm_options(kind, timeout_s); }
+  // Checked here, before anything runs.
+  comm_options options() const {
+    const comm_options o{parse_comm_kind(kind), timeout_s};
+    validate(o);
+    return o;
+  }
   // --overlap-comm and --prefetch-weights into a step's options.
   void apply(step_options& step) const {
     step.overlap_comm = overlap;

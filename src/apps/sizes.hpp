@@ -6,7 +6,6 @@
 #include <utility>
 
 #include "backend/backend.hpp"
-#include "comm/communicator.hpp"
 #include "core/error.hpp"
 #include "model/checkpoint_store.hpp"
 
@@ -56,6 +55,10 @@ inline std::size_t parse_bytes(const std::string& text, const char* flag) {
 // peak is the GPU's; on the GPU a host pool of `host_gib` when given, else 1 GiB unless
 // checkpoints go to the host (then `memory_gib`), since pinned memory is taken at start;
 // pageable (and only reserved) when checkpoints go to pageable host memory.
+inline constexpr const char* host_memory_gib_help =
+    "host pool per rank, GiB: pinned, or pageable with where=host-pageable (0: 1 GiB, or --memory-gib when "
+    "checkpoints go to the host)";
+
 inline memory_limits run_limits(backend_kind kind, double memory_gib, checkpoint_location checkpoints,
                                 double host_gib = 0) {
   if (!(memory_gib > 0))
@@ -70,14 +73,6 @@ inline memory_limits run_limits(backend_kind kind, double memory_gib, checkpoint
                                                        : (small_host ? std::size_t{1} << 30 : bytes(memory_gib))};
   limits.host_pageable = kind == backend_kind::cuda && checkpoints == checkpoint_location::host_pageable;
   return limits;
-}
-
-// --comm and --comm-timeout, checked.
-inline comm_options parse_comm_options(const std::string& kind, double timeout_s) {
-  if (!(timeout_s > 0))
-    throw config_error("--comm-timeout " + std::to_string(timeout_s) +
-                       " must be a positive number of seconds (for example 600)");
-  return {parse_comm_kind(kind), timeout_s};
 }
 
 }  // namespace upipe::apps

@@ -136,6 +136,8 @@ struct comm_options {
   // naming the rank, the collective and the layer.
   double timeout_s = 600;
 };
+// Throws config_error for a timeout that is not a positive number of seconds.
+void validate(const comm_options& options);
 
 // The fp64 sum over the group of one value per rank, identical on every rank: the values
 // travel as raw bytes and every rank adds them in rank order.

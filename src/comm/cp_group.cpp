@@ -34,6 +34,12 @@ comm_kind parse_comm_kind(std::string_view name) {
                      "': use auto, threads (ranks as threads, virtual ranks on one GPU) or nccl (a GPU per rank)");
 }
 
+void validate(const comm_options& options) {
+  if (!(options.timeout_s > 0))
+    throw config_error("--comm-timeout " + std::to_string(options.timeout_s) +
+                       " must be a positive number of seconds (for example 600)");
+}
+
 #ifndef UPIPE_HAVE_CUDA
 int visible_gpus() { return 0; }
 #endif
@@ -67,6 +73,7 @@ bool use_nccl(backend_kind kind, int size, const comm_options& comm, const std::
 std::vector<std::unique_ptr<backend>> run_cp_group(backend_kind kind, const memory_limits& limits, int size,
                                                    const std::function<void(int rank, backend& be, communicator& comm)>& fn,
                                                    bool emulate, const comm_options& comm) {
+  validate(comm);
   std::vector<std::unique_ptr<backend>> backends;
   if (emulate || kind == backend_kind::meta) {
     backends.push_back(make_backend(kind, limits));

@@ -4,10 +4,12 @@
 // events: it starts after the compute work issued before it, and the compute work issued
 // after it waits for it unless it was started in flight (all_to_all_start,
 // all_gather_start) and not yet waited for. The host never waits; a buffer in host memory
-// (a loss being summed) goes through a device staging buffer. After each collective an event is recorded; the rank's watchdog thread checks
-// the oldest unfinished one and, past the timeout, aborts the whole group (every
-// communicator of this process; the other processes' watchdogs see the same hang),
-// naming the rank, the collective, its label and the layer.
+// (a loss being summed) goes through a device staging buffer. Events mark where each
+// collective can start (the compute it waits for is done) and where it ends; the rank's
+// watchdog thread times the oldest unfinished one from its start, so that a collective
+// queued behind minutes of attention is not taken for a hang, and past the timeout aborts
+// the whole group (every communicator of this process; the other processes' watchdogs see
+// the same hang), naming the rank, the collective, its label and the layer.
 #ifdef UPIPE_HAVE_CUDA
 
 #include "comm/nccl.hpp"
@@ -23,6 +25,7 @@
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 
@@ -127,17 +130,18 @@ class watchdog {
   watchdog(const watchdog&) = delete;
   watchdog& operator=(const watchdog&) = delete;
 
-  // `done` was recorded after the collective; the watchdog keeps it until it completes.
-  void watch(std::shared_ptr<const completion> done, std::string what) {
+  // `started` was recorded before the collective and `done` after it; the watchdog keeps
+  // them until it completes.
+  void watch(std::shared_ptr<const completion> started, std::shared_ptr<const completion> done, std::string what) {
     std::lock_guard lock(mutex_);
-    pending_.push_back({std::move(done), std::move(what), clock_type::now()});
+    pending_.push_back({std::move(started), std::move(done), std::move(what), std::nullopt});
   }
 
  private:
   struct pending {
-    std::shared_ptr<const completion> done;
+    std::shared_ptr<const completion> started, done;
     std::string what;
-    clock_type::time_point issued;
+    std::optional<clock_type::time_point> running_since;  // when `started` was first seen complete
   };
 
   void loop() {
@@ -150,8 +154,11 @@ class watchdog {
         pending_.pop_front();
       }
       if (pending_.empty() || group_.aborted()) continue;
-      const pending& oldest = pending_.front();
-      if (clock_type::now() - oldest.issued < timeout_) continue;
+      pending& oldest = pending_.front();
+      // Not yet startable (its inputs are still being computed): nothing to time.
+      if (cudaEventQuery(oldest.started->event) == cudaErrorNotReady) continue;
+      if (!oldest.running_since) oldest.running_since = clock_type::now();
+      if (clock_type::now() - *oldest.running_since < timeout_) continue;
       const std::string reason = oldest.what + " did not complete within " +
                                  std::to_string(static_cast<long long>(timeout_.count())) +
                                  " s (a rank failed, stopped or called another collective); raise --comm-timeout "
@@ -231,7 +238,8 @@ class nccl_communicator final : public communicator {
     const std::size_t bytes = count * sizeof(float);
     staged(data, bytes, data, bytes, [&](const void* in, void* out) {
       run(collective::all_reduce, label, [&] {
-        check_nccl(ncclAllReduce(in, out, count, ncclFloat32, ncclSum, comm_, comm_stream_), collective::all_reduce, label);
+        check_nccl(ncclAllReduce(in, out, count, ncclFloat32, ncclSum, comm_, comm_stream_), collective::all_reduce,
+                   label);
       });
     });
     counters_.add(collective::all_reduce, bytes, label);
@@ -263,8 +271,10 @@ class nccl_communicator final : public communicator {
     if (recv_bytes > 0) check_peer(src, "source");
     run(collective::send, label, [&] {
       check_nccl(ncclGroupStart(), collective::send, label);
-      if (send_bytes > 0) check_nccl(ncclSend(send, send_bytes, ncclUint8, dst, comm_, comm_stream_), collective::send, label);
-      if (recv_bytes > 0) check_nccl(ncclRecv(recv, recv_bytes, ncclUint8, src, comm_, comm_stream_), collective::recv, label);
+      if (send_bytes > 0)
+        check_nccl(ncclSend(send, send_bytes, ncclUint8, dst, comm_, comm_stream_), collective::send, label);
+      if (recv_bytes > 0)
+        check_nccl(ncclRecv(recv, recv_bytes, ncclUint8, src, comm_, comm_stream_), collective::recv, label);
       check_nccl(ncclGroupEnd(), collective::send, label);
     });
     if (send_bytes > 0) counters_.add(collective::send, send_bytes, label);
@@ -313,10 +323,12 @@ class nccl_communicator final : public communicator {
     check_cuda(cudaSetDevice(be_.device_index()), "cudaSetDevice");
     check_cuda(cudaEventRecord(inputs_ready_, stream_), "cudaEventRecord");
     check_cuda(cudaStreamWaitEvent(comm_stream_, inputs_ready_, 0), "cudaStreamWaitEvent");
+    // The watchdog's clock starts here, not at issue: the host runs ahead of the GPU.
+    auto started = std::make_shared<const completion>(comm_stream_);
     body();
     // One event marks the collective's end, for the watchdog and for the compute stream.
     auto done = std::make_shared<const completion>(comm_stream_);
-    dog_.watch(done, place(rank_, c, label));
+    dog_.watch(std::move(started), done, place(rank_, c, label));
     return comm_request([this, done] {
       check_cuda(cudaStreamWaitEvent(stream_, done->event, 0), "cudaStreamWaitEvent");
     });
@@ -441,12 +453,6 @@ class mpi_plugin {
   }
 };
 
-void check_timeout(double timeout_s) {
-  if (!(timeout_s > 0))
-    throw config_error("--comm-timeout " + std::to_string(timeout_s) + " must be a positive number of seconds, "
-                       "for example 600");
-}
-
 }  // namespace
 
 int visible_gpus() {
@@ -460,7 +466,6 @@ int visible_gpus() {
 
 std::vector<std::unique_ptr<backend>> run_nccl_threads(const memory_limits& limits, int size, const rank_fn& fn,
                                                        double timeout_s) {
-  check_timeout(timeout_s);
   const int gpus = visible_gpus();
   if (gpus < size)
     throw config_error("--comm nccl with " + std::to_string(size) + " ranks needs a GPU per rank but " +
@@ -482,9 +487,15 @@ std::vector<std::unique_ptr<backend>> run_nccl_threads(const memory_limits& limi
   std::vector<std::exception_ptr> failures(static_cast<std::size_t>(size));
   {
     std::vector<std::thread> threads;
-    for (int r = 0; r < size; ++r)
-      threads.emplace_back(run_rank, r, std::ref(*backends[r]), comms[r], size, std::ref(group), timeout_s,
-                           std::cref(fn), std::ref(failures[r]));
+    try {
+      for (int r = 0; r < size; ++r)
+        threads.emplace_back(run_rank, r, std::ref(*backends[r]), comms[r], size, std::ref(group), timeout_s,
+                             std::cref(fn), std::ref(failures[r]));
+    } catch (const std::exception& e) {
+      // A thread that could not start must not leave the started ones waiting for it.
+      failures[threads.size()] = std::current_exception();
+      group.abort("the thread of rank " + std::to_string(threads.size()) + " could not start: " + e.what());
+    }
     for (auto& t : threads) t.join();
   }
   group.destroy_all();
@@ -497,7 +508,6 @@ std::vector<std::unique_ptr<backend>> run_nccl_threads(const memory_limits& limi
 
 std::vector<std::unique_ptr<backend>> run_nccl_process(const memory_limits& limits, const launch_env& env,
                                                        const rank_fn& fn, double timeout_s) {
-  check_timeout(timeout_s);
   const int gpus = visible_gpus();
   if (env.local_rank >= gpus)
     throw config_error("rank " + std::to_string(env.rank) + " (started by " + env.launcher + ") has local rank " +
@@ -505,28 +515,38 @@ std::vector<std::unique_ptr<backend>> run_nccl_process(const memory_limits& limi
                        " GPU(s): start at most one process per GPU on each node");
   std::vector<std::unique_ptr<backend>> backends;
   backends.push_back(make_cuda_backend(limits, env.local_rank));
-  const mpi_plugin& mpi = mpi_plugin::load(env);
-  int mpi_rank = 0, mpi_size = 1;
-  if (mpi.init(&mpi_rank, &mpi_size) != 0) throw std::runtime_error("MPI_Init failed (" + env.launcher + ")");
-  if (mpi_rank != env.rank || mpi_size != env.size)
-    throw config_error("MPI says rank " + std::to_string(mpi_rank) + " of " + std::to_string(mpi_size) + " but " +
-                       env.launcher + "'s environment says " + std::to_string(env.rank) + " of " +
-                       std::to_string(env.size) + ": start upipe with the launcher of the MPI it was built with");
-  ncclUniqueId id{};
-  if (env.rank == 0) {
-    const ncclResult_t got_id = ncclGetUniqueId(&id);
-    if (got_id != ncclSuccess) {
-      std::fprintf(stderr, "upipe: error: ncclGetUniqueId failed: %s\n", nccl_message(got_id, nullptr).c_str());
-      mpi.abort(1);
-    }
-  }
-  if (mpi.broadcast(&id, sizeof(id)) != 0) throw std::runtime_error("MPI_Bcast of the NCCL id failed");
-  check_cuda(cudaSetDevice(env.local_rank), "cudaSetDevice");
+  // One process needs no MPI: its NCCL id stays here.
+  const mpi_plugin* mpi = env.size > 1 ? &mpi_plugin::load(env) : nullptr;
   ncclComm_t comm = nullptr;
-  const ncclResult_t status = ncclCommInitRank(&comm, env.size, id, env.rank);
-  if (status != ncclSuccess)
-    throw std::runtime_error("rank " + std::to_string(env.rank) + ": ncclCommInitRank over " +
-                             std::to_string(env.size) + " processes failed: " + nccl_message(status, nullptr));
+  try {
+    int mpi_rank = 0, mpi_size = 1;
+    if (mpi != nullptr && mpi->init(&mpi_rank, &mpi_size) != 0)
+      throw std::runtime_error("MPI_Init failed (" + env.launcher + ")");
+    if (mpi_rank != env.rank || mpi_size != env.size)
+      throw config_error("MPI says rank " + std::to_string(mpi_rank) + " of " + std::to_string(mpi_size) + " but " +
+                         env.launcher + "'s environment says " + std::to_string(env.rank) + " of " +
+                         std::to_string(env.size) + ": start upipe with the launcher of the MPI it was built with");
+    ncclUniqueId id{};
+    if (env.rank == 0) {
+      const ncclResult_t got_id = ncclGetUniqueId(&id);
+      if (got_id != ncclSuccess)
+        throw std::runtime_error("ncclGetUniqueId failed: " + nccl_message(got_id, nullptr));
+    }
+    if (mpi != nullptr && mpi->broadcast(&id, sizeof(id)) != 0)
+      throw std::runtime_error("MPI_Bcast of the NCCL id failed");
+    check_cuda(cudaSetDevice(env.local_rank), "cudaSetDevice");
+    const ncclResult_t status = ncclCommInitRank(&comm, env.size, id, env.rank);
+    if (status != ncclSuccess)
+      throw std::runtime_error("rank " + std::to_string(env.rank) + ": ncclCommInitRank over " +
+                               std::to_string(env.size) + " processes failed: " + nccl_message(status, nullptr));
+  } catch (const std::exception& e) {
+    // The other processes wait in MPI or in NCCL's setup for this one: end the job.
+    if (mpi != nullptr) {
+      std::fprintf(stderr, "upipe: error: rank %d: %s; aborting the job\n", env.rank, e.what());
+      mpi->abort(1);
+    }
+    throw;
+  }
   nccl_group group;
   group.add(comm);
   std::exception_ptr failure;
@@ -541,7 +561,7 @@ std::vector<std::unique_ptr<backend>> run_nccl_process(const memory_limits& limi
     } catch (...) {
       std::fprintf(stderr, "upipe: error: rank %d failed; aborting the job\n", env.rank);
     }
-    mpi.abort(1);
+    mpi->abort(1);
   }
   if (failure) std::rethrow_exception(failure);
   return backends;

@@ -1,6 +1,6 @@
 // The NCCL communicator: one GPU per rank, collectives on a stream of their own joined to
 // the rank's compute stream by events (no host wait), and a watchdog per rank that aborts
-// the group when a collective has not finished within the timeout. Built only with the
+// the group when a collective has not finished within the timeout of its start. Built only with the
 // CUDA backend.
 #pragma once
 

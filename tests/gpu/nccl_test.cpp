@@ -1,7 +1,8 @@
 // The NCCL communicator on the GPUs this machine has (one is enough for a single-rank
 // group; every GPU is one rank): each collective against what it must deliver, host
-// buffers included; a training step over NCCL against the same step on one rank; and
-// the watchdog, which aborts a group whose collective does not finish in time.
+// buffers included; every strategy, a model's gradients and training steps over NCCL
+// against one rank; and the watchdog, which aborts a group whose collective does not
+// finish in time once it can start (two GPUs), and leaves one waiting for compute alone.
 #include <gtest/gtest.h>
 
 #include <cuda_runtime_api.h>
@@ -180,33 +181,60 @@ TEST(gpu_nccl, training_steps_over_nccl_equal_the_steps_on_one_rank) {
     if (nccl.losses.empty()) continue;  // a rank other than 0 under a launcher keeps no results
     ASSERT_EQ(nccl.losses.size(), 3u);
     for (std::size_t i = 0; i < 3; ++i) {
-      std::printf("nccl C=%d %s overlap=%d step %zu: loss %.6f, one rank %.6f\n", cp,
-                  std::string(strategy_name(kind)).c_str(), overlap, i + 1, nccl.losses[i], single.losses[i]);
+      std::printf("nccl C=%d %s overlap=%d step %zu: loss %.6f, one rank %.6f; |g| %.6f, one rank %.6f\n", cp,
+                  std::string(strategy_name(kind)).c_str(), overlap, i + 1, nccl.losses[i], single.losses[i],
+                  nccl.grad_norms[i], single.grad_norms[i]);
       EXPECT_LT(std::abs(nccl.losses[i] - single.losses[i]) / single.losses[i], 1e-2)
+          << strategy_name(kind) << " C=" << cp << " overlap=" << overlap << " step " << i + 1;
+      // AdamW's step hardly depends on the gradients' scale, so the losses alone would miss
+      // a reduction off by a factor (a sum for a mean, a rank left out): the norm does not.
+      EXPECT_LT(std::abs(nccl.grad_norms[i] - single.grad_norms[i]) / single.grad_norms[i], 2e-2)
           << strategy_name(kind) << " C=" << cp << " overlap=" << overlap << " step " << i + 1;
     }
   }
 }
 
-TEST(gpu_nccl, a_collective_stuck_past_the_timeout_aborts_the_group_and_names_it) {
+// The watchdog times a collective from when it can start: one queued behind compute that
+// outlasts the timeout (a layer at millions of tokens) is not a hang.
+TEST(gpu_nccl, watchdog_does_not_time_a_collective_waiting_for_compute) {
   if (gpus() < 1) GTEST_SKIP() << "no GPU";
+  const memory_limits limits{std::size_t{64} << 20, std::size_t{16} << 20};
+  std::vector<float> got(16);
+  run_cp_group(
+      backend_kind::cuda, limits, 1,
+      [&](int, backend& be, communicator& comm) {
+        tensor x = be.allocate(mem_tag::comm, dtype::f32, {16}, "x");
+        const std::vector<float> ones(16, 1.0f);
+        be.upload_f32(x, ones.data());
+        // The compute stream sleeps for 4 s before the collective can start: past the 1 s timeout.
+        auto* stream = static_cast<cudaStream_t>(be.native_stream());
+        ASSERT_EQ(cudaLaunchHostFunc(
+                      stream, [](void*) { std::this_thread::sleep_for(std::chrono::seconds(4)); }, nullptr),
+                  cudaSuccess);
+        comm.all_reduce_sum(x.as<float>(), 16, "behind_compute");
+        be.download_f32(got.data(), x);
+      },
+      false, {comm_kind::nccl, 1.0});
+  EXPECT_EQ(got, std::vector<float>(16, 1.0f));
+}
+
+// A collective that a rank never joins aborts the group past the timeout, with a message
+// naming the rank, the collective, its label and the layer; no rank is left waiting.
+TEST(gpu_nccl, watchdog_aborts_a_collective_a_rank_never_joins_and_names_it) {
+  if (gpus() < 2) GTEST_SKIP() << "needs two GPUs: a group of one cannot wait for a peer";
+  if (launcher_environment()) GTEST_SKIP() << "needs every rank in this process";
   const memory_limits limits{std::size_t{64} << 20, std::size_t{16} << 20};
   std::string message;
   try {
     run_cp_group(
-        backend_kind::cuda, limits, 1,
-        [&](int, backend& be, communicator& comm) {
+        backend_kind::cuda, limits, 2,
+        [&](int rank, backend& be, communicator& comm) {
+          if (rank == 1) return;  // never joins
           tensor x = be.allocate(mem_tag::comm, dtype::f32, {16}, "x");
-          // The stream sleeps for 4 s before the collective can start: past the 1 s timeout.
-          auto* stream = static_cast<cudaStream_t>(be.native_stream());
-          ASSERT_EQ(cudaLaunchHostFunc(
-                        stream, [](void*) { std::this_thread::sleep_for(std::chrono::seconds(4)); }, nullptr),
-                    cudaSuccess);
           set_current_layer(7);
           comm.all_reduce_sum(x.as<float>(), 16, "stuck_grads");
           set_current_layer(-1);
-          std::this_thread::sleep_for(std::chrono::milliseconds(1500));
-          comm.all_reduce_sum(x.as<float>(), 16, "next");
+          comm.barrier();  // waits on the host, until the watchdog aborts the group
         },
         false, {comm_kind::nccl, 1.0});
   } catch (const comm_aborted& e) {
