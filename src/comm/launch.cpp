@@ -21,7 +21,8 @@ struct launcher_vars {
 constexpr launcher_vars known_launchers[] = {
     {"mpirun (Open MPI)", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"},
     {"mpirun (MPICH/Hydra)", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"},
-    {"srun", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"},
+    // srun's own: a batch script also sees SLURM_PROCID=0 and SLURM_NTASKS, but not this size.
+    {"srun", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_LOCALID"},
 };
 
 int parse_count(const env_reader& getenv_fn, const char* var, const char* launcher, int fallback) {

@@ -161,7 +161,7 @@ TEST(train_cli, launcher_processes_are_refused_on_the_cpu_and_ranks_above_zero_a
   EXPECT_EQ(several.exit_code, 2) << several.output;
   EXPECT_NE(several.output.find("mpirun (Open MPI) started 2 processes"), std::string::npos) << several.output;
   const run_result quiet =
-      run_upipe_env("SLURM_PROCID=1 SLURM_NTASKS=2", "model-config --model tiny-llama");
+      run_upipe_env("SLURM_PROCID=1 SLURM_STEP_NUM_TASKS=2", "model-config --model tiny-llama");
   EXPECT_EQ(quiet.exit_code, 0) << quiet.output;
   EXPECT_EQ(quiet.output, "");
   const run_result bad = run_upipe_env("PMI_RANK=two PMI_SIZE=2", "model-config --model tiny-llama");

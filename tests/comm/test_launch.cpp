@@ -31,12 +31,15 @@ TEST(launch, reads_open_mpi_mpich_and_slurm) {
   ASSERT_TRUE(hydra.has_value());
   EXPECT_EQ(hydra->size, 1);
   EXPECT_EQ(hydra->local_rank, 0);  // no local rank given: the rank itself
-  auto slurm = launcher_environment(from({{"SLURM_PROCID", "5"}, {"SLURM_NTASKS", "16"}, {"SLURM_LOCALID", "5"}}));
+  auto slurm =
+      launcher_environment(from({{"SLURM_PROCID", "5"}, {"SLURM_STEP_NUM_TASKS", "16"}, {"SLURM_LOCALID", "5"}}));
   ASSERT_TRUE(slurm.has_value());
   EXPECT_EQ(slurm->launcher, "srun");
   EXPECT_EQ(slurm->rank, 5);
   // A Slurm allocation without srun sets no SLURM_PROCID: one process.
   EXPECT_FALSE(launcher_environment(from({{"SLURM_NTASKS", "16"}})).has_value());
+  // Nor is the batch script itself a rank, though it sees SLURM_PROCID=0 and the job's SLURM_NTASKS.
+  EXPECT_FALSE(launcher_environment(from({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "16"}})).has_value());
 }
 
 TEST(launch, bad_values_name_the_variable) {
@@ -47,10 +50,10 @@ TEST(launch, bad_values_name_the_variable) {
     EXPECT_NE(std::string(e.what()).find("OMPI_COMM_WORLD_RANK='x1'"), std::string::npos) << e.what();
   }
   try {
-    launcher_environment(from({{"SLURM_PROCID", "4"}, {"SLURM_NTASKS", "4"}}));
+    launcher_environment(from({{"SLURM_PROCID", "4"}, {"SLURM_STEP_NUM_TASKS", "4"}}));
     FAIL() << "expected config_error";
   } catch (const config_error& e) {
-    EXPECT_NE(std::string(e.what()).find("SLURM_PROCID=4 is not below SLURM_NTASKS=4"), std::string::npos)
+    EXPECT_NE(std::string(e.what()).find("SLURM_PROCID=4 is not below SLURM_STEP_NUM_TASKS=4"), std::string::npos)
         << e.what();
   }
 }
