@@ -270,8 +270,7 @@ command_runner add_bench(CLI::App& app) {
   app.add_flag("--no-check", f->no_check, "skip the correctness check after timing");
   app.add_flag("--phases", f->phases, "also time each phase of the fastest step (attention parts, MLP, loss)");
   app.add_option("--memory-gib", f->memory_gib, "arena per rank, GiB")->capture_default_str();
-  app.add_option("--host-memory-gib", f->host_memory_gib,
-                 "pinned host pool per rank, GiB (0: 1 GiB, or --memory-gib when checkpoints go to the host)");
+  app.add_option("--host-memory-gib", f->host_memory_gib, host_memory_gib_help);
   app.add_option("--peak-tflops", f->peak_tflops, "the card's measured bf16 GEMM peak, for MFU")->capture_default_str();
   app.add_option("--seed", f->seed, "seed of the weights and tokens")->capture_default_str();
   app.add_option("--json", f->json_path, "write one object per configuration");

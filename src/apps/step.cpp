@@ -114,8 +114,7 @@ command_runner add_step(CLI::App& app) {
   app.add_option("--loss-chunk", f->loss_chunk, "tokens per cross-entropy chunk (0: 256 MiB of logits)");
   app.add_option("--seed", f->seed, "seed of random weights and tokens")->capture_default_str();
   app.add_option("--memory-gib", f->memory_gib, "arena per rank (cpu or GPU memory), GiB")->capture_default_str();
-  app.add_option("--host-memory-gib", f->host_memory_gib,
-                 "pinned host pool per rank, GiB (0: 1 GiB, or --memory-gib when checkpoints go to the host)");
+  app.add_option("--host-memory-gib", f->host_memory_gib, host_memory_gib_help);
   app.add_option("--json", f->json_path, "write the result as JSON");
   app.add_option("--save-grads", f->grads_path, "write the weight gradients as safetensors");
   return [f] { return run(*f); };

@@ -220,8 +220,7 @@ command_runner add_train(CLI::App& app) {
   app.add_option("--backend", f->backend, "cpu, cuda (bf16, virtual ranks on one GPU) or meta")->capture_default_str();
   add_comm_flags(app, f->comm, true);
   app.add_option("--memory-gib", f->memory_gib, "arena per rank (cpu or GPU memory), GiB")->capture_default_str();
-  app.add_option("--host-memory-gib", f->host_memory_gib,
-                 "pinned host pool per rank, GiB (0: 1 GiB, or --memory-gib when checkpoints go to the host)");
+  app.add_option("--host-memory-gib", f->host_memory_gib, host_memory_gib_help);
   app.add_option("--eval-samples", f->eval_samples, "held-out passkey samples for the retrieval accuracy")->capture_default_str();
   app.add_option("--metrics-json", f->metrics_path, "one JSON object per step, then a final one");
   return [f] { return run(*f); };

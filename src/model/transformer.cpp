@@ -236,7 +236,7 @@ void transformer::mlp_backward(const layer_params& p, const layer_params& g, con
 }
 
 void transformer::layer_backward(int layer, const layer_params& p, const layer_params& g, const tensor& x,
-                                 const tensor& d, int prefetch_layer) {
+                                 const tensor& d, int checkpoint_ahead) {
   const std::int64_t D = model_.hidden_size;
   const float eps = static_cast<float>(model_.rms_norm_eps);
   tensor h = be_.allocate(mem_tag::activations, be_.work_dtype(), {tokens_, D}, "attn_norm_out");
@@ -260,7 +260,7 @@ void transformer::layer_backward(int layer, const layer_params& p, const layer_p
   attention_.backward(ctx, h.matrix(), p.attention, std::move(d_y), d_h.matrix(), as_grads(g.attention));
   ctx = {};
   // Past the layer's peak (the attention backward), so the early copy costs no memory at it.
-  if (prefetch_layer > 0) store_.prefetch(prefetch_layer, checkpoint_store::item::input, mem_tag::activations);
+  if (checkpoint_ahead > 0) store_.prefetch(checkpoint_ahead, checkpoint_store::item::input, mem_tag::activations);
   ops::rmsnorm_backward(be_, {x.matrix(), p.input_norm, rstd.matrix(), d_h.matrix(), d_h.matrix(), g.input_norm});
   ops::add_heads(be_, ops::as_heads(d.matrix()), ops::as_heads(d_h.matrix()));
 }

@@ -71,8 +71,9 @@ class transformer {
   tensor layer_forward(const layer_params& p, const tensor& x, mem_tag out_tag, attention_layer::context* keep);
   void mlp_forward(const layer_params& p, const tensor& x);
   void mlp_backward(const layer_params& p, const layer_params& g, const tensor& x, const tensor& d);
+  // checkpoint_ahead > 0: prefetch that layer's input checkpoint once past the peak.
   void layer_backward(int layer, const layer_params& p, const layer_params& g, const tensor& x, const tensor& d,
-                      int prefetch_layer = 0);
+                      int checkpoint_ahead = 0);
   double loss_forward_backward(parameter_store& params, const tensor& x, const tensor& labels, double grad_scale,
                                const tensor& d_x);
   tensor embed(parameter_store& params, const tensor& ids);
@@ -85,8 +86,8 @@ class transformer {
   backend& be_;
   attention_layer attention_;
   checkpoint_store store_;
-  std::int64_t tokens_;
-  bool prefetch_weights_ = false;  // s
+  std::int64_t tokens_;  // s
+  bool prefetch_weights_ = false;
   std::int64_t mlp_tile_, loss_chunk_;
   tensor final_hidden_;  // (s, D): the last layer's output, input of the loss
 };

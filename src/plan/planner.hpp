@@ -83,8 +83,8 @@ plan_result make_plan(const plan_request& request);
 
 // The fastest of the request's policies (request.policy, else candidate_policies())
 // whose step at `seq_len` fits the request's budgets; when none does, the one closest to
-// fitting, whose larger need (GPU or host) over its budget is smallest (its `fits` is false). What `plan --seq-len` reports and what
-// `train --checkpoint-policy auto` trains with.
+// fitting, whose larger need (GPU or host) over its budget is smallest (its `fits` is
+// false). What `plan --seq-len` reports and `--checkpoint-policy auto` runs with.
 plan_point fastest_fit(const plan_request& request, const cp_settings& cp, std::int64_t seq_len);
 
 // What the planner adds to a step's arena on a GPU: the CUDA context and the libraries'
