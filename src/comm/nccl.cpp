@@ -425,6 +425,16 @@ class mpi_plugin {
     return plugin;
   }
 
+  // The plugin when it can be loaded, else null: a job of one process needs no id exchange,
+  // but under a launcher it still goes through MPI where MPI is there, as a larger job would.
+  static const mpi_plugin* load_if_present(const launch_env& env) {
+    try {
+      return &load(env);
+    } catch (const config_error&) {
+      return nullptr;
+    }
+  }
+
  private:
   static std::string beside_binary(const char* name) {
     char path[4096];
@@ -515,8 +525,8 @@ std::vector<std::unique_ptr<backend>> run_nccl_process(const memory_limits& limi
                        " GPU(s): start at most one process per GPU on each node");
   std::vector<std::unique_ptr<backend>> backends;
   backends.push_back(make_cuda_backend(limits, env.local_rank));
-  // One process needs no MPI: its NCCL id stays here.
-  const mpi_plugin* mpi = env.size > 1 ? &mpi_plugin::load(env) : nullptr;
+  // One process needs no MPI (its NCCL id stays here) but uses it where it is installed.
+  const mpi_plugin* mpi = env.size > 1 ? &mpi_plugin::load(env) : mpi_plugin::load_if_present(env);
   ncclComm_t comm = nullptr;
   try {
     int mpi_rank = 0, mpi_size = 1;

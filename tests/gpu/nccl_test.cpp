@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <cuda_runtime_api.h>
+#include <dlfcn.h>
 
 #include <chrono>
 #include <cstdio>
@@ -93,6 +94,27 @@ TEST(gpu_nccl, collectives_deliver_what_they_promise) {
         },
         false, {comm_kind::nccl, 60});
   }
+}
+
+// Under mpirun or srun the NCCL id travels through MPI, a job of one process included
+// (`mpirun -np 1`), wherever the MPI plugin was built beside the binary.
+TEST(gpu_nccl, launched_jobs_bootstrap_through_mpi) {
+  const auto env = launcher_environment();
+  if (!env || gpus() < 1) GTEST_SKIP() << "needs a launcher (mpirun or srun) and a GPU";
+  run_cp_group(
+      backend_kind::cuda, {std::size_t{64} << 20, std::size_t{16} << 20}, env->size,
+      [&](int rank, backend&, communicator& comm) {
+        EXPECT_DOUBLE_EQ(sum_over_ranks(comm, 1.0, "ranks"), env->size);
+        EXPECT_EQ(rank, env->rank);
+      },
+      false, {comm_kind::nccl, 60});
+  // The plugin is loaded with its symbols global: MPI's own answer says whether it ran.
+  using query = int (*)(int*);
+  const auto initialized = reinterpret_cast<query>(dlsym(RTLD_DEFAULT, "MPI_Initialized"));
+  ASSERT_NE(initialized, nullptr) << "libupipe_mpi.so was not loaded: build it (scripts/gpu-check build)";
+  int flag = 0;
+  ASSERT_EQ(initialized(&flag), 0);
+  EXPECT_EQ(flag, 1);
 }
 
 // Every strategy's attention layer, forward and backward, with a GPU per rank over NCCL
