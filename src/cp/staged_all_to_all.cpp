@@ -88,7 +88,9 @@ tensor staged_all_to_all::project_to_send(const mat_view& x, const mat_view& wei
 }
 
 // All-to-all of equal chunks; the send buffer is freed as soon as the exchange is done.
+// With one rank the exchange is the identity: the send buffer is the result, uncopied.
 tensor staged_all_to_all::exchange(tensor& send, const char* label) {
+  if (config_.cp == 1) return std::move(send);
   const phase_scope phase(be_, "attn_a2a");
   tensor recv = be_.allocate(mem_tag::attention, send.type(), send.dims(), label);
   comm_.all_to_all(send.data(), recv.data(), send.bytes() / config_.cp, label);
