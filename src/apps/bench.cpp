@@ -262,8 +262,8 @@ command_runner add_bench(CLI::App& app) {
       ->capture_default_str();
   app.add_option("--checkpoint-policy", f->policy,
                  std::string(checkpoint_policy_help()) + " (default what=input,every=1,where=device)");
-  app.add_option("--mlp-tile", f->mlp_tile, "tokens per MLP tile (0: D)");
-  app.add_option("--loss-chunk", f->loss_chunk, "tokens per cross-entropy chunk (0: 256 MiB of logits)");
+  app.add_option("--mlp-tile", f->mlp_tile, mlp_tile_help);
+  app.add_option("--loss-chunk", f->loss_chunk, loss_chunk_help);
   app.add_option("--repeats", f->repeats, "timed steps per configuration (the fastest is reported)")->capture_default_str();
   app.add_option("--single-pass-from", f->single_pass_from, "one timed step from this length on")->capture_default_str();
   app.add_option("--warmup-seq-len", f->warmup_len, "length of the warm-up step (default 256 layout units)");

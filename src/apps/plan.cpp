@@ -196,8 +196,8 @@ command_runner add_plan(CLI::App& app) {
   app.add_option("--layers", f->layers, "plan a slice: the first N layers only");
   app.add_option("--checkpoint-policy", f->policy,
                  "plan only this policy (what=input|input+attention,every=K,where=device|host-pinned|host-pageable)");
-  app.add_option("--mlp-tile", f->mlp_tile, "tokens per MLP tile (0: D)");
-  app.add_option("--loss-chunk", f->loss_chunk, "tokens per cross-entropy chunk (0: 256 MiB of logits)");
+  app.add_option("--mlp-tile", f->mlp_tile, mlp_tile_help);
+  app.add_option("--loss-chunk", f->loss_chunk, loss_chunk_help);
   app.add_option("--json", f->json_path, "write the plan as JSON");
   return [f] { return run(*f); };
 }

@@ -16,8 +16,14 @@ inline bool is_auto_policy(const std::string& text) { return text == "auto"; }
 
 // auto: sets o.step.policy and o.limits to the planner's fastest policy whose step fits a
 // GPU arena of memory_gib per rank (beside the GPU context the planner adds) and the pinned
-// host pool, 2% kept free; o.cp, o.zero, o.model, o.seq_len and o.step's tiles must be set.
+// host pool, 2% kept free; o.cp, o.zero, o.model and o.seq_len must be set, and o.step's tile
+// and chunk are sized here where they are 0.
 inline plan_point choose_checkpoint_policy(train_options& o, double memory_gib, double host_memory_gib) {
+  // As on the GPU whatever the backend, so that meta predicts the GPU's choice; the tiles
+  // are sized for the run's arena here, so that the planned step is the step that runs.
+  const std::size_t arena =
+      run_limits(backend_kind::cuda, memory_gib, checkpoint_location::device, host_memory_gib).device_bytes;
+  o.step = with_default_sizes(o.step, o.model, arena);
   plan_request r;
   r.model = o.model;
   r.gpus = o.cp.cp;
@@ -25,9 +31,7 @@ inline plan_point choose_checkpoint_policy(train_options& o, double memory_gib, 
   r.mlp_tile = o.step.mlp_tile;
   r.loss_chunk = o.step.loss_chunk;
   r.margin = 0.02;
-  // As on the GPU whatever the backend, so that meta predicts the GPU's choice.
-  r.gpu_memory = run_limits(backend_kind::cuda, memory_gib, checkpoint_location::device, host_memory_gib).device_bytes +
-                 gpu_context_bytes();
+  r.gpu_memory = arena + gpu_context_bytes();
   const memory_limits host =
       run_limits(backend_kind::cuda, memory_gib, checkpoint_location::host_pinned, host_memory_gib);
   r.host_memory = host.host_bytes * static_cast<std::size_t>(r.gpus);

@@ -55,6 +55,11 @@ inline std::size_t parse_bytes(const std::string& text, const char* flag) {
 // peak is the GPU's; on the GPU a host pool of `host_gib` when given, else 1 GiB unless
 // checkpoints go to the host (then `memory_gib`), since pinned memory is taken at start;
 // pageable (and only reserved) when checkpoints go to pageable host memory.
+inline constexpr const char* mlp_tile_help =
+    "tokens per MLP/RMSNorm tile (0: up to 8192, its buffers at most 1/64 of the GPU memory)";
+inline constexpr const char* loss_chunk_help =
+    "tokens per cross-entropy chunk (0: f32 logits of up to 2 GiB, at most 1/64 of the GPU memory)";
+
 inline constexpr const char* host_memory_gib_help =
     "host pool per rank, GiB: pinned, or pageable with where=host-pageable (0: 1 GiB, or --memory-gib when "
     "checkpoints go to the host)";

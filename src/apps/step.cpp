@@ -110,8 +110,8 @@ command_runner add_step(CLI::App& app) {
   app.add_option("--cp", f->cp, "ranks in the CP group")->capture_default_str();
   app.add_option("--head-chunk", f->head_chunk, "U for upipe (0: C)");
   app.add_option("--checkpoint-policy", f->policy, "what=input|input+attention,every=K,where=device|host-pinned|host-pageable");
-  app.add_option("--mlp-tile", f->mlp_tile, "tokens per MLP tile (0: D)");
-  app.add_option("--loss-chunk", f->loss_chunk, "tokens per cross-entropy chunk (0: 256 MiB of logits)");
+  app.add_option("--mlp-tile", f->mlp_tile, mlp_tile_help);
+  app.add_option("--loss-chunk", f->loss_chunk, loss_chunk_help);
   app.add_option("--seed", f->seed, "seed of random weights and tokens")->capture_default_str();
   app.add_option("--memory-gib", f->memory_gib, "arena per rank (cpu or GPU memory), GiB")->capture_default_str();
   app.add_option("--host-memory-gib", f->host_memory_gib, host_memory_gib_help);

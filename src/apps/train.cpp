@@ -214,8 +214,8 @@ command_runner add_train(CLI::App& app) {
   app.add_option("--resume", f->resume_dir, "continue from this checkpoint");
   app.add_option("--zero", f->zero, "2: shard optimizer state and gradients; 3: shard weights too")->capture_default_str();
   app.add_option("--checkpoint-policy", f->policy, checkpoint_policy_help())->capture_default_str();
-  app.add_option("--mlp-tile", f->mlp_tile, "tokens per MLP tile (0: D)");
-  app.add_option("--loss-chunk", f->loss_chunk, "tokens per cross-entropy chunk (0: 256 MiB of logits)");
+  app.add_option("--mlp-tile", f->mlp_tile, mlp_tile_help);
+  app.add_option("--loss-chunk", f->loss_chunk, loss_chunk_help);
   app.add_option("--layers", f->layers, "train a slice: the first N layers only");
   app.add_option("--backend", f->backend, "cpu, cuda (bf16, virtual ranks on one GPU) or meta")->capture_default_str();
   add_comm_flags(app, f->comm, true);

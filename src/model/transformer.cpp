@@ -54,11 +54,29 @@ transformer::transformer(const model_config& model, const cp_settings& cp, std::
                          const cp_groups& groups, const step_options& options)
     : model_(model), be_(be), attention_(with_overlap(attention_config_for(model, cp, seq_len), options), be, groups),
       store_(be, options.policy, model.num_layers), tokens_(seq_len / cp.cp), prefetch_weights_(options.prefetch_weights) {
-  if (options.mlp_tile < 0 || options.loss_chunk < 0)
-    throw config_error("--mlp-tile and --loss-chunk must be positive token counts (or 0 for the default)");
-  mlp_tile_ = std::min(options.mlp_tile > 0 ? options.mlp_tile : std::int64_t{model.hidden_size}, tokens_);
-  const std::int64_t fit = std::max<std::int64_t>(1, (std::int64_t{256} << 20) / (4 * model.vocab_size));
-  loss_chunk_ = std::min(options.loss_chunk > 0 ? options.loss_chunk : fit, tokens_);
+  const step_options sized = with_default_sizes(options, model, be.device_arena().capacity());
+  mlp_tile_ = std::min(sized.mlp_tile, tokens_);
+  loss_chunk_ = std::min(sized.loss_chunk, tokens_);
+}
+
+step_options with_default_sizes(step_options o, const model_config& model, std::size_t device_bytes) {
+  if (o.mlp_tile < 0 || o.loss_chunk < 0)
+    throw config_error("--mlp-tile " + std::to_string(o.mlp_tile) + " and --loss-chunk " +
+                       std::to_string(o.loss_chunk) + " must be positive token counts, or 0 for the default");
+  const std::int64_t share = static_cast<std::int64_t>(device_bytes / 64);
+  const std::int64_t D = model.hidden_size, F = model.intermediate_size, V = model.vocab_size;
+  if (o.mlp_tile == 0) {
+    // A tile's backward holds gate, up, their activation and its gradient (n x F each),
+    // the normed rows and the incoming gradient's working copy (n x D each), in bf16.
+    const std::int64_t per_token = 2 * (4 * F + 2 * D) + 4;
+    const std::int64_t granule = 256;
+    o.mlp_tile = std::clamp(share / per_token / granule * granule, granule, max_mlp_tile);
+  }
+  if (o.loss_chunk == 0) {
+    const std::int64_t logits = std::min(share, static_cast<std::int64_t>(max_logits_bytes));
+    o.loss_chunk = std::max<std::int64_t>(1, logits / (4 * V));
+  }
+  return o;
 }
 
 tensor transformer::upload_ids(std::span<const std::int32_t> values, const char* label) {

@@ -25,14 +25,23 @@ struct cp_settings {
 };
 
 struct step_options {
-  std::int64_t mlp_tile = 0;    // tokens per MLP/RMSNorm tile; 0: D (about d_model tokens)
-  std::int64_t loss_chunk = 0;  // tokens per cross-entropy chunk; 0: logits of at most 256 MiB
+  std::int64_t mlp_tile = 0;    // tokens per MLP/RMSNorm tile; 0: with_default_sizes
+  std::int64_t loss_chunk = 0;  // tokens per cross-entropy chunk; 0: with_default_sizes
   checkpoint_policy policy;
   bool overlap_comm = false;  // see attention_config::overlap_comm
   // ZeRO-3: gather the next layer's weights while this layer computes (one more layer's
   // weights held meanwhile).
   bool prefetch_weights = false;
 };
+
+// The MLP tile and the loss chunk where `o` gives none (0). Their GEMMs want a few
+// thousand tokens (on the H200, 2K-token tiles cost llama3.2-1b 10% of its MLP time and
+// 256 MiB of logits a quarter of llama3-8b's loss time): up to max_mlp_tile tokens and
+// max_logits_bytes of f32 logits. Each one's buffers take at most 1/64 of the GPU arena
+// (`device_bytes`), so that on a small GPU they cost no sequence length.
+inline constexpr std::int64_t max_mlp_tile = 8192;
+inline constexpr std::size_t max_logits_bytes = std::size_t{2} << 30;
+step_options with_default_sizes(step_options o, const model_config& model, std::size_t device_bytes);
 
 // This rank's shard of one sequence: token ids and next-token labels (negative = masked).
 struct local_batch {

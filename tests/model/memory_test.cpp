@@ -41,9 +41,36 @@ TEST(model_memory, llama3_8b_one_million_tokens_on_eight_ranks_in_seconds) {
   EXPECT_GT(r.device_peak_bytes, r.peak_bytes.at("weights") + r.peak_bytes.at("grads"));
 }
 
+TEST(model_memory, default_tile_and_chunk_are_full_size_on_a_large_gpu_and_a_small_share_of_a_small_one) {
+  const model_config c = preset("llama3-8b");
+  const std::size_t V = static_cast<std::size_t>(c.vocab_size);
+  const step_options large = with_default_sizes({}, c, std::size_t{139} << 30);
+  EXPECT_EQ(large.mlp_tile, max_mlp_tile);
+  EXPECT_EQ(static_cast<std::size_t>(large.loss_chunk), max_logits_bytes / (4 * V));
+  const std::size_t small_gpu = std::size_t{6} << 30;
+  const step_options small = with_default_sizes({}, c, small_gpu);
+  const auto tile = static_cast<std::size_t>(small.mlp_tile);
+  EXPECT_EQ(tile % 256, 0u);
+  EXPECT_GE(tile, 256u);
+  EXPECT_LE(tile * (2 * (4 * c.intermediate_size + 2 * c.hidden_size) + 4), small_gpu / 64);
+  EXPECT_LE(static_cast<std::size_t>(small.loss_chunk) * 4 * V, small_gpu / 64);
+  EXPECT_GE(small.loss_chunk, 1);
+  // Sizes given are kept; negative ones are refused, naming the value.
+  const step_options given = with_default_sizes({1000, 77, {}}, c, small_gpu);
+  EXPECT_EQ(given.mlp_tile, 1000);
+  EXPECT_EQ(given.loss_chunk, 77);
+  try {
+    with_default_sizes({-5, 0, {}}, c, small_gpu);
+    ADD_FAILURE() << "a negative tile was accepted";
+  } catch (const config_error& e) {
+    EXPECT_NE(std::string(e.what()).find("--mlp-tile -5"), std::string::npos) << e.what();
+  }
+}
+
 TEST(model_memory, tiled_mlp_peak_is_one_tile_whatever_the_length) {
   const model_config c = preset("llama3-8b");
-  const std::size_t t = c.hidden_size, D = c.hidden_size, F = c.intermediate_size;
+  const std::size_t D = c.hidden_size, F = c.intermediate_size;
+  const auto t = static_cast<std::size_t>(with_default_sizes({}, c, std::size_t{1} << 50).mlp_tile);
   // Backward of one tile: norm output and its rstd, gate, up, activation, d_act and the
   // working copy of the incoming gradient.
   const std::size_t tile = 2 * t * D * bf16 + 4 * t * F * bf16 + t * f32;
@@ -56,7 +83,8 @@ TEST(model_memory, tiled_mlp_peak_is_one_tile_whatever_the_length) {
 TEST(model_memory, loss_peak_is_one_chunk_of_logits_whatever_the_length) {
   const model_config c = preset("llama3-8b");
   const std::size_t V = static_cast<std::size_t>(c.vocab_size), D = c.hidden_size;
-  const std::size_t n = (std::size_t{256} << 20) / (4 * V);  // the default chunk: 256 MiB of f32 logits
+  const auto n = static_cast<std::size_t>(with_default_sizes({}, c, std::size_t{1} << 50).loss_chunk);
+  EXPECT_EQ(n, max_logits_bytes / (4 * V));
   const std::size_t chunk = n * D * bf16 + n * f32 + n * V * f32 + n * V * bf16;
   for (std::int64_t S : {std::int64_t{1} << 16, std::int64_t{1} << 18}) {
     const model_step_result r = meta_step("llama3-8b", S, 8);

@@ -44,8 +44,9 @@ TEST(planner, meta_steps_place_the_arena_as_the_h200_does) {
   // Rank 0's arena high water on the H200 for `upipe bench --backend cuda --model
   // llama3-8b --layers 1 --cp 4 --zero 3 --repeats 1` (4 real ranks on one GPU, a warm-up
   // step of 256 layout units first, checkpoints what=input on the device; commit 10d09de,
-  // docs/benchmarks.md), MiB, against the same steps on the meta backend with the GPU
-  // workspaces. The planner's probe is this meta step.
+  // docs/benchmarks.md, with that commit's MLP tile of D tokens and 256 MiB of logits per
+  // loss chunk), MiB, against the same steps on the meta backend with the GPU workspaces.
+  // The planner's probe is this meta step.
   struct point {
     strategy_kind kind;
     int u;
@@ -67,6 +68,8 @@ TEST(planner, meta_steps_place_the_arena_as_the_h200_does) {
     o.eval_samples = 0;
     o.backend = backend_kind::meta;
     o.limits = {std::size_t{1} << 50, std::size_t{1} << 50, true};
+    o.step.mlp_tile = o.model.hidden_size;
+    o.step.loss_chunk = (std::int64_t{256} << 20) / (4 * o.model.vocab_size);
     const step_timing t = time_steps(o, layout_unit(o.cp) * 256, 1, false);
     const double predicted = static_cast<double>(t.memory.arena_high_water) / mib;
     // Five points agree within 0.1%; ulysses at 256K places one cuDNN workspace growth
@@ -155,6 +158,9 @@ TEST(planner, fastest_fit_is_the_first_policy_that_fits_else_the_closest_to_fitt
   plan_request r = small_request();
   r.margin = 0;
   r.host_memory = std::size_t{1} << 40;
+  // Sizes of their own: the defaults follow gpu_memory, which this test varies.
+  r.mlp_tile = 2048;
+  r.loss_chunk = 512;
   const cp_settings cp{strategy_kind::upipe, 4, 4};
   const std::int64_t S = 16384;
   const std::vector<checkpoint_policy> all = candidate_policies();
