@@ -250,6 +250,32 @@ TEST(gpu_sdpa, a_repeated_shape_runs_on_fresh_buffers) {
   check_case(*gpu, *cpu, c, 12);
 }
 
+// The planner's probe (meta with the GPU's workspaces) grows cuDNN's workspace at the same
+// calls by the same bytes as the GPU, so that both place the arena alike: forward and
+// backward, causal and not, below and above the 8K tokens where the backward doubles.
+TEST(gpu_sdpa, workspaces_grow_as_the_meta_backend_models_them) {
+  if (!have_gpu()) GTEST_SKIP() << "no GPU";
+  auto gpu = make_cuda_backend({std::size_t{4} << 30, std::size_t{64} << 20}, 0);
+  auto meta = make_meta_backend({std::size_t{4} << 30, std::size_t{64} << 20, true});
+  const auto workspace = [](backend& be) { return be.ledger().current(mem_tag::workspace); };
+  ASSERT_EQ(workspace(*gpu), workspace(*meta)) << "cuBLASLt's workspace";
+  const attention_case cases[] = {{256, 256, 4, 2, 64, attn_mask::causal, false, false},
+                                  {512, 384, 2, 1, 128, attn_mask::none, true, true},
+                                  {8192, 8192, 4, 1, 128, attn_mask::causal, false, true},
+                                  {16384, 16384, 2, 2, 128, attn_mask::causal, false, true}};
+  for (const attention_case& c : cases) {
+    const host_inputs in = make_inputs(c, 3);
+    {
+      const attention_run g = make_run(*gpu, c, in);
+      const attention_run m = make_run(*meta, c, in);
+      run_attention(*gpu, g, c);
+      run_attention(*meta, m, c);
+    }
+    EXPECT_EQ(workspace(*gpu), workspace(*meta)) << name_of(c);
+    EXPECT_EQ(gpu->device_arena().high_water(), meta->device_arena().high_water()) << name_of(c);
+  }
+}
+
 TEST(gpu_sdpa, rejects_a_head_dim_it_cannot_run) {
   if (!have_gpu()) GTEST_SKIP() << "no GPU";
   auto gpu = make_backend(backend_kind::cuda, gpu_limits());

@@ -6,21 +6,13 @@
 #include <vector>
 
 #include "ops/op_args.hpp"
+#include "ops/sdpa_workspace.hpp"
 
 namespace upipe {
 
 namespace {
 
 constexpr std::size_t cublaslt_workspace_bytes = std::size_t{32} << 20;  // ops/cuda/gemm_cublaslt.cpp
-
-// The cuDNN backward's workspace as measured on the H200 (cuDNN 9.14 and 9.19,
-// docs/benchmarks.md): the fp32 dQ accumulator (sq h d floats), doubled for causal
-// self-attention over several heads of at least 8K tokens, plus the row sums (sq h).
-std::size_t cudnn_backward_workspace_bytes(const sdpa_backward_args& a) {
-  const std::int64_t sq = a.q.tokens, h = a.q.heads, d = a.q.dim;
-  const bool doubled = h > 1 && sq >= 8192 && a.k.tokens == sq && a.mask == attn_mask::causal;
-  return static_cast<std::size_t>((doubled ? 2 : 1) * d * sq * h) * sizeof(float);
-}
 
 class meta_backend final : public backend {
  public:
@@ -40,10 +32,11 @@ class meta_backend final : public backend {
 
   void gemm(const gemm_args&) override {}
   void sdpa_forward(const sdpa_forward_args& a) override {
-    if (gpu_workspaces_) grow_cudnn_workspace(static_cast<std::size_t>(a.q.tokens * a.q.heads) * sizeof(float));
+    if (gpu_workspaces_) grow_cudnn_workspace(sdpa_forward_workspace_bytes(a.q.tokens, a.q.heads));
   }
   void sdpa_backward(const sdpa_backward_args& a) override {
-    if (gpu_workspaces_) grow_cudnn_workspace(cudnn_backward_workspace_bytes(a));
+    if (gpu_workspaces_)
+      grow_cudnn_workspace(sdpa_backward_workspace_bytes(a.q.tokens, a.q.heads, a.q.dim, a.k.tokens, a.mask));
   }
   void rope(const rope_args&) override {}
   void rmsnorm_forward(const rmsnorm_forward_args&) override {}

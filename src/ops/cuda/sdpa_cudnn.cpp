@@ -25,6 +25,7 @@
 #include "core/error.hpp"
 #include "ops/cuda/cuda_check.hpp"
 #include "ops/cuda/cuda_ops.hpp"
+#include "ops/sdpa_workspace.hpp"
 
 namespace upipe::cuda {
 
@@ -335,6 +336,12 @@ struct sdpa_engine::impl {
     } catch (const std::exception& e) {  // the frontend throws for a few graphs it cannot express
       cannot_run(key, e.what());
     }
+    // At least the meta backend's model, so that the planner's arena is this one.
+    const std::size_t modelled = key.direction == pass::forward
+                                     ? sdpa_forward_workspace_bytes(key.q.tokens, key.q.heads)
+                                     : sdpa_backward_workspace_bytes(key.q.tokens, key.q.heads, key.q.dim,
+                                                                     key.k.tokens, key.mask);
+    plan->workspace_bytes = std::max(plan->workspace_bytes, static_cast<std::int64_t>(modelled));
     // Scratch belongs to the backend for its lifetime, so a smaller block is simply left behind.
     if (plan->workspace_bytes > workspace_bytes) {
       workspace = static_cast<std::byte*>(scratch(static_cast<std::size_t>(plan->workspace_bytes)));

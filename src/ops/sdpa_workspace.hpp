@@ -1,0 +1,33 @@
+// The workspace cuDNN's fused attention is given for one call, as the meta backend models
+// it for the planner. The CUDA engine takes the larger of this and what its plan asks, so
+// wherever the model holds both backends grow the workspace at the same calls by the same
+// bytes and place the arena alike.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "ops/op_args.hpp"
+
+namespace upipe {
+
+// A plan may ask a little more than the model (512 KiB more at 1M tokens, llama3-8b).
+inline constexpr std::size_t sdpa_workspace_margin = std::size_t{4} << 20;
+
+// Forward: the packed row statistics (sq h floats), staged there when cuDNN cannot write
+// the caller's.
+inline std::size_t sdpa_forward_workspace_bytes(std::int64_t q_tokens, std::int64_t q_heads) {
+  return static_cast<std::size_t>(q_tokens * q_heads) * sizeof(float) + sdpa_workspace_margin;
+}
+
+// Backward, as measured on the H200 (cuDNN 9.14 and 9.19, docs/benchmarks.md): the fp32 dQ
+// accumulator (sq h d floats), doubled for causal self-attention over several heads of at
+// least 8K tokens.
+inline std::size_t sdpa_backward_workspace_bytes(std::int64_t q_tokens, std::int64_t q_heads, std::int64_t dim,
+                                                 std::int64_t kv_tokens, attn_mask mask) {
+  const bool doubled = q_heads > 1 && q_tokens >= 8192 && kv_tokens == q_tokens && mask == attn_mask::causal;
+  return static_cast<std::size_t>((doubled ? 2 : 1) * dim * q_tokens * q_heads) * sizeof(float) +
+         sdpa_workspace_margin;
+}
+
+}  // namespace upipe
