@@ -56,12 +56,10 @@ void bench_attention(backend& be, const kernel_bench_options& o, std::vector<ker
     tensor lse = be.allocate(mem_tag::activations, dtype::f32, {s, o.heads, 1}, "bench_lse");
     tensor d_o = filled(be, w, {s, o.heads, d}, 0.01f, "bench_do"), d_q = be.allocate(mem_tag::activations, w, q.dims(), "bench_dq");
     tensor d_k = be.allocate(mem_tag::activations, w, k.dims(), "bench_dk"), d_v = be.allocate(mem_tag::activations, w, v.dims(), "bench_dv");
-    tensor acc = be.allocate(mem_tag::activations, dtype::f32, q.dims(), "bench_dq_accum");
-    tensor sum = be.allocate(mem_tag::activations, dtype::f32, lse.dims(), "bench_softmax_sum");
     const float scale = 1.0f / std::sqrt(static_cast<float>(d));
     const sdpa_forward_args fwd{q.heads(), k.heads(), v.heads(), out_t.heads(), lse.heads(), attn_mask::causal, scale};
     const sdpa_backward_args bwd{q.heads(), k.heads(), v.heads(), out_t.heads(), d_o.heads(), lse.heads(), d_q.heads(),
-                                 d_k.heads(), d_v.heads(), acc.heads(), sum.heads(), attn_mask::causal, scale};
+                                 d_k.heads(), d_v.heads(), attn_mask::causal, scale};
     const double f_ms = time_ms(be, o.repeats, [&] { ops::sdpa_forward(be, fwd); });
     const double b_ms = time_ms(be, o.repeats, [&] { ops::sdpa_backward(be, bwd); });
     // Causal: half of the 4 s^2 h d forward FLOPs; backward 2.5x the forward.

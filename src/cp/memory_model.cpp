@@ -15,8 +15,11 @@ attention_peak_model staged_model(const attention_config& c, std::size_t w) {
   const std::size_t sd = static_cast<std::size_t>(c.local_tokens()) * c.head_dim;
   const std::size_t U = c.head_chunk, Kr = static_cast<std::size_t>(c.cp) * schedule.max_resident();
   attention_peak_model m;
+  // DESIGN.md section 4 with one departure: its backward counts cuDNN's f32 dQ accumulator
+  // (2 sd U elements) here, but cuDNN keeps that in its own workspace (tag workspace), and
+  // the engine holds no second one.
   m.forward = w * sd * (2 * U + 2 * Kr);
-  m.backward = w * sd * (4 * U + 4 * Kr) + 4 * sd * U + (spans ? 4 * sd * 2 * Kr : 0);
+  m.backward = w * sd * (4 * U + 4 * Kr) + (spans ? 4 * sd * 2 * Kr : 0);
   // Qwen3's qk-norm keeps the pre-norm q of the stage and the resident k for backward.
   if (c.qk_norm) m.backward += w * sd * (U + Kr);
   return m;
@@ -25,14 +28,14 @@ attention_peak_model staged_model(const attention_config& c, std::size_t w) {
 // Ring, per rank with s local tokens and chunk c = s/2: forward holds q, k/v and the
 // incoming k/v, the f32 output accumulator and one block's partial output; backward
 // holds q, k/v, the f32 dq accumulator, the circulating f32 dk/dv and its incoming
-// copy, one block's gradients and the f32 dq scratch.
+// copy and one block's gradients. (cuDNN's own dq accumulator is in its workspace.)
 attention_peak_model ring_model(const attention_config& c, std::size_t w) {
   const std::size_t s = static_cast<std::size_t>(c.local_tokens()), half = s / 2;
   const std::size_t Hd = static_cast<std::size_t>(c.heads) * c.head_dim;
   const std::size_t Kd = static_cast<std::size_t>(c.kv_heads) * c.head_dim;
   attention_peak_model m;
   m.forward = w * (s * Hd + 4 * s * Kd + half * Hd) + 4 * (s * Hd + half * c.heads);
-  const std::size_t common = w * (s * Hd + 2 * s * Kd + half * Hd + 2 * half * Kd) + 4 * (s * Hd + half * Hd);
+  const std::size_t common = w * (s * Hd + 2 * s * Kd + half * Hd + 2 * half * Kd) + 4 * s * Hd;
   const std::size_t during_dkv = common + 4 * (4 * s * Kd);
   const std::size_t during_kv = common + w * 2 * s * Kd + 4 * (2 * s * Kd);
   m.backward = std::max(during_dkv, during_kv);

@@ -115,16 +115,14 @@ void ring_attention::backward(const attention_saved& saved, const mat_view& x, c
   tensor dkv = be_.allocate_zeroed(mem_tag::attention, dtype::f32, kv.dims(), "ring_dkv");
   tensor dq_part = be_.allocate(mem_tag::attention, be_.work_dtype(), {chunk_, H, dim_}, "ring_dq_part");
   tensor dkv_part = be_.allocate(mem_tag::attention, be_.work_dtype(), {2, chunk_, K, dim_}, "ring_dkv_part");
-  tensor dq_scratch = be_.allocate(mem_tag::attention, dtype::f32, {chunk_, H, dim_}, "attn_dq_accum");
-  tensor sum_scratch = be_.allocate(mem_tag::attention, dtype::f32, {chunk_, H, 1}, "attn_softmax_sum");
   const head_view dk_part = kv_part(dkv_part, 0), dv_part = kv_part(dkv_part, 1);
   for (int step = 0; step < C; ++step) {
     const int owner = (r - step + C) % C;
     for (const block_pair& p : pairs(owner)) {
       ops::sdpa_backward(be_, {half(q.heads(), p.q_half), half(kv_part(kv, 0), p.kv_half),
                                half(kv_part(kv, 1), p.kv_half), half(o, p.q_half), half(d_o, p.q_half),
-                               half(lse_view(saved.lse), p.q_half), dq_part.heads(), dk_part, dv_part,
-                               dq_scratch.heads(), sum_scratch.heads(), p.mask, scale_});
+                               half(lse_view(saved.lse), p.q_half), dq_part.heads(), dk_part, dv_part, p.mask,
+                               scale_});
       ops::add_heads(be_, half(dq.heads(), p.q_half), dq_part.heads());
       ops::add_heads(be_, half(kv_part(dkv, 0), p.kv_half), dk_part);
       ops::add_heads(be_, half(kv_part(dkv, 1), p.kv_half), dv_part);
@@ -144,8 +142,6 @@ void ring_attention::backward(const attention_saved& saved, const mat_view& x, c
   kv.reset();
   dq_part.reset();
   dkv_part.reset();
-  dq_scratch.reset();
-  sum_scratch.reset();
   ops::rope(be_, {dq.heads(), positions_, config_.rope, rope_direction::inverse});
   ops::rope(be_, {kv_part(dkv, 0), positions_, config_.rope, rope_direction::inverse});
   if (config_.qk_norm) {

@@ -284,8 +284,6 @@ void staged_all_to_all::backward_stage(int t, std::vector<resident_block>& resid
   tensor dq = be_.allocate(mem_tag::attention, be_.work_dtype(), q.dims(), "attn_dq");
   {
     const phase_scope phase(be_, "attn_sdpa");
-    tensor dq_accum = be_.allocate(mem_tag::attention, dtype::f32, q.dims(), "attn_dq_accum");
-    tensor softmax_sum = be_.allocate(mem_tag::attention, dtype::f32, {config_.cp, tokens_, u, 1}, "attn_softmax_sum");
     for (const sdpa_call& c : plan_calls(t, resident)) {
       resident_block& b = resident[c.block];
       const bool spans = b.plan->spans_stages();
@@ -301,8 +299,7 @@ void staged_all_to_all::backward_stage(int t, std::vector<resident_block>& resid
           be_, {sequence_heads(q).head_block(c.q_slot, c.n_q), k, sequence_heads(b.v).head_block(c.kv_slot, c.n_kv),
                 sequence_heads(o).head_block(c.q_slot, c.n_q), sequence_heads(d_o).head_block(c.q_slot, c.n_q),
                 lse_heads(saved.lse, t * u + c.q_slot, c.n_q), sequence_heads(dq).head_block(c.q_slot, c.n_q), dk, dv,
-                sequence_heads(dq_accum).head_block(c.q_slot, c.n_q),
-                sequence_heads(softmax_sum).head_block(c.q_slot, c.n_q), attn_mask::causal, scale_});
+                attn_mask::causal, scale_});
       if (spans) {
         ops::add_heads(be_, sequence_heads(b.dk).head_block(c.kv_slot, c.n_kv), dk);
         ops::add_heads(be_, sequence_heads(b.dv).head_block(c.kv_slot, c.n_kv), dv);

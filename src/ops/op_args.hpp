@@ -40,8 +40,6 @@ struct sdpa_backward_args {
   head_view lse;                  // (sq, hq, 1) f32, the final log-sum-exp
   head_view d_q;                  // (sq, hq, d) written
   head_view d_k, d_v;             // (skv, hk, d) written (group partials summed)
-  head_view d_q_accum;            // (sq, hq, d) f32 scratch (cuDNN binds the same)
-  head_view softmax_sum;          // (sq, hq, 1) f32 scratch: rowsum(d_out * out)
   attn_mask mask = attn_mask::causal;
   float scale = 1.0f;
 };

@@ -230,7 +230,7 @@ void sdpa_backward(backend& be, const sdpa_backward_args& args) {
   const head_view& k = args.k;
   check_attention_inputs(be, op, q, k, args.v, args.mask);
   for (const auto& [name, view] : {std::pair{"out", &args.out}, std::pair{"d_out", &args.d_out},
-                                   std::pair{"d_q", &args.d_q}, std::pair{"d_q_accum", &args.d_q_accum}}) {
+                                   std::pair{"d_q", &args.d_q}}) {
     check_layout(op, name, *view);
     check_dims(op, name, *view, q.tokens, q.heads, q.dim);
   }
@@ -242,9 +242,7 @@ void sdpa_backward(backend& be, const sdpa_backward_args& args) {
                                    std::pair{"d_q", &args.d_q}, std::pair{"d_k", &args.d_k},
                                    std::pair{"d_v", &args.d_v}})
     check_type(op, name, *view, be.work_dtype(), be.work_dtype());
-  check_type(op, "d_q_accum", args.d_q_accum, dtype::f32, dtype::f32);
   check_row_scalar(op, "lse", args.lse, q);
-  check_row_scalar(op, "softmax_sum", args.softmax_sum, q);
   be.sdpa_backward(args);
 }
 

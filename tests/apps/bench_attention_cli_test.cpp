@@ -62,7 +62,7 @@ TEST(bench_attention_cli, meta_backend_reports_memory_without_data) {
   EXPECT_TRUE(rows[0]["max_rel_error"].is_null());
   EXPECT_TRUE(rows[0]["rel_error"].is_null());
   const double ulysses = rows[0]["attention_peak_bytes"], upipe = rows[1]["attention_peak_bytes"];
-  EXPECT_LE(upipe / ulysses, 0.30);
+  EXPECT_LE(upipe / ulysses, 1.0 / 3.0 + 1e-3);  // tests/cp/memory_test.cpp: 96 sd against 288 sd
   std::filesystem::remove_all(dir);
 }
 

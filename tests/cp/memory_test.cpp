@@ -61,17 +61,19 @@ TEST(attention_memory, at_u_equal_c_peak_does_not_depend_on_h) {
 }
 
 TEST(attention_memory, qwen3_32b_shape_at_one_million_tokens) {
-  // H = 64, K = 8, C = 8, d = 128, S = 1M: upipe with U = 8 needs at most 0.30x of
-  // Ulysses' attention peak (DESIGN.md: 112 sd against 416 sd).
+  // H = 64, K = 8, C = 8, d = 128, S = 1M: upipe with U = 8 needs a third of Ulysses'
+  // attention buffers: 96 sd against 288 sd. DESIGN.md counts cuDNN's f32 dQ accumulator
+  // there too (2 sd U: 112 sd against 416 sd); it lives in cuDNN's workspace, which the
+  // engine no longer doubles with a buffer of its own (src/cp/memory_model.cpp).
   const std::int64_t S = 1 << 20;
   const experiment_result up = meta_run(strategy_kind::upipe, 64, 8, 8, 8, S, 128);
   const experiment_result uly = meta_run(strategy_kind::ulysses, 64, 8, 8, 0, S, 128);
   const double ratio = static_cast<double>(up.attention_peak_bytes) / static_cast<double>(uly.attention_peak_bytes);
-  EXPECT_LE(ratio, 0.30);
-  // In DESIGN.md's units (elements of sd): 112 and 416.
+  EXPECT_LE(ratio, 1.0 / 3.0 + 1e-3);
+  // In DESIGN.md's units (elements of sd).
   const double sd = static_cast<double>(S / 8) * 128 * 2;
-  EXPECT_NEAR(up.attention_peak_formula_bytes / sd, 112.0, 1e-9);
-  EXPECT_NEAR(uly.attention_peak_formula_bytes / sd, 416.0, 1e-9);
+  EXPECT_NEAR(up.attention_peak_formula_bytes / sd, 96.0, 1e-9);
+  EXPECT_NEAR(uly.attention_peak_formula_bytes / sd, 288.0, 1e-9);
 }
 
 TEST(attention_memory, meta_moves_no_data_but_counts_bytes) {

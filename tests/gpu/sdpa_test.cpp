@@ -90,7 +90,7 @@ std::vector<float> random_values(std::int64_t count, std::mt19937& rng, float ra
 
 // Every buffer of one case on one backend.
 struct attention_run {
-  heads_buffer q, k, v, out, lse, d_out, d_q, d_k, d_v, d_q_accum, softmax_sum;
+  heads_buffer q, k, v, out, lse, d_out, d_q, d_k, d_v;
 };
 
 void upload_value(backend& be, const tensor& t, float value) {
@@ -108,9 +108,7 @@ attention_run make_run(backend& be, const attention_case& c, const host_inputs& 
                   make_heads(be, w, c.sq, c.hq, c.d, c.strided, "d_out"),
                   make_heads(be, w, c.sq, c.hq, c.d, c.strided, "d_q"),
                   make_heads(be, w, c.skv, c.hk, c.d, c.strided, "d_k"),
-                  make_heads(be, w, c.skv, c.hk, c.d, c.strided, "d_v"),
-                  make_heads(be, dtype::f32, c.sq, c.hq, c.d, false, "d_q_accum"),
-                  make_heads(be, dtype::f32, c.sq, c.hq, 1, false, "softmax_sum")};
+                  make_heads(be, w, c.skv, c.hk, c.d, c.strided, "d_v")};
   be.upload_f32(r.q.storage, in.q.data());
   be.upload_f32(r.k.storage, in.k.data());
   be.upload_f32(r.v.storage, in.v.data());
@@ -145,8 +143,6 @@ void run_attention(backend& be, const attention_run& r, const attention_case& c)
   b.d_q = r.d_q.view;
   b.d_k = r.d_k.view;
   b.d_v = r.d_v.view;
-  b.d_q_accum = r.d_q_accum.view;
-  b.softmax_sum = r.softmax_sum.view;
   b.mask = c.mask;
   b.scale = scale;
   ops::sdpa_backward(be, b);

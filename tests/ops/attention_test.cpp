@@ -143,7 +143,7 @@ reference reference_forward(const array3& q, const array3& k, const array3& v, d
 }
 
 struct reference_grads {
-  array3 d_q, d_k, d_v, row_sum;
+  array3 d_q, d_k, d_v;
 };
 
 // The textbook softmax backward: D_i = sum_j P_ij dP_ij (not the d_out . out shortcut).
@@ -151,7 +151,7 @@ reference_grads reference_backward(const array3& q, const array3& k, const array
                                    double scale, const visibility& vis) {
   const reference f = reference_forward(q, k, v, scale, vis);
   const std::int64_t sq = q.tokens, skv = k.tokens, hq = q.heads, d = q.dim, group = hq / k.heads;
-  reference_grads g{array3(sq, hq, d), array3(skv, k.heads, d), array3(skv, k.heads, d), array3(sq, hq, 1)};
+  reference_grads g{array3(sq, hq, d), array3(skv, k.heads, d), array3(skv, k.heads, d)};
   std::vector<double> d_p(skv);
   for (std::int64_t h = 0; h < hq; ++h)
     for (std::int64_t i = 0; i < sq; ++i) {
@@ -162,7 +162,6 @@ reference_grads reference_backward(const array3& q, const array3& k, const array
         for (std::int64_t x = 0; x < d; ++x) d_p[j] += d_out(i, h, x) * v(j, kv, x);
         row += f.probs(i, h, j) * d_p[j];
       }
-      g.row_sum(i, h, 0) = row;
       for (std::int64_t j = 0; j < skv; ++j) {
         const double p = f.probs(i, h, j), d_s = p * (d_p[j] - row);
         for (std::int64_t x = 0; x < d; ++x) {
@@ -220,10 +219,10 @@ TEST(sdpa_forward, matches_reference_for_gqa_masks_and_strided_views) {
     }
 }
 
-// Fills the backward's outputs and scratch with NaN so that anything read before being
-// written (or accumulated into) shows up.
+// Fills the backward's outputs with NaN so that anything read before being written (or
+// accumulated into) shows up.
 struct backward_buffers {
-  heads_buffer d_out, d_q, d_k, d_v, d_q_accum, softmax_sum;
+  heads_buffer d_out, d_q, d_k, d_v;
 };
 
 backward_buffers make_backward_buffers(backend& be, const attention_problem& p, std::uint32_t seed) {
@@ -233,11 +232,9 @@ backward_buffers make_backward_buffers(backend& be, const attention_problem& p, 
   backward_buffers b{make_heads(be, q.tokens, q.heads, q.dim, layout::head_block, "d_out"),
                      make_heads(be, q.tokens, q.heads, q.dim, layout::head_major, "d_q"),
                      make_heads(be, k.tokens, k.heads, k.dim, layout::head_block, "d_k"),
-                     make_heads(be, k.tokens, k.heads, k.dim, layout::dense, "d_v"),
-                     make_heads(be, q.tokens, q.heads, q.dim, layout::dense, "d_q_accum"),
-                     make_heads(be, q.tokens, q.heads, 1, layout::dense, "softmax_sum")};
+                     make_heads(be, k.tokens, k.heads, k.dim, layout::dense, "d_v")};
   fill_random(b.d_out.view, rng, 1.0f);
-  for (const auto* view : {&b.d_q.view, &b.d_k.view, &b.d_v.view, &b.d_q_accum.view, &b.softmax_sum.view})
+  for (const auto* view : {&b.d_q.view, &b.d_k.view, &b.d_v.view})
     fill_value(*view, nan_f);
   return b;
 }
@@ -254,8 +251,6 @@ sdpa_backward_args backward_args(const attention_problem& p, const backward_buff
   args.d_q = b.d_q.view;
   args.d_k = d_k;
   args.d_v = d_v;
-  args.d_q_accum = b.d_q_accum.view;
-  args.softmax_sum = b.softmax_sum.view;
   args.mask = mask;
   args.scale = p.scale;
   return args;
@@ -278,8 +273,6 @@ TEST(sdpa_backward, matches_reference_gradients) {
       EXPECT_LT(rel_error(b.d_q.view, g.d_q), 1e-5) << "group " << group << " mask " << int(mask);
       EXPECT_LT(rel_error(b.d_k.view, g.d_k), 1e-5) << "group " << group << " mask " << int(mask);
       EXPECT_LT(rel_error(b.d_v.view, g.d_v), 1e-5) << "group " << group << " mask " << int(mask);
-      EXPECT_LT(rel_error(b.softmax_sum.view, g.row_sum), 1e-5) << "group " << group << " mask " << int(mask);
-      EXPECT_LT(rel_error(b.d_q_accum.view, g.d_q), 1e-5) << "group " << group << " mask " << int(mask);
     }
 }
 

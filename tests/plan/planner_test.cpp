@@ -22,7 +22,7 @@ double workspace_mib(std::int64_t sq, std::int64_t h, std::int64_t hk, std::int6
   const head_view q{nullptr, dtype::bf16, sq, h, d, h * d, d}, kv{nullptr, dtype::bf16, sq, hk, d, hk * d, d};
   const head_view lse{nullptr, dtype::f32, sq, h, 1, h, 1};
   be->sdpa_forward({q, kv, kv, q, lse, attn_mask::causal, 1.0f});
-  be->sdpa_backward({q, kv, kv, q, q, lse, q, kv, kv, {}, {}, attn_mask::causal, 1.0f});
+  be->sdpa_backward({q, kv, kv, q, q, lse, q, kv, kv, attn_mask::causal, 1.0f});
   return static_cast<double>(be->ledger().current(mem_tag::workspace)) / mib;
 }
 
@@ -75,7 +75,11 @@ TEST(planner, meta_steps_place_the_arena_as_the_h200_does) {
     o.step.mlp_tile = o.model.hidden_size;
     o.step.loss_chunk = (std::int64_t{256} << 20) / (4 * o.model.vocab_size);
     const step_timing t = time_steps(o, layout_unit(o.cp) * 256, 1, false);
-    const double predicted = static_cast<double>(t.memory.arena_high_water) / mib;
+    // That commit also held an f32 dQ buffer of the stage at the backward's peak, which
+    // cuDNN never read (its own accumulator is in its workspace); it is gone since, so it
+    // is added back here until these points are measured again: S x (U / C) heads x d.
+    const double unused_dq_mib = 4.0 * static_cast<double>(p.s) * (p.u / 4) * o.model.head_dim / mib;
+    const double predicted = static_cast<double>(t.memory.arena_high_water) / mib + unused_dq_mib;
     // Five points agree within 0.1%; ulysses at 256K places one cuDNN workspace growth
     // differently (meta over by 1.9%).
     EXPECT_NEAR(predicted / p.measured_mib, 1.0, 0.025) << strategy_name(p.kind) << " S=" << p.s << ": predicted "

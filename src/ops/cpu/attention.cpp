@@ -60,8 +60,8 @@ struct kv_grads {
   std::vector<double> d_k, d_v;  // (skv, d) each
 };
 
-// One query row of the backward: writes d_q (through d_q_accum) and softmax_sum, and
-// adds this row's contributions to the group's d_k and d_v.
+// One query row of the backward: writes d_q and adds this row's contributions to the
+// group's d_k and d_v.
 void backward_row(const sdpa_backward_args& args, std::int64_t i, std::int64_t h, std::int64_t g,
                   std::vector<double>& d_q, kv_grads& kv) {
   const std::int64_t d = args.q.dim, keys = visible_keys(args.mask, i, args.k.tokens);
@@ -69,7 +69,6 @@ void backward_row(const sdpa_backward_args& args, std::int64_t i, std::int64_t h
   const float* d_out = at(args.d_out, i, h);
   const double lse = *at(args.lse, i, h);
   const double row_dot = dot(d_out, at(args.out, i, h), d);
-  *at(args.softmax_sum, i, h) = static_cast<float>(row_dot);
   std::fill(d_q.begin(), d_q.end(), 0.0);
   for (std::int64_t j = 0; j < keys; ++j) {
     const float* k = at(args.k, j, g);
@@ -85,12 +84,8 @@ void backward_row(const sdpa_backward_args& args, std::int64_t i, std::int64_t h
       d_v[x] += p * d_out[x];
     }
   }
-  float* accum = at(args.d_q_accum, i, h);
   float* d_q_out = at(args.d_q, i, h);
-  for (std::int64_t x = 0; x < d; ++x) {
-    accum[x] = static_cast<float>(args.scale * d_q[x]);
-    d_q_out[x] = accum[x];
-  }
+  for (std::int64_t x = 0; x < d; ++x) d_q_out[x] = static_cast<float>(args.scale * d_q[x]);
 }
 
 void write_rows(const head_view& dst, std::int64_t g, const std::vector<double>& rows) {

@@ -385,8 +385,8 @@ void sdpa_engine::forward(const sdpa_forward_args& a) {
   if (key.stage_stats) copy_heads(a.lse, packed_stats_view(stats, a.lse), impl_->stream);
 }
 
-// The caller's d_q_accum and softmax_sum are not bound: the frontend keeps its own fp32 dQ
-// accumulator and row sums in the plan's workspace, laid out as its kernels want them.
+// The frontend keeps its fp32 dQ accumulator and row sums in the plan's workspace, laid out
+// as its kernels want them.
 void sdpa_engine::backward(const sdpa_backward_args& a) {
   if (empty(a.q) || a.k.tokens == 0) {  // nothing attends: every gradient is zero
     zero(a.d_q, impl_->stream);
