@@ -36,13 +36,13 @@ tensor attention_layer::output_backward(const context& ctx, const attention_weig
   return d_out;
 }
 
-void attention_layer::backward(const context& ctx, const mat_view& x, const attention_weights& w, const mat_view& d_y,
-                               const mat_view& d_x, const attention_grads& grads) {
+void attention_layer::backward(const context& ctx, const normed_input& x, const attention_weights& w,
+                               const mat_view& d_y, const mat_view& d_x, const attention_grads& grads) {
   const tensor d_out = output_backward(ctx, w, d_y, grads);
   strategy_->backward(ctx.saved, x, w, ctx.out.matrix(), d_out.matrix(), d_x, grads);
 }
 
-void attention_layer::backward(const context& ctx, const mat_view& x, const attention_weights& w, tensor&& d_y,
+void attention_layer::backward(const context& ctx, const normed_input& x, const attention_weights& w, tensor&& d_y,
                                const mat_view& d_x, const attention_grads& grads) {
   const tensor d_out = output_backward(ctx, w, d_y.matrix(), grads);
   d_y.reset();

@@ -28,11 +28,11 @@ class attention_layer {
   // saved the attention output): y (+)= out W_o^T.
   void project_output(const context& ctx, const attention_weights& w, const mat_view& y, projection_mode mode);
   // d_x (s, D, f32) and the weight gradients are accumulated.
-  void backward(const context& ctx, const mat_view& x, const attention_weights& w, const mat_view& d_y,
+  void backward(const context& ctx, const normed_input& x, const attention_weights& w, const mat_view& d_y,
                 const mat_view& d_x, const attention_grads& grads);
   // The same, freeing d_y once the output projection's backward has read it, so that its
   // bytes are not held through the attention's own backward (the layer's peak).
-  void backward(const context& ctx, const mat_view& x, const attention_weights& w, tensor&& d_y,
+  void backward(const context& ctx, const normed_input& x, const attention_weights& w, tensor&& d_y,
                 const mat_view& d_x, const attention_grads& grads);
 
   const attention_config& config() const { return config_; }

@@ -39,10 +39,12 @@ std::vector<ring_attention::block_pair> ring_attention::pairs(int kv_owner) cons
   return result;
 }
 
-tensor ring_attention::project_q(const mat_view& x, const attention_weights& w, norm_keep keep,
+tensor ring_attention::project_q(const normed_input& x, const attention_weights& w, norm_keep keep,
                                  head_norm_saved& saved) {
   tensor q = be_.allocate(mem_tag::attention, be_.work_dtype(), {tokens_, config_.heads, dim_}, "ring_q");
-  ops::gemm(be_, {x, transpose::none, w.wq, transpose::yes, q.matrix()});
+  for_each_input_tile(be_, x, [&](std::int64_t first, const mat_view& rows) {
+    ops::gemm(be_, {rows, transpose::none, w.wq, transpose::yes, q.matrix().row_block(first, rows.rows)});
+  });
   if (config_.qk_norm) saved = head_norm_forward(be_, head_rows(q, dim_), w.q_norm, config_.norm_eps, keep);
   ops::rope(be_, {q.heads(), positions_, config_.rope, rope_direction::forward});
   return q;
@@ -55,15 +57,17 @@ head_view ring_attention::kv_part(const tensor& kv, int which) const {
   return all.token_block(which * d[1], d[1]);
 }
 
-tensor ring_attention::project_kv(const mat_view& x, const attention_weights& w, norm_keep keep,
+tensor ring_attention::project_kv(const normed_input& x, const attention_weights& w, norm_keep keep,
                                   head_norm_saved& saved) {
   tensor kv = be_.allocate(mem_tag::attention, be_.work_dtype(), {2, tokens_, config_.kv_heads, dim_}, "ring_kv");
   const std::int64_t kd = std::int64_t{config_.kv_heads} * dim_;
-  for (int which = 0; which < 2; ++which) {
-    const head_view part = kv_part(kv, which);
-    ops::gemm(be_, {x, transpose::none, which == 0 ? w.wk : w.wv, transpose::yes,
-                    {part.data, part.type, tokens_, kd, kd}});
-  }
+  for_each_input_tile(be_, x, [&](std::int64_t first, const mat_view& rows) {
+    for (int which = 0; which < 2; ++which) {
+      const head_view part = kv_part(kv, which);
+      ops::gemm(be_, {rows, transpose::none, which == 0 ? w.wk : w.wv, transpose::yes,
+                      mat_view{part.data, part.type, tokens_, kd, kd}.row_block(first, rows.rows)});
+    }
+  });
   const head_view k = kv_part(kv, 0);
   if (config_.qk_norm)
     saved = head_norm_forward(be_, head_rows(k.data, k.type, tokens_ * kd, dim_), w.k_norm, config_.norm_eps, keep);
@@ -102,7 +106,7 @@ attention_saved ring_attention::forward(const mat_view& x, const attention_weigh
   return saved;
 }
 
-void ring_attention::backward(const attention_saved& saved, const mat_view& x, const attention_weights& w,
+void ring_attention::backward(const attention_saved& saved, const normed_input& x, const attention_weights& w,
                               const mat_view& out, const mat_view& d_out, const mat_view& d_x,
                               const attention_grads& grads) {
   const int C = config_.cp, r = comm_.rank(), H = config_.heads, K = config_.kv_heads;
@@ -157,21 +161,27 @@ void ring_attention::backward(const attention_saved& saved, const mat_view& x, c
                   {dkv.data(), dkv.type(), 2 * tokens_, K, dim_, kd, dim_});
   dkv.reset();
   const mat_view g = {dkv_work.data(), dkv_work.type(), 2 * tokens_, kd, kd};
-  for (int which = 0; which < 2; ++which) {
-    const mat_view g_part = g.row_block(which * tokens_, tokens_);
-    ops::gemm(be_, {g_part, transpose::none, which == 0 ? w.wk : w.wv, transpose::none, d_x, 1.0f, 1.0f});
-    ops::gemm(be_, {g_part, transpose::yes, x, transpose::none, which == 0 ? grads.wk : grads.wv, 1.0f, 1.0f});
-  }
+  for (int which = 0; which < 2; ++which)
+    ops::gemm(be_, {g.row_block(which * tokens_, tokens_), transpose::none, which == 0 ? w.wk : w.wv, transpose::none,
+                    d_x, 1.0f, 1.0f});
+  for_each_input_tile(be_, x, [&](std::int64_t first, const mat_view& rows) {
+    for (int which = 0; which < 2; ++which)
+      ops::gemm(be_, {g.row_block(which * tokens_ + first, rows.rows), transpose::yes, rows, transpose::none,
+                      which == 0 ? grads.wk : grads.wv, 1.0f, 1.0f});
+  });
 }
 
 // grad (s, heads, d) f32 -> working dtype, then d_x += g W and dW += g^T x.
 void ring_attention::accumulate_input_grads(tensor& grad, const mat_view& weight, const mat_view& d_weight,
-                                            const mat_view& x, const mat_view& d_x) {
+                                            const normed_input& x, const mat_view& d_x) {
   tensor g = be_.allocate(mem_tag::attention, be_.work_dtype(), grad.dims(), "ring_grad_work");
   ops::copy_heads(be_, g.heads(), grad.heads());
   grad.reset();
   ops::gemm(be_, {g.matrix(), transpose::none, weight, transpose::none, d_x, 1.0f, 1.0f});
-  ops::gemm(be_, {g.matrix(), transpose::yes, x, transpose::none, d_weight, 1.0f, 1.0f});
+  for_each_input_tile(be_, x, [&](std::int64_t first, const mat_view& rows) {
+    ops::gemm(be_, {g.matrix().row_block(first, rows.rows), transpose::yes, rows, transpose::none, d_weight, 1.0f,
+                    1.0f});
+  });
 }
 
 }  // namespace upipe

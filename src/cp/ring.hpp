@@ -14,7 +14,7 @@ class ring_attention final : public attention_strategy {
 
   std::vector<position_run> local_positions(int rank) const override;
   attention_saved forward(const mat_view& x, const attention_weights& w, const mat_view& out) override;
-  void backward(const attention_saved& saved, const mat_view& x, const attention_weights& w, const mat_view& out,
+  void backward(const attention_saved& saved, const normed_input& x, const attention_weights& w, const mat_view& out,
                 const mat_view& d_out, const mat_view& d_x, const attention_grads& grads) override;
 
  private:
@@ -25,12 +25,12 @@ class ring_attention final : public attention_strategy {
   };
   std::vector<block_pair> pairs(int kv_owner) const;
   // q (s, H, d), normed (Qwen3) and roped; the norm's inputs kept in `saved` if asked.
-  tensor project_q(const mat_view& x, const attention_weights& w, norm_keep keep, head_norm_saved& saved);
+  tensor project_q(const normed_input& x, const attention_weights& w, norm_keep keep, head_norm_saved& saved);
   // (2, s, K, d): k then v, one buffer so a ring step moves both at once.
-  tensor project_kv(const mat_view& x, const attention_weights& w, norm_keep keep, head_norm_saved& saved);
+  tensor project_kv(const normed_input& x, const attention_weights& w, norm_keep keep, head_norm_saved& saved);
   head_view half(const head_view& v, int which) const { return v.token_block(which * chunk_, chunk_); }
   head_view kv_part(const tensor& kv, int which) const;
-  void accumulate_input_grads(tensor& grad, const mat_view& weight, const mat_view& d_weight, const mat_view& x,
+  void accumulate_input_grads(tensor& grad, const mat_view& weight, const mat_view& d_weight, const normed_input& x,
                               const mat_view& d_x);
 
   attention_config config_;

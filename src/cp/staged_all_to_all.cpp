@@ -71,19 +71,21 @@ staged_all_to_all::head_lists staged_all_to_all::arriving_lists(int stage) const
 
 // Chunk j of the send buffer gets the heads rank j computes, each projected with its
 // own weight rows (the pairing trap of DESIGN.md section 4 cannot happen here).
-tensor staged_all_to_all::project_to_send(const mat_view& x, const mat_view& weight, const head_lists& lists,
+tensor staged_all_to_all::project_to_send(const normed_input& x, const mat_view& weight, const head_lists& lists,
                                           const char* label) {
   const phase_scope phase(be_, "attn_project");
   const int n = static_cast<int>(lists[0].size());
   tensor send = be_.allocate(mem_tag::attention, be_.work_dtype(), {config_.cp, tokens_, n, dim_}, label);
   const std::int64_t d = dim_;
-  for (int j = 0; j < config_.cp; ++j) {
-    const head_view chunk = chunk_heads(send, j);
-    const mat_view dst = {chunk.data, chunk.type, tokens_, n * d, chunk.token_stride};
-    for (const head_run& run : consecutive_runs(lists[j]))
-      ops::gemm(be_, {x, transpose::none, weight.row_block(run.first * d, run.count * d), transpose::yes,
-                      dst.col_block(run.slot * d, run.count * d)});
-  }
+  for_each_input_tile(be_, x, [&](std::int64_t first, const mat_view& rows) {
+    for (int j = 0; j < config_.cp; ++j) {
+      const head_view chunk = chunk_heads(send, j).token_block(first, rows.rows);
+      const mat_view dst = {chunk.data, chunk.type, rows.rows, n * d, chunk.token_stride};
+      for (const head_run& run : consecutive_runs(lists[j]))
+        ops::gemm(be_, {rows, transpose::none, weight.row_block(run.first * d, run.count * d), transpose::yes,
+                        dst.col_block(run.slot * d, run.count * d)});
+    }
+  });
   return send;
 }
 
@@ -129,7 +131,7 @@ void staged_all_to_all::unpack_heads(const tensor& recv, int stage, const mat_vi
       ops::copy_heads(be_, all.head_block(run.first, run.count), chunk_heads(recv, j).head_block(run.slot, run.count));
 }
 
-staged_all_to_all::resident_block staged_all_to_all::receive_kv(const mat_view& x, const attention_weights& w,
+staged_all_to_all::resident_block staged_all_to_all::receive_kv(const normed_input& x, const attention_weights& w,
                                                                 int stage, pass which) {
   const bool fwd = which == pass::forward;
   const head_lists lists = arriving_lists(stage);
@@ -254,7 +256,7 @@ attention_saved staged_all_to_all::forward(const mat_view& x, const attention_we
   return saved;
 }
 
-void staged_all_to_all::backward(const attention_saved& saved, const mat_view& x, const attention_weights& w,
+void staged_all_to_all::backward(const attention_saved& saved, const normed_input& x, const attention_weights& w,
                                  const mat_view& out, const mat_view& d_out, const mat_view& d_x,
                                  const attention_grads& grads) {
   std::vector<resident_block> resident;
@@ -268,7 +270,7 @@ void staged_all_to_all::backward(const attention_saved& saved, const mat_view& x
 }
 
 void staged_all_to_all::backward_stage(int t, std::vector<resident_block>& resident, const attention_saved& saved,
-                                       const mat_view& x, const attention_weights& w, const mat_view& out,
+                                       const normed_input& x, const attention_weights& w, const mat_view& out,
                                        const mat_view& d_out, const mat_view& d_x, const attention_grads& grads) {
   const int u = schedule_.heads_per_stage();
   tensor q_send = project_to_send(x, w.wq, stage_lists(t), "attn_q_send");
@@ -317,7 +319,7 @@ void staged_all_to_all::backward_stage(int t, std::vector<resident_block>& resid
 
 // Sends a block's kv gradients home once, after the block's last stage; the source rank
 // turns them into input and weight gradients (replicas' partials sum in the gemms).
-void staged_all_to_all::send_back_kv(resident_block& block, const mat_view& x, const attention_weights& w,
+void staged_all_to_all::send_back_kv(resident_block& block, const normed_input& x, const attention_weights& w,
                                      const mat_view& d_x, const attention_grads& grads) {
   const head_lists lists = arriving_lists(block.plan->first_stage);
   rope(sequence_heads(block.dk), rope_direction::inverse);
@@ -341,23 +343,26 @@ void staged_all_to_all::send_back_kv(resident_block& block, const mat_view& x, c
 }
 
 // For each chunk j of a received gradient (C, s, n, d), whose heads are lists[j]:
-// d_x += g W_rows and dW_rows += g^T x, both accumulated in f32.
+// d_x += g W_rows and dW_rows += g^T x (x a tile of rows at a time), both accumulated in f32.
 void staged_all_to_all::accumulate_input_grads(const tensor& recv, const head_lists& lists, const mat_view& weight,
-                                               const mat_view& d_weight, const mat_view& x, const mat_view& d_x) {
+                                               const mat_view& d_weight, const normed_input& x, const mat_view& d_x) {
   const phase_scope phase(be_, "attn_input_grads");
   const std::int64_t d = dim_;
   const std::int64_t n = recv.dims()[2];
-  for (int j = 0; j < config_.cp; ++j) {
+  const auto grad_rows = [&](int j) {
     const head_view chunk = chunk_heads(recv, j);
-    const mat_view g = {chunk.data, chunk.type, tokens_, n * d, chunk.token_stride};
-    for (const head_run& run : consecutive_runs(lists[j])) {
-      const mat_view g_run = g.col_block(run.slot * d, run.count * d);
-      ops::gemm(be_, {g_run, transpose::none, weight.row_block(run.first * d, run.count * d), transpose::none, d_x,
-                      1.0f, 1.0f});
-      ops::gemm(be_, {g_run, transpose::yes, x, transpose::none, d_weight.row_block(run.first * d, run.count * d),
-                      1.0f, 1.0f});
-    }
-  }
+    return mat_view{chunk.data, chunk.type, tokens_, n * d, chunk.token_stride};
+  };
+  for (int j = 0; j < config_.cp; ++j)
+    for (const head_run& run : consecutive_runs(lists[j]))
+      ops::gemm(be_, {grad_rows(j).col_block(run.slot * d, run.count * d), transpose::none,
+                      weight.row_block(run.first * d, run.count * d), transpose::none, d_x, 1.0f, 1.0f});
+  for_each_input_tile(be_, x, [&](std::int64_t first, const mat_view& rows) {
+    for (int j = 0; j < config_.cp; ++j)
+      for (const head_run& run : consecutive_runs(lists[j]))
+        ops::gemm(be_, {grad_rows(j).row_block(first, rows.rows).col_block(run.slot * d, run.count * d), transpose::yes,
+                        rows, transpose::none, d_weight.row_block(run.first * d, run.count * d), 1.0f, 1.0f});
+  });
 }
 
 }  // namespace upipe

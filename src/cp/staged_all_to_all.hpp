@@ -16,7 +16,7 @@ class staged_all_to_all final : public attention_strategy {
 
   std::vector<position_run> local_positions(int rank) const override;
   attention_saved forward(const mat_view& x, const attention_weights& w, const mat_view& out) override;
-  void backward(const attention_saved& saved, const mat_view& x, const attention_weights& w, const mat_view& out,
+  void backward(const attention_saved& saved, const normed_input& x, const attention_weights& w, const mat_view& out,
                 const mat_view& d_out, const mat_view& d_x, const attention_grads& grads) override;
 
   const head_schedule& schedule() const { return schedule_; }
@@ -37,22 +37,22 @@ class staged_all_to_all final : public attention_strategy {
   head_lists arriving_lists(int stage) const;
   std::vector<sdpa_call> plan_calls(int stage, const std::vector<resident_block>& resident) const;
 
-  tensor project_to_send(const mat_view& x, const mat_view& weight, const head_lists& lists, const char* label);
+  tensor project_to_send(const normed_input& x, const mat_view& weight, const head_lists& lists, const char* label);
   tensor exchange(tensor& send, const char* label);
   head_view sequence_heads(const tensor& t) const;
   void rope(const head_view& x, rope_direction direction);
   tensor pack_heads(const mat_view& src, int stage, const char* label);
   void unpack_heads(const tensor& recv, int stage, const mat_view& dst);
-  resident_block receive_kv(const mat_view& x, const attention_weights& w, int stage, pass which);
+  resident_block receive_kv(const normed_input& x, const attention_weights& w, int stage, pass which);
   void release_finished(std::vector<resident_block>& resident, int stage);
 
   void backward_stage(int stage, std::vector<resident_block>& resident, const attention_saved& saved,
-                      const mat_view& x, const attention_weights& w, const mat_view& out, const mat_view& d_out,
-                      const mat_view& d_x, const attention_grads& grads);
-  void send_back_kv(resident_block& block, const mat_view& x, const attention_weights& w, const mat_view& d_x,
+                      const normed_input& x, const attention_weights& w, const mat_view& out,
+                      const mat_view& d_out, const mat_view& d_x, const attention_grads& grads);
+  void send_back_kv(resident_block& block, const normed_input& x, const attention_weights& w, const mat_view& d_x,
                     const attention_grads& grads);
   void accumulate_input_grads(const tensor& recv, const head_lists& lists, const mat_view& weight,
-                              const mat_view& d_weight, const mat_view& x, const mat_view& d_x);
+                              const mat_view& d_weight, const normed_input& x, const mat_view& d_x);
 
   attention_config config_;
   backend& be_;

@@ -3,6 +3,7 @@
 #include "core/error.hpp"
 #include "cp/ring.hpp"
 #include "cp/staged_all_to_all.hpp"
+#include "ops/ops.hpp"
 
 namespace upipe {
 
@@ -14,6 +15,35 @@ std::vector<position_run> contiguous_positions(std::int64_t seq_len, int cp, int
 std::vector<position_run> zigzag_positions(std::int64_t seq_len, int cp, int rank) {
   const std::int64_t c = seq_len / (2 * cp);
   return {{0, rank * c, c}, {c, (2 * cp - 1 - rank) * c, c}};
+}
+
+normed_input normed_input::of_tiles(const mat_view& residual, const mat_view& norm_weight, float eps,
+                                    std::int64_t tile) {
+  UPIPE_CHECK(tile > 0, "normed input tiles need a positive row count");
+  normed_input x(mat_view{});
+  x.tiled = true;
+  x.residual = residual;
+  x.norm_weight = norm_weight;
+  x.eps = eps;
+  x.tile = tile;
+  return x;
+}
+
+void for_each_input_tile(backend& be, const normed_input& x, const input_tile_fn& fn) {
+  if (!x.tiled) {
+    fn(0, x.whole);
+    return;
+  }
+  const std::int64_t s = x.residual.rows, n = std::min(x.tile, s);
+  tensor rows = be.allocate(mem_tag::attention, be.work_dtype(), {n, x.residual.cols}, "attn_norm_tile");
+  tensor rstd = be.allocate(mem_tag::attention, dtype::f32, {n, 1}, "attn_norm_tile_rstd");
+  for (std::int64_t first = 0; first < s; first += n) {
+    const std::int64_t count = std::min(n, s - first);
+    const mat_view out = rows.matrix().row_block(0, count);
+    ops::rmsnorm_forward(be, {x.residual.row_block(first, count), x.norm_weight, out,
+                              rstd.matrix().row_block(0, count), x.eps});
+    fn(first, out);
+  }
 }
 
 std::unique_ptr<attention_strategy> make_strategy(attention_config config, backend& be, const cp_groups& groups) {

@@ -4,6 +4,8 @@
 #pragma once
 
 #include <algorithm>
+#include <cstdint>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -35,6 +37,26 @@ struct cp_groups {
   communicator* ring = nullptr;
 };
 
+// The attention's input rows x (s, D): whole, or x = RMSNorm(residual) made one token
+// tile at a time, so that a backward at long S holds no normed copy of the sequence (the
+// QKV projections and their weight gradients read x a tile at a time). Row by row the
+// tiles equal the whole: RMSNorm is per row.
+struct normed_input {
+  mat_view whole;  // x itself, unless tiled
+  bool tiled = false;
+  mat_view residual, norm_weight;  // tiled: x = rmsnorm(residual) * norm_weight
+  float eps = 0.0f;
+  std::int64_t tile = 0;  // rows per tile
+
+  normed_input(const mat_view& x) : whole(x) {}  // NOLINT(google-explicit-constructor): a whole input
+  static normed_input of_tiles(const mat_view& residual, const mat_view& norm_weight, float eps, std::int64_t tile);
+};
+
+// fn(first row, rows of x) over x: once with x itself when whole, else for each tile, normed
+// into a buffer that lives for the call.
+using input_tile_fn = std::function<void(std::int64_t first, const mat_view& rows)>;
+void for_each_input_tile(backend& be, const normed_input& x, const input_tile_fn& fn);
+
 struct attention_saved {
   tensor lse;  // f32 log-sum-exp of the heads this rank attended, layout per strategy
 };
@@ -51,7 +73,7 @@ class attention_strategy {
 
   // d_out (s, H*d) -> d_x (s, D) f32 and weight gradients, both accumulated. `out` is
   // the forward's output (recomputed or kept by the caller).
-  virtual void backward(const attention_saved& saved, const mat_view& x, const attention_weights& w,
+  virtual void backward(const attention_saved& saved, const normed_input& x, const attention_weights& w,
                         const mat_view& out, const mat_view& d_out, const mat_view& d_x,
                         const attention_grads& grads) = 0;
 };

@@ -53,7 +53,11 @@ attention_config with_overlap(attention_config c, const step_options& options) {
 transformer::transformer(const model_config& model, const cp_settings& cp, std::int64_t seq_len, backend& be,
                          const cp_groups& groups, const step_options& options)
     : model_(model), be_(be), attention_(with_overlap(attention_config_for(model, cp, seq_len), options), be, groups),
-      store_(be, options.policy, model.num_layers), tokens_(seq_len / cp.cp), prefetch_weights_(options.prefetch_weights) {
+      store_(be, options.policy, model.num_layers), tokens_(seq_len / cp.cp),
+      prefetch_weights_(options.prefetch_weights), attention_input_tile_(options.attention_input_tile) {
+  if (attention_input_tile_ <= 0)
+    throw config_error("attention_input_tile " + std::to_string(attention_input_tile_) +
+                       " must be a positive row count");
   const step_options sized = with_default_sizes(options, model, be.device_arena().capacity());
   mlp_tile_ = std::min(sized.mlp_tile, tokens_);
   loss_chunk_ = std::min(sized.loss_chunk, tokens_);
@@ -271,11 +275,17 @@ void transformer::layer_backward(int layer, const layer_params& p, const layer_p
   } else {
     ctx = attention_.forward(h.matrix(), p.attention, x2.matrix(), projection_mode::accumulate);
   }
+  // A long shard's attention backward reads its normed input a tile at a time: the whole
+  // would be one more (s, D) tensor at the layer's peak.
+  const bool tiled = tokens_ > attention_input_tile_;
+  const normed_input attention_input =
+      tiled ? normed_input::of_tiles(x.matrix(), p.input_norm, eps, attention_input_tile_) : normed_input(h.matrix());
+  if (tiled) h.reset();
   mlp_backward(p, g, x2, d);
   x2.reset();
   tensor d_y = working_copy(be_, d.matrix(), "attn_d_y");
   tensor d_h = be_.allocate_zeroed(mem_tag::activations, dtype::f32, {tokens_, D}, "attn_d_norm_out");
-  attention_.backward(ctx, h.matrix(), p.attention, std::move(d_y), d_h.matrix(), as_grads(g.attention));
+  attention_.backward(ctx, attention_input, p.attention, std::move(d_y), d_h.matrix(), as_grads(g.attention));
   ctx = {};
   // Past the layer's peak (the attention backward), so the early copy costs no memory at it.
   if (checkpoint_ahead > 0) store_.prefetch(checkpoint_ahead, checkpoint_store::item::input, mem_tag::activations);

@@ -29,6 +29,9 @@ struct step_options {
   std::int64_t loss_chunk = 0;  // tokens per cross-entropy chunk; 0: with_default_sizes
   checkpoint_policy policy;
   bool overlap_comm = false;  // see attention_config::overlap_comm
+  // Local tokens beyond which the attention backward norms its input this many rows at a
+  // time rather than holding the whole normed shard (layer_backward).
+  std::int64_t attention_input_tile = 65536;
   // ZeRO-3: gather the next layer's weights while this layer computes (one more layer's
   // weights held meanwhile).
   bool prefetch_weights = false;
@@ -98,6 +101,7 @@ class transformer {
   std::int64_t tokens_;  // s
   bool prefetch_weights_ = false;
   std::int64_t mlp_tile_, loss_chunk_;
+  std::int64_t attention_input_tile_;
   tensor final_hidden_;  // (s, D): the last layer's output, input of the loss
 };
 

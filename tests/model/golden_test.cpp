@@ -64,6 +64,7 @@ model_step_request request(const golden_case& g, strategy_kind kind, int cp, int
   req.cp = {kind, cp, chunk};
   req.options.mlp_tile = 5;    // tiles that do not divide the shard
   req.options.loss_chunk = 7;  // nor do the loss chunks
+  req.options.attention_input_tile = 3;  // the attention backward norms its input 3 rows at a time
   req.limits = {std::size_t{256} << 20, std::size_t{64} << 20};
   return req;
 }
