@@ -57,6 +57,7 @@ TEST(gpu_model, training_step_matches_the_cpu_backend) {
     req.cp = {strategy_kind::upipe, 2, 0};
     req.options.mlp_tile = 24;
     req.options.loss_chunk = 40;
+    req.options.attention_input_tile = 40;  // 128 local tokens: the backward norms its input in tiles
     const host_weights w = random_weights(req.model, 3);
     std::vector<std::int32_t> tokens(256);
     for (std::size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<std::int32_t>((i * 37 + 11) % 256);
