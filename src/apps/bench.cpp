@@ -169,7 +169,7 @@ int run(const bench_flags& f) {
         o.seq_len = s;
         o.cp = {strategy, C, u};
         o.zero = f.optimizer == "none" ? zero_stage::replicated : (f.zero == 3 ? zero_stage::three : zero_stage::two);
-        o.step = {f.mlp_tile, f.loss_chunk, fixed_policy};
+        o.step = sized_for_gpu({f.mlp_tile, f.loss_chunk, fixed_policy}, m, f.memory_gib);
         f.comm.apply(o.step);
         o.optim.total_steps = 1 + f.repeats;
         o.optim.warmup_steps = 0;

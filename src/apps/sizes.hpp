@@ -8,6 +8,7 @@
 #include "backend/backend.hpp"
 #include "core/error.hpp"
 #include "model/checkpoint_store.hpp"
+#include "model/transformer.hpp"
 
 namespace upipe::apps {
 
@@ -50,13 +51,8 @@ inline std::size_t parse_bytes(const std::string& text, const char* flag) {
                      "TiB (or KB, MB, GB, TB), for example 80GiB or 1.9TiB");
 }
 
-// The arenas for a run: `memory_gib` per rank (checked positive); nothing reserved on
-// meta, which takes the GPU libraries' workspaces as the cuda backend would so that its
-// peak is the GPU's; on the GPU a host pool of `host_gib` when given, else 1 GiB unless
-// checkpoints go to the host (then `memory_gib`), since pinned memory is taken at start;
-// pageable (and only reserved) when checkpoints go to pageable host memory.
 inline constexpr const char* mlp_tile_help =
-    "tokens per MLP/RMSNorm tile (0: up to 8192, its buffers at most 1/64 of the GPU memory)";
+    "tokens per MLP/RMSNorm tile (0: up to 8192, its buffers at most 1/64 of the GPU memory, 256 at least)";
 inline constexpr const char* loss_chunk_help =
     "tokens per cross-entropy chunk (0: f32 logits of up to 2 GiB, at most 1/64 of the GPU memory)";
 
@@ -64,6 +60,11 @@ inline constexpr const char* host_memory_gib_help =
     "host pool per rank, GiB: pinned, or pageable with where=host-pageable (0: 1 GiB, or --memory-gib when "
     "checkpoints go to the host)";
 
+// The arenas for a run: `memory_gib` per rank (checked positive); nothing reserved on
+// meta, which takes the GPU libraries' workspaces as the cuda backend would so that its
+// peak is the GPU's; on the GPU a host pool of `host_gib` when given, else 1 GiB unless
+// checkpoints go to the host (then `memory_gib`), since pinned memory is taken at start;
+// pageable (and only reserved) when checkpoints go to pageable host memory.
 inline memory_limits run_limits(backend_kind kind, double memory_gib, checkpoint_location checkpoints,
                                 double host_gib = 0) {
   if (!(memory_gib > 0))
@@ -78,6 +79,13 @@ inline memory_limits run_limits(backend_kind kind, double memory_gib, checkpoint
                                                        : (small_host ? std::size_t{1} << 30 : bytes(memory_gib))};
   limits.host_pageable = kind == backend_kind::cuda && checkpoints == checkpoint_location::host_pageable;
   return limits;
+}
+
+// The MLP tile and loss chunk where `o` gives none, sized for a GPU arena of `memory_gib`
+// whatever the backend, so that a meta or cpu run takes the sizes the GPU run would.
+inline step_options sized_for_gpu(const step_options& o, const model_config& model, double memory_gib) {
+  const memory_limits gpu = run_limits(backend_kind::cuda, memory_gib, checkpoint_location::device);
+  return with_default_sizes(o, model, gpu.device_bytes);
 }
 
 }  // namespace upipe::apps

@@ -65,7 +65,7 @@ int run(const step_flags& f) {
   req.model = load_model(f.model, f.config_path);
   req.backend = parse_backend_kind(f.backend);
   req.cp = {parse_strategy_kind(f.attention), f.cp, f.head_chunk};
-  req.options = {f.mlp_tile, f.loss_chunk, parse_checkpoint_policy(f.policy)};
+  req.options = sized_for_gpu({f.mlp_tile, f.loss_chunk, parse_checkpoint_policy(f.policy)}, req.model, f.memory_gib);
   req.limits = run_limits(req.backend, f.memory_gib, req.options.policy.where, f.host_memory_gib);
   const std::int64_t S = parse_count(f.seq_len, "--seq-len");
   if (S < 2) throw config_error("--seq-len " + f.seq_len + " must be at least 2 (one prediction needs two tokens)");

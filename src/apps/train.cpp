@@ -47,7 +47,9 @@ train_options to_options(const train_flags& f) {
   o.seq_warmup_start = f.seq_warmup_start;
   o.cp = {parse_strategy_kind(f.attention), f.cp, f.head_chunk};
   o.zero = f.zero == 3 ? zero_stage::three : zero_stage::two;
-  o.step = {f.mlp_tile, f.loss_chunk, is_auto_policy(f.policy) ? checkpoint_policy{} : parse_checkpoint_policy(f.policy)};
+  o.step = sized_for_gpu(
+      {f.mlp_tile, f.loss_chunk, is_auto_policy(f.policy) ? checkpoint_policy{} : parse_checkpoint_policy(f.policy)},
+      o.model, f.memory_gib);
   f.comm.apply(o.step);
   o.optim.lr = f.lr;
   o.optim.weight_decay = f.weight_decay;
