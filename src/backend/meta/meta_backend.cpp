@@ -31,11 +31,13 @@ class meta_backend final : public backend {
   void download_bytes(void*, const tensor&, std::size_t) override {}
 
   void gemm(const gemm_args&) override {}
+  // As the CUDA engine, no plan (and no workspace) for a call where nothing attends.
   void sdpa_forward(const sdpa_forward_args& a) override {
-    if (gpu_workspaces_) grow_cudnn_workspace(sdpa_forward_workspace_bytes(a.q.tokens, a.q.heads));
+    if (gpu_workspaces_ && attends(a.q, a.k))
+      grow_cudnn_workspace(sdpa_forward_workspace_bytes(a.q.tokens, a.q.heads));
   }
   void sdpa_backward(const sdpa_backward_args& a) override {
-    if (gpu_workspaces_)
+    if (gpu_workspaces_ && attends(a.q, a.k))
       grow_cudnn_workspace(sdpa_backward_workspace_bytes(a.q.tokens, a.q.heads, a.q.dim, a.k.tokens, a.mask));
   }
   void rope(const rope_args&) override {}
@@ -54,6 +56,9 @@ class meta_backend final : public backend {
   double sum_squares(const mat_view&) override { return 0.0; }
 
  private:
+  static bool attends(const head_view& q, const head_view& k) {
+    return q.tokens > 0 && q.heads > 0 && q.dim > 0 && k.tokens > 0;
+  }
   // As the CUDA engines: cached workspaces that live as long as the backend, a larger
   // one taken (and the smaller kept) when a plan needs more.
   void reserve(std::size_t bytes, const char* label) {
