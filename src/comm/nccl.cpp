@@ -530,8 +530,12 @@ std::vector<std::unique_ptr<backend>> run_nccl_process(const memory_limits& limi
   ncclComm_t comm = nullptr;
   try {
     int mpi_rank = 0, mpi_size = 1;
-    if (mpi != nullptr && mpi->init(&mpi_rank, &mpi_size) != 0)
-      throw std::runtime_error("MPI_Init failed (" + env.launcher + ")");
+    if (mpi != nullptr && mpi->init(&mpi_rank, &mpi_size) != 0) {
+      if (env.size > 1) throw std::runtime_error("MPI_Init failed (" + env.launcher + ")");
+      mpi = nullptr;  // a job of one process goes on without it
+      mpi_rank = 0;
+      mpi_size = 1;
+    }
     if (mpi_rank != env.rank || mpi_size != env.size)
       throw config_error("MPI says rank " + std::to_string(mpi_rank) + " of " + std::to_string(mpi_size) + " but " +
                          env.launcher + "'s environment says " + std::to_string(env.rank) + " of " +
