@@ -3,8 +3,6 @@
 // with tiles that do not divide the shard.
 #include <gtest/gtest.h>
 
-#include <algorithm>
-#include <cmath>
 #include <random>
 #include <string>
 #include <vector>
@@ -12,6 +10,8 @@
 #include "comm/communicator.hpp"
 #include "cp/attention_layer.hpp"
 #include "ops/ops.hpp"
+
+#include "../support/compare.hpp"
 
 namespace upipe {
 namespace {
@@ -33,16 +33,6 @@ std::vector<float> downloaded(backend& be, const tensor& t) {
   std::vector<float> v(static_cast<std::size_t>(t.numel()));
   be.download_f32(v.data(), t);
   return v;
-}
-
-// max |a - b| / max |b|
-double relative_difference(const std::vector<float>& a, const std::vector<float>& b) {
-  double diff = 0, scale = 0;
-  for (std::size_t i = 0; i < a.size(); ++i) {
-    diff = std::max(diff, std::abs(static_cast<double>(a[i]) - b[i]));
-    scale = std::max(scale, std::abs(static_cast<double>(b[i])));
-  }
-  return diff / scale;
 }
 
 // The gradients of one backward: d_x, then dWq, dWk, dWv, dWo.
@@ -104,7 +94,7 @@ void expect_tiles_match_whole(strategy_kind kind, int cp, int head_chunk) {
           const gradients tiled = backward(normed_input::of_tiles(residual.matrix(), norm.matrix(), eps, tile));
           const char* names[] = {"d_x", "dWq", "dWk", "dWv", "dWo"};
           for (std::size_t i = 0; i < whole.size(); ++i)
-            EXPECT_LT(relative_difference(tiled[i], whole[i]), 1e-5)
+            EXPECT_LT(testing::max_difference_over_max(tiled[i], whole[i]), 1e-5)
                 << strategy_name(kind) << " C=" << cp << " U=" << c.head_chunk << " tile " << tile << " rank " << rank
                 << ": " << names[i];
         }

@@ -23,7 +23,7 @@
 #include "model/model_step.hpp"
 #include "train/trainer.hpp"
 
-#include "compare.hpp"
+#include "../support/compare.hpp"
 
 namespace upipe {
 namespace {

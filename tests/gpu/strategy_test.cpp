@@ -8,7 +8,7 @@
 #include "bench/attention_experiment.hpp"
 #include "model/model_step.hpp"
 
-#include "compare.hpp"
+#include "../support/compare.hpp"
 
 namespace upipe {
 namespace {

@@ -1,4 +1,4 @@
-// Comparing a GPU result with its reference in the GPU tests.
+// Comparing a result with its reference, for tests of several folders.
 #pragma once
 
 #include <algorithm>
