@@ -41,7 +41,8 @@ struct step_options {
 // thousand tokens (on the H200, 2K-token tiles cost llama3.2-1b 10% of its MLP time and
 // 256 MiB of logits a quarter of llama3-8b's loss time): up to max_mlp_tile tokens and
 // max_logits_bytes of f32 logits. Each one's buffers take at most 1/64 of the GPU arena
-// (`device_bytes`), so that on a small GPU they cost no sequence length.
+// (`device_bytes`; a tile has 256 tokens at least), so that on a small GPU they cost no
+// sequence length.
 inline constexpr std::int64_t max_mlp_tile = 8192;
 inline constexpr std::size_t max_logits_bytes = std::size_t{2} << 30;
 step_options with_default_sizes(step_options o, const model_config& model, std::size_t device_bytes);
