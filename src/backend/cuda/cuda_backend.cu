@@ -128,6 +128,7 @@ class pageable_mover {
   explicit pageable_mover(cudaStream_t copy_stream) : copy_stream_(copy_stream) {
     try {
       UPIPE_CUDA_CHECK(cudaStreamCreateWithFlags(&host_stream_, cudaStreamNonBlocking));
+      UPIPE_CUDA_CHECK(cudaEventCreateWithFlags(&host_done_, cudaEventDisableTiming));
       for (slot& s : slots_) {
         UPIPE_CUDA_CHECK(cudaHostAlloc(&s.buffer, chunk_bytes, cudaHostAllocPortable));
         UPIPE_CUDA_CHECK(cudaEventCreateWithFlags(&s.filled, cudaEventDisableTiming));
@@ -173,6 +174,11 @@ class pageable_mover {
     }
   }
   void synchronize() const { UPIPE_CUDA_CHECK(cudaStreamSynchronize(host_stream_)); }
+  // Work issued on `stream` from now on waits for the host copies issued so far.
+  void join_into(cudaStream_t stream) {
+    UPIPE_CUDA_CHECK(cudaEventRecord(host_done_, host_stream_));
+    UPIPE_CUDA_CHECK(cudaStreamWaitEvent(stream, host_done_, 0));
+  }
 
  private:
   struct slot {
@@ -194,8 +200,10 @@ class pageable_mover {
       if (s.filled != nullptr) log_cuda(cudaEventDestroy(s.filled), "cudaEventDestroy");
       if (s.free != nullptr) log_cuda(cudaEventDestroy(s.free), "cudaEventDestroy");
     }
+    if (host_done_ != nullptr) log_cuda(cudaEventDestroy(host_done_), "cudaEventDestroy");
     if (host_stream_ != nullptr) log_cuda(cudaStreamDestroy(host_stream_), "cudaStreamDestroy(host copies)");
     host_stream_ = nullptr;
+    host_done_ = nullptr;
     for (slot& s : slots_) s = slot{};
   }
   slot& next() { return slots_[next_++ % slots_.size()]; }
@@ -213,6 +221,7 @@ class pageable_mover {
 
   cudaStream_t copy_stream_;
   cudaStream_t host_stream_ = nullptr;
+  cudaEvent_t host_done_ = nullptr;
   std::array<slot, 2> slots_{};
   std::size_t next_ = 0;
 };
@@ -236,6 +245,7 @@ class cuda_backend final : public backend {
   void copy_bytes(void* dst, const void* src, std::size_t bytes) override {
     if (bytes == 0 || dst == src) return;
     use_device();
+    after_host_copies(dst, src);
     UPIPE_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream_));
   }
   void copy_bytes_side(void* dst, const void* src, std::size_t bytes) override {
@@ -297,6 +307,7 @@ class cuda_backend final : public backend {
     UPIPE_CHECK(bytes <= dst.bytes(), "upload larger than the tensor");
     if (bytes == 0) return;
     use_device();
+    after_host_copies(dst.data(), host);
     UPIPE_CUDA_CHECK(cudaMemcpyAsync(dst.data(), host, bytes, cudaMemcpyDefault, stream_));
     synchronize();
   }
@@ -304,6 +315,7 @@ class cuda_backend final : public backend {
     UPIPE_CHECK(bytes <= src.bytes(), "download larger than the tensor");
     if (bytes == 0) return;
     use_device();
+    after_host_copies(host, src.data());
     UPIPE_CUDA_CHECK(cudaMemcpyAsync(host, src.data(), bytes, cudaMemcpyDefault, stream_));
     synchronize();
   }
@@ -398,6 +410,11 @@ class cuda_backend final : public backend {
   bool in_host_pool(const void* p) const {
     const auto* b = static_cast<const std::byte*>(p);
     return host_base_ != nullptr && b >= host_base_ && b < host_base_ + host_arena().capacity();
+  }
+  // A copy on the step's stream that touches the pageable pool runs after the pool's host
+  // copies issued so far (side copies finish there, beyond the copy stream).
+  void after_host_copies(const void* dst, const void* src) {
+    if (pageable_ && (in_host_pool(dst) || in_host_pool(src))) pageable_->join_into(stream_);
   }
 
   void acquire(std::size_t device_bytes, std::size_t host_bytes, bool host_pageable);
