@@ -30,14 +30,6 @@ double unit(std::uint64_t word) { return static_cast<double>(word >> 11) * 0x1.0
 
 }  // namespace
 
-void fill_uniform(std::span<float> out, std::uint64_t seed, std::uint64_t stream, float mean, float half_width) {
-  const std::uint64_t base = stream_base(seed, stream);
-  parallel_ranges(out.size(), [&](std::size_t first, std::size_t last) {
-    for (std::size_t i = first; i < last; ++i)
-      out[i] = mean + half_width * static_cast<float>(2.0 * unit(mix64(base + i)) - 1.0);
-  });
-}
-
 void fill_normal(std::span<float> out, std::uint64_t seed, std::uint64_t stream, float scale) {
   const std::uint64_t base = stream_base(seed, stream);
   parallel_ranges(out.size(), [&](std::size_t first, std::size_t last) {

@@ -16,8 +16,6 @@ constexpr std::uint64_t mix64(std::uint64_t x) {
   return x ^ (x >> 31);
 }
 
-// out[i] = mean + half_width * u, u uniform on [-1, 1).
-void fill_uniform(std::span<float> out, std::uint64_t seed, std::uint64_t stream, float mean, float half_width);
 // out[i] = scale * z, z standard normal (Box-Muller on two hashed words).
 void fill_normal(std::span<float> out, std::uint64_t seed, std::uint64_t stream, float scale);
 

@@ -2,7 +2,6 @@
 
 #include <cmath>
 #include <filesystem>
-#include <random>
 #include <set>
 
 #include "core/error.hpp"
@@ -69,26 +68,14 @@ void write_weights(const model_config& config, const host_weights& weights, cons
 }
 
 host_weights random_weights(const model_config& config, unsigned long long seed) {
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> normal(0.0f, 1.0f);
   host_weights weights;
+  std::uint64_t stream = 0;  // one per tensor
   for (const parameter_spec& spec : parameter_specs(config)) {
     std::vector<float> v(static_cast<std::size_t>(numel(spec.shape)));
     const bool norm = spec.shape.size() == 1;
-    for (auto& e : v) e = norm ? 1.0f + 0.1f * normal(rng) : 0.02f * normal(rng);
-    weights.emplace(spec.name, std::move(v));
-  }
-  return weights;
-}
-
-host_weights quick_random_weights(const model_config& config, unsigned long long seed) {
-  const float half_width = std::sqrt(3.0f);  // uniform on [-sqrt 3, sqrt 3] has variance 1
-  host_weights weights;
-  std::uint64_t stream = 0;
-  for (const parameter_spec& spec : parameter_specs(config)) {
-    std::vector<float> v(static_cast<std::size_t>(numel(spec.shape)));
-    const bool norm = spec.shape.size() == 1;
-    fill_uniform(v, seed, ++stream, norm ? 1.0f : 0.0f, (norm ? 0.1f : 0.02f) * half_width);
+    fill_normal(v, seed, ++stream, norm ? 0.1f : 0.02f);
+    if (norm)
+      for (float& e : v) e += 1.0f;
     weights.emplace(spec.name, std::move(v));
   }
   return weights;

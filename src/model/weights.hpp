@@ -22,12 +22,8 @@ host_weights read_weights(const model_config& config, const std::string& path);
 void write_weights(const model_config& config, const host_weights& weights, const std::string& path, dtype type);
 
 // Random initialization: matrices N(0, 0.02); norm weights 1 + N(0, 0.1), so that a
-// test cannot pass with a norm weight ignored or misplaced.
+// test cannot pass with a norm weight ignored or misplaced. Counter-based draws on all
+// cores (core/random.hpp), so models of billions of parameters start in seconds.
 host_weights random_weights(const model_config& config, unsigned long long seed);
-
-// Weights for benchmarks of models with billions of parameters: the same means and
-// standard deviations as random_weights, drawn uniformly from a counter-based hash on all
-// cores (about a second per billion), so a timed step multiplies real numbers, not zeros.
-host_weights quick_random_weights(const model_config& config, unsigned long long seed);
 
 }  // namespace upipe

@@ -14,6 +14,7 @@
 #include <system_error>
 
 #include "core/error.hpp"
+#include "core/random.hpp"
 
 namespace upipe {
 namespace {
@@ -131,13 +132,6 @@ constexpr std::int64_t shortest_sentence() {
 constexpr std::int64_t key_block = 1 + passkey_task::key_digits;        // KEY d d d d d
 constexpr std::int64_t query_block = 2 + passkey_task::key_digits;      // QUERY KEY d d d d d
 
-std::uint64_t splitmix64(std::uint64_t x) {
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
-
 // A value uniform in [0, n) by rejection, straight from the engine's output: mt19937_64's
 // sequence is fixed by the standard, whereas uniform_int_distribution's mapping is not.
 std::uint64_t uniform_below(std::mt19937_64& rng, std::uint64_t n) {
@@ -159,7 +153,7 @@ passkey_task::passkey_task(std::int64_t seq_len) : seq_len_(seq_len) {
 std::int64_t passkey_task::min_seq_len() { return 1 + key_block + query_block + shortest_sentence(); }
 
 passkey_sample passkey_task::sample(std::uint64_t seed, std::uint64_t index) const {
-  std::mt19937_64 rng(splitmix64(splitmix64(seed) ^ index));
+  std::mt19937_64 rng(mix64(mix64(seed) ^ index));
 
   passkey_sample s;
   for (std::int64_t i = 0; i < key_digits; ++i)

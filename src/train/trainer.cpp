@@ -277,7 +277,7 @@ step_timing time_steps(const train_options& o, std::int64_t warmup_len, int repe
   step_timing out;
   // Random weights wherever there is data: a step over zeros would time multiplications of
   // zeros (which draw less power) and its loss would be log(vocab) whatever the strategy.
-  const host_weights init = o.backend == backend_kind::meta ? host_weights{} : quick_random_weights(o.model, o.seed);
+  const host_weights init = o.backend == backend_kind::meta ? host_weights{} : random_weights(o.model, o.seed);
   run_cp_group(
       o.backend, o.limits, o.cp.cp,
       [&](int rank, backend& be, communicator& comm) {
