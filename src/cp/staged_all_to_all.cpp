@@ -240,7 +240,7 @@ attention_saved staged_all_to_all::forward(const mat_view& x, const attention_we
       }
     }
     q.reset();
-    if (config_.overlap_comm && t + 1 < schedule_.stages()) {
+    if (config_.overlap_comm && config_.cp > 1 && t + 1 < schedule_.stages()) {
       const phase_scope phase(be_, "attn_a2a");
       previous.recv = be_.allocate(mem_tag::attention, o.type(), o.dims(), "a2a_o");
       previous.request = comm_.all_to_all_start(o.data(), previous.recv.data(), o.bytes() / config_.cp, "a2a_o");

@@ -29,19 +29,21 @@ normed_input normed_input::of_tiles(const mat_view& residual, const mat_view& no
   return x;
 }
 
-void for_each_input_tile(backend& be, const normed_input& x, const input_tile_fn& fn) {
+void for_each_input_tile(backend& be, const normed_input& x, const input_tile_fn& fn, const mat_view& rstd) {
   if (!x.tiled) {
     fn(0, x.whole);
     return;
   }
   const std::int64_t s = x.residual.rows, n = std::min(x.tile, s);
+  const bool keep_rstd = rstd.rows > 0;
+  UPIPE_CHECK(!keep_rstd || rstd.rows == s, "the 1/rms output needs a row per input row");
   tensor rows = be.allocate(mem_tag::attention, be.work_dtype(), {n, x.residual.cols}, "attn_norm_tile");
-  tensor rstd = be.allocate(mem_tag::attention, dtype::f32, {n, 1}, "attn_norm_tile_rstd");
+  tensor scratch = keep_rstd ? tensor() : be.allocate(mem_tag::attention, dtype::f32, {n, 1}, "attn_norm_tile_rstd");
   for (std::int64_t first = 0; first < s; first += n) {
     const std::int64_t count = std::min(n, s - first);
     const mat_view out = rows.matrix().row_block(0, count);
-    ops::rmsnorm_forward(be, {x.residual.row_block(first, count), x.norm_weight, out,
-                              rstd.matrix().row_block(0, count), x.eps});
+    const mat_view tile_rstd = keep_rstd ? rstd.row_block(first, count) : scratch.matrix().row_block(0, count);
+    ops::rmsnorm_forward(be, {x.residual.row_block(first, count), x.norm_weight, out, tile_rstd, x.eps});
     fn(first, out);
   }
 }

@@ -53,9 +53,10 @@ struct normed_input {
 };
 
 // fn(first row, rows of x) over x: once with x itself when whole, else for each tile, normed
-// into a buffer that lives for the call.
+// into a buffer that lives for the call; a tiled pass also writes each row's 1/rms into
+// `rstd` (s x 1, f32) when given.
 using input_tile_fn = std::function<void(std::int64_t first, const mat_view& rows)>;
-void for_each_input_tile(backend& be, const normed_input& x, const input_tile_fn& fn);
+void for_each_input_tile(backend& be, const normed_input& x, const input_tile_fn& fn, const mat_view& rstd = {});
 
 struct attention_saved {
   tensor lse;  // f32 log-sum-exp of the heads this rank attended, layout per strategy

@@ -261,13 +261,24 @@ void transformer::layer_backward(int layer, const layer_params& p, const layer_p
                                  const tensor& d, int checkpoint_ahead) {
   const std::int64_t D = model_.hidden_size;
   const float eps = static_cast<float>(model_.rms_norm_eps);
-  tensor h = be_.allocate(mem_tag::activations, be_.work_dtype(), {tokens_, D}, "attn_norm_out");
+  // A long shard's attention backward reads its normed input a tile at a time: the whole
+  // would be one more (s, D) tensor at the layer's peak. The whole is made only for a
+  // rerun of the attention forward, or for a short shard.
+  const bool kept = store_.has(layer, checkpoint_store::item::attention_out);
+  const bool tiled = tokens_ > attention_input_tile_;
+  const normed_input tiles = normed_input::of_tiles(x.matrix(), p.input_norm, eps, attention_input_tile_);
   tensor rstd = be_.allocate(mem_tag::activations, dtype::f32, {tokens_, 1}, "attn_norm_rstd");
-  ops::rmsnorm_forward(be_, {x.matrix(), p.input_norm, h.matrix(), rstd.matrix(), eps});
+  tensor h;
+  if (kept && tiled) {
+    for_each_input_tile(be_, tiles, [](std::int64_t, const mat_view&) {}, rstd.matrix());  // its 1/rms alone
+  } else {
+    h = be_.allocate(mem_tag::activations, be_.work_dtype(), {tokens_, D}, "attn_norm_out");
+    ops::rmsnorm_forward(be_, {x.matrix(), p.input_norm, h.matrix(), rstd.matrix(), eps});
+  }
   tensor x2 = be_.allocate(mem_tag::activations, be_.work_dtype(), {tokens_, D}, "attn_residual");
   copy_matrix(be_, x2.matrix(), x.matrix());
   attention_layer::context ctx;
-  if (store_.has(layer, checkpoint_store::item::attention_out)) {
+  if (kept) {
     // The checkpoint kept the attention output: only the output projection reruns.
     ctx.out = store_.take(layer, checkpoint_store::item::attention_out, mem_tag::activations);
     ctx.saved.lse = store_.take(layer, checkpoint_store::item::attention_lse, mem_tag::activations);
@@ -275,11 +286,7 @@ void transformer::layer_backward(int layer, const layer_params& p, const layer_p
   } else {
     ctx = attention_.forward(h.matrix(), p.attention, x2.matrix(), projection_mode::accumulate);
   }
-  // A long shard's attention backward reads its normed input a tile at a time: the whole
-  // would be one more (s, D) tensor at the layer's peak.
-  const bool tiled = tokens_ > attention_input_tile_;
-  const normed_input attention_input =
-      tiled ? normed_input::of_tiles(x.matrix(), p.input_norm, eps, attention_input_tile_) : normed_input(h.matrix());
+  const normed_input attention_input = tiled ? tiles : normed_input(h.matrix());
   if (tiled) h.reset();
   mlp_backward(p, g, x2, d);
   x2.reset();
