@@ -17,13 +17,11 @@ inline bool is_auto_policy(const std::string& text) { return text == "auto"; }
 // auto: sets o.step.policy and o.limits to the planner's fastest policy whose step fits a
 // GPU arena of memory_gib per rank (beside the GPU context the planner adds) and the pinned
 // host pool, 2% kept free; o.cp, o.zero, o.model and o.seq_len must be set, and o.step's tile
-// and chunk are sized here where they are 0.
+// and chunk sized for that arena (sized_for_gpu), so that the planned step is the one that runs.
 inline plan_point choose_checkpoint_policy(train_options& o, double memory_gib, double host_memory_gib) {
-  // As on the GPU whatever the backend, so that meta predicts the GPU's choice; the tiles
-  // are sized for the run's arena here, so that the planned step is the step that runs.
+  // As on the GPU whatever the backend, so that meta predicts the GPU's choice.
   const std::size_t arena =
       run_limits(backend_kind::cuda, memory_gib, checkpoint_location::device, host_memory_gib).device_bytes;
-  o.step = with_default_sizes(o.step, o.model, arena);
   plan_request r;
   r.model = o.model;
   r.gpus = o.cp.cp;
