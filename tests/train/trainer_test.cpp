@@ -167,10 +167,13 @@ TEST(trainer, timed_steps_equal_cp1_and_emulation_measures_rank_0) {
   EXPECT_LT(std::abs(all.losses[0] - single.losses[0]) / single.losses[0], 1e-5)
       << all.losses[0] << " vs " << single.losses[0];
   // The weights are random: over zeros every logit is equal and the loss is log(vocab)
-  // at any C, which would make the comparison above empty. The second step sees the
-  // update, whose gradients the norms check.
+  // at any C, which would make the comparison above empty. The second step runs on other
+  // tokens after the update: its loss matches C = 1's only if the update did, and the
+  // norms check both steps' gradients.
   EXPECT_GT(std::abs(all.losses[0] - std::log(static_cast<double>(o.model.vocab_size))), 1e-4);
   EXPECT_NE(all.losses[0], all.losses[1]);
+  EXPECT_LT(std::abs(all.losses[1] - single.losses[1]) / single.losses[1], 1e-5)
+      << all.losses[1] << " vs " << single.losses[1];
   for (std::size_t i = 0; i < 2; ++i)
     EXPECT_LT(std::abs(all.grad_norms[i] - single.grad_norms[i]) / single.grad_norms[i], 1e-4)
         << "step " << i + 1 << ": " << all.grad_norms[i] << " vs " << single.grad_norms[i];
