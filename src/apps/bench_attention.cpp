@@ -69,7 +69,7 @@ std::vector<attention_config> configurations(const bench_flags& f) {
         c.cp = f.cp;
         c.head_chunk = chunk;
         c.rope.theta = f.rope_theta;
-        c.rope.scaling.enabled = f.rope_llama3;
+        c.rope.scaling.kind = f.rope_llama3 ? rope_kind::llama3 : rope_kind::none;
         c.qk_norm = f.qk_norm;
         validate(c);  // every configuration is checked before the first one runs
         configs.push_back(c);

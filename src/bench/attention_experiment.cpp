@@ -195,7 +195,7 @@ void dump(const std::string& dir, const attention_config& c, const attention_inp
   nlohmann::json meta = {{"seq_len", S}, {"heads", c.heads}, {"kv_heads", c.kv_heads}, {"head_dim", c.head_dim},
                          {"model_dim", D}, {"cp", c.cp}, {"head_chunk", c.head_chunk},
                          {"strategy", strategy_name(c.strategy)}, {"rope_theta", c.rope.theta},
-                         {"rope_llama3_scaling", c.rope.scaling.enabled}, {"rope_factor", c.rope.scaling.factor},
+                         {"rope_llama3_scaling", c.rope.scaling.kind == rope_kind::llama3}, {"rope_factor", c.rope.scaling.factor},
                          {"rope_low_freq_factor", c.rope.scaling.low_freq_factor},
                          {"rope_high_freq_factor", c.rope.scaling.high_freq_factor},
                          {"rope_original_max_position", c.rope.scaling.original_max_position},

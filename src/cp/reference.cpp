@@ -45,12 +45,13 @@ matrix weight_grad(const matrix& a, const matrix& b, std::int64_t m, std::int64_
 void rotate(matrix& t, const attention_config& c, int heads, double sign) {
   const int d = c.head_dim, half = d / 2;
   const auto inv = ops::rope_inverse_frequencies(c.rope, d);
+  const double factor = ops::rope_attention_factor(c.rope);
   for (std::int64_t s = 0; s < c.seq_len; ++s)
     for (int h = 0; h < heads; ++h) {
       double* row = &t[(s * heads + h) * d];
       for (int i = 0; i < half; ++i) {
         const double a = static_cast<double>(s) * inv[i];
-        const double cs = std::cos(a), sn = sign * std::sin(a);
+        const double cs = factor * std::cos(a), sn = factor * sign * std::sin(a);
         const double x1 = row[i], x2 = row[i + half];
         row[i] = x1 * cs - x2 * sn;
         row[i + half] = x2 * cs + x1 * sn;

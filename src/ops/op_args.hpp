@@ -44,13 +44,23 @@ struct sdpa_backward_args {
   float scale = 1.0f;
 };
 
-// Llama 3 frequency scaling (rope_type "llama3" in Hugging Face configs).
+// How RoPE's frequencies are stretched for a longer context, as Hugging Face's
+// rope_type names it: llama3 (frequency bands), linear (positions / factor) or yarn
+// (NTK-by-parts bands and an attention factor on cos and sin).
+enum class rope_kind : std::uint8_t { none, llama3, linear, yarn };
+
 struct rope_scaling {
-  bool enabled = false;
+  rope_kind kind = rope_kind::none;
   double factor = 8.0;
-  double low_freq_factor = 1.0;
-  double high_freq_factor = 4.0;
-  std::int64_t original_max_position = 8192;
+  double low_freq_factor = 1.0;   // llama3
+  double high_freq_factor = 4.0;  // llama3
+  std::int64_t original_max_position = 8192;  // llama3, yarn
+  double beta_fast = 32.0, beta_slow = 1.0;    // yarn: the band edges in rotations
+  double mscale = 0.0, mscale_all_dim = 0.0;   // yarn: DeepSeek's variant of the attention factor (0: unset)
+  double attention_factor = 0.0;               // yarn: given explicitly (0: derived from the factor)
+  bool truncate = true;                        // yarn: band edges rounded to whole dimensions
+
+  bool enabled() const { return kind != rope_kind::none; }
 };
 
 struct rope_config {

@@ -55,7 +55,7 @@ TEST_P(strategy_sweep, matches_reference) {
         c.cp = g.cp;
         c.head_chunk = chunk;
         c.strategy = kind;
-        c.rope.scaling.enabled = (S == 36);  // Llama 3 scaling on one length
+        c.rope.scaling.kind = S == 36 ? rope_kind::llama3 : rope_kind::none;  // Llama 3 scaling on one length
         c.rope.scaling.original_max_position = 16;
         c.rope.theta = 10000;
         c.qk_norm = (S == 48 && d == 16);  // Qwen3's per-head q/k norm on one configuration

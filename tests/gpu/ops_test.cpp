@@ -257,12 +257,16 @@ void run_rope(backend& be, const tensor& t, const rope_layout& l, const std::vec
 }
 
 TEST_F(gpu_ops, rope_f32_matches_cpu_at_position_8m) {
-  rope_config scaled;
-  scaled.scaling.enabled = true;
+  rope_config scaled, linear, yarn;
+  scaled.scaling.kind = rope_kind::llama3;
+  linear.scaling = {.kind = rope_kind::linear, .factor = 4.0};
+  // YaRN scales cos and sin by its attention factor (1.139 here) in both directions.
+  yarn.scaling = {.kind = rope_kind::yarn, .factor = 4.0, .original_max_position = 8192};
   for (const rope_layout& l : {head_major(40, 3, 64), head_major(40, 2, 128),
                                rope_layout{40, 2, 300, 2 * 300, 300, 40 * 2 * 300}}) {  // 150 pairs: two launches
-    for (const rope_config& config : {rope_config{}, scaled}) {
-      SCOPED_TRACE("dim " + std::to_string(l.dim) + (config.scaling.enabled ? " llama3 scaling" : ""));
+    for (const rope_config& config : {rope_config{}, scaled, linear, yarn}) {
+      SCOPED_TRACE("dim " + std::to_string(l.dim) + " scaling kind " +
+                   std::to_string(static_cast<int>(config.scaling.kind)));
       const twin x = f32_twin(shape{l.size});
       const std::vector<position_run> runs = many_runs(l.tokens);
       for (const bool gpu_side : {false, true})

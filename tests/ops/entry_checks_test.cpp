@@ -91,7 +91,7 @@ TEST_F(entry_checks, rope) {
   EXPECT_THROW(ops::rope(*be, rope_args{x, outside, rope_config{}}), internal_error);
   EXPECT_THROW(ops::rope(*be, rope_args{heads(10, 2, 7), good, rope_config{}}), internal_error);
   rope_config bad_scaling;
-  bad_scaling.scaling = rope_scaling{true, 8.0, 4.0, 1.0, 8192};  // low >= high
+  bad_scaling.scaling = rope_scaling{rope_kind::llama3, 8.0, 4.0, 1.0, 8192};  // low >= high
   EXPECT_THROW(ops::rope(*be, rope_args{x, good, bad_scaling}), internal_error);
   EXPECT_THROW(ops::rope_inverse_frequencies(rope_config{}, 7), internal_error);
 }

@@ -129,7 +129,7 @@ TEST(rope, runs_place_tokens_at_their_positions_and_skip_the_rest) {
 rope_config llama3_config() {
   rope_config c;
   c.theta = 500000.0;
-  c.scaling = rope_scaling{true, 8.0, 1.0, 4.0, 8192};
+  c.scaling = rope_scaling{rope_kind::llama3, 8.0, 1.0, 4.0, 8192};
   return c;
 }
 

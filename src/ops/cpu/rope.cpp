@@ -14,6 +14,7 @@ void rope(const rope_args& args) {
   const std::int64_t half = x.dim / 2;
   if (half == 0) return;
   const std::vector<double> inv_freq = ops::rope_inverse_frequencies(args.config, x.dim);
+  const double factor = ops::rope_attention_factor(args.config);
   // The inverse rotates by -angle: the transpose of the forward rotation.
   const double sign = args.direction == rope_direction::forward ? 1.0 : -1.0;
   std::vector<float> cos_a(static_cast<std::size_t>(half)), sin_a(static_cast<std::size_t>(half));
@@ -23,8 +24,8 @@ void rope(const rope_args& args) {
       const auto position = static_cast<double>(run.position_begin + n);
       for (std::int64_t i = 0; i < half; ++i) {
         const double angle = position * inv_freq[i];
-        cos_a[i] = static_cast<float>(std::cos(angle));
-        sin_a[i] = static_cast<float>(sign * std::sin(angle));
+        cos_a[i] = static_cast<float>(factor * std::cos(angle));
+        sin_a[i] = static_cast<float>(factor * sign * std::sin(angle));
       }
       const std::int64_t t = run.token_begin + n;
       for (std::int64_t h = 0; h < x.heads; ++h) {

@@ -35,7 +35,8 @@ struct rope_params {
   int pair_count;
   int tile_tokens;
   int run_count;
-  float sign;  // +1 forward, -1 inverse (the transpose rotation)
+  float sign;    // +1 forward, -1 inverse (the transpose rotation)
+  float factor;  // on cos and sin: yarn's attention factor, else 1
   std::int64_t run_token[rope_max_runs];     // first token of each run
   std::int64_t run_position[rope_max_runs];  // its position
   std::int64_t run_end[rope_max_runs];       // running sum of the counts: run r covers [end[r-1], end[r])
@@ -79,8 +80,8 @@ __global__ void __launch_bounds__(rope_config.threads) rope_kernel(const __grid_
       if (i == 0) token_tile[m] = p.run_token[r] + offset;
       float c, s;
       rope_angle(static_cast<double>(p.run_position[r] + offset), p.inv_freq[i], c, s);
-      cos_tile[k] = c;
-      sin_tile[k] = p.sign * s;
+      cos_tile[k] = p.factor * c;
+      sin_tile[k] = p.factor * p.sign * s;
     }
     __syncthreads();
     for (int k = threadIdx.x; k < tokens * units_per_token; k += blockDim.x) {
@@ -146,6 +147,7 @@ void rope(const rope_args& args, cudaStream_t stream) {
   params.heads = static_cast<int>(x.heads);
   params.half = static_cast<int>(half);
   params.sign = args.direction == rope_direction::forward ? 1.0f : -1.0f;
+  params.factor = static_cast<float>(ops::rope_attention_factor(args.config));
   with_types(
       [&](auto type) {
         using T = typename decltype(type)::type;
