@@ -221,16 +221,18 @@ void check_no_overlap(const std::string& path, std::vector<const tensor_location
   }
 }
 
-void convert_to_f32(const tensor_location& tensor, const std::uint8_t* bytes, std::vector<float>& out) {
-  out.resize(tensor.numel);
-  if (tensor.dtype == "F32") {
-    if (tensor.numel > 0) std::memcpy(out.data(), bytes, tensor.numel * sizeof(float));
+// Elements [offset, offset + count) of a tensor stored as `dtype` at `bytes`, as f32.
+void convert_to_f32(const std::string& dtype, const std::uint8_t* bytes, std::uint64_t offset, std::uint64_t count,
+                    float* out) {
+  if (dtype == "F32") {
+    if (count > 0) std::memcpy(out, bytes + 4 * offset, count * sizeof(float));
     return;
   }
-  const bool is_bf16 = tensor.dtype == "BF16";
-  for (std::uint64_t i = 0; i < tensor.numel; ++i) {
+  const bool is_bf16 = dtype == "BF16";
+  const std::uint8_t* first = bytes + 2 * offset;
+  for (std::uint64_t i = 0; i < count; ++i) {
     std::uint16_t bits;
-    std::memcpy(&bits, bytes + 2 * i, 2);
+    std::memcpy(&bits, first + 2 * i, 2);
     out[i] = is_bf16 ? bf16_to_float(bits) : half_to_float(bits);
   }
 }
@@ -336,41 +338,46 @@ void sync_directory(const std::string& path) {
   if (rc != 0) write_failure(path, "fsync of directory " + dir + " failed", err);
 }
 
-// Returns the tensors sorted by name after checking the caller's invariants, which are
-// programming errors rather than I/O problems.
-std::vector<const safetensors_tensor*> sorted_checked(const std::string& path,
-                                                      std::span<const safetensors_tensor> tensors) {
-  std::vector<const safetensors_tensor*> sorted;
-  for (const auto& t : tensors) {
-    const std::string where = "write_safetensors(" + path + "): tensor '" + t.name + "' ";
-    if (t.name.empty()) throw internal_error("write_safetensors(" + path + "): a tensor has an empty name");
-    if (t.name == "__metadata__") throw internal_error(where + "uses the name reserved for metadata");
-    if (t.type != dtype::f32 && t.type != dtype::bf16) throw internal_error(where + "has a type other than f32 or bf16");
-    std::uint64_t numel = 1;
-    for (auto d : t.shape) {
-      if (d < 0) throw internal_error(where + "has a negative dimension in " + shape_string(t.shape));
-      if (__builtin_mul_overflow(numel, static_cast<std::uint64_t>(d), &numel))
-        throw internal_error(where + "has a shape whose element count overflows: " + shape_string(t.shape));
-    }
-    if (numel != t.values.size())
-      throw internal_error(where + "has shape " + shape_string(t.shape) + " (" + std::to_string(numel) +
-                           " elements) but " + std::to_string(t.values.size()) + " values");
-    sorted.push_back(&t);
-  }
-  std::sort(sorted.begin(), sorted.end(), [](auto* a, auto* b) { return a->name < b->name; });
-  for (std::size_t i = 1; i < sorted.size(); ++i)
-    if (sorted[i]->name == sorted[i - 1]->name)
-      throw internal_error("write_safetensors(" + path + "): tensor name '" + sorted[i]->name + "' appears twice");
-  return sorted;
+std::uint64_t numel_of(const safetensors_tensor& t) {
+  std::uint64_t numel = 1;
+  for (auto d : t.shape) numel *= static_cast<std::uint64_t>(d);
+  return numel;
 }
 
-// The JSON header, padded with spaces so that the data section starts 8-byte aligned.
-std::string build_header(const std::string& path, std::span<const safetensors_tensor* const> sorted,
+// Checks the caller's invariants, which are programming errors rather than I/O problems:
+// names, types, shapes, (with_values) the value counts, and no name twice.
+std::span<const safetensors_tensor* const> checked(const std::string& path,
+                                                   std::span<const safetensors_tensor* const> tensors,
+                                                   bool with_values) {
+  std::set<std::string> names;
+  for (const auto* t : tensors) {
+    const std::string where = "write_safetensors(" + path + "): tensor '" + t->name + "' ";
+    if (t->name.empty()) throw internal_error("write_safetensors(" + path + "): a tensor has an empty name");
+    if (t->name == "__metadata__") throw internal_error(where + "uses the name reserved for metadata");
+    if (t->type != dtype::f32 && t->type != dtype::bf16) throw internal_error(where + "has a type other than f32 or bf16");
+    std::uint64_t numel = 1;
+    for (auto d : t->shape) {
+      if (d < 0) throw internal_error(where + "has a negative dimension in " + shape_string(t->shape));
+      if (__builtin_mul_overflow(numel, static_cast<std::uint64_t>(d), &numel))
+        throw internal_error(where + "has a shape whose element count overflows: " + shape_string(t->shape));
+    }
+    if (with_values && numel != t->values.size())
+      throw internal_error(where + "has shape " + shape_string(t->shape) + " (" + std::to_string(numel) +
+                           " elements) but " + std::to_string(t->values.size()) + " values");
+    if (!names.insert(t->name).second)
+      throw internal_error("write_safetensors(" + path + "): tensor name '" + t->name + "' appears twice");
+  }
+  return tensors;
+}
+
+// The JSON header, padded with spaces so that the data section starts 8-byte aligned;
+// the data section holds the tensors in the given order.
+std::string build_header(const std::string& path, std::span<const safetensors_tensor* const> order,
                          const std::map<std::string, std::string>& metadata) {
   json header = json::object();
   std::uint64_t offset = 0;
-  for (const auto* t : sorted) {
-    const std::uint64_t bytes = t->values.size() * dtype_size(t->type);
+  for (const auto* t : order) {
+    const std::uint64_t bytes = numel_of(*t) * dtype_size(t->type);
     header[t->name] = {{"dtype", t->type == dtype::f32 ? "F32" : "BF16"},
                        {"shape", t->shape},
                        {"data_offsets", {offset, offset + bytes}}};
@@ -387,60 +394,157 @@ std::string build_header(const std::string& path, std::span<const safetensors_te
   return text;
 }
 
-void write_tensor_data(temp_file& file, const safetensors_tensor& t) {
-  if (t.type == dtype::f32) {
-    file.write(t.values.data(), t.values.size_bytes());
+void write_values(temp_file& file, std::span<const float> values, dtype type) {
+  if (type == dtype::f32) {
+    file.write(values.data(), values.size_bytes());
     return;
   }
   // Converts in bounded chunks so that a multi-GB tensor needs no full-size bf16 copy.
   constexpr std::size_t chunk = std::size_t{1} << 20;
-  std::vector<std::uint16_t> bits(std::min(chunk, t.values.size()));
-  for (std::size_t start = 0; start < t.values.size(); start += chunk) {
-    const std::size_t count = std::min(chunk, t.values.size() - start);
-    for (std::size_t i = 0; i < count; ++i) bits[i] = float_to_bf16(t.values[start + i]);
+  std::vector<std::uint16_t> bits(std::min(chunk, values.size()));
+  for (std::size_t start = 0; start < values.size(); start += chunk) {
+    const std::size_t count = std::min(chunk, values.size() - start);
+    for (std::size_t i = 0; i < count; ++i) bits[i] = float_to_bf16(values[start + i]);
     file.write(bits.data(), count * sizeof(std::uint16_t));
   }
 }
 
 }  // namespace
 
-safetensors_file read_safetensors(const std::string& path) {
-  const mapped_file file(path);
+struct safetensors_view::impl {
+  impl(const std::string& p) : path(p), file(p) {}
+  std::string path;
+  mapped_file file;
+  const std::uint8_t* data = nullptr;  // the data section
+  std::map<std::string, tensor_location> locations;
+  std::map<std::string, safetensors_info> infos;
+  std::map<std::string, std::string> metadata;
+};
+
+safetensors_view::safetensors_view(const std::string& path) : impl_(std::make_unique<impl>(path)) {
   std::uint64_t data_start = 0;
-  const json header = parse_header(path, file, data_start);
-  const std::uint64_t data_size = file.size() - data_start;
-  safetensors_file result;
-  std::vector<tensor_location> tensors;
+  const json header = parse_header(path, impl_->file, data_start);
+  const std::uint64_t data_size = impl_->file.size() - data_start;
+  impl_->data = impl_->file.data() + data_start;
   for (const auto& [name, entry] : header.items()) {
-    if (name == "__metadata__")
-      result.metadata = parse_metadata(path, entry);
-    else
-      tensors.push_back(parse_entry(path, name, entry, data_size));
+    if (name == "__metadata__") {
+      impl_->metadata = parse_metadata(path, entry);
+      continue;
+    }
+    tensor_location t = parse_entry(path, name, entry, data_size);
+    impl_->infos[name] = {t.dtype, t.shape, t.numel};
+    impl_->locations.emplace(name, std::move(t));
   }
   std::vector<const tensor_location*> by_offset;
-  for (const auto& t : tensors) by_offset.push_back(&t);
+  for (const auto& [name, t] : impl_->locations) by_offset.push_back(&t);
   check_no_overlap(path, std::move(by_offset));
-  for (auto& t : tensors) {
-    safetensors_entry& entry = result.tensors[t.name];
-    convert_to_f32(t, file.data() + data_start + t.begin, entry.values);
-    entry.dtype = std::move(t.dtype);
-    entry.shape = std::move(t.shape);
+}
+
+safetensors_view::~safetensors_view() = default;
+safetensors_view::safetensors_view(safetensors_view&&) noexcept = default;
+safetensors_view& safetensors_view::operator=(safetensors_view&&) noexcept = default;
+
+const std::string& safetensors_view::path() const { return impl_->path; }
+const std::map<std::string, safetensors_info>& safetensors_view::tensors() const { return impl_->infos; }
+const std::map<std::string, std::string>& safetensors_view::metadata() const { return impl_->metadata; }
+
+const safetensors_info* safetensors_view::find(const std::string& name) const {
+  const auto it = impl_->infos.find(name);
+  return it == impl_->infos.end() ? nullptr : &it->second;
+}
+
+void safetensors_view::read(const std::string& name, std::uint64_t offset, std::uint64_t count, float* out) const {
+  const auto it = impl_->locations.find(name);
+  if (it == impl_->locations.end()) read_failure(impl_->path, "it holds no tensor '" + name + "'");
+  const tensor_location& t = it->second;
+  UPIPE_CHECK(offset <= t.numel && count <= t.numel - offset,
+              "safetensors_view::read past the end of " + name + " in " + impl_->path);
+  convert_to_f32(t.dtype, impl_->data + t.begin, offset, count, out);
+}
+
+safetensors_file read_safetensors(const std::string& path) {
+  const safetensors_view view(path);
+  safetensors_file result;
+  result.metadata = view.metadata();
+  for (const auto& [name, info] : view.tensors()) {
+    safetensors_entry& entry = result.tensors[name];
+    entry.dtype = info.dtype;
+    entry.shape = info.shape;
+    entry.values.resize(info.numel);
+    view.read(name, 0, info.numel, entry.values.data());
   }
   return result;
 }
 
-void write_safetensors(const std::string& path, std::span<const safetensors_tensor> tensors,
-                       const std::map<std::string, std::string>& metadata) {
-  const auto sorted = sorted_checked(path, tensors);
-  const std::string header = build_header(path, sorted, metadata);
+struct safetensors_writer::impl {
+  impl(const std::string& p) : path(p), file(p) {}
+  std::string path;
+  temp_file file;
+  std::vector<safetensors_tensor> order;  // the data section's order; values unused
+  std::size_t current = 0;                // the tensor being written
+  std::uint64_t written = 0;              // its elements written so far
+};
+
+safetensors_writer::safetensors_writer(const std::string& path, std::vector<safetensors_tensor> tensors,
+                                       const std::map<std::string, std::string>& metadata) {
+  std::vector<const safetensors_tensor*> order;
+  for (const auto& t : tensors) order.push_back(&t);
+  const std::string header = build_header(path, checked(path, order, false), metadata);
+  impl_ = std::make_unique<impl>(path);
+  impl_->order = std::move(tensors);
   unsigned char length[8];
   for (int i = 0; i < 8; ++i) length[i] = static_cast<unsigned char>(header.size() >> (8 * i));
-  temp_file file(path);
-  file.write(length, sizeof(length));
-  file.write(header.data(), header.size());
-  for (const auto* t : sorted) write_tensor_data(file, *t);
-  file.commit();
-  sync_directory(path);
+  impl_->file.write(length, sizeof(length));
+  impl_->file.write(header.data(), header.size());
+}
+
+safetensors_writer::~safetensors_writer() = default;
+
+// Moves past the tensors written in full (an empty one needs no write).
+void safetensors_writer::skip_finished() {
+  while (impl_->current < impl_->order.size() && impl_->written == numel_of(impl_->order[impl_->current])) {
+    ++impl_->current;
+    impl_->written = 0;
+  }
+}
+
+void safetensors_writer::write(const std::string& name, std::span<const float> values) {
+  while (impl_->current < impl_->order.size() && impl_->order[impl_->current].name != name &&
+         impl_->written == numel_of(impl_->order[impl_->current])) {
+    ++impl_->current;
+    impl_->written = 0;
+  }
+  UPIPE_CHECK(impl_->current < impl_->order.size(), "safetensors_writer(" + impl_->path + "): " + name +
+                                                        " written after every declared tensor");
+  const safetensors_tensor& t = impl_->order[impl_->current];
+  UPIPE_CHECK(t.name == name, "safetensors_writer(" + impl_->path + "): " + name + " written where " + t.name +
+                                  " comes next");
+  UPIPE_CHECK(values.size() <= numel_of(t) - impl_->written,
+              "safetensors_writer(" + impl_->path + "): more values than " + name + " has");
+  write_values(impl_->file, values, t.type);
+  impl_->written += values.size();
+}
+
+void safetensors_writer::commit() {
+  skip_finished();
+  UPIPE_CHECK(impl_->current == impl_->order.size(),
+              "safetensors_writer(" + impl_->path + "): committed before " + impl_->order[impl_->current].name +
+                  " was written in full");
+  impl_->file.commit();
+  sync_directory(impl_->path);
+}
+
+void write_safetensors(const std::string& path, std::span<const safetensors_tensor> tensors,
+                       const std::map<std::string, std::string>& metadata) {
+  std::vector<const safetensors_tensor*> sorted;
+  for (const auto& t : tensors) sorted.push_back(&t);
+  checked(path, sorted, true);
+  std::sort(sorted.begin(), sorted.end(), [](auto* a, auto* b) { return a->name < b->name; });
+  std::vector<safetensors_tensor> declared;
+  for (const auto* t : sorted) declared.push_back({t->name, t->shape, {}, t->type});
+  safetensors_writer writer(path, std::move(declared), metadata);
+  for (const auto* t : sorted) writer.write(t->name, t->values);
+  writer.commit();
 }
 
 }  // namespace upipe
