@@ -4,6 +4,7 @@
 #include <cerrno>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <limits>
 #include <nlohmann/json.hpp>
@@ -23,7 +24,7 @@ using json = nlohmann::json;
 rope_config llama3_rope(double theta, double factor, std::int64_t original_max_position) {
   rope_config rope;
   rope.theta = theta;
-  rope.scaling = {.enabled = true,
+  rope.scaling = {.kind = rope_kind::llama3,
                   .factor = factor,
                   .low_freq_factor = 1.0,
                   .high_freq_factor = 4.0,
@@ -34,7 +35,7 @@ rope_config llama3_rope(double theta, double factor, std::int64_t original_max_p
 rope_config plain_rope(double theta) {
   rope_config rope;
   rope.theta = theta;
-  rope.scaling.enabled = false;
+  rope.scaling.kind = rope_kind::none;
   return rope;
 }
 
@@ -121,8 +122,15 @@ int suggest_kv_heads(int heads, int kv_heads) {
 void validate_rope(const model_config& c) {
   require_positive_real(c, c.rope.theta, "rope_theta", "500000");
   const rope_scaling& s = c.rope.scaling;
-  if (!s.enabled) return;
+  if (!s.enabled()) return;
   require_positive_real(c, s.factor, "rope_scaling factor", "8");
+  if (s.kind == rope_kind::linear) return;
+  require_positive_size(c, s.original_max_position, "rope_scaling original_max_position_embeddings", 8192);
+  if (s.kind == rope_kind::yarn) {
+    require_positive_real(c, s.beta_fast, "rope_scaling beta_fast", "32");
+    require_positive_real(c, s.beta_slow, "rope_scaling beta_slow", "1");
+    return;
+  }
   require_positive_real(c, s.low_freq_factor, "rope_scaling low_freq_factor", "1");
   require_positive_real(c, s.high_freq_factor, "rope_scaling high_freq_factor", "4");
   if (!(s.low_freq_factor < s.high_freq_factor))
@@ -130,8 +138,6 @@ void validate_rope(const model_config& c) {
                        format_number(s.low_freq_factor) + " must be below high_freq_factor = " +
                        format_number(s.high_freq_factor) +
                        " (the llama3 bands need low < high); for example low 1, high 4");
-  require_positive_size(c, s.original_max_position, "rope_scaling original_max_position_embeddings",
-                        8192);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -224,6 +230,11 @@ class field_reader {
 };
 
 json parse_json_file(const std::string& path) {
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(path, ec))
+    throw io_error("cannot read model config '" + path + "': " +
+                   (std::filesystem::exists(path, ec) ? "it is not a regular file" : "no such file") +
+                   " (pass a model directory holding config.json, or the config.json itself)");
   std::ifstream in(path);
   if (!in)
     throw io_error("cannot open model config '" + path + "': " + std::strerror(errno));
@@ -267,6 +278,16 @@ void refuse_unsupported_features(const field_reader& fields, const std::string& 
   }
 }
 
+const char* rope_kind_name(rope_kind kind) {
+  switch (kind) {
+    case rope_kind::llama3: return "llama3";
+    case rope_kind::linear: return "linear";
+    case rope_kind::yarn: return "yarn";
+    case rope_kind::none: break;
+  }
+  return "default";
+}
+
 // Reads rope_theta and the scaling from the legacy keys (rope_theta, rope_scaling) or from
 // the rope_parameters object of newer transformers, the legacy keys taking precedence.
 rope_config parse_rope(const field_reader& fields, const std::string& path) {
@@ -289,7 +310,7 @@ rope_config parse_rope(const field_reader& fields, const std::string& path) {
     }
   }
 
-  rope.scaling.enabled = false;
+  rope.scaling.kind = rope_kind::none;
   const json* source = scaling ? scaling : parameters;
   if (!source) return rope;
   std::string source_name = scaling ? "rope_scaling." : "rope_parameters.";
@@ -302,19 +323,37 @@ rope_config parse_rope(const field_reader& fields, const std::string& path) {
   } else if (scaling) {
     nested.required("rope_type");  // a scaling object must say which scaling it is
   }
-
-  if (type == "default") return rope;
-  if (type != "llama3")
-    throw config_error("model config '" + path + "': rope_type '" + type +
-                       "' is not supported: the supported rope types are llama3 and default "
-                       "(or rope_scaling null for no scaling)");
-  rope.scaling.enabled = true;
-  rope.scaling.factor = nested.required_number("factor");
-  rope.scaling.low_freq_factor = nested.required_number("low_freq_factor");
-  rope.scaling.high_freq_factor = nested.required_number("high_freq_factor");
-  rope.scaling.original_max_position =
-      nested.integer("original_max_position_embeddings",
-                     nested.required("original_max_position_embeddings"));
+  rope.scaling.kind = parse_rope_kind(type, "model config '" + path + "': rope_type");
+  rope_scaling& s = rope.scaling;
+  if (s.kind == rope_kind::none) return rope;
+  // 0 where absent: yarn derives the factor, and both take the model's context, as
+  // transformers does (read_hf_config fills them in).
+  s.factor = 0;
+  if (s.kind == rope_kind::yarn) {
+    if (const json* f = nested.find("factor")) s.factor = nested.number("factor", *f);
+  } else {
+    s.factor = nested.required_number("factor");
+  }
+  if (s.kind == rope_kind::linear) return rope;
+  s.original_max_position = 0;
+  if (const json* top = fields.find("original_max_position_embeddings"))  // Phi-3's place wins
+    s.original_max_position = fields.integer("original_max_position_embeddings", *top);
+  else if (const json* v = nested.find("original_max_position_embeddings"))
+    s.original_max_position = nested.integer("original_max_position_embeddings", *v);
+  if (s.kind == rope_kind::llama3) {
+    s.low_freq_factor = nested.required_number("low_freq_factor");
+    s.high_freq_factor = nested.required_number("high_freq_factor");
+  } else if (s.kind == rope_kind::yarn) {
+    const auto optional_number = [&](const char* key, double& target) {
+      if (const json* v = nested.find(key)) target = nested.number(key, *v);
+    };
+    optional_number("beta_fast", s.beta_fast);
+    optional_number("beta_slow", s.beta_slow);
+    optional_number("mscale", s.mscale);
+    optional_number("mscale_all_dim", s.mscale_all_dim);
+    optional_number("attention_factor", s.attention_factor);
+    if (const json* v = nested.find("truncate")) s.truncate = nested.boolean("truncate", *v);
+  }
   return rope;
 }
 
@@ -322,16 +361,41 @@ rope_config parse_rope(const field_reader& fields, const std::string& path) {
 // Writing config.json
 // ---------------------------------------------------------------------------------------
 
-// The context the published checkpoints declare: Llama 3.1 / 3.2 (scaled) 131072, Llama 3
-// (unscaled) 8192, Qwen3 40960; never below the scaling's original context.
-std::int64_t max_position_embeddings(const model_config& c) {
+// The context the published checkpoints declare when a preset says nothing: Llama 3.1 /
+// 3.2 (scaled) 131072, Llama 3 (unscaled) 8192, Qwen3 40960; never below the scaling's
+// original context.
+std::int64_t default_max_position_embeddings(const model_config& c) {
   std::int64_t context = 0;
   if (c.family == model_family::qwen3)
     context = 40960;
   else
-    context = c.rope.scaling.enabled ? 131072 : 8192;
-  if (c.rope.scaling.enabled) context = std::max(context, c.rope.scaling.original_max_position);
+    context = c.rope.scaling.enabled() ? 131072 : 8192;
+  if (c.rope.scaling.enabled()) context = std::max(context, c.rope.scaling.original_max_position);
   return context;
+}
+
+// The scaling object as transformers reads it (rope_scaling or rope_parameters).
+nlohmann::ordered_json rope_json(const rope_config& rope, bool with_theta) {
+  const rope_scaling& s = rope.scaling;
+  nlohmann::ordered_json j;
+  j["rope_type"] = rope_kind_name(s.kind);
+  if (with_theta) j["rope_theta"] = rope.theta;
+  if (s.kind == rope_kind::none) return j;
+  j["factor"] = s.factor;
+  if (s.kind == rope_kind::llama3) {
+    j["low_freq_factor"] = s.low_freq_factor;
+    j["high_freq_factor"] = s.high_freq_factor;
+  }
+  if (s.kind != rope_kind::linear) j["original_max_position_embeddings"] = s.original_max_position;
+  if (s.kind == rope_kind::yarn) {
+    j["beta_fast"] = s.beta_fast;
+    j["beta_slow"] = s.beta_slow;
+    if (s.mscale > 0) j["mscale"] = s.mscale;
+    if (s.mscale_all_dim > 0) j["mscale_all_dim"] = s.mscale_all_dim;
+    if (s.attention_factor > 0) j["attention_factor"] = s.attention_factor;
+    if (!s.truncate) j["truncate"] = false;
+  }
+  return j;
 }
 
 nlohmann::ordered_json to_hf_json(const model_config& c) {
@@ -349,16 +413,11 @@ nlohmann::ordered_json to_hf_json(const model_config& c) {
   j["hidden_act"] = "silu";
   j["rms_norm_eps"] = c.rms_norm_eps;
   j["rope_theta"] = c.rope.theta;
-  if (c.rope.scaling.enabled) {
-    j["rope_scaling"] = {{"rope_type", "llama3"},
-                         {"factor", c.rope.scaling.factor},
-                         {"low_freq_factor", c.rope.scaling.low_freq_factor},
-                         {"high_freq_factor", c.rope.scaling.high_freq_factor},
-                         {"original_max_position_embeddings", c.rope.scaling.original_max_position}};
-  } else {
+  if (c.rope.scaling.enabled())
+    j["rope_scaling"] = rope_json(c.rope, false);
+  else
     j["rope_scaling"] = nullptr;
-  }
-  j["max_position_embeddings"] = max_position_embeddings(c);
+  j["max_position_embeddings"] = c.max_position_embeddings > 0 ? c.max_position_embeddings : default_max_position_embeddings(c);
   j["tie_word_embeddings"] = c.tie_embeddings;
   j["attention_bias"] = false;
   j["attention_dropout"] = 0.0;
@@ -373,6 +432,46 @@ nlohmann::ordered_json to_hf_json(const model_config& c) {
   j["initializer_range"] = 0.02;
   j["use_cache"] = true;
   j["torch_dtype"] = "float32";
+  return j;
+}
+
+bool same_rope(const rope_config& a, const rope_config& b) {
+  const rope_scaling &x = a.scaling, &y = b.scaling;
+  if (a.theta != b.theta || x.kind != y.kind) return false;
+  if (x.kind == rope_kind::none) return true;
+  return x.factor == y.factor && x.low_freq_factor == y.low_freq_factor && x.high_freq_factor == y.high_freq_factor &&
+         x.original_max_position == y.original_max_position && x.beta_fast == y.beta_fast &&
+         x.beta_slow == y.beta_slow && x.mscale == y.mscale && x.mscale_all_dim == y.mscale_all_dim &&
+         x.attention_factor == y.attention_factor && x.truncate == y.truncate;
+}
+
+// The input's config.json with what training changed: the RoPE settings (in the style the
+// input used: rope_parameters, or rope_theta and rope_scaling), max_position_embeddings and
+// the stored dtype. Every other field is kept as it was.
+nlohmann::ordered_json updated_hf_json(const model_config& c, const std::string& base_path, const std::string& dtype) {
+  std::ifstream in(base_path);
+  nlohmann::ordered_json j;
+  try {
+    j = nlohmann::ordered_json::parse(in);
+  } catch (const nlohmann::ordered_json::exception& e) {
+    throw io_error("model config '" + base_path + "' is not valid JSON: " + e.what());
+  }
+  const model_config base = read_hf_config(base_path);
+  if (!same_rope(base.rope, c.rope)) {
+    if (j.contains("rope_parameters") && !j["rope_parameters"].is_null()) {
+      j["rope_parameters"] = rope_json(c.rope, true);
+      j.erase("rope_scaling");
+      j.erase("rope_theta");
+    } else {
+      j["rope_theta"] = c.rope.theta;
+      j["rope_scaling"] = c.rope.scaling.enabled() ? rope_json(c.rope, false) : nlohmann::ordered_json(nullptr);
+    }
+  }
+  if (c.max_position_embeddings > 0) j["max_position_embeddings"] = c.max_position_embeddings;
+  if (j.contains("dtype") || !j.contains("torch_dtype"))
+    j["dtype"] = dtype;
+  else
+    j["torch_dtype"] = dtype;
   return j;
 }
 
@@ -446,13 +545,29 @@ std::vector<std::string> preset_names() {
 
 model_config preset(std::string_view name) {
   for (model_config& c : all_presets())
-    if (c.name == name) return std::move(c);
+    if (c.name == name) {
+      c.max_position_embeddings = default_max_position_embeddings(c);
+      return std::move(c);
+    }
   throw config_error("unknown model preset '" + std::string(name) + "': the known presets are " +
                      join(preset_names()) +
                      "; for another model pass --config with a Hugging Face config.json");
 }
 
-model_config read_hf_config(const std::string& path) {
+std::string hf_config_file(const std::string& path) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec)) return (std::filesystem::path(path) / "config.json").string();
+  return path;
+}
+
+bool is_model_directory(const std::string& path) {
+  std::error_code ec;
+  return std::filesystem::is_directory(path, ec) &&
+         std::filesystem::is_regular_file(std::filesystem::path(path) / "config.json", ec);
+}
+
+model_config read_hf_config(const std::string& given) {
+  const std::string path = hf_config_file(given);
   const json root = parse_json_file(path);
   const field_reader fields(root, path);
 
@@ -484,6 +599,18 @@ model_config read_hf_config(const std::string& path) {
     c.head_dim = c.num_heads > 0 ? c.hidden_size / c.num_heads : 0;
 
   c.rope = parse_rope(fields, path);
+  if (const json* m = fields.find("max_position_embeddings"))
+    c.max_position_embeddings = fields.integer("max_position_embeddings", *m);
+  // As transformers reads them: without an original context the model's own is taken, and
+  // a yarn factor given as null is the stretch from the original context to the model's.
+  rope_scaling& scaling = c.rope.scaling;
+  if ((scaling.kind == rope_kind::llama3 || scaling.kind == rope_kind::yarn) && scaling.original_max_position == 0)
+    scaling.original_max_position = c.max_position_embeddings;
+  if (scaling.kind == rope_kind::yarn && scaling.factor == 0 && scaling.original_max_position > 0)
+    scaling.factor =
+        static_cast<double>(c.max_position_embeddings) / static_cast<double>(scaling.original_max_position);
+  for (const char* key : {"dtype", "torch_dtype"})
+    if (const json* d = fields.find(key); d && d->is_string()) c.stored_dtype = d->get<std::string>();
   if (const json* tie = fields.find("tie_word_embeddings"))
     c.tie_embeddings = fields.boolean("tie_word_embeddings", *tie);
   c.qk_norm = qwen;
@@ -491,9 +618,17 @@ model_config read_hf_config(const std::string& path) {
   return c;
 }
 
-void write_hf_config(const model_config& config, const std::string& path) {
+void write_hf_config(const model_config& config, const std::string& path, const std::string& base_path,
+                     const std::string& dtype) {
   validate(config);
-  const std::string text = to_hf_json(config).dump(2) + "\n";
+  nlohmann::ordered_json j;
+  if (base_path.empty()) {
+    j = to_hf_json(config);
+    j["torch_dtype"] = dtype;
+  } else {
+    j = updated_hf_json(config, hf_config_file(base_path), dtype);
+  }
+  const std::string text = j.dump(2) + "\n";
   std::ofstream out(path, std::ios::binary | std::ios::trunc);
   if (!out)
     throw io_error("cannot write model config '" + path + "': " + std::strerror(errno));
@@ -501,6 +636,15 @@ void write_hf_config(const model_config& config, const std::string& path) {
   out.flush();
   if (!out)
     throw io_error("cannot write model config '" + path + "': the write failed (disk full?)");
+}
+
+rope_kind parse_rope_kind(std::string_view name, const std::string& what) {
+  if (name == "default" || name == "none") return rope_kind::none;
+  if (name == "llama3") return rope_kind::llama3;
+  if (name == "linear") return rope_kind::linear;
+  if (name == "yarn") return rope_kind::yarn;
+  throw config_error(what + " '" + std::string(name) +
+                     "' is not supported: the supported rope types are default, llama3, linear and yarn");
 }
 
 void validate(const model_config& c) {

@@ -28,6 +28,8 @@ struct model_config {
   rope_config rope;
   bool tie_embeddings = false;  // lm head = embedding matrix
   bool qk_norm = false;         // Qwen3: RMSNorm over d on each q and k head
+  std::int64_t max_position_embeddings = 0;  // the context the model declares (0: unknown)
+  std::string stored_dtype;     // config.json's dtype ("bfloat16"), empty for presets
 
   std::int64_t parameter_count() const;
   // Weights used in a matmul (every projection and the lm head; not the embedding
@@ -54,13 +56,23 @@ std::vector<parameter_spec> parameter_specs(const model_config& config);
 std::vector<std::string> preset_names();
 // Throws config_error naming the unknown preset and listing the known ones.
 model_config preset(std::string_view name);
-// Reads a Hugging Face config.json (model_type "llama" or "qwen3"); absent fields take the
-// defaults of transformers' LlamaConfig / Qwen3Config. Throws io_error for an unreadable or
-// malformed file (missing field, wrong JSON type) and config_error for an unsupported
-// configuration (other model_type or rope_type, biases, sliding window).
+// Reads a Hugging Face config.json (model_type "llama" or "qwen3"), given as the file or the
+// model directory holding it; absent fields take the defaults of transformers' LlamaConfig
+// / Qwen3Config. Throws io_error for an unreadable or malformed file (missing field, wrong
+// JSON type) and config_error for an unsupported configuration (other model_type or
+// rope_type, biases, sliding window).
 model_config read_hf_config(const std::string& path);
+// DIR/config.json for a directory, else the path itself.
+std::string hf_config_file(const std::string& path);
+// Is this a directory holding a config.json (a Hugging Face model directory)?
+bool is_model_directory(const std::string& path);
 // Writes a config.json that Hugging Face transformers loads (and read_hf_config reads).
-void write_hf_config(const model_config& config, const std::string& path);
+// With a base (the input model's config.json or directory), every field of the base is
+// kept and only the RoPE settings, max_position_embeddings and the dtype are written.
+void write_hf_config(const model_config& config, const std::string& path, const std::string& base_path = "",
+                     const std::string& dtype = "float32");
+// "default", "llama3", "linear", "yarn"; throws config_error naming `what` and the valid ones.
+rope_kind parse_rope_kind(std::string_view name, const std::string& what);
 // Checks the configuration's own consistency (positive sizes, H divisible by K, even d);
 // throws config_error naming the value, the rule and a valid alternative.
 void validate(const model_config& config);

@@ -13,9 +13,10 @@ namespace upipe {
 
 using host_weights = std::map<std::string, std::vector<float>>;
 
-// Reads a safetensors checkpoint (a file, or a directory holding model.safetensors) and
-// checks every parameter of `config` is there with its shape; a tied model needs no
-// lm_head.weight. Throws io_error naming the tensor, the shape found and the one expected.
+// Reads every weight of `config` in full from a model directory (one model.safetensors or
+// shards with their index), an index file or a .safetensors file (model/hf_model.hpp),
+// checking every parameter is there with its shape; a tied model needs no lm_head.weight.
+// Throws io_error naming the tensor, the shape found and the one expected.
 host_weights read_weights(const model_config& config, const std::string& path);
 
 // Writes the parameters of `config` as a safetensors file (atomically), in `type`.

@@ -67,8 +67,8 @@ void expect_same_model(const model_config& a, const model_config& b) {
   EXPECT_EQ(a.head_dim, b.head_dim);
   EXPECT_EQ(a.rms_norm_eps, b.rms_norm_eps);
   EXPECT_EQ(a.rope.theta, b.rope.theta);
-  EXPECT_EQ(a.rope.scaling.enabled, b.rope.scaling.enabled);
-  if (a.rope.scaling.enabled && b.rope.scaling.enabled) {
+  EXPECT_EQ(a.rope.scaling.enabled(), b.rope.scaling.enabled());
+  if (a.rope.scaling.enabled() && b.rope.scaling.enabled()) {
     EXPECT_EQ(a.rope.scaling.factor, b.rope.scaling.factor);
     EXPECT_EQ(a.rope.scaling.low_freq_factor, b.rope.scaling.low_freq_factor);
     EXPECT_EQ(a.rope.scaling.high_freq_factor, b.rope.scaling.high_freq_factor);
@@ -138,7 +138,7 @@ TEST(model_config, every_preset_validates_with_the_published_shapes) {
     EXPECT_EQ(c.head_dim, e.d);
     EXPECT_EQ(c.rms_norm_eps, e.eps);
     EXPECT_EQ(c.rope.theta, e.theta);
-    EXPECT_EQ(c.rope.scaling.enabled, e.factor > 0);
+    EXPECT_EQ(c.rope.scaling.enabled(), e.factor > 0);
     if (e.factor > 0) {
       EXPECT_EQ(c.rope.scaling.factor, e.factor);
       EXPECT_EQ(c.rope.scaling.low_freq_factor, 1.0);
@@ -355,7 +355,7 @@ TEST_F(model_config_files, llama_defaults_null_head_dim_and_missing_kv_heads) {
   EXPECT_EQ(c.head_dim, 16);      // D / H = 64 / 4
   EXPECT_EQ(c.num_kv_heads, 4);   // = H
   EXPECT_EQ(c.rope.theta, 10000.0);
-  EXPECT_FALSE(c.rope.scaling.enabled);
+  EXPECT_FALSE(c.rope.scaling.enabled());
   EXPECT_FALSE(c.tie_embeddings);
   EXPECT_FALSE(c.qk_norm);
 }
@@ -393,7 +393,7 @@ TEST_F(model_config_files, reads_rope_parameters_and_legacy_type_key) {
                                {"high_freq_factor", 4.0},
                                {"original_max_position_embeddings", 8192}}}})));
   EXPECT_EQ(c.rope.theta, 500000.0);
-  ASSERT_TRUE(c.rope.scaling.enabled);
+  ASSERT_TRUE(c.rope.scaling.enabled());
   EXPECT_EQ(c.rope.scaling.factor, 32.0);
   EXPECT_EQ(c.rope.scaling.original_max_position, 8192);
 
@@ -402,7 +402,7 @@ TEST_F(model_config_files, reads_rope_parameters_and_legacy_type_key) {
       small_config("qwen3", {{"rope_theta", "<remove>"},
                              {"rope_parameters", {{"rope_type", "default"}, {"rope_theta", 1e6}}}})));
   EXPECT_EQ(c.rope.theta, 1e6);
-  EXPECT_FALSE(c.rope.scaling.enabled);
+  EXPECT_FALSE(c.rope.scaling.enabled());
 
   c = read_hf_config(write_file(
       "legacy.json", small_config("llama", {{"rope_scaling",
@@ -411,7 +411,7 @@ TEST_F(model_config_files, reads_rope_parameters_and_legacy_type_key) {
                                               {"low_freq_factor", 1},
                                               {"high_freq_factor", 4},
                                               {"original_max_position_embeddings", 32}}}})));
-  ASSERT_TRUE(c.rope.scaling.enabled);
+  ASSERT_TRUE(c.rope.scaling.enabled());
   EXPECT_EQ(c.rope.scaling.factor, 8.0);
   EXPECT_EQ(c.rope.scaling.original_max_position, 32);
 }
@@ -508,11 +508,11 @@ TEST_F(model_config_files, missing_or_mistyped_fields_are_named) {
 TEST_F(model_config_files, unsupported_configurations_are_config_errors) {
   std::string file = write_file("mistral.json", small_config("mistral", {}));
   expect_error<config_error>([&] { read_hf_config(file); }, {"mistral", "llama", "qwen3"});
-  file = write_file("yarn.json", small_config("qwen3", {{"rope_scaling",
-                                                         {{"rope_type", "yarn"},
-                                                          {"factor", 4.0},
-                                                          {"original_max_position_embeddings", 32768}}}}));
-  expect_error<config_error>([&] { read_hf_config(file); }, {"yarn", "llama3"});
+  file = write_file("longrope.json", small_config("qwen3", {{"rope_scaling",
+                                                             {{"rope_type", "longrope"},
+                                                              {"factor", 4.0},
+                                                              {"original_max_position_embeddings", 32768}}}}));
+  expect_error<config_error>([&] { read_hf_config(file); }, {"longrope", "llama3", "linear", "yarn"});
   file = write_file("layers.json", small_config("llama", {{"num_hidden_layers", -2}}));
   expect_error<config_error>([&] { read_hf_config(file); }, {"num_hidden_layers", "-2", "positive"});
   file = write_file("gqa.json", small_config("llama", {{"num_key_value_heads", 3}}));

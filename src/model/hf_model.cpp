@@ -1,0 +1,292 @@
+#include "model/hf_model.hpp"
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <set>
+
+#include <nlohmann/json.hpp>
+
+#include "core/error.hpp"
+#include "train/safetensors.hpp"
+
+namespace upipe {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr const char* index_name = "model.safetensors.index.json";
+constexpr const char* single_name = "model.safetensors";
+
+std::string shape_text(const std::vector<std::int64_t>& shape) {
+  std::string s = "[";
+  for (std::size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+std::int64_t numel(const std::vector<std::int64_t>& shape) {
+  std::int64_t n = 1;
+  for (auto d : shape) n *= d;
+  return n;
+}
+
+bool ends_with(const std::string& s, const std::string& tail) {
+  return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
+}
+
+// The shard files an index names, in first-seen order, and which file holds each tensor.
+struct index_contents {
+  std::vector<std::string> files;
+  std::map<std::string, std::string> weight_map;
+};
+
+index_contents read_index(const fs::path& index) {
+  std::ifstream in(index);
+  if (!in) throw io_error("cannot read " + index.string() + ": no such file or not readable");
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(in);
+  } catch (const nlohmann::json::exception& e) {
+    throw io_error(index.string() + " is not valid JSON: " + e.what());
+  }
+  if (!j.is_object() || !j.contains("weight_map") || !j["weight_map"].is_object())
+    throw io_error(index.string() + " has no \"weight_map\" object naming each tensor's shard file "
+                                    "(is it a model.safetensors.index.json written by save_pretrained?)");
+  index_contents out;
+  std::set<std::string> seen;
+  for (const auto& [name, file] : j["weight_map"].items()) {
+    if (!file.is_string()) throw io_error(index.string() + ": the shard of " + name + " is not a file name: " + file.dump());
+    const std::string f = file.get<std::string>();
+    if (f.empty() || f.find('/') != std::string::npos || f == "." || f == "..")
+      throw io_error(index.string() + ": the shard of " + name + " is '" + f +
+                     "', not a file name in the model directory");
+    out.weight_map.emplace(name, f);
+    if (seen.insert(f).second) out.files.push_back(f);
+  }
+  return out;
+}
+
+// A tensor of a layer the configuration does not have means the files are for another model.
+void check_layer(const model_config& config, const std::string& name, const std::string& where) {
+  const std::string prefix = "model.layers.";
+  if (name.rfind(prefix, 0) != 0) return;
+  const int layer = std::atoi(name.c_str() + prefix.size());
+  if (layer >= config.num_layers)
+    throw io_error(where + " holds " + name + " but the model configuration " + config.name + " has " +
+                   std::to_string(config.num_layers) + " layers: pass the configuration these weights were saved "
+                   "with (--model DIR, or --config DIR/config.json)");
+}
+
+}  // namespace
+
+void host_weight_source::read(const std::string& name, std::int64_t offset, std::int64_t count, float* out) const {
+  const auto it = weights_.find(name);
+  if (it == weights_.end()) throw io_error("no weights for " + name);
+  UPIPE_CHECK(offset >= 0 && count >= 0 && offset + count <= static_cast<std::int64_t>(it->second.size()),
+              "host_weight_source::read past the end of " + name);
+  std::copy_n(it->second.begin() + offset, count, out);
+}
+
+struct hf_model_files::impl {
+  std::vector<safetensors_view> views;
+  std::map<std::string, std::size_t> where;  // tensor -> views index
+  std::set<std::string> used;                // the model's parameters
+};
+
+hf_model_files::hf_model_files(const std::string& path, const model_config& config) : impl_(std::make_unique<impl>()) {
+  std::error_code ec;
+  fs::path dir, index;
+  std::vector<std::string> names;  // the files to open
+  index_contents contents;
+  if (fs::is_directory(path, ec)) {
+    dir = path;
+    if (fs::exists(dir / index_name, ec)) {
+      index = dir / index_name;
+    } else if (fs::exists(dir / single_name, ec)) {
+      names.push_back(single_name);
+    } else {
+      const bool bin = fs::exists(dir / "pytorch_model.bin", ec) || fs::exists(dir / "pytorch_model.bin.index.json", ec);
+      throw io_error("the model directory " + path + " holds neither " + single_name + " nor " + index_name +
+                     (bin ? ": it has PyTorch .bin weights, which upipe does not read; save them as safetensors "
+                            "(model.save_pretrained(dir, safe_serialization=True))"
+                          : ": pass a directory written by save_pretrained, or a .safetensors file"));
+    }
+  } else if (ends_with(path, ".index.json")) {
+    index = path;
+    dir = fs::path(path).parent_path();
+  } else {
+    dir = fs::path(path).parent_path();
+    names.push_back(fs::path(path).filename().string());
+  }
+  if (!index.empty()) {
+    contents = read_index(index);
+    names = contents.files;
+  }
+  for (const std::string& name : names) {
+    const fs::path file = dir / name;
+    if (!index.empty() && !fs::exists(file, ec))
+      throw io_error(index.string() + " names the shard " + name + ", which is missing from " + dir.string() +
+                     ": copy every shard the index lists");
+    impl_->views.emplace_back(file.string());
+    files_.push_back(file.string());
+  }
+  if (!index.empty()) {
+    std::map<std::string, std::size_t> file_index;
+    for (std::size_t i = 0; i < names.size(); ++i) file_index.emplace(names[i], i);
+    for (const auto& [tensor, file] : contents.weight_map) {
+      const std::size_t v = file_index.at(file);
+      if (!impl_->views[v].find(tensor))
+        throw io_error(index.string() + " places " + tensor + " in " + file + ", which does not hold it: the shard "
+                                                                               "and the index are of different saves");
+      impl_->where.emplace(tensor, v);
+    }
+  } else {
+    for (const auto& [tensor, info] : impl_->views[0].tensors()) impl_->where.emplace(tensor, 0);
+  }
+  const std::string where = index.empty() ? files_[0] : index.string();
+  std::set<std::string>& used = impl_->used;
+  for (const parameter_spec& spec : parameter_specs(config)) {
+    const auto it = impl_->where.find(spec.name);
+    if (it == impl_->where.end())
+      throw io_error(where + " has no tensor " + spec.name + " (shape " + shape_text(spec.shape) + "), which " +
+                     config.name + " needs: are these weights for another model? (pass their config.json: --model DIR)");
+    const safetensors_info& info = *impl_->views[it->second].find(spec.name);
+    if (info.shape != spec.shape)
+      throw io_error(impl_->views[it->second].path() + ": tensor " + spec.name + " has shape " + shape_text(info.shape) +
+                     " but " + config.name + " needs " + shape_text(spec.shape) + ": pass the matching configuration");
+    used.insert(spec.name);
+  }
+  for (const auto& [tensor, v] : impl_->where) {
+    if (used.count(tensor)) continue;
+    check_layer(config, tensor, where);
+    unused_.push_back(tensor);
+  }
+}
+
+hf_model_files::~hf_model_files() = default;
+
+void hf_model_files::read(const std::string& name, std::int64_t offset, std::int64_t count, float* out) const {
+  const auto it = impl_->where.find(name);
+  if (it == impl_->where.end()) throw io_error("the model files hold no tensor " + name);
+  impl_->views[it->second].read(name, static_cast<std::uint64_t>(offset), static_cast<std::uint64_t>(count), out);
+}
+
+std::string hf_model_files::stored_dtype() const {
+  std::set<std::string> types;
+  for (const std::string& name : impl_->used) types.insert(impl_->views[impl_->where.at(name)].find(name)->dtype);
+  return types.size() == 1 ? *types.begin() : "mixed";
+}
+
+host_weights read_all_weights(const weight_source& source, const model_config& config) {
+  host_weights out;
+  for (const parameter_spec& spec : parameter_specs(config)) {
+    std::vector<float> v(static_cast<std::size_t>(numel(spec.shape)));
+    source.read(spec.name, 0, static_cast<std::int64_t>(v.size()), v.data());
+    out.emplace(spec.name, std::move(v));
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------
+// Writing
+
+struct hf_model_writer::impl {
+  fs::path dir;
+  dtype type;
+  std::vector<std::vector<safetensors_tensor>> shards;  // declared tensors per shard
+  std::vector<std::string> file_names;
+  std::map<std::string, std::size_t> shard_of;
+  std::uint64_t total_bytes = 0, total_parameters = 0;
+  std::size_t open_shard = 0;
+  std::unique_ptr<safetensors_writer> writer;
+};
+
+hf_model_writer::hf_model_writer(const std::string& dir, const model_config& config, const hf_save_options& options)
+    : impl_(std::make_unique<impl>()) {
+  UPIPE_CHECK(options.type == dtype::bf16 || options.type == dtype::f32, "hf_model_writer writes bf16 or f32");
+  impl_->dir = dir;
+  impl_->type = options.type;
+  std::uint64_t shard_bytes = 0;
+  for (const parameter_spec& spec : parameter_specs(config)) {
+    const std::uint64_t bytes = static_cast<std::uint64_t>(numel(spec.shape)) * dtype_size(options.type);
+    if (impl_->shards.empty() || (shard_bytes > 0 && shard_bytes + bytes > options.max_shard_bytes)) {
+      impl_->shards.emplace_back();
+      shard_bytes = 0;
+    }
+    impl_->shards.back().push_back({spec.name, spec.shape, {}, options.type});
+    impl_->shard_of.emplace(spec.name, impl_->shards.size() - 1);
+    shard_bytes += bytes;
+    impl_->total_bytes += bytes;
+    impl_->total_parameters += static_cast<std::uint64_t>(numel(spec.shape));
+  }
+  const std::size_t n = impl_->shards.size();
+  for (std::size_t i = 0; i < n; ++i) {
+    char name[64];
+    std::snprintf(name, sizeof name, "model-%05zu-of-%05zu.safetensors", i + 1, n);
+    impl_->file_names.push_back(n == 1 ? single_name : name);
+  }
+}
+
+hf_model_writer::~hf_model_writer() = default;
+
+void hf_model_writer::write(const std::string& name, std::span<const float> values) {
+  const auto it = impl_->shard_of.find(name);
+  UPIPE_CHECK(it != impl_->shard_of.end(), "hf_model_writer: " + name + " is not a parameter of the model");
+  if (!impl_->writer || it->second != impl_->open_shard) {
+    UPIPE_CHECK(!impl_->writer || it->second == impl_->open_shard + 1, "hf_model_writer: " + name + " out of order");
+    if (impl_->writer) impl_->writer->commit();
+    impl_->open_shard = it->second;
+    impl_->writer = std::make_unique<safetensors_writer>((impl_->dir / impl_->file_names[it->second]).string(),
+                                                         impl_->shards[it->second],
+                                                         std::map<std::string, std::string>{{"format", "pt"}});
+  }
+  impl_->writer->write(name, values);
+}
+
+std::vector<std::string> hf_model_writer::commit() {
+  UPIPE_CHECK(impl_->writer && impl_->open_shard + 1 == impl_->shards.size(), "hf_model_writer: committed early");
+  impl_->writer->commit();
+  impl_->writer.reset();
+  std::vector<std::string> written = impl_->file_names;
+  if (impl_->shards.size() > 1) {
+    nlohmann::ordered_json index;
+    index["metadata"] = {{"total_parameters", impl_->total_parameters}, {"total_size", impl_->total_bytes}};
+    nlohmann::ordered_json map = nlohmann::ordered_json::object();
+    for (std::size_t s = 0; s < impl_->shards.size(); ++s)
+      for (const auto& t : impl_->shards[s]) map[t.name] = impl_->file_names[s];
+    index["weight_map"] = map;
+    const fs::path path = impl_->dir / index_name;
+    std::ofstream out(path, std::ios::trunc);
+    out << index.dump(2) << "\n";
+    out.flush();
+    if (!out) throw io_error("cannot write " + path.string() + " (disk full?)");
+    written.push_back(index_name);
+  }
+  return written;
+}
+
+const std::vector<std::string>& companion_file_names() {
+  static const std::vector<std::string> names = {
+      "tokenizer.json",    "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+      "vocab.json",        "merges.txt",            "added_tokens.json",       "chat_template.jinja",
+      "chat_template.json", "generation_config.json"};
+  return names;
+}
+
+std::vector<std::string> copy_companion_files(const std::string& from_dir, const std::string& to_dir) {
+  std::vector<std::string> copied;
+  std::error_code ec;
+  for (const std::string& name : companion_file_names()) {
+    const fs::path from = fs::path(from_dir) / name;
+    if (!fs::is_regular_file(from, ec)) continue;
+    fs::copy_file(from, fs::path(to_dir) / name, fs::copy_options::overwrite_existing, ec);
+    if (ec) throw io_error("cannot copy " + from.string() + " into " + to_dir + ": " + ec.message());
+    copied.push_back(name);
+  }
+  return copied;
+}
+
+std::string hf_dtype_name(dtype type) { return type == dtype::bf16 ? "bfloat16" : "float32"; }
+
+}  // namespace upipe
