@@ -43,6 +43,17 @@ mat_view slice(const tensor& t, std::int64_t offset, std::int64_t count) {
 
 }  // namespace
 
+std::vector<std::vector<unit_parameter>> parameter_units(const model_config& config) {
+  std::vector<std::vector<unit_parameter>> units(static_cast<std::size_t>(config.num_layers + 2));
+  std::vector<std::int64_t> sizes(units.size(), 0);
+  for (const parameter_spec& spec : parameter_specs(config)) {
+    const int u = unit_of(spec.name, config.num_layers);
+    units[u].push_back({spec.name, sizes[u], numel_of(spec.shape)});
+    sizes[u] += numel_of(spec.shape);
+  }
+  return units;
+}
+
 parameter_store::parameter_store(const model_config& config, backend& be, communicator& comm, zero_stage stage)
     : config_(config), be_(be), comm_(comm), stage_(stage), specs_(parameter_specs(config)) {
   for (int u = 0; u < config.num_layers + 2; ++u) units_.push_back(std::make_unique<unit>());
@@ -177,16 +188,16 @@ mat_view parameter_store::lm_head_grad() const {
   return config_.tie_embeddings ? embedding_grad() : named("lm_head.weight", true);
 }
 
-std::vector<float> parameter_store::unit_values(const unit& u, const host_weights& weights) const {
-  std::vector<float> flat(static_cast<std::size_t>(u.padded), 0.0f);
+// Elements [lo, hi) of the unit's padded flat vector from the source (zeros past numel).
+std::vector<float> parameter_store::unit_range(const unit& u, const weight_source& source, std::int64_t lo,
+                                               std::int64_t hi) const {
+  std::vector<float> out(static_cast<std::size_t>(hi - lo), 0.0f);
   for (std::size_t k = 0; k < u.params.size(); ++k) {
-    const std::string& name = specs_[u.params[k]].name;
-    auto it = weights.find(name);
-    if (it == weights.end()) throw io_error("no weights for " + name);
-    UPIPE_CHECK(static_cast<std::int64_t>(it->second.size()) == numel_of(specs_[u.params[k]].shape), "size of " + name);
-    std::copy(it->second.begin(), it->second.end(), flat.begin() + u.offsets[k]);
+    const std::int64_t begin = u.offsets[k], end = begin + numel_of(specs_[u.params[k]].shape);
+    const std::int64_t a = std::max(lo, begin), b = std::min(hi, end);
+    if (a < b) source.read(specs_[u.params[k]].name, a - begin, b - a, out.data() + (a - lo));
   }
-  return flat;
+  return out;
 }
 
 host_weights parameter_store::split(const unit& u, const std::vector<float>& flat) const {
@@ -198,17 +209,72 @@ host_weights parameter_store::split(const unit& u, const std::vector<float>& fla
   return out;
 }
 
-void parameter_store::load(const host_weights& weights) {
+void parameter_store::load(const weight_source& source) {
   if (!be_.has_data()) return;
-  const std::int64_t first = comm_.rank();
+  const std::int64_t r = comm_.rank();
   for (auto& up : units_) {
     unit& u = *up;
-    const std::vector<float> flat = unit_values(u, weights);
-    const std::vector<float> mine(flat.begin() + first * u.shard, flat.begin() + (first + 1) * u.shard);
-    if (stage_ != zero_stage::three) be_.upload_f32(u.weights, flat.data());
-    if (stage_ == zero_stage::three) be_.upload_f32(u.weight_shard, mine.data());
-    if (stage_ != zero_stage::replicated) be_.upload_f32(u.master, mine.data());
+    if (stage_ == zero_stage::three) {
+      const std::vector<float> mine = unit_range(u, source, r * u.shard, (r + 1) * u.shard);
+      be_.upload_f32(u.weight_shard, mine.data());
+      be_.upload_f32(u.master, mine.data());
+      continue;
+    }
+    const std::vector<float> flat = unit_range(u, source, 0, u.padded);
+    be_.upload_f32(u.weights, flat.data());
+    if (stage_ != zero_stage::replicated) be_.upload_f32(u.master, flat.data() + r * u.shard);
   }
+}
+
+std::int64_t parameter_store::unit_numel(int u) const { return at(u).numel; }
+std::int64_t parameter_store::unit_shard(int u) const { return at(u).shard; }
+
+std::vector<float> parameter_store::shard_values(int u, shard_state which) const {
+  UPIPE_CHECK(stage_ != zero_stage::replicated, "no optimizer state when replicated");
+  const unit& x = at(u);
+  const tensor& t = which == shard_state::master ? x.master : which == shard_state::exp_avg ? x.exp_avg : x.exp_avg_sq;
+  std::vector<float> out(static_cast<std::size_t>(x.shard));
+  if (be_.has_data()) be_.download_f32(out.data(), t);
+  return out;
+}
+
+std::vector<std::pair<std::string, std::int64_t>> parameter_store::unit_parameters(int u) const {
+  const unit& x = at(u);
+  std::vector<std::pair<std::string, std::int64_t>> out;
+  for (std::size_t k = 0; k < x.params.size(); ++k) out.emplace_back(specs_[x.params[k]].name, x.offsets[k]);
+  return out;
+}
+
+void parameter_store::load_state(const state_reader& read) {
+  UPIPE_CHECK(stage_ != zero_stage::replicated, "no optimizer state when replicated");
+  if (!be_.has_data()) return;
+  const std::int64_t r = comm_.rank();
+  for (int i = 0; i < unit_count(); ++i) {
+    unit& u = *units_[i];
+    // [lo, hi) of the padded vector, the part past numel left zero.
+    const auto range = [&](shard_state which, std::int64_t lo, std::int64_t hi) {
+      std::vector<float> out(static_cast<std::size_t>(hi - lo), 0.0f);
+      const std::int64_t end = std::min(hi, u.numel);
+      if (lo < end) read(i, which, lo, end - lo, out.data());
+      return out;
+    };
+    const std::vector<float> master = range(shard_state::master, r * u.shard, (r + 1) * u.shard);
+    be_.upload_f32(u.master, master.data());
+    be_.upload_f32(u.exp_avg, range(shard_state::exp_avg, r * u.shard, (r + 1) * u.shard).data());
+    be_.upload_f32(u.exp_avg_sq, range(shard_state::exp_avg_sq, r * u.shard, (r + 1) * u.shard).data());
+    if (stage_ == zero_stage::three)
+      be_.upload_f32(u.weight_shard, master.data());
+    else
+      be_.upload_f32(u.weights, range(shard_state::master, 0, u.padded).data());
+  }
+}
+
+std::vector<float> parameter_store::gather_unit(int u) {
+  unit& x = at(u);
+  if (stage_ != zero_stage::replicated) return gather_flat(x, x.master);
+  std::vector<float> flat(static_cast<std::size_t>(x.padded));
+  if (be_.has_data()) be_.download_f32(flat.data(), x.weights);
+  return flat;
 }
 
 std::vector<float> parameter_store::gather_flat(const unit& u, const tensor& shard) {
@@ -217,39 +283,6 @@ std::vector<float> parameter_store::gather_flat(const unit& u, const tensor& sha
   std::vector<float> flat(static_cast<std::size_t>(u.padded));
   be_.download_f32(flat.data(), full);
   return flat;
-}
-
-host_weights parameter_store::gather_weights() {
-  host_weights out;
-  for (auto& up : units_) {
-    std::vector<float> flat(static_cast<std::size_t>(up->padded));
-    if (stage_ == zero_stage::replicated) {
-      be_.download_f32(flat.data(), up->weights);
-    } else {
-      flat = gather_flat(*up, up->master);
-    }
-    out.merge(split(*up, flat));
-  }
-  return out;
-}
-
-host_weights parameter_store::gather_moments(int which) {
-  UPIPE_CHECK(stage_ != zero_stage::replicated, "no optimizer state when replicated");
-  host_weights out;
-  for (auto& up : units_) out.merge(split(*up, gather_flat(*up, which == 0 ? up->exp_avg : up->exp_avg_sq)));
-  return out;
-}
-
-void parameter_store::load_moments(const host_weights& exp_avg, const host_weights& exp_avg_sq) {
-  if (!be_.has_data()) return;
-  const std::int64_t r = comm_.rank();
-  for (auto& up : units_) {
-    unit& u = *up;
-    for (auto [source, target] : {std::pair{&exp_avg, &u.exp_avg}, std::pair{&exp_avg_sq, &u.exp_avg_sq}}) {
-      const std::vector<float> flat = unit_values(u, *source);
-      be_.upload_f32(*target, flat.data() + r * u.shard);
-    }
-  }
 }
 
 host_weights parameter_store::local_grads() {

@@ -12,12 +12,15 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "backend/backend.hpp"
 #include "comm/communicator.hpp"
 #include "model/config.hpp"
+#include "model/hf_model.hpp"
 #include "model/parameters.hpp"
 #include "model/weights.hpp"
 #include "train/optimizer.hpp"
@@ -25,6 +28,18 @@
 namespace upipe {
 
 enum class zero_stage : std::uint8_t { replicated, two, three };
+
+// The units a model's parameters are held in: the embedding, each layer, then the final
+// norm with the head. Each lists its parameters (Hugging Face name, element offset in the
+// unit's flat vector, element count) in parameter_specs order.
+struct unit_parameter {
+  std::string name;
+  std::int64_t offset = 0, numel = 0;
+};
+std::vector<std::vector<unit_parameter>> parameter_units(const model_config& config);
+
+// The sharded optimizer state of a unit: the fp32 master weights and AdamW's moments.
+enum class shard_state : std::uint8_t { master, exp_avg, exp_avg_sq };
 
 class parameter_store {
  public:
@@ -61,12 +76,26 @@ class parameter_store {
   mat_view lm_head_grad() const;
 
   // Host values in and out, under Hugging Face names. load() fills the weights (and the
-  // master copy); every rank passes the same map.
-  void load(const host_weights& weights);
-  // Collectives: every rank must call them together.
-  host_weights gather_weights();  // fp32 master (ZeRO) or the weights (replicated)
-  host_weights gather_moments(int which);  // 0: exp_avg, 1: exp_avg_sq (ZeRO only)
-  void load_moments(const host_weights& exp_avg, const host_weights& exp_avg_sq);
+  // master copy); every rank passes the same source and reads from it only what it keeps:
+  // its shard of every unit under ZeRO-3, every unit in full otherwise.
+  void load(const weight_source& source);
+  void load(const host_weights& weights) { load(host_weight_source(weights)); }
+
+  // The units as saved state sees them: their unpadded sizes, this rank's shard of a
+  // unit's optimizer state (shard elements, padding included), and the parameters of a
+  // unit with their offsets in its flat vector.
+  int unit_count() const { return static_cast<int>(units_.size()); }
+  std::int64_t unit_numel(int u) const;
+  std::int64_t unit_shard(int u) const;
+  std::vector<float> shard_values(int u, shard_state which) const;
+  std::vector<std::pair<std::string, std::int64_t>> unit_parameters(int u) const;
+  // Loads the optimizer state and the weights from a saved state of any rank count:
+  // read(unit, which, begin, count, out) gives elements [begin, begin + count) of the
+  // unit's unpadded flat vector.
+  using state_reader = std::function<void(int, shard_state, std::int64_t, std::int64_t, float*)>;
+  void load_state(const state_reader& read);
+  // Collective: the unit's fp32 master (the weights when replicated), padded, on every rank.
+  std::vector<float> gather_unit(int u);
   host_weights local_grads();  // replicated only: this rank's full gradients
 
   // The global gradient norm (fp64 over this rank's shards, summed over ranks exactly
@@ -80,7 +109,7 @@ class parameter_store {
   unit& at(int u) const;
   mat_view param_view(const unit& u, const tensor& flat, std::size_t index) const;
   mat_view named(const std::string& name, bool grad) const;
-  std::vector<float> unit_values(const unit& u, const host_weights& weights) const;
+  std::vector<float> unit_range(const unit& u, const weight_source& source, std::int64_t lo, std::int64_t hi) const;
   host_weights split(const unit& u, const std::vector<float>& flat) const;
   std::vector<float> gather_flat(const unit& u, const tensor& shard);
 

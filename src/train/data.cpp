@@ -99,6 +99,23 @@ std::vector<std::int32_t> token_file::sequence(std::int64_t position) const {
   return out;
 }
 
+void token_file::check_ids() const {
+  bool odd_words_zero = count_ >= 4 && count_ % 2 == 0, even_word_set = false;
+  for (std::int64_t at = 0; at < count_; ++at) {
+    const std::uint32_t id = tokens_[at];
+    if (at % 2 == 1 && id != 0) odd_words_zero = false;
+    if (at % 2 == 0 && id != 0) even_word_set = true;
+    if (static_cast<std::int64_t>(id) >= vocab_)
+      throw io_error("token " + std::to_string(id) + " at index " + std::to_string(at) + " of " + path_ +
+                     " is not below the vocabulary size " + std::to_string(vocab_) +
+                     ": the file was made with another tokenizer or another id width; a token file holds "
+                     "little-endian uint32 ids (numpy: ids.astype('<u4').tofile(path))");
+  }
+  if (odd_words_zero && even_word_set)
+    throw io_error(path_ + " looks like int64 ids: every second 32-bit word is zero. A token file holds "
+                   "little-endian uint32 ids; convert it (numpy: np.fromfile(path, '<i8').astype('<u4').tofile(new))");
+}
+
 // ---------------------------------------------------------------------------------------
 // passkey_task
 

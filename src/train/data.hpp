@@ -22,6 +22,10 @@ class token_file {
   token_file& operator=(const token_file&) = delete;
 
   std::int64_t size() const { return count_; }  // tokens in the file
+  // Reads every id once (before training starts): throws io_error naming the file, the
+  // first id not below the vocabulary and its position, or a file whose every other
+  // 32-bit word is zero (int64 ids written where uint32 belong).
+  void check_ids() const;
   // The seq_len tokens starting at `position` (mod size). Throws io_error naming the
   // file, the position and the id when a token is not below the vocabulary size.
   std::vector<std::int32_t> sequence(std::int64_t position) const;

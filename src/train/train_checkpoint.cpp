@@ -1,6 +1,7 @@
 #include "train/train_checkpoint.hpp"
 
 #include <fcntl.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -8,6 +9,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <set>
 
 #include <nlohmann/json.hpp>
 
@@ -20,7 +22,11 @@ namespace fs = std::filesystem;
 
 namespace {
 
-constexpr const char* state_file = "trainer_state.json";
+constexpr const char* trainer_dir = "trainer";
+constexpr const char* manifest_file = "manifest.json";
+constexpr const char* manifest_format = "upipe-trainer-state";
+constexpr int manifest_version = 2;
+constexpr const char* tmp_suffix = ".tmp-upipe";
 
 void fsync_path(const fs::path& path, bool directory) {
   const int fd = ::open(path.c_str(), (directory ? O_DIRECTORY : 0) | O_RDONLY);
@@ -40,25 +46,52 @@ void write_text(const fs::path& path, const std::string& text) {
   fsync_path(path, false);
 }
 
-void write_moments(const fs::path& path, const model_config& config, const train_checkpoint& c) {
-  std::vector<safetensors_tensor> tensors;
-  for (const parameter_spec& p : parameter_specs(config)) {
-    tensors.push_back({p.name + ".exp_avg", p.shape, c.exp_avg.at(p.name), dtype::f32});
-    tensors.push_back({p.name + ".exp_avg_sq", p.shape, c.exp_avg_sq.at(p.name), dtype::f32});
-  }
-  write_safetensors(path.string(), tensors, {{"format", "upipe-adamw"}});
+std::string rank_file(int rank, int ranks) {
+  char name[64];
+  std::snprintf(name, sizeof name, "rank-%05d-of-%05d.safetensors", rank, ranks);
+  return name;
 }
 
-void write_all(const fs::path& tmp, const train_checkpoint& c) {
-  write_hf_config(c.config, (tmp / "config.json").string());
-  fsync_path(tmp / "config.json", false);
-  write_weights(c.config, c.weights, (tmp / "model.safetensors").string(), dtype::f32);
-  write_moments(tmp / "optimizer.safetensors", c.config, c);
-  const nlohmann::json state = {{"format", 1},           {"step", c.state.step},   {"data_position", c.state.data_position},
-                                {"seed", c.state.seed},  {"total_steps", c.state.total_steps},
-                                {"data", c.state.data},  {"model", c.config.name}};
-  write_text(tmp / state_file, state.dump(2) + "\n");
-  fsync_path(tmp, true);
+std::string state_name(int unit, shard_state which) {
+  static const char* suffix[] = {"master", "exp_avg", "exp_avg_sq"};
+  return "unit." + std::to_string(unit) + "." + suffix[static_cast<int>(which)];
+}
+
+constexpr shard_state all_states[] = {shard_state::master, shard_state::exp_avg, shard_state::exp_avg_sq};
+
+bool is_checkpoint(const fs::path& dir) {
+  std::error_code ec;
+  return fs::exists(dir / trainer_dir / manifest_file, ec) || fs::exists(dir / "trainer_state.json", ec);
+}
+
+// The top-level files the manifest of DIR says upipe wrote (empty when there is none).
+std::set<std::string> written_files(const fs::path& dir) {
+  std::set<std::string> files;
+  std::ifstream in(dir / trainer_dir / manifest_file);
+  if (!in) return files;
+  try {
+    const auto j = nlohmann::json::parse(in);
+    for (const auto& f : j.at("files")) files.insert(f.get<std::string>());
+  } catch (const nlohmann::json::exception&) {
+  }
+  return files;
+}
+
+// Files a user added to an existing checkpoint move into the new one (hard links where the
+// file system allows, else copies), so that replacing the checkpoint deletes none of them.
+void carry_user_files(const fs::path& old_dir, const fs::path& tmp) {
+  std::error_code ec;
+  if (!fs::is_directory(old_dir, ec)) return;
+  const std::set<std::string> ours = written_files(old_dir);
+  for (const auto& entry : fs::directory_iterator(old_dir)) {
+    const std::string name = entry.path().filename().string();
+    if (name == trainer_dir || ours.count(name) || name == "trainer_state.json" || name == "optimizer.safetensors" ||
+        fs::exists(tmp / name, ec))
+      continue;
+    fs::create_hard_link(entry.path(), tmp / name, ec);
+    if (ec) fs::copy(entry.path(), tmp / name, fs::copy_options::recursive | fs::copy_options::copy_symlinks, ec);
+    if (ec) throw io_error("cannot carry " + entry.path().string() + " into the new checkpoint: " + ec.message());
+  }
 }
 
 // Swaps the finished temporary directory in: an atomic exchange when DIR exists.
@@ -75,64 +108,286 @@ void publish(const fs::path& tmp, const fs::path& dir) {
   fsync_path(dir.has_parent_path() ? dir.parent_path() : fs::path("."), true);
 }
 
+// DIR.tmp-upipe, and DIR.tmp-<pid> of earlier versions whose process is gone.
+void remove_stale_temporaries(const fs::path& dir) {
+  std::error_code ec;
+  fs::remove_all(dir.string() + tmp_suffix, ec);
+  const fs::path parent = dir.parent_path();
+  const std::string prefix = dir.filename().string() + ".tmp-";
+  for (const auto& entry : fs::directory_iterator(parent, ec)) {
+    const std::string name = entry.path().filename().string();
+    if (name.rfind(prefix, 0) != 0) continue;
+    const std::string pid = name.substr(prefix.size());
+    if (pid.empty() || pid.find_first_not_of("0123456789") != std::string::npos) continue;
+    if (::kill(static_cast<pid_t>(std::stol(pid)), 0) != 0 && errno == ESRCH) fs::remove_all(entry.path(), ec);
+  }
+}
+
+nlohmann::ordered_json manifest_json(const checkpoint_request& r, const parameter_store& params, int ranks,
+                                     const std::vector<std::string>& files) {
+  std::vector<std::int64_t> units;
+  for (int u = 0; u < params.unit_count(); ++u) units.push_back(params.unit_numel(u));
+  const char* zero = params.stage() == zero_stage::three ? "3" : "2";
+  nlohmann::ordered_json j;
+  j["format"] = manifest_format;
+  j["version"] = manifest_version;
+  j["step"] = r.state.step;
+  j["data_position"] = r.state.data_position;
+  j["seed"] = r.state.seed;
+  j["total_steps"] = r.state.total_steps;
+  j["data"] = r.state.data;
+  j["data_bytes"] = r.state.data_bytes;
+  j["ranks"] = ranks;
+  j["zero"] = zero;
+  j["strategy"] = r.strategy;
+  j["head_chunk"] = r.head_chunk;
+  j["seq_len"] = r.seq_len;
+  j["model_dtype"] = hf_dtype_name(r.model.type);
+  j["units"] = units;
+  j["files"] = files;
+  return j;
+}
+
 }  // namespace
 
-void save_train_checkpoint(const std::string& dir_text, const train_checkpoint& c) {
-  const fs::path dir = fs::absolute(dir_text);
+std::string resolve_checkpoint_dir(const std::string& text) {
+  if (text.empty()) throw config_error("an empty checkpoint directory was given: name a directory, e.g. --save run1");
+  fs::path p = fs::path(text).lexically_normal();
+  if (p.filename().empty()) p = p.parent_path();
   std::error_code ec;
-  if (fs::exists(dir, ec) && (!fs::is_directory(dir) || (!fs::is_empty(dir) && !fs::exists(dir / state_file))))
-    throw io_error("refusing to write a checkpoint over " + dir.string() +
-                   ": it exists and is not an upipe checkpoint; choose another --save directory");
-  const fs::path tmp = dir.string() + ".tmp-" + std::to_string(::getpid());
-  fs::remove_all(tmp, ec);
-  if (!fs::create_directory(tmp, ec))
-    throw io_error("cannot create " + tmp.string() + " for the checkpoint: " + ec.message() +
-                   " (is the parent directory there and writable?)");
+  if (fs::is_symlink(p, ec)) {
+    const fs::path target = fs::canonical(p, ec);
+    if (ec) throw io_error("the checkpoint directory " + text + " is a symbolic link to a path that does not exist (" +
+                           ec.message() + "): make the target or name another directory");
+    p = target;
+  }
+  return fs::absolute(p).string();
+}
+
+void check_save_dir(const std::string& text) {
+  const fs::path dir = resolve_checkpoint_dir(text);
+  std::error_code ec;
+  const fs::path parent = dir.parent_path();
+  if (!fs::is_directory(parent, ec))
+    throw io_error("cannot save into " + dir.string() + ": its parent directory " + parent.string() +
+                   " does not exist; create it first (mkdir -p " + parent.string() + ")");
+  if (::access(parent.c_str(), W_OK) != 0)
+    throw io_error("cannot save into " + dir.string() + ": the directory " + parent.string() +
+                   " is not writable; choose another --save directory");
+  if (fs::exists(dir, ec)) {
+    if (!fs::is_directory(dir, ec))
+      throw io_error("refusing to save into " + dir.string() + ": it exists and is not a directory; choose another "
+                     "--save directory");
+    if (!fs::is_empty(dir, ec) && !is_checkpoint(dir))
+      throw io_error("refusing to write a checkpoint over " + dir.string() +
+                     ": it exists and is not an upipe checkpoint; choose another --save directory");
+    if (::access(dir.c_str(), W_OK) != 0)
+      throw io_error("cannot save into " + dir.string() + ": it is not writable; choose another --save directory");
+  }
+  remove_stale_temporaries(dir);
+}
+
+void remove_save_temporary(const std::string& dir) {
+  std::error_code ec;
+  fs::remove_all(resolve_checkpoint_dir(dir) + tmp_suffix, ec);
+}
+
+void save_checkpoint(const std::string& dir_text, const checkpoint_request& r, parameter_store& params,
+                     communicator& comm) {
+  const fs::path dir = resolve_checkpoint_dir(dir_text);
+  const fs::path tmp = dir.string() + tmp_suffix;
+  const bool writes = comm.rank() == 0;
+  const int C = comm.size();
+  if (writes) {
+    check_save_dir(dir.string());
+    std::error_code ec;
+    if (!fs::create_directory(tmp, ec) || !fs::create_directory(tmp / trainer_dir, ec))
+      throw io_error("cannot create " + tmp.string() + " for the checkpoint: " + ec.message() +
+                     " (is the parent directory there and writable?)");
+  }
+  comm.barrier();
   try {
-    write_all(tmp, c);
-    publish(tmp, dir);
+    // Every rank its own shard of the optimizer state, in parallel.
+    std::vector<std::vector<float>> values;
+    std::vector<safetensors_tensor> tensors;
+    for (int u = 0; u < params.unit_count(); ++u)
+      for (shard_state which : all_states) values.push_back(params.shard_values(u, which));
+    std::size_t k = 0;
+    for (int u = 0; u < params.unit_count(); ++u)
+      for (shard_state which : all_states) {
+        tensors.push_back({state_name(u, which), {params.unit_shard(u)}, values[k], dtype::f32});
+        ++k;
+      }
+    write_safetensors((tmp / trainer_dir / rank_file(comm.rank(), C)).string(), tensors,
+                      {{"format", "upipe-zero-shard"}, {"rank", std::to_string(comm.rank())}, {"ranks", std::to_string(C)}});
+    values.clear();
+    // The model, a unit at a time through rank 0.
+    std::unique_ptr<hf_model_writer> writer;
+    if (writes) writer = std::make_unique<hf_model_writer>(tmp.string(), r.config, r.model);
+    for (int u = 0; u < params.unit_count(); ++u) {
+      const std::vector<float> flat = params.gather_unit(u);
+      if (!writes) continue;
+      const auto layout = parameter_units(r.config)[static_cast<std::size_t>(u)];
+      for (const unit_parameter& p : layout)
+        writer->write(p.name, std::span<const float>(flat.data() + p.offset, static_cast<std::size_t>(p.numel)));
+    }
+    comm.barrier();  // every rank's shard file is complete
+    if (writes) {
+      std::vector<std::string> files = writer->commit();
+      write_hf_config(r.config, (tmp / "config.json").string(), r.source_dir, hf_dtype_name(r.model.type));
+      fsync_path(tmp / "config.json", false);
+      files.push_back("config.json");
+      if (!r.source_dir.empty() && fs::absolute(r.source_dir) != dir)
+        for (const std::string& f : copy_companion_files(r.source_dir, tmp.string())) files.push_back(f);
+      else
+        for (const std::string& f : copy_companion_files(dir.string(), tmp.string())) files.push_back(f);
+      write_text(tmp / trainer_dir / manifest_file, manifest_json(r, params, C, files).dump(2) + "\n");
+      fsync_path(tmp / trainer_dir, true);
+      carry_user_files(dir, tmp);
+      fsync_path(tmp, true);
+      publish(tmp, dir);
+    }
+  } catch (...) {
+    // A single-rank save cleans up at once; in a group, other ranks may still be writing
+    // into the temporary, so the caller removes it once the group has stopped
+    // (remove_save_temporary), and the next save would too.
+    std::error_code ec;
+    if (C == 1) fs::remove_all(tmp, ec);
+    throw;
+  }
+  comm.barrier();
+}
+
+// ---------------------------------------------------------------------------------------
+// Reading
+
+struct saved_state::impl {
+  std::vector<safetensors_view> ranks;
+  std::vector<std::int64_t> units;  // unpadded sizes
+  std::vector<std::int64_t> shards;  // per unit, elements per saved rank
+};
+
+saved_state::saved_state(const std::string& text) : impl_(std::make_unique<impl>()) {
+  const fs::path dir = resolve_checkpoint_dir(text);
+  dir_ = dir.string();
+  const fs::path manifest = dir / trainer_dir / manifest_file;
+  std::error_code ec;
+  if (!fs::exists(manifest, ec)) {
+    if (fs::exists(dir / "trainer_state.json", ec))
+      throw io_error("cannot resume from " + dir_ + ": it is a checkpoint of an earlier upipe (trainer_state.json, "
+                     "fp32 model.safetensors); resume it with that version, or start from its weights with --init " + dir_);
+    throw io_error("cannot resume from " + dir_ + ": it holds no " + std::string(trainer_dir) + "/" + manifest_file +
+                   " (is it a directory written by upipe train --save?)");
+  }
+  std::ifstream in(manifest);
+  try {
+    const auto j = nlohmann::json::parse(in);
+    if (j.at("format") != manifest_format || j.at("version").get<int>() != manifest_version)
+      throw io_error(manifest.string() + " is not an upipe trainer state of version " + std::to_string(manifest_version));
+    state_ = {j.at("step").get<std::int64_t>(),      j.at("data_position").get<std::int64_t>(),
+              j.at("seed").get<std::uint64_t>(),     j.at("total_steps").get<std::int64_t>(),
+              j.at("data").get<std::string>(),       j.at("data_bytes").get<std::uint64_t>()};
+    ranks_ = j.at("ranks").get<int>();
+    zero_ = j.at("zero").get<std::string>();
+    impl_->units = j.at("units").get<std::vector<std::int64_t>>();
+  } catch (const nlohmann::json::exception& e) {
+    throw io_error("cannot read " + manifest.string() + ": " + e.what());
+  }
+  if (ranks_ < 1 || state_.step < 0 || state_.data_position < 0)
+    throw io_error(manifest.string() + " is damaged: ranks " + std::to_string(ranks_) + ", step " +
+                   std::to_string(state_.step) + ", data position " + std::to_string(state_.data_position));
+  for (std::int64_t n : impl_->units) impl_->shards.push_back((n + ranks_ - 1) / ranks_);
+  for (int r = 0; r < ranks_; ++r) {
+    const fs::path file = dir / trainer_dir / rank_file(r, ranks_);
+    if (!fs::exists(file, ec))
+      throw io_error("cannot resume from " + dir_ + ": " + file.string() + " is missing (the manifest names " +
+                     std::to_string(ranks_) + " ranks)");
+    impl_->ranks.emplace_back(file.string());
+    for (std::size_t u = 0; u < impl_->units.size(); ++u)
+      for (shard_state which : all_states) {
+        const safetensors_info* info = impl_->ranks.back().find(state_name(static_cast<int>(u), which));
+        if (!info || info->numel != static_cast<std::uint64_t>(impl_->shards[u]))
+          throw io_error(file.string() + " lacks " + state_name(static_cast<int>(u), which) + " of " +
+                         std::to_string(impl_->shards[u]) + " elements: the trainer state is damaged");
+      }
+  }
+}
+
+saved_state::~saved_state() = default;
+
+void saved_state::check_units(const model_config& config) const {
+  const auto units = parameter_units(config);
+  bool same = units.size() == impl_->units.size();
+  for (std::size_t u = 0; same && u < units.size(); ++u) {
+    std::int64_t n = 0;
+    for (const auto& p : units[u]) n += p.numel;
+    same = n == impl_->units[u];
+  }
+  if (!same)
+    throw config_error("cannot resume " + config.name + " from " + dir_ +
+                       ": its trainer state holds parameter units of another model; pass that model (--model " + dir_ + ")");
+}
+
+void saved_state::read(int unit, shard_state which, std::int64_t begin, std::int64_t count, float* out) const {
+  UPIPE_CHECK(unit >= 0 && unit < static_cast<int>(impl_->units.size()) && begin >= 0 &&
+                  begin + count <= impl_->units[unit],
+              "saved_state::read outside unit " + std::to_string(unit));
+  const std::int64_t shard = impl_->shards[unit];
+  const std::string name = state_name(unit, which);
+  while (count > 0) {
+    const std::int64_t r = begin / shard, offset = begin % shard, n = std::min(count, shard - offset);
+    impl_->ranks[r].read(name, offset, n, out);
+    begin += n;
+    count -= n;
+    out += n;
+  }
+}
+
+void check_same_model(const model_config& s, const model_config& c, const std::string& dir) {
+  const bool same = s.family == c.family && s.vocab_size == c.vocab_size && s.hidden_size == c.hidden_size &&
+                    s.intermediate_size == c.intermediate_size && s.num_layers == c.num_layers &&
+                    s.num_heads == c.num_heads && s.num_kv_heads == c.num_kv_heads && s.head_dim == c.head_dim &&
+                    s.tie_embeddings == c.tie_embeddings;
+  if (!same)
+    throw config_error("cannot resume " + c.name + " from " + dir + ": that checkpoint is of another model (L=" +
+                       std::to_string(s.num_layers) + " D=" + std::to_string(s.hidden_size) + " H=" +
+                       std::to_string(s.num_heads) + " V=" + std::to_string(s.vocab_size) +
+                       "); pass its configuration (--model " + dir + ")");
+}
+
+void export_checkpoint(const std::string& checkpoint_dir, const std::string& out_text, const hf_save_options& options) {
+  const saved_state saved(checkpoint_dir);
+  const model_config config = read_hf_config(saved.dir());
+  saved.check_units(config);
+  const fs::path out = resolve_checkpoint_dir(out_text);
+  std::error_code ec;
+  if (fs::exists(out, ec) && (!fs::is_directory(out, ec) || !fs::is_empty(out, ec)))
+    throw io_error("refusing to export into " + out.string() + ": it exists and is not empty; name a new directory");
+  if (!fs::is_directory(out.parent_path(), ec))
+    throw io_error("cannot export into " + out.string() + ": its parent directory does not exist; create it first");
+  const fs::path tmp = out.string() + tmp_suffix;
+  fs::remove_all(tmp, ec);
+  if (!fs::create_directory(tmp, ec)) throw io_error("cannot create " + tmp.string() + ": " + ec.message());
+  try {
+    hf_model_writer writer(tmp.string(), config, options);
+    const auto units = parameter_units(config);
+    for (std::size_t u = 0; u < units.size(); ++u)
+      for (const unit_parameter& p : units[u]) {
+        std::vector<float> values(static_cast<std::size_t>(p.numel));
+        saved.read(static_cast<int>(u), shard_state::master, p.offset, p.numel, values.data());
+        writer.write(p.name, values);
+      }
+    writer.commit();
+    write_hf_config(config, (tmp / "config.json").string(), saved.dir(), hf_dtype_name(options.type));
+    copy_companion_files(saved.dir(), tmp.string());
+    fsync_path(tmp, true);
+    fs::remove(out, ec);  // an empty directory
+    if (std::rename(tmp.c_str(), out.c_str()) != 0)
+      throw io_error("cannot move the export into " + out.string() + ": " + std::strerror(errno));
   } catch (...) {
     fs::remove_all(tmp, ec);
     throw;
   }
-}
-
-train_checkpoint load_train_checkpoint(const std::string& dir_text, const model_config& config) {
-  const fs::path dir(dir_text);
-  if (!fs::exists(dir / state_file))
-    throw io_error("cannot resume from " + dir.string() + ": it holds no " + state_file +
-                   " (is it a directory written by upipe train --save?)");
-  train_checkpoint c;
-  c.config = read_hf_config((dir / "config.json").string());
-  const bool same = c.config.family == config.family && c.config.vocab_size == config.vocab_size &&
-                    c.config.hidden_size == config.hidden_size && c.config.intermediate_size == config.intermediate_size &&
-                    c.config.num_layers == config.num_layers && c.config.num_heads == config.num_heads &&
-                    c.config.num_kv_heads == config.num_kv_heads && c.config.head_dim == config.head_dim &&
-                    c.config.tie_embeddings == config.tie_embeddings;
-  if (!same)
-    throw config_error("cannot resume " + config.name + " from " + dir.string() + ": that checkpoint is of another model (L=" +
-                       std::to_string(c.config.num_layers) + " D=" + std::to_string(c.config.hidden_size) + " H=" +
-                       std::to_string(c.config.num_heads) + " V=" + std::to_string(c.config.vocab_size) +
-                       "); pass its configuration (--config " + (dir / "config.json").string() + ")");
-  c.config.name = config.name;
-  c.weights = read_weights(config, (dir / "model.safetensors").string());
-  safetensors_file moments = read_safetensors((dir / "optimizer.safetensors").string());
-  for (const parameter_spec& p : parameter_specs(config))
-    for (auto [suffix, target] : {std::pair{".exp_avg", &c.exp_avg}, std::pair{".exp_avg_sq", &c.exp_avg_sq}}) {
-      auto it = moments.tensors.find(p.name + suffix);
-      if (it == moments.tensors.end() || it->second.shape != p.shape)
-        throw io_error(dir.string() + "/optimizer.safetensors lacks " + p.name + suffix + " of the right shape");
-      target->emplace(p.name, std::move(it->second.values));
-    }
-  std::ifstream in(dir / state_file);
-  try {
-    const auto j = nlohmann::json::parse(in);
-    c.state = {j.at("step").get<std::int64_t>(), j.at("data_position").get<std::int64_t>(),
-               j.at("seed").get<std::uint64_t>(), j.at("total_steps").get<std::int64_t>(), j.at("data").get<std::string>()};
-  } catch (const nlohmann::json::exception& e) {
-    throw io_error("cannot read " + (dir / state_file).string() + ": " + e.what());
-  }
-  return c;
 }
 
 }  // namespace upipe

@@ -1,15 +1,26 @@
-// Training checkpoints: a directory with config.json and model.safetensors (Hugging Face
-// names and layout, fp32 master weights, so transformers loads it), optimizer.safetensors
-// (AdamW moments) and trainer_state.json (step, data position, seed, schedule). The
-// directory is written whole under a temporary name and swapped in atomically, so an
-// existing checkpoint is never left half-written.
+// Training checkpoints. A checkpoint directory is a Hugging Face model directory that
+// transformers, vLLM and PEFT load as it is:
+//   config.json                 the input's config.json, changed only where training changed it
+//   model.safetensors           the weights (bf16 by default), or model-0000N-of-0000M shards
+//   model.safetensors.index.json   with shards
+//   tokenizer files, generation_config.json   copied from the input model directory
+//   trainer/manifest.json       the run: step, data position, seed, ranks, ZeRO stage, strategy
+//   trainer/rank-0000R-of-0000C.safetensors   rank R's fp32 master shard and AdamW moments
+// Each rank writes its own shard file, in parallel; a resume at another rank count or ZeRO
+// stage reshards from them. The directory is built under DIR.tmp-upipe and swapped in
+// atomically, carrying over the files a user put into DIR, so that an existing checkpoint
+// is never left half-written and nothing a user added is lost.
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
+#include <vector>
 
+#include "comm/communicator.hpp"
 #include "model/config.hpp"
-#include "model/weights.hpp"
+#include "model/hf_model.hpp"
+#include "model/parameter_store.hpp"
 
 namespace upipe {
 
@@ -19,21 +30,68 @@ struct trainer_state {
   std::uint64_t seed = 0;          // data and initialization seed
   std::int64_t total_steps = 0;    // the schedule's length when saved
   std::string data = "passkey";    // "passkey" or the token file's path
+  std::uint64_t data_bytes = 0;    // the token file's size when saved
 };
 
-struct train_checkpoint {
-  model_config config;
-  host_weights weights, exp_avg, exp_avg_sq;
+struct checkpoint_request {
+  model_config config;     // as trained: RoPE and max_position_embeddings as the run used them
+  std::string source_dir;  // the input model directory (its config.json and tokenizer), or empty
+  hf_save_options model;   // the weights' dtype and shard size
   trainer_state state;
+  std::string strategy;    // recorded for the reader; a resume may use another
+  int head_chunk = 0;
+  std::int64_t seq_len = 0;
 };
 
-// Writes DIR atomically (DIR.tmp-<pid>, then an atomic exchange). Throws io_error naming
-// the path and the cause (unwritable directory, full disk); DIR is then untouched. An
-// existing DIR that is not an upipe checkpoint is never replaced.
-void save_train_checkpoint(const std::string& dir, const train_checkpoint& checkpoint);
+// Resolves a --save or --resume path as a user means it: a trailing slash is dropped and a
+// symbolic link is followed (the link stays; its target is written).
+std::string resolve_checkpoint_dir(const std::string& dir);
 
-// Reads DIR and checks it is a checkpoint of `config` (same architecture and sizes);
-// a checkpoint of another model is a config_error naming both.
-train_checkpoint load_train_checkpoint(const std::string& dir, const model_config& config);
+// Checks before step 1 that DIR can take a checkpoint: its parent exists and is writable,
+// and DIR is absent, empty or an upipe checkpoint. Throws io_error naming the path and a
+// way out. Removes what a killed save left behind (DIR.tmp-upipe, DIR.tmp-<dead pid>).
+void check_save_dir(const std::string& dir);
+
+// Collective over the CP group: every rank writes its shard, rank 0 the model and the
+// manifest. Throws io_error (full disk, unwritable directory); DIR is then untouched.
+void save_checkpoint(const std::string& dir, const checkpoint_request& request, parameter_store& params,
+                     communicator& comm);
+
+// Removes the temporary a failed save_checkpoint left, once no rank writes into it.
+void remove_save_temporary(const std::string& dir);
+
+// A saved checkpoint's trainer state: the manifest and every rank's shard file, mapped.
+class saved_state {
+ public:
+  // Throws io_error when DIR holds no trainer/manifest.json or a shard file is missing.
+  explicit saved_state(const std::string& dir);
+  ~saved_state();
+
+  const std::string& dir() const { return dir_; }
+  const trainer_state& state() const { return state_; }
+  int ranks() const { return ranks_; }
+  const std::string& zero() const { return zero_; }
+  // Checks the units against the run's model (config_error naming both otherwise).
+  void check_units(const model_config& config) const;
+  // Elements [begin, begin + count) of a unit's unpadded flat state, from whichever of the
+  // saved ranks hold them (parameter_store::state_reader).
+  void read(int unit, shard_state which, std::int64_t begin, std::int64_t count, float* out) const;
+
+ private:
+  struct impl;
+  std::unique_ptr<impl> impl_;
+  std::string dir_;
+  trainer_state state_;
+  int ranks_ = 0;
+  std::string zero_;
+};
+
+// A resumed run's model must be the saved one: config_error naming both otherwise.
+void check_same_model(const model_config& saved, const model_config& run, const std::string& dir);
+
+// `upipe export`: the checkpoint's fp32 master weights as a model directory in `options`'
+// dtype, with its config.json and tokenizer, without the trainer state. OUT must be absent
+// or empty; it is written atomically.
+void export_checkpoint(const std::string& checkpoint_dir, const std::string& out_dir, const hf_save_options& options);
 
 }  // namespace upipe

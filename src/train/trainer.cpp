@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
+#include <filesystem>
 #include <memory>
 
 #include "comm/communicator.hpp"
@@ -98,18 +100,33 @@ double run_step(rank_context& rc, const std::vector<std::vector<std::int32_t>>& 
   return record.loss;
 }
 
+std::uint64_t file_bytes(const std::string& path) {
+  std::error_code ec;
+  const auto n = std::filesystem::file_size(path, ec);
+  return ec ? 0 : static_cast<std::uint64_t>(n);
+}
+
+// The model as trained, for its saved config.json: the context it declares covers the
+// trained length.
+model_config trained_config(const train_options& o) {
+  model_config c = o.model;
+  c.max_position_embeddings = std::max(c.max_position_embeddings, o.seq_len);
+  return c;
+}
+
 void save(rank_context& rc, const std::string& dir, std::int64_t step, std::int64_t position) {
-  train_checkpoint c;
-  c.weights = rc.params.gather_weights();
-  c.exp_avg = rc.params.gather_moments(0);
-  c.exp_avg_sq = rc.params.gather_moments(1);
-  if (rc.comm.rank() == 0 && rc.be.has_data()) {
-    c.config = rc.options.model;
-    c.state = {step, position, rc.options.seed, rc.options.optim.total_steps,
-               rc.options.data_path.empty() ? "passkey" : rc.options.data_path};
-    save_train_checkpoint(dir, c);
-  }
-  rc.comm.barrier();
+  if (!rc.be.has_data()) return;
+  const train_options& o = rc.options;
+  checkpoint_request r;
+  r.config = trained_config(o);
+  r.source_dir = o.model_dir;
+  r.model = o.save_model;
+  r.state = {step, position, o.seed, o.optim.total_steps, o.data_path.empty() ? "passkey" : o.data_path,
+             o.data_path.empty() ? 0 : file_bytes(o.data_path)};
+  r.strategy = std::string(strategy_name(o.cp.strategy));
+  r.head_chunk = o.cp.head_chunk;
+  r.seq_len = o.seq_len;
+  save_checkpoint(dir, r, rc.params, rc.comm);
 }
 
 // Teacher-forced retrieval on held-out samples: the argmax at the position before each
@@ -136,19 +153,23 @@ double evaluate(rank_context& rc, const passkey_task& task) {
   return rc.options.eval_samples > 0 ? right / rc.options.eval_samples : 0.0;
 }
 
-void run_rank(const train_options& o, backend& be, communicator& comm,
-              const train_checkpoint* resume, const host_weights& init, train_summary& summary,
-              const std::function<void(const step_record&)>& on_step) {
+void run_rank(const train_options& o, backend& be, communicator& comm, const saved_state* resume,
+              const weight_source* init, train_summary& summary, const std::function<void(const step_record&)>& on_step,
+              clock_type::time_point start) {
   rank_context rc(o, be, comm);
   std::int64_t first = 1, position = 0;
   if (resume != nullptr) {
-    rc.params.load(resume->weights);
-    rc.params.load_moments(resume->exp_avg, resume->exp_avg_sq);
-    first = resume->state.step + 1;
-    position = resume->state.data_position;
-  } else {
-    rc.params.load(init);
+    rc.params.load_state([resume](int u, shard_state which, std::int64_t begin, std::int64_t count, float* out) {
+      resume->read(u, which, begin, count, out);
+    });
+    first = resume->state().step + 1;
+    position = resume->state().data_position;
+  } else if (init != nullptr) {
+    rc.params.load(*init);
   }
+  be.synchronize();
+  comm.barrier();
+  if (comm.rank() == 0) summary.load_seconds = std::chrono::duration<double>(clock_type::now() - start).count();
   data_source data(o);
   const std::int64_t last = o.stop_after > 0 ? o.stop_after : o.optim.total_steps;
   for (std::int64_t step = first; step <= last; ++step) {
@@ -313,26 +334,80 @@ step_timing time_steps(const train_options& o, std::int64_t warmup_len, int repe
   return out;
 }
 
+namespace {
+
+// A resumed run must continue the saved one: the same model and the same data.
+void check_resume(const train_options& o, const saved_state& saved) {
+  check_same_model(read_hf_config(saved.dir()), o.model, saved.dir());
+  saved.check_units(o.model);
+  const trainer_state& st = saved.state();
+  if (st.step >= (o.stop_after > 0 ? o.stop_after : o.optim.total_steps))
+    throw config_error("the checkpoint in " + o.resume_dir + " is at step " + std::to_string(st.step) +
+                       ", past the last step asked for; raise --steps or --stop-after");
+  const std::string data = o.data_path.empty() ? "passkey" : o.data_path;
+  if ((st.data == "passkey") != (data == "passkey") ||
+      (data != "passkey" && std::filesystem::weakly_canonical(st.data) != std::filesystem::weakly_canonical(data)))
+    throw config_error("cannot resume from " + o.resume_dir + ": it was trained on " +
+                       (st.data == "passkey" ? std::string("the passkey task") : "--data " + st.data) + ", not " +
+                       (data == "passkey" ? std::string("the passkey task") : "--data " + data) + "; pass " +
+                       (st.data == "passkey" ? std::string("no --data") : "--data " + st.data));
+  if (data != "passkey" && st.data_bytes != 0 && file_bytes(data) != st.data_bytes)
+    throw config_error("cannot resume from " + o.resume_dir + ": the data file " + data + " holds " +
+                       std::to_string(file_bytes(data)) + " bytes but held " + std::to_string(st.data_bytes) +
+                       " when the checkpoint was saved; resume on the same data, or start a new run with --init " +
+                       o.resume_dir);
+}
+
+// Where the first step's weights come from: --init, else the --model directory, else random.
+std::unique_ptr<weight_source> initial_weights(const train_options& o, host_weights& random) {
+  const std::string path = !o.init_path.empty() ? o.init_path : o.model_dir;
+  if (path.empty()) {
+    random = random_weights(o.model, o.seed);
+    return std::make_unique<host_weight_source>(random);
+  }
+  auto files = std::make_unique<hf_model_files>(path, o.model);
+  if (!files->unused().empty()) {
+    std::string names;
+    for (std::size_t i = 0; i < files->unused().size() && i < 8; ++i) names += (i ? ", " : "") + files->unused()[i];
+    if (files->unused().size() > 8) names += ", ...";
+    std::fprintf(stderr, "upipe: warning: %s holds %zu tensor(s) the model does not use, ignored: %s\n", path.c_str(),
+                 files->unused().size(), names.c_str());
+  }
+  return files;
+}
+
+}  // namespace
+
 train_summary train(const train_options& o, const std::function<void(const step_record&)>& on_step) {
   validate(o);
-  std::unique_ptr<train_checkpoint> resume;
-  host_weights init;
+  // Everything that can be checked before the first step is: the save directory, the
+  // checkpoint or the weights against the model, the data file's ids.
+  const auto start = clock_type::now();
+  if (!o.save_dir.empty()) check_save_dir(o.save_dir);
+  std::unique_ptr<saved_state> resume;
+  std::unique_ptr<weight_source> init;
+  host_weights random;
   if (!o.resume_dir.empty()) {
-    resume = std::make_unique<train_checkpoint>(load_train_checkpoint(o.resume_dir, o.model));
-    if (resume->state.step >= (o.stop_after > 0 ? o.stop_after : o.optim.total_steps))
-      throw config_error("the checkpoint in " + o.resume_dir + " is at step " + std::to_string(resume->state.step) +
-                         ", past the last step asked for; raise --steps or --stop-after");
+    resume = std::make_unique<saved_state>(o.resume_dir);
+    check_resume(o, *resume);
   } else if (o.backend != backend_kind::meta) {
-    init = o.init_path.empty() ? random_weights(o.model, o.seed) : read_weights(o.model, o.init_path);
+    init = initial_weights(o, random);
   }
+  if (!o.data_path.empty()) token_file(o.data_path, o.seq_len, o.model.vocab_size).check_ids();
   train_summary summary;
   summary.seq_len = o.seq_len;
   summary.peak_bytes.resize(static_cast<std::size_t>(o.cp.cp));
-  const auto start = clock_type::now();
-  run_cp_group(
-      o.backend, o.limits, o.cp.cp,
-      [&](int, backend& be, communicator& comm) { run_rank(o, be, comm, resume.get(), init, summary, on_step); },
-      false, o.comm);
+  try {
+    run_cp_group(
+        o.backend, o.limits, o.cp.cp,
+        [&](int, backend& be, communicator& comm) {
+          run_rank(o, be, comm, resume.get(), init.get(), summary, on_step, start);
+        },
+        false, o.comm);
+  } catch (...) {
+    if (!o.save_dir.empty()) remove_save_temporary(o.save_dir);
+    throw;
+  }
   summary.seconds = std::chrono::duration<double>(clock_type::now() - start).count();
   return summary;
 }

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "model/hf_model.hpp"
 #include "model/parameter_store.hpp"
 #include "model/transformer.hpp"
 #include "train/optimizer.hpp"
@@ -17,7 +18,10 @@ namespace upipe {
 
 struct train_options {
   model_config model;
-  std::string init_path;    // weights to start from; empty: random
+  std::string init_path;    // weights to start from (a model directory or a .safetensors file); empty: random
+  std::string model_dir;    // the input model directory: the base of the saved config.json and the source of
+                            // the tokenizer files (empty for presets)
+  hf_save_options save_model;  // the saved weights' dtype and shard size
   std::string data_path;    // flat uint32 token file; empty: the synthetic passkey task
   std::int64_t seq_len = 128;
   std::int64_t batch = 1;   // sequences per optimizer step (gradients accumulated)
@@ -52,6 +56,7 @@ struct train_summary {
   std::vector<std::map<std::string, std::size_t>> peak_bytes;  // per rank, tag -> bytes
   std::int64_t seq_len = 0;                   // after padding
   double seconds = 0;
+  double load_seconds = 0;                    // from the start until every rank holds its weights
   std::size_t arena_high_water = 0;           // rank 0's device arena, bytes
 };
 

@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <filesystem>
+#include <fstream>
 
 #include "core/error.hpp"
 #include "train/trainer.hpp"
@@ -85,6 +86,60 @@ TEST(trainer, resume_with_a_different_cp_layout_follows_the_same_schedule) {
   second.resume_dir = dir.string();
   const std::vector<double> resumed = losses(second);
   for (std::size_t i = 0; i < 10; ++i) EXPECT_LT(std::abs(resumed[i] - uninterrupted[10 + i]) / uninterrupted[10 + i], 1e-4);
+  std::filesystem::remove_all(dir);
+}
+
+TEST(trainer, save_at_four_ranks_zero3_resumes_at_two_ranks_zero2) {
+  // Each rank saved its own shard; the resume at C = 2 reshards them. From the resumed step
+  // on the losses are those of a C = 2 run that loads the same state, which an
+  // uninterrupted C = 2 run reaches up to the rounding of the reductions.
+  const auto dir = std::filesystem::temp_directory_path() / ("upipe_reshard4_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  const std::vector<double> uninterrupted = losses(base(strategy_kind::upipe, 2, 0, zero_stage::two));
+  train_options first = base(strategy_kind::upipe, 4, 0, zero_stage::three);
+  first.stop_after = 10;
+  first.save_dir = dir.string();
+  const std::vector<double> before = losses(first);
+  for (int r = 0; r < 4; ++r)
+    EXPECT_TRUE(std::filesystem::exists(dir / "trainer" / ("rank-0000" + std::to_string(r) + "-of-00004.safetensors")));
+  train_options second = base(strategy_kind::upipe, 2, 0, zero_stage::two);
+  second.resume_dir = dir.string();
+  const std::vector<double> resumed = losses(second);
+  ASSERT_EQ(resumed.size(), 10u);
+  double worst = 0;
+  for (std::size_t i = 0; i < 10; ++i) {
+    EXPECT_LT(std::abs(before[i] - uninterrupted[i]) / uninterrupted[i], 1e-6) << "step " << i + 1;
+    worst = std::max(worst, std::abs(resumed[i] - uninterrupted[10 + i]) / uninterrupted[10 + i]);
+  }
+  EXPECT_LT(worst, 1e-6);
+  // Resumed at C = 4 and ZeRO-3 from the same checkpoint: the run continues bit for bit as
+  // the saving layout would have.
+  train_options third = base(strategy_kind::upipe, 4, 0, zero_stage::three);
+  third.resume_dir = dir.string();
+  const std::vector<double> again = losses(third);
+  const std::vector<double> whole4 = losses(base(strategy_kind::upipe, 4, 0, zero_stage::three));
+  for (std::size_t i = 0; i < 10; ++i) EXPECT_EQ(again[i], whole4[10 + i]) << "step " << 11 + i;
+  std::filesystem::remove_all(dir);
+}
+
+TEST(trainer, a_save_keeps_user_files_and_clears_a_killed_save) {
+  const auto dir = std::filesystem::temp_directory_path() / ("upipe_userfiles_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  train_options o = base(strategy_kind::upipe, 2, 0, zero_stage::two);
+  o.stop_after = 2;
+  o.save_dir = dir.string() + "/";  // a trailing slash means the same directory
+  losses(o);
+  std::ofstream(dir / "README.md") << "my notes";
+  std::filesystem::create_directories(dir.string() + ".tmp-upipe/trainer");  // what a killed save leaves
+  o.stop_after = 4;
+  losses(o);
+  std::ifstream notes(dir / "README.md");
+  std::string text;
+  std::getline(notes, text);
+  EXPECT_EQ(text, "my notes");
+  EXPECT_FALSE(std::filesystem::exists(dir.string() + ".tmp-upipe"));
+  std::ifstream manifest(dir / "trainer" / "manifest.json");
+  EXPECT_NE(std::string(std::istreambuf_iterator<char>(manifest), {}).find("\"step\": 4"), std::string::npos);
   std::filesystem::remove_all(dir);
 }
 
