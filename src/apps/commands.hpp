@@ -19,5 +19,6 @@ command_runner add_plan(CLI::App& app);
 command_runner add_bench(CLI::App& app);
 command_runner add_report(CLI::App& app);
 command_runner add_bench_comm(CLI::App& app);
+command_runner add_export(CLI::App& app);
 
 }  // namespace upipe::apps

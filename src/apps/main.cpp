@@ -47,6 +47,8 @@ int main(int argc, char** argv) {
       "report", "Plots (SVG) of bench, bench-attention and plan results: memory by tag, throughput and peak vs S, U"));
   auto comm = upipe::apps::add_bench_comm(*app.add_subcommand(
       "bench-comm", "The strategies' collectives at their message sizes: time, algorithm and bus bandwidth"));
+  auto export_model = upipe::apps::add_export(*app.add_subcommand(
+      "export", "Write a training checkpoint's weights as a Hugging Face model directory (fp32 or bf16)"));
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -66,6 +68,7 @@ int main(int argc, char** argv) {
     if (app.got_subcommand("bench")) return bench_steps();
     if (app.got_subcommand("report")) return report();
     if (app.got_subcommand("bench-comm")) return comm();
+    if (app.got_subcommand("export")) return export_model();
   } catch (const std::exception& e) {
     return report_error(e);
   }

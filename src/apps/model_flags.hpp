@@ -1,7 +1,10 @@
-// The model a command runs: a preset (--model) or a Hugging Face config.json (--config),
-// optionally cut to a slice of its first N layers (--layers, at full width and length).
+// The model a command runs: a preset or a Hugging Face model directory (--model), or a
+// config.json (--config), optionally cut to a slice of its first N layers (--layers, at
+// full width and length), and for training its RoPE changed for a longer context.
 #pragma once
 
+#include <cmath>
+#include <filesystem>
 #include <string>
 
 #include <CLI/CLI.hpp>
@@ -20,14 +23,143 @@ inline model_config slice_layers(model_config m, int layers) {
   return m;
 }
 
-inline model_config load_model(const std::string& preset_name, const std::string& config_path, int layers = 0) {
-  return slice_layers(config_path.empty() ? preset(preset_name) : read_hf_config(config_path), layers);
+// A preset name, or a path: a model directory (holding config.json) or a config.json.
+inline bool looks_like_path(const std::string& s) {
+  std::error_code ec;
+  return s.find('/') != std::string::npos || std::filesystem::exists(s, ec);
+}
+
+// --model NAME|DIR or --config FILE|DIR; a path that is no model directory is an error
+// naming what it lacks.
+inline model_config load_model(const std::string& model, const std::string& config_path, int layers = 0) {
+  if (!config_path.empty()) return slice_layers(read_hf_config(config_path), layers);
+  if (looks_like_path(model)) {
+    std::error_code ec;
+    if (std::filesystem::is_directory(model, ec) && !is_model_directory(model))
+      throw io_error("--model " + model + " is a directory without a config.json: pass a directory written by "
+                     "save_pretrained (or upipe train --save), or a preset (upipe model-config --list)");
+    return slice_layers(read_hf_config(model), layers);
+  }
+  return slice_layers(preset(model), layers);
+}
+
+// The directory a model came from (its config.json is the base of a saved one, its
+// tokenizer files are copied), or empty for a preset.
+inline std::string model_directory(const std::string& model, const std::string& config_path) {
+  std::error_code ec;
+  if (!config_path.empty())
+    return std::filesystem::is_directory(config_path, ec) ? config_path
+                                                          : std::filesystem::path(config_path).parent_path().string();
+  return looks_like_path(model) && is_model_directory(model) ? model : std::string();
 }
 
 // --model and --config.
 inline void add_model_flags(CLI::App& app, std::string& preset_name, std::string& config_path) {
-  app.add_option("--model", preset_name, "preset (upipe model-config --list)")->capture_default_str();
-  app.add_option("--config", config_path, "a Hugging Face config.json instead of a preset");
+  app.add_option("--model", preset_name,
+                 "preset (upipe model-config --list) or a Hugging Face model directory (config.json and "
+                 "safetensors weights, one file or shards)")
+      ->capture_default_str();
+  app.add_option("--config", config_path, "a Hugging Face config.json (or its directory) instead of --model");
 }
+
+// --rope-theta, --rope-scaling and --max-position-embeddings: context extension.
+struct rope_flags {
+  double theta = 0;                    // 0: the model's
+  std::string scaling;                 // "type=yarn,factor=4,..." (empty: the model's)
+  std::int64_t max_position_embeddings = 0;  // 0: the model's, raised to cover the extension
+
+  void add(CLI::App& app) {
+    app.add_option("--rope-theta", theta, "RoPE base (the model's unless given)");
+    app.add_option("--rope-scaling", scaling,
+                   "RoPE scaling as transformers computes it: type=llama3|linear|yarn|default then key=value pairs "
+                   "(factor, original_max_position_embeddings, low_freq_factor, high_freq_factor, beta_fast, "
+                   "beta_slow, mscale, mscale_all_dim, attention_factor, truncate), e.g. type=yarn,factor=4");
+    app.add_option("--max-position-embeddings", max_position_embeddings,
+                   "the context the saved config declares (default: the model's, or the extended one)");
+  }
+
+  void apply(model_config& m) const {
+    if (theta != 0) {
+      if (!(theta > 0) || !std::isfinite(theta))
+        throw config_error("--rope-theta " + std::to_string(theta) + " must be a positive number (e.g. 500000)");
+      m.rope.theta = theta;
+    }
+    const std::int64_t context = m.max_position_embeddings;
+    if (!scaling.empty()) m.rope.scaling = parse_scaling(m);
+    if (max_position_embeddings < 0)
+      throw config_error("--max-position-embeddings " + std::to_string(max_position_embeddings) +
+                         " must be positive (e.g. 131072)");
+    if (max_position_embeddings > 0) {
+      m.max_position_embeddings = max_position_embeddings;
+    } else if (!scaling.empty() && m.rope.scaling.enabled()) {
+      const std::int64_t original =
+          m.rope.scaling.kind == rope_kind::linear ? context : m.rope.scaling.original_max_position;
+      m.max_position_embeddings =
+          std::max(context, static_cast<std::int64_t>(std::llround(static_cast<double>(original) * m.rope.scaling.factor)));
+    }
+    validate(m);
+  }
+
+ private:
+  rope_scaling parse_scaling(const model_config& m) const {
+    rope_scaling s;
+    s.original_max_position = 0;  // absent: the model's context before the extension
+    bool typed = false;
+    std::size_t start = 0;
+    while (start <= scaling.size()) {
+      const std::size_t comma = std::min(scaling.find(',', start), scaling.size());
+      const std::string part = scaling.substr(start, comma - start);
+      start = comma + 1;
+      if (part.empty()) continue;
+      const std::size_t eq = part.find('=');
+      if (eq == std::string::npos)
+        throw config_error("--rope-scaling part '" + part + "' must be key=value, e.g. type=yarn,factor=4");
+      const std::string key = part.substr(0, eq), value = part.substr(eq + 1);
+      const auto number = [&]() {
+        try {
+          std::size_t used = 0;
+          const double v = std::stod(value, &used);
+          if (used == value.size() && std::isfinite(v)) return v;
+        } catch (const std::exception&) {
+        }
+        throw config_error("--rope-scaling " + key + "=" + value + " is not a number (e.g. " + key + "=4)");
+      };
+      if (key == "type" || key == "rope_type") {
+        s.kind = parse_rope_kind(value, "--rope-scaling type");
+        typed = true;
+      } else if (key == "factor") {
+        s.factor = number();
+      } else if (key == "original_max_position_embeddings") {
+        s.original_max_position = static_cast<std::int64_t>(number());
+      } else if (key == "low_freq_factor") {
+        s.low_freq_factor = number();
+      } else if (key == "high_freq_factor") {
+        s.high_freq_factor = number();
+      } else if (key == "beta_fast") {
+        s.beta_fast = number();
+      } else if (key == "beta_slow") {
+        s.beta_slow = number();
+      } else if (key == "mscale") {
+        s.mscale = number();
+      } else if (key == "mscale_all_dim") {
+        s.mscale_all_dim = number();
+      } else if (key == "attention_factor") {
+        s.attention_factor = number();
+      } else if (key == "truncate") {
+        if (value != "true" && value != "false")
+          throw config_error("--rope-scaling truncate=" + value + " must be true or false");
+        s.truncate = value == "true";
+      } else {
+        throw config_error("--rope-scaling key '" + key + "' is not known; the keys are type, factor, "
+                           "original_max_position_embeddings, low_freq_factor, high_freq_factor, beta_fast, beta_slow, "
+                           "mscale, mscale_all_dim, attention_factor, truncate");
+      }
+    }
+    if (!typed)
+      throw config_error("--rope-scaling " + scaling + " names no type: begin with type=llama3, linear, yarn or default");
+    if (s.original_max_position == 0) s.original_max_position = m.max_position_embeddings;
+    return s;
+  }
+};
 
 }  // namespace upipe::apps

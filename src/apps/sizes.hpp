@@ -1,6 +1,7 @@
 // Parsing of counts with binary suffixes (128K = 131072, 1M = 1048576) for flags.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <string>
 #include <utility>
@@ -57,14 +58,16 @@ inline constexpr const char* loss_chunk_help =
     "tokens per cross-entropy chunk (0: f32 logits of up to 2 GiB, at most 1/64 of the GPU memory)";
 
 inline constexpr const char* host_memory_gib_help =
-    "host pool per rank, GiB: pinned, or pageable with where=host-pageable (0: 1 GiB, or --memory-gib when "
+    "host pool per rank, GiB: pinned, or pageable with where=host-pageable (0: 16 MiB, or --memory-gib when "
     "checkpoints go to the host)";
 
 // The arenas for a run: `memory_gib` per rank (checked positive); nothing reserved on
 // meta, which takes the GPU libraries' workspaces as the cuda backend would so that its
-// peak is the GPU's; on the GPU a host pool of `host_gib` when given, else 1 GiB unless
-// checkpoints go to the host (then `memory_gib`), since pinned memory is taken at start;
-// pageable (and only reserved) when checkpoints go to pageable host memory.
+// peak is the GPU's; on the GPU a host pool of `host_gib` when given, else 16 MiB unless
+// checkpoints go to the host (then `memory_gib`): only host checkpoints live there, and
+// pinned memory is taken (and counted in the process's RSS) at start, so a pool nothing
+// uses costs each rank its size; pageable (and only reserved) when checkpoints go to
+// pageable host memory.
 inline memory_limits run_limits(backend_kind kind, double memory_gib, checkpoint_location checkpoints,
                                 double host_gib = 0) {
   if (!(memory_gib > 0))
@@ -76,7 +79,7 @@ inline memory_limits run_limits(backend_kind kind, double memory_gib, checkpoint
   const auto bytes = [](double gib) { return static_cast<std::size_t>(gib * (1 << 30)); };
   const bool small_host = kind == backend_kind::cuda && checkpoints == checkpoint_location::device;
   memory_limits limits{bytes(memory_gib), host_gib > 0 ? bytes(host_gib)
-                                                       : (small_host ? std::size_t{1} << 30 : bytes(memory_gib))};
+                                                       : (small_host ? std::size_t{16} << 20 : bytes(memory_gib))};
   limits.host_pageable = kind == backend_kind::cuda && checkpoints == checkpoint_location::host_pageable;
   return limits;
 }
@@ -86,6 +89,23 @@ inline memory_limits run_limits(backend_kind kind, double memory_gib, checkpoint
 inline step_options sized_for_gpu(const step_options& o, const model_config& model, double memory_gib) {
   const memory_limits gpu = run_limits(backend_kind::cuda, memory_gib, checkpoint_location::device);
   return with_default_sizes(o, model, gpu.device_bytes);
+}
+
+// "5GB", "500MB", "100KB" or bytes, in powers of ten as transformers' max_shard_size.
+inline std::uint64_t parse_shard_size(const std::string& text) {
+  std::size_t used = 0;
+  double value = 0;
+  try {
+    value = std::stod(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  const std::string unit = text.substr(used);
+  const double scale = unit == "GB" ? 1e9 : unit == "MB" ? 1e6 : unit == "KB" ? 1e3 : unit.empty() ? 1 : 0;
+  if (used == 0 || scale == 0 || !(value * scale >= 1) || !std::isfinite(value))
+    throw config_error("--max-shard-size " + text + " is not a size: give bytes or a number with GB, MB or KB "
+                       "(e.g. 5GB, save_pretrained's default)");
+  return static_cast<std::uint64_t>(value * scale);
 }
 
 }  // namespace upipe::apps

@@ -70,9 +70,10 @@ int run(const step_flags& f) {
   const std::int64_t S = parse_count(f.seq_len, "--seq-len");
   if (S < 2) throw config_error("--seq-len " + f.seq_len + " must be at least 2 (one prediction needs two tokens)");
   const bool data = req.backend != backend_kind::meta;
+  const std::string weights_path = f.weights_path.empty() ? model_directory(f.model, f.config_path) : f.weights_path;
   const host_weights weights = !data ? host_weights{}
-                               : f.weights_path.empty() ? random_weights(req.model, f.seed)
-                                                        : read_weights(req.model, f.weights_path);
+                               : weights_path.empty() ? random_weights(req.model, f.seed)
+                                                      : read_weights(req.model, weights_path);
   const std::vector<std::int32_t> tokens = f.tokens_path.empty() ? random_tokens(S, req.model.vocab_size, f.seed + 1)
                                                                  : read_tokens(f.tokens_path, S, req.model.vocab_size);
   const model_step_result r = run_model_step(req, weights, tokens);
@@ -102,7 +103,8 @@ int run(const step_flags& f) {
 command_runner add_step(CLI::App& app) {
   auto f = std::make_shared<step_flags>();
   add_model_flags(app, f->model, f->config_path);
-  app.add_option("--weights", f->weights_path, "safetensors weights (file or directory); default: random");
+  app.add_option("--weights", f->weights_path, "weights: a model directory (one file or shards), its index or a .safetensors file; default: "
+                 "the --model directory's, else random");
   app.add_option("--tokens", f->tokens_path, "flat little-endian uint32 token file; default: random tokens");
   app.add_option("--seq-len", f->seq_len, "tokens in the sequence (K and M suffixes)")->capture_default_str();
   app.add_option("--backend", f->backend, "cpu, cuda (bf16, virtual ranks on one GPU) or meta")->capture_default_str();

@@ -24,7 +24,9 @@ namespace upipe::apps {
 namespace {
 
 struct train_flags {
-  std::string model = "tiny-llama", config_path, init_path, data_path, save_dir, resume_dir, metrics_path;
+  std::string model, config_path, init_path, data_path, save_dir, resume_dir, metrics_path;
+  std::string save_dtype = "bf16", max_shard_size = "5GB";
+  rope_flags rope;
   comm_flags comm;
   std::string backend = "cpu", attention = "upipe", policy = "auto", seq_len = "128";
   int cp = 4, head_chunk = 0, zero = 2, layers = 0, eval_samples = 32;
@@ -33,9 +35,32 @@ struct train_flags {
   unsigned long long seed = 1;
 };
 
+
+// The model: --model or --config as given; with neither, the model a --resume or --init
+// directory holds, else tiny-llama. Returns the directory it came from.
+std::string choose_model(const train_flags& f, model_config& model) {
+  std::string from = f.model;
+  if (from.empty() && f.config_path.empty()) {
+    if (!f.resume_dir.empty() && is_model_directory(f.resume_dir))
+      from = f.resume_dir;
+    else if (!f.init_path.empty() && is_model_directory(f.init_path))
+      from = f.init_path;
+    else
+      from = "tiny-llama";
+  }
+  model = load_model(from, f.config_path, f.layers);
+  return model_directory(from, f.config_path);
+}
+
 train_options to_options(const train_flags& f) {
   train_options o;
-  o.model = load_model(f.model, f.config_path, f.layers);
+  o.model_dir = choose_model(f, o.model);
+  f.rope.apply(o.model);
+  if (!f.resume_dir.empty()) o.model_dir = f.resume_dir;  // its config.json and tokenizer carry on
+  if (f.save_dtype != "bf16" && f.save_dtype != "fp32")
+    throw config_error("--save-dtype " + f.save_dtype + " is not supported: use bf16 (the default, as released "
+                       "models are stored) or fp32");
+  o.save_model = {f.save_dtype == "bf16" ? dtype::bf16 : dtype::f32, parse_shard_size(f.max_shard_size)};
   if (f.zero != 2 && f.zero != 3)
     throw config_error("--zero " + std::to_string(f.zero) + " is not supported: use --zero 2 (sharded optimizer and "
                        "gradients) or --zero 3 (weights sharded too)");
@@ -126,6 +151,8 @@ void print_summary(const train_options& o, const train_summary& s) {
   if (s.retrieval_accuracy)
     std::printf("retrieval accuracy %.3f on %d held-out samples (key digits right; chance 0.1)\n", *s.retrieval_accuracy,
                 o.eval_samples);
+  std::printf("weights loaded on every rank in %.3f s (from the start: checks, files mapped, shards read)\n",
+              s.load_seconds);
   std::printf("rank 0's device arena high water: %.2f MiB\n", static_cast<double>(s.arena_high_water) / (1 << 20));
   // Every rank on data backends; rank 0 alone on meta (the loopback emulation).
   std::vector<std::size_t> ranks;
@@ -191,7 +218,10 @@ int run(const train_flags& f) {
 command_runner add_train(CLI::App& app) {
   auto f = std::make_shared<train_flags>();
   add_model_flags(app, f->model, f->config_path);
-  app.add_option("--init", f->init_path, "safetensors weights to start from (default: random)");
+  f->rope.add(app);
+  app.add_option("--init", f->init_path,
+                 "weights to start from: a model directory (one file or shards) or a .safetensors file (default: the "
+                 "--model directory's weights, else random)");
   app.add_option("--data", f->data_path, "flat little-endian uint32 token file (default: the synthetic passkey task)");
   app.add_option("--seq-len", f->seq_len, "tokens per sequence (K and M suffixes)")->capture_default_str();
   app.add_option("--batch", f->batch,
@@ -211,9 +241,15 @@ command_runner add_train(CLI::App& app) {
   app.add_option("--weight-decay", f->weight_decay, "AdamW weight decay on matrices")->capture_default_str();
   app.add_option("--max-grad-norm", f->max_grad_norm, "global-norm clipping (0: off)")->capture_default_str();
   app.add_option("--seed", f->seed, "seed of the initialization and the data")->capture_default_str();
-  app.add_option("--save", f->save_dir, "write a checkpoint here at the end (and every --save-every steps)");
+  app.add_option("--save", f->save_dir,
+                 "write a checkpoint here at the end (and every --save-every steps): a Hugging Face model directory "
+                 "with the trainer state in DIR/trainer/");
+  app.add_option("--save-dtype", f->save_dtype, "dtype of the saved weights: bf16 or fp32")->capture_default_str();
+  app.add_option("--max-shard-size", f->max_shard_size, "largest weight file of a save (bytes, or KB/MB/GB)")
+      ->capture_default_str();
   app.add_option("--save-every", f->save_every, "also save every N steps");
-  app.add_option("--resume", f->resume_dir, "continue from this checkpoint");
+  app.add_option("--resume", f->resume_dir,
+                 "continue from this checkpoint (at any --cp and --zero: the state is resharded)");
   app.add_option("--zero", f->zero, "2: shard optimizer state and gradients; 3: shard weights too")->capture_default_str();
   app.add_option("--checkpoint-policy", f->policy, checkpoint_policy_help())->capture_default_str();
   app.add_option("--mlp-tile", f->mlp_tile, mlp_tile_help);

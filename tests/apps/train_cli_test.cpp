@@ -9,6 +9,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "train/safetensors.hpp"
+
 #include "run_upipe.hpp"
 
 namespace {
@@ -34,7 +36,8 @@ TEST(train_cli, metrics_checkpoint_and_resume) {
   const run_result first = run_upipe(quick + "--stop-after 3 --save " + (dir / "ckpt").string() + " --metrics-json " +
                                      (dir / "a.jsonl").string());
   ASSERT_EQ(first.exit_code, 0) << first.output;
-  for (const char* f : {"config.json", "model.safetensors", "optimizer.safetensors", "trainer_state.json"})
+  for (const char* f : {"config.json", "model.safetensors", "trainer/manifest.json", "trainer/rank-00000-of-00004.safetensors",
+                        "trainer/rank-00003-of-00004.safetensors"})
     EXPECT_TRUE(fs::exists(dir / "ckpt" / f)) << f;
   const run_result second = run_upipe(quick + "--resume " + (dir / "ckpt").string() + " --metrics-json " +
                                       (dir / "b.jsonl").string());
@@ -77,13 +80,13 @@ TEST(train_cli, bad_input_is_refused_and_a_saved_checkpoint_survives) {
       {"--save-every 2", "needs --save DIR"},
       {"--resume " + ckpt.string() + " --init " + ckpt.string(), "contradict each other"},
       {"--model tiny-qwen3 --resume " + ckpt.string(), "that checkpoint is of another model"},
-      {"--resume " + (dir / "nothing").string(), "holds no trainer_state.json"},
+      {"--resume " + (dir / "nothing").string(), "holds no trainer/manifest.json"},
       {"--zero 1", "--zero 1 is not supported"},
       {"--attention ring --cp 4 --seq-len 60", "use --seq-len 64"},
       {"--seq-len 12", "too short for the passkey task"},
       {"--lr -1", "must be a positive number"},
       {"--save " + (dir / "other").string(), "is not an upipe checkpoint"},
-      {"--save /proc/no/such/dir", "cannot create"},
+      {"--save /proc/no/such/dir", "does not exist; create it first"},
       {"--comm nccl", "--comm nccl needs --backend cuda"},
       {"--comm carrier-pigeon", "unknown communicator 'carrier-pigeon'"},
       {"--comm-timeout 0", "--comm-timeout 0"},
@@ -135,6 +138,114 @@ TEST(train_cli, default_run_learns_the_passkey_within_two_minutes) {
   // The last tenth of the steps runs at the full length.
   EXPECT_EQ(rows[rows.size() - 2]["seq_len"].get<int>(), 128);
   EXPECT_EQ(rows.front()["seq_len"].get<int>(), 32);
+  fs::remove_all(dir);
+}
+
+std::string hf_fixture(const char* name) { return source_path("tests/golden/hf/") + name; }
+
+nlohmann::json read_json(const fs::path& path) {
+  std::ifstream in(path);
+  return nlohmann::json::parse(in);
+}
+
+void write_tokens(const fs::path& path, std::uint32_t count, std::uint32_t vocab) {
+  std::ofstream out(path, std::ios::binary);
+  for (std::uint32_t t = 0; t < count; ++t) {
+    const std::uint32_t id = (t * 37 + 5) % vocab;
+    out.write(reinterpret_cast<const char*>(&id), 4);
+  }
+}
+
+// A model directory in, a model directory out: the config kept but for what training
+// changed, the tokenizer and generation config copied, the trainer state apart, the files
+// a user added kept across saves, and an export without the trainer state.
+TEST(train_cli, a_model_directory_in_and_out) {
+  const auto dir = temp_dir("train_hf_dir");
+  write_tokens(dir / "data.bin", 2048, 256);
+  const std::string data = "train --data " + (dir / "data.bin").string() + " --seq-len 64 --steps 4 --eval-samples 0 ";
+  const std::string common = data + "--cp 2 ";
+  const fs::path out = dir / "out";
+  const run_result first = run_upipe(common + "--model " + hf_fixture("llama-yarn-shards") + " --stop-after 2 --save " +
+                                     out.string());
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  for (const char* f : {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+                        "generation_config.json", "trainer/manifest.json", "trainer/rank-00000-of-00002.safetensors",
+                        "trainer/rank-00001-of-00002.safetensors"})
+    EXPECT_TRUE(fs::exists(out / f)) << f;
+  EXPECT_FALSE(fs::exists(out / "optimizer.safetensors"));
+  const auto config = read_json(out / "config.json");
+  EXPECT_EQ(config["fixture_note"], "kept");
+  EXPECT_EQ(config["bos_token_id"], 1);
+  EXPECT_EQ(config["dtype"], "bfloat16");
+  EXPECT_EQ(config["rope_parameters"]["rope_type"], "yarn");
+  const auto manifest = read_json(out / "trainer" / "manifest.json");
+  EXPECT_EQ(manifest["ranks"], 2);
+  EXPECT_EQ(manifest["step"], 2);
+  // The weights are bf16, like the input's.
+  EXPECT_EQ(upipe::safetensors_view((out / "model.safetensors").string()).find("model.norm.weight")->dtype, "BF16");
+  // A user's file survives the resumed run's save; the resume needs no --model.
+  std::ofstream(out / "NOTES.md") << "mine";
+  const run_result second = run_upipe(data + "--cp 4 --zero 3 --resume " + out.string() + " --save " + out.string());
+  ASSERT_EQ(second.exit_code, 0) << second.output;
+  EXPECT_TRUE(fs::exists(out / "NOTES.md"));
+  EXPECT_EQ(read_json(out / "trainer" / "manifest.json")["step"], 4);
+  EXPECT_EQ(read_json(out / "trainer" / "manifest.json")["ranks"], 4);
+  EXPECT_EQ(read_json(out / "config.json")["fixture_note"], "kept");
+  // Export: fp32, no trainer state.
+  const run_result exported = run_upipe("export " + out.string() + " " + (dir / "exported").string());
+  ASSERT_EQ(exported.exit_code, 0) << exported.output;
+  EXPECT_FALSE(fs::exists(dir / "exported" / "trainer"));
+  EXPECT_TRUE(fs::exists(dir / "exported" / "tokenizer.json"));
+  EXPECT_EQ(read_json(dir / "exported" / "config.json")["dtype"], "float32");
+  EXPECT_EQ(upipe::safetensors_view((dir / "exported" / "model.safetensors").string()).find("lm_head.weight")->dtype,
+            "F32");
+  // --init DIR alone takes DIR's model; --config DIR reads DIR/config.json; a sharded save.
+  const run_result init = run_upipe(common + "--init " + hf_fixture("qwen3-tied") + " --save " + (dir / "q").string() +
+                                    " --max-shard-size 100KB");
+  ASSERT_EQ(init.exit_code, 0) << init.output;
+  EXPECT_TRUE(fs::exists(dir / "q" / "model.safetensors.index.json"));
+  EXPECT_EQ(read_json(dir / "q" / "config.json")["model_type"], "qwen3");
+  EXPECT_EQ(run_upipe(common + "--config " + hf_fixture("llama-fp16-linear") + " --init " +
+                      hf_fixture("llama-fp16-linear")).exit_code, 0);
+  fs::remove_all(dir);
+}
+
+TEST(train_cli, bad_model_directories_and_flags_are_refused_before_step_one) {
+  const auto dir = temp_dir("train_hf_bad");
+  write_tokens(dir / "data.bin", 2048, 256);
+  write_tokens(dir / "other.bin", 4096, 256);
+  const std::string common = "train --seq-len 64 --steps 4 --cp 2 --eval-samples 0 ";
+  const std::string data = "--data " + (dir / "data.bin").string() + " ";
+  fs::copy(hf_fixture("llama-yarn-shards"), dir / "broken", fs::copy_options::recursive);
+  fs::remove(dir / "broken" / "model-00003-of-00003.safetensors");
+  fs::create_directories(dir / "empty");
+  ASSERT_EQ(run_upipe(common + data + "--model " + hf_fixture("llama-yarn-shards") + " --stop-after 2 --save " +
+                      (dir / "ckpt").string()).exit_code, 0);
+  std::ofstream(dir / "int64.bin", std::ios::binary).write("\x05\0\0\0\0\0\0\0\x07\0\0\0\0\0\0\0", 16);
+  const std::pair<std::string, std::string> cases[] = {
+      {"--model " + (dir / "broken").string(), "model-00003-of-00003.safetensors, which is missing"},
+      {"--model " + (dir / "empty").string(), "a directory without a config.json"},
+      {"--model " + (dir / "nowhere").string(), "no such file"},
+      {"--model tiny-llama --init " + hf_fixture("qwen3-tied"), "but tiny-llama needs [64, 64]"},
+      {"--save-dtype fp16", "--save-dtype fp16 is not supported"},
+      {"--max-shard-size 5XB", "--max-shard-size 5XB is not a size"},
+      {"--rope-scaling type=dynamic", "rope types are default, llama3, linear and yarn"},
+      {"--rope-scaling factor=4", "names no type"},
+      {"--rope-scaling type=yarn,factor=x", "is not a number"},
+      {"--rope-theta -5", "--rope-theta"},
+      {"--save " + (dir / "data.bin").string(), "is not a directory"},
+      {"--resume " + (dir / "ckpt").string() + " --data " + (dir / "other.bin").string(), "it was trained on --data"},
+  };
+  for (const auto& [args, message] : cases) {
+    const run_result r = run_upipe(common + (args.find("--data") == std::string::npos ? data : "") + args);
+    EXPECT_EQ(r.exit_code, 2) << args << "\n" << r.output;
+    EXPECT_NE(r.output.find(message), std::string::npos) << args << "\n" << r.output;
+    EXPECT_EQ(r.output.find("step 1/"), std::string::npos) << "trained before refusing: " << args;
+  }
+  const run_result wide = run_upipe("train --seq-len 64 --steps 4 --eval-samples 0 --data " + (dir / "int64.bin").string());
+  EXPECT_EQ(wide.exit_code, 2) << wide.output;
+  // The checkpoint the refused resume named is untouched.
+  EXPECT_EQ(read_json(dir / "ckpt" / "trainer" / "manifest.json")["step"], 2);
   fs::remove_all(dir);
 }
 

@@ -1,0 +1,40 @@
+// `upipe export CKPT OUT`: a training checkpoint's fp32 master weights as a Hugging Face
+// model directory (fp32 or bf16, sharded as save_pretrained shards), without the trainer
+// state, with the checkpoint's config.json, tokenizer and generation config.
+#include <cstdio>
+#include <string>
+
+#include "apps/commands.hpp"
+#include "apps/sizes.hpp"
+#include "core/error.hpp"
+#include "train/train_checkpoint.hpp"
+
+namespace upipe::apps {
+
+namespace {
+
+struct export_flags {
+  std::string checkpoint, out, dtype = "fp32", max_shard_size = "5GB";
+};
+
+int run(const export_flags& f) {
+  if (f.dtype != "bf16" && f.dtype != "fp32")
+    throw config_error("--dtype " + f.dtype + " is not supported: use fp32 (the master weights exactly) or bf16");
+  const hf_save_options options{f.dtype == "bf16" ? dtype::bf16 : dtype::f32, parse_shard_size(f.max_shard_size)};
+  export_checkpoint(f.checkpoint, f.out, options);
+  std::printf("exported %s to %s (%s weights)\n", f.checkpoint.c_str(), f.out.c_str(), f.dtype.c_str());
+  return 0;
+}
+
+}  // namespace
+
+command_runner add_export(CLI::App& app) {
+  auto f = std::make_shared<export_flags>();
+  app.add_option("checkpoint", f->checkpoint, "a directory written by upipe train --save")->required();
+  app.add_option("out", f->out, "the model directory to write (absent or empty)")->required();
+  app.add_option("--dtype", f->dtype, "fp32 (the master weights) or bf16")->capture_default_str();
+  app.add_option("--max-shard-size", f->max_shard_size, "largest weight file (bytes, or KB/MB/GB)")->capture_default_str();
+  return [f] { return run(*f); };
+}
+
+}  // namespace upipe::apps
