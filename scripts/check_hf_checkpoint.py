@@ -1,15 +1,26 @@
 #!/usr/bin/env python3
-"""Checks that a checkpoint written by `upipe train --save` loads in Hugging Face
-transformers and gives upipe's loss on the same tokens.
+"""Checks that what `upipe train --save` writes is a model directory transformers loads as
+its own, with the same loss, tokenizer and configuration.
 
 usage: check_hf_checkpoint.py UPIPE_BINARY WORK_DIR
 
-For tiny-llama and tiny-qwen3: trains a few steps with upipe (4 CP ranks, upipe),
-saves, evaluates the loss of the saved weights on 64 fixed tokens with `upipe step`,
-then loads the directory with transformers (float32, CPU) and computes the loss on the
-same tokens. Exits non-zero if they differ by more than 1e-5 relative.
+For each model directory in tests/golden/hf/ (Llama with YaRN in bf16 shards, a tied Qwen3,
+an fp16 Llama with linear scaling) and for the tiny-llama preset: trains a few steps with
+upipe starting from it (4 CP ranks, UPipe), saving in bf16 (the default) and in fp32, and
+once with the context extended (--rope-theta and --rope-scaling yarn). For every saved
+directory it then checks, with transformers on the CPU in float32:
+- the loss on 64 fixed tokens equals `upipe step --model SAVED` on the same tokens within
+  1e-5 relative (both read the same stored weights), and the bf16 save's loss equals the
+  fp32 save's within 1e-2;
+- the tokenizer loads and encodes the input directory's sample texts as the input did;
+- every field of the input config.json is kept, bos/eos included, except those training
+  changes (dtype, max_position_embeddings, the RoPE settings when extended) and the
+  version transformers stamps;
+- `upipe export` of the checkpoint loads with the fp32 save's loss.
+Exits non-zero on any difference.
 """
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,33 +29,96 @@ import numpy as np
 import torch
 import transformers
 
+ROOT = Path(__file__).resolve().parent.parent
+CHANGED = {"dtype", "torch_dtype", "max_position_embeddings", "transformers_version"}
+failures = []
+
 
 def upipe(binary, *args):
-    return subprocess.run([binary, *args], check=True, capture_output=True, text=True).stdout
+    r = subprocess.run([binary, *map(str, args)], capture_output=True, text=True)
+    if r.returncode != 0:
+        sys.exit(f"upipe {' '.join(map(str, args))} failed:\n{r.stdout}\n{r.stderr}")
+    return r.stdout
+
+
+def check(ok, what):
+    print(("ok   " if ok else "FAIL ") + what)
+    if not ok:
+        failures.append(what)
+
+
+def hf_loss(directory, ids):
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32,
+                                                              attn_implementation="eager")
+    with torch.no_grad():
+        return float(model(input_ids=ids, labels=ids).loss)
+
+
+def upipe_loss(binary, directory, tokens, work, name):
+    out = work / f"{name}.json"
+    upipe(binary, "step", "--model", directory, "--tokens", tokens, "--seq-len", 64, "--cp", 1, "--json", out)
+    return json.loads(out.read_text())["loss"]
 
 
 def main():
     binary, work = sys.argv[1], Path(sys.argv[2])
     work.mkdir(parents=True, exist_ok=True)
-    tokens = np.random.default_rng(5).integers(0, 64, size=64, dtype=np.uint32)
-    tokens.tofile(work / "tokens.bin")
-    worst = 0.0
-    for model in ("tiny-llama", "tiny-qwen3"):
-        ckpt = work / model
-        upipe(binary, "train", "--model", model, "--steps", "8", "--seq-len", "64", "--eval-samples", "0",
-              "--save", str(ckpt))
-        upipe(binary, "step", "--config", str(ckpt / "config.json"), "--weights", str(ckpt), "--tokens",
-              str(work / "tokens.bin"), "--seq-len", "64", "--cp", "1", "--json", str(work / f"{model}.json"))
-        ours = json.loads((work / f"{model}.json").read_text())["loss"]
-        hf = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32, attn_implementation="eager")
-        ids = torch.tensor(tokens.astype(np.int64))[None]
-        with torch.no_grad():
-            theirs = float(hf(input_ids=ids, labels=ids).loss)
-        rel = abs(ours - theirs) / abs(theirs)
-        worst = max(worst, rel)
-        print(f"{model}: upipe loss {ours:.8f}, transformers {transformers.__version__} loss {theirs:.8f}, "
-              f"relative difference {rel:.2e}")
-    sys.exit(0 if worst < 1e-5 else 1)
+    tokens = work / "tokens.bin"
+    ids = np.random.default_rng(5).integers(0, 256, size=64, dtype=np.uint32)
+    ids.tofile(tokens)
+    torch_ids = torch.tensor(ids.astype(np.int64))[None]
+    data = work / "data.bin"
+    np.random.default_rng(6).integers(3, 256, size=4096, dtype=np.uint32).tofile(data)
+    sources = [ROOT / "tests/golden/hf" / n for n in ("llama-yarn-shards", "qwen3-tied", "llama-fp16-linear")]
+    runs = [(s, s.name, []) for s in sources] + [("tiny-llama", "tiny-llama", [])]
+    runs.append((sources[0], "llama-yarn-extended",
+                 ["--rope-theta", "20000", "--rope-scaling", "type=yarn,factor=8,original_max_position_embeddings=32"]))
+    for source, name, extra in runs:
+        train = ["train", "--model", source, "--data", data, "--seq-len", 64, "--steps", 4, "--cp", 4,
+                 "--eval-samples", 0, *extra]
+        saved = {}
+        for dtype in ("bf16", "fp32"):
+            saved[dtype] = work / f"{name}-{dtype}"
+            upipe(binary, *train, "--save", saved[dtype], "--save-dtype", dtype)
+        losses = {}
+        for dtype, directory in saved.items():
+            ours = upipe_loss(binary, directory, tokens, work, f"{name}-{dtype}")
+            theirs = hf_loss(directory, torch_ids)
+            losses[dtype] = theirs
+            rel = abs(ours - theirs) / abs(theirs)
+            check(rel < 1e-5, f"{name} {dtype} save: upipe {ours:.7f}, transformers {transformers.__version__} "
+                              f"{theirs:.7f}, relative {rel:.1e}")
+        rel = abs(losses["bf16"] - losses["fp32"]) / abs(losses["fp32"])
+        check(rel < 1e-2, f"{name}: bf16 save's loss within 1e-2 of the fp32 save's ({rel:.1e})")
+        exported = work / f"{name}-export"
+        shutil.rmtree(exported, ignore_errors=True)
+        upipe(binary, "export", saved["bf16"], exported, "--dtype", "fp32")
+        rel = abs(hf_loss(exported, torch_ids) - losses["fp32"]) / abs(losses["fp32"])
+        check(rel < 1e-6, f"{name}: upipe export (fp32) has the fp32 save's loss ({rel:.1e})")
+        if not isinstance(source, Path):
+            continue
+        base = json.loads((source / "config.json").read_text())
+        for directory in saved.values():
+            got = json.loads((directory / "config.json").read_text())
+            rope_keys = {"rope_parameters", "rope_scaling", "rope_theta"} if extra else set()
+            lost = [k for k, v in base.items() if k not in CHANGED | rope_keys and got.get(k) != v]
+            check(not lost, f"{directory.name}: every input config field kept (differing: {lost})")
+            cfg = transformers.AutoConfig.from_pretrained(directory)
+            check(cfg.bos_token_id == base["bos_token_id"] and cfg.eos_token_id == base["eos_token_id"],
+                  f"{directory.name}: bos/eos {cfg.bos_token_id}/{cfg.eos_token_id}")
+            gen = json.loads((directory / "generation_config.json").read_text())
+            check(gen.get("bos_token_id") == base["bos_token_id"], f"{directory.name}: generation_config.json copied")
+            golden = json.loads((source / "golden.json").read_text())
+            tok = transformers.AutoTokenizer.from_pretrained(directory)
+            encoded = [tok.encode(t) for t in golden["text_samples"]]
+            check(encoded == golden["text_ids"], f"{directory.name}: the tokenizer encodes as the input's did")
+            if extra:
+                rope = got.get("rope_parameters") or got.get("rope_scaling")
+                check(rope.get("rope_type") == "yarn" and rope.get("factor") == 8.0 and
+                      (rope.get("rope_theta") or got.get("rope_theta")) == 20000.0,
+                      f"{directory.name}: the extended RoPE is in config.json ({rope})")
+    print(f"{len(failures)} failed")
+    sys.exit(1 if failures else 0)
 
 
 if __name__ == "__main__":

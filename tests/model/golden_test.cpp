@@ -1,7 +1,10 @@
 // Golden test: upipe's loss and every weight gradient equal Hugging Face transformers'
 // (fp32, CPU) for a tiny Llama (Llama 3 RoPE scaling, untied head) and a tiny Qwen3
-// (q/k norm, tied head), under every CP strategy and checkpoint policy. The reference
-// files were written by scripts/make_golden.py; see tests/golden/.
+// (q/k norm, tied head), under every CP strategy and checkpoint policy; the reference
+// files were written by scripts/make_golden.py. And the same for model directories as
+// save_pretrained writes them (scripts/make_hf_fixtures.py, tests/golden/hf/): a Llama
+// with YaRN in three bf16 shards, a tied Qwen3 in one bf16 file, an fp16 Llama with
+// linear scaling, read through the model directory as `--model DIR` reads it.
 #include <gtest/gtest.h>
 
 #include <fstream>
@@ -27,7 +30,7 @@ golden_case load(const std::string& name) {
   const std::string dir = std::string(UPIPE_SOURCE_DIR) + "/tests/golden/" + name;
   golden_case g;
   g.config = read_hf_config(dir + "/config.json");
-  g.weights = read_weights(g.config, dir + "/model.safetensors");
+  g.weights = read_weights(g.config, dir);
   g.grads = read_safetensors(dir + "/grads.safetensors");
   std::ifstream in(dir + "/golden.json");
   const auto j = nlohmann::json::parse(in);
@@ -100,8 +103,15 @@ TEST_P(golden, every_checkpoint_policy) {
       }
 }
 
-INSTANTIATE_TEST_SUITE_P(models, golden, ::testing::Values("tiny-llama", "tiny-qwen3"),
-                         [](const auto& info) { return info.param == "tiny-llama" ? "tiny_llama" : "tiny_qwen3"; });
+INSTANTIATE_TEST_SUITE_P(models, golden,
+                         ::testing::Values("tiny-llama", "tiny-qwen3", "hf/llama-yarn-shards", "hf/qwen3-tied",
+                                           "hf/llama-fp16-linear"),
+                         [](const auto& info) {
+                           std::string name = info.param;
+                           for (char& c : name)
+                             if (c == '-' || c == '/') c = '_';
+                           return name;
+                         });
 
 }  // namespace
 }  // namespace upipe
