@@ -73,5 +73,30 @@ TEST(gpu_model, training_step_matches_the_cpu_backend) {
   }
 }
 
+// Model directories as save_pretrained writes them (bf16 shards with YaRN, a tied Qwen3,
+// fp16 with linear scaling), loaded as `--model DIR` loads them: the GPU's step equals the
+// cpu backend's on the same weights, under ulysses and upipe at C = 2.
+TEST(gpu_model, hf_directories_step_like_the_cpu_backend) {
+  if (!have_gpu()) GTEST_SKIP() << "no GPU";
+  for (const char* name : {"llama-yarn-shards", "qwen3-tied", "llama-fp16-linear"})
+    for (strategy_kind kind : {strategy_kind::ulysses, strategy_kind::upipe}) {
+      const std::string dir = std::string(UPIPE_SOURCE_DIR) + "/tests/golden/hf/" + name;
+      model_step_request req;
+      req.model = read_hf_config(dir);
+      req.cp = {kind, 2, 0};
+      const host_weights w = read_weights(req.model, dir);
+      std::vector<std::int32_t> tokens(128);
+      for (std::size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<std::int32_t>((i * 53 + 7) % 256);
+      req.limits = {std::size_t{256} << 20, std::size_t{64} << 20};
+      const model_step_result cpu = run_model_step(req, w, tokens);
+      req.backend = backend_kind::cuda;
+      req.limits = {std::size_t{1} << 30, std::size_t{64} << 20};
+      const model_step_result gpu = run_model_step(req, w, tokens);
+      EXPECT_LT(std::abs(gpu.loss - cpu.loss) / cpu.loss, bf16_tolerance) << name;
+      for (const auto& [param, values] : cpu.grads)
+        EXPECT_LT(testing::max_difference_over_max(gpu.grads.at(param), values), 5e-2) << name << " " << param;
+    }
+}
+
 }  // namespace
 }  // namespace upipe
