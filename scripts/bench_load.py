@@ -55,6 +55,7 @@ if sys.argv[2] == "cuda":
     m = m.to("cuda")
     torch.cuda.synchronize()
 print("seconds", time.perf_counter() - t)
+print("versions", f"torch={torch.__version__},transformers={transformers.__version__}")
 print("maxrss_kib", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
 """
 
@@ -69,7 +70,9 @@ def make_model(shape, out, shards):
     with torch.no_grad():
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     total = sum(p.numel() * 2 for p in model.parameters())
-    model.save_pretrained(out, max_shard_size=total // shards + 1024)
+    # A little over total / shards: transformers cuts between tensors, so an even split would
+    # leave a small extra file.
+    model.save_pretrained(out, max_shard_size=int(total * 1.05) // shards)
     del model
 
 
@@ -122,11 +125,11 @@ def main():
     upipe_wall = time.perf_counter() - t
     load = [float(line.split(" in ")[1].split()[0]) for line in out.splitlines() if line.startswith("weights loaded")][0]
     out, peer_rss = child_maxrss([sys.executable, "-c", PEER, str(model_dir), a.backend])
-    peer = dict(line.split() for line in out.splitlines() if line.startswith("seconds"))
+    peer = dict(line.split() for line in out.splitlines() if line.startswith(("seconds", "versions")))
     size = sum((model_dir / f).stat().st_size for f in files)
     result = {"model": a.model, "files": files, "bytes": size, "cp": a.cp, "backend": a.backend,
               "upipe_load_s": load, "upipe_process_s": upipe_wall, "upipe_peak_rss_gib": upipe_rss / 2**20,
-              "transformers_load_s": float(peer["seconds"]), "transformers_peak_rss_gib": peer_rss / 2**20}
+              "transformers_load_s": float(peer["seconds"]), "versions": peer["versions"], "transformers_peak_rss_gib": peer_rss / 2**20}
     print(f"# {a.model}: {len(files)} files, {size / 2**30:.2f} GiB of bf16; upipe {a.cp} ranks (ZeRO-3), backend {a.backend}")
     print(f"{'':14s} {'load s':>8s} {'peak RSS GiB':>13s}")
     print(f"{'upipe':14s} {load:8.3f} {result['upipe_peak_rss_gib']:13.2f}")

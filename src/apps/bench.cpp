@@ -1,7 +1,7 @@
 // `upipe bench`: whole training steps (or forward+backward) of a model or a slice of its
 // first layers over strategy x U x S, with a warm-up at a small size, timed repeats,
 // nccl-tests-style rows, a correctness check after timing, and JSON with tokens/s/GPU,
-// model TFLOP/s and MFU (DESIGN.md section 7), the peak by tag and the arena high water.
+// model TFLOP/s and MFU (docs/design.md section 7), the peak by tag and the arena high water.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>

@@ -1,5 +1,5 @@
 // Which query heads each rank computes at each stage, and when each kv head becomes
-// resident and is released (DESIGN.md section 4). Pure arithmetic, no data.
+// resident and is released (docs/design.md section 4). Pure arithmetic, no data.
 #pragma once
 
 #include <span>

@@ -15,7 +15,7 @@ attention_peak_model staged_model(const attention_config& c, std::size_t w) {
   const std::size_t sd = static_cast<std::size_t>(c.local_tokens()) * c.head_dim;
   const std::size_t U = c.head_chunk, Kr = static_cast<std::size_t>(c.cp) * schedule.max_resident();
   attention_peak_model m;
-  // DESIGN.md section 4 with one departure: its backward counts cuDNN's f32 dQ accumulator
+  // docs/design.md section 4 with one departure: its backward counts cuDNN's f32 dQ accumulator
   // (2 sd U elements) here, but cuDNN keeps that in its own workspace (tag workspace), and
   // the engine holds no second one.
   m.forward = w * sd * (2 * U + 2 * Kr);

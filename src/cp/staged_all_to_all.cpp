@@ -1,5 +1,5 @@
 // Ulysses and UPipe: all-to-all attention in H/U stages of U query heads (U = H is
-// Ulysses, the honest baseline with full-size buffers). DESIGN.md section 4: each stage
+// Ulysses, the honest baseline with full-size buffers). docs/design.md section 4: each stage
 // projects its query heads straight into the all-to-all send layout with the heads' own
 // weight rows; kv heads cross to each rank once per pass and stay resident over the
 // stages that use them; the stage output goes back into `out` at the heads' true indices.
@@ -70,7 +70,7 @@ staged_all_to_all::head_lists staged_all_to_all::arriving_lists(int stage) const
 }
 
 // Chunk j of the send buffer gets the heads rank j computes, each projected with its
-// own weight rows (the pairing trap of DESIGN.md section 4 cannot happen here).
+// own weight rows (the pairing trap of docs/design.md section 4 cannot happen here).
 tensor staged_all_to_all::project_to_send(const normed_input& x, const mat_view& weight, const head_lists& lists,
                                           const char* label) {
   const phase_scope phase(be_, "attn_project");

@@ -1,4 +1,4 @@
-// Activation checkpoints between forward and backward (DESIGN.md section 5): what is
+// Activation checkpoints between forward and backward (docs/design.md section 5): what is
 // kept (the layer input, or also the attention output and log-sum-exp so backward skips
 // the attention forward), how often (every k-th layer; the block between is recomputed)
 // and where (GPU, pinned host, pageable host memory).

@@ -33,7 +33,7 @@ struct model_config {
 
   std::int64_t parameter_count() const;
   // Weights used in a matmul (every projection and the lm head; not the embedding
-  // lookup or the norms): DESIGN.md section 7's N_matmul.
+  // lookup or the norms): docs/design.md section 7's N_matmul.
   std::int64_t matmul_parameter_count() const;
   // Model FLOPs of one forward+backward over S tokens, recompute not counted:
   // 6 N_matmul S + 6 L H d S^2 (causal attention).

@@ -1,5 +1,5 @@
 // The model's parameters on one rank, held as units (the embedding, each layer, the
-// head) and, for training, sharded over the CP group (DESIGN.md section 5):
+// head) and, for training, sharded over the CP group (docs/design.md section 5):
 // - replicated: full weights and full f32 gradients on every rank, no optimizer state
 //   (the model-level entry; gradients are summed by the caller);
 // - ZeRO-2: full working-dtype weights on every rank; each unit's f32 gradients exist in

@@ -1,5 +1,5 @@
 // One rank's forward and backward of a whole decoder model under context parallelism
-// (DESIGN.md section 2): embedding, L layers of RMSNorm -> attention (a CP strategy) ->
+// (docs/design.md section 2): embedding, L layers of RMSNorm -> attention (a CP strategy) ->
 // residual -> tiled RMSNorm + SwiGLU MLP -> residual, final RMSNorm and the fused
 // chunked linear + cross-entropy. Between forward and backward only checkpoints are
 // kept; backward recomputes each layer (or block of layers) from them.

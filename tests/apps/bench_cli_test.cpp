@@ -1,5 +1,5 @@
 // `upipe bench` as a user runs it: rows per strategy, U and length, JSON with the
-// measures DESIGN.md section 7 names, the check after timing, and refusals.
+// measures docs/design.md section 7 names, the check after timing, and refusals.
 #include <gtest/gtest.h>
 
 #include <filesystem>

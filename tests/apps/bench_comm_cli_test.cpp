@@ -1,5 +1,5 @@
 // `upipe bench-comm` on the cpu backend (threaded ranks): one row per collective and
-// length with the message sizes of DESIGN.md section 4, and refusals.
+// length with the message sizes of docs/design.md section 4, and refusals.
 #include <gtest/gtest.h>
 
 #include <filesystem>

@@ -1,4 +1,4 @@
-// The UPipe head schedule of DESIGN.md section 4.
+// The UPipe head schedule of docs/design.md section 4.
 #include <gtest/gtest.h>
 
 #include <set>

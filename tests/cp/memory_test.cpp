@@ -1,5 +1,5 @@
 // The attention phase's memory on the meta backend (the GPU's allocator and ledger, no
-// data), held to DESIGN.md's accounting.
+// data), held to docs/design.md's accounting.
 #include <gtest/gtest.h>
 
 #include "bench/attention_experiment.hpp"
@@ -62,7 +62,7 @@ TEST(attention_memory, at_u_equal_c_peak_does_not_depend_on_h) {
 
 TEST(attention_memory, qwen3_32b_shape_at_one_million_tokens) {
   // H = 64, K = 8, C = 8, d = 128, S = 1M: upipe with U = 8 needs a third of Ulysses'
-  // attention buffers: 96 sd against 288 sd. DESIGN.md counts cuDNN's f32 dQ accumulator
+  // attention buffers: 96 sd against 288 sd. docs/design.md counts cuDNN's f32 dQ accumulator
   // there too (2 sd U: 112 sd against 416 sd); it lives in cuDNN's workspace, which the
   // engine no longer doubles with a buffer of its own (src/cp/memory_model.cpp).
   const std::int64_t S = 1 << 20;
@@ -70,7 +70,7 @@ TEST(attention_memory, qwen3_32b_shape_at_one_million_tokens) {
   const experiment_result uly = meta_run(strategy_kind::ulysses, 64, 8, 8, 0, S, 128);
   const double ratio = static_cast<double>(up.attention_peak_bytes) / static_cast<double>(uly.attention_peak_bytes);
   EXPECT_LE(ratio, 1.0 / 3.0 + 1e-3);
-  // In DESIGN.md's units (elements of sd).
+  // In docs/design.md's units (elements of sd).
   const double sd = static_cast<double>(S / 8) * 128 * 2;
   EXPECT_NEAR(up.attention_peak_formula_bytes / sd, 96.0, 1e-9);
   EXPECT_NEAR(uly.attention_peak_formula_bytes / sd, 288.0, 1e-9);
