@@ -29,7 +29,7 @@ struct model_config {
   bool tie_embeddings = false;  // lm head = embedding matrix
   bool qk_norm = false;         // Qwen3: RMSNorm over d on each q and k head
   std::int64_t max_position_embeddings = 0;  // the context the model declares (0: unknown)
-  std::string stored_dtype;     // config.json's dtype ("bfloat16"), empty for presets
+  std::string stored_dtype{};   // config.json's dtype ("bfloat16"), empty for presets
 
   std::int64_t parameter_count() const;
   // Weights used in a matmul (every projection and the lm head; not the embedding
