@@ -82,8 +82,9 @@ rank_tensors allocate_rank(const attention_config& c, backend& be, const attenti
 
 // Forward and backward of the layer on one rank; rank 0 fills the measurements.
 void run_rank(const attention_config& c, backend& be, communicator& comm, const attention_inputs* in,
-              rank_output& out, experiment_result* result) {
+              const std::vector<std::int64_t>& documents, rank_output& out, experiment_result* result) {
   attention_layer layer(c, be, {&comm, &comm});
+  layer.strategy().set_documents(documents);
   out.positions = layer.strategy().local_positions(comm.rank());
   rank_tensors t = allocate_rank(c, be, in, out.positions);
   const attention_weights w = {t.wq.matrix(), t.wk.matrix(), t.wv.matrix(), t.wo.matrix(), t.q_norm.matrix(),
@@ -230,13 +231,13 @@ experiment_result run_attention_experiment(attention_config config, const experi
   const attention_inputs in = data ? random_attention_inputs(config, options.seed) : attention_inputs{};
   std::vector<rank_output> outputs(static_cast<std::size_t>(config.cp));
   const auto backends = run_cp_group(options.backend, options.limits, config.cp, [&](int rank, backend& be, communicator& comm) {
-    run_rank(config, be, comm, data ? &in : nullptr, outputs[rank], rank == 0 ? &result : nullptr);
+    run_rank(config, be, comm, data ? &in : nullptr, options.documents, outputs[rank], rank == 0 ? &result : nullptr);
   }, false, options.comm);
   result.attention_peak_formula_bytes = attention_peak_formula(config, backends[0]->work_dtype()).peak();
   if (!data) return result;
   const assembled a = assemble(config, outputs);
   if (!options.dump_dir.empty()) dump(options.dump_dir, config, in, a);
-  if (options.check) compare(result, a, reference_attention_layer(config, in));
+  if (options.check) compare(result, a, reference_attention_layer(config, in, options.documents));
   return result;
 }
 

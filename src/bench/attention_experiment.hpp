@@ -8,6 +8,7 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "backend/backend.hpp"
 #include "comm/communicator.hpp"
@@ -22,6 +23,7 @@ struct experiment_options {
   bool check = true;           // compare against the reference (backends with data)
   std::string dump_dir;        // write inputs, weights, outputs and gradients as .npy
   comm_options comm;           // how the ranks talk (threads in one process unless told)
+  std::vector<std::int64_t> documents;  // packed documents: where each begins (empty: one)
 };
 
 struct experiment_result {

@@ -37,6 +37,7 @@ class attention_layer {
 
   const attention_config& config() const { return config_; }
   const attention_strategy& strategy() const { return *strategy_; }
+  attention_strategy& strategy() { return *strategy_; }
 
  private:
   // dW_o += d_y^T out; returns d_out = d_y W_o.

@@ -41,8 +41,9 @@ matrix weight_grad(const matrix& a, const matrix& b, std::int64_t m, std::int64_
   return c;
 }
 
-// Rotate-half RoPE on (S, heads, d) at positions 0..S-1; sign -1 is the inverse.
-void rotate(matrix& t, const attention_config& c, int heads, double sign) {
+// Rotate-half RoPE on (S, heads, d) at positions s - start[s] (start[s]: the first row of
+// row s's document); sign -1 is the inverse.
+void rotate(matrix& t, const attention_config& c, int heads, double sign, const std::vector<std::int64_t>& start) {
   const int d = c.head_dim, half = d / 2;
   const auto inv = ops::rope_inverse_frequencies(c.rope, d);
   const double factor = ops::rope_attention_factor(c.rope);
@@ -50,7 +51,7 @@ void rotate(matrix& t, const attention_config& c, int heads, double sign) {
     for (int h = 0; h < heads; ++h) {
       double* row = &t[(s * heads + h) * d];
       for (int i = 0; i < half; ++i) {
-        const double a = static_cast<double>(s) * inv[i];
+        const double a = static_cast<double>(s - start[s]) * inv[i];
         const double cs = factor * std::cos(a), sn = factor * sign * std::sin(a);
         const double x1 = row[i], x2 = row[i + half];
         row[i] = x1 * cs - x2 * sn;
@@ -122,8 +123,14 @@ attention_inputs random_attention_inputs(const attention_config& c, unsigned lon
   return in;
 }
 
-attention_outputs reference_attention_layer(const attention_config& c, const attention_inputs& in) {
+attention_outputs reference_attention_layer(const attention_config& c, const attention_inputs& in,
+                                            std::span<const std::int64_t> documents) {
   const std::int64_t S = c.seq_len, D = c.model_dim, H = c.heads, K = c.kv_heads, d = c.head_dim;
+  std::vector<std::int64_t> start(static_cast<std::size_t>(S), 0);  // each row's document start
+  for (std::int64_t s = 0, doc = 0; s < S; ++s) {
+    while (doc + 1 < static_cast<std::int64_t>(documents.size()) && documents[doc + 1] <= s) ++doc;
+    start[s] = documents.empty() ? 0 : documents[doc];
+  }
   const std::int64_t G = H / K, hd = H * d, kd = K * d;
   const double scale = 1.0 / std::sqrt(static_cast<double>(d));
   const matrix x = widen(in.x), d_y = widen(in.d_y);
@@ -133,8 +140,8 @@ attention_outputs reference_attention_layer(const attention_config& c, const att
     q_saved = head_norm(q, in.q_norm, d, c.norm_eps);
     k_saved = head_norm(k, in.k_norm, d, c.norm_eps);
   }
-  rotate(q, c, static_cast<int>(H), 1.0);
-  rotate(k, c, static_cast<int>(K), 1.0);
+  rotate(q, c, static_cast<int>(H), 1.0, start);
+  rotate(k, c, static_cast<int>(K), 1.0, start);
 
   attention_outputs r;
   r.attn_out.assign(static_cast<std::size_t>(S * hd), 0.0);
@@ -150,15 +157,15 @@ attention_outputs reference_attention_layer(const attention_config& c, const att
     for (std::int64_t i = 0; i < S; ++i) {
       const double* qi = &q[(i * H + h) * d];
       double mx = -INFINITY, sum = 0;
-      for (std::int64_t j = 0; j <= i; ++j) {
+      for (std::int64_t j = start[i]; j <= i; ++j) {
         double dot = 0;
         for (std::int64_t e = 0; e < d; ++e) dot += qi[e] * k[(j * K + g) * d + e];
         p[j] = dot * scale;
         mx = std::max(mx, p[j]);
       }
-      for (std::int64_t j = 0; j <= i; ++j) sum += (p[j] = std::exp(p[j] - mx));
+      for (std::int64_t j = start[i]; j <= i; ++j) sum += (p[j] = std::exp(p[j] - mx));
       double* oi = &r.attn_out[(i * H + h) * d];
-      for (std::int64_t j = 0; j <= i; ++j) {
+      for (std::int64_t j = start[i]; j <= i; ++j) {
         p[j] /= sum;
         for (std::int64_t e = 0; e < d; ++e) oi[e] += p[j] * v[(j * K + g) * d + e];
       }
@@ -166,7 +173,7 @@ attention_outputs reference_attention_layer(const attention_config& c, const att
       const double* doi = &d_o[(i * H + h) * d];
       double delta = 0;
       for (std::int64_t e = 0; e < d; ++e) delta += doi[e] * oi[e];
-      for (std::int64_t j = 0; j <= i; ++j) {
+      for (std::int64_t j = start[i]; j <= i; ++j) {
         double dp = 0;
         for (std::int64_t e = 0; e < d; ++e) dp += doi[e] * v[(j * K + g) * d + e];
         const double ds = p[j] * (dp - delta) * scale;
@@ -180,8 +187,8 @@ attention_outputs reference_attention_layer(const attention_config& c, const att
   }
   r.y = linear(r.attn_out, in.wo, S, hd, D);
   r.d_wo = weight_grad(d_y, r.attn_out, S, D, hd);
-  rotate(d_q, c, static_cast<int>(H), -1.0);
-  rotate(d_k, c, static_cast<int>(K), -1.0);
+  rotate(d_q, c, static_cast<int>(H), -1.0, start);
+  rotate(d_k, c, static_cast<int>(K), -1.0, start);
   if (c.qk_norm) {
     r.d_q_norm = head_norm_backward(d_q, q_saved, in.q_norm, d);
     r.d_k_norm = head_norm_backward(d_k, k_saved, in.k_norm, d);

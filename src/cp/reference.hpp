@@ -31,7 +31,11 @@ struct attention_outputs {
 // Random normal inputs; every weight drawn independently (asymmetric).
 attention_inputs random_attention_inputs(const attention_config& config, unsigned long long seed);
 
-attention_outputs reference_attention_layer(const attention_config& config, const attention_inputs& in);
+// With `documents` (the indices where packed documents begin, the first 0), a token
+// attends only to earlier tokens of its own document and its RoPE position counts from
+// the document's start.
+attention_outputs reference_attention_layer(const attention_config& config, const attention_inputs& in,
+                                            std::span<const std::int64_t> documents = {});
 
 // max|a - b| / max|b|; 0 when both are all zero.
 double relative_error(std::span<const double> a, std::span<const double> b);

@@ -20,13 +20,15 @@ ring_attention::ring_attention(const attention_config& config, backend& be, comm
       dim_(config.head_dim), scale_(1.0f / std::sqrt(static_cast<float>(config.head_dim))) {
   UPIPE_CHECK(comm.size() == config.cp, "communicator size must equal cp");
   positions_ = local_positions(comm.rank());
+  rope_positions_ = positions_;
 }
 
 std::vector<position_run> ring_attention::local_positions(int rank) const {
   return zigzag_positions(config_.seq_len, config_.cp, rank);
 }
 
-// Global chunk c attends to chunk b fully when b < c, causally when b == c, never after.
+// Global chunk c attends to chunk b fully when b < c, causally when b == c, never after;
+// with packed documents a block none of whose pairs shares a document is skipped.
 std::vector<ring_attention::block_pair> ring_attention::pairs(int kv_owner) const {
   const int c2 = 2 * config_.cp, r = comm_.rank();
   const int q_chunks[2] = {r, c2 - 1 - r}, kv_chunks[2] = {kv_owner, c2 - 1 - kv_owner};
@@ -34,7 +36,9 @@ std::vector<ring_attention::block_pair> ring_attention::pairs(int kv_owner) cons
   for (int a = 0; a < 2; ++a)
     for (int b = 0; b < 2; ++b) {
       if (kv_chunks[b] > q_chunks[a]) continue;
-      result.push_back({a, b, kv_chunks[b] == q_chunks[a] ? attn_mask::causal : attn_mask::none});
+      const document_mask m = document_rows(q_chunks[a] * chunk_, kv_chunks[b] * chunk_);
+      if (!m.shares_document(chunk_, chunk_)) continue;
+      result.push_back({a, b, kv_chunks[b] == q_chunks[a] ? attn_mask::causal : attn_mask::none, m});
     }
   return result;
 }
@@ -46,7 +50,7 @@ tensor ring_attention::project_q(const normed_input& x, const attention_weights&
     ops::gemm(be_, {rows, transpose::none, w.wq, transpose::yes, q.matrix().row_block(first, rows.rows)});
   });
   if (config_.qk_norm) saved = head_norm_forward(be_, head_rows(q, dim_), w.q_norm, config_.norm_eps, keep);
-  ops::rope(be_, {q.heads(), positions_, config_.rope, rope_direction::forward});
+  ops::rope(be_, {q.heads(), rope_positions_, config_.rope, rope_direction::forward});
   return q;
 }
 
@@ -71,7 +75,7 @@ tensor ring_attention::project_kv(const normed_input& x, const attention_weights
   const head_view k = kv_part(kv, 0);
   if (config_.qk_norm)
     saved = head_norm_forward(be_, head_rows(k.data, k.type, tokens_ * kd, dim_), w.k_norm, config_.norm_eps, keep);
-  ops::rope(be_, {k, positions_, config_.rope, rope_direction::forward});
+  ops::rope(be_, {k, rope_positions_, config_.rope, rope_direction::forward});
   return kv;
 }
 
@@ -91,7 +95,8 @@ attention_saved ring_attention::forward(const mat_view& x, const attention_weigh
     const int owner = (r - step + C) % C;
     for (const block_pair& p : pairs(owner)) {
       ops::sdpa_forward(be_, {half(q.heads(), p.q_half), half(kv_part(kv, 0), p.kv_half),
-                              half(kv_part(kv, 1), p.kv_half), part.heads(), lse_view(part_lse), p.mask, scale_});
+                              half(kv_part(kv, 1), p.kv_half), part.heads(), lse_view(part_lse), p.mask, scale_,
+                              p.documents});
       ops::lse_merge(be_, {half(out_acc.heads(), p.q_half), half(lse_view(saved.lse), p.q_half), part.heads(),
                            lse_view(part_lse)});
     }
@@ -126,7 +131,7 @@ void ring_attention::backward(const attention_saved& saved, const normed_input& 
       ops::sdpa_backward(be_, {half(q.heads(), p.q_half), half(kv_part(kv, 0), p.kv_half),
                                half(kv_part(kv, 1), p.kv_half), half(o, p.q_half), half(d_o, p.q_half),
                                half(lse_view(saved.lse), p.q_half), dq_part.heads(), dk_part, dv_part, p.mask,
-                               scale_});
+                               scale_, p.documents});
       ops::add_heads(be_, half(dq.heads(), p.q_half), dq_part.heads());
       ops::add_heads(be_, half(kv_part(dkv, 0), p.kv_half), dk_part);
       ops::add_heads(be_, half(kv_part(dkv, 1), p.kv_half), dv_part);
@@ -146,8 +151,8 @@ void ring_attention::backward(const attention_saved& saved, const normed_input& 
   kv.reset();
   dq_part.reset();
   dkv_part.reset();
-  ops::rope(be_, {dq.heads(), positions_, config_.rope, rope_direction::inverse});
-  ops::rope(be_, {kv_part(dkv, 0), positions_, config_.rope, rope_direction::inverse});
+  ops::rope(be_, {dq.heads(), rope_positions_, config_.rope, rope_direction::inverse});
+  ops::rope(be_, {kv_part(dkv, 0), rope_positions_, config_.rope, rope_direction::inverse});
   if (config_.qk_norm) {
     const std::int64_t kd = std::int64_t{K} * dim_;
     head_norm_backward(be_, q_norm, head_rows(dq, dim_), w.q_norm, grads.q_norm);

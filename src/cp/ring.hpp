@@ -22,6 +22,7 @@ class ring_attention final : public attention_strategy {
   struct block_pair {
     int q_half, kv_half;
     attn_mask mask;
+    document_mask documents;
   };
   std::vector<block_pair> pairs(int kv_owner) const;
   // q (s, H, d), normed (Qwen3) and roped; the norm's inputs kept in `saved` if asked.
@@ -40,7 +41,9 @@ class ring_attention final : public attention_strategy {
   std::int64_t chunk_;   // S / 2C
   int dim_;
   float scale_;
-  std::vector<position_run> positions_;
+  std::vector<position_run> positions_;       // the layout: global indices
+  std::vector<position_run> rope_positions_;  // RoPE's: restarting at each document
+  void documents_changed() override { rope_positions_ = document_positions(positions_, documents()); }
 };
 
 }  // namespace upipe

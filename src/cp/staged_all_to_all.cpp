@@ -49,6 +49,7 @@ staged_all_to_all::staged_all_to_all(const attention_config& config, backend& be
   for (int j = 0; j < config.cp; ++j)
     for (const auto& run : local_positions(j))
       gathered_positions_.push_back({j * tokens_ + run.token_begin, run.position_begin, run.count});
+  rope_positions_ = gathered_positions_;
 }
 
 staged_all_to_all::~staged_all_to_all() = default;
@@ -108,7 +109,7 @@ head_view staged_all_to_all::sequence_heads(const tensor& t) const {
 
 void staged_all_to_all::rope(const head_view& x, rope_direction direction) {
   const phase_scope phase(be_, "attn_rope");
-  ops::rope(be_, {x, gathered_positions_, config_.rope, direction});
+  ops::rope(be_, {x, rope_positions_, config_.rope, direction});
 }
 
 // Chunk j of the result gets, for this rank's tokens, the stage heads of rank j.
@@ -236,7 +237,8 @@ attention_saved staged_all_to_all::forward(const mat_view& x, const attention_we
         const resident_block& b = resident[c.block];
         ops::sdpa_forward(be_, {qh.head_block(c.q_slot, c.n_q), sequence_heads(b.k).head_block(c.kv_slot, c.n_kv),
                                 sequence_heads(b.v).head_block(c.kv_slot, c.n_kv), oh.head_block(c.q_slot, c.n_q),
-                                lse_heads(saved.lse, t * u + c.q_slot, c.n_q), attn_mask::causal, scale_});
+                                lse_heads(saved.lse, t * u + c.q_slot, c.n_q), attn_mask::causal, scale_,
+                                document_rows(0, 0)});
       }
     }
     q.reset();
@@ -301,7 +303,7 @@ void staged_all_to_all::backward_stage(int t, std::vector<resident_block>& resid
           be_, {sequence_heads(q).head_block(c.q_slot, c.n_q), k, sequence_heads(b.v).head_block(c.kv_slot, c.n_kv),
                 sequence_heads(o).head_block(c.q_slot, c.n_q), sequence_heads(d_o).head_block(c.q_slot, c.n_q),
                 lse_heads(saved.lse, t * u + c.q_slot, c.n_q), sequence_heads(dq).head_block(c.q_slot, c.n_q), dk, dv,
-                attn_mask::causal, scale_});
+                attn_mask::causal, scale_, document_rows(0, 0)});
       if (spans) {
         ops::add_heads(be_, sequence_heads(b.dk).head_block(c.kv_slot, c.n_kv), dk);
         ops::add_heads(be_, sequence_heads(b.dv).head_block(c.kv_slot, c.n_kv), dv);

@@ -62,7 +62,9 @@ class staged_all_to_all final : public attention_strategy {
   std::int64_t gathered_;  // S
   int dim_;
   float scale_;
-  std::vector<position_run> gathered_positions_;
+  std::vector<position_run> gathered_positions_;  // the layout: global indices
+  std::vector<position_run> rope_positions_;      // RoPE's: restarting at each document
+  void documents_changed() override { rope_positions_ = document_positions(gathered_positions_, documents()); }
 };
 
 }  // namespace upipe

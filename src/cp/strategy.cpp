@@ -17,6 +17,25 @@ std::vector<position_run> zigzag_positions(std::int64_t seq_len, int cp, int ran
   return {{0, rank * c, c}, {c, (2 * cp - 1 - rank) * c, c}};
 }
 
+std::vector<position_run> document_positions(const std::vector<position_run>& layout,
+                                             std::span<const std::int64_t> starts) {
+  if (starts.size() <= 1) return layout;
+  std::vector<position_run> out;
+  for (const position_run& run : layout) {
+    std::int64_t done = 0;
+    while (done < run.count) {
+      const std::int64_t g = run.position_begin + done;
+      const auto next = std::upper_bound(starts.begin(), starts.end(), g);
+      const std::int64_t start = *(next - 1);
+      const std::int64_t end = next == starts.end() ? run.position_begin + run.count
+                                                    : std::min(*next, run.position_begin + run.count);
+      out.push_back({run.token_begin + done, g - start, end - g});
+      done += end - g;
+    }
+  }
+  return out;
+}
+
 normed_input normed_input::of_tiles(const mat_view& residual, const mat_view& norm_weight, float eps,
                                     std::int64_t tile) {
   UPIPE_CHECK(tile > 0, "normed input tiles need a positive row count");

@@ -66,6 +66,16 @@ class attention_strategy {
  public:
   virtual ~attention_strategy() = default;
 
+  // The packed documents of the sequences that follow: global indices where documents
+  // begin, sorted, the first 0 (empty: one document). A token then attends only within its
+  // document and its RoPE position counts from the document's start.
+  void set_documents(std::vector<std::int64_t> starts) {
+    documents_ = std::move(starts);
+    if (documents_.size() <= 1) documents_.clear();
+    documents_changed();
+  }
+  const std::vector<std::int64_t>& documents() const { return documents_; }
+
   // Global positions of each local token of `rank` (the sequence layout).
   virtual std::vector<position_run> local_positions(int rank) const = 0;
 
@@ -77,7 +87,23 @@ class attention_strategy {
   virtual void backward(const attention_saved& saved, const normed_input& x, const attention_weights& w,
                         const mat_view& out, const mat_view& d_out, const mat_view& d_x,
                         const attention_grads& grads) = 0;
+
+ protected:
+  // The attention's mask over rows that start at global indices q_first and k_first.
+  document_mask document_rows(std::int64_t q_first, std::int64_t k_first) const {
+    return {documents_, q_first, k_first};
+  }
+  virtual void documents_changed() {}
+
+ private:
+  std::vector<std::int64_t> documents_;
 };
+
+// RoPE's runs for a layout's runs (positions = global indices) under packed documents:
+// each run split where a document starts, its positions counted from that document's
+// start.
+std::vector<position_run> document_positions(const std::vector<position_run>& layout,
+                                             std::span<const std::int64_t> starts);
 
 // Validates the configuration (see validate()) and builds the strategy it names.
 std::unique_ptr<attention_strategy> make_strategy(attention_config config, backend& be, const cp_groups& groups);

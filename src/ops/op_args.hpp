@@ -26,6 +26,23 @@ struct gemm_args {
 // none: every query sees every key (a ring block strictly in the past).
 enum class attn_mask : std::uint8_t { causal, none };
 
+// Packed documents: a query sees only keys of its own document. Documents are
+// contiguous ranges of the sequence, so with the causal order the keys a query sees are
+// one range, from its document's start; no S x S mask exists. `starts` are the global
+// indices where documents begin (sorted, the first 0; empty: one document), and row 0 of
+// q and of k sit at global indices q_first and k_first.
+struct document_mask {
+  std::span<const std::int64_t> starts;
+  std::int64_t q_first = 0, k_first = 0;
+
+  bool active() const { return starts.size() > 1; }
+  // The start of the document that holds global index g.
+  std::int64_t start_of(std::int64_t g) const;
+  // Does any pair of q rows [q_first, q_first + sq) and k rows [k_first, k_first + skv)
+  // with the key not after the query share a document?
+  bool shares_document(std::int64_t sq, std::int64_t skv) const;
+};
+
 // Grouped-query attention: query head h reads kv head h / (q.heads / k.heads).
 struct sdpa_forward_args {
   head_view q, k, v;  // (sq, hq, d), (skv, hk, d), (skv, hk, d)
@@ -33,6 +50,7 @@ struct sdpa_forward_args {
   head_view lse;      // (sq, hq, 1) f32, natural-log log-sum-exp of the scaled scores
   attn_mask mask = attn_mask::causal;
   float scale = 1.0f;
+  document_mask documents;
 };
 
 struct sdpa_backward_args {
@@ -42,6 +60,7 @@ struct sdpa_backward_args {
   head_view d_k, d_v;             // (skv, hk, d) written (group partials summed)
   attn_mask mask = attn_mask::causal;
   float scale = 1.0f;
+  document_mask documents;
 };
 
 // How RoPE's frequencies are stretched for a longer context, as Hugging Face's

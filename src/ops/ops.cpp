@@ -218,9 +218,21 @@ void gemm(backend& be, const gemm_args& args) {
   be.gemm(args);
 }
 
+static void check_documents(const char* op, const document_mask& m) {
+  if (m.starts.empty()) return;
+  UPIPE_CHECK(m.starts[0] == 0, std::string("ops::") + op + ": the first document starts at 0, not " +
+                                    std::to_string(m.starts[0]));
+  for (std::size_t i = 1; i < m.starts.size(); ++i)
+    UPIPE_CHECK(m.starts[i] > m.starts[i - 1], std::string("ops::") + op + ": document starts must increase (" +
+                                                   std::to_string(m.starts[i - 1]) + " then " +
+                                                   std::to_string(m.starts[i]) + ")");
+  UPIPE_CHECK(m.q_first >= 0 && m.k_first >= 0, std::string("ops::") + op + ": negative first row index");
+}
+
 void sdpa_forward(backend& be, const sdpa_forward_args& args) {
   const char* op = "sdpa_forward";
   check_attention_inputs(be, op, args.q, args.k, args.v, args.mask);
+  check_documents(op, args.documents);
   check_layout(op, "out", args.out);
   check_type(op, "out", args.out, be.work_dtype(), be.work_dtype());
   check_dims(op, "out", args.out, args.q.tokens, args.q.heads, args.q.dim);
@@ -233,6 +245,7 @@ void sdpa_backward(backend& be, const sdpa_backward_args& args) {
   const head_view& q = args.q;
   const head_view& k = args.k;
   check_attention_inputs(be, op, q, k, args.v, args.mask);
+  check_documents(op, args.documents);
   for (const auto& [name, view] : {std::pair{"out", &args.out}, std::pair{"d_out", &args.d_out},
                                    std::pair{"d_q", &args.d_q}}) {
     check_layout(op, name, *view);
@@ -436,6 +449,34 @@ double yarn_dimension(double rotations, std::int64_t head_dim, double theta, dou
 double yarn_mscale(double factor, double mscale) { return factor <= 1.0 ? 1.0 : 0.1 * mscale * std::log(factor) + 1.0; }
 
 }  // namespace
+
+}  // namespace upipe::ops
+
+namespace upipe {
+
+std::int64_t document_mask::start_of(std::int64_t g) const {
+  if (starts.empty()) return 0;
+  const auto it = std::upper_bound(starts.begin(), starts.end(), g);
+  return it == starts.begin() ? 0 : *(it - 1);
+}
+
+bool document_mask::shares_document(std::int64_t sq, std::int64_t skv) const {
+  if (sq == 0 || skv == 0) return false;
+  const std::int64_t q_last = q_first + sq - 1, k_last = k_first + skv - 1;
+  if (!active()) return k_first <= q_last;
+  // Per document holding queries: its last query in range sees the most keys, from the
+  // document's start up to itself.
+  auto it = std::upper_bound(starts.begin(), starts.end(), q_first) - 1;
+  for (; it != starts.end() && *it <= q_last; ++it) {
+    const std::int64_t doc_end = it + 1 == starts.end() ? q_last + 1 : std::min(*(it + 1), q_last + 1);
+    if (std::max(k_first, *it) <= std::min(k_last, doc_end - 1)) return true;
+  }
+  return false;
+}
+
+}  // namespace upipe
+
+namespace upipe::ops {
 
 std::vector<double> rope_inverse_frequencies(const rope_config& config, std::int64_t head_dim) {
   UPIPE_CHECK(head_dim > 0 && head_dim % 2 == 0,

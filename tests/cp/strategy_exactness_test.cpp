@@ -71,6 +71,57 @@ TEST_P(strategy_sweep, matches_reference) {
   EXPECT_GT(runs, 0);
 }
 
+// Random document boundaries: every strategy keeps each token's attention inside its
+// document and restarts RoPE with it, as the reference does. The boundaries fall anywhere:
+// inside a rank's shard, on a shard's edge, a document of one token, and one longer than
+// a shard; ring skips the blocks that share no document.
+std::vector<std::int64_t> random_documents(std::int64_t S, std::uint64_t seed) {
+  std::vector<std::int64_t> starts = {0};
+  std::uint64_t x = seed * 0x9e3779b97f4a7c15ull + 1;
+  for (std::int64_t g = 1; g < S; ++g) {
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    if (x % 5 == 0) starts.push_back(g);
+  }
+  if (starts.size() < 3) starts = {0, 1, S / 2};
+  return starts;
+}
+
+TEST_P(strategy_sweep, packed_documents_match_reference) {
+  const group_shape g = GetParam();
+  int runs = 0;
+  for (std::int64_t S : {24, 48}) {
+    std::vector<std::pair<strategy_kind, int>> cases = {{strategy_kind::ulysses, 0}, {strategy_kind::ring, 0}};
+    for (int u : valid_head_chunks(g.heads, g.cp)) cases.push_back({strategy_kind::upipe, u});
+    for (auto [kind, chunk] : cases) {
+      const std::int64_t unit = kind == strategy_kind::ring ? 2 * g.cp : g.cp;
+      if (S % unit != 0) continue;
+      attention_config c;
+      c.seq_len = S;
+      c.heads = g.heads;
+      c.kv_heads = g.kv_heads;
+      c.head_dim = 8;
+      c.model_dim = 20;
+      c.cp = g.cp;
+      c.head_chunk = chunk;
+      c.strategy = kind;
+      c.rope.theta = 10000;
+      c.qk_norm = S == 48;
+      experiment_options o;
+      o.seed = 7000 + c.heads * 100 + c.kv_heads * 10 + c.cp;
+      o.limits = {std::size_t{64} << 20, std::size_t{1} << 20};
+      o.documents = random_documents(S, o.seed + static_cast<std::uint64_t>(S));
+      const experiment_result r = run_attention_experiment(c, o);
+      ASSERT_TRUE(r.max_rel_error.has_value());
+      for (const auto& [name, e] : r.rel_error)
+        EXPECT_LT(e, 1e-5) << strategy_name(kind) << " U=" << c.head_chunk << " S=" << S << " tensor " << name;
+      ++runs;
+    }
+  }
+  EXPECT_GT(runs, 0);
+}
+
 INSTANTIATE_TEST_SUITE_P(all_supported, strategy_sweep, ::testing::ValuesIn(supported_shapes()),
                          [](const auto& info) {
                            return "H" + std::to_string(info.param.heads) + "_K" + std::to_string(info.param.kv_heads) +

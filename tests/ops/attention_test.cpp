@@ -420,3 +420,25 @@ TEST(lse_merge, empty_parts_change_nothing) {
 
 }  // namespace
 }  // namespace upipe
+
+namespace upipe {
+namespace {
+
+// Which blocks share a document decides what ring skips: a past block shares one only if
+// some query's document started at or before the block's last key.
+TEST(document_mask, blocks_share_a_document_only_where_a_pair_does) {
+  const std::vector<std::int64_t> starts = {0, 10, 12, 30};
+  const auto mask = [&](std::int64_t q_first, std::int64_t k_first) { return document_mask{starts, q_first, k_first}; };
+  EXPECT_EQ(mask(0, 0).start_of(11), 10);
+  EXPECT_EQ(mask(0, 0).start_of(35), 30);
+  EXPECT_TRUE(mask(16, 8).shares_document(8, 8));    // queries 16-23 in the document from 12: keys 12-15
+  EXPECT_FALSE(mask(32, 16).shares_document(8, 8));  // queries 32-39 begin at 30: keys 16-23 are earlier
+  EXPECT_TRUE(mask(24, 16).shares_document(8, 8));   // queries 24-29 still in the document from 12
+  EXPECT_FALSE(mask(12, 0).shares_document(4, 8));   // document 12's queries, keys 0-7 of document 0
+  EXPECT_TRUE(mask(8, 8).shares_document(8, 8));     // the causal diagonal always does
+  const document_mask one_document{{}, 40, 0};
+  EXPECT_TRUE(one_document.shares_document(8, 8));  // one document: every past block
+}
+
+}  // namespace
+}  // namespace upipe

@@ -25,24 +25,31 @@ double dot(const float* a, const float* b, std::int64_t n) {
   return sum;
 }
 
-// Keys visible to query i: all of them, or j <= i under the causal mask.
+// Keys visible to query i: [first, end) with end = all of them, or i + 1 under the causal
+// mask, and first the start of query i's document (0 with one document).
 std::int64_t visible_keys(attn_mask mask, std::int64_t i, std::int64_t keys) {
   return mask == attn_mask::causal ? std::min(i + 1, keys) : keys;
+}
+
+std::int64_t first_visible_key(const document_mask& m, std::int64_t i) {
+  if (!m.active()) return 0;
+  return std::max<std::int64_t>(0, m.start_of(m.q_first + i) - m.k_first);
 }
 
 // One query row: scores, a max-shifted softmax, out = P v and the log-sum-exp.
 void forward_row(const sdpa_forward_args& args, std::int64_t i, std::int64_t h, std::int64_t g,
                  std::vector<double>& scores, std::vector<double>& acc) {
   const std::int64_t d = args.q.dim, keys = visible_keys(args.mask, i, args.k.tokens);
+  const std::int64_t first = first_visible_key(args.documents, i);
   const float* q = at(args.q, i, h);
   double max_score = neg_inf;
-  for (std::int64_t j = 0; j < keys; ++j) {
+  for (std::int64_t j = first; j < keys; ++j) {
     scores[j] = args.scale * dot(q, at(args.k, j, g), d);
     max_score = std::max(max_score, scores[j]);
   }
   std::fill(acc.begin(), acc.end(), 0.0);
   double sum = 0.0;
-  for (std::int64_t j = 0; j < keys; ++j) {
+  for (std::int64_t j = first; j < keys; ++j) {
     const double p = std::exp(scores[j] - max_score);
     sum += p;
     const float* v = at(args.v, j, g);
@@ -65,12 +72,13 @@ struct kv_grads {
 void backward_row(const sdpa_backward_args& args, std::int64_t i, std::int64_t h, std::int64_t g,
                   std::vector<double>& d_q, kv_grads& kv) {
   const std::int64_t d = args.q.dim, keys = visible_keys(args.mask, i, args.k.tokens);
+  const std::int64_t first = first_visible_key(args.documents, i);
   const float* q = at(args.q, i, h);
   const float* d_out = at(args.d_out, i, h);
   const double lse = *at(args.lse, i, h);
   const double row_dot = dot(d_out, at(args.out, i, h), d);
   std::fill(d_q.begin(), d_q.end(), 0.0);
-  for (std::int64_t j = 0; j < keys; ++j) {
+  for (std::int64_t j = first; j < keys; ++j) {
     const float* k = at(args.k, j, g);
     // The final lse of the whole row: within a ring block P need not sum to one.
     const double p = lse == neg_inf ? 0.0 : std::exp(args.scale * dot(q, k, d) - lse);

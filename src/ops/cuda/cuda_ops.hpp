@@ -28,6 +28,10 @@ void copy_heads(const head_view& dst, const head_view& src, cudaStream_t stream)
 void add_heads(const head_view& dst, const head_view& src, cudaStream_t stream);
 void fill_heads(const head_view& dst, float value, cudaStream_t stream);
 void lse_merge(const lse_merge_args& args, cudaStream_t stream);
+// Attention where the one query row sees one key (a one-token document), which cuDNN
+// refuses: out = v, lse = scale q.k; backward d_v = the group's summed d_out, d_q = d_k = 0.
+void single_key_attention_forward(const sdpa_forward_args& args, cudaStream_t stream);
+void single_key_attention_backward(const sdpa_backward_args& args, cudaStream_t stream);
 void add_f32(float* dst, const float* src, std::size_t count, cudaStream_t stream);
 // Sum of squares of an f32 matrix into *result (device memory, one double), accumulated
 // in fp64.

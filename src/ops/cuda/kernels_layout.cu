@@ -350,3 +350,79 @@ void embedding_backward(const embedding_backward_args& args, cudaStream_t stream
 }
 
 }  // namespace upipe::cuda
+
+// ---------------------------------------------------------------------------------------
+// Attention of a query row that sees exactly one key (a one-token document): cuDNN
+// refuses s_q = s_kv = 1. The softmax over one key is 1, so out = v and lse = scale q.k;
+// in backward dS = P (dP - rowsum(dO O)) = 0, so d_q = d_k = 0 and d_v sums its group's d_out.
+
+namespace upipe::cuda {
+
+namespace {
+
+struct one_row {
+  void* data;
+  std::int64_t head_stride;
+};
+
+one_row row_of(const head_view& v) { return {v.data, v.head_stride}; }
+
+// One block, a warp per query head: out[h] = v[h / G], lse[h] = scale * q[h] . k[h / G].
+template <class T>
+__global__ void single_key_forward_kernel(one_row q, one_row k, one_row v, one_row out, one_row lse, int hq, int group,
+                                          int d, float scale) {
+  const int lane = threadIdx.x % 32;
+  for (int h = threadIdx.x / 32; h < hq; h += blockDim.x / 32) {
+    const T* qh = static_cast<const T*>(q.data) + h * q.head_stride;
+    const T* kh = static_cast<const T*>(k.data) + (h / group) * k.head_stride;
+    const T* vh = static_cast<const T*>(v.data) + (h / group) * v.head_stride;
+    T* oh = static_cast<T*>(out.data) + h * out.head_stride;
+    float dot = 0.0f;
+    for (int e = lane; e < d; e += 32) {
+      dot += kernels::to_float(qh[e]) * kernels::to_float(kh[e]);
+      oh[e] = vh[e];
+    }
+    for (int offset = 16; offset > 0; offset /= 2) dot += __shfl_down_sync(0xffffffffu, dot, offset);
+    if (lane == 0) static_cast<float*>(lse.data)[h * lse.head_stride] = scale * dot;
+  }
+}
+
+// d_v[g] = sum over the group's query heads of d_out[h]; d_q and d_k are zeroed apart.
+template <class T>
+__global__ void single_key_backward_kernel(one_row d_out, one_row d_v, int hk, int group, int d) {
+  for (int i = threadIdx.x; i < hk * d; i += blockDim.x) {
+    const int g = i / d, e = i % d;
+    float sum = 0.0f;
+    for (int h = g * group; h < (g + 1) * group; ++h)
+      sum += kernels::to_float(static_cast<const T*>(d_out.data)[h * d_out.head_stride + e]);
+    static_cast<T*>(d_v.data)[g * d_v.head_stride + e] = kernels::from_float<T>(sum);
+  }
+}
+
+}  // namespace
+
+void single_key_attention_forward(const sdpa_forward_args& a, cudaStream_t stream) {
+  const int hq = static_cast<int>(a.q.heads), group = static_cast<int>(a.q.heads / a.k.heads);
+  with_types(
+      [&](auto t) {
+        using T = typename decltype(t)::type;
+        launch("single_key_forward_kernel", single_key_forward_kernel<T>, 1, layout_config, 0, stream, row_of(a.q),
+               row_of(a.k), row_of(a.v), row_of(a.out), row_of(a.lse), hq, group, static_cast<int>(a.q.dim), a.scale);
+      },
+      a.q.type);
+}
+
+void single_key_attention_backward(const sdpa_backward_args& a, cudaStream_t stream) {
+  fill_heads(a.d_q, 0.0f, stream);
+  fill_heads(a.d_k, 0.0f, stream);
+  const int hk = static_cast<int>(a.k.heads), group = static_cast<int>(a.q.heads / a.k.heads);
+  with_types(
+      [&](auto t) {
+        using T = typename decltype(t)::type;
+        launch("single_key_backward_kernel", single_key_backward_kernel<T>, 1, layout_config, 0, stream,
+               row_of(a.d_out), row_of(a.d_v), hk, group, static_cast<int>(a.q.dim));
+      },
+      a.q.type);
+}
+
+}  // namespace upipe::cuda

@@ -366,8 +366,68 @@ sdpa_engine::~sdpa_engine() = default;
 
 std::size_t sdpa_engine::library_version() { return cudnnGetVersion(); }
 
+namespace {
+
+// Packed documents as ordinary calls on row ranges: under the causal mask (queries and
+// keys the same rows) each document is a causal call of its own; a block strictly in the
+// past (ring) has at most one document that holds queries and keys, the one its first
+// query is in, and the later queries see nothing. Each distinct length is a plan of its
+// own. fn(q rows, k rows, mask) with rows as [first, count).
+struct row_range {
+  std::int64_t first = 0, count = 0;
+};
+template <class Fn>
+void for_each_document_call(const document_mask& m, attn_mask mask, std::int64_t sq, std::int64_t skv, Fn&& fn) {
+  if (mask == attn_mask::causal) {
+    UPIPE_CHECK(m.q_first == m.k_first && sq == skv, "sdpa: documents under the causal mask need q and k on the same rows");
+    std::int64_t row = 0;
+    while (row < sq) {
+      const std::int64_t g = m.q_first + row;
+      const auto next = std::upper_bound(m.starts.begin(), m.starts.end(), g);
+      const std::int64_t end = next == m.starts.end() ? sq : std::min(sq, *next - m.q_first);
+      fn(row_range{row, end - row}, row_range{row, end - row}, attn_mask::causal);
+      row = end;
+    }
+    return;
+  }
+  const std::int64_t start = m.start_of(m.q_first), k_last = m.k_first + skv - 1;
+  if (start > k_last) return;
+  const auto next = std::upper_bound(m.starts.begin(), m.starts.end(), m.q_first);
+  const std::int64_t q_end = next == m.starts.end() ? sq : std::min(sq, *next - m.q_first);
+  const std::int64_t k_begin = std::max<std::int64_t>(0, start - m.k_first);
+  fn(row_range{0, q_end}, row_range{k_begin, skv - k_begin}, attn_mask::none);
+}
+
+template <class Args>
+Args rows_of(const Args& a, row_range q, row_range k, attn_mask mask) {
+  Args sub = a;
+  sub.q = a.q.token_block(q.first, q.count);
+  sub.k = a.k.token_block(k.first, k.count);
+  sub.v = a.v.token_block(k.first, k.count);
+  sub.out = a.out.token_block(q.first, q.count);
+  sub.lse = a.lse.token_block(q.first, q.count);
+  sub.mask = mask;
+  sub.documents = {};
+  return sub;
+}
+
+}  // namespace
+
 void sdpa_engine::forward(const sdpa_forward_args& a) {
   if (empty(a.q)) return;
+  if (a.documents.active()) {
+    if (a.mask == attn_mask::none) {  // rows of later documents see no key
+      zero(a.out, impl_->stream);
+      fill_heads(a.lse, -std::numeric_limits<float>::infinity(), impl_->stream);
+    }
+    for_each_document_call(a.documents, a.mask, a.q.tokens, a.k.tokens, [&](row_range q, row_range k, attn_mask mask) {
+      if (q.count == 1 && k.count == 1)
+        single_key_attention_forward(rows_of(a, q, k, mask), impl_->stream);
+      else
+        forward(rows_of(a, q, k, mask));
+    });
+    return;
+  }
   if (a.k.tokens == 0) {  // no keys: out 0 and lse -inf, which lse_merge ignores
     zero(a.out, impl_->stream);
     fill_heads(a.lse, -std::numeric_limits<float>::infinity(), impl_->stream);
@@ -388,6 +448,25 @@ void sdpa_engine::forward(const sdpa_forward_args& a) {
 // The frontend keeps its fp32 dQ accumulator and row sums in the plan's workspace, laid out
 // as its kernels want them.
 void sdpa_engine::backward(const sdpa_backward_args& a) {
+  if (a.documents.active() && !empty(a.q)) {
+    if (a.mask == attn_mask::none) {  // keys and queries outside the one call get no gradient
+      zero(a.d_q, impl_->stream);
+      zero(a.d_k, impl_->stream);
+      zero(a.d_v, impl_->stream);
+    }
+    for_each_document_call(a.documents, a.mask, a.q.tokens, a.k.tokens, [&](row_range q, row_range k, attn_mask mask) {
+      sdpa_backward_args sub = rows_of(a, q, k, mask);
+      sub.d_out = a.d_out.token_block(q.first, q.count);
+      sub.d_q = a.d_q.token_block(q.first, q.count);
+      sub.d_k = a.d_k.token_block(k.first, k.count);
+      sub.d_v = a.d_v.token_block(k.first, k.count);
+      if (q.count == 1 && k.count == 1)
+        single_key_attention_backward(sub, impl_->stream);
+      else
+        backward(sub);
+    });
+    return;
+  }
   if (empty(a.q) || a.k.tokens == 0) {  // nothing attends: every gradient is zero
     zero(a.d_q, impl_->stream);
     zero(a.d_k, impl_->stream);
