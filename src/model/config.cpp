@@ -507,6 +507,17 @@ double model_config::model_flops(std::int64_t seq_len) const {
          6.0 * num_layers * num_heads * static_cast<double>(head_dim) * s * s;
 }
 
+double model_config::model_flops(std::int64_t seq_len, std::span<const std::int64_t> documents) const {
+  if (documents.size() <= 1) return model_flops(seq_len);
+  double pairs = 0;  // sum of squared document lengths
+  for (std::size_t i = 0; i < documents.size(); ++i) {
+    const auto length = static_cast<double>((i + 1 < documents.size() ? documents[i + 1] : seq_len) - documents[i]);
+    pairs += length * length;
+  }
+  return 6.0 * static_cast<double>(matmul_parameter_count()) * static_cast<double>(seq_len) +
+         6.0 * num_layers * num_heads * static_cast<double>(head_dim) * pairs;
+}
+
 std::vector<parameter_spec> parameter_specs(const model_config& config) {
   const std::int64_t D = config.hidden_size, F = config.intermediate_size, V = config.vocab_size;
   const std::int64_t d = config.head_dim;

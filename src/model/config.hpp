@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -38,6 +39,9 @@ struct model_config {
   // Model FLOPs of one forward+backward over S tokens, recompute not counted:
   // 6 N_matmul S + 6 L H d S^2 (causal attention).
   double model_flops(std::int64_t seq_len) const;
+  // The same over packed documents (`documents`: where each begins): attention counts only
+  // the pairs inside a document, 6 L H d sum_i L_i^2.
+  double model_flops(std::int64_t seq_len, std::span<const std::int64_t> documents) const;
 };
 
 // One parameter: its Hugging Face name and shape (row-major, y = x W^T for linears).

@@ -7,17 +7,29 @@
 
 namespace upipe {
 
-prepared_sequence prepare_sequence(std::span<const std::int32_t> tokens, std::int64_t unit) {
+prepared_sequence prepare_sequence(std::span<const std::int32_t> tokens, std::int64_t unit,
+                                   std::span<const std::int64_t> documents) {
   const auto n = static_cast<std::int64_t>(tokens.size());
   const std::int64_t padded = (n + unit - 1) / unit * unit;
+  for (std::size_t i = 0; i < documents.size(); ++i)
+    if ((i == 0 && documents[0] != 0) || (i > 0 && documents[i] <= documents[i - 1]) || documents[i] >= std::max<std::int64_t>(n, 1))
+      throw config_error("document start " + std::to_string(documents[i]) + " (number " + std::to_string(i) +
+                         ") is invalid: starts must begin at 0 and increase below the sequence length " +
+                         std::to_string(n));
   prepared_sequence p;
   p.ids.assign(static_cast<std::size_t>(padded), 0);
   p.labels.assign(static_cast<std::size_t>(padded), masked_label);
+  std::size_t next_doc = 1;  // the next document start after token i
   for (std::int64_t i = 0; i < n; ++i) {
     p.ids[i] = tokens[i];
-    if (i + 1 < n) p.labels[i] = tokens[i + 1];
+    while (next_doc < documents.size() && documents[next_doc] <= i) ++next_doc;
+    const bool crosses = next_doc < documents.size() && documents[next_doc] == i + 1;
+    if (i + 1 < n && !crosses) {
+      p.labels[i] = tokens[i + 1];
+      ++p.counted;
+    }
   }
-  p.counted = n > 0 ? n - 1 : 0;
+  if (documents.size() > 1) p.documents.assign(documents.begin(), documents.end());
   return p;
 }
 
@@ -45,7 +57,7 @@ void run_rank(const model_step_request& req, const prepared_sequence& seq, const
   be.ledger().record_timeline(measured != nullptr && req.record_timeline);
   comm.barrier();
   const auto start = std::chrono::steady_clock::now();
-  out.loss_sum = model.forward_backward(params, {ids, labels, scale});
+  out.loss_sum = model.forward_backward(params, {ids, labels, scale, seq.documents});
   be.synchronize();
   comm.barrier();
   if (measured != nullptr) {
@@ -74,7 +86,7 @@ std::size_t peak_of_labels(const std::vector<ledger_event>& timeline, std::initi
 model_step_result run_model_step(const model_step_request& req, const host_weights& weights,
                                  std::span<const std::int32_t> tokens) {
   validate(req.model);
-  const prepared_sequence seq = prepare_sequence(tokens, layout_unit(req.cp));
+  const prepared_sequence seq = prepare_sequence(tokens, layout_unit(req.cp), req.documents);
   model_step_result result;
   result.seq_len = static_cast<std::int64_t>(seq.ids.size());
   result.counted = seq.counted;

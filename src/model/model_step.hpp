@@ -18,13 +18,17 @@
 namespace upipe {
 
 // A sequence prepared for CP: labels shifted before sharding (label i = token i+1; the
-// last is masked), padded with masked positions to a multiple of `unit`.
+// last is masked), padded with masked positions to a multiple of `unit`. With packed
+// documents (`documents`: where each begins, the first 0) the label that would predict
+// a document's first token from the previous document's end is masked too.
 struct prepared_sequence {
   std::vector<std::int32_t> ids, labels;  // padded length
   std::int64_t counted = 0;               // unmasked labels
+  std::vector<std::int64_t> documents;    // as given (empty: one document)
 };
 constexpr std::int32_t masked_label = -100;
-prepared_sequence prepare_sequence(std::span<const std::int32_t> tokens, std::int64_t unit);
+prepared_sequence prepare_sequence(std::span<const std::int32_t> tokens, std::int64_t unit,
+                                   std::span<const std::int64_t> documents = {});
 // The layout unit of a strategy: C for ulysses and upipe, 2C for ring's zigzag.
 std::int64_t layout_unit(const cp_settings& cp);
 
@@ -36,6 +40,7 @@ struct model_step_request {
   memory_limits limits;
   bool record_timeline = false;  // keep rank 0's ledger timeline in the result
   comm_options comm;             // how the ranks talk (threads in one process unless told)
+  std::vector<std::int64_t> documents;  // packed documents: where each begins (empty: one)
 };
 
 struct model_step_result {

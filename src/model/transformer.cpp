@@ -108,6 +108,7 @@ tensor transformer::embed(parameter_store& params, const tensor& ids) {
 }
 
 double transformer::forward_backward(parameter_store& params, const local_batch& batch) {
+  attention_.strategy().set_documents({batch.documents.begin(), batch.documents.end()});
   tensor ids = upload_ids(batch.ids, "token_ids");
   tensor labels = upload_ids(batch.labels, "labels");
   forward_layers(params, embed(params, ids), &store_);
@@ -147,7 +148,9 @@ void transformer::forward_layers(parameter_store& params, tensor x, checkpoint_s
   set_current_layer(-1);
 }
 
-std::vector<std::int32_t> transformer::forward_argmax(parameter_store& params, std::span<const std::int32_t> ids_host) {
+std::vector<std::int32_t> transformer::forward_argmax(parameter_store& params, std::span<const std::int32_t> ids_host,
+                                                     std::span<const std::int64_t> documents) {
+  attention_.strategy().set_documents({documents.begin(), documents.end()});
   tensor ids = upload_ids(ids_host, "token_ids");
   forward_layers(params, embed(params, ids), nullptr);
   const std::int64_t D = model_.hidden_size, V = model_.vocab_size;

@@ -51,6 +51,9 @@ step_options with_default_sizes(step_options o, const model_config& model, std::
 struct local_batch {
   std::span<const std::int32_t> ids, labels;
   double grad_scale = 1.0;  // 1 / (unmasked labels over all ranks): the loss is their mean
+  // Packed documents: the global indices where documents begin, the first 0 (empty: one
+  // document). Attention stays inside a document and RoPE positions restart with each.
+  std::span<const std::int64_t> documents;
 };
 
 // The attention configuration a model run implies at global length seq_len.
@@ -73,7 +76,8 @@ class transformer {
   double forward_backward(parameter_store& params, const local_batch& batch);
 
   // Forward only: the argmax token of the logits at each local position (evaluation).
-  std::vector<std::int32_t> forward_argmax(parameter_store& params, std::span<const std::int32_t> ids);
+  std::vector<std::int32_t> forward_argmax(parameter_store& params, std::span<const std::int32_t> ids,
+                                           std::span<const std::int64_t> documents = {});
 
  private:
   struct mlp_tile_buffers {

@@ -8,10 +8,15 @@
 #include <array>
 #include <bit>
 #include <cerrno>
+#include <algorithm>
 #include <cstdio>
+#include <filesystem>
+#include <fstream>
 #include <random>
 #include <span>
 #include <system_error>
+
+#include <nlohmann/json.hpp>
 
 #include "core/error.hpp"
 #include "core/random.hpp"
@@ -33,54 +38,59 @@ std::string errno_message(int err) { return std::generic_category().message(err)
 // ---------------------------------------------------------------------------------------
 // token_file
 
-token_file::token_file(const std::string& path, std::int64_t seq_len, std::int64_t vocab_size)
-    : path_(path), seq_len_(seq_len), vocab_(vocab_size) {
-  UPIPE_CHECK(seq_len >= 1, "token_file needs a positive sequence length, got " + std::to_string(seq_len));
-  UPIPE_CHECK(vocab_size >= 1, "token_file needs a positive vocabulary size, got " + std::to_string(vocab_size));
-
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) token_file_failure(path, "cannot open it: " + errno_message(errno));
+mapped_bytes::mapped_bytes(const std::string& path, const std::string& what) : path_(path) {
+  const auto fail = [&](const std::string& problem) { throw io_error("cannot read " + what + " " + path + ": " + problem); };
+  // O_NONBLOCK so that opening a FIFO cannot wait for a writer; regular files ignore it.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  if (fd < 0) fail("cannot open it: " + errno_message(errno));
   struct stat info {};
   if (::fstat(fd, &info) != 0) {
     const int err = errno;
     ::close(fd);
-    token_file_failure(path, "cannot stat it: " + errno_message(err));
+    fail("cannot stat it: " + errno_message(err));
   }
   if (!S_ISREG(info.st_mode)) {
     ::close(fd);
-    token_file_failure(path, "it is not a regular file");
+    fail("it is not a regular file");
   }
-  const auto bytes = static_cast<std::uint64_t>(info.st_size);
-  if (bytes == 0) {
+  size_ = static_cast<std::uint64_t>(info.st_size);
+  if (size_ > 0) {
+    void* map = ::mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd, 0);
+    const int err = errno;
+    ::close(fd);  // the mapping keeps the file open
+    if (map == MAP_FAILED) fail("cannot map it into memory: " + errno_message(err));
+    data_ = map;
+  } else {
     ::close(fd);
-    token_file_failure(path, "it is empty; a token file holds little-endian uint32 ids, 4 bytes each");
   }
-  if (bytes % 4 != 0) {
-    ::close(fd);
+}
+
+mapped_bytes::~mapped_bytes() {
+  if (data_ && ::munmap(const_cast<void*>(data_), size_) != 0)
+    std::fprintf(stderr, "upipe: cannot unmap %s: %s\n", path_.c_str(), errno_message(errno).c_str());
+}
+
+token_file::token_file(const std::string& path, std::int64_t seq_len, std::int64_t vocab_size)
+    : path_(path), seq_len_(seq_len), vocab_(vocab_size) {
+  UPIPE_CHECK(seq_len >= 1, "token_file needs a positive sequence length, got " + std::to_string(seq_len));
+  UPIPE_CHECK(vocab_size >= 1, "token_file needs a positive vocabulary size, got " + std::to_string(vocab_size));
+  map_ = std::make_unique<mapped_bytes>(path, "token file");
+  const std::uint64_t bytes = map_->size();
+  if (bytes == 0) token_file_failure(path, "it is empty; a token file holds little-endian uint32 ids, 4 bytes each");
+  if (bytes % 4 != 0)
     token_file_failure(path, "its size " + std::to_string(bytes) +
                                  " bytes is not a multiple of 4; a token file holds little-endian uint32 ids, "
                                  "4 bytes each (was it truncated, or written with another id width?)");
-  }
   const auto count = static_cast<std::int64_t>(bytes / 4);
-  if (count < seq_len) {
-    ::close(fd);
+  if (count < seq_len)
     token_file_failure(path, "it holds " + std::to_string(count) + " tokens, fewer than the sequence length " +
                                  std::to_string(seq_len) + "; use --seq-len " + std::to_string(count) +
                                  " or less, or a longer file");
-  }
-  void* map = ::mmap(nullptr, bytes, PROT_READ, MAP_PRIVATE, fd, 0);
-  const int err = errno;
-  ::close(fd);  // the mapping keeps the file open
-  if (map == MAP_FAILED) token_file_failure(path, "cannot map it into memory: " + errno_message(err));
-  tokens_ = static_cast<const std::uint32_t*>(map);
-  mapped_bytes_ = bytes;
+  tokens_ = static_cast<const std::uint32_t*>(map_->data());
   count_ = count;
 }
 
-token_file::~token_file() {
-  if (tokens_ && ::munmap(const_cast<std::uint32_t*>(tokens_), mapped_bytes_) != 0)
-    std::fprintf(stderr, "upipe: cannot unmap token file %s: %s\n", path_.c_str(), errno_message(errno).c_str());
-}
+token_file::~token_file() = default;
 
 std::vector<std::int32_t> token_file::sequence(std::int64_t position) const {
   std::int64_t at = position % count_;
@@ -114,6 +124,141 @@ void token_file::check_ids() const {
   if (odd_words_zero && even_word_set)
     throw io_error(path_ + " looks like int64 ids: every second 32-bit word is zero. A token file holds "
                    "little-endian uint32 ids; convert it (numpy: np.fromfile(path, '<i8').astype('<u4').tofile(new))");
+}
+
+// ---------------------------------------------------------------------------------------
+// document_corpus
+
+// One epoch's document order and where each document begins in that epoch's stream.
+struct document_corpus::order {
+  std::int64_t epoch = -1;
+  std::vector<std::int64_t> docs;   // indices into the corpus, shuffled
+  std::vector<std::int64_t> begin;  // stream offset of docs[i] within the epoch (docs.size() + 1)
+};
+
+namespace {
+
+std::int64_t doc_length(const std::uint64_t* offsets, std::int64_t d) {
+  return static_cast<std::int64_t>(offsets[d + 1] - offsets[d]);
+}
+
+}  // namespace
+
+bool document_corpus::exists(const std::string& prefix) {
+  std::error_code ec;
+  return std::filesystem::is_regular_file(prefix + ".index", ec) && std::filesystem::exists(prefix + ".tokens", ec);
+}
+
+document_corpus::document_corpus(const std::string& prefix, std::int64_t vocab_size, std::int64_t min_doc_tokens,
+                                 std::uint64_t seed)
+    : prefix_(prefix), vocab_(vocab_size), seed_(seed) {
+  const std::string manifest_path = prefix + ".json";
+  std::ifstream in(manifest_path);
+  if (!in) throw io_error("cannot read " + manifest_path + ", the manifest of " + prefix + " (upipe prepare-data writes it)");
+  nlohmann::json m;
+  try {
+    m = nlohmann::json::parse(in);
+  } catch (const nlohmann::json::exception& e) {
+    throw io_error(manifest_path + " is not valid JSON: " + e.what());
+  }
+  const auto field = [&](const char* key) -> const nlohmann::json& {
+    if (!m.is_object() || !m.contains(key)) throw io_error(manifest_path + " has no \"" + std::string(key) + "\"");
+    return m[key];
+  };
+  if (!field("dtype").is_string() || field("dtype") != "uint32")
+    throw io_error(manifest_path + ": dtype " + field("dtype").dump() + " is not supported; upipe reads uint32 tokens");
+  if (!field("vocab_size").is_number_unsigned() || field("vocab_size").get<std::uint64_t>() > static_cast<std::uint64_t>(vocab_size))
+    throw config_error(prefix + " was tokenized with a vocabulary of " + field("vocab_size").dump() +
+                       " ids, more than the model's " + std::to_string(vocab_size) +
+                       ": it belongs to another model; prepare the data with this model's tokenizer");
+  tokens_ = std::make_unique<mapped_bytes>(prefix + ".tokens", "token file");
+  index_ = std::make_unique<mapped_bytes>(prefix + ".index", "document index");
+  const std::uint64_t documents = field("documents").is_number_unsigned() ? field("documents").get<std::uint64_t>() : 0;
+  const std::uint64_t tokens = field("tokens").is_number_unsigned() ? field("tokens").get<std::uint64_t>() : 0;
+  if (tokens_->size() != tokens * 4)
+    throw io_error(prefix + ".tokens holds " + std::to_string(tokens_->size()) + " bytes, but the manifest counts " +
+                   std::to_string(tokens) + " uint32 tokens (" + std::to_string(tokens * 4) +
+                   " bytes): the files are of different runs or truncated; prepare the data again");
+  if (index_->size() != (documents + 1) * 8)
+    throw io_error(prefix + ".index holds " + std::to_string(index_->size()) + " bytes, but " +
+                   std::to_string(documents) + " documents need " + std::to_string((documents + 1) * 8) +
+                   " (uint64 offsets, documents + 1); prepare the data again");
+  ids_ = static_cast<const std::uint32_t*>(tokens_->data());
+  offsets_ = static_cast<const std::uint64_t*>(index_->data());
+  if (offsets_[0] != 0 || offsets_[documents] != tokens)
+    throw io_error(prefix + ".index runs from " + std::to_string(offsets_[0]) + " to " +
+                   std::to_string(offsets_[documents]) + ", not from 0 to the " + std::to_string(tokens) +
+                   " tokens; prepare the data again");
+  for (std::uint64_t d = 0; d < documents; ++d) {
+    if (offsets_[d + 1] < offsets_[d])
+      throw io_error(prefix + ".index: document " + std::to_string(d) + " ends before it begins");
+    const std::int64_t n = doc_length(offsets_, static_cast<std::int64_t>(d));
+    if (n >= std::max<std::int64_t>(1, min_doc_tokens)) {
+      kept_.push_back(static_cast<std::int64_t>(d));
+      epoch_tokens_ += n;
+    }
+  }
+  if (kept_.empty())
+    throw config_error(prefix + " has no document of at least --min-doc-tokens " + std::to_string(min_doc_tokens) +
+                       " tokens (" + std::to_string(documents) + " documents); lower --min-doc-tokens");
+}
+
+document_corpus::~document_corpus() = default;
+
+// Fisher-Yates over the kept documents, drawn from a counter-based hash of (seed, epoch).
+const document_corpus::order& document_corpus::epoch_order(std::int64_t epoch) const {
+  if (cached_ && cached_->epoch == epoch) return *cached_;
+  auto o = std::make_unique<order>();
+  o->epoch = epoch;
+  o->docs = kept_;
+  const std::uint64_t stream = mix64(seed_ ^ mix64(static_cast<std::uint64_t>(epoch) + 0x6a09e667f3bcc909ull));
+  for (std::size_t i = o->docs.size(); i > 1; --i) {
+    const std::uint64_t r = mix64(stream + i) % i;
+    std::swap(o->docs[i - 1], o->docs[r]);
+  }
+  o->begin.resize(o->docs.size() + 1, 0);
+  for (std::size_t i = 0; i < o->docs.size(); ++i) o->begin[i + 1] = o->begin[i] + doc_length(offsets_, o->docs[i]);
+  cached_ = std::move(o);
+  return *cached_;
+}
+
+packed_sequence document_corpus::window(std::int64_t position, std::int64_t length) const {
+  packed_sequence out;
+  out.tokens.reserve(static_cast<std::size_t>(length));
+  std::int64_t epoch = position / epoch_tokens_, offset = position % epoch_tokens_;
+  out.epoch = epoch;
+  while (static_cast<std::int64_t>(out.tokens.size()) < length) {
+    const order& o = epoch_order(epoch);
+    // The document that holds `offset`, and how far into it.
+    const auto it = std::upper_bound(o.begin.begin(), o.begin.end(), offset) - 1;
+    const auto i = static_cast<std::size_t>(it - o.begin.begin());
+    const std::int64_t doc = o.docs[i], into = offset - *it;
+    const std::int64_t take =
+        std::min(doc_length(offsets_, doc) - into, length - static_cast<std::int64_t>(out.tokens.size()));
+    out.documents.push_back(static_cast<std::int64_t>(out.tokens.size()));
+    const std::uint32_t* first = ids_ + offsets_[doc] + into;
+    for (std::int64_t t = 0; t < take; ++t) {
+      if (static_cast<std::int64_t>(first[t]) >= vocab_)
+        throw io_error("token " + std::to_string(first[t]) + " of document " + std::to_string(doc) + " in " + prefix_ +
+                       ".tokens is not below the vocabulary size " + std::to_string(vocab_));
+      out.tokens.push_back(static_cast<std::int32_t>(first[t]));
+    }
+    offset += take;
+    if (offset == epoch_tokens_) {
+      ++epoch;
+      offset = 0;
+    }
+  }
+  return out;
+}
+
+void document_corpus::check_ids() const {
+  const std::uint64_t n = tokens_->size() / 4;
+  for (std::uint64_t at = 0; at < n; ++at)
+    if (static_cast<std::int64_t>(ids_[at]) >= vocab_)
+      throw io_error("token " + std::to_string(ids_[at]) + " at index " + std::to_string(at) + " of " + prefix_ +
+                     ".tokens is not below the vocabulary size " + std::to_string(vocab_) +
+                     ": prepare the data with this model's tokenizer");
 }
 
 // ---------------------------------------------------------------------------------------

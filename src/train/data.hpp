@@ -9,6 +9,23 @@
 
 namespace upipe {
 
+// A whole file mapped read-only (a regular file only: a FIFO or a device is refused
+// before anything reads it). Throws io_error naming the file, prefixed with `what`.
+class mapped_bytes {
+ public:
+  mapped_bytes(const std::string& path, const std::string& what);
+  ~mapped_bytes();
+  mapped_bytes(const mapped_bytes&) = delete;
+  mapped_bytes& operator=(const mapped_bytes&) = delete;
+  const void* data() const { return data_; }
+  std::uint64_t size() const { return size_; }
+
+ private:
+  std::string path_;
+  const void* data_ = nullptr;
+  std::uint64_t size_ = 0;
+};
+
 // A memory-mapped token file. Sequences are read consecutively from a position and
 // wrap around at the end; every id is checked against the vocabulary as it is read.
 class token_file {
@@ -35,8 +52,55 @@ class token_file {
  private:
   std::string path_;
   std::int64_t seq_len_, vocab_, count_ = 0;
+  std::unique_ptr<mapped_bytes> map_;
   const std::uint32_t* tokens_ = nullptr;
-  std::size_t mapped_bytes_ = 0;
+};
+
+// A tokenized corpus of documents as `upipe prepare-data` writes it (README, "Your
+// documents"): PREFIX.tokens (uint32 ids), PREFIX.index (uint64 offsets, documents + 1)
+// and PREFIX.json (the manifest). Sequences are consecutive windows of S tokens over the
+// documents in a shuffled order, epoch after epoch: short documents are concatenated and
+// long ones continue into the next sequence. A window is a pure function of its position
+// in that stream (the tokens before it), which is all a resume needs.
+struct packed_sequence {
+  std::vector<std::int32_t> tokens;
+  std::vector<std::int64_t> documents;  // where each document (or continued part) begins; the first 0
+  std::int64_t epoch = 0;               // of the window's first token
+};
+
+class document_corpus {
+ public:
+  // Throws io_error for missing or inconsistent files (a size that is not the manifest's,
+  // an index that does not end at the token count, a dtype other than uint32) and
+  // config_error for a corpus of another vocabulary (larger than the model's) or none of
+  // whose documents has min_doc_tokens tokens.
+  document_corpus(const std::string& prefix, std::int64_t vocab_size, std::int64_t min_doc_tokens, std::uint64_t seed);
+  ~document_corpus();
+
+  // Is there a corpus at PREFIX (PREFIX.index beside PREFIX.tokens)?
+  static bool exists(const std::string& prefix);
+  const std::string& prefix() const { return prefix_; }
+  std::int64_t documents() const { return static_cast<std::int64_t>(kept_.size()); }
+  std::int64_t epoch_tokens() const { return epoch_tokens_; }
+  std::string tokens_path() const { return prefix_ + ".tokens"; }
+  // The window of `length` tokens at stream position `position`.
+  packed_sequence window(std::int64_t position, std::int64_t length) const;
+  // Every id below the vocabulary (io_error naming the first that is not).
+  void check_ids() const;
+
+ private:
+  struct order;
+  const order& epoch_order(std::int64_t epoch) const;
+
+  std::string prefix_;
+  std::int64_t vocab_;
+  std::uint64_t seed_;
+  std::unique_ptr<mapped_bytes> tokens_, index_;
+  const std::uint32_t* ids_ = nullptr;
+  const std::uint64_t* offsets_ = nullptr;
+  std::vector<std::int64_t> kept_;  // documents with at least min_doc_tokens tokens
+  std::int64_t epoch_tokens_ = 0;
+  mutable std::unique_ptr<order> cached_;
 };
 
 // The synthetic passkey-retrieval task. Vocabulary (ids below 96, so any model with a

@@ -137,6 +137,8 @@ nlohmann::ordered_json manifest_json(const checkpoint_request& r, const paramete
   j["total_steps"] = r.state.total_steps;
   j["data"] = r.state.data;
   j["data_bytes"] = r.state.data_bytes;
+  j["packing"] = r.state.packing;
+  j["min_doc_tokens"] = r.state.min_doc_tokens;
   j["ranks"] = ranks;
   j["zero"] = zero;
   j["strategy"] = r.strategy;
@@ -286,7 +288,8 @@ saved_state::saved_state(const std::string& text) : impl_(std::make_unique<impl>
       throw io_error(manifest.string() + " is not an upipe trainer state of version " + std::to_string(manifest_version));
     state_ = {j.at("step").get<std::int64_t>(),      j.at("data_position").get<std::int64_t>(),
               j.at("seed").get<std::uint64_t>(),     j.at("total_steps").get<std::int64_t>(),
-              j.at("data").get<std::string>(),       j.at("data_bytes").get<std::uint64_t>()};
+              j.at("data").get<std::string>(),       j.at("data_bytes").get<std::uint64_t>(),
+              j.at("packing").get<std::string>(),    j.at("min_doc_tokens").get<std::int64_t>()};
     ranks_ = j.at("ranks").get<int>();
     zero_ = j.at("zero").get<std::string>();
     impl_->units = j.at("units").get<std::vector<std::int64_t>>();

@@ -31,6 +31,8 @@ struct trainer_state {
   std::int64_t total_steps = 0;    // the schedule's length when saved
   std::string data = "passkey";    // "passkey" or the token file's path
   std::uint64_t data_bytes = 0;    // the token file's size when saved
+  std::string packing = "stream";  // "documents" or "stream": how the data became sequences
+  std::int64_t min_doc_tokens = 0;
 };
 
 struct checkpoint_request {

@@ -21,32 +21,52 @@ constexpr std::uint64_t held_out_stream = 0x9e3779b97f4a7c15ull;  // eval sample
 
 using clock_type = std::chrono::steady_clock;
 
-// Where the sequences come from: the passkey task (sample = step) or a token file.
+bool uses_documents(const train_options& o) {
+  return !o.data_path.empty() && o.packing != packing_mode::stream && document_corpus::exists(o.data_path);
+}
+
+// Where the sequences come from: the passkey task (sample = step), a corpus of documents
+// (packed, shuffled per epoch) or a token file (one stream).
 class data_source {
  public:
   data_source(const train_options& o)
-      : seed_(o.seed),
-        task_(o.data_path.empty() ? std::make_unique<passkey_task>(o.seq_len) : nullptr),
-        file_(o.data_path.empty() ? nullptr : std::make_unique<token_file>(o.data_path, o.seq_len, o.model.vocab_size)) {}
-  // Sequence `index` (counted from 1 over the whole run) of the passkey task, or the
-  // file's sequence at `position`, which then moves on. A shorter `length` (the
-  // short-sequence stage) takes a passkey sample of that length, or the first `length`
-  // tokens of the file's sequence.
-  std::vector<std::int32_t> next(std::int64_t index, std::int64_t& position, std::int64_t length) {
+      : seed_(o.seed), task_(o.data_path.empty() ? std::make_unique<passkey_task>(o.seq_len) : nullptr) {
+    if (uses_documents(o))
+      corpus_ = std::make_unique<document_corpus>(o.data_path, o.model.vocab_size, o.min_doc_tokens, o.seed);
+    else if (!o.data_path.empty())
+      file_ = std::make_unique<token_file>(
+          document_corpus::exists(o.data_path) ? o.data_path + ".tokens" : o.data_path, o.seq_len, o.model.vocab_size);
+  }
+  // Sequence `index` (counted from 1 over the whole run) of the passkey task, or the data's
+  // sequence at `position` (tokens consumed before it), which then moves on. A shorter
+  // `length` (the short-sequence stage) takes a passkey sample of that length, or the first
+  // `length` tokens of the data's window.
+  packed_sequence next(std::int64_t index, std::int64_t& position, std::int64_t length) {
+    packed_sequence out;
     if (task_) {
-      if (length == task_->seq_len()) return task_->sample(seed_, static_cast<std::uint64_t>(index)).tokens;
-      return passkey_task(length).sample(seed_, static_cast<std::uint64_t>(index)).tokens;
+      out.tokens = length == task_->seq_len() ? task_->sample(seed_, static_cast<std::uint64_t>(index)).tokens
+                                              : passkey_task(length).sample(seed_, static_cast<std::uint64_t>(index)).tokens;
+      return out;
     }
-    std::vector<std::int32_t> tokens = file_->sequence(position);
-    tokens.resize(static_cast<std::size_t>(length));
+    if (corpus_) {
+      out = corpus_->window(position, length);
+      position += length;
+      return out;
+    }
+    out.tokens = file_->sequence(position);
+    out.tokens.resize(static_cast<std::size_t>(length));
     position = file_->next_position(position);
-    return tokens;
+    return out;
   }
   const passkey_task* task() const { return task_.get(); }
+  double epoch(std::int64_t position) const {
+    return corpus_ ? static_cast<double>(position) / static_cast<double>(corpus_->epoch_tokens()) : 0.0;
+  }
 
  private:
   std::uint64_t seed_;
   std::unique_ptr<passkey_task> task_;
+  std::unique_ptr<document_corpus> corpus_;
   std::unique_ptr<token_file> file_;
 };
 
@@ -71,23 +91,24 @@ struct rank_context {
 
 // One optimizer step over the step's sequences: gradients of every sequence accumulate
 // in the shards, and the loss is the mean over all counted tokens of the step.
-double run_step(rank_context& rc, const std::vector<std::vector<std::int32_t>>& batch, std::int64_t step,
-                step_record& record) {
+double run_step(rank_context& rc, const std::vector<packed_sequence>& batch, std::int64_t step, step_record& record) {
   const train_options& o = rc.options;
   std::vector<prepared_sequence> seqs;
   std::int64_t counted = 0;
-  for (const auto& tokens : batch) {
-    seqs.push_back(prepare_sequence(tokens, layout_unit(o.cp)));
+  record.model_flops = 0;
+  for (const auto& s : batch) {
+    seqs.push_back(prepare_sequence(s.tokens, layout_unit(o.cp), s.documents));
     counted += seqs.back().counted;
+    record.model_flops += o.model.model_flops(static_cast<std::int64_t>(s.tokens.size()), s.documents);
   }
-  transformer& model = rc.model(static_cast<std::int64_t>(batch.front().size()));
+  transformer& model = rc.model(static_cast<std::int64_t>(batch.front().tokens.size()));
   const auto runs = model.local_positions(rc.comm.rank());
   rc.params.zero_grads();
   double local = 0;
   for (const auto& seq : seqs) {
     const auto ids = shard_rows(seq.ids, 1, runs, model.local_tokens());
     const auto labels = shard_rows(seq.labels, 1, runs, model.local_tokens());
-    local += model.forward_backward(rc.params, {ids, labels, 1.0 / static_cast<double>(counted)});
+    local += model.forward_backward(rc.params, {ids, labels, 1.0 / static_cast<double>(counted), seq.documents});
   }
   record.loss = sum_over_ranks(rc.comm, local, "loss_sum") / static_cast<double>(counted);
   if (rc.params.stage() == zero_stage::replicated) return record.loss;  // forward and backward only (planner)
@@ -98,6 +119,11 @@ double run_step(rank_context& rc, const std::vector<std::vector<std::int32_t>>& 
   record.lr = scheduled_lr(o.optim, step);
   rc.params.adamw_step(o.optim, step, record.lr, clip_coefficient(o.optim, record.grad_norm));
   return record.loss;
+}
+
+// The file the data's tokens are in: a corpus's PREFIX.tokens, or the token file.
+std::string data_tokens_file(const train_options& o) {
+  return document_corpus::exists(o.data_path) ? o.data_path + ".tokens" : o.data_path;
 }
 
 std::uint64_t file_bytes(const std::string& path) {
@@ -121,8 +147,14 @@ void save(rank_context& rc, const std::string& dir, std::int64_t step, std::int6
   r.config = trained_config(o);
   r.source_dir = o.model_dir;
   r.model = o.save_model;
-  r.state = {step, position, o.seed, o.optim.total_steps, o.data_path.empty() ? "passkey" : o.data_path,
-             o.data_path.empty() ? 0 : file_bytes(o.data_path)};
+  r.state = {step,
+             position,
+             o.seed,
+             o.optim.total_steps,
+             o.data_path.empty() ? "passkey" : o.data_path,
+             o.data_path.empty() ? 0 : file_bytes(data_tokens_file(o)),
+             uses_documents(o) ? "documents" : "stream",
+             o.min_doc_tokens};
   r.strategy = std::string(strategy_name(o.cp.strategy));
   r.head_chunk = o.cp.head_chunk;
   r.seq_len = o.seq_len;
@@ -177,7 +209,8 @@ void run_rank(const train_options& o, backend& be, communicator& comm, const sav
     step_record record;
     record.step = step;
     record.seq_len = step_seq_len(o, step);
-    std::vector<std::vector<std::int32_t>> batch;
+    record.epoch = data.epoch(position);
+    std::vector<packed_sequence> batch;
     for (std::int64_t i = 0; i < o.batch; ++i)
       batch.push_back(data.next((step - 1) * o.batch + i + 1, position, record.seq_len));
     run_step(rc, batch, step, record);
@@ -286,14 +319,15 @@ step_timing time_steps(const train_options& o, std::int64_t warmup_len, int repe
   UPIPE_CHECK(repeats >= 1, "time_steps needs at least one timed step");
   // Random ids where there is data; zeros on meta, which never reads them.
   const auto tokens = [&](const backend& be, std::int64_t n, std::uint64_t stream) {
-    std::vector<std::int32_t> t(static_cast<std::size_t>(n));
-    if (!be.has_data()) return t;
+    packed_sequence s;
+    s.tokens.resize(static_cast<std::size_t>(n));
+    if (!be.has_data()) return s;
     std::uint64_t x = o.seed * 0x9e3779b97f4a7c15ull + stream;
-    for (auto& id : t) {
+    for (auto& id : s.tokens) {
       x = x * 6364136223846793005ull + 1442695040888963407ull;
       id = static_cast<std::int32_t>((x >> 33) % static_cast<std::uint64_t>(o.model.vocab_size));
     }
-    return t;
+    return s;
   };
   step_timing out;
   // Random weights wherever there is data: a step over zeros would time multiplications of
@@ -307,7 +341,7 @@ step_timing time_steps(const train_options& o, std::int64_t warmup_len, int repe
         step_record record;
         if (warmup_len > 0) run_step(rc, {tokens(be, warmup_len, 0)}, 1, record);
         for (int i = 0; i < repeats; ++i) {
-          const std::vector<std::vector<std::int32_t>> batch{tokens(be, o.seq_len, 1 + static_cast<std::uint64_t>(i))};
+          const std::vector<packed_sequence> batch{tokens(be, o.seq_len, 1 + static_cast<std::uint64_t>(i))};
           be.synchronize();
           comm.barrier();
           be.set_phase_timing(phases);
@@ -351,11 +385,18 @@ void check_resume(const train_options& o, const saved_state& saved) {
                        (st.data == "passkey" ? std::string("the passkey task") : "--data " + st.data) + ", not " +
                        (data == "passkey" ? std::string("the passkey task") : "--data " + data) + "; pass " +
                        (st.data == "passkey" ? std::string("no --data") : "--data " + st.data));
-  if (data != "passkey" && st.data_bytes != 0 && file_bytes(data) != st.data_bytes)
-    throw config_error("cannot resume from " + o.resume_dir + ": the data file " + data + " holds " +
-                       std::to_string(file_bytes(data)) + " bytes but held " + std::to_string(st.data_bytes) +
+  const std::uint64_t bytes = data == "passkey" ? 0 : file_bytes(data_tokens_file(o));
+  if (data != "passkey" && st.data_bytes != 0 && bytes != st.data_bytes)
+    throw config_error("cannot resume from " + o.resume_dir + ": the data file " + data_tokens_file(o) + " holds " +
+                       std::to_string(bytes) + " bytes but held " + std::to_string(st.data_bytes) +
                        " when the checkpoint was saved; resume on the same data, or start a new run with --init " +
                        o.resume_dir);
+  const std::string packing = uses_documents(o) ? "documents" : "stream";
+  if (data != "passkey" && (st.packing != packing || st.min_doc_tokens != o.min_doc_tokens))
+    throw config_error("cannot resume from " + o.resume_dir + ": it packed the data as --packing " + st.packing +
+                       " --min-doc-tokens " + std::to_string(st.min_doc_tokens) + ", not --packing " + packing +
+                       " --min-doc-tokens " + std::to_string(o.min_doc_tokens) +
+                       " (another order of sequences); pass those");
 }
 
 // Where the first step's weights come from: --init, else the --model directory, else random.
@@ -393,7 +434,16 @@ train_summary train(const train_options& o, const std::function<void(const step_
   } else if (o.backend != backend_kind::meta) {
     init = initial_weights(o, random);
   }
-  if (!o.data_path.empty()) token_file(o.data_path, o.seq_len, o.model.vocab_size).check_ids();
+  if (!o.data_path.empty()) {
+    if (o.packing == packing_mode::documents && !document_corpus::exists(o.data_path))
+      throw config_error("--packing documents needs a document index: " + o.data_path +
+                         ".index is missing (upipe prepare-data writes PREFIX.tokens, PREFIX.index and PREFIX.json; "
+                         "pass --data PREFIX), or use --packing stream for a flat token file");
+    if (uses_documents(o))
+      document_corpus(o.data_path, o.model.vocab_size, o.min_doc_tokens, o.seed).check_ids();
+    else
+      token_file(data_tokens_file(o), o.seq_len, o.model.vocab_size).check_ids();
+  }
   train_summary summary;
   summary.seq_len = o.seq_len;
   summary.peak_bytes.resize(static_cast<std::size_t>(o.cp.cp));

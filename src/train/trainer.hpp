@@ -16,13 +16,20 @@
 
 namespace upipe {
 
+// How a corpus of documents becomes sequences: documents (attention masked and positions
+// restarted at each document, the target across a boundary dropped), stream (one token
+// stream, as a flat file), automatic (documents when there is an index).
+enum class packing_mode : std::uint8_t { automatic, documents, stream };
+
 struct train_options {
   model_config model;
   std::string init_path;    // weights to start from (a model directory or a .safetensors file); empty: random
   std::string model_dir;    // the input model directory: the base of the saved config.json and the source of
                             // the tokenizer files (empty for presets)
   hf_save_options save_model;  // the saved weights' dtype and shard size
-  std::string data_path;    // flat uint32 token file; empty: the synthetic passkey task
+  std::string data_path;    // a prepared corpus (PREFIX) or a flat uint32 token file; empty: the passkey task
+  packing_mode packing = packing_mode::automatic;
+  std::int64_t min_doc_tokens = 0;  // documents shorter than this are left out of a corpus
   std::int64_t seq_len = 128;
   std::int64_t batch = 1;   // sequences per optimizer step (gradients accumulated)
   // Short-sequence stage: steps 1..seq_warmup train on sequences of seq_warmup_start
@@ -46,6 +53,8 @@ struct train_options {
 
 struct step_record {
   std::int64_t step = 0, seq_len = 0;
+  double epoch = 0;  // corpora: how many passes over the documents, at the step's first sequence
+  double model_flops = 0;  // of the step's sequences, attention counted over the attended pairs only
   double loss = 0, lr = 0, grad_norm = 0, tokens_per_s = 0, seconds = 0;
   std::map<std::string, std::size_t> peak_bytes;  // rank 0
 };

@@ -547,3 +547,18 @@ TEST(model_config, validate_names_value_rule_and_alternative) {
 
 }  // namespace
 }  // namespace upipe
+
+namespace upipe {
+namespace {
+
+TEST(model_flops, packed_documents_count_only_their_pairs) {
+  const model_config c = preset("llama3-8b");
+  const std::int64_t S = 1 << 20;
+  const double matmul = 6.0 * static_cast<double>(c.matmul_parameter_count()) * S;
+  const std::vector<std::int64_t> one = {0}, halves = {0, S / 2};
+  EXPECT_DOUBLE_EQ(c.model_flops(S, one), c.model_flops(S));
+  EXPECT_DOUBLE_EQ(c.model_flops(S, halves) - matmul, (c.model_flops(S) - matmul) / 2);
+}
+
+}  // namespace
+}  // namespace upipe

@@ -7,6 +7,7 @@
 // linear scaling, read through the model directory as `--model DIR` reads it.
 #include <gtest/gtest.h>
 
+#include <filesystem>
 #include <fstream>
 #include <string>
 
@@ -101,6 +102,51 @@ TEST_P(golden, every_checkpoint_policy) {
           expect_matches(g, req, text + " " + std::string(strategy_name(kind)));
         }
       }
+}
+
+// A packed sequence equals its documents taken one by one (scripts/make_document_golden.py:
+// transformers on each of six documents of 9, 1, 23, 5, 20 and 4 tokens, summed): the
+// attention stays inside each document, RoPE restarts with it, and the target that would
+// cross a boundary is not counted.
+TEST_P(golden, packed_documents_equal_the_documents_one_by_one) {
+  const std::string dir = std::string(UPIPE_SOURCE_DIR) + "/tests/golden/" + GetParam();
+  if (!std::filesystem::exists(dir + "/documents.json")) GTEST_SKIP() << "no document reference for " << GetParam();
+  golden_case g = load(GetParam());
+  std::ifstream in(dir + "/documents.json");
+  const auto j = nlohmann::json::parse(in);
+  g.loss = j["loss"].get<double>();
+  g.grads = read_safetensors(dir + "/documents_grads.safetensors");
+  const auto starts = j["starts"].get<std::vector<std::int64_t>>();
+  const auto targets = j["targets"].get<std::int64_t>();
+  for (int cp : {1, 2, 4}) {
+    std::vector<std::pair<strategy_kind, int>> cases = {{strategy_kind::ulysses, 0}, {strategy_kind::ring, 0}};
+    for (int u : valid_head_chunks(g.config.num_heads, cp)) cases.push_back({strategy_kind::upipe, u});
+    for (auto [kind, u] : cases) {
+      model_step_request req = request(g, kind, cp, u);
+      req.documents = starts;
+      const std::string what = std::string(strategy_name(kind)) + " C=" + std::to_string(cp) + " U=" + std::to_string(u);
+      SCOPED_TRACE(what);
+      const model_step_result r = run_model_step(req, g.weights, g.tokens);
+      EXPECT_EQ(r.counted, targets);
+      EXPECT_LT(std::abs(r.loss - g.loss) / std::abs(g.loss), 1e-5) << "loss " << r.loss << " vs " << g.loss;
+      for (const auto& [name, entry] : g.grads.tensors) {
+        auto it = r.grads.find(name);
+        ASSERT_NE(it, r.grads.end()) << name;
+        EXPECT_LT(rel_error(it->second, entry.values), 1e-5) << name;
+      }
+    }
+  }
+  // Every checkpoint policy keeps the documents: the recomputed attention masks as the first.
+  for (const char* policy : {"what=input+attention,every=2,where=host-pinned", "what=input,every=2,where=host-pageable"})
+    for (auto kind : {strategy_kind::upipe, strategy_kind::ring}) {
+      model_step_request req = request(g, kind, 2, 0);
+      req.documents = starts;
+      req.options.policy = parse_checkpoint_policy(policy);
+      SCOPED_TRACE(std::string(policy) + " " + std::string(strategy_name(kind)));
+      const model_step_result r = run_model_step(req, g.weights, g.tokens);
+      EXPECT_LT(std::abs(r.loss - g.loss) / std::abs(g.loss), 1e-5);
+      for (const auto& [name, entry] : g.grads.tensors) EXPECT_LT(rel_error(r.grads.at(name), entry.values), 1e-5) << name;
+    }
 }
 
 INSTANTIATE_TEST_SUITE_P(models, golden,
