@@ -49,6 +49,8 @@ int main(int argc, char** argv) {
       "bench-comm", "The strategies' collectives at their message sizes: time, algorithm and bus bandwidth"));
   auto export_model = upipe::apps::add_export(*app.add_subcommand(
       "export", "Write a training checkpoint's weights as a Hugging Face model directory (fp32 or bf16)"));
+  auto prepare = upipe::apps::add_prepare_data(*app.add_subcommand(
+      "prepare-data", "Tokenize documents (text, JSONL, Parquet) with a model's tokenizer into a corpus for --data"));
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -69,6 +71,7 @@ int main(int argc, char** argv) {
     if (app.got_subcommand("report")) return report();
     if (app.got_subcommand("bench-comm")) return comm();
     if (app.got_subcommand("export")) return export_model();
+    if (app.got_subcommand("prepare-data")) return prepare();
   } catch (const std::exception& e) {
     return report_error(e);
   }

@@ -25,7 +25,8 @@ namespace {
 
 struct train_flags {
   std::string model, config_path, init_path, data_path, save_dir, resume_dir, metrics_path;
-  std::string save_dtype = "bf16", max_shard_size = "5GB";
+  std::string save_dtype = "bf16", max_shard_size = "5GB", packing = "auto";
+  std::int64_t min_doc_tokens = 0;
   rope_flags rope;
   comm_flags comm;
   std::string backend = "cpu", attention = "upipe", policy = "auto", seq_len = "128";
@@ -66,6 +67,16 @@ train_options to_options(const train_flags& f) {
                        "gradients) or --zero 3 (weights sharded too)");
   o.init_path = f.init_path;
   o.data_path = f.data_path;
+  if (f.packing != "auto" && f.packing != "documents" && f.packing != "stream")
+    throw config_error("--packing " + f.packing + " is not known: use documents (attention within each document, "
+                       "the default with a document index) or stream (one token stream)");
+  o.packing = f.packing == "documents" ? packing_mode::documents
+              : f.packing == "stream"  ? packing_mode::stream
+                                       : packing_mode::automatic;
+  if (f.min_doc_tokens < 0)
+    throw config_error("--min-doc-tokens " + std::to_string(f.min_doc_tokens) + " must be 0 or more (e.g. 32768 keeps "
+                       "only long documents)");
+  o.min_doc_tokens = f.min_doc_tokens;
   o.seq_len = parse_count(f.seq_len, "--seq-len");
   o.batch = f.batch >= 0 ? f.batch : (f.data_path.empty() ? 4 : 1);
   o.seq_warmup = f.seq_warmup >= 0 ? f.seq_warmup : (f.data_path.empty() ? f.steps * 9 / 10 : 0);
@@ -136,7 +147,8 @@ class progress {
 };
 
 nlohmann::json record_json(const step_record& r) {
-  return {{"step", r.step}, {"seq_len", r.seq_len}, {"loss", r.loss}, {"lr", r.lr}, {"grad_norm", r.grad_norm},
+  return {{"step", r.step}, {"seq_len", r.seq_len}, {"epoch", r.epoch}, {"loss", r.loss}, {"lr", r.lr},
+          {"grad_norm", r.grad_norm}, {"model_tflops_per_s", r.model_flops / std::max(r.seconds, 1e-9) / 1e12},
           {"tokens_per_s", r.tokens_per_s}, {"peak_bytes", r.peak_bytes}};
 }
 
@@ -222,7 +234,14 @@ command_runner add_train(CLI::App& app) {
   app.add_option("--init", f->init_path,
                  "weights to start from: a model directory (one file or shards) or a .safetensors file (default: the "
                  "--model directory's weights, else random)");
-  app.add_option("--data", f->data_path, "flat little-endian uint32 token file (default: the synthetic passkey task)");
+  app.add_option("--data", f->data_path,
+                 "a corpus PREFIX from upipe prepare-data (PREFIX.tokens, .index, .json), or a flat little-endian "
+                 "uint32 token file (default: the synthetic passkey task)");
+  app.add_option("--packing", f->packing,
+                 "documents (attention masked and positions restarted at each document; the default with an index) "
+                 "or stream")
+      ->capture_default_str();
+  app.add_option("--min-doc-tokens", f->min_doc_tokens, "leave out documents shorter than this (a long-context mix)");
   app.add_option("--seq-len", f->seq_len, "tokens per sequence (K and M suffixes)")->capture_default_str();
   app.add_option("--batch", f->batch,
                  "sequences per optimizer step, gradients accumulated (default: 4 on the passkey task, 1 with --data)");

@@ -1,0 +1,30 @@
+// `upipe prepare-data`: tokenizes documents (text files or folders, JSONL, Parquet) with a
+// model directory's tokenizer.json into a corpus for `upipe train --data PREFIX`, through
+// the Python helper this binary carries (scripts/prepare_data.py, Hugging Face
+// `tokenizers`). Its flags pass through; `upipe prepare-data --help` lists them.
+#include <string>
+#include <vector>
+
+#include "apps/commands.hpp"
+#include "apps/prepare_data_script.hpp"
+#include "apps/python.hpp"
+#include "core/error.hpp"
+
+namespace upipe::apps {
+
+command_runner add_prepare_data(CLI::App& app) {
+  auto args = std::make_shared<std::vector<std::string>>();
+  app.allow_extras();
+  app.prefix_command();
+  app.set_help_flag();  // --help goes to the script, which lists every flag
+  return [&app, args] {
+    *args = app.remaining();
+    if (spawn({"python3", "-c", "import tokenizers"}, "upipe prepare-data") != 0)
+      throw config_error("upipe prepare-data needs Hugging Face tokenizers for python3: scripts/setup-deps installs "
+                         "it (or: python3 -m pip install tokenizers)");
+    const int status = run_python_file(prepare_data_script, "prepare_data.py", *args);
+    return status == 0 ? 0 : 2;  // the script names the bad input
+  };
+}
+
+}  // namespace upipe::apps

@@ -1,0 +1,18 @@
+// Running the Python helpers this binary carries (scripts/report.py, scripts/prepare_data.py):
+// offline tools beside the engine; training itself never runs Python.
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace upipe::apps {
+
+// Runs args[0] (looked up on PATH) and returns its exit status; config_error naming
+// `needed_for` when it cannot be started.
+int spawn(const std::vector<std::string>& args, const std::string& needed_for);
+
+// Writes `script` to a private temporary file and runs `python3 FILE args...` (a file, not
+// -c, so that its worker processes can import it); returns the exit status.
+int run_python_file(const char* script, const std::string& name, const std::vector<std::string>& args);
+
+}  // namespace upipe::apps
