@@ -42,6 +42,28 @@ TEST(gpu_strategies, virtual_ranks_match_the_reference) {
     }
 }
 
+// Packed documents: cuDNN runs each document (and ring's one shared document of a past
+// block) as a call of its own; every strategy equals the float64 reference. Boundaries
+// inside and on the edges of shards and ring's chunks, a one-token document and one
+// longer than a shard.
+TEST(gpu_strategies, packed_documents_match_the_reference) {
+  if (!have_gpu()) GTEST_SKIP() << "no GPU";
+  const std::vector<std::int64_t> documents = {0, 1, 64, 200, 201, 333, 384};
+  for (int cp : {1, 2, 4})
+    for (auto kind : {strategy_kind::ulysses, strategy_kind::upipe, strategy_kind::ring}) {
+      attention_config c{.seq_len = 512, .heads = 8, .kv_heads = 2, .head_dim = 64, .model_dim = 256, .cp = cp,
+                         .head_chunk = 0, .strategy = kind};
+      experiment_options o;
+      o.backend = backend_kind::cuda;
+      o.limits = {std::size_t{1} << 30, std::size_t{64} << 20};
+      o.documents = documents;
+      const experiment_result r = run_attention_experiment(c, o);
+      ASSERT_TRUE(r.max_rel_error.has_value());
+      for (const auto& [name, e] : r.rel_error)
+        EXPECT_LT(e, bf16_tolerance) << strategy_name(kind) << " C=" << cp << " " << name;
+    }
+}
+
 // Checkpoints on the device, and in pinned or pageable host memory through the copy
 // stream (offload while the layer runs, prefetch during the previous layer's backward;
 // pageable through the bounce buffers).
@@ -74,8 +96,9 @@ TEST(gpu_model, training_step_matches_the_cpu_backend) {
 }
 
 // Model directories as save_pretrained writes them (bf16 shards with YaRN, a tied Qwen3,
-// fp16 with linear scaling), loaded as `--model DIR` loads them: the GPU's step equals the
-// cpu backend's on the same weights, under ulysses and upipe at C = 2.
+// fp16 with linear scaling), loaded as `--model DIR` loads them, on a sequence of packed
+// documents: the GPU's step equals the cpu backend's on the same weights, under ulysses
+// and upipe at C = 2.
 TEST(gpu_model, hf_directories_step_like_the_cpu_backend) {
   if (!have_gpu()) GTEST_SKIP() << "no GPU";
   for (const char* name : {"llama-yarn-shards", "qwen3-tied", "llama-fp16-linear"})
@@ -85,6 +108,7 @@ TEST(gpu_model, hf_directories_step_like_the_cpu_backend) {
       req.model = read_hf_config(dir);
       req.cp = {kind, 2, 0};
       const host_weights w = read_weights(req.model, dir);
+      req.documents = {0, 17, 18, 70};  // packed documents too
       std::vector<std::int32_t> tokens(128);
       for (std::size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<std::int32_t>((i * 53 + 7) % 256);
       req.limits = {std::size_t{256} << 20, std::size_t{64} << 20};
