@@ -20,7 +20,7 @@ struct export_flags {
 int run(const export_flags& f) {
   if (f.dtype != "bf16" && f.dtype != "fp32")
     throw config_error("--dtype " + f.dtype + " is not supported: use fp32 (the master weights exactly) or bf16");
-  const hf_save_options options{f.dtype == "bf16" ? dtype::bf16 : dtype::f32, parse_shard_size(f.max_shard_size)};
+  const hf_save_options options{f.dtype == "bf16" ? dtype::bf16 : dtype::f32, parse_bytes(f.max_shard_size, "--max-shard-size")};
   export_checkpoint(f.checkpoint, f.out, options);
   std::printf("exported %s to %s (%s weights)\n", f.checkpoint.c_str(), f.out.c_str(), f.dtype.c_str());
   return 0;

@@ -1,7 +1,6 @@
 // Parsing of counts with binary suffixes (128K = 131072, 1M = 1048576) for flags.
 #pragma once
 
-#include <cmath>
 #include <cstdint>
 #include <string>
 #include <utility>
@@ -89,23 +88,6 @@ inline memory_limits run_limits(backend_kind kind, double memory_gib, checkpoint
 inline step_options sized_for_gpu(const step_options& o, const model_config& model, double memory_gib) {
   const memory_limits gpu = run_limits(backend_kind::cuda, memory_gib, checkpoint_location::device);
   return with_default_sizes(o, model, gpu.device_bytes);
-}
-
-// "5GB", "500MB", "100KB" or bytes, in powers of ten as transformers' max_shard_size.
-inline std::uint64_t parse_shard_size(const std::string& text) {
-  std::size_t used = 0;
-  double value = 0;
-  try {
-    value = std::stod(text, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  const std::string unit = text.substr(used);
-  const double scale = unit == "GB" ? 1e9 : unit == "MB" ? 1e6 : unit == "KB" ? 1e3 : unit.empty() ? 1 : 0;
-  if (used == 0 || scale == 0 || !(value * scale >= 1) || !std::isfinite(value))
-    throw config_error("--max-shard-size " + text + " is not a size: give bytes or a number with GB, MB or KB "
-                       "(e.g. 5GB, save_pretrained's default)");
-  return static_cast<std::uint64_t>(value * scale);
 }
 
 }  // namespace upipe::apps

@@ -61,7 +61,7 @@ train_options to_options(const train_flags& f) {
   if (f.save_dtype != "bf16" && f.save_dtype != "fp32")
     throw config_error("--save-dtype " + f.save_dtype + " is not supported: use bf16 (the default, as released "
                        "models are stored) or fp32");
-  o.save_model = {f.save_dtype == "bf16" ? dtype::bf16 : dtype::f32, parse_shard_size(f.max_shard_size)};
+  o.save_model = {f.save_dtype == "bf16" ? dtype::bf16 : dtype::f32, parse_bytes(f.max_shard_size, "--max-shard-size")};
   if (f.zero != 2 && f.zero != 3)
     throw config_error("--zero " + std::to_string(f.zero) + " is not supported: use --zero 2 (sharded optimizer and "
                        "gradients) or --zero 3 (weights sharded too)");

@@ -226,7 +226,7 @@ TEST(train_cli, bad_model_directories_and_flags_are_refused_before_step_one) {
       {"--model " + (dir / "nowhere").string(), "no such file"},
       {"--model tiny-llama --init " + hf_fixture("qwen3-tied"), "but tiny-llama needs [64, 64]"},
       {"--save-dtype fp16", "--save-dtype fp16 is not supported"},
-      {"--max-shard-size 5XB", "--max-shard-size 5XB is not a size"},
+      {"--max-shard-size 5XB", "--max-shard-size '5XB' is not a positive size"},
       {"--rope-scaling type=dynamic", "rope types are default, llama3, linear and yarn"},
       {"--rope-scaling factor=4", "names no type"},
       {"--rope-scaling type=yarn,factor=x", "is not a number"},

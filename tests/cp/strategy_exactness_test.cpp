@@ -29,6 +29,21 @@ std::vector<group_shape> supported_shapes() {
 
 class strategy_sweep : public ::testing::TestWithParam<group_shape> {};
 
+// The sweep's layer: a width unlike H*d, so a transposed weight cannot pass.
+attention_config sweep_config(const group_shape& g, strategy_kind kind, int chunk, int d, std::int64_t S) {
+  attention_config c;
+  c.seq_len = S;
+  c.heads = g.heads;
+  c.kv_heads = g.kv_heads;
+  c.head_dim = d;
+  c.model_dim = 20;
+  c.cp = g.cp;
+  c.head_chunk = chunk;
+  c.strategy = kind;
+  c.rope.theta = 10000;
+  return c;
+}
+
 experiment_result run(const attention_config& c) {
   experiment_options o;
   o.seed = 1000 + c.heads * 100 + c.kv_heads * 10 + c.cp;
@@ -46,18 +61,9 @@ TEST_P(strategy_sweep, matches_reference) {
       for (auto [kind, chunk] : cases) {
         const std::int64_t unit = kind == strategy_kind::ring ? 2 * g.cp : g.cp;
         if (S % unit != 0) continue;
-        attention_config c;
-        c.seq_len = S;
-        c.heads = g.heads;
-        c.kv_heads = g.kv_heads;
-        c.head_dim = d;
-        c.model_dim = 20;  // unlike H*d, so a transposed weight cannot pass
-        c.cp = g.cp;
-        c.head_chunk = chunk;
-        c.strategy = kind;
+        attention_config c = sweep_config(g, kind, chunk, d, S);
         c.rope.scaling.kind = S == 36 ? rope_kind::llama3 : rope_kind::none;  // Llama 3 scaling on one length
         c.rope.scaling.original_max_position = 16;
-        c.rope.theta = 10000;
         c.qk_norm = (S == 48 && d == 16);  // Qwen3's per-head q/k norm on one configuration
         c.overlap_comm = (d == 16);         // the output exchange in flight during the next stage
         const experiment_result r = run(c);
@@ -97,16 +103,7 @@ TEST_P(strategy_sweep, packed_documents_match_reference) {
     for (auto [kind, chunk] : cases) {
       const std::int64_t unit = kind == strategy_kind::ring ? 2 * g.cp : g.cp;
       if (S % unit != 0) continue;
-      attention_config c;
-      c.seq_len = S;
-      c.heads = g.heads;
-      c.kv_heads = g.kv_heads;
-      c.head_dim = 8;
-      c.model_dim = 20;
-      c.cp = g.cp;
-      c.head_chunk = chunk;
-      c.strategy = kind;
-      c.rope.theta = 10000;
+      attention_config c = sweep_config(g, kind, chunk, 8, S);
       c.qk_norm = S == 48;
       experiment_options o;
       o.seed = 7000 + c.heads * 100 + c.kv_heads * 10 + c.cp;
