@@ -457,7 +457,11 @@ nlohmann::ordered_json updated_hf_json(const model_config& c, const std::string&
     throw io_error("model config '" + base_path + "' is not valid JSON: " + e.what());
   }
   const model_config base = read_hf_config(base_path);
-  if (!same_rope(base.rope, c.rope)) {
+  // A scaling whose original context the base left to max_position_embeddings would change
+  // with it: then the RoPE object is written out in full.
+  const bool context_changes = c.max_position_embeddings > 0 && c.max_position_embeddings != base.max_position_embeddings;
+  const bool uses_original = c.rope.scaling.kind == rope_kind::llama3 || c.rope.scaling.kind == rope_kind::yarn;
+  if (!same_rope(base.rope, c.rope) || (context_changes && uses_original)) {
     if (j.contains("rope_parameters") && !j["rope_parameters"].is_null()) {
       j["rope_parameters"] = rope_json(c.rope, true);
       j.erase("rope_scaling");

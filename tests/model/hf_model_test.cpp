@@ -190,6 +190,18 @@ TEST(hf_model, saved_config_keeps_every_field_of_its_base) {
   const model_config back = read_hf_config((dir / "extended.json").string());
   EXPECT_EQ(back.rope.scaling.factor, 8.0);
   EXPECT_EQ(back.rope.theta, 20000.0);
+  // A YaRN base that leaves the original context to max_position_embeddings: a longer
+  // context writes the original out, so that transformers keeps the same frequencies.
+  auto implicit = base;
+  implicit["rope_parameters"].erase("original_max_position_embeddings");
+  std::ofstream(dir / "implicit.json") << implicit.dump();
+  model_config longer = read_hf_config((dir / "implicit.json").string());
+  EXPECT_EQ(longer.rope.scaling.original_max_position, 128);
+  longer.max_position_embeddings = 4096;
+  write_hf_config(longer, (dir / "longer.json").string(), (dir / "implicit.json").string(), "bfloat16");
+  const auto written = read_json(dir / "longer.json");
+  EXPECT_EQ(written["rope_parameters"]["original_max_position_embeddings"], 128);
+  EXPECT_EQ(read_hf_config((dir / "longer.json").string()).rope.scaling.original_max_position, 128);
   // A legacy base keeps its legacy keys.
   model_config legacy = preset("tiny-llama");
   write_hf_config(legacy, (dir / "legacy.json").string());
