@@ -17,6 +17,7 @@
 #include "apps/sizes.hpp"
 #include "core/error.hpp"
 #include "plan/planner.hpp"
+#include "train/data.hpp"
 #include "train/trainer.hpp"
 
 namespace upipe::apps {
@@ -67,6 +68,10 @@ train_options to_options(const train_flags& f) {
                        "gradients) or --zero 3 (weights sharded too)");
   o.init_path = f.init_path;
   o.data_path = f.data_path;
+  // PREFIX.tokens of a corpus means the corpus: its index and manifest lie beside it.
+  if (const std::string suffix = ".tokens"; o.data_path.size() > suffix.size() && o.data_path.ends_with(suffix) &&
+                                            document_corpus::exists(o.data_path.substr(0, o.data_path.size() - suffix.size())))
+    o.data_path.resize(o.data_path.size() - suffix.size());
   if (f.packing != "auto" && f.packing != "documents" && f.packing != "stream")
     throw config_error("--packing " + f.packing + " is not known: use documents (attention within each document, "
                        "the default with a document index) or stream (one token stream)");
