@@ -21,5 +21,6 @@ command_runner add_report(CLI::App& app);
 command_runner add_bench_comm(CLI::App& app);
 command_runner add_export(CLI::App& app);
 command_runner add_prepare_data(CLI::App& app);
+command_runner add_eval(CLI::App& app);
 
 }  // namespace upipe::apps

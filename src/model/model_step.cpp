@@ -1,9 +1,11 @@
 #include "model/model_step.hpp"
 
 #include <chrono>
+#include <cmath>
 
 #include "comm/communicator.hpp"
 #include "core/error.hpp"
+#include "model/hf_model.hpp"
 
 namespace upipe {
 
@@ -105,6 +107,53 @@ model_step_result run_model_step(const model_step_request& req, const host_weigh
     }
   }
   result.loss = seq.counted > 0 ? loss_sum / static_cast<double>(seq.counted) : 0.0;
+  return result;
+}
+
+eval_result evaluate(const model_step_request& req, const weight_source& weights,
+                     const std::vector<eval_sequence>& sequences) {
+  validate(req.model);
+  eval_result result;
+  if (sequences.empty()) return result;
+  const std::int64_t unit = layout_unit(req.cp);
+  std::vector<prepared_sequence> seqs;
+  for (const eval_sequence& s : sequences) seqs.push_back(prepare_sequence(s.tokens, unit, s.documents));
+  const auto seq_len = static_cast<std::int64_t>(seqs.front().ids.size());
+  for (const prepared_sequence& s : seqs)
+    UPIPE_CHECK(static_cast<std::int64_t>(s.ids.size()) == seq_len, "evaluate takes sequences of one length");
+  attention_config_for(req.model, req.cp, seq_len);
+  result.target_loss.resize(sequences.size());
+  const auto start = std::chrono::steady_clock::now();
+  run_cp_group(req.backend, req.limits, req.cp.cp, [&](int rank, backend& be, communicator& comm) {
+    parameter_store params(req.model, be, comm, zero_stage::inference);
+    params.load(weights);
+    transformer model(req.model, req.cp, seq_len, be, {&comm, &comm}, req.options);
+    const int C = comm.size();
+    const std::int64_t s = model.local_tokens();
+    for (std::size_t i = 0; i < seqs.size(); ++i) {
+      const auto runs = model.local_positions(rank);
+      const auto ids = shard_rows(seqs[i].ids, 1, runs, s);
+      const auto labels = shard_rows(seqs[i].labels, 1, runs, s);
+      const std::vector<float> local = model.forward_losses(params, {ids, labels, 1.0, seqs[i].documents});
+      std::vector<float> all(static_cast<std::size_t>(s * C));
+      comm.all_gather(local.data(), all.data(), local.size() * sizeof(float), "eval_losses");
+      if (rank != 0 || !be.has_data()) continue;
+      std::vector<float> global(static_cast<std::size_t>(seq_len));
+      for (int r = 0; r < C; ++r)
+        for (const auto& run : model.local_positions(r))
+          std::copy_n(all.begin() + r * s + run.token_begin, run.count, global.begin() + run.position_begin);
+      const std::size_t n = sequences[i].tokens.size();
+      auto& out = result.target_loss[i];
+      out.resize(n > 0 ? n - 1 : 0);
+      for (std::size_t t = 0; t + 1 < n; ++t)
+        out[t] = seqs[i].labels[t] == masked_label ? std::nanf("") : global[t];
+    }
+    if (rank == 0) {
+      result.peak_bytes = be.ledger().peaks_by_name();
+      result.arena_high_water = be.device_arena().high_water();
+    }
+  }, false, req.comm);
+  result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return result;
 }
 

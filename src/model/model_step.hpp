@@ -58,6 +58,23 @@ struct model_step_result {
 // with one of `prefixes` (the working set of one part of the step, such as "mlp_").
 std::size_t peak_of_labels(const std::vector<ledger_event>& timeline, std::initializer_list<std::string_view> prefixes);
 
+// Forward-only evaluation of sequences of one length (a store of weights alone: no
+// checkpoints, gradients or optimizer state). target_loss[i][t] is sequence i's
+// cross-entropy of token t + 1 given tokens 0..t, NaN where the target is not counted (it
+// crosses a document boundary).
+struct eval_sequence {
+  std::vector<std::int32_t> tokens;
+  std::vector<std::int64_t> documents;  // where each begins (empty: one document)
+};
+struct eval_result {
+  std::vector<std::vector<float>> target_loss;
+  std::map<std::string, std::size_t> peak_bytes;  // rank 0
+  std::size_t arena_high_water = 0;               // rank 0
+  double seconds = 0;
+};
+eval_result evaluate(const model_step_request& request, const weight_source& weights,
+                     const std::vector<eval_sequence>& sequences);
+
 // Throws io_error if a weight is missing (weights may be empty on meta).
 model_step_result run_model_step(const model_step_request& request, const host_weights& weights,
                                  std::span<const std::int32_t> tokens);

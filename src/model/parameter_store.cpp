@@ -73,6 +73,7 @@ parameter_store::parameter_store(const model_config& config, backend& be, commun
     } else {
       u.weights = be.allocate_zeroed(mem_tag::weights, be.work_dtype(), {1, u.padded}, "weights");
     }
+    if (stage == zero_stage::inference) continue;
     if (stage == zero_stage::replicated) {
       u.grads = be.allocate_zeroed(mem_tag::grads, dtype::f32, {1, u.padded}, "grads");
       continue;
@@ -119,6 +120,7 @@ void parameter_store::release(int index) {
 
 void parameter_store::open_grads(int index) {
   unit& u = at(index);
+  UPIPE_CHECK(stage_ != zero_stage::inference, "an inference store has no gradients");
   if (stage_ == zero_stage::replicated) return;
   UPIPE_CHECK(u.grads.empty(), "a unit's gradients open once per micro-batch");
   u.grads = be_.allocate_zeroed(mem_tag::grads, dtype::f32, {1, u.padded}, "unit_grads");
@@ -222,7 +224,7 @@ void parameter_store::load(const weight_source& source) {
     }
     const std::vector<float> flat = unit_range(u, source, 0, u.padded);
     be_.upload_f32(u.weights, flat.data());
-    if (stage_ != zero_stage::replicated) be_.upload_f32(u.master, flat.data() + r * u.shard);
+    if (!u.master.empty()) be_.upload_f32(u.master, flat.data() + r * u.shard);
   }
 }
 

@@ -7,7 +7,9 @@
 //   weights and AdamW moments are sharded, so each rank updates 1/C and the updated
 //   weights are all-gathered;
 // - ZeRO-3: the working weights are sharded too and each unit is all-gathered just in
-//   time (acquire) and freed after use (release), in forward and again in backward.
+//   time (acquire) and freed after use (release), in forward and again in backward;
+// - inference: the working weights whole on every rank and nothing else (forward only:
+//   no gradients, no master weights, no moments).
 // A unit's flat vector is padded to a multiple of C; rank r owns the r-th equal slice.
 #pragma once
 
@@ -27,7 +29,7 @@
 
 namespace upipe {
 
-enum class zero_stage : std::uint8_t { replicated, two, three };
+enum class zero_stage : std::uint8_t { replicated, two, three, inference };
 
 // The units a model's parameters are held in: the embedding, each layer, then the final
 // norm with the head. Each lists its parameters (Hugging Face name, element offset in the

@@ -148,6 +148,33 @@ void transformer::forward_layers(parameter_store& params, tensor x, checkpoint_s
   set_current_layer(-1);
 }
 
+std::vector<float> transformer::forward_losses(parameter_store& params, const local_batch& batch) {
+  attention_.strategy().set_documents({batch.documents.begin(), batch.documents.end()});
+  tensor ids = upload_ids(batch.ids, "token_ids");
+  tensor labels = upload_ids(batch.labels, "labels");
+  forward_layers(params, embed(params, ids), nullptr);
+  const phase_scope phase(be_, "loss");
+  const std::int64_t D = model_.hidden_size, V = model_.vocab_size;
+  const int head = params.head_unit();
+  params.acquire(head);
+  tensor row_loss = be_.allocate(mem_tag::activations, dtype::f32, {tokens_, 1}, "row_loss");
+  for (std::int64_t t0 = 0; t0 < tokens_; t0 += loss_chunk_) {
+    const std::int64_t n = std::min(loss_chunk_, tokens_ - t0);
+    tensor h = be_.allocate(mem_tag::activations, be_.work_dtype(), {n, D}, "final_norm_out");
+    tensor rstd = be_.allocate(mem_tag::activations, dtype::f32, {n, 1}, "final_norm_rstd");
+    ops::rmsnorm_forward(be_, {final_hidden_.matrix().row_block(t0, n), params.final_norm(), h.matrix(), rstd.matrix(),
+                               static_cast<float>(model_.rms_norm_eps)});
+    tensor logits = be_.allocate(mem_tag::workspace, dtype::f32, {n, V}, "logits");
+    ops::gemm(be_, {h.matrix(), transpose::none, params.lm_head(), transpose::yes, logits.matrix()});
+    ops::cross_entropy(be_, {logits.matrix(), labels.matrix().row_block(t0, n), row_loss.matrix().row_block(t0, n), 0.0f});
+  }
+  params.release(head);
+  final_hidden_.reset();
+  std::vector<float> losses(static_cast<std::size_t>(tokens_), 0.0f);
+  if (be_.has_data()) be_.download_f32(losses.data(), row_loss);
+  return losses;
+}
+
 std::vector<std::int32_t> transformer::forward_argmax(parameter_store& params, std::span<const std::int32_t> ids_host,
                                                      std::span<const std::int64_t> documents) {
   attention_.strategy().set_documents({documents.begin(), documents.end()});

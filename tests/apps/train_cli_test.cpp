@@ -247,6 +247,33 @@ TEST(train_cli, bad_model_directories_and_flags_are_refused_before_step_one) {
   fs::remove_all(dir);
 }
 
+// upipe eval: forward only on a corpus, loss by position in buckets that count every target.
+TEST(eval_cli, loss_by_position_over_a_corpus) {
+  const auto dir = temp_dir("eval_cli");
+  write_tokens(dir / "c.tokens", 1000, 256);
+  {
+    std::ofstream index(dir / "c.index", std::ios::binary);
+    for (std::uint64_t o : {0ull, 300ull, 301ull, 760ull, 1000ull}) index.write(reinterpret_cast<const char*>(&o), 8);
+    std::ofstream(dir / "c.json") << R"({"format": "upipe-tokens", "version": 1, "dtype": "uint32", "vocab_size": 256,
+                                        "documents": 4, "tokens": 1000})";
+  }
+  const run_result r = run_upipe("eval --model " + hf_fixture("qwen3-tied") + " --data " + (dir / "c").string() +
+                                 " --seq-len 128,512 --samples 2 --cp 2 --attention ring --json " + (dir / "e.json").string());
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto j = read_json(dir / "e.json");
+  ASSERT_EQ(j["lengths"].size(), 2u);
+  for (const auto& l : j["lengths"]) {
+    std::int64_t in_buckets = 0;
+    for (const auto& b : l["by_position"]) in_buckets += b["targets"].get<std::int64_t>();
+    EXPECT_EQ(in_buckets, l["targets"].get<std::int64_t>());
+    EXPECT_GT(l["loss"].get<double>(), 0.0);
+    EXPECT_EQ(l["peak_bytes"].value("grads", 0), 0);
+  }
+  EXPECT_EQ(j["packing"], "documents");
+  EXPECT_EQ(run_upipe("eval --model tiny-llama --data " + (dir / "nothing").string()).exit_code, 2);
+  fs::remove_all(dir);
+}
+
 // Runs scripts/check_hf_checkpoint.py where PyTorch and transformers are installed (the
 // device machine); elsewhere it is skipped and the recorded run stands in docs/benchmarks.md.
 TEST(train_cli, checkpoint_loads_in_transformers_with_the_same_loss) {

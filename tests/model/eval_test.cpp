@@ -1,0 +1,80 @@
+// Forward-only evaluation: each target's loss equals transformers' per-position losses on
+// the same tokens, under every strategy and C, for a whole sequence and for packed
+// documents (scripts/make_hf_fixtures.py, scripts/make_document_golden.py).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <fstream>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "model/hf_model.hpp"
+#include "model/model_step.hpp"
+
+namespace upipe {
+namespace {
+
+nlohmann::json read_json(const std::string& path) {
+  std::ifstream in(path);
+  return nlohmann::json::parse(in);
+}
+
+// max |a - b| / max |b| over the counted targets; both sides must mask the same ones.
+double per_target_error(const std::vector<float>& got, const nlohmann::json& want) {
+  EXPECT_EQ(got.size(), want.size());
+  double diff = 0, ref = 0;
+  for (std::size_t t = 0; t < std::min(got.size(), want.size()); ++t) {
+    if (want[t].is_null()) {
+      EXPECT_TRUE(std::isnan(got[t])) << "target " << t << " crosses a document boundary";
+      continue;
+    }
+    diff = std::max(diff, std::abs(static_cast<double>(got[t]) - want[t].get<double>()));
+    ref = std::max(ref, std::abs(want[t].get<double>()));
+  }
+  return diff / ref;
+}
+
+class eval_positions : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(eval_positions, every_target_equals_transformers) {
+  const std::string dir = std::string(UPIPE_SOURCE_DIR) + "/tests/golden/" + GetParam();
+  const model_config config = read_hf_config(dir);
+  const hf_model_files files(dir, config);
+  const auto golden = read_json(dir + "/golden.json");
+  const auto documents = read_json(dir + "/documents.json");
+  eval_sequence whole{golden["tokens"].get<std::vector<std::int32_t>>(), {}};
+  eval_sequence packed{whole.tokens, documents["starts"].get<std::vector<std::int64_t>>()};
+  for (int cp : {1, 2, 4}) {
+    std::vector<std::pair<strategy_kind, int>> cases = {{strategy_kind::ulysses, 0}, {strategy_kind::ring, 0}};
+    for (int u : valid_head_chunks(config.num_heads, cp)) cases.push_back({strategy_kind::upipe, u});
+    for (auto [kind, u] : cases) {
+      SCOPED_TRACE(std::string(strategy_name(kind)) + " C=" + std::to_string(cp) + " U=" + std::to_string(u));
+      model_step_request req;
+      req.model = config;
+      req.cp = {kind, cp, u};
+      req.options.mlp_tile = 5;
+      req.options.loss_chunk = 7;
+      req.limits = {std::size_t{256} << 20, std::size_t{64} << 20};
+      const eval_result r = evaluate(req, files, {whole, packed});
+      ASSERT_EQ(r.target_loss.size(), 2u);
+      EXPECT_LT(per_target_error(r.target_loss[0], golden["per_position_loss"]), 1e-5);
+      EXPECT_LT(per_target_error(r.target_loss[1], documents["per_target_loss"]), 1e-5);
+      // Forward only: nothing of training's state exists.
+      for (const char* tag : {"grads", "optimizer", "checkpoints_device"})
+        EXPECT_EQ(r.peak_bytes.count(tag) ? r.peak_bytes.at(tag) : 0, 0u) << tag;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(models, eval_positions,
+                         ::testing::Values("hf/llama-yarn-shards", "hf/qwen3-tied", "hf/llama-fp16-linear"),
+                         [](const auto& info) {
+                           std::string name = info.param.substr(3);
+                           for (char& c : name)
+                             if (c == '-') c = '_';
+                           return name;
+                         });
+
+}  // namespace
+}  // namespace upipe
