@@ -3,13 +3,16 @@
 
 usage: report.py OUT_DIR RESULTS.json...
 
-Reads the JSON of `upipe bench`, `upipe bench-attention` (lists of rows) and
-`upipe plan` (an object with "entries") and writes SVG files into OUT_DIR:
+Reads the JSON of `upipe bench`, `upipe bench-attention` (lists of rows), `upipe plan`
+(an object with "entries") and `upipe eval` (an object with "lengths") and writes SVG
+files into OUT_DIR:
   memory_breakdown.svg  stacked bars of the peak by tag per strategy and U, at the
                         longest length of each (plan entries at their longest length)
   throughput_vs_s.svg   tokens/s/GPU against S per strategy and U (timed rows)
   peak_vs_s.svg         device peak against S per strategy and U
   u_ablation.svg        UPipe at one length: time and peak against U
+  loss_by_position.svg  eval: held-out loss against the position in the context, a curve
+                        per length and input file (log-spaced position buckets)
 Prints one line per file written.
 """
 import json
@@ -32,6 +35,8 @@ def rows_of(path):
             doc = json.load(f)
         except json.JSONDecodeError as e:
             sys.exit(f"upipe report: {path} is not JSON ({e}); give the --json file of a finished upipe bench or plan")
+    if isinstance(doc, dict) and "lengths" in doc:  # upipe eval
+        return [{"source": "eval", "file": os.path.basename(path), **length} for length in doc["lengths"]]
     if isinstance(doc, dict) and "entries" in doc:  # upipe plan
         out = []
         for e in doc["entries"]:
@@ -142,6 +147,23 @@ def u_ablation(rows, out_dir):
     save(fig, out_dir, "u_ablation.svg")
 
 
+def loss_by_position(rows, out_dir):
+    rows = [r for r in rows if r["source"] == "eval" and r.get("by_position")]
+    if not rows:
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for r in rows:
+        b = r["by_position"]
+        x = [(e["first"] + e["last"]) / 2 for e in b]
+        ax.plot(x, [e["loss"] for e in b], marker="o", label=f"{r['file']} S={tokens(r['seq_len'])}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("position in the context (tokens, bucket centre)")
+    ax.set_ylabel("held-out loss (nats)")
+    ax.set_title("loss by position (upipe eval)")
+    ax.legend(fontsize=8)
+    save(fig, out_dir, "loss_by_position.svg")
+
+
 def main(argv):
     if len(argv) < 3:
         raise SystemExit(__doc__)
@@ -152,6 +174,10 @@ def main(argv):
         rows.extend(rows_of(path))
     if not rows:
         raise SystemExit("report: the files hold no rows")
+    loss_by_position(rows, out_dir)
+    rows = [r for r in rows if r["source"] != "eval"]
+    if not rows:
+        return
     memory_breakdown(rows, out_dir)
     against_s([r for r in rows if r["source"] == "bench"], out_dir, "tokens_per_s_per_gpu", "tokens/s/GPU",
               "throughput_vs_s.svg")

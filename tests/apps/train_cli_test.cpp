@@ -271,6 +271,11 @@ TEST(eval_cli, loss_by_position_over_a_corpus) {
   }
   EXPECT_EQ(j["packing"], "documents");
   EXPECT_EQ(run_upipe("eval --model tiny-llama --data " + (dir / "nothing").string()).exit_code, 2);
+  if (std::system("python3 -c 'import matplotlib' >/dev/null 2>&1") == 0) {
+    const run_result plot = run_upipe("report --out " + (dir / "plots").string() + " " + (dir / "e.json").string());
+    EXPECT_EQ(plot.exit_code, 0) << plot.output;
+    EXPECT_TRUE(fs::exists(dir / "plots" / "loss_by_position.svg"));
+  }
   fs::remove_all(dir);
 }
 
