@@ -120,3 +120,28 @@ TEST(model_memory, checkpoint_policies_move_bytes_between_device_and_host) {
 
 }  // namespace
 }  // namespace upipe
+
+namespace upipe {
+namespace {
+
+// Packed documents cost no memory: the mask is the list of starts, not a matrix, so the
+// meta backend's peaks are those of the same step without documents, for every strategy.
+TEST(model_memory, packed_documents_cost_no_memory) {
+  for (auto kind : {strategy_kind::ulysses, strategy_kind::upipe, strategy_kind::ring}) {
+    model_step_request req;
+    req.model = preset("llama3-8b");
+    req.model.num_layers = 2;
+    req.cp = {kind, 8, 0};
+    req.backend = backend_kind::meta;
+    req.limits = {std::size_t{1} << 50, std::size_t{1} << 50};
+    const std::vector<std::int32_t> tokens(std::size_t{1} << 17, 0);
+    const model_step_result plain = run_model_step(req, {}, tokens);
+    req.documents = {0, 1000, 1001, 70000, 100000};
+    const model_step_result packed = run_model_step(req, {}, tokens);
+    EXPECT_EQ(packed.peak_bytes, plain.peak_bytes) << strategy_name(kind);
+    EXPECT_EQ(packed.device_peak_bytes, plain.device_peak_bytes) << strategy_name(kind);
+  }
+}
+
+}  // namespace
+}  // namespace upipe
