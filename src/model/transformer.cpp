@@ -148,27 +148,42 @@ void transformer::forward_layers(parameter_store& params, tensor x, checkpoint_s
   set_current_layer(-1);
 }
 
+// The f32 logits (n, V) of final-hidden rows [t0, t0 + n): the final RMSNorm, then the lm
+// head, which the caller holds acquired (with the embedding when tied).
+tensor transformer::chunk_logits(parameter_store& params, std::int64_t t0, std::int64_t n) {
+  tensor h = be_.allocate(mem_tag::activations, be_.work_dtype(), {n, model_.hidden_size}, "final_norm_out");
+  tensor rstd = be_.allocate(mem_tag::activations, dtype::f32, {n, 1}, "final_norm_rstd");
+  ops::rmsnorm_forward(be_, {final_hidden_.matrix().row_block(t0, n), params.final_norm(), h.matrix(), rstd.matrix(),
+                             static_cast<float>(model_.rms_norm_eps)});
+  tensor logits = be_.allocate(mem_tag::workspace, dtype::f32, {n, model_.vocab_size}, "logits");
+  ops::gemm(be_, {h.matrix(), transpose::none, params.lm_head(), transpose::yes, logits.matrix()});
+  return logits;
+}
+
+void transformer::acquire_head(parameter_store& params) {
+  params.acquire(params.head_unit());
+  if (model_.tie_embeddings) params.acquire(params.embedding_unit());
+}
+
+void transformer::release_head(parameter_store& params) {
+  if (model_.tie_embeddings) params.release(params.embedding_unit());
+  params.release(params.head_unit());
+}
+
 std::vector<float> transformer::forward_losses(parameter_store& params, const local_batch& batch) {
   attention_.strategy().set_documents({batch.documents.begin(), batch.documents.end()});
   tensor ids = upload_ids(batch.ids, "token_ids");
   tensor labels = upload_ids(batch.labels, "labels");
   forward_layers(params, embed(params, ids), nullptr);
   const phase_scope phase(be_, "loss");
-  const std::int64_t D = model_.hidden_size, V = model_.vocab_size;
-  const int head = params.head_unit();
-  params.acquire(head);
+  acquire_head(params);
   tensor row_loss = be_.allocate(mem_tag::activations, dtype::f32, {tokens_, 1}, "row_loss");
   for (std::int64_t t0 = 0; t0 < tokens_; t0 += loss_chunk_) {
     const std::int64_t n = std::min(loss_chunk_, tokens_ - t0);
-    tensor h = be_.allocate(mem_tag::activations, be_.work_dtype(), {n, D}, "final_norm_out");
-    tensor rstd = be_.allocate(mem_tag::activations, dtype::f32, {n, 1}, "final_norm_rstd");
-    ops::rmsnorm_forward(be_, {final_hidden_.matrix().row_block(t0, n), params.final_norm(), h.matrix(), rstd.matrix(),
-                               static_cast<float>(model_.rms_norm_eps)});
-    tensor logits = be_.allocate(mem_tag::workspace, dtype::f32, {n, V}, "logits");
-    ops::gemm(be_, {h.matrix(), transpose::none, params.lm_head(), transpose::yes, logits.matrix()});
+    tensor logits = chunk_logits(params, t0, n);
     ops::cross_entropy(be_, {logits.matrix(), labels.matrix().row_block(t0, n), row_loss.matrix().row_block(t0, n), 0.0f});
   }
-  params.release(head);
+  release_head(params);
   final_hidden_.reset();
   std::vector<float> losses(static_cast<std::size_t>(tokens_), 0.0f);
   if (be_.has_data()) be_.download_f32(losses.data(), row_loss);
@@ -180,20 +195,13 @@ std::vector<std::int32_t> transformer::forward_argmax(parameter_store& params, s
   attention_.strategy().set_documents({documents.begin(), documents.end()});
   tensor ids = upload_ids(ids_host, "token_ids");
   forward_layers(params, embed(params, ids), nullptr);
-  const std::int64_t D = model_.hidden_size, V = model_.vocab_size;
+  const std::int64_t V = model_.vocab_size;
   std::vector<std::int32_t> best(static_cast<std::size_t>(tokens_), 0);
-  const int head = params.head_unit(), embedding = params.embedding_unit();
-  params.acquire(head);
-  if (model_.tie_embeddings) params.acquire(embedding);
+  acquire_head(params);
   std::vector<float> row_logits(static_cast<std::size_t>(loss_chunk_ * V));
   for (std::int64_t t0 = 0; t0 < tokens_; t0 += loss_chunk_) {
     const std::int64_t n = std::min(loss_chunk_, tokens_ - t0);
-    tensor h = be_.allocate(mem_tag::activations, be_.work_dtype(), {n, D}, "final_norm_out");
-    tensor rstd = be_.allocate(mem_tag::activations, dtype::f32, {n, 1}, "final_norm_rstd");
-    ops::rmsnorm_forward(be_, {final_hidden_.matrix().row_block(t0, n), params.final_norm(), h.matrix(), rstd.matrix(),
-                               static_cast<float>(model_.rms_norm_eps)});
-    tensor logits = be_.allocate(mem_tag::workspace, dtype::f32, {n, V}, "logits");
-    ops::gemm(be_, {h.matrix(), transpose::none, params.lm_head(), transpose::yes, logits.matrix()});
+    tensor logits = chunk_logits(params, t0, n);
     if (!be_.has_data()) continue;
     be_.download_f32(row_logits.data(), logits);
     for (std::int64_t i = 0; i < n; ++i) {
@@ -201,8 +209,7 @@ std::vector<std::int32_t> transformer::forward_argmax(parameter_store& params, s
       best[t0 + i] = static_cast<std::int32_t>(std::max_element(row, row + V) - row);
     }
   }
-  if (model_.tie_embeddings) params.release(embedding);
-  params.release(head);
+  release_head(params);
   final_hidden_.reset();
   return best;
 }

@@ -98,6 +98,9 @@ class transformer {
   double loss_forward_backward(parameter_store& params, const tensor& x, const tensor& labels, double grad_scale,
                                const tensor& d_x);
   tensor embed(parameter_store& params, const tensor& ids);
+  tensor chunk_logits(parameter_store& params, std::int64_t t0, std::int64_t n);
+  void acquire_head(parameter_store& params);  // the lm head, and the embedding when tied
+  void release_head(parameter_store& params);
   void forward_layers(parameter_store& params, tensor x, checkpoint_store* store);
   void backward_layers(parameter_store& params, const tensor& ids, const tensor& d);
   void prefetch_layer(parameter_store& params, int layer);
