@@ -27,7 +27,9 @@ namespace {
 struct train_flags {
   std::string model, config_path, init_path, data_path, save_dir, resume_dir, metrics_path;
   std::string save_dtype = "bf16", max_shard_size = "5GB", packing = "auto";
-  std::int64_t min_doc_tokens = 0;
+  std::int64_t min_doc_tokens = 0, eval_every = 0;
+  std::string eval_data;
+  int eval_sequences = 4;
   rope_flags rope;
   comm_flags comm;
   std::string backend = "cpu", attention = "upipe", policy = "auto", seq_len = "128";
@@ -106,6 +108,9 @@ train_options to_options(const train_flags& f) {
   o.comm = f.comm.options();
   o.limits = run_limits(o.backend, f.memory_gib, o.step.policy.where, f.host_memory_gib);
   o.eval_samples = f.eval_samples;
+  o.eval_every = f.eval_every;
+  o.eval_data = f.eval_data;
+  o.eval_sequences = f.eval_sequences;
   return o;
 }
 
@@ -136,10 +141,12 @@ class progress {
     const std::int64_t every = std::max<std::int64_t>(1, (last_ - first_ + 1) / 20);
     if (!tty_ && r.step != last_ && (r.step - first_) % every != 0) return;
     const int width = 24, filled = static_cast<int>(width * (r.step - first_ + 1) / std::max<std::int64_t>(1, last_ - first_ + 1));
-    std::printf("%s[%s%s] step %lld/%lld  S %lld  loss %.4f  lr %.2e  |g| %.3f  %.0f tok/s  ETA %s%s", tty_ ? "\r" : "",
+    char held_out[32] = "";
+    if (r.eval_loss) std::snprintf(held_out, sizeof held_out, "  eval %.4f", *r.eval_loss);
+    std::printf("%s[%s%s] step %lld/%lld  S %lld  loss %.4f%s  lr %.2e  |g| %.3f  %.0f tok/s  ETA %s%s", tty_ ? "\r" : "",
                 std::string(filled, '#').c_str(), std::string(width - filled, '.').c_str(),
                 static_cast<long long>(r.step), static_cast<long long>(last_), static_cast<long long>(r.seq_len), r.loss,
-                r.lr, r.grad_norm, r.tokens_per_s, clock_text(eta).c_str(),
+                held_out, r.lr, r.grad_norm, r.tokens_per_s, clock_text(eta).c_str(),
                 tty_ ? (r.step == last_ ? "\n" : "") : "\n");
     std::fflush(stdout);
   }
@@ -154,6 +161,7 @@ class progress {
 nlohmann::json record_json(const step_record& r) {
   return {{"step", r.step}, {"seq_len", r.seq_len}, {"epoch", r.epoch}, {"loss", r.loss}, {"lr", r.lr},
           {"grad_norm", r.grad_norm}, {"model_tflops_per_s", r.model_flops / std::max(r.seconds, 1e-9) / 1e12},
+          {"eval_loss", r.eval_loss ? nlohmann::json(*r.eval_loss) : nlohmann::json(nullptr)},
           {"tokens_per_s", r.tokens_per_s}, {"peak_bytes", r.peak_bytes}};
 }
 
@@ -284,6 +292,9 @@ command_runner add_train(CLI::App& app) {
   app.add_option("--memory-gib", f->memory_gib, "arena per rank (cpu or GPU memory), GiB")->capture_default_str();
   app.add_option("--host-memory-gib", f->host_memory_gib, host_memory_gib_help);
   app.add_option("--eval-samples", f->eval_samples, "held-out passkey samples for the retrieval accuracy")->capture_default_str();
+  app.add_option("--eval-every", f->eval_every, "held-out loss every N steps (and at the last), into the metrics");
+  app.add_option("--eval-data", f->eval_data, "held-out data for --eval-every: a corpus PREFIX or a token file");
+  app.add_option("--eval-sequences", f->eval_sequences, "held-out sequences per evaluation")->capture_default_str();
   app.add_option("--metrics-json", f->metrics_path, "one JSON object per step, then a final one");
   return [f] { return run(*f); };
 }

@@ -21,21 +21,24 @@ constexpr std::uint64_t held_out_stream = 0x9e3779b97f4a7c15ull;  // eval sample
 
 using clock_type = std::chrono::steady_clock;
 
-bool uses_documents(const train_options& o) {
-  return !o.data_path.empty() && o.packing != packing_mode::stream && document_corpus::exists(o.data_path);
+bool uses_documents(const std::string& data, packing_mode packing) {
+  return !data.empty() && packing != packing_mode::stream && document_corpus::exists(data);
 }
+bool uses_documents(const train_options& o) { return uses_documents(o.data_path, o.packing); }
 
 // Where the sequences come from: the passkey task (sample = step), a corpus of documents
 // (packed, shuffled per epoch) or a token file (one stream).
 class data_source {
  public:
-  data_source(const train_options& o)
-      : seed_(o.seed), task_(o.data_path.empty() ? std::make_unique<passkey_task>(o.seq_len) : nullptr) {
-    if (uses_documents(o))
-      corpus_ = std::make_unique<document_corpus>(o.data_path, o.model.vocab_size, o.min_doc_tokens, o.seed);
-    else if (!o.data_path.empty())
-      file_ = std::make_unique<token_file>(
-          document_corpus::exists(o.data_path) ? o.data_path + ".tokens" : o.data_path, o.seq_len, o.model.vocab_size);
+  data_source(const train_options& o) : data_source(o, o.data_path, o.min_doc_tokens) {}
+  // Another file of the run's model and packing (the held-out data).
+  data_source(const train_options& o, const std::string& data, std::int64_t min_doc_tokens)
+      : seed_(o.seed), task_(data.empty() ? std::make_unique<passkey_task>(o.seq_len) : nullptr) {
+    if (uses_documents(data, o.packing))
+      corpus_ = std::make_unique<document_corpus>(data, o.model.vocab_size, min_doc_tokens, o.seed);
+    else if (!data.empty())
+      file_ = std::make_unique<token_file>(document_corpus::exists(data) ? data + ".tokens" : data, o.seq_len,
+                                           o.model.vocab_size);
   }
   // Sequence `index` (counted from 1 over the whole run) of the passkey task, or the data's
   // sequence at `position` (tokens consumed before it), which then moves on. A shorter
@@ -161,6 +164,26 @@ void save(rank_context& rc, const std::string& dir, std::int64_t step, std::int6
   save_checkpoint(dir, r, rc.params, rc.comm);
 }
 
+// The mean held-out loss over eval_sequences windows of `length` tokens, forward only: the
+// training state (weights, moments, data position) is untouched.
+double held_out_loss(rank_context& rc, data_source& held_out, std::int64_t length) {
+  const train_options& o = rc.options;
+  transformer& model = rc.model(length);
+  const auto runs = model.local_positions(rc.comm.rank());
+  double local = 0;
+  std::int64_t counted = 0;
+  std::int64_t position = 0;
+  for (int i = 0; i < o.eval_sequences; ++i) {
+    const packed_sequence s = held_out.next(i + 1, position, length);
+    const prepared_sequence seq = prepare_sequence(s.tokens, layout_unit(o.cp), s.documents);
+    const auto ids = shard_rows(seq.ids, 1, runs, model.local_tokens());
+    const auto labels = shard_rows(seq.labels, 1, runs, model.local_tokens());
+    for (const float loss : model.forward_losses(rc.params, {ids, labels, 1.0, seq.documents})) local += loss;
+    counted += seq.counted;
+  }
+  return sum_over_ranks(rc.comm, local, "eval_loss_sum") / static_cast<double>(std::max<std::int64_t>(counted, 1));
+}
+
 // Teacher-forced retrieval on held-out samples: the argmax at the position before each
 // answer digit must be that digit.
 double evaluate(rank_context& rc, const passkey_task& task) {
@@ -203,6 +226,8 @@ void run_rank(const train_options& o, backend& be, communicator& comm, const sav
   comm.barrier();
   if (comm.rank() == 0) summary.load_seconds = std::chrono::duration<double>(clock_type::now() - start).count();
   data_source data(o);
+  std::unique_ptr<data_source> held_out;
+  if (o.eval_every > 0) held_out = std::make_unique<data_source>(o, o.eval_data, 0);
   const std::int64_t last = o.stop_after > 0 ? o.stop_after : o.optim.total_steps;
   for (std::int64_t step = first; step <= last; ++step) {
     const auto start = clock_type::now();
@@ -216,6 +241,8 @@ void run_rank(const train_options& o, backend& be, communicator& comm, const sav
     run_step(rc, batch, step, record);
     record.seconds = std::chrono::duration<double>(clock_type::now() - start).count();
     record.tokens_per_s = static_cast<double>(record.seq_len * o.batch) / record.seconds;
+    if (held_out && be.has_data() && (step % o.eval_every == 0 || step == last))
+      record.eval_loss = held_out_loss(rc, *held_out, record.seq_len);
     if (comm.rank() == 0) {
       record.peak_bytes = be.ledger().peaks_by_name();
       summary.steps.push_back(record);
@@ -299,6 +326,11 @@ void validate(const train_options& o) {
   if (o.data_path.empty() && o.seq_len < passkey_task::min_seq_len())
     passkey_task check(o.seq_len);  // throws with the minimum
   if (o.seq_len < 2) throw config_error("--seq-len must be at least 2");
+  if (o.eval_every < 0 || (o.eval_every > 0 && o.eval_data.empty()))
+    throw config_error("--eval-every " + std::to_string(o.eval_every) +
+                       " needs --eval-data PREFIX (held-out data: upipe prepare-data --heldout-fraction writes it)");
+  if (o.eval_every > 0 && o.eval_sequences < 1)
+    throw config_error("--eval-sequences " + std::to_string(o.eval_sequences) + " must be at least 1 (e.g. 4)");
   if (o.seq_len % layout_unit(o.cp) != 0) {
     const std::int64_t unit = layout_unit(o.cp), fixed = (o.seq_len / unit + 1) * unit;
     throw config_error("--seq-len " + std::to_string(o.seq_len) + " must be a multiple of " + std::to_string(unit) +
@@ -433,6 +465,14 @@ train_summary train(const train_options& o, const std::function<void(const step_
     check_resume(o, *resume);
   } else if (o.backend != backend_kind::meta) {
     init = initial_weights(o, random);
+  }
+  if (o.eval_every > 0) {
+    if (uses_documents(o.eval_data, o.packing))
+      document_corpus(o.eval_data, o.model.vocab_size, 0, o.seed).check_ids();
+    else
+      token_file(document_corpus::exists(o.eval_data) ? o.eval_data + ".tokens" : o.eval_data, o.seq_len,
+                 o.model.vocab_size)
+          .check_ids();
   }
   if (!o.data_path.empty()) {
     if (o.packing == packing_mode::documents && !document_corpus::exists(o.data_path))

@@ -49,12 +49,18 @@ struct train_options {
   memory_limits limits;
   comm_options comm;      // how real ranks talk (threads, NCCL)
   int eval_samples = 32;  // held-out passkey samples for the retrieval accuracy
+  // Held-out loss during training: every eval_every steps, eval_sequences windows of the
+  // step's length from eval_data (a corpus or token file), forward only.
+  std::int64_t eval_every = 0;
+  std::string eval_data;
+  int eval_sequences = 4;
 };
 
 struct step_record {
   std::int64_t step = 0, seq_len = 0;
   double epoch = 0;  // corpora: how many passes over the documents, at the step's first sequence
   double model_flops = 0;  // of the step's sequences, attention counted over the attended pairs only
+  std::optional<double> eval_loss;  // held-out loss after this step (--eval-every)
   double loss = 0, lr = 0, grad_norm = 0, tokens_per_s = 0, seconds = 0;
   std::map<std::string, std::size_t> peak_bytes;  // rank 0
 };

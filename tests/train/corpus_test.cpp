@@ -163,5 +163,30 @@ TEST(document_corpus, training_packs_documents_and_resumes_mid_epoch) {
   fs::remove_all(dir);
 }
 
+// Held-out loss during training: logged at every N-th step and at the last, and the
+// training itself unchanged bit for bit (the evaluation is forward only).
+TEST(document_corpus, evaluation_during_training_leaves_training_alone) {
+  const fs::path dir = scratch("eval_every");
+  const std::string prefix = write_corpus(dir / "train", {30, 1, 90, 17, 44, 5, 60, 23});
+  const std::string held_out = write_corpus(dir / "held", {50, 70, 9, 120});
+  const train_options plain = corpus_run(prefix, packing_mode::automatic);
+  train_options with_eval = plain;
+  with_eval.eval_every = 4;
+  with_eval.eval_data = held_out;
+  with_eval.eval_sequences = 2;
+  const train_summary a = train(plain, nullptr), b = train(with_eval, nullptr);
+  ASSERT_EQ(a.steps.size(), b.steps.size());
+  for (std::size_t i = 0; i < a.steps.size(); ++i) {
+    EXPECT_EQ(a.steps[i].loss, b.steps[i].loss) << "step " << i + 1;
+    const bool evaluated = (i + 1) % 4 == 0 || i + 1 == b.steps.size();
+    EXPECT_EQ(b.steps[i].eval_loss.has_value(), evaluated) << "step " << i + 1;
+    if (evaluated) EXPECT_GT(*b.steps[i].eval_loss, 0.0);
+  }
+  train_options missing = plain;
+  missing.eval_every = 2;
+  EXPECT_THROW(train(missing, nullptr), config_error);
+  fs::remove_all(dir);
+}
+
 }  // namespace
 }  // namespace upipe
