@@ -56,7 +56,8 @@ int main(int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    return app.exit(e);
+    // Bad flags are bad input: exit 2 like every other refusal (0 for --help).
+    return app.exit(e) == 0 ? 0 : 2;
   }
   try {
     // Under a launcher every process runs one rank; rank 0 speaks for the job (errors

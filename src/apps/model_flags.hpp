@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <filesystem>
+#include <optional>
 #include <string>
 
 #include <CLI/CLI.hpp>
@@ -64,9 +65,9 @@ inline void add_model_flags(CLI::App& app, std::string& preset_name, std::string
 
 // --rope-theta, --rope-scaling and --max-position-embeddings: context extension.
 struct rope_flags {
-  double theta = 0;                    // 0: the model's
-  std::string scaling;                 // "type=yarn,factor=4,..." (empty: the model's)
-  std::int64_t max_position_embeddings = 0;  // 0: the model's, raised to cover the extension
+  std::optional<double> theta;                         // the model's unless given
+  std::string scaling;                                 // "type=yarn,factor=4,..." (empty: the model's)
+  std::optional<std::int64_t> max_position_embeddings;  // the model's unless given (raised to cover the extension)
 
   void add(CLI::App& app) {
     app.add_option("--rope-theta", theta, "RoPE base (the model's unless given)");
@@ -79,18 +80,18 @@ struct rope_flags {
   }
 
   void apply(model_config& m) const {
-    if (theta != 0) {
-      if (!(theta > 0) || !std::isfinite(theta))
-        throw config_error("--rope-theta " + std::to_string(theta) + " must be a positive number (e.g. 500000)");
-      m.rope.theta = theta;
+    if (theta) {
+      if (!(*theta > 0) || !std::isfinite(*theta))
+        throw config_error("--rope-theta " + std::to_string(*theta) + " must be a positive number (e.g. 500000)");
+      m.rope.theta = *theta;
     }
     const std::int64_t context = m.max_position_embeddings;
     if (!scaling.empty()) m.rope.scaling = parse_scaling(m);
-    if (max_position_embeddings < 0)
-      throw config_error("--max-position-embeddings " + std::to_string(max_position_embeddings) +
+    if (max_position_embeddings && *max_position_embeddings < 1)
+      throw config_error("--max-position-embeddings " + std::to_string(*max_position_embeddings) +
                          " must be positive (e.g. 131072)");
-    if (max_position_embeddings > 0) {
-      m.max_position_embeddings = max_position_embeddings;
+    if (max_position_embeddings) {
+      m.max_position_embeddings = *max_position_embeddings;
     } else if (!scaling.empty() && m.rope.scaling.enabled()) {
       const std::int64_t original =
           m.rope.scaling.kind == rope_kind::linear ? context : m.rope.scaling.original_max_position;

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <sstream>
 #include <string>
 
 #include <nlohmann/json.hpp>
@@ -58,6 +59,23 @@ std::string choose_model(const train_flags& f, model_config& model) {
 
 train_options to_options(const train_flags& f) {
   train_options o;
+  // The numbers the sizing below divides by or trusts, checked first.
+  const auto num = [](double v) {
+    std::ostringstream text;
+    text << v;
+    return text.str();
+  };
+  if (f.cp < 1)
+    throw config_error("--cp " + std::to_string(f.cp) + " must be at least 1 (ranks in the CP group, e.g. --cp 4)");
+  if (f.batch != -1 && f.batch < 1)
+    throw config_error("--batch " + std::to_string(f.batch) + " must be at least 1 (sequences per optimizer step)");
+  if (!(f.weight_decay >= 0) || !std::isfinite(f.weight_decay))
+    throw config_error("--weight-decay " + num(f.weight_decay) + " must be a finite number >= 0 (e.g. 0.1)");
+  if (!(f.max_grad_norm >= 0) || !std::isfinite(f.max_grad_norm))
+    throw config_error("--max-grad-norm " + num(f.max_grad_norm) +
+                       " must be a finite number >= 0 (0 turns clipping off; e.g. 1.0)");
+  if (!(f.lr > 0) || !(f.lr <= 1))
+    throw config_error("--lr " + num(f.lr) + " must be a positive number at most 1 (for example 3e-4)");
   o.model_dir = choose_model(f, o.model);
   f.rope.apply(o.model);
   if (!f.resume_dir.empty()) o.model_dir = f.resume_dir;  // its config.json and tokenizer carry on
@@ -85,7 +103,7 @@ train_options to_options(const train_flags& f) {
                        "only long documents)");
   o.min_doc_tokens = f.min_doc_tokens;
   o.seq_len = parse_count(f.seq_len, "--seq-len");
-  o.batch = f.batch >= 0 ? f.batch : (f.data_path.empty() ? 4 : 1);
+  o.batch = f.batch != -1 ? f.batch : (f.data_path.empty() ? 4 : 1);
   o.seq_warmup = f.seq_warmup >= 0 ? f.seq_warmup : (f.data_path.empty() ? f.steps * 9 / 10 : 0);
   o.seq_warmup_start = f.seq_warmup_start;
   o.cp = {parse_strategy_kind(f.attention), f.cp, f.head_chunk};
@@ -240,16 +258,21 @@ int run(const train_flags& f) {
 
 }  // namespace
 
+// A path flag given as "" would silently mean "none" (a fresh run for --resume ""): refused.
+const CLI::Validator non_empty(
+    [](const std::string& value) { return value.empty() ? std::string("an empty path is not a file or directory") : ""; },
+    "PATH");
+
 command_runner add_train(CLI::App& app) {
   auto f = std::make_shared<train_flags>();
   add_model_flags(app, f->model, f->config_path);
   f->rope.add(app);
   app.add_option("--init", f->init_path,
                  "weights to start from: a model directory (one file or shards) or a .safetensors file (default: the "
-                 "--model directory's weights, else random)");
+                 "--model directory's weights, else random)")->check(non_empty);
   app.add_option("--data", f->data_path,
                  "a corpus PREFIX from upipe prepare-data (PREFIX.tokens, .index, .json), or a flat little-endian "
-                 "uint32 token file (default: the synthetic passkey task)");
+                 "uint32 token file (default: the synthetic passkey task)")->check(non_empty);
   app.add_option("--packing", f->packing,
                  "documents (attention masked and positions restarted at each document; the default with an index) "
                  "or stream")
@@ -275,13 +298,13 @@ command_runner add_train(CLI::App& app) {
   app.add_option("--seed", f->seed, "seed of the initialization and the data")->capture_default_str();
   app.add_option("--save", f->save_dir,
                  "write a checkpoint here at the end (and every --save-every steps): a Hugging Face model directory "
-                 "with the trainer state in DIR/trainer/");
+                 "with the trainer state in DIR/trainer/")->check(non_empty);
   app.add_option("--save-dtype", f->save_dtype, "dtype of the saved weights: bf16 or fp32")->capture_default_str();
   app.add_option("--max-shard-size", f->max_shard_size, "largest weight file of a save (bytes, or KB/MB/GB)")
       ->capture_default_str();
   app.add_option("--save-every", f->save_every, "also save every N steps");
   app.add_option("--resume", f->resume_dir,
-                 "continue from this checkpoint (at any --cp and --zero: the state is resharded)");
+                 "continue from this checkpoint (at any --cp and --zero: the state is resharded)")->check(non_empty);
   app.add_option("--zero", f->zero, "2: shard optimizer state and gradients; 3: shard weights too")->capture_default_str();
   app.add_option("--checkpoint-policy", f->policy, checkpoint_policy_help())->capture_default_str();
   app.add_option("--mlp-tile", f->mlp_tile, mlp_tile_help);
@@ -293,9 +316,9 @@ command_runner add_train(CLI::App& app) {
   app.add_option("--host-memory-gib", f->host_memory_gib, host_memory_gib_help);
   app.add_option("--eval-samples", f->eval_samples, "held-out passkey samples for the retrieval accuracy")->capture_default_str();
   app.add_option("--eval-every", f->eval_every, "held-out loss every N steps (and at the last), into the metrics");
-  app.add_option("--eval-data", f->eval_data, "held-out data for --eval-every: a corpus PREFIX or a token file");
+  app.add_option("--eval-data", f->eval_data, "held-out data for --eval-every: a corpus PREFIX or a token file")->check(non_empty);
   app.add_option("--eval-sequences", f->eval_sequences, "held-out sequences per evaluation")->capture_default_str();
-  app.add_option("--metrics-json", f->metrics_path, "one JSON object per step, then a final one");
+  app.add_option("--metrics-json", f->metrics_path, "one JSON object per step, then a final one")->check(non_empty);
   return [f] { return run(*f); };
 }
 

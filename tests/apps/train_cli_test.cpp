@@ -90,12 +90,19 @@ TEST(train_cli, bad_input_is_refused_and_a_saved_checkpoint_survives) {
       {"--comm carrier-pigeon", "unknown communicator 'carrier-pigeon'"},
       {"--comm-timeout 0", "--comm-timeout 0"},
       {"--memory-gib 0.00001", "no checkpoint policy fits S = 64 in an arena of 1e-05 GiB"},
+      {"--cp 0", "--cp 0 must be at least 1"},
+      {"--batch -5", "--batch -5 must be at least 1"},
+      {"--weight-decay -1", "--weight-decay -1 must be a finite number >= 0"},
+      {"--max-grad-norm nan", "--max-grad-norm nan must be a finite number"},
+      {"--lr 1e300", "at most 1"},
+      {"--resume ''", "an empty path"},
+      {"--head-chunk 4294967300", "--head-chunk"},
   };
   for (const auto& [args, message] : cases) {
     const bool has_length = args.find("--seq-len") != std::string::npos;
     const std::string command = has_length ? "train --steps 6 --eval-samples 2 " + args : quick + args;
     const run_result r = run_upipe(command);
-    EXPECT_NE(r.exit_code, 0) << args;
+    EXPECT_EQ(r.exit_code, 2) << args;  // bad input, flags included
     EXPECT_NE(r.output.find(message), std::string::npos) << args << "\n" << r.output;
   }
   // A full disk while saving (a 64 KiB file-size limit): a clear error, the earlier
