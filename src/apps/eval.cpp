@@ -90,6 +90,8 @@ int run(const eval_flags& f) {
               req.model.name.c_str(), f.data_path.c_str(), documents ? "documents" : "stream", f.attention.c_str(), f.cp,
               f.backend.c_str(), f.samples);
   for (const std::int64_t S : parse_lengths(f.seq_lens)) {
+    std::unique_ptr<token_file> file;
+    if (!corpus) file = std::make_unique<token_file>(f.data_path, S, req.model.vocab_size);
     std::vector<eval_sequence> seqs;
     for (int i = 0; i < f.samples; ++i) {
       eval_sequence s;
@@ -98,8 +100,7 @@ int run(const eval_flags& f) {
         s.tokens = std::move(w.tokens);
         if (documents) s.documents = std::move(w.documents);
       } else {
-        const token_file file(f.data_path, S, req.model.vocab_size);
-        s.tokens = file.sequence(static_cast<std::int64_t>(i) * S);
+        s.tokens = file->sequence(static_cast<std::int64_t>(i) * S);
       }
       seqs.push_back(std::move(s));
     }

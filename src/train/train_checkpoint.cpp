@@ -209,28 +209,25 @@ void save_checkpoint(const std::string& dir_text, const checkpoint_request& r, p
   }
   comm.barrier();
   try {
-    // Every rank its own shard of the optimizer state, in parallel.
-    std::vector<std::vector<float>> values;
-    std::vector<safetensors_tensor> tensors;
+    // Every rank its own shard of the optimizer state, in parallel, streamed a unit at a
+    // time: a rank never holds more than one unit's state on the host.
+    std::vector<safetensors_tensor> declared;
     for (int u = 0; u < params.unit_count(); ++u)
-      for (shard_state which : all_states) values.push_back(params.shard_values(u, which));
-    std::size_t k = 0;
+      for (shard_state which : all_states) declared.push_back({state_name(u, which), {params.unit_shard(u)}, {}, dtype::f32});
+    safetensors_writer shard_file(
+        (tmp / trainer_dir / rank_file(comm.rank(), C)).string(), std::move(declared),
+        {{"format", "upipe-zero-shard"}, {"rank", std::to_string(comm.rank())}, {"ranks", std::to_string(C)}});
     for (int u = 0; u < params.unit_count(); ++u)
-      for (shard_state which : all_states) {
-        tensors.push_back({state_name(u, which), {params.unit_shard(u)}, values[k], dtype::f32});
-        ++k;
-      }
-    write_safetensors((tmp / trainer_dir / rank_file(comm.rank(), C)).string(), tensors,
-                      {{"format", "upipe-zero-shard"}, {"rank", std::to_string(comm.rank())}, {"ranks", std::to_string(C)}});
-    values.clear();
+      for (shard_state which : all_states) shard_file.write(state_name(u, which), params.shard_values(u, which));
+    shard_file.commit();
     // The model, a unit at a time through rank 0.
     std::unique_ptr<hf_model_writer> writer;
     if (writes) writer = std::make_unique<hf_model_writer>(tmp.string(), r.config, r.model);
+    const auto units = parameter_units(r.config);
     for (int u = 0; u < params.unit_count(); ++u) {
       const std::vector<float> flat = params.gather_unit(u);
       if (!writes) continue;
-      const auto layout = parameter_units(r.config)[static_cast<std::size_t>(u)];
-      for (const unit_parameter& p : layout)
+      for (const unit_parameter& p : units[static_cast<std::size_t>(u)])
         writer->write(p.name, std::span<const float>(flat.data() + p.offset, static_cast<std::size_t>(p.numel)));
     }
     comm.barrier();  // every rank's shard file is complete
