@@ -4,8 +4,8 @@
 usage: report.py OUT_DIR RESULTS.json...
 
 Reads the JSON of `upipe bench`, `upipe bench-attention` (lists of rows), `upipe plan`
-(an object with "entries") and `upipe eval` (an object with "lengths") and writes SVG
-files into OUT_DIR:
+(an object with "entries") and `upipe eval` (an object with "lengths", or with "niah")
+and writes each plot as SVG and PNG into OUT_DIR:
   memory_breakdown.svg  stacked bars of the peak by tag per strategy and U, at the
                         longest length of each (plan entries at their longest length)
   throughput_vs_s.svg   tokens/s/GPU against S per strategy and U (timed rows)
@@ -13,6 +13,8 @@ files into OUT_DIR:
   u_ablation.svg        UPipe at one length: time and peak against U
   loss_by_position.svg  eval: held-out loss against the position in the context, a curve
                         per length and input file (log-spaced position buckets)
+  niah_heatmap.svg      eval --niah: exact match by needle depth (rows) and context length
+                        (columns), one panel per input file
 Prints one line per file written.
 """
 import json
@@ -21,7 +23,7 @@ import sys
 
 import matplotlib
 
-matplotlib.use("svg")
+matplotlib.use("agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import matplotlib.ticker  # noqa: E402
 
@@ -35,6 +37,8 @@ def rows_of(path):
             doc = json.load(f)
         except json.JSONDecodeError as e:
             sys.exit(f"upipe report: {path} is not JSON ({e}); give the --json file of a finished upipe bench or plan")
+    if isinstance(doc, dict) and "niah" in doc:  # upipe eval --niah
+        return [{"source": "niah", "file": os.path.basename(path), **doc["niah"]}]
     if isinstance(doc, dict) and "lengths" in doc:  # upipe eval
         return [{"source": "eval", "file": os.path.basename(path), **length} for length in doc["lengths"]]
     if isinstance(doc, dict) and "entries" in doc:  # upipe plan
@@ -75,12 +79,14 @@ def series(rows):
     return groups
 
 
-def save(fig, out_dir, name):
-    path = os.path.join(out_dir, name)
-    fig.tight_layout()
-    fig.savefig(path)
+def save(fig, out_dir, name, tight=True):
+    """Writes NAME (an .svg) and the same plot as .png."""
+    if tight:
+        fig.tight_layout()
+    for path in (os.path.join(out_dir, name), os.path.join(out_dir, name[: -len(".svg")] + ".png")):
+        fig.savefig(path, dpi=150)
+        print(path)
     plt.close(fig)
-    print(path)
 
 
 def memory_breakdown(rows, out_dir):
@@ -164,6 +170,33 @@ def loss_by_position(rows, out_dir):
     save(fig, out_dir, "loss_by_position.svg")
 
 
+def niah_heatmap(rows, out_dir):
+    rows = [r for r in rows if r["source"] == "niah" and r.get("cells")]
+    if not rows:
+        return
+    fig, axes = plt.subplots(1, len(rows), figsize=(1.2 + 3.2 * len(rows), 3.8), squeeze=False)
+    for n, (ax, r) in enumerate(zip(axes[0], rows)):
+        lengths = sorted({c["seq_len"] for c in r["cells"]})
+        depths = sorted({c["depth"] for c in r["cells"]})
+        grid = [[float("nan")] * len(lengths) for _ in depths]
+        for c in r["cells"]:
+            grid[depths.index(c["depth"])][lengths.index(c["seq_len"])] = c["exact_match"]
+        image = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+        for i, row in enumerate(grid):
+            for j, v in enumerate(row):
+                if v == v:
+                    ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=7)
+        ax.set_xticks(range(len(lengths)), [tokens(s) for s in lengths])
+        ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths])
+        ax.set_xlabel("context length (tokens)")
+        if n == 0:
+            ax.set_ylabel("needle depth")
+        ax.set_title(f"{r['file']} ({r['needle']} needle)", fontsize=9)
+    fig.colorbar(image, ax=axes[0].tolist(), label="exact match")
+    fig.suptitle("needle in a haystack (upipe eval --niah)", fontsize=10)
+    save(fig, out_dir, "niah_heatmap.svg", tight=False)
+
+
 def main(argv):
     if len(argv) < 3:
         raise SystemExit(__doc__)
@@ -175,7 +208,8 @@ def main(argv):
     if not rows:
         raise SystemExit("report: the files hold no rows")
     loss_by_position(rows, out_dir)
-    rows = [r for r in rows if r["source"] != "eval"]
+    niah_heatmap(rows, out_dir)
+    rows = [r for r in rows if r["source"] not in ("eval", "niah")]
     if not rows:
         return
     memory_breakdown(rows, out_dir)

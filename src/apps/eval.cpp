@@ -1,10 +1,22 @@
-// `upipe eval`: held-out loss of a model on a user's data, forward only (the weights and
-// nothing of training's state), at one or more sequence lengths under CP: mean loss,
-// perplexity, and the loss by position in the context in power-of-two buckets (with the
-// targets in each), as a table and as JSON.
+// `upipe eval`: a model's long-context evaluation under CP, forward only (the weights and
+// nothing of training's state).
+//   held-out loss: at one or more lengths, on a user's data, mean loss, perplexity and the
+//     loss by position in the context in power-of-two buckets (with the targets in each);
+//   --niah: needle in a haystack, a key planted at each depth of a context of each length
+//     and asked for at the end, scored by teacher forcing (exact match, the key's tokens
+//     right, their mean log-probability) over several samples per cell.
+// Both print a table and write JSON (`upipe report` draws them). Progress and an ETA go to
+// stderr; Ctrl-C stops at the next sequence and keeps what was scored.
+#include <unistd.h>
+
+#include <atomic>
 #include <bit>
+#include <chrono>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
+#include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <string>
 #include <vector>
@@ -13,11 +25,14 @@
 
 #include "apps/commands.hpp"
 #include "apps/model_flags.hpp"
+#include "apps/niah_text_script.hpp"
+#include "apps/python.hpp"
 #include "apps/sizes.hpp"
 #include "core/error.hpp"
 #include "model/hf_model.hpp"
 #include "model/model_step.hpp"
 #include "train/data.hpp"
+#include "train/niah.hpp"
 
 namespace upipe::apps {
 
@@ -25,12 +40,21 @@ namespace {
 
 struct eval_flags {
   std::string model, config_path, weights_path, data_path, json_path, backend = "cpu", attention = "upipe",
-                                                                      seq_lens = "1K", packing = "auto";
+                                                                      seq_lens = "1K", packing = "auto",
+                                                                      depths = "0,0.25,0.5,0.75,1", niah_vocab = "auto";
+  bool niah = false;
   int cp = 1, head_chunk = 0, samples = 4;
   std::int64_t mlp_tile = 0, loss_chunk = 0;
   double memory_gib = 8;
   unsigned long long seed = 1;
 };
+
+// Ctrl-C: the first asks the ranks to stop at the next sequence; a second ends the process.
+std::atomic<bool> interrupted{false};
+extern "C" void on_interrupt(int) {
+  interrupted.store(true);
+  std::signal(SIGINT, SIG_DFL);
+}
 
 // Sum and count of the losses of targets at positions [2^k, 2^(k+1)) (a target at
 // position p predicts the p-th token of its document, or of the window in a stream).
@@ -59,56 +83,111 @@ std::vector<std::int64_t> parse_lengths(const std::string& text) {
   return out;
 }
 
-int run(const eval_flags& f) {
+// Progress of one length's sequences on stderr: a line rewritten in place on a terminal,
+// else a line every 10 seconds.
+class progress_line {
+ public:
+  progress_line(std::string what, std::size_t total) : what_(std::move(what)), total_(total) {}
+  void update(std::size_t done) {
+    const auto now = std::chrono::steady_clock::now();
+    const double elapsed = std::chrono::duration<double>(now - start_).count();
+    if (!tty_ && std::chrono::duration<double>(now - last_).count() < 10 && done < total_) return;
+    last_ = now;
+    const double eta = done > 0 ? elapsed / static_cast<double>(done) * static_cast<double>(total_ - done) : 0;
+    std::fprintf(stderr, "%s  %s: %zu/%zu sequences  %.1f s  ETA %.0f s%s", tty_ ? "\r" : "", what_.c_str(), done,
+                 total_, elapsed, eta, tty_ ? "   " : "\n");
+    if (tty_ && done == total_) std::fputc('\n', stderr);
+  }
+
+ private:
+  std::string what_;
+  std::size_t total_;
+  bool tty_ = ::isatty(STDERR_FILENO) == 1;
+  std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now(), last_ = start_;
+};
+
+// The model, its weights and the request every length shares.
+struct eval_setup {
   model_step_request req;
-  req.model = load_model(f.model.empty() ? "tiny-llama" : f.model, f.config_path);
-  req.backend = parse_backend_kind(f.backend);
-  req.cp = {parse_strategy_kind(f.attention), f.cp, f.head_chunk};
-  req.options = sized_for_gpu({f.mlp_tile, f.loss_chunk, checkpoint_policy{}}, req.model, f.memory_gib);
-  req.limits = run_limits(req.backend, f.memory_gib, checkpoint_location::device);
-  if (f.data_path.empty()) throw config_error("upipe eval needs --data PREFIX (a corpus from upipe prepare-data) or FILE");
-  if (f.samples < 1) throw config_error("--samples " + std::to_string(f.samples) + " must be at least 1 (e.g. 8)");
-  if (f.packing != "auto" && f.packing != "documents" && f.packing != "stream")
-    throw config_error("--packing " + f.packing + " is not known: use documents or stream");
-  const std::string weights_path = f.weights_path.empty() ? model_directory(f.model, f.config_path) : f.weights_path;
   host_weights random;
   std::unique_ptr<weight_source> weights;
+  std::string directory;  // the model directory (its tokenizer), empty for a preset
+};
+
+eval_setup setup(const eval_flags& f) {
+  eval_setup s;
+  s.req.model = load_model(f.model.empty() ? "tiny-llama" : f.model, f.config_path);
+  s.req.backend = parse_backend_kind(f.backend);
+  s.req.cp = {parse_strategy_kind(f.attention), f.cp, f.head_chunk};
+  s.req.options = sized_for_gpu({f.mlp_tile, f.loss_chunk, checkpoint_policy{}}, s.req.model, f.memory_gib);
+  s.req.limits = run_limits(s.req.backend, f.memory_gib, checkpoint_location::device);
+  if (f.samples < 1) throw config_error("--samples " + std::to_string(f.samples) + " must be at least 1 (e.g. 8)");
+  s.directory = model_directory(f.model, f.config_path);
+  const std::string weights_path = f.weights_path.empty() ? s.directory : f.weights_path;
   if (weights_path.empty()) {
-    random = random_weights(req.model, f.seed);
-    weights = std::make_unique<host_weight_source>(random);
+    s.random = random_weights(s.req.model, f.seed);
+    s.weights = std::make_unique<host_weight_source>(s.random);
   } else {
-    weights = std::make_unique<hf_model_files>(weights_path, req.model);
+    s.weights = std::make_unique<hf_model_files>(weights_path, s.req.model);
   }
+  return s;
+}
+
+// Runs one length's sequences with progress and Ctrl-C; false when interrupted (the
+// result then holds the first result.completed).
+bool run_length(const eval_setup& s, const std::vector<eval_sequence>& seqs, const std::string& what, eval_result& r) {
+  progress_line line(what, seqs.size());
+  r = evaluate(s.req, *s.weights, seqs, {[&](std::size_t done) { line.update(done); }, [] { return interrupted.load(); }});
+  return r.completed == seqs.size();
+}
+
+void write_json(const std::string& path, const nlohmann::json& out) {
+  if (path.empty()) return;
+  std::ofstream file(path);
+  file << out.dump(1) << "\n";
+  if (!file) throw io_error("cannot write --json " + path);
+}
+
+int held_out_loss(const eval_flags& f, const eval_setup& s) {
+  if (f.data_path.empty())
+    throw config_error("upipe eval needs --data PREFIX (a corpus from upipe prepare-data) or FILE, or --niah");
+  if (f.packing != "auto" && f.packing != "documents" && f.packing != "stream")
+    throw config_error("--packing " + f.packing + " is not known: use documents or stream");
   const bool documents = f.packing != "stream" && document_corpus::exists(f.data_path);
   if (f.packing == "documents" && !documents)
     throw config_error("--packing documents needs " + f.data_path + ".index (upipe prepare-data writes it)");
+  const std::vector<std::int64_t> lengths = parse_lengths(f.seq_lens);
   std::unique_ptr<document_corpus> corpus;
-  if (document_corpus::exists(f.data_path)) corpus = std::make_unique<document_corpus>(f.data_path, req.model.vocab_size, 0, f.seed);
-  nlohmann::json out = {{"model", req.model.name}, {"data", f.data_path}, {"packing", documents ? "documents" : "stream"},
+  if (document_corpus::exists(f.data_path))
+    corpus = std::make_unique<document_corpus>(f.data_path, s.req.model.vocab_size, 0, f.seed);
+  else
+    for (const std::int64_t S : lengths) token_file check(f.data_path, S, s.req.model.vocab_size);  // before any length runs
+  nlohmann::json out = {{"model", s.req.model.name}, {"data", f.data_path}, {"packing", documents ? "documents" : "stream"},
                         {"strategy", f.attention}, {"cp", f.cp}, {"lengths", nlohmann::json::array()}};
   std::printf("# upipe eval  model=%s  data=%s (%s)  %s cp=%d  backend=%s  %d sequences per length, forward only\n",
-              req.model.name.c_str(), f.data_path.c_str(), documents ? "documents" : "stream", f.attention.c_str(), f.cp,
-              f.backend.c_str(), f.samples);
-  for (const std::int64_t S : parse_lengths(f.seq_lens)) {
+              s.req.model.name.c_str(), f.data_path.c_str(), documents ? "documents" : "stream", f.attention.c_str(),
+              f.cp, f.backend.c_str(), f.samples);
+  for (const std::int64_t S : lengths) {
     std::unique_ptr<token_file> file;
-    if (!corpus) file = std::make_unique<token_file>(f.data_path, S, req.model.vocab_size);
+    if (!corpus) file = std::make_unique<token_file>(f.data_path, S, s.req.model.vocab_size);
     std::vector<eval_sequence> seqs;
     for (int i = 0; i < f.samples; ++i) {
-      eval_sequence s;
+      eval_sequence seq;
       if (corpus) {
         packed_sequence w = corpus->window(static_cast<std::int64_t>(i) * S, S);
-        s.tokens = std::move(w.tokens);
-        if (documents) s.documents = std::move(w.documents);
+        seq.tokens = std::move(w.tokens);
+        if (documents) seq.documents = std::move(w.documents);
       } else {
-        s.tokens = file->sequence(static_cast<std::int64_t>(i) * S);
+        seq.tokens = file->sequence(static_cast<std::int64_t>(i) * S);
       }
-      seqs.push_back(std::move(s));
+      seqs.push_back(std::move(seq));
     }
-    const eval_result r = evaluate(req, *weights, seqs);
+    eval_result r;
+    const bool whole = run_length(s, seqs, "S " + std::to_string(S), r);
     buckets by_position;
     double sum = 0;
     std::int64_t targets = 0;
-    for (std::size_t i = 0; i < seqs.size(); ++i) {
+    for (std::size_t i = 0; i < r.completed; ++i) {
       std::size_t doc = 0;
       for (std::size_t t = 0; t < r.target_loss[i].size(); ++t) {
         const float loss = r.target_loss[i][t];
@@ -121,8 +200,8 @@ int run(const eval_flags& f) {
       }
     }
     const double mean = targets > 0 ? sum / static_cast<double>(targets) : 0.0;
-    std::printf("\nS %lld: loss %.5f  perplexity %.3f  over %lld targets  (%.1f s)\n", static_cast<long long>(S), mean,
-                std::exp(mean), static_cast<long long>(targets), r.seconds);
+    std::printf("\nS %lld: loss %.5f  perplexity %.3f  over %lld targets of %zu sequences  (%.1f s)\n",
+                static_cast<long long>(S), mean, std::exp(mean), static_cast<long long>(targets), r.completed, r.seconds);
     std::printf("  %-20s %10s %12s\n", "positions", "loss", "targets");
     nlohmann::json rows = nlohmann::json::array();
     for (std::size_t k = 0; k < by_position.sum.size(); ++k) {
@@ -133,16 +212,184 @@ int run(const eval_flags& f) {
                   static_cast<long long>(by_position.count[k]));
       rows.push_back({{"first", lo}, {"last", hi}, {"loss", loss}, {"targets", by_position.count[k]}});
     }
-    out["lengths"].push_back({{"seq_len", S}, {"loss", mean}, {"perplexity", std::exp(mean)}, {"targets", targets},
-                              {"seconds", r.seconds}, {"by_position", rows}, {"peak_bytes", r.peak_bytes},
-                              {"arena_high_water_bytes", r.arena_high_water}});
+    if (r.completed > 0)
+      out["lengths"].push_back({{"seq_len", S}, {"loss", mean}, {"perplexity", std::exp(mean)}, {"targets", targets},
+                                {"sequences", r.completed}, {"seconds", r.seconds}, {"by_position", rows},
+                                {"peak_bytes", r.peak_bytes}, {"arena_high_water_bytes", r.arena_high_water}});
+    if (!whole) {
+      out["interrupted"] = true;
+      write_json(f.json_path, out);
+      std::fprintf(stderr, "upipe eval: interrupted at S %lld after %zu of %zu sequences%s\n", static_cast<long long>(S),
+                   r.completed, seqs.size(), f.json_path.empty() ? "" : ("; the results so far are in " + f.json_path).c_str());
+      return 130;
+    }
   }
-  if (!f.json_path.empty()) {
-    std::ofstream file(f.json_path);
-    file << out.dump(1) << "\n";
-    if (!file) throw io_error("cannot write --json " + f.json_path);
-  }
+  write_json(f.json_path, out);
   return 0;
+}
+
+// The needles' text in the model tokenizer's tokens (scripts/niah_text.py), one per key.
+struct tokenized_needles {
+  std::vector<std::int32_t> prefix, haystack;
+  std::vector<needle_text> needles;
+};
+
+tokenized_needles tokenize_needles(const std::string& model_dir, const std::vector<std::string>& keys, bool haystack) {
+  if (spawn({"python3", "-c", "import tokenizers"}, "upipe eval --niah") != 0)
+    throw config_error("upipe eval --niah with text needs Hugging Face tokenizers for python3: scripts/setup-deps "
+                       "installs it (or: python3 -m pip install tokenizers)");
+  std::string dir = (std::filesystem::temp_directory_path() / "upipe-niah-XXXXXX").string();
+  if (::mkdtemp(dir.data()) == nullptr) throw io_error("cannot make a temporary directory for the needles");
+  const std::string file = dir + "/needles.json";
+  std::string joined;
+  for (const std::string& k : keys) joined += (joined.empty() ? "" : ",") + k;
+  std::vector<std::string> args = {"--tokenizer", model_dir, "--out", file, "--keys", joined};
+  if (!haystack) args.push_back("--no-haystack");
+  const int status = run_python_file(niah_text_script, "niah_text.py", args);
+  nlohmann::json doc;
+  if (status == 0) doc = nlohmann::json::parse(std::ifstream(file), nullptr, false);
+  std::error_code ec;
+  std::filesystem::remove_all(dir, ec);
+  if (status != 0) throw config_error("the needles could not be tokenized (the message above says why)");
+  if (doc.is_discarded()) throw io_error("niah_text.py wrote no JSON");
+  tokenized_needles t;
+  t.prefix = doc["prefix"].get<std::vector<std::int32_t>>();
+  t.haystack = doc["haystack"].get<std::vector<std::int32_t>>();
+  for (const auto& n : doc["needles"])
+    t.needles.push_back({n["key"].get<std::string>(), n["needle"].get<std::vector<std::int32_t>>(),
+                         n["question"].get<std::vector<std::int32_t>>(), n["answer"].get<std::vector<std::int32_t>>()});
+  return t;
+}
+
+int needle_in_a_haystack(const eval_flags& f, const eval_setup& s) {
+  if (f.niah_vocab != "auto" && f.niah_vocab != "text" && f.niah_vocab != "passkey")
+    throw config_error("--niah-vocab " + f.niah_vocab + " is not known: use text (the model's tokenizer) or passkey");
+  const bool has_tokenizer = !s.directory.empty() && std::filesystem::is_regular_file(s.directory + "/tokenizer.json");
+  const bool passkey = f.niah_vocab == "passkey" || (f.niah_vocab == "auto" && !has_tokenizer);
+  if (!passkey && !has_tokenizer)
+    throw config_error("--niah-vocab text needs the model directory's tokenizer.json (--model DIR); for a model "
+                       "trained on the passkey task use --niah-vocab passkey");
+  if (passkey && s.req.model.vocab_size < passkey_task::vocab_needed)
+    throw config_error("the passkey needle needs a vocabulary of at least " + std::to_string(passkey_task::vocab_needed) +
+                       " ids; the model has " + std::to_string(s.req.model.vocab_size));
+  if (passkey && !f.data_path.empty())
+    throw config_error("--data is the haystack of text needles; the passkey needle's haystack is the task's own filler "
+                       "(drop --data, or use --niah-vocab text)");
+  const std::vector<std::int64_t> lengths = parse_lengths(f.seq_lens);
+  const std::vector<double> depths = parse_depths(f.depths);
+  for (const std::int64_t L : lengths)
+    if (passkey) passkey_task check(L);  // throws with the minimum length
+
+  // Every cell's samples get keys of their own: sample j of (length i, depth k) is index
+  // (i * depths + k) * samples + j.
+  const auto index = [&](std::size_t i, std::size_t k, int j) {
+    return (static_cast<std::uint64_t>(i) * depths.size() + k) * static_cast<std::uint64_t>(f.samples) +
+           static_cast<std::uint64_t>(j);
+  };
+  tokenized_needles text;
+  std::unique_ptr<document_corpus> corpus;
+  if (!passkey) {
+    std::vector<std::string> keys;
+    for (std::size_t i = 0; i < lengths.size(); ++i)
+      for (std::size_t k = 0; k < depths.size(); ++k)
+        for (int j = 0; j < f.samples; ++j) keys.push_back(needle_key(f.seed, index(i, k, j)));
+    if (!f.data_path.empty()) {
+      if (document_corpus::exists(f.data_path))
+        corpus = std::make_unique<document_corpus>(f.data_path, s.req.model.vocab_size, 0, f.seed);
+      else
+        for (const std::int64_t L : lengths) token_file check(f.data_path, L, s.req.model.vocab_size);
+    }
+    text = tokenize_needles(s.directory, keys, f.data_path.empty());
+  }
+  std::printf("# upipe eval --niah  model=%s  needle=%s  haystack=%s  %s cp=%d  backend=%s  %d samples per cell\n",
+              s.req.model.name.c_str(), passkey ? "passkey" : "text",
+              passkey ? "the passkey filler" : f.data_path.empty() ? "built-in text" : f.data_path.c_str(),
+              f.attention.c_str(), f.cp, f.backend.c_str(), f.samples);
+  struct cell {
+    int samples = 0;
+    double exact = 0, right = 0, log_prob = 0;  // sums over the samples
+  };
+  std::vector<std::vector<cell>> cells(lengths.size(), std::vector<cell>(depths.size()));
+  bool whole = true;
+  for (std::size_t i = 0; i < lengths.size() && whole; ++i) {
+    const std::int64_t L = lengths[i];
+    std::unique_ptr<token_file> stream;
+    if (!passkey && !f.data_path.empty() && !corpus) stream = std::make_unique<token_file>(f.data_path, L, s.req.model.vocab_size);
+    std::vector<needle_case> cases;
+    std::vector<eval_sequence> seqs;
+    for (std::size_t k = 0; k < depths.size(); ++k)
+      for (int j = 0; j < f.samples; ++j) {
+        const auto from = static_cast<std::int64_t>(j) * L;  // sample j's haystack: the data's j-th window
+        if (passkey)
+          cases.push_back(passkey_needle(L, depths[k], f.seed, index(i, k, j)));
+        else
+          cases.push_back(text_needle(text.prefix, corpus ? corpus->window(from, L).tokens  // documents joined: one context
+                                                   : stream ? stream->sequence(from) : text.haystack,
+                                      text.needles[index(i, k, j)], L, depths[k]));
+        eval_sequence seq{cases.back().tokens, {}, {}};
+        for (const std::int64_t a : cases.back().answer) seq.argmax_at.push_back(a - 1);
+        seqs.push_back(std::move(seq));
+      }
+    eval_result r;
+    whole = run_length(s, seqs, "S " + std::to_string(L), r);
+    for (std::size_t c = 0; c < r.completed; ++c) {
+      std::vector<float> log_probs;
+      for (const std::int64_t a : cases[c].answer) log_probs.push_back(-r.target_loss[c][static_cast<std::size_t>(a - 1)]);
+      const needle_score sc = score_needle(cases[c], r.argmax[c], log_probs);
+      cell& into = cells[i][c / static_cast<std::size_t>(f.samples)];
+      ++into.samples;
+      into.exact += sc.exact ? 1 : 0;
+      into.right += sc.token_accuracy;
+      into.log_prob += sc.mean_log_prob;
+    }
+    if (!whole)
+      std::fprintf(stderr, "upipe eval: interrupted at S %lld after %zu of %zu sequences\n", static_cast<long long>(L),
+                   r.completed, seqs.size());
+  }
+  // The table: exact match, and in parentheses the fraction of key tokens right.
+  std::printf("\nexact match (key tokens right) by depth and length\n  %-8s", "depth");
+  for (const std::int64_t L : lengths) std::printf(" %16lld", static_cast<long long>(L));
+  std::printf("\n");
+  nlohmann::json rows = nlohmann::json::array();
+  double right = 0, log_prob = 0;
+  int scored = 0;
+  for (std::size_t k = 0; k < depths.size(); ++k) {
+    std::printf("  %-8.3g", depths[k]);
+    for (std::size_t i = 0; i < lengths.size(); ++i) {
+      const cell& c = cells[i][k];
+      if (c.samples == 0) {
+        std::printf(" %16s", "-");
+        continue;
+      }
+      std::printf("    %5.3f (%5.3f)", c.exact / c.samples, c.right / c.samples);
+      rows.push_back({{"seq_len", lengths[i]}, {"depth", depths[k]}, {"samples", c.samples},
+                      {"exact_match", c.exact / c.samples}, {"token_accuracy", c.right / c.samples},
+                      {"mean_log_prob", c.log_prob / c.samples}});
+      right += c.right;
+      log_prob += c.log_prob;
+      scored += c.samples;
+    }
+    std::printf("\n");
+  }
+  const double n = std::max(scored, 1);
+  std::printf("\nkey tokens right over %d needles %.3f, mean log-probability %.3f\n", scored, right / n, log_prob / n);
+  nlohmann::json out = {{"model", s.req.model.name}, {"needle", passkey ? "passkey" : "text"},
+                        {"haystack", passkey ? "passkey" : f.data_path.empty() ? "built-in" : f.data_path},
+                        {"strategy", f.attention}, {"cp", f.cp}, {"samples", f.samples}, {"seed", f.seed},
+                        {"token_accuracy", right / n}, {"mean_log_prob", log_prob / n}, {"cells", rows}};
+  if (!whole) out["interrupted"] = true;
+  write_json(f.json_path, {{"niah", out}});
+  if (!whole && !f.json_path.empty()) std::fprintf(stderr, "upipe eval: the results so far are in %s\n", f.json_path.c_str());
+  return whole ? 0 : 130;
+}
+
+int run(const eval_flags& f) {
+  const eval_setup s = setup(f);
+  interrupted.store(false);
+  std::signal(SIGINT, on_interrupt);
+  const int status = f.niah ? needle_in_a_haystack(f, s) : held_out_loss(f, s);
+  std::signal(SIGINT, SIG_DFL);
+  return status;
 }
 
 }  // namespace
@@ -151,12 +398,21 @@ command_runner add_eval(CLI::App& app) {
   auto f = std::make_shared<eval_flags>();
   add_model_flags(app, f->model, f->config_path);
   app.add_option("--weights", f->weights_path, "weights (a model directory or checkpoint; default the --model directory's)");
-  app.add_option("--data", f->data_path, "held-out data: a corpus PREFIX from upipe prepare-data, or a uint32 token file")
-      ->required();
-  app.add_option("--seq-len", f->seq_lens, "lengths, comma-separated (K and M suffixes), e.g. 4K,32K,128K")
+  app.add_option("--data", f->data_path,
+                 "held-out data: a corpus PREFIX from upipe prepare-data, or a uint32 token file (with --niah: the "
+                 "haystack, default a built-in text)");
+  app.add_option("--seq-len,--lengths", f->seq_lens, "lengths, comma-separated (K and M suffixes), e.g. 4K,32K,128K")
       ->capture_default_str();
-  app.add_option("--samples", f->samples, "sequences per length, consecutive windows from the start")->capture_default_str();
+  app.add_option("--samples", f->samples, "sequences per length (with --niah: per depth and length)")
+      ->capture_default_str();
   app.add_option("--packing", f->packing, "documents (positions and attention per document) or stream")->capture_default_str();
+  app.add_flag("--niah", f->niah, "needle in a haystack: a key planted at each of --depths, asked for at the end");
+  app.add_option("--depths", f->depths, "with --niah: where the needle goes, fractions of the context")
+      ->capture_default_str();
+  app.add_option("--niah-vocab", f->niah_vocab,
+                 "with --niah: text (the model's tokenizer) or passkey (the passkey task's ids); auto: text where the "
+                 "model directory has tokenizer.json")
+      ->capture_default_str();
   app.add_option("--attention", f->attention, "ulysses, upipe or ring")->capture_default_str();
   app.add_option("--cp", f->cp, "ranks in the CP group")->capture_default_str();
   app.add_option("--head-chunk", f->head_chunk, "U for upipe (0: C)");
@@ -164,7 +420,8 @@ command_runner add_eval(CLI::App& app) {
   app.add_option("--mlp-tile", f->mlp_tile, mlp_tile_help);
   app.add_option("--loss-chunk", f->loss_chunk, loss_chunk_help);
   app.add_option("--memory-gib", f->memory_gib, "arena per rank, GiB")->capture_default_str();
-  app.add_option("--seed", f->seed, "seed of random weights (without --model DIR)")->capture_default_str();
+  app.add_option("--seed", f->seed, "seed of random weights (without --model DIR) and of the needles' keys")
+      ->capture_default_str();
   app.add_option("--json", f->json_path, "write the results as JSON");
   return [f] { return run(*f); };
 }

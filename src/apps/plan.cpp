@@ -109,17 +109,24 @@ int run(const plan_flags& f) {
   std::fflush(stdout);
   const plan_result plan = make_plan(r);
 
-  std::printf("\n%-8s %4s %12s %8s %8s  %s\n", "strategy", "U", "longest S", "GPU GiB", "host GiB", "checkpoint policy");
+  // Beside each: the longest length `upipe eval` reaches (forward only, weights alone).
+  const auto eval_text = [](const plan_entry& e) {
+    return e.longest_eval ? tokens_text(e.longest_eval->seq_len) : std::string("none");
+  };
+  std::printf("\n%-8s %4s %12s %8s %8s %12s  %s\n", "strategy", "U", "longest S", "GPU GiB", "host GiB", "eval S",
+              "checkpoint policy");
   for (const plan_entry& e : plan.entries) {
     if (!e.longest) {
-      std::printf("%-8s %4s %12s %8s %8s  %s\n", std::string(strategy_name(e.strategy)).c_str(), u_text(e).c_str(),
-                  "none", "-", "-", "does not fit even the shortest length");
+      std::printf("%-8s %4s %12s %8s %8s %12s  %s\n", std::string(strategy_name(e.strategy)).c_str(),
+                  u_text(e).c_str(), "none", "-", "-", eval_text(e).c_str(), "does not fit even the shortest length");
       continue;
     }
     const plan_point& p = *e.longest;
-    std::printf("%-8s %4s %12s %8.1f %8.1f  %s\n", std::string(strategy_name(e.strategy)).c_str(), u_text(e).c_str(),
-                tokens_text(p.seq_len).c_str(), gib(p.gpu_bytes), gib(p.host_bytes), p.policy.str().c_str());
+    std::printf("%-8s %4s %12s %8.1f %8.1f %12s  %s\n", std::string(strategy_name(e.strategy)).c_str(),
+                u_text(e).c_str(), tokens_text(p.seq_len).c_str(), gib(p.gpu_bytes), gib(p.host_bytes),
+                eval_text(e).c_str(), p.policy.str().c_str());
   }
+  std::printf("(eval S: the longest length upipe eval fits, forward only with the weights alone)\n");
   if (r.seq_len) {
     std::printf("\nat S = %s:\n%-8s %4s %6s %8s %8s  %s\n", tokens_text(*r.seq_len).c_str(), "strategy", "U", "fits",
                 "GPU GiB", "host GiB", "checkpoint policy (the fastest that fits, else the closest to fitting)");
@@ -154,6 +161,11 @@ int run(const plan_flags& f) {
           if (key != "seq_len") j[key] = value;
       }
       if (e.at_request) j["at_seq_len"] = point_json(*e.at_request);
+      if (e.longest_eval)
+        j["eval"] = {{"max_seq_len", e.longest_eval->seq_len},
+                     {"peak_bytes", e.longest_eval->peak_bytes},
+                     {"arena_bytes", e.longest_eval->arena_bytes},
+                     {"gpu_bytes", e.longest_eval->gpu_bytes}};
       entries.push_back(j);
     }
     const nlohmann::json doc = {

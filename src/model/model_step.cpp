@@ -1,5 +1,6 @@
 #include "model/model_step.hpp"
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 
@@ -110,8 +111,44 @@ model_step_result run_model_step(const model_step_request& req, const host_weigh
   return result;
 }
 
+sequence_scores score_sequence(transformer& model, parameter_store& params, communicator& comm,
+                               const prepared_sequence& seq, std::span<const std::int64_t> argmax_at) {
+  const int C = comm.size();
+  const std::int64_t s = model.local_tokens();
+  const auto runs = model.local_positions(comm.rank());
+  // The local rows of the wanted positions this rank holds.
+  std::vector<std::int64_t> rows;
+  std::vector<std::size_t> wanted;
+  for (std::size_t j = 0; j < argmax_at.size(); ++j)
+    for (const position_run& run : runs)
+      if (argmax_at[j] >= run.position_begin && argmax_at[j] < run.position_begin + run.count) {
+        rows.push_back(run.token_begin + argmax_at[j] - run.position_begin);
+        wanted.push_back(j);
+      }
+  const auto ids = shard_rows(seq.ids, 1, runs, s);
+  const auto labels = shard_rows(seq.labels, 1, runs, s);
+  const transformer::scores local = model.forward_scores(params, {ids, labels, 1.0, seq.documents}, rows);
+  std::vector<float> all(static_cast<std::size_t>(s * C));
+  comm.all_gather(local.losses.data(), all.data(), local.losses.size() * sizeof(float), "eval_losses");
+  sequence_scores out;
+  out.losses.resize(seq.ids.size());
+  for (int r = 0; r < C; ++r)
+    for (const position_run& run : model.local_positions(r))
+      std::copy_n(all.begin() + r * s + run.token_begin, run.count, out.losses.begin() + run.position_begin);
+  if (argmax_at.empty()) return out;
+  // Each position lives on one rank; the others contribute -1.
+  std::vector<std::int32_t> mine(argmax_at.size(), -1), every(argmax_at.size() * static_cast<std::size_t>(C));
+  for (std::size_t i = 0; i < rows.size(); ++i) mine[wanted[i]] = local.argmax[i];
+  comm.all_gather(mine.data(), every.data(), mine.size() * sizeof(std::int32_t), "eval_argmax");
+  out.argmax.assign(argmax_at.size(), -1);
+  for (int r = 0; r < C; ++r)
+    for (std::size_t j = 0; j < argmax_at.size(); ++j)
+      out.argmax[j] = std::max(out.argmax[j], every[static_cast<std::size_t>(r) * argmax_at.size() + j]);
+  return out;
+}
+
 eval_result evaluate(const model_step_request& req, const weight_source& weights,
-                     const std::vector<eval_sequence>& sequences) {
+                     const std::vector<eval_sequence>& sequences, const eval_hooks& hooks) {
   validate(req.model);
   eval_result result;
   if (sequences.empty()) return result;
@@ -119,34 +156,38 @@ eval_result evaluate(const model_step_request& req, const weight_source& weights
   std::vector<prepared_sequence> seqs;
   for (const eval_sequence& s : sequences) seqs.push_back(prepare_sequence(s.tokens, unit, s.documents));
   const auto seq_len = static_cast<std::int64_t>(seqs.front().ids.size());
-  for (const prepared_sequence& s : seqs)
-    UPIPE_CHECK(static_cast<std::int64_t>(s.ids.size()) == seq_len, "evaluate takes sequences of one length");
+  for (std::size_t i = 0; i < seqs.size(); ++i) {
+    UPIPE_CHECK(static_cast<std::int64_t>(seqs[i].ids.size()) == seq_len, "evaluate takes sequences of one length");
+    for (const std::int64_t p : sequences[i].argmax_at)
+      UPIPE_CHECK(p >= 0 && p < static_cast<std::int64_t>(sequences[i].tokens.size()),
+                  "argmax position " + std::to_string(p) + " is outside the sequence");
+  }
   attention_config_for(req.model, req.cp, seq_len);
   result.target_loss.resize(sequences.size());
+  result.argmax.resize(sequences.size());
   const auto start = std::chrono::steady_clock::now();
   run_cp_group(req.backend, req.limits, req.cp.cp, [&](int rank, backend& be, communicator& comm) {
     parameter_store params(req.model, be, comm, zero_stage::inference);
     params.load(weights);
     transformer model(req.model, req.cp, seq_len, be, {&comm, &comm}, req.options);
-    const int C = comm.size();
-    const std::int64_t s = model.local_tokens();
     for (std::size_t i = 0; i < seqs.size(); ++i) {
-      const auto runs = model.local_positions(rank);
-      const auto ids = shard_rows(seqs[i].ids, 1, runs, s);
-      const auto labels = shard_rows(seqs[i].labels, 1, runs, s);
-      const std::vector<float> local = model.forward_losses(params, {ids, labels, 1.0, seqs[i].documents});
-      std::vector<float> all(static_cast<std::size_t>(s * C));
-      comm.all_gather(local.data(), all.data(), local.size() * sizeof(float), "eval_losses");
-      if (rank != 0 || !be.has_data()) continue;
-      std::vector<float> global(static_cast<std::size_t>(seq_len));
-      for (int r = 0; r < C; ++r)
-        for (const auto& run : model.local_positions(r))
-          std::copy_n(all.begin() + r * s + run.token_begin, run.count, global.begin() + run.position_begin);
-      const std::size_t n = sequences[i].tokens.size();
-      auto& out = result.target_loss[i];
-      out.resize(n > 0 ? n - 1 : 0);
-      for (std::size_t t = 0; t + 1 < n; ++t)
-        out[t] = seqs[i].labels[t] == masked_label ? std::nanf("") : global[t];
+      // Every rank learns whether any was asked to stop, so that all stop at one sequence.
+      std::int32_t stop = hooks.stop && hooks.stop() ? 1 : 0;
+      std::vector<std::int32_t> stops(static_cast<std::size_t>(comm.size()));
+      comm.all_gather(&stop, stops.data(), sizeof(stop), "eval_stop");
+      if (std::find(stops.begin(), stops.end(), 1) != stops.end()) break;
+      const sequence_scores scored = score_sequence(model, params, comm, seqs[i], sequences[i].argmax_at);
+      if (rank != 0) continue;
+      result.completed = i + 1;
+      if (be.has_data()) {
+        const std::size_t n = sequences[i].tokens.size();
+        auto& out = result.target_loss[i];
+        out.resize(n > 0 ? n - 1 : 0);
+        for (std::size_t t = 0; t + 1 < n; ++t)
+          out[t] = seqs[i].labels[t] == masked_label ? std::nanf("") : scored.losses[t];
+        result.argmax[i] = scored.argmax;
+      }
+      if (hooks.progress) hooks.progress(i + 1);
     }
     if (rank == 0) {
       result.peak_bytes = be.ledger().peaks_by_name();

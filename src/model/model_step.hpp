@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <span>
 #include <string>
@@ -58,22 +59,43 @@ struct model_step_result {
 // with one of `prefixes` (the working set of one part of the step, such as "mlp_").
 std::size_t peak_of_labels(const std::vector<ledger_event>& timeline, std::initializer_list<std::string_view> prefixes);
 
+// One prepared sequence scored by every rank of a CP group, forward only: the loss of
+// each target t (the cross-entropy of token t + 1 given tokens 0..t; 0 where masked) in
+// global order, and the argmax prediction at the global positions `argmax_at` (the token
+// predicted for position p + 1), both on every rank.
+struct sequence_scores {
+  std::vector<float> losses;          // the padded length
+  std::vector<std::int32_t> argmax;   // argmax_at.size()
+};
+sequence_scores score_sequence(transformer& model, parameter_store& params, communicator& comm,
+                               const prepared_sequence& seq, std::span<const std::int64_t> argmax_at = {});
+
 // Forward-only evaluation of sequences of one length (a store of weights alone: no
 // checkpoints, gradients or optimizer state). target_loss[i][t] is sequence i's
 // cross-entropy of token t + 1 given tokens 0..t, NaN where the target is not counted (it
-// crosses a document boundary).
+// crosses a document boundary); argmax[i][j] is the model's prediction at position
+// argmax_at[j] (for token argmax_at[j] + 1).
 struct eval_sequence {
   std::vector<std::int32_t> tokens;
   std::vector<std::int64_t> documents;  // where each begins (empty: one document)
+  std::vector<std::int64_t> argmax_at;  // positions whose argmax prediction is wanted
 };
 struct eval_result {
   std::vector<std::vector<float>> target_loss;
+  std::vector<std::vector<std::int32_t>> argmax;
+  std::size_t completed = 0;                      // sequences scored (fewer when stopped)
   std::map<std::string, std::size_t> peak_bytes;  // rank 0
   std::size_t arena_high_water = 0;               // rank 0
   double seconds = 0;
 };
+// Between sequences: `progress(done)` runs on rank 0 after each, and the ranks stop
+// together (result.completed < sequences.size()) once `stop()` has returned true on any.
+struct eval_hooks {
+  std::function<void(std::size_t done)> progress;
+  std::function<bool()> stop;
+};
 eval_result evaluate(const model_step_request& request, const weight_source& weights,
-                     const std::vector<eval_sequence>& sequences);
+                     const std::vector<eval_sequence>& sequences, const eval_hooks& hooks = {});
 
 // Throws io_error if a weight is missing (weights may be empty on meta).
 model_step_result run_model_step(const model_step_request& request, const host_weights& weights,

@@ -170,48 +170,38 @@ void transformer::release_head(parameter_store& params) {
   params.release(params.head_unit());
 }
 
-std::vector<float> transformer::forward_losses(parameter_store& params, const local_batch& batch) {
+transformer::scores transformer::forward_scores(parameter_store& params, const local_batch& batch,
+                                                std::span<const std::int64_t> argmax_rows) {
   attention_.strategy().set_documents({batch.documents.begin(), batch.documents.end()});
   tensor ids = upload_ids(batch.ids, "token_ids");
   tensor labels = upload_ids(batch.labels, "labels");
   forward_layers(params, embed(params, ids), nullptr);
   const phase_scope phase(be_, "loss");
   acquire_head(params);
+  const std::int64_t V = model_.vocab_size;
+  scores out{std::vector<float>(static_cast<std::size_t>(tokens_), 0.0f),
+             std::vector<std::int32_t>(argmax_rows.size(), 0)};
+  std::vector<float> row(static_cast<std::size_t>(V));
   tensor row_loss = be_.allocate(mem_tag::activations, dtype::f32, {tokens_, 1}, "row_loss");
   for (std::int64_t t0 = 0; t0 < tokens_; t0 += loss_chunk_) {
     const std::int64_t n = std::min(loss_chunk_, tokens_ - t0);
     tensor logits = chunk_logits(params, t0, n);
+    for (std::size_t i = 0; i < argmax_rows.size(); ++i) {
+      const std::int64_t r = argmax_rows[i];
+      UPIPE_CHECK(r >= 0 && r < tokens_, "argmax row " + std::to_string(r) + " is not local");
+      if (r < t0 || r >= t0 + n) continue;
+      tensor one = be_.allocate(mem_tag::workspace, dtype::f32, {1, V}, "argmax_row");
+      copy_matrix(be_, one.matrix(), logits.matrix().row_block(r - t0, 1));
+      if (!be_.has_data()) continue;
+      be_.download_f32(row.data(), one);
+      out.argmax[i] = static_cast<std::int32_t>(std::max_element(row.begin(), row.end()) - row.begin());
+    }
     ops::cross_entropy(be_, {logits.matrix(), labels.matrix().row_block(t0, n), row_loss.matrix().row_block(t0, n), 0.0f});
   }
   release_head(params);
   final_hidden_.reset();
-  std::vector<float> losses(static_cast<std::size_t>(tokens_), 0.0f);
-  if (be_.has_data()) be_.download_f32(losses.data(), row_loss);
-  return losses;
-}
-
-std::vector<std::int32_t> transformer::forward_argmax(parameter_store& params, std::span<const std::int32_t> ids_host,
-                                                     std::span<const std::int64_t> documents) {
-  attention_.strategy().set_documents({documents.begin(), documents.end()});
-  tensor ids = upload_ids(ids_host, "token_ids");
-  forward_layers(params, embed(params, ids), nullptr);
-  const std::int64_t V = model_.vocab_size;
-  std::vector<std::int32_t> best(static_cast<std::size_t>(tokens_), 0);
-  acquire_head(params);
-  std::vector<float> row_logits(static_cast<std::size_t>(loss_chunk_ * V));
-  for (std::int64_t t0 = 0; t0 < tokens_; t0 += loss_chunk_) {
-    const std::int64_t n = std::min(loss_chunk_, tokens_ - t0);
-    tensor logits = chunk_logits(params, t0, n);
-    if (!be_.has_data()) continue;
-    be_.download_f32(row_logits.data(), logits);
-    for (std::int64_t i = 0; i < n; ++i) {
-      const float* row = row_logits.data() + i * V;
-      best[t0 + i] = static_cast<std::int32_t>(std::max_element(row, row + V) - row);
-    }
-  }
-  release_head(params);
-  final_hidden_.reset();
-  return best;
+  if (be_.has_data()) be_.download_f32(out.losses.data(), row_loss);
+  return out;
 }
 
 tensor transformer::layer_forward(const layer_params& p, const tensor& x, mem_tag out_tag,

@@ -75,13 +75,14 @@ class transformer {
   // per-token losses (fp64) over its unmasked labels.
   double forward_backward(parameter_store& params, const local_batch& batch);
 
-  // Forward only: each local token's cross-entropy against its label (0 where masked),
-  // fp32, with no checkpoint and no gradient (evaluation).
-  std::vector<float> forward_losses(parameter_store& params, const local_batch& batch);
-
-  // Forward only: the argmax token of the logits at each local position (evaluation).
-  std::vector<std::int32_t> forward_argmax(parameter_store& params, std::span<const std::int32_t> ids,
-                                           std::span<const std::int64_t> documents = {});
+  // Forward only, with no checkpoint and no gradient (evaluation): each local token's
+  // cross-entropy against its label (fp32, 0 where masked), and the argmax token of the
+  // logits at the local rows `argmax_rows` (only those rows' logits leave the device).
+  struct scores {
+    std::vector<float> losses;          // local_tokens()
+    std::vector<std::int32_t> argmax;   // argmax_rows.size()
+  };
+  scores forward_scores(parameter_store& params, const local_batch& batch, std::span<const std::int64_t> argmax_rows = {});
 
  private:
   struct mlp_tile_buffers {

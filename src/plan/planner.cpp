@@ -1,10 +1,12 @@
 #include "plan/planner.hpp"
 
 #include <algorithm>
+#include <functional>
 #include <future>
 #include <string>
 
 #include "core/error.hpp"
+#include "model/hf_model.hpp"
 #include "model/model_step.hpp"
 
 namespace upipe {
@@ -40,10 +42,10 @@ train_options probe_options(const plan_request& r, const cp_settings& cp, std::i
 // The lengths searched: multiples of the layout's unit times 1024.
 std::int64_t granule(const cp_settings& cp) { return layout_unit(cp) * 1024; }
 
-// The longest multiple of the granule at which `policy` fits (0: not even one granule).
-std::int64_t longest_fit(const plan_request& r, const cp_settings& cp, const checkpoint_policy& policy) {
+// The longest multiple of the granule at which `fits` holds (0: not even one granule).
+std::int64_t longest_fit(const cp_settings& cp, const std::function<bool(std::int64_t seq_len)>& fits_at) {
   const std::int64_t g = granule(cp);
-  auto fits = [&](std::int64_t k) { return evaluate(r, cp, k * g, policy).fits; };
+  auto fits = [&](std::int64_t k) { return fits_at(k * g); };
   if (!fits(1)) return 0;
   std::int64_t good = 1, bad = 2;
   while (bad * g <= longest_searched && fits(bad)) {
@@ -80,10 +82,15 @@ plan_entry plan_configuration(const plan_request& r, const cp_settings& cp) {
   std::int64_t best = 0;
   std::size_t chosen = 0;
   for (std::size_t i = 0; i < policies.size(); ++i) {
-    const std::int64_t s = longest_fit(r, cp, policies[i]);
+    const std::int64_t s =
+        longest_fit(cp, [&](std::int64_t seq_len) { return evaluate(r, cp, seq_len, policies[i]).fits; });
     if (s > best) best = s, chosen = i;  // ties keep the earlier (faster) policy
   }
   if (best > 0) e.longest = evaluate(r, cp, best, policies[chosen]);
+  if (r.eval) {
+    const std::int64_t s = longest_fit(cp, [&](std::int64_t seq_len) { return evaluate_forward(r, cp, seq_len).fits; });
+    if (s > 0) e.longest_eval = evaluate_forward(r, cp, s);
+  }
   if (r.seq_len) e.at_request = fastest_fit(r, cp, *r.seq_len);
   return e;
 }
@@ -122,6 +129,26 @@ plan_point evaluate(const plan_request& r, const cp_settings& cp, std::int64_t s
   const double keep = 1.0 - r.margin;
   p.fits = static_cast<double>(p.gpu_bytes) <= keep * static_cast<double>(r.gpu_memory) &&
            static_cast<double>(p.host_bytes) <= keep * static_cast<double>(r.host_memory);
+  return p;
+}
+
+eval_point evaluate_forward(const plan_request& r, const cp_settings& cp, std::int64_t seq_len) {
+  const train_options o = probe_options(r, cp, seq_len, candidate_policies().front());
+  model_step_request req;
+  req.model = r.model;
+  req.cp = cp;
+  req.options = o.step;
+  req.backend = backend_kind::meta;
+  req.limits = o.limits;
+  const host_weights none;
+  const eval_result m = upipe::evaluate(req, host_weight_source(none), {eval_sequence{std::vector<std::int32_t>(
+                                                                    static_cast<std::size_t>(seq_len)), {}, {}}});
+  eval_point p;
+  p.seq_len = seq_len;
+  p.peak_bytes = m.peak_bytes;
+  p.arena_bytes = m.arena_high_water;
+  p.gpu_bytes = p.arena_bytes + context_bytes;
+  p.fits = static_cast<double>(p.gpu_bytes) <= (1.0 - r.margin) * static_cast<double>(r.gpu_memory);
   return p;
 }
 

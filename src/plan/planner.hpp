@@ -30,6 +30,7 @@ struct plan_request {
   zero_stage zero = zero_stage::three;
   std::int64_t mlp_tile = 0, loss_chunk = 0;  // as for training (0: defaults)
   std::optional<checkpoint_policy> policy;    // only this policy (default: candidate_policies())
+  bool eval = true;                           // also the longest length `upipe eval` fits
 };
 
 // The libraries' share of a GPU: their workspaces (in the arena, reserved by the meta
@@ -52,10 +53,21 @@ struct plan_point {
   bool fits = false;
 };
 
+// Forward-only evaluation (`upipe eval`) at one length: the weights alone (bf16, whole
+// on every rank), no checkpoints, gradients or optimizer state.
+struct eval_point {
+  std::int64_t seq_len = 0;
+  std::map<std::string, std::size_t> peak_bytes;  // meta: tag -> bytes
+  std::size_t arena_bytes = 0;  // predicted arena high water on the GPU, workspaces included
+  std::size_t gpu_bytes = 0;    // arena + context
+  bool fits = false;
+};
+
 struct plan_entry {
   strategy_kind strategy = strategy_kind::upipe;
   int head_chunk = 0;                 // U (upipe), H (ulysses), 0 (ring)
   std::optional<plan_point> longest;  // at the longest length that fits (none: nothing fits)
+  std::optional<eval_point> longest_eval;  // the longest evaluable length (with plan_request::eval)
   std::optional<plan_point> at_request;  // at the requested length: the fastest policy that fits, or the
                                          // smallest footprint when none does
 };
@@ -75,6 +87,9 @@ gpu_overheads estimate_overheads(const step_memory& memory);
 // One configuration at one length and policy.
 plan_point evaluate(const plan_request& request, const cp_settings& cp, std::int64_t seq_len,
                     const checkpoint_policy& policy);
+
+// Forward-only evaluation at one length (the meta backend running upipe eval's forward).
+eval_point evaluate_forward(const plan_request& request, const cp_settings& cp, std::int64_t seq_len);
 
 // Throws config_error for a bad request (naming the flag, the rule and a valid value).
 void validate(const plan_request& request);

@@ -8,6 +8,7 @@
 #include <array>
 #include <bit>
 #include <cerrno>
+#include <cmath>
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
@@ -314,7 +315,7 @@ passkey_task::passkey_task(std::int64_t seq_len) : seq_len_(seq_len) {
 
 std::int64_t passkey_task::min_seq_len() { return 1 + key_block + query_block + shortest_sentence(); }
 
-passkey_sample passkey_task::sample(std::uint64_t seed, std::uint64_t index) const {
+passkey_sample passkey_task::sample(std::uint64_t seed, std::uint64_t index, std::optional<double> depth_fraction) const {
   std::mt19937_64 rng(mix64(mix64(seed) ^ index));
 
   passkey_sample s;
@@ -337,7 +338,15 @@ passkey_sample passkey_task::sample(std::uint64_t seed, std::uint64_t index) con
     filler.insert(filler.end(), sentence.begin(), sentence.begin() + static_cast<std::ptrdiff_t>(take));
     if (take == sentence.size()) boundaries.push_back(filler.size());
   }
-  const std::size_t depth = boundaries[uniform_below(rng, boundaries.size())];
+  std::size_t depth = 0;
+  if (depth_fraction) {
+    UPIPE_CHECK(*depth_fraction >= 0 && *depth_fraction <= 1, "needle depth must be in [0, 1]");
+    const double target = *depth_fraction * static_cast<double>(filler_len);
+    for (const std::size_t b : boundaries)
+      if (std::abs(static_cast<double>(b) - target) < std::abs(static_cast<double>(depth) - target)) depth = b;
+  } else {
+    depth = boundaries[uniform_below(rng, boundaries.size())];
+  }
 
   s.tokens.reserve(static_cast<std::size_t>(seq_len_));
   s.tokens.push_back(bos);

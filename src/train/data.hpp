@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -139,8 +140,9 @@ class passkey_task {
 
   // Sample number `index` of the stream `seed`: the same (seed, index) gives the same
   // sample on every rank and every run (training uses the step number as index;
-  // held-out samples use another seed).
-  passkey_sample sample(std::uint64_t seed, std::uint64_t index) const;
+  // held-out samples use another seed). The key goes at a random sentence boundary, or
+  // with `depth` (0: first, 1: last) at the boundary nearest that fraction of the filler.
+  passkey_sample sample(std::uint64_t seed, std::uint64_t index, std::optional<double> depth = {}) const;
 
   // The fraction of key digits right, where predicted[i] is the model's argmax for the
   // token at position answer_start + i (teacher forcing: the prediction made at position

@@ -178,7 +178,7 @@ double held_out_loss(rank_context& rc, data_source& held_out, std::int64_t lengt
     const prepared_sequence seq = prepare_sequence(s.tokens, layout_unit(o.cp), s.documents);
     const auto ids = shard_rows(seq.ids, 1, runs, model.local_tokens());
     const auto labels = shard_rows(seq.labels, 1, runs, model.local_tokens());
-    for (const float loss : model.forward_losses(rc.params, {ids, labels, 1.0, seq.documents})) local += loss;
+    for (const float loss : model.forward_scores(rc.params, {ids, labels, 1.0, seq.documents}).losses) local += loss;
     counted += seq.counted;
   }
   return sum_over_ranks(rc.comm, local, "eval_loss_sum") / static_cast<double>(std::max<std::int64_t>(counted, 1));
@@ -188,22 +188,13 @@ double held_out_loss(rank_context& rc, data_source& held_out, std::int64_t lengt
 // answer digit must be that digit.
 double evaluate(rank_context& rc, const passkey_task& task) {
   double right = 0;
-  const int C = rc.comm.size();
   transformer& model = rc.model(rc.options.seq_len);
-  const std::int64_t s = model.local_tokens();
   for (int i = 0; i < rc.options.eval_samples; ++i) {
     const passkey_sample sample = task.sample(rc.options.seed ^ held_out_stream, static_cast<std::uint64_t>(i));
     const prepared_sequence seq = prepare_sequence(sample.tokens, layout_unit(rc.options.cp));
-    const auto local = model.forward_argmax(rc.params, shard_rows(seq.ids, 1, model.local_positions(rc.comm.rank()), s));
-    std::vector<std::int32_t> all(static_cast<std::size_t>(s * C));
-    rc.comm.all_gather(local.data(), all.data(), local.size() * sizeof(std::int32_t), "eval_gather");
-    std::vector<std::int32_t> global(seq.ids.size());
-    for (int r = 0; r < C; ++r)
-      for (const auto& run : model.local_positions(r))
-        std::copy_n(all.begin() + r * s + run.token_begin, run.count, global.begin() + run.position_begin);
-    std::vector<std::int32_t> predicted;
-    for (std::int64_t k = 0; k < passkey_task::key_digits; ++k) predicted.push_back(global[sample.answer_start + k - 1]);
-    right += passkey_task::digits_right(sample, predicted);
+    std::vector<std::int64_t> before_digits;
+    for (std::int64_t k = 0; k < passkey_task::key_digits; ++k) before_digits.push_back(sample.answer_start + k - 1);
+    right += passkey_task::digits_right(sample, score_sequence(model, rc.params, rc.comm, seq, before_digits).argmax);
   }
   return rc.options.eval_samples > 0 ? right / rc.options.eval_samples : 0.0;
 }

@@ -131,7 +131,8 @@ namespace {
 // machines are shared and noisy.
 TEST(train_cli, default_run_learns_the_passkey) {
   const auto dir = upipe::testing::temp_dir("train_default");
-  const upipe::testing::run_result r = upipe::testing::run_upipe("train --metrics-json " + (dir / "m.jsonl").string());
+  const upipe::testing::run_result r =
+      upipe::testing::run_upipe("train --metrics-json " + (dir / "m.jsonl").string() + " --save " + (dir / "ckpt").string());
   ASSERT_EQ(r.exit_code, 0) << r.output;
   const auto rows = read_lines(dir / "m.jsonl");
   ASSERT_GE(rows.size(), 2u);
@@ -143,6 +144,22 @@ TEST(train_cli, default_run_learns_the_passkey) {
   // The last tenth of the steps runs at the full length.
   EXPECT_EQ(rows[rows.size() - 2]["seq_len"].get<int>(), 128);
   EXPECT_EQ(rows.front()["seq_len"].get<int>(), 32);
+  // The saved model finds the key at every depth in eval --niah as train's retrieval
+  // accuracy says (the fraction of key digits right); a random model does not.
+  const upipe::testing::run_result niah = upipe::testing::run_upipe(
+      "eval --niah --model " + (dir / "ckpt").string() + " --lengths 128 --depths 0,0.25,0.5,0.75,1 --samples 8 --cp 4 "
+      "--json " + (dir / "niah.json").string());
+  ASSERT_EQ(niah.exit_code, 0) << niah.output;
+  std::ifstream in(dir / "niah.json");
+  const auto trained = nlohmann::json::parse(in)["niah"];
+  EXPECT_EQ(trained["needle"], "passkey");
+  EXPECT_EQ(trained["cells"].size(), 5u);
+  EXPECT_NEAR(trained["token_accuracy"].get<double>(), rows.back()["retrieval_accuracy"].get<double>(), 0.15);
+  const upipe::testing::run_result random = upipe::testing::run_upipe(
+      "eval --niah --lengths 128 --samples 8 --cp 4 --json " + (dir / "random.json").string());
+  ASSERT_EQ(random.exit_code, 0) << random.output;
+  std::ifstream in_random(dir / "random.json");
+  EXPECT_LT(nlohmann::json::parse(in_random)["niah"]["token_accuracy"].get<double>(), 0.2);
   fs::remove_all(dir);
 }
 
@@ -283,6 +300,84 @@ TEST(eval_cli, loss_by_position_over_a_corpus) {
     EXPECT_EQ(plot.exit_code, 0) << plot.output;
     EXPECT_TRUE(fs::exists(dir / "plots" / "loss_by_position.svg"));
   }
+  fs::remove_all(dir);
+}
+
+// eval --niah with the model tokenizer's own text: in the built-in haystack and in the
+// user's data, a table and JSON of every depth x length cell.
+TEST(eval_cli, needle_in_a_haystack_in_the_tokenizers_text) {
+  if (std::system("python3 -c 'import tokenizers' >/dev/null 2>&1") != 0)
+    GTEST_SKIP() << "Hugging Face tokenizers is not installed here";
+  const auto dir = temp_dir("eval_niah");
+  write_tokens(dir / "hay.bin", 4096, 256);
+  for (const std::string haystack : {std::string(), " --data " + (dir / "hay.bin").string()}) {
+    const run_result r = run_upipe("eval --niah --model " + hf_fixture("llama-yarn-shards") +
+                                   " --lengths 256,512 --depths 0,0.5,1 --samples 2 --cp 2 --attention upipe --json " +
+                                   (dir / "n.json").string() + haystack);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("exact match"), std::string::npos) << r.output;
+    const auto j = read_json(dir / "n.json")["niah"];
+    EXPECT_EQ(j["needle"], "text");
+    EXPECT_EQ(j["haystack"], haystack.empty() ? "built-in" : (dir / "hay.bin").string());
+    ASSERT_EQ(j["cells"].size(), 6u);
+    for (const auto& c : j["cells"]) {
+      EXPECT_EQ(c["samples"], 2);
+      EXPECT_LT(c["mean_log_prob"].get<double>(), 0.0);
+      EXPECT_GE(c["token_accuracy"].get<double>(), 0.0);
+    }
+  }
+  if (std::system("python3 -c 'import matplotlib' >/dev/null 2>&1") == 0) {
+    const run_result plot = run_upipe("report --out " + (dir / "plots").string() + " " + (dir / "n.json").string());
+    EXPECT_EQ(plot.exit_code, 0) << plot.output;
+    EXPECT_TRUE(fs::exists(dir / "plots" / "niah_heatmap.svg"));
+    EXPECT_TRUE(fs::exists(dir / "plots" / "niah_heatmap.png"));
+  }
+  fs::remove_all(dir);
+}
+
+TEST(eval_cli, bad_needle_requests_are_refused_before_any_length_runs) {
+  const auto dir = temp_dir("eval_niah_bad");
+  write_tokens(dir / "hay.bin", 64, 256);
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"--niah --depths 0,1.5", "--depths entry '1.5'"},
+      {"--niah --niah-vocab words", "--niah-vocab words is not known"},
+      {"--niah --niah-vocab text", "needs the model directory's tokenizer.json"},
+      {"--niah --lengths 8", "too short for the passkey task"},
+      {"--niah --data " + (dir / "hay.bin").string(), "the passkey needle's haystack"},
+      {"--niah --samples 0", "--samples 0 must be at least 1"},
+      {"--niah --model " + hf_fixture("llama-yarn-shards") + " --data " + (dir / "hay.bin").string() + " --lengths 1K",
+       "fewer"},
+  };
+  for (const auto& [args, message] : cases) {
+    const run_result r = run_upipe("eval " + args);
+    EXPECT_EQ(r.exit_code, 2) << args << "\n" << r.output;
+    EXPECT_NE(r.output.find(message), std::string::npos) << args << "\n" << r.output;
+    EXPECT_EQ(r.output.find("sequences"), std::string::npos) << "ran before refusing: " << args;
+  }
+  fs::remove_all(dir);
+}
+
+// Ctrl-C stops a long evaluation at the next sequence: exit 130, no stack trace, the
+// lengths finished so far in the JSON, marked interrupted.
+TEST(eval_cli, ctrl_c_keeps_what_was_scored) {
+  const auto dir = temp_dir("eval_interrupt");
+  write_tokens(dir / "data.bin", 4096, 256);
+  const std::string eval = std::string(UPIPE_BINARY) + " eval --model " + hf_fixture("llama-yarn-shards") + " --data " +
+                           (dir / "data.bin").string() + " --seq-len 1K --samples 100000 --json " +
+                           (dir / "e.json").string();
+  const std::string script = eval + " >" + (dir / "out.txt").string() + " 2>&1 & p=$!; sleep 3; kill -INT $p; wait $p; "
+                             "echo $? >" + (dir / "rc.txt").string();
+  ASSERT_EQ(std::system(("sh -c '" + script + "'").c_str()), 0);
+  std::ifstream rc(dir / "rc.txt");
+  int code = 0;
+  rc >> code;
+  std::ifstream out_file(dir / "out.txt");
+  const std::string out((std::istreambuf_iterator<char>(out_file)), std::istreambuf_iterator<char>());
+  EXPECT_EQ(code, 130) << out;
+  EXPECT_NE(out.find("interrupted at S 1024"), std::string::npos) << out;
+  EXPECT_EQ(out.find("internal error"), std::string::npos) << out;
+  const auto j = read_json(dir / "e.json");
+  EXPECT_TRUE(j["interrupted"].get<bool>());
   fs::remove_all(dir);
 }
 

@@ -3,7 +3,9 @@
 // documents (scripts/make_hf_fixtures.py, scripts/make_document_golden.py).
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <cmath>
+#include <tuple>
 #include <fstream>
 #include <string>
 
@@ -43,8 +45,8 @@ TEST_P(eval_positions, every_target_equals_transformers) {
   const hf_model_files files(dir, config);
   const auto golden = read_json(dir + "/golden.json");
   const auto documents = read_json(dir + "/documents.json");
-  eval_sequence whole{golden["tokens"].get<std::vector<std::int32_t>>(), {}};
-  eval_sequence packed{whole.tokens, documents["starts"].get<std::vector<std::int64_t>>()};
+  eval_sequence whole{golden["tokens"].get<std::vector<std::int32_t>>(), {}, {}};
+  eval_sequence packed{whole.tokens, documents["starts"].get<std::vector<std::int64_t>>(), {}};
   for (int cp : {1, 2, 4}) {
     std::vector<std::pair<strategy_kind, int>> cases = {{strategy_kind::ulysses, 0}, {strategy_kind::ring, 0}};
     for (int u : valid_head_chunks(config.num_heads, cp)) cases.push_back({strategy_kind::upipe, u});
@@ -75,6 +77,71 @@ INSTANTIATE_TEST_SUITE_P(models, eval_positions,
                              if (c == '-') c = '_';
                            return name;
                          });
+
+
+model_step_request tiny_request(const model_config& config, strategy_kind kind, int cp, int u) {
+  model_step_request req;
+  req.model = config;
+  req.cp = {kind, cp, u};
+  req.options.mlp_tile = 5;
+  req.options.loss_chunk = 7;
+  req.limits = {std::size_t{256} << 20, std::size_t{64} << 20};
+  return req;
+}
+
+// The argmax at a position is the token whose loss there is smallest: tried as the next
+// token, every id of the vocabulary in turn (cp 1), against the argmax every strategy
+// reports (only the asked rows' logits leave the ranks).
+TEST(eval_argmax, is_the_token_of_least_loss_under_every_strategy) {
+  const std::string dir = std::string(UPIPE_SOURCE_DIR) + "/tests/golden/hf/qwen3-tied";
+  const model_config config = read_hf_config(dir);
+  const hf_model_files files(dir, config);
+  const auto tokens = read_json(dir + "/golden.json")["tokens"].get<std::vector<std::int32_t>>();
+  const std::vector<std::int64_t> at = {0, 13, static_cast<std::int64_t>(tokens.size()) - 2};
+  std::vector<std::int32_t> least;
+  for (const std::int64_t t : at) {
+    std::vector<eval_sequence> tries;
+    for (std::int32_t v = 0; v < config.vocab_size; ++v) {
+      eval_sequence s{tokens, {}, {}};
+      s.tokens[static_cast<std::size_t>(t) + 1] = v;
+      tries.push_back(std::move(s));
+    }
+    const eval_result r = evaluate(tiny_request(config, strategy_kind::ulysses, 1, 0), files, tries);
+    std::int32_t best = 0;
+    for (std::int32_t v = 1; v < config.vocab_size; ++v)
+      if (r.target_loss[v][t] < r.target_loss[best][t]) best = v;
+    least.push_back(best);
+  }
+  for (auto [kind, cp, u] : std::vector<std::tuple<strategy_kind, int, int>>{
+           {strategy_kind::ulysses, 1, 0}, {strategy_kind::ulysses, 2, 0}, {strategy_kind::ring, 2, 0},
+           {strategy_kind::upipe, 4, 0}}) {
+    SCOPED_TRACE(std::string(strategy_name(kind)) + " C=" + std::to_string(cp));
+    const eval_result r = evaluate(tiny_request(config, kind, cp, u), files, {eval_sequence{tokens, {}, at}});
+    ASSERT_EQ(r.argmax.size(), 1u);
+    EXPECT_EQ(r.argmax[0], least);
+  }
+}
+
+// Asked to stop, every rank stops at the same sequence and the finished ones are kept.
+TEST(eval_hooks, stop_ends_every_rank_at_one_sequence) {
+  const std::string dir = std::string(UPIPE_SOURCE_DIR) + "/tests/golden/hf/llama-yarn-shards";
+  const model_config config = read_hf_config(dir);
+  const hf_model_files files(dir, config);
+  const auto tokens = read_json(dir + "/golden.json")["tokens"].get<std::vector<std::int32_t>>();
+  const std::vector<eval_sequence> seqs(5, eval_sequence{tokens, {}, {}});
+  std::vector<std::size_t> seen;
+  std::atomic<bool> stop{false};
+  const eval_result r = evaluate(tiny_request(config, strategy_kind::ring, 2, 0), files, seqs,
+                                 {[&](std::size_t done) {
+                                    seen.push_back(done);
+                                    if (done == 2) stop = true;
+                                  },
+                                  [&] { return stop.load(); }});
+  EXPECT_EQ(r.completed, 2u);
+  EXPECT_EQ(seen, (std::vector<std::size_t>{1, 2}));
+  EXPECT_EQ(r.target_loss[1], r.target_loss[0]);
+  EXPECT_TRUE(r.target_loss[2].empty());
+}
 
 }  // namespace
 }  // namespace upipe

@@ -118,6 +118,11 @@ TEST(planner, the_longest_length_fits_and_one_granule_more_does_not) {
     EXPECT_EQ(e.at_request->fits, e.longest->seq_len >= *r.seq_len);
     if (e.strategy == strategy_kind::ulysses) ulysses = e.longest->seq_len;
     if (e.strategy == strategy_kind::upipe && e.head_chunk == r.gpus) upipe_c = e.longest->seq_len;
+    // Forward-only evaluation reaches further than training, and is as tight.
+    ASSERT_TRUE(e.longest_eval.has_value());
+    EXPECT_TRUE(e.longest_eval->fits);
+    EXPECT_GT(e.longest_eval->seq_len, e.longest->seq_len);
+    EXPECT_FALSE(evaluate_forward(r, cp, e.longest_eval->seq_len + layout_unit(cp) * 1024).fits);
   }
   // UPipe with U = C holds the fewest heads at once, so it reaches furthest.
   EXPECT_GT(upipe_c, ulysses);
@@ -127,6 +132,24 @@ TEST(planner, the_longest_length_fits_and_one_granule_more_does_not) {
   for (const plan_entry& e : plan.entries)
     if (e.strategy == strategy_kind::upipe && e.head_chunk > *plan.recommended_head_chunk)
       EXPECT_LT(e.longest->seq_len, plan.planned_seq_len) << e.head_chunk;
+}
+
+// upipe eval holds the weights alone: at 1M tokens of llama3-8b on 8 GPUs its peak is
+// below the training step's with every checkpoint policy, and it holds no gradients,
+// optimizer state or checkpoints.
+TEST(planner, evaluation_at_1m_peaks_below_training_for_llama3_8b) {
+  plan_request r;
+  r.model = preset("llama3-8b");
+  r.gpus = 8;
+  r.gpu_memory = std::size_t{80} << 30;
+  r.host_memory = std::size_t{1} << 41;
+  const cp_settings cp{strategy_kind::upipe, 8, 8};
+  const eval_point forward = evaluate_forward(r, cp, std::int64_t{1} << 20);
+  EXPECT_GT(forward.arena_bytes, 0u);
+  for (const char* tag : {"grads", "optimizer", "checkpoints_device"})
+    EXPECT_EQ(forward.peak_bytes.count(tag) ? forward.peak_bytes.at(tag) : 0, 0u) << tag;
+  for (const checkpoint_policy& p : candidate_policies())
+    EXPECT_LT(forward.arena_bytes, evaluate(r, cp, std::int64_t{1} << 20, p).arena_bytes) << p.str();
 }
 
 TEST(planner, host_memory_limits_offloaded_checkpoints) {
