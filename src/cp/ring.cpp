@@ -10,10 +10,107 @@
 namespace upipe {
 
 namespace {
+
 head_view lse_view(const tensor& lse) {  // (H, s) f32 as (s, H, 1)
   return {lse.data(), dtype::f32, lse.dims()[1], lse.dims()[0], 1, 1, lse.dims()[1]};
 }
+
+// Part `which` (0: k, 1: v) of a (2, n, K, d) buffer as (n, K, d).
+head_view kv_part(const tensor& kv, int which) {
+  const auto& d = kv.dims();
+  const head_view all = {kv.data(), kv.type(), 2 * d[1], d[2], d[3], d[2] * d[3], d[3]};
+  return all.token_block(which * d[1], d[1]);
+}
+
+head_view half(const ring_shape& shape, const head_view& v, int which) {
+  return v.token_block(which * shape.chunk, shape.chunk);
+}
+
+// A pair of local query half and visiting kv half that attend, and how.
+struct block_pair {
+  int q_half, kv_half;
+  attn_mask mask;
+  document_mask documents;
+};
+
+// Global chunk c attends to chunk b fully when b < c, causally when b == c, never after;
+// with packed documents a block none of whose pairs shares a document is skipped.
+std::vector<block_pair> pairs(const ring_shape& shape, int kv_owner) {
+  static const std::vector<std::int64_t> none;
+  const std::vector<std::int64_t>& docs = shape.documents != nullptr ? *shape.documents : none;
+  const int c2 = 2 * shape.size, r = shape.rank;
+  const int q_chunks[2] = {r, c2 - 1 - r}, kv_chunks[2] = {kv_owner, c2 - 1 - kv_owner};
+  std::vector<block_pair> result;
+  for (int a = 0; a < 2; ++a)
+    for (int b = 0; b < 2; ++b) {
+      if (kv_chunks[b] > q_chunks[a]) continue;
+      const document_mask m{docs, q_chunks[a] * shape.chunk, kv_chunks[b] * shape.chunk};
+      if (!m.shares_document(shape.chunk, shape.chunk)) continue;
+      result.push_back({a, b, kv_chunks[b] == q_chunks[a] ? attn_mask::causal : attn_mask::none, m});
+    }
+  return result;
+}
+
+// One ring step: this rank's buffer goes to the next rank, the previous rank's arrives.
+tensor pass_on(backend& be, communicator& ring, const ring_shape& shape, tensor& t, const char* label) {
+  tensor next = be.allocate(mem_tag::attention, t.type(), t.dims(), label);
+  const int R = shape.size, r = shape.rank;
+  ring.send_recv(t.data(), t.bytes(), (r + 1) % R, next.data(), next.bytes(), (r - 1 + R) % R, label);
+  return next;
+}
+
 }  // namespace
+
+void ring_core_forward(backend& be, communicator& ring, const ring_shape& shape, const head_view& q, tensor kv,
+                       const head_view& out, const head_view& lse) {
+  const int R = shape.size, r = shape.rank;
+  const std::int64_t n = q.heads, d = q.dim;
+  tensor out_acc = be.allocate(mem_tag::attention, dtype::f32, {2 * shape.chunk, n, d}, "ring_out_accum");
+  ops::fill_heads(be, out_acc.heads(), 0.0f);
+  ops::fill_heads(be, lse, -std::numeric_limits<float>::infinity());
+  tensor part = be.allocate(mem_tag::attention, be.work_dtype(), {shape.chunk, n, d}, "ring_out_part");
+  tensor part_lse = be.allocate(mem_tag::attention, dtype::f32, {n, shape.chunk}, "ring_lse_part");
+  for (int step = 0; step < R; ++step) {
+    const int owner = (r - step + R) % R;
+    for (const block_pair& p : pairs(shape, owner)) {
+      ops::sdpa_forward(be, {half(shape, q, p.q_half), half(shape, kv_part(kv, 0), p.kv_half),
+                             half(shape, kv_part(kv, 1), p.kv_half), part.heads(), lse_view(part_lse), p.mask,
+                             shape.scale, p.documents});
+      ops::lse_merge(be, {half(shape, out_acc.heads(), p.q_half), half(shape, lse, p.q_half), part.heads(),
+                          lse_view(part_lse)});
+    }
+    if (step + 1 < R) kv = pass_on(be, ring, shape, kv, "ring_kv");
+  }
+  ops::copy_heads(be, out, out_acc.heads());
+}
+
+ring_core_grads ring_core_backward(backend& be, communicator& ring, const ring_shape& shape, const head_view& q,
+                                   tensor kv, const head_view& o, const head_view& d_o, const head_view& lse) {
+  const int R = shape.size, r = shape.rank;
+  const std::int64_t n = q.heads, d = q.dim, n_kv = kv.dims()[2];
+  ring_core_grads g;
+  g.dq = be.allocate_zeroed(mem_tag::attention, dtype::f32, {2 * shape.chunk, n, d}, "ring_dq_accum");
+  g.dkv = be.allocate_zeroed(mem_tag::attention, dtype::f32, kv.dims(), "ring_dkv");
+  tensor dq_part = be.allocate(mem_tag::attention, be.work_dtype(), {shape.chunk, n, d}, "ring_dq_part");
+  tensor dkv_part = be.allocate(mem_tag::attention, be.work_dtype(), {2, shape.chunk, n_kv, d}, "ring_dkv_part");
+  const head_view dk_part = kv_part(dkv_part, 0), dv_part = kv_part(dkv_part, 1);
+  for (int step = 0; step < R; ++step) {
+    const int owner = (r - step + R) % R;
+    for (const block_pair& p : pairs(shape, owner)) {
+      ops::sdpa_backward(be, {half(shape, q, p.q_half), half(shape, kv_part(kv, 0), p.kv_half),
+                              half(shape, kv_part(kv, 1), p.kv_half), half(shape, o, p.q_half),
+                              half(shape, d_o, p.q_half), half(shape, lse, p.q_half), dq_part.heads(), dk_part,
+                              dv_part, p.mask, shape.scale, p.documents});
+      ops::add_heads(be, half(shape, g.dq.heads(), p.q_half), dq_part.heads());
+      ops::add_heads(be, half(shape, kv_part(g.dkv, 0), p.kv_half), dk_part);
+      ops::add_heads(be, half(shape, kv_part(g.dkv, 1), p.kv_half), dv_part);
+    }
+    // dK/dV travel with their K/V; after the last step they reach their owner.
+    g.dkv = pass_on(be, ring, shape, g.dkv, "ring_dkv");
+    if (step + 1 < R) kv = pass_on(be, ring, shape, kv, "ring_kv");
+  }
+  return g;
+}
 
 ring_attention::ring_attention(const attention_config& config, backend& be, communicator& comm)
     : config_(config), be_(be), comm_(comm), tokens_(config.local_tokens()), chunk_(config.seq_len / (2 * config.cp)),
@@ -27,22 +124,6 @@ std::vector<position_run> ring_attention::local_positions(int rank) const {
   return zigzag_positions(config_.seq_len, config_.cp, rank);
 }
 
-// Global chunk c attends to chunk b fully when b < c, causally when b == c, never after;
-// with packed documents a block none of whose pairs shares a document is skipped.
-std::vector<ring_attention::block_pair> ring_attention::pairs(int kv_owner) const {
-  const int c2 = 2 * config_.cp, r = comm_.rank();
-  const int q_chunks[2] = {r, c2 - 1 - r}, kv_chunks[2] = {kv_owner, c2 - 1 - kv_owner};
-  std::vector<block_pair> result;
-  for (int a = 0; a < 2; ++a)
-    for (int b = 0; b < 2; ++b) {
-      if (kv_chunks[b] > q_chunks[a]) continue;
-      const document_mask m = document_rows(q_chunks[a] * chunk_, kv_chunks[b] * chunk_);
-      if (!m.shares_document(chunk_, chunk_)) continue;
-      result.push_back({a, b, kv_chunks[b] == q_chunks[a] ? attn_mask::causal : attn_mask::none, m});
-    }
-  return result;
-}
-
 tensor ring_attention::project_q(const normed_input& x, const attention_weights& w, norm_keep keep,
                                  head_norm_saved& saved) {
   tensor q = be_.allocate(mem_tag::attention, be_.work_dtype(), {tokens_, config_.heads, dim_}, "ring_q");
@@ -52,13 +133,6 @@ tensor ring_attention::project_q(const normed_input& x, const attention_weights&
   if (config_.qk_norm) saved = head_norm_forward(be_, head_rows(q, dim_), w.q_norm, config_.norm_eps, keep);
   ops::rope(be_, {q.heads(), rope_positions_, config_.rope, rope_direction::forward});
   return q;
-}
-
-// Part `which` (0: k, 1: v) of a (2, n, K, d) buffer as (n, K, d).
-head_view ring_attention::kv_part(const tensor& kv, int which) const {
-  const auto& d = kv.dims();
-  const head_view all = {kv.data(), kv.type(), 2 * d[1], d[2], d[3], d[2] * d[3], d[3]};
-  return all.token_block(which * d[1], d[1]);
 }
 
 tensor ring_attention::project_kv(const normed_input& x, const attention_weights& w, norm_keep keep,
@@ -80,77 +154,29 @@ tensor ring_attention::project_kv(const normed_input& x, const attention_weights
 }
 
 attention_saved ring_attention::forward(const mat_view& x, const attention_weights& w, const mat_view& out) {
-  const int C = config_.cp, r = comm_.rank(), H = config_.heads;
+  const int H = config_.heads;
   head_norm_saved unused;
   tensor q = project_q(x, w, norm_keep::nothing, unused);
   tensor kv = project_kv(x, w, norm_keep::nothing, unused);
-  tensor out_acc = be_.allocate(mem_tag::attention, dtype::f32, {tokens_, H, dim_}, "ring_out_accum");
   attention_saved saved;
   saved.lse = be_.allocate(mem_tag::activations, dtype::f32, {H, tokens_}, "attn_lse");
-  ops::fill_heads(be_, out_acc.heads(), 0.0f);
-  ops::fill_heads(be_, lse_view(saved.lse), -std::numeric_limits<float>::infinity());
-  tensor part = be_.allocate(mem_tag::attention, be_.work_dtype(), {chunk_, H, dim_}, "ring_out_part");
-  tensor part_lse = be_.allocate(mem_tag::attention, dtype::f32, {H, chunk_}, "ring_lse_part");
-  for (int step = 0; step < C; ++step) {
-    const int owner = (r - step + C) % C;
-    for (const block_pair& p : pairs(owner)) {
-      ops::sdpa_forward(be_, {half(q.heads(), p.q_half), half(kv_part(kv, 0), p.kv_half),
-                              half(kv_part(kv, 1), p.kv_half), part.heads(), lse_view(part_lse), p.mask, scale_,
-                              p.documents});
-      ops::lse_merge(be_, {half(out_acc.heads(), p.q_half), half(lse_view(saved.lse), p.q_half), part.heads(),
-                           lse_view(part_lse)});
-    }
-    if (step + 1 < C) {
-      tensor next = be_.allocate(mem_tag::attention, kv.type(), kv.dims(), "ring_kv_next");
-      comm_.send_recv(kv.data(), kv.bytes(), (r + 1) % C, next.data(), next.bytes(), (r - 1 + C) % C, "ring_kv");
-      kv = std::move(next);
-    }
-  }
   const head_view out_heads = {out.data, out.type, tokens_, H, dim_, out.ld, dim_};
-  ops::copy_heads(be_, out_heads, out_acc.heads());
+  ring_core_forward(be_, comm_, shape(), q.heads(), std::move(kv), out_heads, lse_view(saved.lse));
   return saved;
 }
 
 void ring_attention::backward(const attention_saved& saved, const normed_input& x, const attention_weights& w,
                               const mat_view& out, const mat_view& d_out, const mat_view& d_x,
                               const attention_grads& grads) {
-  const int C = config_.cp, r = comm_.rank(), H = config_.heads, K = config_.kv_heads;
+  const int H = config_.heads, K = config_.kv_heads;
   head_norm_saved q_norm, k_norm;
   tensor q = project_q(x, w, norm_keep::for_backward, q_norm);
   tensor kv = project_kv(x, w, norm_keep::for_backward, k_norm);
   const head_view o = {out.data, out.type, tokens_, H, dim_, out.ld, dim_};
   const head_view d_o = {d_out.data, d_out.type, tokens_, H, dim_, d_out.ld, dim_};
-  tensor dq = be_.allocate_zeroed(mem_tag::attention, dtype::f32, {tokens_, H, dim_}, "ring_dq_accum");
-  tensor dkv = be_.allocate_zeroed(mem_tag::attention, dtype::f32, kv.dims(), "ring_dkv");
-  tensor dq_part = be_.allocate(mem_tag::attention, be_.work_dtype(), {chunk_, H, dim_}, "ring_dq_part");
-  tensor dkv_part = be_.allocate(mem_tag::attention, be_.work_dtype(), {2, chunk_, K, dim_}, "ring_dkv_part");
-  const head_view dk_part = kv_part(dkv_part, 0), dv_part = kv_part(dkv_part, 1);
-  for (int step = 0; step < C; ++step) {
-    const int owner = (r - step + C) % C;
-    for (const block_pair& p : pairs(owner)) {
-      ops::sdpa_backward(be_, {half(q.heads(), p.q_half), half(kv_part(kv, 0), p.kv_half),
-                               half(kv_part(kv, 1), p.kv_half), half(o, p.q_half), half(d_o, p.q_half),
-                               half(lse_view(saved.lse), p.q_half), dq_part.heads(), dk_part, dv_part, p.mask,
-                               scale_, p.documents});
-      ops::add_heads(be_, half(dq.heads(), p.q_half), dq_part.heads());
-      ops::add_heads(be_, half(kv_part(dkv, 0), p.kv_half), dk_part);
-      ops::add_heads(be_, half(kv_part(dkv, 1), p.kv_half), dv_part);
-    }
-    // dK/dV travel with their K/V; after the last step they reach their owner.
-    tensor dkv_next = be_.allocate(mem_tag::attention, dtype::f32, dkv.dims(), "ring_dkv_next");
-    comm_.send_recv(dkv.data(), dkv.bytes(), (r + 1) % C, dkv_next.data(), dkv_next.bytes(), (r - 1 + C) % C,
-                    "ring_dkv");
-    dkv = std::move(dkv_next);
-    if (step + 1 < C) {
-      tensor next = be_.allocate(mem_tag::attention, kv.type(), kv.dims(), "ring_kv_next");
-      comm_.send_recv(kv.data(), kv.bytes(), (r + 1) % C, next.data(), next.bytes(), (r - 1 + C) % C, "ring_kv");
-      kv = std::move(next);
-    }
-  }
+  ring_core_grads core = ring_core_backward(be_, comm_, shape(), q.heads(), std::move(kv), o, d_o, lse_view(saved.lse));
+  tensor dq = std::move(core.dq), dkv = std::move(core.dkv);
   q.reset();
-  kv.reset();
-  dq_part.reset();
-  dkv_part.reset();
   ops::rope(be_, {dq.heads(), rope_positions_, config_.rope, rope_direction::inverse});
   ops::rope(be_, {kv_part(dkv, 0), rope_positions_, config_.rope, rope_direction::inverse});
   if (config_.qk_norm) {

@@ -8,6 +8,31 @@
 
 namespace upipe {
 
+// The ring's attention core for one set of heads, shared by ring attention (the whole
+// group is the ring, all heads) and hybrid (a ring across all-to-all groups, the heads of
+// one call of a stage). A ring rank holds zigzag halves `rank` and 2R - 1 - rank of the
+// sequence, `chunk` tokens each (2 * chunk rows, in that order).
+struct ring_shape {
+  int size = 1, rank = 0;   // R, and this rank's place in the ring
+  std::int64_t chunk = 0;   // S / 2R
+  float scale = 1.0f;
+  const std::vector<std::int64_t>* documents = nullptr;  // packed documents' starts (global), or none
+};
+
+// q (2 chunk, n_q, d); kv (2, 2 chunk, n_kv, d), k then v, this rank's (consumed: it
+// travels the ring); out (2 chunk, n_q, d) written from the fp32 merge, lse (2 chunk,
+// n_q, 1) f32 written.
+void ring_core_forward(backend& be, communicator& ring, const ring_shape& shape, const head_view& q, tensor kv,
+                       const head_view& out, const head_view& lse);
+
+// The gradients: dq (2 chunk, n_q, d) f32 and dkv (2, 2 chunk, n_kv, d) f32, back at
+// their owner after the last step. kv is consumed as in forward.
+struct ring_core_grads {
+  tensor dq, dkv;
+};
+ring_core_grads ring_core_backward(backend& be, communicator& ring, const ring_shape& shape, const head_view& q,
+                                   tensor kv, const head_view& o, const head_view& d_o, const head_view& lse);
+
 class ring_attention final : public attention_strategy {
  public:
   ring_attention(const attention_config& config, backend& be, communicator& comm);
@@ -18,19 +43,11 @@ class ring_attention final : public attention_strategy {
                 const mat_view& d_out, const mat_view& d_x, const attention_grads& grads) override;
 
  private:
-  // A pair of local query chunk and visiting kv chunk that attend, and how.
-  struct block_pair {
-    int q_half, kv_half;
-    attn_mask mask;
-    document_mask documents;
-  };
-  std::vector<block_pair> pairs(int kv_owner) const;
+  ring_shape shape() const { return {config_.cp, comm_.rank(), chunk_, scale_, &documents()}; }
   // q (s, H, d), normed (Qwen3) and roped; the norm's inputs kept in `saved` if asked.
   tensor project_q(const normed_input& x, const attention_weights& w, norm_keep keep, head_norm_saved& saved);
   // (2, s, K, d): k then v, one buffer so a ring step moves both at once.
   tensor project_kv(const normed_input& x, const attention_weights& w, norm_keep keep, head_norm_saved& saved);
-  head_view half(const head_view& v, int which) const { return v.token_block(which * chunk_, chunk_); }
-  head_view kv_part(const tensor& kv, int which) const;
   void accumulate_input_grads(tensor& grad, const mat_view& weight, const mat_view& d_weight, const normed_input& x,
                               const mat_view& d_x);
 
