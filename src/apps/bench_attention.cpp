@@ -20,7 +20,7 @@ namespace {
 struct bench_flags {
   std::string backend = "cpu";
   std::vector<std::string> strategies = {"ulysses", "upipe", "ring"};
-  int heads = 8, kv_heads = 2, head_dim = 64, model_dim = 0, cp = 4;
+  int heads = 8, kv_heads = 2, head_dim = 64, model_dim = 0, cp = 4, ring = 2;
   std::vector<std::string> head_chunks;
   std::vector<std::string> seq_lens = {"512"};
   unsigned long long seed = 1;
@@ -37,14 +37,17 @@ struct bench_flags {
 std::vector<int> chunks_for(const bench_flags& f, strategy_kind kind) {
   if (f.head_chunks.empty()) return {0};
   // "all" alone sweeps each strategy's valid chunks: ring has none, ulysses only H.
-  if (f.head_chunks == std::vector<std::string>{"all"} && kind != strategy_kind::upipe) return {0};
+  if (f.head_chunks == std::vector<std::string>{"all"} && kind != strategy_kind::upipe && kind != strategy_kind::hybrid)
+    return {0};
   if (kind == strategy_kind::ring)
     throw config_error("--head-chunk is not allowed with --strategy ring, which has no head stages; leave it out, "
                        "or use --strategy upipe");
   std::vector<int> chunks;
   for (const std::string& v : f.head_chunks) {
     if (v == "all") {
-      const auto all = kind == strategy_kind::upipe ? valid_head_chunks(f.heads, f.cp) : std::vector<int>{f.heads};
+      const auto all = kind == strategy_kind::upipe    ? valid_head_chunks(f.heads, f.cp)
+                       : kind == strategy_kind::hybrid ? valid_head_chunks(f.heads, f.cp / std::max(f.ring, 1))
+                                                       : std::vector<int>{f.heads};
       chunks.insert(chunks.end(), all.begin(), all.end());
     } else {
       chunks.push_back(static_cast<int>(parse_count(v, "--head-chunk")));
@@ -68,6 +71,7 @@ std::vector<attention_config> configurations(const bench_flags& f) {
         c.model_dim = f.model_dim != 0 ? f.model_dim : f.heads * f.head_dim;
         c.cp = f.cp;
         c.head_chunk = chunk;
+        c.ring = kind == strategy_kind::hybrid ? f.ring : 1;
         c.rope.theta = f.rope_theta;
         c.rope.scaling.kind = f.rope_llama3 ? rope_kind::llama3 : rope_kind::none;
         c.qk_norm = f.qk_norm;
@@ -80,7 +84,7 @@ std::vector<attention_config> configurations(const bench_flags& f) {
 
 nlohmann::json to_json(const experiment_result& r, bool wrong) {
   const attention_config& c = r.config;
-  nlohmann::json j = {{"strategy", strategy_name(c.strategy)},
+  nlohmann::json j = {{"strategy", strategy_name(c.strategy)}, {"ring", c.ring},
                       {"backend", backend_name(r.backend)},
                       {"seq_len", c.seq_len},
                       {"heads", c.heads},
@@ -169,7 +173,7 @@ command_runner add_bench_attention(CLI::App& app) {
   app.add_option("--backend", f->backend,
                  "cpu (fp32 reference, threads as ranks), cuda (bf16, virtual ranks on one GPU) or meta (shapes only, rank 0)")
       ->capture_default_str();
-  app.add_option("--strategy", f->strategies, "ulysses, upipe, ring (comma-separated list)")
+  app.add_option("--strategy", f->strategies, "ulysses, upipe, ring, hybrid (comma-separated list)")
       ->delimiter(',')
       ->capture_default_str();
   app.add_option("--heads", f->heads, "query heads H")->capture_default_str();
@@ -177,6 +181,7 @@ command_runner add_bench_attention(CLI::App& app) {
   app.add_option("--head-dim", f->head_dim, "head dim d")->capture_default_str();
   app.add_option("--model-dim", f->model_dim, "layer width D (default H*d)");
   app.add_option("--cp", f->cp, "ranks C in the CP group")->capture_default_str();
+  app.add_option("--ring", f->ring, "hybrid rows: R rings of all-to-all groups of C / R ranks")->capture_default_str();
   app.add_option("--head-chunk", f->head_chunks,
                  "query heads per stage U for upipe (default C; 'all' for every valid U); must equal H for ulysses")
       ->delimiter(',');

@@ -24,6 +24,7 @@
 #include <nlohmann/json.hpp>
 
 #include "apps/commands.hpp"
+#include "apps/cp_flags.hpp"
 #include "apps/model_flags.hpp"
 #include "apps/niah_text_script.hpp"
 #include "apps/python.hpp"
@@ -39,11 +40,11 @@ namespace upipe::apps {
 namespace {
 
 struct eval_flags {
-  std::string model, config_path, weights_path, data_path, json_path, backend = "cpu", attention = "upipe",
-                                                                      seq_lens = "1K", packing = "auto",
+  std::string model, config_path, weights_path, data_path, json_path, backend = "cpu", seq_lens = "1K", packing = "auto",
                                                                       depths = "0,0.25,0.5,0.75,1", niah_vocab = "auto";
   bool niah = false;
-  int cp = 1, head_chunk = 0, samples = 4;
+  cp_flags mesh;
+  int samples = 4;
   std::int64_t mlp_tile = 0, loss_chunk = 0;
   double memory_gib = 8;
   unsigned long long seed = 1;
@@ -118,7 +119,7 @@ eval_setup setup(const eval_flags& f) {
   eval_setup s;
   s.req.model = load_model(f.model.empty() ? "tiny-llama" : f.model, f.config_path);
   s.req.backend = parse_backend_kind(f.backend);
-  s.req.cp = {parse_strategy_kind(f.attention), f.cp, f.head_chunk};
+  s.req.cp = f.mesh.settings();
   s.req.options = sized_for_gpu({f.mlp_tile, f.loss_chunk, checkpoint_policy{}}, s.req.model, f.memory_gib);
   s.req.limits = run_limits(s.req.backend, f.memory_gib, checkpoint_location::device);
   if (f.samples < 1) throw config_error("--samples " + std::to_string(f.samples) + " must be at least 1 (e.g. 8)");
@@ -163,10 +164,10 @@ int held_out_loss(const eval_flags& f, const eval_setup& s) {
   else
     for (const std::int64_t S : lengths) token_file check(f.data_path, S, s.req.model.vocab_size);  // before any length runs
   nlohmann::json out = {{"model", s.req.model.name}, {"data", f.data_path}, {"packing", documents ? "documents" : "stream"},
-                        {"strategy", f.attention}, {"cp", f.cp}, {"lengths", nlohmann::json::array()}};
+                        {"strategy", f.mesh.attention}, {"cp", f.mesh.cp}, {"lengths", nlohmann::json::array()}};
   std::printf("# upipe eval  model=%s  data=%s (%s)  %s cp=%d  backend=%s  %d sequences per length, forward only\n",
-              s.req.model.name.c_str(), f.data_path.c_str(), documents ? "documents" : "stream", f.attention.c_str(),
-              f.cp, f.backend.c_str(), f.samples);
+              s.req.model.name.c_str(), f.data_path.c_str(), documents ? "documents" : "stream", f.mesh.attention.c_str(),
+              f.mesh.cp, f.backend.c_str(), f.samples);
   for (const std::int64_t S : lengths) {
     std::unique_ptr<token_file> file;
     if (!corpus) file = std::make_unique<token_file>(f.data_path, S, s.req.model.vocab_size);
@@ -304,7 +305,7 @@ int needle_in_a_haystack(const eval_flags& f, const eval_setup& s) {
   std::printf("# upipe eval --niah  model=%s  needle=%s  haystack=%s  %s cp=%d  backend=%s  %d samples per cell\n",
               s.req.model.name.c_str(), passkey ? "passkey" : "text",
               passkey ? "the passkey filler" : f.data_path.empty() ? "built-in text" : f.data_path.c_str(),
-              f.attention.c_str(), f.cp, f.backend.c_str(), f.samples);
+              f.mesh.attention.c_str(), f.mesh.cp, f.backend.c_str(), f.samples);
   struct cell {
     int samples = 0;
     double exact = 0, right = 0, log_prob = 0;  // sums over the samples
@@ -375,7 +376,7 @@ int needle_in_a_haystack(const eval_flags& f, const eval_setup& s) {
   std::printf("\nkey tokens right over %d needles %.3f, mean log-probability %.3f\n", scored, right / n, log_prob / n);
   nlohmann::json out = {{"model", s.req.model.name}, {"needle", passkey ? "passkey" : "text"},
                         {"haystack", passkey ? "passkey" : f.data_path.empty() ? "built-in" : f.data_path},
-                        {"strategy", f.attention}, {"cp", f.cp}, {"samples", f.samples}, {"seed", f.seed},
+                        {"strategy", f.mesh.attention}, {"cp", f.mesh.cp}, {"samples", f.samples}, {"seed", f.seed},
                         {"token_accuracy", right / n}, {"mean_log_prob", log_prob / n}, {"cells", rows}};
   if (!whole) out["interrupted"] = true;
   write_json(f.json_path, {{"niah", out}});
@@ -413,9 +414,7 @@ command_runner add_eval(CLI::App& app) {
                  "with --niah: text (the model's tokenizer) or passkey (the passkey task's ids); auto: text where the "
                  "model directory has tokenizer.json")
       ->capture_default_str();
-  app.add_option("--attention", f->attention, "ulysses, upipe or ring")->capture_default_str();
-  app.add_option("--cp", f->cp, "ranks in the CP group")->capture_default_str();
-  app.add_option("--head-chunk", f->head_chunk, "U for upipe (0: C)");
+  add_cp_flags(app, f->mesh);
   app.add_option("--backend", f->backend, "cpu or cuda")->capture_default_str();
   app.add_option("--mlp-tile", f->mlp_tile, mlp_tile_help);
   app.add_option("--loss-chunk", f->loss_chunk, loss_chunk_help);

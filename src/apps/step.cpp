@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "apps/commands.hpp"
+#include "apps/cp_flags.hpp"
 #include "apps/model_flags.hpp"
 #include "apps/sizes.hpp"
 #include "core/error.hpp"
@@ -20,8 +21,8 @@ namespace {
 
 struct step_flags {
   std::string model = "tiny-llama", config_path, weights_path, tokens_path, json_path, grads_path;
-  std::string backend = "cpu", attention = "upipe", policy, seq_len = "256";
-  int cp = 4, head_chunk = 0;
+  std::string backend = "cpu", policy, seq_len = "256";
+  cp_flags mesh{"upipe", 4};
   std::int64_t mlp_tile = 0, loss_chunk = 0;
   unsigned long long seed = 1;
   double memory_gib = 8, host_memory_gib = 0;
@@ -64,7 +65,7 @@ int run(const step_flags& f) {
   model_step_request req;
   req.model = load_model(f.model, f.config_path);
   req.backend = parse_backend_kind(f.backend);
-  req.cp = {parse_strategy_kind(f.attention), f.cp, f.head_chunk};
+  req.cp = f.mesh.settings();
   req.options = sized_for_gpu({f.mlp_tile, f.loss_chunk, parse_checkpoint_policy(f.policy)}, req.model, f.memory_gib);
   req.limits = run_limits(req.backend, f.memory_gib, req.options.policy.where, f.host_memory_gib);
   const std::int64_t S = parse_count(f.seq_len, "--seq-len");
@@ -78,7 +79,7 @@ int run(const step_flags& f) {
                                                                  : read_tokens(f.tokens_path, S, req.model.vocab_size);
   const model_step_result r = run_model_step(req, weights, tokens);
   std::printf("# upipe step  model=%s  backend=%s  attention=%s  cp=%d  S=%lld (padded %lld)  policy=%s\n",
-              req.model.name.c_str(), f.backend.c_str(), f.attention.c_str(), f.cp, static_cast<long long>(S),
+              req.model.name.c_str(), f.backend.c_str(), f.mesh.attention.c_str(), f.mesh.cp, static_cast<long long>(S),
               static_cast<long long>(r.seq_len), req.options.policy.str().c_str());
   if (data) std::printf("loss %.6f over %lld tokens\n", r.loss, static_cast<long long>(r.counted));
   std::printf("time %.1f ms (forward + backward, rank 0)\npeak memory of rank 0 by tag (MiB):\n", r.time_ms);
@@ -86,7 +87,7 @@ int run(const step_flags& f) {
     if (bytes > 0) std::printf("  %-20s %12.1f\n", tag.c_str(), static_cast<double>(bytes) / (1 << 20));
   std::printf("  %-20s %12.1f\n", "device total", static_cast<double>(r.device_peak_bytes) / (1 << 20));
   if (!f.json_path.empty()) {
-    nlohmann::json j = {{"model", req.model.name}, {"backend", f.backend}, {"attention", f.attention}, {"cp", f.cp},
+    nlohmann::json j = {{"model", req.model.name}, {"backend", f.backend}, {"attention", f.mesh.attention}, {"cp", f.mesh.cp},
                         {"seq_len", r.seq_len}, {"time_ms", r.time_ms}, {"peak_bytes", r.peak_bytes},
                         {"device_peak_bytes", r.device_peak_bytes}, {"checkpoint_policy", req.options.policy.str()}};
     j["loss"] = data ? nlohmann::json(r.loss) : nlohmann::json(nullptr);
@@ -108,9 +109,7 @@ command_runner add_step(CLI::App& app) {
   app.add_option("--tokens", f->tokens_path, "flat little-endian uint32 token file; default: random tokens");
   app.add_option("--seq-len", f->seq_len, "tokens in the sequence (K and M suffixes)")->capture_default_str();
   app.add_option("--backend", f->backend, "cpu, cuda (bf16, virtual ranks on one GPU) or meta")->capture_default_str();
-  app.add_option("--attention", f->attention, "ulysses, upipe or ring")->capture_default_str();
-  app.add_option("--cp", f->cp, "ranks in the CP group")->capture_default_str();
-  app.add_option("--head-chunk", f->head_chunk, "U for upipe (0: C)");
+  add_cp_flags(app, f->mesh);
   app.add_option("--checkpoint-policy", f->policy, "what=input|input+attention,every=K,where=device|host-pinned|host-pageable");
   app.add_option("--mlp-tile", f->mlp_tile, mlp_tile_help);
   app.add_option("--loss-chunk", f->loss_chunk, loss_chunk_help);

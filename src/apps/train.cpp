@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "apps/commands.hpp"
+#include "apps/cp_flags.hpp"
 #include "apps/comm_flags.hpp"
 #include "apps/model_flags.hpp"
 #include "apps/policy_flags.hpp"
@@ -33,8 +34,9 @@ struct train_flags {
   int eval_sequences = 4;
   rope_flags rope;
   comm_flags comm;
-  std::string backend = "cpu", attention = "upipe", policy = "auto", seq_len = "128";
-  int cp = 4, head_chunk = 0, zero = 2, layers = 0, eval_samples = 32;
+  std::string backend = "cpu", policy = "auto", seq_len = "128";
+  cp_flags mesh{"upipe", 4};
+  int zero = 2, layers = 0, eval_samples = 32;
   std::int64_t batch = -1, seq_warmup = -1, seq_warmup_start = 0, steps = 3300, stop_after = 0, save_every = 0, warmup = 20, mlp_tile = 0, loss_chunk = 0;
   double lr = 1e-3, weight_decay = 0.01, max_grad_norm = 1.0, memory_gib = 8, host_memory_gib = 0;
   unsigned long long seed = 1;
@@ -65,8 +67,8 @@ train_options to_options(const train_flags& f) {
     text << v;
     return text.str();
   };
-  if (f.cp < 1)
-    throw config_error("--cp " + std::to_string(f.cp) + " must be at least 1 (ranks in the CP group, e.g. --cp 4)");
+  if (f.mesh.cp < 1)
+    throw config_error("--cp " + std::to_string(f.mesh.cp) + " must be at least 1 (ranks in the CP group, e.g. --cp 4)");
   if (f.batch != -1 && f.batch < 1)
     throw config_error("--batch " + std::to_string(f.batch) + " must be at least 1 (sequences per optimizer step)");
   if (!(f.weight_decay >= 0) || !std::isfinite(f.weight_decay))
@@ -106,7 +108,7 @@ train_options to_options(const train_flags& f) {
   o.batch = f.batch != -1 ? f.batch : (f.data_path.empty() ? 4 : 1);
   o.seq_warmup = f.seq_warmup >= 0 ? f.seq_warmup : (f.data_path.empty() ? f.steps * 9 / 10 : 0);
   o.seq_warmup_start = f.seq_warmup_start;
-  o.cp = {parse_strategy_kind(f.attention), f.cp, f.head_chunk};
+  o.cp = f.mesh.settings();
   o.zero = f.zero == 3 ? zero_stage::three : zero_stage::two;
   o.step = sized_for_gpu(
       {f.mlp_tile, f.loss_chunk, is_auto_policy(f.policy) ? checkpoint_policy{} : parse_checkpoint_policy(f.policy)},
@@ -231,7 +233,7 @@ int run(const train_flags& f) {
               "lr=%g  backend=%s\n",
               o.model.name.c_str(), static_cast<long long>(o.model.parameter_count()),
               o.data_path.empty() ? "passkey task" : o.data_path.c_str(), static_cast<long long>(o.seq_len),
-              static_cast<long long>(o.batch), o.cp.cp, f.attention.c_str(), f.zero,
+              static_cast<long long>(o.batch), o.cp.cp, f.mesh.describe().c_str(), f.zero,
               static_cast<long long>(o.optim.total_steps), o.optim.lr, f.backend.c_str());
   if (o.seq_warmup > 0)
     std::printf("# steps 1-%lld on sequences of %lld tokens, then %lld (--seq-warmup, --seq-warmup-start)\n",
@@ -286,9 +288,7 @@ command_runner add_train(CLI::App& app) {
                  "passkey task, 0 with --data)");
   app.add_option("--seq-warmup-start", f->seq_warmup_start,
                  "tokens per sequence during --seq-warmup (default: a quarter of --seq-len)");
-  app.add_option("--cp", f->cp, "ranks in the CP group (threads on the cpu backend)")->capture_default_str();
-  app.add_option("--attention", f->attention, "ulysses, upipe or ring")->capture_default_str();
-  app.add_option("--head-chunk", f->head_chunk, "U for upipe (default: C)");
+  add_cp_flags(app, f->mesh, "ranks in the CP group (threads on the cpu backend)");
   app.add_option("--steps", f->steps, "length of the learning-rate schedule")->capture_default_str();
   app.add_option("--stop-after", f->stop_after, "stop once this step is done (the schedule stays --steps long)");
   app.add_option("--lr", f->lr, "peak learning rate")->capture_default_str();

@@ -97,6 +97,8 @@ class communicator {
   virtual void send_recv(const void* send, std::size_t send_bytes, int dst, void* recv, std::size_t recv_bytes,
                          int src, std::string_view label) = 0;
   virtual void barrier() = 0;
+  // Rank 0 of a group alone (make_loopback_communicator): its sub-groups are loopbacks too.
+  virtual bool is_loopback() const { return false; }
 
   const comm_counters& counters() const { return counters_; }
   void reset_counters() { counters_ = {}; }

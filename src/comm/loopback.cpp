@@ -69,6 +69,7 @@ class loopback_communicator final : public communicator {
   }
 
   void barrier() override { counters_.add(collective::barrier, 0, ""); }
+  bool is_loopback() const override { return true; }
 
  private:
   void check_peer(int peer, const char* role) const {

@@ -11,6 +11,7 @@ std::string_view strategy_name(strategy_kind kind) {
     case strategy_kind::ulysses: return "ulysses";
     case strategy_kind::upipe: return "upipe";
     case strategy_kind::ring: return "ring";
+    case strategy_kind::hybrid: return "hybrid";
   }
   return "unknown";
 }
@@ -19,8 +20,9 @@ strategy_kind parse_strategy_kind(std::string_view name) {
   if (name == "ulysses") return strategy_kind::ulysses;
   if (name == "upipe") return strategy_kind::upipe;
   if (name == "ring") return strategy_kind::ring;
+  if (name == "hybrid") return strategy_kind::hybrid;
   throw config_error("unknown attention strategy '" + std::string(name) +
-                     "': the strategy must be one of ulysses, upipe, ring (for example --strategy upipe)");
+                     "': the strategy must be one of ulysses, upipe, ring, hybrid (for example --strategy upipe)");
 }
 
 std::vector<int> valid_head_chunks(int heads, int cp) {
@@ -51,6 +53,22 @@ int suggest_cp(int heads, int kv_heads, int cp) {
   return 1;
 }
 
+void validate_mesh(const attention_config& c) {
+  if (c.strategy != strategy_kind::hybrid) {
+    if (c.ring != 1)
+      throw config_error("--ring " + std::to_string(c.ring) + " applies to hybrid only (R rings of all-to-all groups); "
+                         "leave it out, or use --attention hybrid");
+    return;
+  }
+  if (c.ring < 1 || c.cp % c.ring != 0) {
+    int r = 1;
+    for (int d = 2; d < c.cp; ++d)
+      if (c.cp % d == 0) r = d;
+    throw config_error("--ring " + std::to_string(c.ring) + " must divide cp C = " + std::to_string(c.cp) +
+                       " (R rings of A = C / R ranks each); for example --ring " + std::to_string(r));
+  }
+}
+
 void validate_heads(const attention_config& c) {
   if (c.heads % c.kv_heads != 0)
     throw config_error("kv heads K = " + std::to_string(c.kv_heads) + " must divide query heads H = " +
@@ -58,25 +76,29 @@ void validate_heads(const attention_config& c) {
   if (c.head_dim % 2 != 0)
     throw config_error("head dim d = " + std::to_string(c.head_dim) + " must be even (RoPE rotates pairs); for example " +
                        std::to_string(c.head_dim + 1));
-  const int alt = suggest_cp(c.heads, c.kv_heads, c.cp);
-  if (c.heads % c.cp != 0)
-    throw config_error("cp C = " + std::to_string(c.cp) + " must divide query heads H = " + std::to_string(c.heads) +
-                       " (each rank computes H/C heads); use C = " + std::to_string(alt));
-  if (c.kv_heads % c.cp != 0 && c.cp % c.kv_heads != 0)
-    throw config_error("cp C = " + std::to_string(c.cp) + " and kv heads K = " + std::to_string(c.kv_heads) +
-                       " are not supported: C must divide K or K must divide C (kv heads are split or replicated "
-                       "evenly); use C = " + std::to_string(alt));
+  // The heads split over the all-to-all group: all C ranks, or hybrid's A.
+  const int group = c.all_to_all_size();
+  const std::string name = c.strategy == strategy_kind::hybrid ? "the all-to-all group A = C / R = " : "cp C = ";
+  const int alt = suggest_cp(c.heads, c.kv_heads, group);
+  const std::string letter = c.strategy == strategy_kind::hybrid ? "A" : "C";
+  if (c.heads % group != 0)
+    throw config_error(name + std::to_string(group) + " must divide query heads H = " + std::to_string(c.heads) +
+                       " (each rank computes H/" + letter + " heads); use " + letter + " = " + std::to_string(alt));
+  if (c.kv_heads % group != 0 && group % c.kv_heads != 0)
+    throw config_error(name + std::to_string(group) + " and kv heads K = " + std::to_string(c.kv_heads) +
+                       " are not supported: " + letter + " must divide K or K must divide " + letter +
+                       " (kv heads are split or replicated evenly); use " + letter + " = " + std::to_string(alt));
 }
 
 void validate_sequence(const attention_config& c) {
-  const std::int64_t unit = c.strategy == strategy_kind::ring ? 2 * std::int64_t{c.cp} : c.cp;
+  const std::int64_t unit = c.layout_unit();
+  const bool zigzag = unit != c.cp;
   if (c.seq_len % unit != 0) {
     const std::int64_t fixed = (c.seq_len / unit + 1) * unit;
     throw config_error("sequence length S = " + std::to_string(c.seq_len) + " must be divisible by " +
-                       (c.strategy == strategy_kind::ring ? "2C = " : "C = ") + std::to_string(unit) + " for " +
-                       std::string(strategy_name(c.strategy)) + " (equal shards" +
-                       (c.strategy == strategy_kind::ring ? ", zigzag halves" : "") + "); use S = " +
-                       std::to_string(fixed));
+                       (zigzag ? "2C = " : "C = ") + std::to_string(unit) + " for " +
+                       std::string(strategy_name(c.strategy)) + " (equal shards" + (zigzag ? ", zigzag halves" : "") +
+                       "); use S = " + std::to_string(fixed));
   }
 }
 
@@ -94,6 +116,15 @@ void validate_head_chunk(attention_config& c) {
         throw config_error("head chunk U = " + std::to_string(c.head_chunk) +
                            " is not allowed for ring, which has no head stages; leave it out, or use --strategy upipe");
       return;
+    case strategy_kind::hybrid: {
+      const int A = c.all_to_all_size();
+      if (c.head_chunk == 0) c.head_chunk = c.heads;  // USP: Ulysses inside the groups
+      if (c.head_chunk <= 0 || c.head_chunk % A != 0 || c.heads % c.head_chunk != 0)
+        throw config_error("head chunk U = " + std::to_string(c.head_chunk) + " is invalid for hybrid with H = " +
+                           std::to_string(c.heads) + " and all-to-all groups of A = " + std::to_string(A) +
+                           ": U must be a multiple of A and divide H; valid: " + join(valid_head_chunks(c.heads, A)));
+      return;
+    }
     case strategy_kind::upipe:
       if (c.head_chunk == 0) c.head_chunk = c.cp;
       if (c.head_chunk <= 0 || c.head_chunk % c.cp != 0 || c.heads % c.head_chunk != 0)
@@ -115,6 +146,7 @@ void validate(attention_config& c) {
   require_positive(c.model_dim, "model dim D");
   require_positive(c.cp, "cp C");
   if (c.head_chunk < 0) require_positive(c.head_chunk, "head chunk U");
+  validate_mesh(c);
   validate_heads(c);
   validate_sequence(c);
   validate_head_chunk(c);

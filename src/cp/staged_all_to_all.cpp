@@ -31,6 +31,13 @@ head_view lse_heads(const tensor& lse, int first, int n) {
   return all.head_block(first, n);
 }
 
+// Part `which` (0: k, 1: v) of a (2, n, K, d) buffer as (n, K, d).
+head_view pair_part(const tensor& kv, int which) {
+  const auto& d = kv.dims();
+  const head_view all = {kv.data(), kv.type(), 2 * d[1], d[2], d[3], d[2] * d[3], d[3]};
+  return all.token_block(which * d[1], d[1]);
+}
+
 }  // namespace
 
 struct staged_all_to_all::resident_block {
@@ -41,32 +48,61 @@ struct staged_all_to_all::resident_block {
 };
 
 staged_all_to_all::staged_all_to_all(const attention_config& config, backend& be, communicator& comm)
-    : config_(config), be_(be), comm_(comm),
+    : config_(config), be_(be), comm_(comm), ring_(nullptr), world_rank_(comm.rank()), group_(config.cp),
       schedule_(config.heads, config.kv_heads, config.cp, config.head_chunk),
       tokens_(config.local_tokens()), gathered_(config.seq_len), dim_(config.head_dim),
       scale_(1.0f / std::sqrt(static_cast<float>(config.head_dim))) {
   UPIPE_CHECK(comm.size() == config.cp, "communicator size must equal cp");
+  UPIPE_CHECK(config.ring == 1, "a ring of all-to-all groups needs the mesh's groups");
   for (int j = 0; j < config.cp; ++j)
     for (const auto& run : local_positions(j))
       gathered_positions_.push_back({j * tokens_ + run.token_begin, run.position_begin, run.count});
   rope_positions_ = gathered_positions_;
 }
 
+staged_all_to_all::staged_all_to_all(const attention_config& config, backend& be, mesh_groups mesh, int world_rank)
+    : config_(config), be_(be), mesh_(std::move(mesh)), comm_(*mesh_.all_to_all), ring_(mesh_.ring.get()),
+      world_rank_(world_rank), group_(config.all_to_all_size()),
+      schedule_(config.heads, config.kv_heads, group_, config.head_chunk), tokens_(config.local_tokens()),
+      gathered_(config.local_tokens() * group_), dim_(config.head_dim),
+      scale_(1.0f / std::sqrt(static_cast<float>(config.head_dim))) {
+  UPIPE_CHECK(comm_.size() == group_ && ring_ != nullptr && ring_->size() == config.ring,
+              "hybrid's groups must be A = C / R ranks and a ring of R");
+  // The group's ranks in order hold the group's tokens: its zigzag halves, in order.
+  const int first = world_rank / group_ * group_;
+  for (int j = 0; j < group_; ++j)
+    for (const auto& run : local_positions(first + j))
+      gathered_positions_.push_back({j * tokens_ + run.token_begin, run.position_begin, run.count});
+  rope_positions_ = gathered_positions_;
+}
+
 staged_all_to_all::~staged_all_to_all() = default;
 
+// Ulysses and UPipe: contiguous shards. Hybrid: group g holds zigzag halves g and
+// 2R - 1 - g (ring attention's layout over the R groups), and its A ranks split those
+// S / R tokens in order.
 std::vector<position_run> staged_all_to_all::local_positions(int rank) const {
-  return contiguous_positions(config_.seq_len, config_.cp, rank);
+  if (config_.ring == 1 && config_.strategy != strategy_kind::hybrid)
+    return contiguous_positions(config_.seq_len, config_.cp, rank);
+  const int g = rank / group_, a = rank % group_;
+  const std::int64_t begin = a * tokens_, end = begin + tokens_;
+  std::vector<position_run> out;
+  for (const position_run& run : zigzag_positions(config_.seq_len, config_.ring, g)) {
+    const std::int64_t lo = std::max(begin, run.token_begin), hi = std::min(end, run.token_begin + run.count);
+    if (lo < hi) out.push_back({lo - begin, run.position_begin + (lo - run.token_begin), hi - lo});
+  }
+  return out;
 }
 
 staged_all_to_all::head_lists staged_all_to_all::stage_lists(int stage) const {
   head_lists lists;
-  for (int j = 0; j < config_.cp; ++j) lists.push_back(schedule_.stage_heads(j, stage));
+  for (int j = 0; j < group_; ++j) lists.push_back(schedule_.stage_heads(j, stage));
   return lists;
 }
 
 staged_all_to_all::head_lists staged_all_to_all::arriving_lists(int stage) const {
   head_lists lists;
-  for (int j = 0; j < config_.cp; ++j) lists.push_back(schedule_.arriving(j, stage)->kv_heads);
+  for (int j = 0; j < group_; ++j) lists.push_back(schedule_.arriving(j, stage)->kv_heads);
   return lists;
 }
 
@@ -76,10 +112,10 @@ tensor staged_all_to_all::project_to_send(const normed_input& x, const mat_view&
                                           const char* label) {
   const phase_scope phase(be_, "attn_project");
   const int n = static_cast<int>(lists[0].size());
-  tensor send = be_.allocate(mem_tag::attention, be_.work_dtype(), {config_.cp, tokens_, n, dim_}, label);
+  tensor send = be_.allocate(mem_tag::attention, be_.work_dtype(), {group_, tokens_, n, dim_}, label);
   const std::int64_t d = dim_;
   for_each_input_tile(be_, x, [&](std::int64_t first, const mat_view& rows) {
-    for (int j = 0; j < config_.cp; ++j) {
+    for (int j = 0; j < group_; ++j) {
       const head_view chunk = chunk_heads(send, j).token_block(first, rows.rows);
       const mat_view dst = {chunk.data, chunk.type, rows.rows, n * d, chunk.token_stride};
       for (const head_run& run : consecutive_runs(lists[j]))
@@ -93,10 +129,10 @@ tensor staged_all_to_all::project_to_send(const normed_input& x, const mat_view&
 // All-to-all of equal chunks; the send buffer is freed as soon as the exchange is done.
 // With one rank the exchange is the identity: the send buffer is the result, uncopied.
 tensor staged_all_to_all::exchange(tensor& send, const char* label) {
-  if (config_.cp == 1) return std::move(send);
+  if (group_ == 1) return std::move(send);
   const phase_scope phase(be_, "attn_a2a");
   tensor recv = be_.allocate(mem_tag::attention, send.type(), send.dims(), label);
-  comm_.all_to_all(send.data(), recv.data(), send.bytes() / config_.cp, label);
+  comm_.all_to_all(send.data(), recv.data(), send.bytes() / group_, label);
   send.reset();
   return recv;
 }
@@ -116,9 +152,9 @@ void staged_all_to_all::rope(const head_view& x, rope_direction direction) {
 tensor staged_all_to_all::pack_heads(const mat_view& src, int stage, const char* label) {
   const phase_scope phase(be_, "attn_pack");
   const int u = schedule_.heads_per_stage();
-  tensor send = be_.allocate(mem_tag::attention, be_.work_dtype(), {config_.cp, tokens_, u, dim_}, label);
+  tensor send = be_.allocate(mem_tag::attention, be_.work_dtype(), {group_, tokens_, u, dim_}, label);
   const head_view all = {src.data, src.type, tokens_, config_.heads, dim_, src.ld, dim_};
-  for (int j = 0; j < config_.cp; ++j)
+  for (int j = 0; j < group_; ++j)
     for (const head_run& run : consecutive_runs(schedule_.stage_heads(j, stage)))
       ops::copy_heads(be_, chunk_heads(send, j).head_block(run.slot, run.count), all.head_block(run.first, run.count));
   return send;
@@ -127,7 +163,7 @@ tensor staged_all_to_all::pack_heads(const mat_view& src, int stage, const char*
 void staged_all_to_all::unpack_heads(const tensor& recv, int stage, const mat_view& dst) {
   const phase_scope phase(be_, "attn_pack");
   const head_view all = {dst.data, dst.type, tokens_, config_.heads, dim_, dst.ld, dim_};
-  for (int j = 0; j < config_.cp; ++j)
+  for (int j = 0; j < group_; ++j)
     for (const head_run& run : consecutive_runs(schedule_.stage_heads(j, stage)))
       ops::copy_heads(be_, all.head_block(run.first, run.count), chunk_heads(recv, j).head_block(run.slot, run.count));
 }
@@ -200,6 +236,17 @@ std::vector<staged_all_to_all::sdpa_call> staged_all_to_all::plan_calls(
   return calls;
 }
 
+tensor staged_all_to_all::ring_kv(const resident_block& b, const sdpa_call& c) {
+  tensor kv = be_.allocate(mem_tag::attention, be_.work_dtype(), {2, gathered_, c.n_kv, dim_}, "hybrid_ring_kv");
+  ops::copy_heads(be_, pair_part(kv, 0), sequence_heads(b.k).head_block(c.kv_slot, c.n_kv));
+  ops::copy_heads(be_, pair_part(kv, 1), sequence_heads(b.v).head_block(c.kv_slot, c.n_kv));
+  return kv;
+}
+
+ring_shape staged_all_to_all::ring_geometry() const {
+  return {config_.ring, ring_->rank(), gathered_ / 2, scale_, &documents()};
+}
+
 void staged_all_to_all::release_finished(std::vector<resident_block>& resident, int stage) {
   std::erase_if(resident, [stage](const resident_block& b) { return b.plan->last_stage == stage; });
 }
@@ -207,7 +254,7 @@ void staged_all_to_all::release_finished(std::vector<resident_block>& resident, 
 attention_saved staged_all_to_all::forward(const mat_view& x, const attention_weights& w, const mat_view& out) {
   const int rank = comm_.rank(), u = schedule_.heads_per_stage();
   attention_saved saved;
-  saved.lse = be_.allocate(mem_tag::activations, dtype::f32, {config_.heads / config_.cp, gathered_}, "attn_lse");
+  saved.lse = be_.allocate(mem_tag::activations, dtype::f32, {config_.heads / group_, gathered_}, "attn_lse");
   std::vector<resident_block> resident;
   // The previous stage's output exchange, in flight while this stage projects.
   struct in_flight {
@@ -235,6 +282,11 @@ attention_saved staged_all_to_all::forward(const mat_view& x, const attention_we
       const phase_scope phase(be_, "attn_sdpa");
       for (const sdpa_call& c : plan_calls(t, resident)) {
         const resident_block& b = resident[c.block];
+        if (ring_ != nullptr) {
+          ring_core_forward(be_, *ring_, ring_geometry(), qh.head_block(c.q_slot, c.n_q), ring_kv(b, c),
+                            oh.head_block(c.q_slot, c.n_q), lse_heads(saved.lse, t * u + c.q_slot, c.n_q));
+          continue;
+        }
         ops::sdpa_forward(be_, {qh.head_block(c.q_slot, c.n_q), sequence_heads(b.k).head_block(c.kv_slot, c.n_kv),
                                 sequence_heads(b.v).head_block(c.kv_slot, c.n_kv), oh.head_block(c.q_slot, c.n_q),
                                 lse_heads(saved.lse, t * u + c.q_slot, c.n_q), attn_mask::causal, scale_,
@@ -242,10 +294,10 @@ attention_saved staged_all_to_all::forward(const mat_view& x, const attention_we
       }
     }
     q.reset();
-    if (config_.overlap_comm && config_.cp > 1 && t + 1 < schedule_.stages()) {
+    if (config_.overlap_comm && group_ > 1 && t + 1 < schedule_.stages()) {
       const phase_scope phase(be_, "attn_a2a");
       previous.recv = be_.allocate(mem_tag::attention, o.type(), o.dims(), "a2a_o");
-      previous.request = comm_.all_to_all_start(o.data(), previous.recv.data(), o.bytes() / config_.cp, "a2a_o");
+      previous.request = comm_.all_to_all_start(o.data(), previous.recv.data(), o.bytes() / group_, "a2a_o");
       previous.send = std::move(o);
       previous.stage = t;
     } else {
@@ -291,6 +343,24 @@ void staged_all_to_all::backward_stage(int t, std::vector<resident_block>& resid
     for (const sdpa_call& c : plan_calls(t, resident)) {
       resident_block& b = resident[c.block];
       const bool spans = b.plan->spans_stages();
+      if (ring_ != nullptr) {
+        // The ring brings the kv gradients home in f32: into the block's accumulators
+        // (kv heads that span stages) or written once.
+        ring_core_grads g = ring_core_backward(
+            be_, *ring_, ring_geometry(), sequence_heads(q).head_block(c.q_slot, c.n_q), ring_kv(b, c),
+            sequence_heads(o).head_block(c.q_slot, c.n_q), sequence_heads(d_o).head_block(c.q_slot, c.n_q),
+            lse_heads(saved.lse, t * u + c.q_slot, c.n_q));
+        ops::copy_heads(be_, sequence_heads(dq).head_block(c.q_slot, c.n_q), g.dq.heads());
+        for (int which = 0; which < 2; ++which) {
+          const head_view into = sequence_heads(which == 0 ? b.dk : b.dv).head_block(c.kv_slot, c.n_kv);
+          const head_view grad = pair_part(g.dkv, which);
+          if (spans)
+            ops::add_heads(be_, into, grad);
+          else
+            ops::copy_heads(be_, into, grad);
+        }
+        continue;
+      }
       const head_view k = sequence_heads(b.k).head_block(c.kv_slot, c.n_kv);
       tensor dk_stage, dv_stage;
       if (spans) {
@@ -355,12 +425,12 @@ void staged_all_to_all::accumulate_input_grads(const tensor& recv, const head_li
     const head_view chunk = chunk_heads(recv, j);
     return mat_view{chunk.data, chunk.type, tokens_, n * d, chunk.token_stride};
   };
-  for (int j = 0; j < config_.cp; ++j)
+  for (int j = 0; j < group_; ++j)
     for (const head_run& run : consecutive_runs(lists[j]))
       ops::gemm(be_, {grad_rows(j).col_block(run.slot * d, run.count * d), transpose::none,
                       weight.row_block(run.first * d, run.count * d), transpose::none, d_x, 1.0f, 1.0f});
   for_each_input_tile(be_, x, [&](std::int64_t first, const mat_view& rows) {
-    for (int j = 0; j < config_.cp; ++j)
+    for (int j = 0; j < group_; ++j)
       for (const head_run& run : consecutive_runs(lists[j]))
         ops::gemm(be_, {grad_rows(j).row_block(first, rows.rows).col_block(run.slot * d, run.count * d), transpose::yes,
                         rows, transpose::none, d_weight.row_block(run.first * d, run.count * d), 1.0f, 1.0f});

@@ -1,10 +1,14 @@
-// Ulysses and UPipe behind the strategy interface (one implementation; U = H is Ulysses).
+// Ulysses and UPipe behind the strategy interface (one implementation; U = H is Ulysses),
+// and hybrid: the same inside each all-to-all group of a 2-D mesh, with each stage's
+// attention a ring across the groups (ring_core_*).
 #pragma once
 
 #include <span>
 #include <vector>
 
+#include "comm/subgroup.hpp"
 #include "cp/head_schedule.hpp"
+#include "cp/ring.hpp"
 #include "cp/strategy.hpp"
 
 namespace upipe {
@@ -12,6 +16,9 @@ namespace upipe {
 class staged_all_to_all final : public attention_strategy {
  public:
   staged_all_to_all(const attention_config& config, backend& be, communicator& comm);
+  // Hybrid: the mesh's groups (split_mesh of the CP group), owned; `world_rank` is this
+  // rank in the CP group.
+  staged_all_to_all(const attention_config& config, backend& be, mesh_groups mesh, int world_rank);
   ~staged_all_to_all() override;
 
   std::vector<position_run> local_positions(int rank) const override;
@@ -53,13 +60,21 @@ class staged_all_to_all final : public attention_strategy {
                     const attention_grads& grads);
   void accumulate_input_grads(const tensor& recv, const head_lists& lists, const mat_view& weight,
                               const mat_view& d_weight, const normed_input& x, const mat_view& d_x);
+  // Hybrid: a call's kv heads of a resident block as one (2, S / R, n_kv, d) buffer to
+  // travel the ring.
+  tensor ring_kv(const resident_block& b, const sdpa_call& c);
+  ring_shape ring_geometry() const;
 
   attention_config config_;
   backend& be_;
-  communicator& comm_;
+  mesh_groups mesh_;     // hybrid's groups (empty otherwise)
+  communicator& comm_;   // the all-to-all group: the CP group, or hybrid's A ranks
+  communicator* ring_;   // hybrid's ring across groups, else nullptr
+  int world_rank_;       // this rank in the CP group
+  int group_;            // A, the all-to-all group's ranks
   head_schedule schedule_;
   std::int64_t tokens_;    // s
-  std::int64_t gathered_;  // S
+  std::int64_t gathered_;  // S / R: the tokens of the group (the whole sequence but in hybrid)
   int dim_;
   float scale_;
   std::vector<position_run> gathered_positions_;  // the layout: global indices

@@ -77,6 +77,13 @@ std::unique_ptr<attention_strategy> make_strategy(attention_config config, backe
     case strategy_kind::ring:
       UPIPE_CHECK(groups.ring != nullptr, "ring needs a ring group");
       return std::make_unique<ring_attention>(config, be, *groups.ring);
+    case strategy_kind::hybrid: {
+      // The CP group splits into the mesh: all-to-all inside each group of A, a ring of R.
+      UPIPE_CHECK(groups.all_to_all != nullptr && groups.all_to_all->size() == config.cp,
+                  "hybrid needs the whole CP group to split");
+      communicator& world = *groups.all_to_all;
+      return std::make_unique<staged_all_to_all>(config, be, split_mesh(world, be, config.ring), world.rank());
+    }
   }
   throw internal_error("unknown strategy");
 }

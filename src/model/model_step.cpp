@@ -37,7 +37,10 @@ prepared_sequence prepare_sequence(std::span<const std::int32_t> tokens, std::in
 }
 
 std::int64_t layout_unit(const cp_settings& cp) {
-  return cp.strategy == strategy_kind::ring ? 2 * std::int64_t{cp.cp} : cp.cp;
+  attention_config c;
+  c.strategy = cp.strategy;
+  c.cp = cp.cp;
+  return c.layout_unit();
 }
 
 namespace {

@@ -30,7 +30,7 @@ struct prepared_sequence {
 constexpr std::int32_t masked_label = -100;
 prepared_sequence prepare_sequence(std::span<const std::int32_t> tokens, std::int64_t unit,
                                    std::span<const std::int64_t> documents = {});
-// The layout unit of a strategy: C for ulysses and upipe, 2C for ring's zigzag.
+// The layout unit of a strategy: C for ulysses and upipe, 2C for the zigzag halves of ring and hybrid.
 std::int64_t layout_unit(const cp_settings& cp);
 
 struct model_step_request {

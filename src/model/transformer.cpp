@@ -35,6 +35,7 @@ attention_config attention_config_for(const model_config& model, const cp_settin
   c.model_dim = model.hidden_size;
   c.cp = cp.cp;
   c.head_chunk = cp.head_chunk;
+  c.ring = cp.ring;
   c.strategy = cp.strategy;
   c.rope = model.rope;
   c.qk_norm = model.qk_norm;

@@ -22,6 +22,7 @@ struct cp_settings {
   strategy_kind strategy = strategy_kind::upipe;
   int cp = 1;
   int head_chunk = 0;
+  int ring = 1;  // hybrid: R rings of all-to-all groups of C / R ranks
 };
 
 struct step_options {

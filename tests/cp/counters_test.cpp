@@ -6,6 +6,7 @@
 #include <algorithm>
 
 #include "bench/attention_experiment.hpp"
+#include "cp/head_schedule.hpp"
 
 namespace upipe {
 namespace {
@@ -59,6 +60,44 @@ TEST(counters, ring_circulates_kv_and_fp32_gradients) {
     EXPECT_EQ(r.bytes_sent.at("send"), 2 * (C - 1) * kv + C * kv);
     EXPECT_EQ(r.bytes_sent.count("all_to_all"), 0u);
   }
+}
+
+// Hybrid per mesh dimension: inside a group of A ranks the stages' all-to-alls carry
+// Ulysses' volume for A ranks (of which (A - 1) / A leaves the rank, over the CP group's
+// point-to-point sends); across the R groups each call's kv heads circulate as in ring, for
+// the group's G = S / R tokens.
+TEST(counters, hybrid_matches_the_volume_of_each_mesh_dimension) {
+  const std::int64_t S = 48, d = 8, f32 = 4;
+  for (auto [H, K, C, R] : {std::tuple{8, 2, 4, 2}, {8, 8, 4, 2}, {12, 4, 6, 3}, {8, 2, 8, 4}, {4, 2, 4, 4}})
+    for (int U : valid_head_chunks(H, C / R)) {
+      const int A = C / R;
+      attention_config c = {.seq_len = S, .heads = H, .kv_heads = K, .head_dim = static_cast<int>(d), .model_dim = 16,
+                            .cp = C, .head_chunk = U, .ring = R, .strategy = strategy_kind::hybrid};
+      experiment_options o;
+      o.limits = {std::size_t{64} << 20, std::size_t{1} << 20};
+      const experiment_result r = run_attention_experiment(c, o);
+      SCOPED_TRACE("H" + std::to_string(H) + " K" + std::to_string(K) + " " + std::to_string(R) + "x" +
+                   std::to_string(A) + " U" + std::to_string(U));
+      const std::int64_t s = S / C, G = S / R;
+      const std::uint64_t q_bytes = s * H * d * f32 * (A - 1) / A;
+      const std::uint64_t kv_bytes = std::int64_t{A} * std::max(K / A, 1) * s * d * f32 * (A - 1) / A;
+      for (const char* name : {"a2a_q", "a2a_o", "bwd_a2a_q", "bwd_a2a_o", "bwd_a2a_do", "bwd_a2a_dq"})
+        EXPECT_EQ(label(r, name), q_bytes) << name;
+      for (const char* name : {"a2a_k", "a2a_v", "bwd_a2a_k", "bwd_a2a_v", "bwd_a2a_dk", "bwd_a2a_dv"})
+        EXPECT_EQ(label(r, name), kv_bytes) << name;
+      // Rank 0's stages: the distinct kv heads of each stage's query heads.
+      const head_schedule schedule(H, K, A, U);
+      std::int64_t kv_heads = 0;
+      for (int t = 0; t < schedule.stages(); ++t) {
+        std::vector<int> used;
+        for (const int q : schedule.stage_heads(0, t))
+          if (std::find(used.begin(), used.end(), schedule.kv_of(q)) == used.end()) used.push_back(schedule.kv_of(q));
+        kv_heads += static_cast<std::int64_t>(used.size());
+      }
+      const std::uint64_t ring_kv = 2 * G * kv_heads * d * f32;
+      EXPECT_EQ(label(r, "ring_kv"), 2 * (R - 1) * ring_kv);
+      EXPECT_EQ(label(r, "ring_dkv"), R * ring_kv);
+    }
 }
 
 }  // namespace

@@ -42,6 +42,22 @@ TEST(attention_memory, ring_matches_its_buffer_plan) {
   }
 }
 
+TEST(attention_memory, hybrid_matches_its_buffer_plan) {
+  for (auto [H, K, C, R] : {std::tuple{32, 8, 8, 2}, {32, 8, 8, 4}, {16, 2, 8, 2}, {32, 8, 4, 2}})
+    for (int U : valid_head_chunks(H, C / R)) {
+      attention_config c = {.seq_len = 65536, .heads = H, .kv_heads = K, .head_dim = 128, .model_dim = H * 128,
+                            .cp = C, .head_chunk = U, .ring = R, .strategy = strategy_kind::hybrid};
+      experiment_options o;
+      o.backend = backend_kind::meta;
+      o.limits = {std::size_t{1} << 50, std::size_t{1} << 50};
+      const experiment_result r = run_attention_experiment(c, o);
+      SCOPED_TRACE("H" + std::to_string(H) + " K" + std::to_string(K) + " " + std::to_string(R) + "x" +
+                   std::to_string(C / R) + " U" + std::to_string(U));
+      EXPECT_LE(r.attention_peak_bytes, r.attention_peak_formula_bytes * 1.10);
+      EXPECT_GE(r.attention_peak_bytes, r.attention_peak_formula_bytes * 0.90);
+    }
+}
+
 TEST(attention_memory, u_dependent_part_doubles_with_u) {
   // H = 64, K = 8, C = 8: U = 8, 16, 32 keep one kv head resident per rank (Kr = C), so
   // the peak is a + b U and each doubling of U adds twice the previous increment.

@@ -125,6 +125,85 @@ INSTANTIATE_TEST_SUITE_P(all_supported, strategy_sweep, ::testing::ValuesIn(supp
                                   "_C" + std::to_string(info.param.cp);
                          });
 
+// Hybrid over every 2-D mesh of C <= 8 ranks (R rings of A = C / R), with Ulysses (U = H)
+// and every valid UPipe U inside the groups: kv heads split and replicated over A, qk-norm
+// and packed documents on some.
+struct mesh_shape {
+  int heads, kv_heads, cp, ring;
+};
+
+std::vector<mesh_shape> mesh_shapes() {
+  std::vector<mesh_shape> out;
+  for (int C : {2, 3, 4, 6, 8})
+    for (int R = 1; R <= C; ++R) {
+      if (C % R != 0) continue;
+      const int A = C / R;
+      for (auto [H, K] : std::vector<std::pair<int, int>>{{4, 2}, {8, 2}, {8, 8}, {12, 4}, {16, 4}})
+        if (H % A == 0 && (K % A == 0 || A % K == 0)) out.push_back({H, K, C, R});
+    }
+  return out;
+}
+
+class hybrid_sweep : public ::testing::TestWithParam<mesh_shape> {};
+
+TEST_P(hybrid_sweep, matches_reference) {
+  const mesh_shape m = GetParam();
+  const int A = m.cp / m.ring;
+  int runs = 0;
+  for (int u : valid_head_chunks(m.heads, A))
+    for (const bool documents : {false, true}) {
+      const std::int64_t S = 48;  // a multiple of 2C for every C of the sweep
+      attention_config c = sweep_config({m.heads, m.kv_heads, m.cp}, strategy_kind::hybrid, u, 8, S);
+      c.ring = m.ring;
+      c.qk_norm = documents;
+      experiment_options o;
+      o.seed = 9000 + m.heads * 100 + m.kv_heads * 10 + m.cp + u;
+      o.limits = {std::size_t{64} << 20, std::size_t{1} << 20};
+      if (documents) o.documents = random_documents(S, o.seed);
+      const experiment_result r = run_attention_experiment(c, o);
+      ASSERT_TRUE(r.max_rel_error.has_value());
+      for (const auto& [name, e] : r.rel_error)
+        EXPECT_LT(e, 1e-5) << "U=" << u << (documents ? " documents" : "") << " tensor " << name;
+      ++runs;
+    }
+  EXPECT_GT(runs, 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(meshes, hybrid_sweep, ::testing::ValuesIn(mesh_shapes()), [](const auto& info) {
+  const mesh_shape& m = info.param;
+  return "H" + std::to_string(m.heads) + "_K" + std::to_string(m.kv_heads) + "_R" + std::to_string(m.ring) + "xA" +
+         std::to_string(m.cp / m.ring);
+});
+
+TEST(hybrid_config, bad_meshes_are_refused_with_a_valid_alternative) {
+  const auto refused = [](attention_config c, const std::string& says) {
+    try {
+      validate(c);
+      ADD_FAILURE() << "accepted: " << says;
+    } catch (const config_error& e) {
+      EXPECT_NE(std::string(e.what()).find(says), std::string::npos) << e.what();
+    }
+  };
+  attention_config c = sweep_config({8, 2, 4}, strategy_kind::hybrid, 0, 8, 48);
+  c.ring = 3;
+  refused(c, "--ring 3 must divide cp C = 4");
+  c.ring = 2;
+  c.head_chunk = 3;
+  refused(c, "U must be a multiple of A and divide H; valid: 2, 4, 8");
+  c.head_chunk = 0;
+  c.seq_len = 44;
+  refused(c, "must be divisible by 2C = 8");
+  attention_config u = sweep_config({8, 2, 4}, strategy_kind::upipe, 0, 8, 48);
+  u.ring = 2;
+  refused(u, "--ring 2 applies to hybrid only");
+  attention_config wide = sweep_config({6, 2, 8}, strategy_kind::hybrid, 0, 8, 48);
+  wide.ring = 2;
+  refused(wide, "the all-to-all group A = C / R = 4 must divide query heads H = 6");
+  c.seq_len = 48;
+  validate(c);
+  EXPECT_EQ(c.head_chunk, 8);  // USP by default: Ulysses inside the groups
+}
+
 // The sweep must cover the interesting regimes, or it proves little.
 TEST(strategy_sweep_coverage, covers_split_and_replicated_kv) {
   bool split = false, replicated = false, odd_cp = false;

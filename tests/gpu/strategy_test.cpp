@@ -6,6 +6,7 @@
 #include <cuda_runtime_api.h>
 
 #include "bench/attention_experiment.hpp"
+#include "model/hf_model.hpp"
 #include "model/model_step.hpp"
 
 #include "../support/compare.hpp"
@@ -40,6 +41,27 @@ TEST(gpu_strategies, virtual_ranks_match_the_reference) {
                                          << " " << name;
         }
     }
+}
+
+// Hybrid on virtual ranks: 2 x 2 and 4 x 1 (and 2 x 4 on eight), Ulysses and every UPipe U
+// inside the groups, with and without packed documents, against the float64 reference.
+TEST(gpu_strategies, hybrid_meshes_match_the_reference) {
+  if (!have_gpu()) GTEST_SKIP() << "no GPU";
+  for (auto [cp, ring] : {std::pair{4, 2}, std::pair{4, 4}, std::pair{8, 2}})
+    for (int u : valid_head_chunks(8, cp / ring))
+      for (bool documents : {false, true}) {
+        attention_config c{.seq_len = 512, .heads = 8, .kv_heads = 2, .head_dim = 64, .model_dim = 256, .cp = cp,
+                           .head_chunk = u, .ring = ring, .strategy = strategy_kind::hybrid};
+        experiment_options o;
+        o.backend = backend_kind::cuda;
+        o.limits = {std::size_t{1} << 30, std::size_t{64} << 20};
+        if (documents) o.documents = {0, 1, 64, 200, 201, 333, 384};
+        const experiment_result r = run_attention_experiment(c, o);
+        ASSERT_TRUE(r.max_rel_error.has_value());
+        for (const auto& [name, e] : r.rel_error)
+          EXPECT_LT(e, bf16_tolerance) << ring << "x" << cp / ring << " U=" << u << " documents=" << documents << " "
+                                       << name;
+      }
 }
 
 // Packed documents: cuDNN runs each document (and ring's one shared document of a past
@@ -120,6 +142,34 @@ TEST(gpu_model, hf_directories_step_like_the_cpu_backend) {
       for (const auto& [param, values] : cpu.grads)
         EXPECT_LT(testing::max_difference_over_max(gpu.grads.at(param), values), 5e-2) << name << " " << param;
     }
+}
+
+// Forward-only evaluation (upipe eval, eval --niah) on the GPU: each target's loss near
+// the cpu backend's under upipe and hybrid, and the argmax at the asked positions the
+// same where the cpu's prediction is clear (a margin over bf16's rounding).
+TEST(gpu_model, evaluation_scores_like_the_cpu_backend) {
+  if (!have_gpu()) GTEST_SKIP() << "no GPU";
+  const std::string dir = std::string(UPIPE_SOURCE_DIR) + "/tests/golden/hf/llama-yarn-shards";
+  const model_config config = read_hf_config(dir);
+  const hf_model_files files(dir, config);
+  eval_sequence seq;
+  for (int i = 0; i < 256; ++i) seq.tokens.push_back((i * 53 + 7) % 256);
+  for (int i = 0; i < 255; i += 5) seq.argmax_at.push_back(i);
+  for (const cp_settings cp : {cp_settings{strategy_kind::upipe, 2, 0}, cp_settings{strategy_kind::hybrid, 4, 0, 2}}) {
+    model_step_request req;
+    req.model = config;
+    req.cp = cp;
+    req.limits = {std::size_t{256} << 20, std::size_t{64} << 20};
+    const eval_result cpu = evaluate(req, files, {seq});
+    req.backend = backend_kind::cuda;
+    req.limits = {std::size_t{1} << 30, std::size_t{64} << 20};
+    const eval_result gpu = evaluate(req, files, {seq});
+    ASSERT_EQ(gpu.target_loss[0].size(), cpu.target_loss[0].size());
+    EXPECT_LT(testing::max_difference_over_max(gpu.target_loss[0], cpu.target_loss[0]), bf16_tolerance);
+    int same = 0;
+    for (std::size_t j = 0; j < seq.argmax_at.size(); ++j) same += gpu.argmax[0][j] == cpu.argmax[0][j];
+    EXPECT_GE(same, static_cast<int>(0.9 * static_cast<double>(seq.argmax_at.size())));
+  }
 }
 
 }  // namespace

@@ -50,11 +50,12 @@ TEST_P(eval_positions, every_target_equals_transformers) {
   for (int cp : {1, 2, 4}) {
     std::vector<std::pair<strategy_kind, int>> cases = {{strategy_kind::ulysses, 0}, {strategy_kind::ring, 0}};
     for (int u : valid_head_chunks(config.num_heads, cp)) cases.push_back({strategy_kind::upipe, u});
+    if (cp == 4) cases.push_back({strategy_kind::hybrid, 0});
     for (auto [kind, u] : cases) {
       SCOPED_TRACE(std::string(strategy_name(kind)) + " C=" + std::to_string(cp) + " U=" + std::to_string(u));
       model_step_request req;
       req.model = config;
-      req.cp = {kind, cp, u};
+      req.cp = {kind, cp, u, kind == strategy_kind::hybrid ? 2 : 1};
       req.options.mlp_tile = 5;
       req.options.loss_chunk = 7;
       req.limits = {std::size_t{256} << 20, std::size_t{64} << 20};

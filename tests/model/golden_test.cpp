@@ -90,6 +90,21 @@ TEST_P(golden, every_strategy_with_two_and_four_ranks) {
   }
 }
 
+// Hybrid on four ranks: 2 x 2 (all-to-all in pairs, a ring of two) with Ulysses and every
+// UPipe U inside, and 4 x 1 (a ring of four groups of one); packed documents on 2 x 2.
+model_step_request hybrid(const golden_case& g, int ring, int u) {
+  model_step_request req = request(g, strategy_kind::hybrid, 4, u);
+  req.cp.ring = ring;
+  return req;
+}
+
+TEST_P(golden, hybrid_on_two_by_two_and_four_by_one) {
+  const golden_case g = load(GetParam());
+  for (int u : valid_head_chunks(g.config.num_heads, 2))
+    expect_matches(g, hybrid(g, 2, u), "hybrid 2x2 U=" + std::to_string(u));
+  expect_matches(g, hybrid(g, 4, 0), "hybrid 4x1");
+}
+
 TEST_P(golden, every_checkpoint_policy) {
   const golden_case g = load(GetParam());
   for (const char* what : {"input", "input+attention"})
@@ -121,8 +136,10 @@ TEST_P(golden, packed_documents_equal_the_documents_one_by_one) {
   for (int cp : {1, 2, 4}) {
     std::vector<std::pair<strategy_kind, int>> cases = {{strategy_kind::ulysses, 0}, {strategy_kind::ring, 0}};
     for (int u : valid_head_chunks(g.config.num_heads, cp)) cases.push_back({strategy_kind::upipe, u});
+    if (cp == 4) cases.push_back({strategy_kind::hybrid, 2});
     for (auto [kind, u] : cases) {
       model_step_request req = request(g, kind, cp, u);
+      if (kind == strategy_kind::hybrid) req.cp.ring = 2;
       req.documents = starts;
       const std::string what = std::string(strategy_name(kind)) + " C=" + std::to_string(cp) + " U=" + std::to_string(u);
       SCOPED_TRACE(what);

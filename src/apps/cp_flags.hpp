@@ -1,0 +1,34 @@
+// The CP flags every model command shares: --attention, --cp, --head-chunk and --ring.
+#pragma once
+
+#include <string>
+
+#include <CLI/CLI.hpp>
+
+#include "model/transformer.hpp"
+
+namespace upipe::apps {
+
+struct cp_flags {
+  std::string attention = "upipe";
+  int cp = 1, head_chunk = 0, ring = 1;
+
+  cp_settings settings() const { return {parse_strategy_kind(attention), cp, head_chunk, ring}; }
+  // "upipe", or "hybrid 2x4" (R x A).
+  std::string describe() const {
+    return attention == "hybrid" && ring > 0 ? attention + " " + std::to_string(ring) + "x" + std::to_string(cp / ring)
+                                             : attention;
+  }
+};
+
+inline void add_cp_flags(CLI::App& app, cp_flags& f, const char* cp_help = "ranks in the CP group") {
+  app.add_option("--attention", f.attention,
+                 "ulysses, upipe, ring, or hybrid (ulysses or upipe inside groups of C / R ranks, a ring of R groups)")
+      ->capture_default_str();
+  app.add_option("--cp", f.cp, cp_help)->capture_default_str();
+  app.add_option("--head-chunk", f.head_chunk,
+                 "U, query heads per stage: upipe (default C), hybrid (a multiple of C / R; default H, Ulysses inside)");
+  app.add_option("--ring", f.ring, "hybrid: R, the ring of all-to-all groups (R divides C)")->capture_default_str();
+}
+
+}  // namespace upipe::apps
