@@ -24,8 +24,8 @@ namespace {
 struct plan_flags {
   std::string model = "llama3-8b", config_path, gpu_memory = "80GiB", host_memory, seq_len, json_path,
       optimizer = "adamw", policy;
-  std::vector<std::string> attention{"ulysses", "upipe", "ring"};
-  int gpus = 8, zero = 3, layers = 0;
+  std::vector<std::string> attention;  // default: ulysses, upipe, ring (and hybrid on several nodes)
+  int gpus = 8, gpus_per_node = 0, nodes = 1, zero = 3, layers = 0;
   double margin = 0.05;
   std::int64_t mlp_tile = 0, loss_chunk = 0;
 };
@@ -47,6 +47,13 @@ std::string tokens_text(std::int64_t s) {
 
 std::string u_text(const plan_entry& e) {
   return e.strategy == strategy_kind::ring ? "-" : std::to_string(e.head_chunk);
+}
+
+// "upipe", or "hybrid 2x8" (R x A: a ring of R nodes, all-to-all among A GPUs in each).
+std::string strategy_text(const plan_entry& e, int gpus) {
+  const std::string name(strategy_name(e.strategy));
+  return e.strategy == strategy_kind::hybrid ? name + " " + std::to_string(e.ring) + "x" + std::to_string(gpus / e.ring)
+                                             : name;
 }
 
 nlohmann::json point_json(const plan_point& p) {
@@ -73,13 +80,23 @@ int run(const plan_flags& f) {
   plan_request r;
   r.model = load_model(f.model, f.config_path, f.layers);
   r.gpus = f.gpus;
+  if (f.gpus_per_node != 0 || f.nodes != 1) {
+    if (f.gpus_per_node < 1)
+      throw config_error("--nodes " + std::to_string(f.nodes) + " needs --gpus-per-node G (for example "
+                         "--gpus-per-node 8 --nodes 2)");
+    r.gpus = f.gpus_per_node * f.nodes;
+  }
+  r.nodes = f.nodes;
   r.gpu_memory = parse_bytes(f.gpu_memory, "--gpu-memory");
   const bool host_default = f.host_memory.empty();
   r.host_memory = parse_bytes(host_default ? paper_host_memory : f.host_memory, "--host-memory");
   r.margin = f.margin;
   if (!f.seq_len.empty()) r.seq_len = parse_count(f.seq_len, "--seq-len");
   r.strategies.clear();
-  for (const std::string& name : f.attention) r.strategies.push_back(parse_strategy_kind(name));
+  std::vector<std::string> attention = f.attention;
+  if (attention.empty()) attention = {"ulysses", "upipe", "ring"};
+  if (f.attention.empty() && r.nodes > 1) attention.push_back("hybrid");
+  for (const std::string& name : attention) r.strategies.push_back(parse_strategy_kind(name));
   if (f.zero != 2 && f.zero != 3)
     throw config_error("--zero " + std::to_string(f.zero) + " is not supported: use --zero 2 or --zero 3");
   r.zero = f.zero == 3 ? zero_stage::three : zero_stage::two;
@@ -99,11 +116,13 @@ int run(const plan_flags& f) {
 
   const std::string step_kind = r.zero == zero_stage::replicated ? "forward+backward, no optimizer"
                                                                   : "training step, zero=" + std::to_string(f.zero);
-  std::printf("# upipe plan  model=%s (%d layers)  gpus=%d  %s  gpu-memory=%.1f GiB (margin %.0f%%: %.1f GiB usable)\n",
-              r.model.name.c_str(), r.model.num_layers, r.gpus, step_kind.c_str(), gib(r.gpu_memory), 100 * r.margin,
-              gib(r.gpu_memory) * (1 - r.margin));
-  std::printf("# host-memory=%.1f GiB%s, shared by the node's %d ranks (pinned checkpoints)\n", gib(r.host_memory),
-              host_default ? " (default: 1.9 TiB, the paper's 8 x H100 machine; set --host-memory)" : "", r.gpus);
+  std::printf("# upipe plan  model=%s (%d layers)  gpus=%d (%d node%s of %d)  %s  gpu-memory=%.1f GiB (margin %.0f%%: "
+              "%.1f GiB usable)\n",
+              r.model.name.c_str(), r.model.num_layers, r.gpus, r.nodes, r.nodes == 1 ? "" : "s", r.gpus / r.nodes,
+              step_kind.c_str(), gib(r.gpu_memory), 100 * r.margin, gib(r.gpu_memory) * (1 - r.margin));
+  std::printf("# host-memory=%.1f GiB per node%s, shared by the node's %d ranks (pinned checkpoints)\n",
+              gib(r.host_memory), host_default ? " (default: 1.9 TiB, the paper's 8 x H100 machine; set --host-memory)" : "",
+              r.gpus / r.nodes);
   std::printf("# GPU bytes = the step's arena high water (meta backend, with cuBLASLt's and cuDNN's workspaces "
               "taken as on the GPU) + %.2f GiB of CUDA context\n", gib(estimate_overheads(step_memory{}).context));
   std::fflush(stdout);
@@ -113,26 +132,26 @@ int run(const plan_flags& f) {
   const auto eval_text = [](const plan_entry& e) {
     return e.longest_eval ? tokens_text(e.longest_eval->seq_len) : std::string("none");
   };
-  std::printf("\n%-8s %4s %12s %8s %8s %12s  %s\n", "strategy", "U", "longest S", "GPU GiB", "host GiB", "eval S",
+  std::printf("\n%-11s %4s %12s %8s %8s %12s  %s\n", "strategy", "U", "longest S", "GPU GiB", "host GiB", "eval S",
               "checkpoint policy");
   for (const plan_entry& e : plan.entries) {
     if (!e.longest) {
-      std::printf("%-8s %4s %12s %8s %8s %12s  %s\n", std::string(strategy_name(e.strategy)).c_str(),
+      std::printf("%-11s %4s %12s %8s %8s %12s  %s\n", strategy_text(e, r.gpus).c_str(),
                   u_text(e).c_str(), "none", "-", "-", eval_text(e).c_str(), "does not fit even the shortest length");
       continue;
     }
     const plan_point& p = *e.longest;
-    std::printf("%-8s %4s %12s %8.1f %8.1f %12s  %s\n", std::string(strategy_name(e.strategy)).c_str(),
+    std::printf("%-11s %4s %12s %8.1f %8.1f %12s  %s\n", strategy_text(e, r.gpus).c_str(),
                 u_text(e).c_str(), tokens_text(p.seq_len).c_str(), gib(p.gpu_bytes), gib(p.host_bytes),
                 eval_text(e).c_str(), p.policy.str().c_str());
   }
   std::printf("(eval S: the longest length upipe eval fits, forward only with the weights alone)\n");
   if (r.seq_len) {
-    std::printf("\nat S = %s:\n%-8s %4s %6s %8s %8s  %s\n", tokens_text(*r.seq_len).c_str(), "strategy", "U", "fits",
+    std::printf("\nat S = %s:\n%-11s %4s %6s %8s %8s  %s\n", tokens_text(*r.seq_len).c_str(), "strategy", "U", "fits",
                 "GPU GiB", "host GiB", "checkpoint policy (the fastest that fits, else the closest to fitting)");
     for (const plan_entry& e : plan.entries) {
       const plan_point& p = *e.at_request;
-      std::printf("%-8s %4s %6s %8.1f %8.1f  %s\n", std::string(strategy_name(e.strategy)).c_str(), u_text(e).c_str(),
+      std::printf("%-11s %4s %6s %8.1f %8.1f  %s\n", strategy_text(e, r.gpus).c_str(), u_text(e).c_str(),
                   p.fits ? "yes" : "no", gib(p.gpu_bytes), gib(p.host_bytes), p.policy.str().c_str());
     }
   }
@@ -152,6 +171,7 @@ int run(const plan_flags& f) {
     nlohmann::json entries = nlohmann::json::array();
     for (const plan_entry& e : plan.entries) {
       nlohmann::json j = {{"strategy", std::string(strategy_name(e.strategy))},
+                          {"ring", e.ring},
                           {"head_chunk", e.strategy == strategy_kind::ring ? nlohmann::json(nullptr)
                                                                            : nlohmann::json(e.head_chunk)},
                           {"max_seq_len", e.longest ? e.longest->seq_len : 0}};
@@ -172,6 +192,7 @@ int run(const plan_flags& f) {
         {"model", r.model.name},
         {"layers", r.model.num_layers},
         {"gpus", r.gpus},
+        {"nodes", r.nodes},
         {"zero", r.zero == zero_stage::replicated ? nlohmann::json(nullptr) : nlohmann::json(f.zero)},
         {"optimizer", f.optimizer},
         {"gpu_memory_bytes", r.gpu_memory},
@@ -194,13 +215,16 @@ command_runner add_plan(CLI::App& app) {
   auto f = std::make_shared<plan_flags>();
   add_model_flags(app, f->model, f->config_path);
   app.add_option("--gpus", f->gpus, "GPUs in the CP group, one node")->capture_default_str();
+  app.add_option("--gpus-per-node", f->gpus_per_node, "with --nodes: GPUs per node (the CP group is all of them)");
+  app.add_option("--nodes", f->nodes, "nodes (hybrid's ring runs across them; host memory is per node)")
+      ->capture_default_str();
   app.add_option("--gpu-memory", f->gpu_memory, "memory per GPU (80GiB, 141GB, ...)")->capture_default_str();
   app.add_option("--host-memory", f->host_memory,
                  "host memory of the node (default 1.9TiB, the paper's machine)");
   app.add_option("--seq-len", f->seq_len, "also plan this length (K and M suffixes)");
-  app.add_option("--attention", f->attention, "strategies to plan (ulysses, upipe, ring)")
-      ->delimiter(',')
-      ->capture_default_str();
+  app.add_option("--attention", f->attention,
+                 "strategies to plan (default ulysses, upipe, ring, and hybrid on several nodes)")
+      ->delimiter(',');
   app.add_option("--zero", f->zero, "2: shard optimizer state and gradients; 3: weights too")->capture_default_str();
   app.add_option("--optimizer", f->optimizer, "adamw (a training step) or none (forward and backward only)")
       ->capture_default_str();

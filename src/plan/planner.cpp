@@ -60,12 +60,15 @@ std::int64_t longest_fit(const cp_settings& cp, const std::function<bool(std::in
   return good * g;
 }
 
-// The configurations: ulysses (U = H), upipe at every valid U, ring.
+// The configurations: ulysses (U = H), upipe at every valid U, ring, and hybrid (one
+// all-to-all group per node, a ring over the nodes) with Ulysses and every UPipe U inside.
 std::vector<cp_settings> configurations(const plan_request& r) {
   std::vector<cp_settings> out;
   for (strategy_kind kind : r.strategies) {
     if (kind == strategy_kind::upipe) {
       for (int u : valid_head_chunks(r.model.num_heads, r.gpus)) out.push_back({kind, r.gpus, u});
+    } else if (kind == strategy_kind::hybrid) {
+      for (int u : valid_head_chunks(r.model.num_heads, r.gpus / r.nodes)) out.push_back({kind, r.gpus, u, r.nodes});
     } else {
       out.push_back({kind, r.gpus, kind == strategy_kind::ulysses ? r.model.num_heads : 0});
     }
@@ -77,6 +80,7 @@ plan_entry plan_configuration(const plan_request& r, const cp_settings& cp) {
   plan_entry e;
   e.strategy = cp.strategy;
   e.head_chunk = cp.head_chunk;
+  e.ring = cp.ring;
   const std::vector<checkpoint_policy> policies =
       r.policy ? std::vector<checkpoint_policy>{*r.policy} : candidate_policies();
   std::int64_t best = 0;
@@ -125,7 +129,7 @@ plan_point evaluate(const plan_request& r, const cp_settings& cp, std::int64_t s
   p.overheads = estimate_overheads(p.memory);
   p.arena_bytes = p.memory.arena_high_water;  // the meta probe reserves the workspaces as the GPU does
   p.gpu_bytes = p.arena_bytes + p.overheads.context;
-  p.host_bytes = p.memory.host_high_water * static_cast<std::size_t>(r.gpus);
+  p.host_bytes = p.memory.host_high_water * static_cast<std::size_t>(r.gpus / r.nodes);  // one node's ranks
   const double keep = 1.0 - r.margin;
   p.fits = static_cast<double>(p.gpu_bytes) <= keep * static_cast<double>(r.gpu_memory) &&
            static_cast<double>(p.host_bytes) <= keep * static_cast<double>(r.host_memory);
@@ -156,13 +160,20 @@ void validate(const plan_request& r) {
   validate(r.model);
   if (r.gpus < 1)
     throw config_error("--gpus " + std::to_string(r.gpus) + " must be at least 1 (for example --gpus 8)");
+  if (r.nodes < 1 || r.gpus % r.nodes != 0)
+    throw config_error("--nodes " + std::to_string(r.nodes) + " must divide the " + std::to_string(r.gpus) +
+                       " GPUs into equal nodes (for example --gpus-per-node 8 --nodes 2)");
   if (r.gpu_memory == 0) throw config_error("--gpu-memory must be positive (for example --gpu-memory 80GiB)");
   if (r.host_memory == 0) throw config_error("--host-memory must be positive (for example --host-memory 1.9TiB)");
   if (!(r.margin >= 0 && r.margin < 1))
     throw config_error("--margin " + std::to_string(r.margin) + " must lie in [0, 1) (for example 0.05)");
-  if (r.strategies.empty()) throw config_error("--attention needs at least one of ulysses, upipe, ring");
+  if (r.strategies.empty()) throw config_error("--attention needs at least one of ulysses, upipe, ring, hybrid");
   for (strategy_kind kind : r.strategies) {
-    const cp_settings cp{kind, r.gpus, kind == strategy_kind::ulysses ? r.model.num_heads : 0};
+    if (kind == strategy_kind::hybrid && r.nodes == 1)
+      throw config_error("hybrid needs more than one node (its ring runs across the nodes): give --gpus-per-node G "
+                         "--nodes M with M >= 2, or plan ulysses, upipe and ring on one node");
+    const cp_settings cp{kind, r.gpus, kind == strategy_kind::ulysses ? r.model.num_heads : 0,
+                         kind == strategy_kind::hybrid ? r.nodes : 1};
     if (kind == strategy_kind::upipe && valid_head_chunks(r.model.num_heads, r.gpus).empty())
       throw config_error("upipe has no valid head chunk for " + std::to_string(r.model.num_heads) + " heads on " +
                          std::to_string(r.gpus) + " GPUs; use --gpus dividing the heads");

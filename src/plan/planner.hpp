@@ -21,9 +21,10 @@ namespace upipe {
 
 struct plan_request {
   model_config model;
-  int gpus = 8;                        // C, the CP group (one node)
+  int gpus = 8;                        // C, the CP group: gpus / nodes per node
+  int nodes = 1;                       // M; hybrid's ring is one all-to-all group per node
   std::size_t gpu_memory = 0;          // bytes per GPU
-  std::size_t host_memory = 0;         // bytes per node, shared by its C ranks
+  std::size_t host_memory = 0;         // bytes per node, shared by its gpus / nodes ranks
   double margin = 0.05;                // fraction of gpu_memory kept free
   std::optional<std::int64_t> seq_len;  // also report every configuration at this length
   std::vector<strategy_kind> strategies{strategy_kind::ulysses, strategy_kind::upipe, strategy_kind::ring};
@@ -65,7 +66,8 @@ struct eval_point {
 
 struct plan_entry {
   strategy_kind strategy = strategy_kind::upipe;
-  int head_chunk = 0;                 // U (upipe), H (ulysses), 0 (ring)
+  int head_chunk = 0;                 // U (upipe, hybrid), H (ulysses), 0 (ring)
+  int ring = 1;                       // hybrid's R (the nodes)
   std::optional<plan_point> longest;  // at the longest length that fits (none: nothing fits)
   std::optional<eval_point> longest_eval;  // the longest evaluable length (with plan_request::eval)
   std::optional<plan_point> at_request;  // at the requested length: the fastest policy that fits, or the

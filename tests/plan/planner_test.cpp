@@ -185,6 +185,31 @@ TEST(planner, bad_requests_are_refused) {
   EXPECT_THROW(validate(r), config_error);
 }
 
+// Two nodes: hybrid (a ring over the nodes, all-to-all inside each) with Ulysses and every
+// UPipe U beside the single-group strategies; the host budget is one node's, for its ranks.
+TEST(planner, two_nodes_add_hybrid_and_count_host_memory_per_node) {
+  plan_request r = small_request();
+  r.gpus = 4;
+  r.nodes = 2;
+  r.strategies = {strategy_kind::upipe, strategy_kind::hybrid};
+  const plan_result plan = make_plan(r);
+  int hybrids = 0;
+  for (const plan_entry& e : plan.entries) {
+    ASSERT_TRUE(e.longest.has_value());
+    EXPECT_EQ(e.longest->host_bytes, e.longest->memory.host_high_water * 2);  // 2 ranks per node
+    if (e.strategy != strategy_kind::hybrid) continue;
+    ++hybrids;
+    EXPECT_EQ(e.ring, 2);
+    const cp_settings cp{e.strategy, r.gpus, e.head_chunk, e.ring};
+    EXPECT_FALSE(evaluate(r, cp, e.longest->seq_len + layout_unit(cp) * 1024, e.longest->policy).fits);
+  }
+  EXPECT_EQ(hybrids, static_cast<int>(valid_head_chunks(r.model.num_heads, 2).size()));
+  r.nodes = 1;
+  EXPECT_THROW(validate(r), config_error);  // hybrid's ring needs nodes to run across
+  r.nodes = 3;
+  EXPECT_THROW(validate(r), config_error);  // 4 GPUs do not split into 3 nodes
+}
+
 TEST(planner, fastest_fit_is_the_first_policy_that_fits_else_the_closest_to_fitting) {
   plan_request r = small_request();
   r.margin = 0;
