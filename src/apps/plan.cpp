@@ -23,7 +23,7 @@ namespace {
 
 struct plan_flags {
   std::string model = "llama3-8b", config_path, gpu_memory = "80GiB", host_memory, seq_len, json_path,
-      optimizer = "adamw", policy;
+      optimizer = "adamw", policy, offload = "none";
   std::vector<std::string> attention;  // default: ulysses, upipe, ring (and hybrid on several nodes)
   int gpus = 8, gpus_per_node = 0, nodes = 1, zero = 3, layers = 0;
   double margin = 0.05;
@@ -105,6 +105,9 @@ int run(const plan_flags& f) {
     throw config_error("--optimizer " + f.optimizer + " is not known: use adamw (a training step, sharded per --zero) "
                        "or none (forward and backward only: full weights and f32 gradients)");
   if (!f.policy.empty()) r.policy = parse_checkpoint_policy(f.policy);
+  r.offload_optimizer = parse_offload(f.offload);
+  if (r.offload_optimizer && r.zero == zero_stage::replicated)
+    throw config_error("--offload optimizer needs an optimizer: drop --optimizer none");
   r.mlp_tile = f.mlp_tile;
   r.loss_chunk = f.loss_chunk;
   validate(r);
@@ -114,8 +117,10 @@ int run(const plan_flags& f) {
     if (!json_out) throw io_error("cannot write --json " + f.json_path + ": check the directory");
   }
 
-  const std::string step_kind = r.zero == zero_stage::replicated ? "forward+backward, no optimizer"
-                                                                  : "training step, zero=" + std::to_string(f.zero);
+  const std::string step_kind = r.zero == zero_stage::replicated
+                                    ? "forward+backward, no optimizer"
+                                    : "training step, zero=" + std::to_string(f.zero) +
+                                          (r.offload_optimizer ? ", optimizer in host memory" : "");
   std::printf("# upipe plan  model=%s (%d layers)  gpus=%d (%d node%s of %d)  %s  gpu-memory=%.1f GiB (margin %.0f%%: "
               "%.1f GiB usable)\n",
               r.model.name.c_str(), r.model.num_layers, r.gpus, r.nodes, r.nodes == 1 ? "" : "s", r.gpus / r.nodes,
@@ -230,6 +235,7 @@ command_runner add_plan(CLI::App& app) {
       ->capture_default_str();
   app.add_option("--margin", f->margin, "fraction of GPU and host memory kept free")->capture_default_str();
   app.add_option("--layers", f->layers, "plan a slice: the first N layers only");
+  app.add_option("--offload", f->offload, offload_help)->capture_default_str();
   app.add_option("--checkpoint-policy", f->policy,
                  "plan only this policy (what=input|input+attention,every=K,where=device|host-pinned|host-pageable)");
   app.add_option("--mlp-tile", f->mlp_tile, mlp_tile_help);

@@ -8,6 +8,7 @@
 #include "backend/backend.hpp"
 #include "core/error.hpp"
 #include "model/checkpoint_store.hpp"
+#include "model/parameter_store.hpp"
 #include "model/transformer.hpp"
 
 namespace upipe::apps {
@@ -80,6 +81,28 @@ inline memory_limits run_limits(backend_kind kind, double memory_gib, checkpoint
   memory_limits limits{bytes(memory_gib), host_gib > 0 ? bytes(host_gib)
                                                        : (small_host ? std::size_t{16} << 20 : bytes(memory_gib))};
   limits.host_pageable = kind == backend_kind::cuda && checkpoints == checkpoint_location::host_pageable;
+  return limits;
+}
+
+// --offload none|optimizer: true for optimizer (its state in host memory, AdamW on the host).
+inline constexpr const char* offload_help =
+    "none, or optimizer: the fp32 master weights, AdamW's moments and the gradient shards in host memory "
+    "(pinned), AdamW on the host's cores";
+inline bool parse_offload(const std::string& text) {
+  if (text == "none") return false;
+  if (text == "optimizer") return true;
+  if (text == "optimizer,params" || text == "params")
+    throw config_error("--offload " + text + ": the weights in host memory are not built yet (issue #21); use "
+                       "--offload optimizer");
+  throw config_error("--offload " + text + " is not known: use none or optimizer");
+}
+
+// --offload optimizer: the host pool grows by the optimizer state one rank holds there (and
+// a margin for the arena's alignment), whatever the rest of the pool is for.
+inline memory_limits with_offloaded_optimizer(memory_limits limits, const model_config& model, int ranks,
+                                              backend_kind kind) {
+  const dtype work = kind == backend_kind::cpu ? dtype::f32 : dtype::bf16;
+  limits.host_bytes += offloaded_optimizer_bytes(model, ranks, work) + (std::size_t{64} << 20);
   return limits;
 }
 

@@ -34,7 +34,7 @@ struct train_flags {
   int eval_sequences = 4;
   rope_flags rope;
   comm_flags comm;
-  std::string backend = "cpu", policy = "auto", seq_len = "128";
+  std::string backend = "cpu", policy = "auto", seq_len = "128", offload = "none";
   cp_flags mesh{"upipe", 4};
   int zero = 2, layers = 0, eval_samples = 32;
   std::int64_t batch = -1, seq_warmup = -1, seq_warmup_start = 0, steps = 3300, stop_after = 0, save_every = 0, warmup = 20, mlp_tile = 0, loss_chunk = 0;
@@ -126,7 +126,9 @@ train_options to_options(const train_flags& f) {
   o.resume_dir = f.resume_dir;
   o.backend = parse_backend_kind(f.backend);
   o.comm = f.comm.options();
+  o.offload_optimizer = parse_offload(f.offload);
   o.limits = run_limits(o.backend, f.memory_gib, o.step.policy.where, f.host_memory_gib);
+  if (o.offload_optimizer) o.limits = with_offloaded_optimizer(o.limits, o.model, o.cp.cp, o.backend);
   o.eval_samples = f.eval_samples;
   o.eval_every = f.eval_every;
   o.eval_data = f.eval_data;
@@ -314,6 +316,7 @@ command_runner add_train(CLI::App& app) {
   add_comm_flags(app, f->comm, true);
   app.add_option("--memory-gib", f->memory_gib, "arena per rank (cpu or GPU memory), GiB")->capture_default_str();
   app.add_option("--host-memory-gib", f->host_memory_gib, host_memory_gib_help);
+  app.add_option("--offload", f->offload, offload_help)->capture_default_str();
   app.add_option("--eval-samples", f->eval_samples, "held-out passkey samples for the retrieval accuracy")->capture_default_str();
   app.add_option("--eval-every", f->eval_every, "held-out loss every N steps (and at the last), into the metrics");
   app.add_option("--eval-data", f->eval_data, "held-out data for --eval-every: a corpus PREFIX or a token file")->check(non_empty);

@@ -1,10 +1,14 @@
 #include "model/parameter_store.hpp"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
+#include <functional>
+#include <thread>
 
 #include "core/error.hpp"
+#include "ops/cpu/cpu_ops.hpp"
 #include "ops/ops.hpp"
 
 namespace upipe {
@@ -19,7 +23,8 @@ struct parameter_store::unit {
   comm_request gathering;  // ZeRO-3: the prefetched gather in flight
   tensor grads;         // (1, padded) f32: persistent when replicated, else while open
   bool reduced = false;  // ZeRO: a micro-batch of this step was reduced into grad_shard
-  tensor grad_shard, master, exp_avg, exp_avg_sq;  // ZeRO: (1, shard) f32
+  tensor grad_shard, master, exp_avg, exp_avg_sq;  // ZeRO: (1, shard) f32 (in host memory when offloaded)
+  tensor host_weights;  // offloaded: (1, shard) working dtype, AdamW's output on its way to the device
 };
 
 namespace {
@@ -34,6 +39,19 @@ int unit_of(const std::string& name, int layers) {
   const std::string prefix = "model.layers.";
   if (name.rfind(prefix, 0) == 0) return 1 + std::atoi(name.c_str() + prefix.size());
   return name == "model.embed_tokens.weight" ? 0 : layers + 1;
+}
+
+// fn(i) for i in [0, items) on every host core, items taken in turn.
+void on_host_cores(std::size_t items, const std::function<void(std::size_t)>& fn) {
+  std::atomic<std::size_t> next{0};
+  const auto work = [&] {
+    for (std::size_t i = next++; i < items; i = next++) fn(i);
+  };
+  const auto cores = static_cast<std::size_t>(std::max(1u, std::min(std::thread::hardware_concurrency(), 64u)));
+  std::vector<std::thread> threads;
+  for (std::size_t t = 1; t < std::min(cores, items); ++t) threads.emplace_back(work);
+  work();
+  for (auto& t : threads) t.join();
 }
 
 // A (1, count) view at element `offset` of a (1, n) tensor.
@@ -54,8 +72,22 @@ std::vector<std::vector<unit_parameter>> parameter_units(const model_config& con
   return units;
 }
 
-parameter_store::parameter_store(const model_config& config, backend& be, communicator& comm, zero_stage stage)
-    : config_(config), be_(be), comm_(comm), stage_(stage), specs_(parameter_specs(config)) {
+std::size_t offloaded_optimizer_bytes(const model_config& config, int ranks, dtype work) {
+  std::size_t bytes = 0;
+  for (const auto& unit : parameter_units(config)) {
+    std::int64_t numel = 0;
+    for (const unit_parameter& p : unit) numel += p.numel;
+    const auto shard = static_cast<std::size_t>((numel + ranks - 1) / ranks);
+    bytes += shard * (4 * sizeof(float) + dtype_size(work));
+  }
+  return bytes;
+}
+
+parameter_store::parameter_store(const model_config& config, backend& be, communicator& comm, zero_stage stage,
+                                 bool offload_optimizer)
+    : config_(config), be_(be), comm_(comm), stage_(stage), offload_(offload_optimizer), specs_(parameter_specs(config)) {
+  UPIPE_CHECK(!offload_ || stage == zero_stage::two || stage == zero_stage::three,
+              "the optimizer is offloaded only when it is sharded (ZeRO-2 or ZeRO-3)");
   for (int u = 0; u < config.num_layers + 2; ++u) units_.push_back(std::make_unique<unit>());
   for (std::size_t i = 0; i < specs_.size(); ++i) {
     unit& u = *units_[unit_of(specs_[i].name, config.num_layers)];
@@ -78,10 +110,13 @@ parameter_store::parameter_store(const model_config& config, backend& be, commun
       u.grads = be.allocate_zeroed(mem_tag::grads, dtype::f32, {1, u.padded}, "grads");
       continue;
     }
-    u.grad_shard = be.allocate_zeroed(mem_tag::grads, dtype::f32, {1, u.shard}, "grad_shard");
-    u.master = be.allocate_zeroed(mem_tag::optimizer, dtype::f32, {1, u.shard}, "master_shard");
-    u.exp_avg = be.allocate_zeroed(mem_tag::optimizer, dtype::f32, {1, u.shard}, "exp_avg_shard");
-    u.exp_avg_sq = be.allocate_zeroed(mem_tag::optimizer, dtype::f32, {1, u.shard}, "exp_avg_sq_shard");
+    const mem_tag grads = offload_ ? mem_tag::optimizer_host : mem_tag::grads;
+    const mem_tag state = offload_ ? mem_tag::optimizer_host : mem_tag::optimizer;
+    u.grad_shard = be.allocate_zeroed(grads, dtype::f32, {1, u.shard}, "grad_shard");
+    u.master = be.allocate_zeroed(state, dtype::f32, {1, u.shard}, "master_shard");
+    u.exp_avg = be.allocate_zeroed(state, dtype::f32, {1, u.shard}, "exp_avg_shard");
+    u.exp_avg_sq = be.allocate_zeroed(state, dtype::f32, {1, u.shard}, "exp_avg_sq_shard");
+    if (offload_) u.host_weights = be.allocate_zeroed(state, be.work_dtype(), {1, u.shard}, "host_weight_shard");
   }
 }
 
@@ -132,6 +167,27 @@ void parameter_store::close_grads(int index) {
   unit& u = at(index);
   if (stage_ == zero_stage::replicated) return;
   UPIPE_CHECK(!u.grads.empty(), "close of gradients that are not open");
+  if (offload_) {
+    // Reduced on the device, then straight to the host shard (added there for a later
+    // micro-batch of the step); the device holds one unit's shard only while it travels.
+    tensor staging = be_.allocate(mem_tag::grads, dtype::f32, {1, u.shard}, "grad_shard_staging");
+    comm_.reduce_scatter_sum(u.grads.as<float>(), staging.as<float>(), static_cast<std::size_t>(u.shard),
+                             "zero_reduce_scatter");
+    u.grads.reset();
+    if (!u.reduced) {
+      be_.copy_bytes(u.grad_shard.data(), staging.data(), staging.bytes());
+    } else if (be_.has_data()) {
+      std::vector<float> part(static_cast<std::size_t>(u.shard));
+      be_.download_f32(part.data(), staging);
+      float* into = u.grad_shard.as<float>();
+      constexpr std::size_t piece = std::size_t{1} << 20;
+      on_host_cores((part.size() + piece - 1) / piece, [&](std::size_t p) {
+        for (std::size_t i = p * piece; i < std::min(part.size(), (p + 1) * piece); ++i) into[i] += part[i];
+      });
+    }
+    u.reduced = true;
+    return;
+  }
   if (!u.reduced) {
     comm_.reduce_scatter_sum(u.grads.as<float>(), u.grad_shard.as<float>(), static_cast<std::size_t>(u.shard),
                              "zero_reduce_scatter");
@@ -302,12 +358,65 @@ host_weights parameter_store::local_grads() {
 double parameter_store::grad_norm() {
   UPIPE_CHECK(stage_ != zero_stage::replicated, "grad_norm needs sharded gradients");
   double local = 0;
-  for (auto& up : units_) local += ops::sum_squares(be_, up->grad_shard.matrix());
+  if (offload_) {
+    // The host shards, summed per unit as the cpu backend sums them, in unit order.
+    be_.synchronize();  // the last units' gradients have arrived
+    if (be_.has_data())
+      for (auto& up : units_) local += cpu::sum_squares(up->grad_shard.matrix());
+  } else {
+    for (auto& up : units_) local += ops::sum_squares(be_, up->grad_shard.matrix());
+  }
   return std::sqrt(sum_over_ranks(comm_, local, "grad_norm"));
+}
+
+// AdamW over the host shards on every core (elementwise, so any split gives the same
+// values as one pass), then each unit's new working weights to the device.
+void parameter_store::adamw_on_host(const adamw_config& config, std::int64_t step, double lr, double grad_scale) {
+  be_.synchronize();
+  const std::int64_t r = comm_.rank();
+  struct piece {
+    unit* u;
+    std::int64_t a, b;  // elements of the unit's padded vector
+    bool matrix;
+  };
+  std::vector<piece> pieces;
+  constexpr std::int64_t piece_elements = std::int64_t{1} << 20;
+  for (auto& up : units_) {
+    unit& u = *up;
+    const std::int64_t lo = r * u.shard, hi = std::min(lo + u.shard, u.numel);
+    for (std::size_t k = 0; k < u.params.size(); ++k) {
+      const std::int64_t a = std::max(lo, u.offsets[k]);
+      const std::int64_t b = std::min(hi, u.offsets[k] + numel_of(specs_[u.params[k]].shape));
+      for (std::int64_t x = a; x < b; x += piece_elements)
+        pieces.push_back({&u, x, std::min(b, x + piece_elements), specs_[u.params[k]].shape.size() == 2});
+    }
+  }
+  if (be_.has_data())
+    on_host_cores(pieces.size(), [&](std::size_t i) {
+      const piece& p = pieces[i];
+      unit& u = *p.u;
+      const std::int64_t lo = r * u.shard, n = p.b - p.a;
+      cpu::adamw({slice(u.master, p.a - lo, n), slice(u.exp_avg, p.a - lo, n), slice(u.exp_avg_sq, p.a - lo, n),
+                  slice(u.grad_shard, p.a - lo, n), slice(u.host_weights, p.a - lo, n), static_cast<float>(lr),
+                  static_cast<float>(config.beta1), static_cast<float>(config.beta2), static_cast<float>(config.eps),
+                  static_cast<float>(p.matrix ? config.weight_decay : 0.0), static_cast<float>(grad_scale), step});
+    });
+  for (auto& up : units_) {
+    unit& u = *up;
+    if (stage_ == zero_stage::three) {
+      be_.copy_bytes(u.weight_shard.data(), u.host_weights.data(), u.host_weights.bytes());
+      continue;
+    }
+    const std::size_t bytes = u.host_weights.bytes();
+    void* mine = u.weights.data() == nullptr ? nullptr : static_cast<char*>(u.weights.data()) + r * bytes;
+    be_.copy_bytes(mine, u.host_weights.data(), bytes);
+    comm_.all_gather(mine, u.weights.data(), bytes, "zero2_all_gather");
+  }
 }
 
 void parameter_store::adamw_step(const adamw_config& config, std::int64_t step, double lr, double grad_scale) {
   UPIPE_CHECK(stage_ != zero_stage::replicated, "the optimizer needs sharded state");
+  if (offload_) return adamw_on_host(config, step, lr, grad_scale);
   const std::int64_t r = comm_.rank();
   for (auto& up : units_) {
     unit& u = *up;

@@ -11,6 +11,11 @@
 // - inference: the working weights whole on every rank and nothing else (forward only:
 //   no gradients, no master weights, no moments).
 // A unit's flat vector is padded to a multiple of C; rank r owns the r-th equal slice.
+// With the optimizer offloaded (ZeRO-2/3), the fp32 master weights, AdamW's moments and
+// the fp32 gradient shards live in host memory (tag optimizer_host, the backend's host
+// pool: pinned on the GPU): each unit's gradients leave the device as soon as they are
+// reduce-scattered, and AdamW runs on the host's cores with the cpu backend's
+// arithmetic, writing the working-dtype weights that go back to the device.
 #pragma once
 
 #include <cstdint>
@@ -40,15 +45,22 @@ struct unit_parameter {
 };
 std::vector<std::vector<unit_parameter>> parameter_units(const model_config& config);
 
+// The host memory one rank's offloaded optimizer holds: per unit, its shard of the fp32
+// master weights, the two moments and the gradients, and the working-dtype weights on
+// their way to the device.
+std::size_t offloaded_optimizer_bytes(const model_config& config, int ranks, dtype work);
+
 // The sharded optimizer state of a unit: the fp32 master weights and AdamW's moments.
 enum class shard_state : std::uint8_t { master, exp_avg, exp_avg_sq };
 
 class parameter_store {
  public:
-  parameter_store(const model_config& config, backend& be, communicator& comm, zero_stage stage);
+  parameter_store(const model_config& config, backend& be, communicator& comm, zero_stage stage,
+                  bool offload_optimizer = false);
   ~parameter_store();
 
   zero_stage stage() const { return stage_; }
+  bool optimizer_offloaded() const { return offload_; }
   int embedding_unit() const { return 0; }
   int layer_unit(int layer) const { return 1 + layer; }
   int head_unit() const { return config_.num_layers + 1; }
@@ -114,11 +126,13 @@ class parameter_store {
   std::vector<float> unit_range(const unit& u, const weight_source& source, std::int64_t lo, std::int64_t hi) const;
   host_weights split(const unit& u, const std::vector<float>& flat) const;
   std::vector<float> gather_flat(const unit& u, const tensor& shard);
+  void adamw_on_host(const adamw_config& config, std::int64_t step, double lr, double grad_scale);
 
   const model_config config_;
   backend& be_;
   communicator& comm_;
   zero_stage stage_;
+  bool offload_;
   std::vector<parameter_spec> specs_;
   std::vector<std::unique_ptr<unit>> units_;
 };

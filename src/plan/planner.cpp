@@ -28,6 +28,7 @@ train_options probe_options(const plan_request& r, const cp_settings& cp, std::i
   o.seq_len = seq_len;
   o.cp = cp;
   o.zero = r.zero;
+  o.offload_optimizer = r.offload_optimizer;
   // The probe's arena is unbounded: the default sizes are those of the planned GPU's arena.
   o.step = with_default_sizes({r.mlp_tile, r.loss_chunk, policy}, r.model,
                               r.gpu_memory > context_bytes ? r.gpu_memory - context_bytes : r.gpu_memory);

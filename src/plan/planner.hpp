@@ -29,6 +29,7 @@ struct plan_request {
   std::optional<std::int64_t> seq_len;  // also report every configuration at this length
   std::vector<strategy_kind> strategies{strategy_kind::ulysses, strategy_kind::upipe, strategy_kind::ring};
   zero_stage zero = zero_stage::three;
+  bool offload_optimizer = false;      // --offload optimizer: its state in the node's host memory
   std::int64_t mlp_tile = 0, loss_chunk = 0;  // as for training (0: defaults)
   std::optional<checkpoint_policy> policy;    // only this policy (default: candidate_policies())
   bool eval = true;                           // also the longest length `upipe eval` fits

@@ -83,7 +83,7 @@ struct rank_context {
   std::map<std::int64_t, std::unique_ptr<transformer>> models;
 
   rank_context(const train_options& o, backend& b, communicator& c)
-      : options(o), be(b), comm(c), params(o.model, b, c, o.zero) {}
+      : options(o), be(b), comm(c), params(o.model, b, c, o.zero, o.offload_optimizer) {}
 
   transformer& model(std::int64_t seq_len) {
     auto& m = models[seq_len];

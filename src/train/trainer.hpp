@@ -38,6 +38,7 @@ struct train_options {
   std::int64_t seq_warmup = 0, seq_warmup_start = 0;
   cp_settings cp{strategy_kind::upipe, 4, 0};
   zero_stage zero = zero_stage::two;
+  bool offload_optimizer = false;  // master weights, moments and gradient shards in host memory; AdamW on the host
   step_options step;
   adamw_config optim;            // optim.total_steps is --steps
   std::int64_t stop_after = 0;   // stop once this step is done; 0: at total_steps

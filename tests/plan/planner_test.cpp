@@ -152,6 +152,25 @@ TEST(planner, evaluation_at_1m_peaks_below_training_for_llama3_8b) {
     EXPECT_LT(forward.arena_bytes, evaluate(r, cp, std::int64_t{1} << 20, p).arena_bytes) << p.str();
 }
 
+// llama3-8b fully fine-tuned on one H200: with AdamW's state on the device nothing fits;
+// with it in host memory 1M tokens do, and the device holds none of it.
+TEST(planner, the_optimizer_in_host_memory_fits_llama3_8b_on_one_gpu) {
+  plan_request r;
+  r.model = preset("llama3-8b");
+  r.gpus = 1;
+  r.gpu_memory = std::size_t{139} << 30;
+  r.host_memory = std::size_t{1945} << 30;
+  const cp_settings cp{strategy_kind::upipe, 1, 1};
+  const checkpoint_policy policy = parse_checkpoint_policy("what=input,every=1,where=host-pinned");
+  EXPECT_FALSE(evaluate(r, cp, std::int64_t{1} << 20, policy).fits);
+  r.offload_optimizer = true;
+  const plan_point p = evaluate(r, cp, std::int64_t{1} << 20, policy);
+  EXPECT_TRUE(p.fits);
+  EXPECT_EQ(p.memory.peak_bytes.at("optimizer"), 0u);
+  EXPECT_GE(p.memory.peak_bytes.at("optimizer_host"), offloaded_optimizer_bytes(r.model, 1, dtype::bf16));
+  EXPECT_LE(p.memory.peak_bytes.at("optimizer_host"), offloaded_optimizer_bytes(r.model, 1, dtype::bf16) * 1.01);
+}
+
 TEST(planner, host_memory_limits_offloaded_checkpoints) {
   plan_request r = small_request();
   r.strategies = {strategy_kind::upipe};
