@@ -49,11 +49,12 @@ std::string u_text(const plan_entry& e) {
   return e.strategy == strategy_kind::ring ? "-" : std::to_string(e.head_chunk);
 }
 
-// "upipe", or "hybrid 2x8" (R x A: a ring of R nodes, all-to-all among A GPUs in each).
+// "upipe", or "hybrid 2x8" (R x A: a ring of R nodes, all-to-all among A GPUs in each);
+// "+host" where AdamW's state is in host memory.
 std::string strategy_text(const plan_entry& e, int gpus) {
-  const std::string name(strategy_name(e.strategy));
-  return e.strategy == strategy_kind::hybrid ? name + " " + std::to_string(e.ring) + "x" + std::to_string(gpus / e.ring)
-                                             : name;
+  std::string name(strategy_name(e.strategy));
+  if (e.strategy == strategy_kind::hybrid) name += " " + std::to_string(e.ring) + "x" + std::to_string(gpus / e.ring);
+  return e.offload_optimizer ? name + " +host" : name;
 }
 
 nlohmann::json point_json(const plan_point& p) {
@@ -105,7 +106,8 @@ int run(const plan_flags& f) {
     throw config_error("--optimizer " + f.optimizer + " is not known: use adamw (a training step, sharded per --zero) "
                        "or none (forward and backward only: full weights and f32 gradients)");
   if (!f.policy.empty()) r.policy = parse_checkpoint_policy(f.policy);
-  r.offload_optimizer = parse_offload(f.offload);
+  r.try_offload = f.offload == "auto";
+  r.offload_optimizer = !r.try_offload && parse_offload(f.offload);
   if (r.offload_optimizer && r.zero == zero_stage::replicated)
     throw config_error("--offload optimizer needs an optimizer: drop --optimizer none");
   r.mlp_tile = f.mlp_tile;
@@ -150,7 +152,8 @@ int run(const plan_flags& f) {
                 u_text(e).c_str(), tokens_text(p.seq_len).c_str(), gib(p.gpu_bytes), gib(p.host_bytes),
                 eval_text(e).c_str(), p.policy.str().c_str());
   }
-  std::printf("(eval S: the longest length upipe eval fits, forward only with the weights alone)\n");
+  std::printf("(eval S: the longest length upipe eval fits, forward only with the weights alone%s)\n",
+              r.try_offload || r.offload_optimizer ? "; +host: AdamW's state in host memory, --offload optimizer" : "");
   if (r.seq_len) {
     std::printf("\nat S = %s:\n%-11s %4s %6s %8s %8s  %s\n", tokens_text(*r.seq_len).c_str(), "strategy", "U", "fits",
                 "GPU GiB", "host GiB", "checkpoint policy (the fastest that fits, else the closest to fitting)");
@@ -177,6 +180,7 @@ int run(const plan_flags& f) {
     for (const plan_entry& e : plan.entries) {
       nlohmann::json j = {{"strategy", std::string(strategy_name(e.strategy))},
                           {"ring", e.ring},
+                          {"offload_optimizer", e.offload_optimizer},
                           {"head_chunk", e.strategy == strategy_kind::ring ? nlohmann::json(nullptr)
                                                                            : nlohmann::json(e.head_chunk)},
                           {"max_seq_len", e.longest ? e.longest->seq_len : 0}};
@@ -235,7 +239,8 @@ command_runner add_plan(CLI::App& app) {
       ->capture_default_str();
   app.add_option("--margin", f->margin, "fraction of GPU and host memory kept free")->capture_default_str();
   app.add_option("--layers", f->layers, "plan a slice: the first N layers only");
-  app.add_option("--offload", f->offload, offload_help)->capture_default_str();
+  app.add_option("--offload", f->offload,
+                 std::string(offload_help) + "; auto: each configuration both ways")->capture_default_str();
   app.add_option("--checkpoint-policy", f->policy,
                  "plan only this policy (what=input|input+attention,every=K,where=device|host-pinned|host-pageable)");
   app.add_option("--mlp-tile", f->mlp_tile, mlp_tile_help);

@@ -82,6 +82,7 @@ plan_entry plan_configuration(const plan_request& r, const cp_settings& cp) {
   e.strategy = cp.strategy;
   e.head_chunk = cp.head_chunk;
   e.ring = cp.ring;
+  e.offload_optimizer = r.offload_optimizer;
   const std::vector<checkpoint_policy> policies =
       r.policy ? std::vector<checkpoint_policy>{*r.policy} : candidate_policies();
   std::int64_t best = 0;
@@ -193,8 +194,14 @@ plan_result make_plan(const plan_request& r) {
   plan_result out;
   // Configurations are independent meta runs: one thread each.
   std::vector<std::future<plan_entry>> work;
+  std::vector<bool> offloads = {r.offload_optimizer};
+  if (r.try_offload && r.zero != zero_stage::replicated) offloads = {false, true};
   for (const cp_settings& cp : configurations(r))
-    work.push_back(std::async(std::launch::async, [&r, cp] { return plan_configuration(r, cp); }));
+    for (const bool offload : offloads) {
+      plan_request with = r;
+      with.offload_optimizer = offload;
+      work.push_back(std::async(std::launch::async, [with, cp] { return plan_configuration(with, cp); }));
+    }
   for (auto& w : work) out.entries.push_back(w.get());
   std::int64_t upipe_longest = 0;
   for (const plan_entry& e : out.entries)

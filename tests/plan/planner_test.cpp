@@ -169,6 +169,13 @@ TEST(planner, the_optimizer_in_host_memory_fits_llama3_8b_on_one_gpu) {
   EXPECT_EQ(p.memory.peak_bytes.at("optimizer"), 0u);
   EXPECT_GE(p.memory.peak_bytes.at("optimizer_host"), offloaded_optimizer_bytes(r.model, 1, dtype::bf16));
   EXPECT_LE(p.memory.peak_bytes.at("optimizer_host"), offloaded_optimizer_bytes(r.model, 1, dtype::bf16) * 1.01);
+  // --offload auto: each configuration both ways; only the offloaded ones fit here.
+  r.offload_optimizer = false;
+  r.try_offload = true;
+  r.strategies = {strategy_kind::ring};
+  const plan_result plan = make_plan(r);
+  ASSERT_EQ(plan.entries.size(), 2u);
+  for (const plan_entry& e : plan.entries) EXPECT_EQ(e.longest.has_value(), e.offload_optimizer);
 }
 
 TEST(planner, host_memory_limits_offloaded_checkpoints) {
