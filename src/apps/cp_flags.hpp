@@ -5,6 +5,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include "core/error.hpp"
 #include "model/transformer.hpp"
 
 namespace upipe::apps {
@@ -13,7 +14,14 @@ struct cp_flags {
   std::string attention = "upipe";
   int cp = 1, head_chunk = 0, ring = 1;
 
-  cp_settings settings() const { return {parse_strategy_kind(attention), cp, head_chunk, ring}; }
+  // Checked before anything sizes a buffer by them.
+  cp_settings settings() const {
+    if (cp < 1) throw config_error("--cp " + std::to_string(cp) + " must be at least 1 (ranks in the CP group, e.g. --cp 4)");
+    if (ring < 1)
+      throw config_error("--ring " + std::to_string(ring) + " must be at least 1 (hybrid's ring of all-to-all groups, "
+                         "e.g. --ring 2)");
+    return {parse_strategy_kind(attention), cp, head_chunk, ring};
+  }
   // "upipe", or "hybrid 2x4" (R x A).
   std::string describe() const {
     return attention == "hybrid" && ring > 0 ? attention + " " + std::to_string(ring) + "x" + std::to_string(cp / ring)

@@ -78,7 +78,7 @@ std::vector<std::int64_t> parse_lengths(const std::string& text) {
   std::size_t start = 0;
   while (start <= text.size()) {
     const std::size_t comma = std::min(text.find(',', start), text.size());
-    out.push_back(parse_count(text.substr(start, comma - start), "--seq-len"));
+    out.push_back(parse_seq_len(text.substr(start, comma - start)));
     start = comma + 1;
   }
   return out;

@@ -92,7 +92,7 @@ int run(const plan_flags& f) {
   const bool host_default = f.host_memory.empty();
   r.host_memory = parse_bytes(host_default ? paper_host_memory : f.host_memory, "--host-memory");
   r.margin = f.margin;
-  if (!f.seq_len.empty()) r.seq_len = parse_count(f.seq_len, "--seq-len");
+  if (!f.seq_len.empty()) r.seq_len = parse_seq_len(f.seq_len);
   r.strategies.clear();
   std::vector<std::string> attention = f.attention;
   if (attention.empty()) attention = {"ulysses", "upipe", "ring"};

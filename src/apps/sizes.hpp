@@ -1,6 +1,7 @@
 // Parsing of counts with binary suffixes (128K = 131072, 1M = 1048576) for flags.
 #pragma once
 
+#include <climits>
 #include <cstdint>
 #include <string>
 #include <utility>
@@ -29,7 +30,19 @@ inline std::int64_t parse_count(const std::string& text, const char* flag) {
   else if (!suffix.empty() || used == 0)
     throw config_error(std::string(flag) + " '" + text + "' is not a count: use an integer, optionally with K or M "
                        "(for example 4096, 128K or 1M)");
+  if (value > INT64_MAX / unit || value < INT64_MIN / unit)
+    throw config_error(std::string(flag) + " '" + text + "' is too large to count (for example 4096, 128K or 1M)");
   return value * unit;
+}
+
+// A sequence length: a count no longer than the engine runs (checked before anything is
+// sized by it).
+inline std::int64_t parse_seq_len(const std::string& text, const char* flag = "--seq-len") {
+  const std::int64_t s = parse_count(text, flag);
+  if (s > max_seq_len)
+    throw config_error(std::string(flag) + " " + text + " is beyond the longest this engine plans and runs, 2^30 = " +
+                       std::to_string(max_seq_len) + " tokens (1024M); use at most 1024M");
+  return s;
 }
 
 // Bytes with a unit: 80GiB, 1.9TiB, 512MiB (binary) or 80GB (decimal); a bare number

@@ -68,7 +68,7 @@ int run(const step_flags& f) {
   req.cp = f.mesh.settings();
   req.options = sized_for_gpu({f.mlp_tile, f.loss_chunk, parse_checkpoint_policy(f.policy)}, req.model, f.memory_gib);
   req.limits = run_limits(req.backend, f.memory_gib, req.options.policy.where, f.host_memory_gib);
-  const std::int64_t S = parse_count(f.seq_len, "--seq-len");
+  const std::int64_t S = parse_seq_len(f.seq_len);
   if (S < 2) throw config_error("--seq-len " + f.seq_len + " must be at least 2 (one prediction needs two tokens)");
   const bool data = req.backend != backend_kind::meta;
   const std::string weights_path = f.weights_path.empty() ? model_directory(f.model, f.config_path) : f.weights_path;

@@ -104,7 +104,7 @@ train_options to_options(const train_flags& f) {
     throw config_error("--min-doc-tokens " + std::to_string(f.min_doc_tokens) + " must be 0 or more (e.g. 32768 keeps "
                        "only long documents)");
   o.min_doc_tokens = f.min_doc_tokens;
-  o.seq_len = parse_count(f.seq_len, "--seq-len");
+  o.seq_len = parse_seq_len(f.seq_len);
   o.batch = f.batch != -1 ? f.batch : (f.data_path.empty() ? 4 : 1);
   o.seq_warmup = f.seq_warmup >= 0 ? f.seq_warmup : (f.data_path.empty() ? f.steps * 9 / 10 : 0);
   o.seq_warmup_start = f.seq_warmup_start;

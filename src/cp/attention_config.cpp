@@ -140,6 +140,9 @@ void validate_head_chunk(attention_config& c) {
 
 void validate(attention_config& c) {
   require_positive(c.seq_len, "sequence length S");
+  if (c.seq_len > max_seq_len)
+    throw config_error("sequence length S = " + std::to_string(c.seq_len) + " is beyond the longest this engine " +
+                       "plans and runs, 2^30 = " + std::to_string(max_seq_len) + " tokens (1024M); use at most --seq-len 1024M");
   require_positive(c.heads, "query heads H");
   require_positive(c.kv_heads, "kv heads K");
   require_positive(c.head_dim, "head dim d");

@@ -17,6 +17,9 @@ std::string_view strategy_name(strategy_kind kind);
 // Parses "ulysses", "upipe", "ring" or "hybrid"; throws config_error naming the valid values.
 strategy_kind parse_strategy_kind(std::string_view name);
 
+// The longest sequence anything here is asked to size or run (the planner searches up to it).
+constexpr std::int64_t max_seq_len = std::int64_t{1} << 30;
+
 struct attention_config {
   std::int64_t seq_len = 0;  // S, global tokens
   int heads = 0;             // H, query heads

@@ -114,6 +114,27 @@ model_step_result run_model_step(const model_step_request& req, const host_weigh
   return result;
 }
 
+namespace {
+
+// The meta backend's evaluation of one length: the forward's allocations, no host copy of
+// the sequence (the planner probes lengths up to 2^30).
+eval_result evaluate_shapes(const model_step_request& req, std::int64_t seq_len) {
+  UPIPE_CHECK(req.backend == backend_kind::meta, "a sequence without tokens is evaluated on the meta backend only");
+  attention_config_for(req.model, req.cp, seq_len);
+  eval_result result;
+  run_cp_group(req.backend, req.limits, req.cp.cp, [&](int, backend& be, communicator& comm) {
+    parameter_store params(req.model, be, comm, zero_stage::inference);
+    transformer model(req.model, req.cp, seq_len, be, {&comm, &comm}, req.options);
+    const std::vector<std::int32_t> zeros(static_cast<std::size_t>(model.local_tokens()), 0);
+    model.forward_scores(params, {zeros, zeros, 1.0, {}});
+    result.peak_bytes = be.ledger().peaks_by_name();
+    result.arena_high_water = be.device_arena().high_water();
+  }, false, req.comm);
+  return result;
+}
+
+}  // namespace
+
 sequence_scores score_sequence(transformer& model, parameter_store& params, communicator& comm,
                                const prepared_sequence& seq, std::span<const std::int64_t> argmax_at) {
   const int C = comm.size();
@@ -156,6 +177,8 @@ eval_result evaluate(const model_step_request& req, const weight_source& weights
   eval_result result;
   if (sequences.empty()) return result;
   const std::int64_t unit = layout_unit(req.cp);
+  if (sequences.front().tokens.empty() && sequences.front().shape_only > 0)
+    return evaluate_shapes(req, (sequences.front().shape_only + unit - 1) / unit * unit);
   std::vector<prepared_sequence> seqs;
   for (const eval_sequence& s : sequences) seqs.push_back(prepare_sequence(s.tokens, unit, s.documents));
   const auto seq_len = static_cast<std::int64_t>(seqs.front().ids.size());

@@ -79,6 +79,7 @@ struct eval_sequence {
   std::vector<std::int32_t> tokens;
   std::vector<std::int64_t> documents;  // where each begins (empty: one document)
   std::vector<std::int64_t> argmax_at;  // positions whose argmax prediction is wanted
+  std::int64_t shape_only = 0;          // meta: no tokens, this length only (the planner's probe)
 };
 struct eval_result {
   std::vector<std::vector<float>> target_loss;

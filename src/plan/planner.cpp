@@ -43,12 +43,15 @@ train_options probe_options(const plan_request& r, const cp_settings& cp, std::i
 // The lengths searched: multiples of the layout's unit times 1024.
 std::int64_t granule(const cp_settings& cp) { return layout_unit(cp) * 1024; }
 
-// The longest multiple of the granule at which `fits` holds (0: not even one granule).
-std::int64_t longest_fit(const cp_settings& cp, const std::function<bool(std::int64_t seq_len)>& fits_at) {
+// The longest multiple of the granule at which `fits` holds (0: not even one granule),
+// searched from `known` (a length known to fit, or 0) by doubling, then bisection.
+std::int64_t longest_fit(const cp_settings& cp, const std::function<bool(std::int64_t seq_len)>& fits_at,
+                         std::int64_t known = 0) {
   const std::int64_t g = granule(cp);
   auto fits = [&](std::int64_t k) { return fits_at(k * g); };
-  if (!fits(1)) return 0;
-  std::int64_t good = 1, bad = 2;
+  std::int64_t good = std::max<std::int64_t>(known / g, 1);
+  if (known == 0 && !fits(1)) return 0;
+  std::int64_t bad = 2 * good;
   while (bad * g <= longest_searched && fits(bad)) {
     good = bad;
     bad *= 2;
@@ -88,8 +91,10 @@ plan_entry plan_configuration(const plan_request& r, const cp_settings& cp) {
   std::int64_t best = 0;
   std::size_t chosen = 0;
   for (std::size_t i = 0; i < policies.size(); ++i) {
-    const std::int64_t s =
-        longest_fit(cp, [&](std::int64_t seq_len) { return evaluate(r, cp, seq_len, policies[i]).fits; });
+    const auto fits = [&](std::int64_t seq_len) { return evaluate(r, cp, seq_len, policies[i]).fits; };
+    // A later policy is searched only if it beats the best so far by a granule, from there.
+    if (best > 0 && (best + granule(cp) > longest_searched || !fits(best + granule(cp)))) continue;
+    const std::int64_t s = longest_fit(cp, fits, best > 0 ? best + granule(cp) : 0);
     if (s > best) best = s, chosen = i;  // ties keep the earlier (faster) policy
   }
   if (best > 0) e.longest = evaluate(r, cp, best, policies[chosen]);
@@ -147,8 +152,7 @@ eval_point evaluate_forward(const plan_request& r, const cp_settings& cp, std::i
   req.backend = backend_kind::meta;
   req.limits = o.limits;
   const host_weights none;
-  const eval_result m = upipe::evaluate(req, host_weight_source(none), {eval_sequence{std::vector<std::int32_t>(
-                                                                    static_cast<std::size_t>(seq_len)), {}, {}}});
+  const eval_result m = upipe::evaluate(req, host_weight_source(none), {eval_sequence{{}, {}, {}, seq_len}});
   eval_point p;
   p.seq_len = seq_len;
   p.peak_bytes = m.peak_bytes;

@@ -67,6 +67,10 @@ struct packed_sequence {
   std::vector<std::int32_t> tokens;
   std::vector<std::int64_t> documents;  // where each document (or continued part) begins; the first 0
   std::int64_t epoch = 0;               // of the window's first token
+  // The meta backend's sequences hold no tokens, only their length (the planner probes
+  // lengths up to 2^30 without a host copy of them).
+  std::int64_t shape_only = 0;
+  std::int64_t length() const { return tokens.empty() ? shape_only : static_cast<std::int64_t>(tokens.size()); }
 };
 
 class document_corpus {

@@ -100,14 +100,24 @@ double run_step(rank_context& rc, const std::vector<packed_sequence>& batch, std
   std::int64_t counted = 0;
   record.model_flops = 0;
   for (const auto& s : batch) {
+    record.model_flops += o.model.model_flops(s.length(), s.documents);
+    if (s.tokens.empty()) {  // meta: shapes only, every label but the last counted
+      counted += s.length() - 1;
+      continue;
+    }
     seqs.push_back(prepare_sequence(s.tokens, layout_unit(o.cp), s.documents));
     counted += seqs.back().counted;
-    record.model_flops += o.model.model_flops(static_cast<std::int64_t>(s.tokens.size()), s.documents);
   }
-  transformer& model = rc.model(static_cast<std::int64_t>(batch.front().tokens.size()));
+  transformer& model = rc.model(batch.front().length());
   const auto runs = model.local_positions(rc.comm.rank());
   rc.params.zero_grads();
   double local = 0;
+  if (seqs.empty()) {
+    UPIPE_CHECK(!rc.be.has_data(), "a sequence without tokens runs on the meta backend only");
+    const std::vector<std::int32_t> zeros(static_cast<std::size_t>(model.local_tokens()), 0);
+    for (std::size_t i = 0; i < batch.size(); ++i)
+      local += model.forward_backward(rc.params, {zeros, zeros, 1.0 / static_cast<double>(counted), batch[i].documents});
+  }
   for (const auto& seq : seqs) {
     const auto ids = shard_rows(seq.ids, 1, runs, model.local_tokens());
     const auto labels = shard_rows(seq.labels, 1, runs, model.local_tokens());
@@ -301,9 +311,9 @@ void validate(const train_options& o) {
   if (o.stop_after < 0 || o.stop_after > o.optim.total_steps)
     throw config_error("--stop-after " + std::to_string(o.stop_after) + " must lie between 1 and --steps " +
                        std::to_string(o.optim.total_steps) + " (it stops a run early; --steps is the schedule's length)");
-  if (o.batch < 1)
-    throw config_error("--batch " + std::to_string(o.batch) + " must be at least 1 (sequences per optimizer step, "
-                       "for example --batch 8)");
+  if (o.batch < 1 || o.batch > max_batch)
+    throw config_error("--batch " + std::to_string(o.batch) + " must lie between 1 and " + std::to_string(max_batch) +
+                       " (sequences per optimizer step, their gradients accumulated; for example --batch 8)");
   if (o.save_every < 0 || (o.save_every > 0 && o.save_dir.empty()))
     throw config_error("--save-every " + std::to_string(o.save_every) + " needs --save DIR (where to write)");
   if (!o.resume_dir.empty() && !o.init_path.empty())
@@ -343,8 +353,11 @@ step_timing time_steps(const train_options& o, std::int64_t warmup_len, int repe
   // Random ids where there is data; zeros on meta, which never reads them.
   const auto tokens = [&](const backend& be, std::int64_t n, std::uint64_t stream) {
     packed_sequence s;
+    if (!be.has_data()) {
+      s.shape_only = n;
+      return s;
+    }
     s.tokens.resize(static_cast<std::size_t>(n));
-    if (!be.has_data()) return s;
     std::uint64_t x = o.seed * 0x9e3779b97f4a7c15ull + stream;
     for (auto& id : s.tokens) {
       x = x * 6364136223846793005ull + 1442695040888963407ull;

@@ -21,6 +21,9 @@ namespace upipe {
 // stream, as a flat file), automatic (documents when there is an index).
 enum class packing_mode : std::uint8_t { automatic, documents, stream };
 
+// The most sequences one optimizer step accumulates.
+constexpr std::int64_t max_batch = std::int64_t{1} << 16;
+
 struct train_options {
   model_config model;
   std::string init_path;    // weights to start from (a model directory or a .safetensors file); empty: random

@@ -253,6 +253,7 @@ TEST(train_cli, bad_model_directories_and_flags_are_refused_before_step_one) {
       {"--max-shard-size 5XB", "--max-shard-size '5XB' is not a positive size"},
       {"--rope-scaling type=dynamic", "rope types are default, llama3, linear and yarn"},
       {"--offload disk", "--offload disk is not known: use none or optimizer"},
+      {"--batch 2147483648", "must lie between 1 and 65536"},
       {"--offload optimizer,params", "the weights in host memory are not built yet"},
       {"--attention hybrid --ring 3", "--ring 3 must divide cp C = 2"},
       {"--attention upipe --ring 2", "--ring 2 applies to hybrid only"},
@@ -268,6 +269,9 @@ TEST(train_cli, bad_model_directories_and_flags_are_refused_before_step_one) {
     EXPECT_NE(r.output.find(message), std::string::npos) << args << "\n" << r.output;
     EXPECT_EQ(r.output.find("step 1/"), std::string::npos) << "trained before refusing: " << args;
   }
+  const run_result long_run = run_upipe("train --seq-len 2048M --steps 1");
+  EXPECT_EQ(long_run.exit_code, 2) << long_run.output;
+  EXPECT_NE(long_run.output.find("beyond the longest this engine plans and runs"), std::string::npos) << long_run.output;
   const run_result wide = run_upipe("train --seq-len 64 --steps 4 --eval-samples 0 --data " + (dir / "int64.bin").string());
   EXPECT_EQ(wide.exit_code, 2) << wide.output;
   // The checkpoint the refused resume named is untouched.
