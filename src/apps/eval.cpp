@@ -25,6 +25,7 @@
 
 #include "apps/commands.hpp"
 #include "apps/cp_flags.hpp"
+#include "apps/json_file.hpp"
 #include "apps/model_flags.hpp"
 #include "apps/niah_text_script.hpp"
 #include "apps/python.hpp"
@@ -143,10 +144,7 @@ bool run_length(const eval_setup& s, const std::vector<eval_sequence>& seqs, con
 }
 
 void write_json(const std::string& path, const nlohmann::json& out) {
-  if (path.empty()) return;
-  std::ofstream file(path);
-  file << out.dump(1) << "\n";
-  if (!file) throw io_error("cannot write --json " + path);
+  if (!path.empty()) write_json_file(path, out, 1);
 }
 
 int held_out_loss(const eval_flags& f, const eval_setup& s) {

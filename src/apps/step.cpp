@@ -9,10 +9,12 @@
 
 #include "apps/commands.hpp"
 #include "apps/cp_flags.hpp"
+#include "apps/json_file.hpp"
 #include "apps/model_flags.hpp"
 #include "apps/sizes.hpp"
 #include "core/error.hpp"
 #include "model/model_step.hpp"
+#include "train/data.hpp"
 #include "train/safetensors.hpp"
 
 namespace upipe::apps {
@@ -28,24 +30,6 @@ struct step_flags {
   double memory_gib = 8, host_memory_gib = 0;
 };
 
-// The first `count` tokens of a flat little-endian uint32 file, checked against the vocabulary.
-std::vector<std::int32_t> read_tokens(const std::string& path, std::int64_t count, std::int64_t vocab) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw io_error("cannot open token file " + path);
-  std::vector<std::uint32_t> raw(static_cast<std::size_t>(count));
-  in.read(reinterpret_cast<char*>(raw.data()), static_cast<std::streamsize>(raw.size() * 4));
-  if (in.gcount() != static_cast<std::streamsize>(raw.size() * 4))
-    throw io_error("token file " + path + " holds " + std::to_string(in.gcount() / 4) + " tokens, fewer than --seq-len " +
-                   std::to_string(count) + ": use a shorter --seq-len or a longer file");
-  std::vector<std::int32_t> tokens(raw.size());
-  for (std::size_t i = 0; i < raw.size(); ++i) {
-    if (raw[i] >= vocab)
-      throw io_error("token file " + path + ": token " + std::to_string(raw[i]) + " at position " + std::to_string(i) +
-                     " is not below the vocabulary size " + std::to_string(vocab));
-    tokens[i] = static_cast<std::int32_t>(raw[i]);
-  }
-  return tokens;
-}
 
 std::vector<std::int32_t> random_tokens(std::int64_t count, std::int64_t vocab, unsigned long long seed) {
   std::mt19937_64 rng(seed);
@@ -76,7 +60,7 @@ int run(const step_flags& f) {
                                : weights_path.empty() ? random_weights(req.model, f.seed)
                                                       : read_weights(req.model, weights_path);
   const std::vector<std::int32_t> tokens = f.tokens_path.empty() ? random_tokens(S, req.model.vocab_size, f.seed + 1)
-                                                                 : read_tokens(f.tokens_path, S, req.model.vocab_size);
+                                                                 : token_file(f.tokens_path, S, req.model.vocab_size).sequence(0);
   const model_step_result r = run_model_step(req, weights, tokens);
   std::printf("# upipe step  model=%s  backend=%s  attention=%s  cp=%d  S=%lld (padded %lld)  policy=%s\n",
               req.model.name.c_str(), f.backend.c_str(), f.mesh.attention.c_str(), f.mesh.cp, static_cast<long long>(S),
@@ -91,9 +75,7 @@ int run(const step_flags& f) {
                         {"seq_len", r.seq_len}, {"time_ms", r.time_ms}, {"peak_bytes", r.peak_bytes},
                         {"device_peak_bytes", r.device_peak_bytes}, {"checkpoint_policy", req.options.policy.str()}};
     j["loss"] = data ? nlohmann::json(r.loss) : nlohmann::json(nullptr);
-    std::ofstream out(f.json_path);
-    out << j.dump(2) << "\n";
-    if (!out) throw io_error("cannot write " + f.json_path);
+    write_json_file(f.json_path, j);
   }
   if (!f.grads_path.empty() && data) write_grads(f, req.model, r);
   return 0;

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <climits>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -278,6 +279,8 @@ void refuse_unsupported_features(const field_reader& fields, const std::string& 
   }
 }
 
+}  // namespace
+
 const char* rope_kind_name(rope_kind kind) {
   switch (kind) {
     case rope_kind::llama3: return "llama3";
@@ -287,6 +290,8 @@ const char* rope_kind_name(rope_kind kind) {
   }
   return "default";
 }
+
+namespace {
 
 // Reads rope_theta and the scaling from the legacy keys (rope_theta, rope_scaling) or from
 // the rope_parameters object of newer transformers, the legacy keys taking precedence.
@@ -670,6 +675,12 @@ void validate(const model_config& c) {
   require_positive_size(c, c.num_heads, "num_attention_heads H", 32);
   require_positive_size(c, c.num_kv_heads, "num_key_value_heads K", 8);
   require_positive_size(c, c.head_dim, "head_dim d", 128);
+  if (c.vocab_size > INT32_MAX)
+    throw config_error("model '" + c.name + "': vocab_size V = " + std::to_string(c.vocab_size) +
+                       " is beyond what 32-bit token ids address (at most 2147483647; for example 128256)");
+  if (c.num_layers > 4096)
+    throw config_error("model '" + c.name + "': num_hidden_layers L = " + std::to_string(c.num_layers) +
+                       " is beyond the 4096 this engine holds (for example 32)");
   if (c.num_heads % c.num_kv_heads != 0)
     throw config_error("model '" + c.name + "': num_key_value_heads K = " +
                        std::to_string(c.num_kv_heads) + " must divide num_attention_heads H = " +

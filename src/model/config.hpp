@@ -77,6 +77,8 @@ void write_hf_config(const model_config& config, const std::string& path, const 
                      const std::string& dtype = "float32");
 // "default", "llama3", "linear", "yarn"; throws config_error naming `what` and the valid ones.
 rope_kind parse_rope_kind(std::string_view name, const std::string& what);
+// transformers' name of a RoPE type: "default", "llama3", "linear" or "yarn".
+const char* rope_kind_name(rope_kind kind);
 // Checks the configuration's own consistency (positive sizes, H divisible by K, even d);
 // throws config_error naming the value, the rule and a valid alternative.
 void validate(const model_config& config);

@@ -258,6 +258,20 @@ std::vector<float> parameter_store::unit_range(const unit& u, const weight_sourc
   return out;
 }
 
+void parameter_store::check_finite(const unit& u, const std::vector<float>& values, std::int64_t lo,
+                                   const char* what) const {
+  const auto bad = std::find_if(values.begin(), values.end(), [](float v) { return !std::isfinite(v); });
+  if (bad == values.end()) return;
+  const std::int64_t at = lo + (bad - values.begin());
+  for (std::size_t k = 0; k < u.params.size(); ++k) {
+    const std::int64_t begin = u.offsets[k], end = begin + numel_of(specs_[u.params[k]].shape);
+    if (at < begin || at >= end) continue;
+    throw config_error(std::string(what) + " of " + specs_[u.params[k]].name + " holds " + std::to_string(*bad) +
+                       " at element " + std::to_string(at - begin) +
+                       ": the file is damaged or the run that wrote it diverged; start from an earlier checkpoint");
+  }
+}
+
 host_weights parameter_store::split(const unit& u, const std::vector<float>& flat) const {
   host_weights out;
   for (std::size_t k = 0; k < u.params.size(); ++k) {
@@ -274,11 +288,13 @@ void parameter_store::load(const weight_source& source) {
     unit& u = *up;
     if (stage_ == zero_stage::three) {
       const std::vector<float> mine = unit_range(u, source, r * u.shard, (r + 1) * u.shard);
+      check_finite(u, mine, r * u.shard, "the weights");
       be_.upload_f32(u.weight_shard, mine.data());
       be_.upload_f32(u.master, mine.data());
       continue;
     }
     const std::vector<float> flat = unit_range(u, source, 0, u.padded);
+    check_finite(u, flat, 0, "the weights");
     be_.upload_f32(u.weights, flat.data());
     if (!u.master.empty()) be_.upload_f32(u.master, flat.data() + r * u.shard);
   }
@@ -317,9 +333,14 @@ void parameter_store::load_state(const state_reader& read) {
       return out;
     };
     const std::vector<float> master = range(shard_state::master, r * u.shard, (r + 1) * u.shard);
+    const std::vector<float> exp_avg = range(shard_state::exp_avg, r * u.shard, (r + 1) * u.shard);
+    const std::vector<float> exp_avg_sq = range(shard_state::exp_avg_sq, r * u.shard, (r + 1) * u.shard);
+    check_finite(u, master, r * u.shard, "the saved master weights");
+    check_finite(u, exp_avg, r * u.shard, "AdamW's saved first moment");
+    check_finite(u, exp_avg_sq, r * u.shard, "AdamW's saved second moment");
     be_.upload_f32(u.master, master.data());
-    be_.upload_f32(u.exp_avg, range(shard_state::exp_avg, r * u.shard, (r + 1) * u.shard).data());
-    be_.upload_f32(u.exp_avg_sq, range(shard_state::exp_avg_sq, r * u.shard, (r + 1) * u.shard).data());
+    be_.upload_f32(u.exp_avg, exp_avg.data());
+    be_.upload_f32(u.exp_avg_sq, exp_avg_sq.data());
     if (stage_ == zero_stage::three)
       be_.upload_f32(u.weight_shard, master.data());
     else

@@ -124,6 +124,9 @@ class parameter_store {
   mat_view param_view(const unit& u, const tensor& flat, std::size_t index) const;
   mat_view named(const std::string& name, bool grad) const;
   std::vector<float> unit_range(const unit& u, const weight_source& source, std::int64_t lo, std::int64_t hi) const;
+  // Throws config_error naming the parameter and element of the first value of `values`
+  // (elements [lo, ...) of the unit's flat vector) that is not finite.
+  void check_finite(const unit& u, const std::vector<float>& values, std::int64_t lo, const char* what) const;
   host_weights split(const unit& u, const std::vector<float>& flat) const;
   std::vector<float> gather_flat(const unit& u, const tensor& shard);
   void adamw_on_host(const adamw_config& config, std::int64_t step, double lr, double grad_scale);

@@ -80,11 +80,13 @@ struct rope_scaling {
   bool truncate = true;                        // yarn: band edges rounded to whole dimensions
 
   bool enabled() const { return kind != rope_kind::none; }
+  bool operator==(const rope_scaling&) const = default;
 };
 
 struct rope_config {
   double theta = 500000.0;
   rope_scaling scaling;
+  bool operator==(const rope_config&) const = default;
 };
 
 // Tokens [token_begin, token_begin + count) of a view sit at global positions

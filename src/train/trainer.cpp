@@ -408,9 +408,28 @@ namespace {
 
 // A resumed run must continue the saved one: the same model and the same data.
 void check_resume(const train_options& o, const saved_state& saved) {
-  check_same_model(read_hf_config(saved.dir()), o.model, saved.dir());
+  const model_config saved_model = read_hf_config(saved.dir());
+  check_same_model(saved_model, o.model, saved.dir());
   saved.check_units(o.model);
   const trainer_state& st = saved.state();
+  if (st.seed != o.seed)
+    throw config_error("cannot resume from " + o.resume_dir + ": it was trained with --seed " + std::to_string(st.seed) +
+                       " (the order of its data and its held-out samples), not " + std::to_string(o.seed) +
+                       "; pass --seed " + std::to_string(st.seed));
+  // What a resume may change on purpose, said aloud: the schedule's length, the RoPE
+  // (context extension) and the norm's epsilon.
+  if (st.total_steps != 0 && st.total_steps != o.optim.total_steps)
+    std::fprintf(stderr, "upipe: note: the schedule now runs to step %lld (it ran to %lld when saved): the learning "
+                 "rate from step %lld follows the new schedule\n", static_cast<long long>(o.optim.total_steps),
+                 static_cast<long long>(st.total_steps), static_cast<long long>(st.step + 1));
+  if (!(saved_model.rope == o.model.rope))
+    std::fprintf(stderr, "upipe: note: the RoPE differs from the checkpoint's config.json (theta %g, %s scaling); "
+                 "the run continues with theta %g, %s scaling\n", saved_model.rope.theta,
+                 rope_kind_name(saved_model.rope.scaling.kind), o.model.rope.theta,
+                 rope_kind_name(o.model.rope.scaling.kind));
+  if (saved_model.rms_norm_eps != o.model.rms_norm_eps)
+    std::fprintf(stderr, "upipe: note: rms_norm_eps is %g, the checkpoint's config.json has %g\n", o.model.rms_norm_eps,
+                 saved_model.rms_norm_eps);
   if (st.step >= (o.stop_after > 0 ? o.stop_after : o.optim.total_steps))
     throw config_error("the checkpoint in " + o.resume_dir + " is at step " + std::to_string(st.step) +
                        ", past the last step asked for; raise --steps or --stop-after");

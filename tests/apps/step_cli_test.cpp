@@ -88,6 +88,14 @@ TEST(step_cli, bad_inputs_exit_non_zero_with_a_clear_message) {
     const std::uint32_t b[4] = {1, 2, 999, 3};
     big.write(reinterpret_cast<const char*>(b), sizeof b);
   }
+  {
+    std::ofstream(dir / "odd.bin", std::ios::binary) << std::string(13, '\1');
+    std::ifstream in(golden("tiny-llama") + "/config.json");
+    auto cfg = nlohmann::json::parse(in);
+    cfg["vocab_size"] = std::int64_t{1} << 62;
+    std::filesystem::create_directories(dir / "vocab");
+    std::ofstream(dir / "vocab" / "config.json") << cfg.dump();
+  }
   const std::string truncated = patched_copy(dir, "truncated.safetensors", 300000, false);
   const std::string wrong_dtype = patched_copy(dir, "dtype.safetensors", SIZE_MAX, true);
   const std::string missing = weights_without(dir, "model.layers.1.mlp.up_proj.weight");
@@ -99,8 +107,11 @@ TEST(step_cli, bad_inputs_exit_non_zero_with_a_clear_message) {
       {"--config " + (dir / "config.json").string() + " --weights " + golden("tiny-llama"), "needs [128, 64]"},
       {"--model tiny-qwen3 --weights " + golden("tiny-llama"), "has shape [64, 64] but tiny-qwen3 needs [128, 64]"},
       {"--model llama5-1t", "unknown"},
-      {"--tokens " + (dir / "short.bin").string() + " --seq-len 16", "fewer than --seq-len 16"},
-      {"--tokens " + (dir / "big.bin").string() + " --seq-len 4", "token 999 at position 2 is not below the vocabulary size 256"},
+      {"--tokens " + (dir / "short.bin").string() + " --seq-len 16", "fewer than the sequence length 16"},
+      {"--tokens " + (dir / "big.bin").string() + " --seq-len 4", "token 999 at index 2 of"},
+      {"--tokens " + (dir / "odd.bin").string() + " --seq-len 4", "its size 13 bytes is not a multiple of 4"},
+      {"--config " + (dir / "vocab").string() + " --seq-len 16", "beyond what 32-bit token ids address"},
+      {"--json /dev/full --seq-len 16", "failed (a full disk?)"},
       {"--checkpoint-policy what=everything", "what=input|input+attention"},
       {"--checkpoint-policy every=0", "every=0 must be an integer >= 1"},
       {"--cp 3", "must divide query heads H = 4"},

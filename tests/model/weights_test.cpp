@@ -1,8 +1,10 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <limits>
 
 #include "core/error.hpp"
+#include "model/parameter_store.hpp"
 #include "model/weights.hpp"
 #include "train/safetensors.hpp"
 
@@ -45,6 +47,33 @@ TEST(weights, a_checkpoint_with_more_layers_is_refused) {
     EXPECT_NE(std::string(e.what()).find("has 1 layers"), std::string::npos) << e.what();
   }
   std::filesystem::remove(path);
+}
+
+}  // namespace
+}  // namespace upipe
+
+// Weights that are not finite are refused as they load, naming the tensor and the
+// element, under every sharding (a damaged file, or a run that diverged).
+namespace upipe {
+namespace {
+
+TEST(weights, non_finite_values_are_refused_at_load_naming_the_tensor) {
+  const model_config config = preset("tiny-llama");
+  for (const float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()})
+    for (zero_stage z : {zero_stage::two, zero_stage::three, zero_stage::inference}) {
+      host_weights w = random_weights(config, 1);
+      w.at("model.layers.1.self_attn.k_proj.weight")[37] = bad;
+      auto be = make_cpu_backend({std::size_t{64} << 20, std::size_t{1} << 20});
+      auto comm = make_loopback_communicator(*be, 1);
+      parameter_store store(config, *be, *comm, z);
+      try {
+        store.load(w);
+        ADD_FAILURE() << "accepted a non-finite weight";
+      } catch (const config_error& e) {
+        EXPECT_NE(std::string(e.what()).find("model.layers.1.self_attn.k_proj.weight"), std::string::npos) << e.what();
+        EXPECT_NE(std::string(e.what()).find("at element 37"), std::string::npos) << e.what();
+      }
+    }
 }
 
 }  // namespace

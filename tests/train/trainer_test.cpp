@@ -67,6 +67,14 @@ TEST(trainer, stop_save_and_resume_is_bit_identical) {
     EXPECT_EQ(losses(first).size(), 10u);
     train_options second = whole;
     second.resume_dir = dir.string();
+    train_options reseeded = second;
+    reseeded.seed = whole.seed + 1;  // another data order: refused, naming the saved seed
+    try {
+      train(reseeded, nullptr);
+      ADD_FAILURE() << "resumed with another seed";
+    } catch (const config_error& e) {
+      EXPECT_NE(std::string(e.what()).find("pass --seed " + std::to_string(whole.seed)), std::string::npos) << e.what();
+    }
     const std::vector<double> resumed = losses(second);
     ASSERT_EQ(resumed.size(), 10u);
     for (std::size_t i = 0; i < 10; ++i) EXPECT_EQ(resumed[i], uninterrupted[10 + i]) << "step " << 11 + i;
