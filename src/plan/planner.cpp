@@ -184,6 +184,10 @@ void validate(const plan_request& r) {
       throw config_error("upipe has no valid head chunk for " + std::to_string(r.model.num_heads) + " heads on " +
                          std::to_string(r.gpus) + " GPUs; use --gpus dividing the heads");
     attention_config_for(r.model, cp, layout_unit(cp));  // throws for a group size the model cannot use
+    if (r.seq_len && *r.seq_len < layout_unit(cp))
+      throw config_error("--seq-len " + std::to_string(*r.seq_len) + " must be at least " +
+                         std::to_string(layout_unit(cp)) + " for " + std::string(strategy_name(kind)) + " on " +
+                         std::to_string(r.gpus) + " GPUs (for example --seq-len 128K)");
     if (r.seq_len && *r.seq_len % layout_unit(cp) != 0) {
       const std::int64_t unit = layout_unit(cp);
       throw config_error("--seq-len " + std::to_string(*r.seq_len) + " must be a multiple of " + std::to_string(unit) +

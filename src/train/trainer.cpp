@@ -321,6 +321,13 @@ void validate(const train_options& o) {
                        "drop --init");
   if (!(o.optim.lr > 0) || !std::isfinite(o.optim.lr))
     throw config_error("--lr " + std::to_string(o.optim.lr) + " must be a positive number (for example 3e-3)");
+  // Decoupled decay multiplies each matrix by 1 - lr * wd per step: beyond 1 it flips signs.
+  if (!(o.optim.weight_decay >= 0) || !(o.optim.lr * o.optim.weight_decay < 1)) {
+    char text[160];
+    std::snprintf(text, sizeof text, "--weight-decay %g with --lr %g decays the weights by lr x wd = %g per step",
+                  o.optim.weight_decay, o.optim.lr, o.optim.lr * o.optim.weight_decay);
+    throw config_error(std::string(text) + ", which must lie in [0, 1) (for example --weight-decay 0.1)");
+  }
   if (o.data_path.empty() && o.model.vocab_size < passkey_task::vocab_needed)
     throw config_error("the passkey task needs a vocabulary of at least " + std::to_string(passkey_task::vocab_needed) +
                        " tokens and " + o.model.name + " has " + std::to_string(o.model.vocab_size) + "; use --data FILE");

@@ -17,9 +17,11 @@ struct run_result {
   std::string output;  // stdout and stderr
 };
 
-// With `env` ("NAME=value ...") set for the program only.
-inline run_result run_upipe_env(const std::string& env, const std::string& args) {
-  const std::string command = "env " + env + " " + std::string(UPIPE_BINARY) + " " + args + " 2>&1";
+// With `env` ("NAME=value ...") set for the program only; with `seconds`, killed past
+// that many (exit 124, a hang).
+inline run_result run_upipe_env(const std::string& env, const std::string& args, int seconds = 0) {
+  const std::string limit = seconds > 0 ? "timeout " + std::to_string(seconds) + " " : "";
+  const std::string command = limit + "env " + env + " " + std::string(UPIPE_BINARY) + " " + args + " 2>&1";
   FILE* pipe = popen(command.c_str(), "r");
   std::string output;
   std::array<char, 4096> buffer;
