@@ -8,6 +8,7 @@
 #include "core/error.hpp"
 #include "model/hf_model.hpp"
 #include "model/model_step.hpp"
+#include "ops/gemm_workspace.hpp"
 
 namespace upipe {
 
@@ -19,7 +20,6 @@ constexpr std::int64_t longest_searched = std::int64_t{1} << 30;  // tokens
 // Outside the arena on the H200 (driver peak minus arena, docs/benchmarks.md): the CUDA
 // context, the cuBLASLt and cuDNN handles and the staging buffers, rounded up.
 constexpr std::size_t context_bytes = 640 * mib;
-constexpr std::size_t cublaslt_bytes = 32 * mib;  // reserved first by the probe, as by the CUDA backend
 
 train_options probe_options(const plan_request& r, const cp_settings& cp, std::int64_t seq_len,
                             const checkpoint_policy& policy) {
@@ -122,7 +122,7 @@ std::vector<checkpoint_policy> candidate_policies() {
 
 gpu_overheads estimate_overheads(const step_memory& memory) {
   gpu_overheads o;
-  o.cublaslt_workspace = std::min(memory.workspace_at_end, cublaslt_bytes);
+  o.cublaslt_workspace = std::min(memory.workspace_at_end, cublaslt_workspace_bytes);
   o.cudnn_workspace = memory.workspace_at_end - o.cublaslt_workspace;
   o.context = gpu_context_bytes();
   return o;

@@ -5,6 +5,7 @@
 
 #include <vector>
 
+#include "ops/gemm_workspace.hpp"
 #include "ops/op_args.hpp"
 #include "ops/sdpa_workspace.hpp"
 
@@ -12,7 +13,6 @@ namespace upipe {
 
 namespace {
 
-constexpr std::size_t cublaslt_workspace_bytes = std::size_t{32} << 20;  // ops/cuda/gemm_cublaslt.cpp
 
 class meta_backend final : public backend {
  public:

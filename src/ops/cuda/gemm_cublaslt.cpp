@@ -16,14 +16,13 @@
 #include "core/error.hpp"
 #include "ops/cuda/cuda_check.hpp"
 #include "ops/cuda/cuda_ops.hpp"
+#include "ops/gemm_workspace.hpp"
 
 #define UPIPE_CUBLASLT_CHECK(call) UPIPE_LIBRARY_CHECK("cuBLASLt", call, cublasLtGetStatusString)
 
 namespace upipe::cuda {
 
 namespace {
-
-constexpr std::size_t workspace_bytes = std::size_t{32} << 20;
 
 cudaDataType_t library_type(dtype t) { return t == dtype::bf16 ? CUDA_R_16BF : CUDA_R_32F; }
 cublasOperation_t library_op(transpose t) { return t == transpose::yes ? CUBLAS_OP_T : CUBLAS_OP_N; }
@@ -82,7 +81,7 @@ class gemm_plan {
   void run(cublasLtHandle_t handle, const gemm_args& args, void* workspace, cudaStream_t stream) const {
     UPIPE_CUBLASLT_CHECK(cublasLtMatmul(handle, desc_, &args.alpha, args.b.data, first_, args.a.data, second_,
                                         &args.beta, args.c.data, out_, args.c.data, out_, &algo_, workspace,
-                                        workspace_bytes, stream));
+                                        cublaslt_workspace_bytes, stream));
   }
 
  private:
@@ -124,7 +123,7 @@ class gemm_plan {
     } guard;
     UPIPE_CUBLASLT_CHECK(cublasLtMatmulPreferenceCreate(&guard.p));
     const cublasLtMatmulPreference_t preference = guard.p;
-    const std::uint64_t max_workspace = workspace_bytes;
+    const std::uint64_t max_workspace = cublaslt_workspace_bytes;
     UPIPE_CUBLASLT_CHECK(cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                                                               &max_workspace, sizeof(max_workspace)));
     const std::pair<cublasLtMatmulPreferenceAttributes_t, std::uint32_t> alignments[] = {
@@ -156,13 +155,13 @@ class gemm_plan {
 struct gemm_engine::impl {
   cudaStream_t stream = nullptr;
   cublasLtHandle_t handle = nullptr;
-  void* workspace = nullptr;  // workspace_bytes, from the backend's arena
+  void* workspace = nullptr;  // cublaslt_workspace_bytes, from the backend's arena
   std::map<gemm_key, std::unique_ptr<gemm_plan>> plans;
 };
 
 gemm_engine::gemm_engine(cudaStream_t stream, const scratch_fn& scratch) : impl_(std::make_unique<impl>()) {
   impl_->stream = stream;
-  impl_->workspace = scratch(workspace_bytes);
+  impl_->workspace = scratch(cublaslt_workspace_bytes);
   UPIPE_CUBLASLT_CHECK(cublasLtCreate(&impl_->handle));
 }
 
