@@ -134,10 +134,33 @@ std::optional<std::uint64_t> json_count(const json& value) {
   return count;
 }
 
+// The nesting depth of a JSON value, counted without recursion and only up to past `cap`.
+int depth_past(const json& value, int cap) {
+  std::vector<std::pair<const json*, int>> todo{{&value, 0}};
+  int deepest = 0;
+  while (!todo.empty()) {
+    const auto [at, depth] = todo.back();
+    todo.pop_back();
+    if (!at->is_structured()) continue;
+    deepest = std::max(deepest, depth + 1);
+    if (deepest > cap) break;
+    for (const auto& item : *at) todo.emplace_back(&item, depth + 1);
+  }
+  return deepest;
+}
+
+// A header value as an error message shows it: its JSON cut to 200 characters, or a word
+// for one nested deeper than a header needs (dumping 100,000 levels would exhaust the stack).
+std::string brief(const json& value) {
+  if (depth_past(value, 4) > 4) return "a value nested more than 4 deep";
+  const std::string text = value.dump();
+  return text.size() <= 200 ? text : text.substr(0, 200) + "...";
+}
+
 const stored_dtype& parse_dtype(const std::string& path, const std::string& name, const json& entry) {
   const auto field = entry.find("dtype");
   if (field == entry.end()) tensor_failure(path, name, "has no 'dtype' field");
-  if (!field->is_string()) tensor_failure(path, name, "has a 'dtype' that is not a string: " + field->dump());
+  if (!field->is_string()) tensor_failure(path, name, "has a 'dtype' that is not a string: " + brief(*field));
   const auto& text = field->get_ref<const std::string&>();
   for (const auto& candidate : supported_dtypes)
     if (candidate.name == text) return candidate;
@@ -147,14 +170,14 @@ const stored_dtype& parse_dtype(const std::string& path, const std::string& name
 void parse_shape(const std::string& path, tensor_location& tensor, const json& entry) {
   const auto field = entry.find("shape");
   if (field == entry.end()) tensor_failure(path, tensor.name, "has no 'shape' field");
-  if (!field->is_array()) tensor_failure(path, tensor.name, "has a 'shape' that is not an array: " + field->dump());
+  if (!field->is_array()) tensor_failure(path, tensor.name, "has a 'shape' that is not an array: " + brief(*field));
   for (const auto& dim : *field) {
     if (dim.is_number_integer() && !dim.is_number_unsigned() && dim.get<std::int64_t>() < 0)
-      tensor_failure(path, tensor.name, "has a negative dimension in shape " + field->dump());
+      tensor_failure(path, tensor.name, "has a negative dimension in shape " + brief(*field));
     const auto size = json_count(dim);
-    if (!size) tensor_failure(path, tensor.name, "has a shape entry that is not an integer: " + field->dump());
+    if (!size) tensor_failure(path, tensor.name, "has a shape entry that is not an integer: " + brief(*field));
     if (__builtin_mul_overflow(tensor.numel, *size, &tensor.numel))
-      tensor_failure(path, tensor.name, "has a shape whose element count overflows: " + field->dump());
+      tensor_failure(path, tensor.name, "has a shape whose element count overflows: " + brief(*field));
     tensor.shape.push_back(static_cast<std::int64_t>(*size));
   }
 }
@@ -177,7 +200,7 @@ void parse_offsets(const std::string& path, tensor_location& tensor, const json&
 // the data section and matches dtype x shape.
 tensor_location parse_entry(const std::string& path, const std::string& name, const json& entry,
                             std::uint64_t data_size) {
-  if (!entry.is_object()) tensor_failure(path, name, "has a header entry that is not a JSON object: " + entry.dump());
+  if (!entry.is_object()) tensor_failure(path, name, "has a header entry that is not a JSON object: " + brief(entry));
   tensor_location tensor;
   tensor.name = name;
   const stored_dtype& type = parse_dtype(path, name, entry);
@@ -197,11 +220,11 @@ tensor_location parse_entry(const std::string& path, const std::string& name, co
 }
 
 std::map<std::string, std::string> parse_metadata(const std::string& path, const json& field) {
-  if (!field.is_object()) read_failure(path, "'__metadata__' must be an object of strings, not " + field.dump());
+  if (!field.is_object()) read_failure(path, "'__metadata__' must be an object of strings, not " + brief(field));
   std::map<std::string, std::string> metadata;
   for (const auto& [key, value] : field.items()) {
     if (!value.is_string())
-      read_failure(path, "'__metadata__' entry '" + key + "' must be a string, not " + value.dump());
+      read_failure(path, "'__metadata__' entry '" + key + "' must be a string, not " + brief(value));
     metadata.emplace(key, value.get<std::string>());
   }
   return metadata;
