@@ -237,19 +237,13 @@ tokenized_needles tokenize_needles(const std::string& model_dir, const std::vect
   if (spawn({"python3", "-c", "import tokenizers"}, "upipe eval --niah") != 0)
     throw config_error("upipe eval --niah with text needs Hugging Face tokenizers for python3: scripts/setup-deps "
                        "installs it (or: python3 -m pip install tokenizers)");
-  std::string dir = (std::filesystem::temp_directory_path() / "upipe-niah-XXXXXX").string();
-  if (::mkdtemp(dir.data()) == nullptr) throw io_error("cannot make a temporary directory for the needles");
-  const std::string file = dir + "/needles.json";
   std::string joined;
   for (const std::string& k : keys) joined += (joined.empty() ? "" : ",") + k;
-  std::vector<std::string> args = {"--tokenizer", model_dir, "--out", file, "--keys", joined};
+  std::vector<std::string> args = {"--tokenizer", model_dir, "--out", output_placeholder, "--keys", joined};
   if (!haystack) args.push_back("--no-haystack");
-  const int status = run_python_file(niah_text_script, "niah_text.py", args);
-  nlohmann::json doc;
-  if (status == 0) doc = nlohmann::json::parse(std::ifstream(file), nullptr, false);
-  std::error_code ec;
-  std::filesystem::remove_all(dir, ec);
-  if (status != 0) throw config_error("the needles could not be tokenized (the message above says why)");
+  const python_result r = run_python_for_output(niah_text_script, "niah_text.py", args);
+  if (r.status != 0) throw config_error("the needles could not be tokenized (the message above says why)");
+  const nlohmann::json doc = nlohmann::json::parse(r.output, nullptr, false);
   if (doc.is_discarded()) throw io_error("niah_text.py wrote no JSON");
   tokenized_needles t;
   t.prefix = doc["prefix"].get<std::vector<std::int32_t>>();

@@ -30,25 +30,53 @@ int spawn(const std::vector<std::string>& args, const std::string& needed_for) {
   return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
 }
 
-int run_python_file(const char* script, const std::string& name, const std::vector<std::string>& args) {
-  std::string dir = (std::filesystem::temp_directory_path() / "upipe-script-XXXXXX").string();
-  if (::mkdtemp(dir.data()) == nullptr)
-    throw io_error("cannot make a temporary directory for " + name + ": " + std::strerror(errno));
-  const std::string file = dir + "/" + name;
-  int status = 0;
-  try {
-    std::ofstream(file) << script;
-    std::vector<std::string> argv = {"python3", file};
-    argv.insert(argv.end(), args.begin(), args.end());
-    status = spawn(argv, "upipe");
-  } catch (...) {
-    std::error_code ec;
-    std::filesystem::remove_all(dir, ec);
-    throw;
+namespace {
+
+// A private temporary directory, removed with everything in it when it goes out of scope.
+class private_dir {
+ public:
+  explicit private_dir(const std::string& what)
+      : path_((std::filesystem::temp_directory_path() / "upipe-script-XXXXXX").string()) {
+    if (::mkdtemp(path_.data()) == nullptr)
+      throw io_error("cannot make a temporary directory for " + what + ": " + std::strerror(errno));
   }
-  std::error_code ec;
-  std::filesystem::remove_all(dir, ec);
-  return status;
+  ~private_dir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path_, ec);
+  }
+  private_dir(const private_dir&) = delete;
+  private_dir& operator=(const private_dir&) = delete;
+  std::string file(const std::string& name) const { return path_ + "/" + name; }
+
+ private:
+  std::string path_;
+};
+
+int run_in(const private_dir& dir, const char* script, const std::string& name, const std::vector<std::string>& args) {
+  const std::string file = dir.file(name);
+  std::ofstream(file) << script;
+  std::vector<std::string> argv = {"python3", file};
+  argv.insert(argv.end(), args.begin(), args.end());
+  return spawn(argv, "upipe");
+}
+
+}  // namespace
+
+int run_python_file(const char* script, const std::string& name, const std::vector<std::string>& args) {
+  const private_dir dir(name);
+  return run_in(dir, script, name, args);
+}
+
+python_result run_python_for_output(const char* script, const std::string& name, std::vector<std::string> args) {
+  const private_dir dir(name);
+  const std::string out = dir.file("output");
+  for (std::string& a : args)
+    if (a == output_placeholder) a = out;
+  python_result r;
+  r.status = run_in(dir, script, name, args);
+  std::ifstream in(out, std::ios::binary);
+  r.output.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  return r;
 }
 
 }  // namespace upipe::apps

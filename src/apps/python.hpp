@@ -15,4 +15,13 @@ int spawn(const std::vector<std::string>& args, const std::string& needed_for);
 // -c, so that its worker processes can import it); returns the exit status.
 int run_python_file(const char* script, const std::string& name, const std::vector<std::string>& args);
 
+// The same, where an argument equal to output_placeholder becomes a file in that private
+// directory; returns the exit status and what the script wrote there (empty if nothing).
+inline constexpr const char* output_placeholder = "{output}";
+struct python_result {
+  int status = 0;
+  std::string output;
+};
+python_result run_python_for_output(const char* script, const std::string& name, std::vector<std::string> args);
+
 }  // namespace upipe::apps

@@ -67,8 +67,6 @@ train_options to_options(const train_flags& f) {
     text << v;
     return text.str();
   };
-  if (f.mesh.cp < 1)
-    throw config_error("--cp " + std::to_string(f.mesh.cp) + " must be at least 1 (ranks in the CP group, e.g. --cp 4)");
   if (f.batch != -1 && f.batch < 1)
     throw config_error("--batch " + std::to_string(f.batch) + " must be at least 1 (sequences per optimizer step)");
   if (!(f.weight_decay >= 0) || !std::isfinite(f.weight_decay))

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <thread>
 
 #include "core/error.hpp"
@@ -392,35 +393,51 @@ double parameter_store::grad_norm() {
 
 // AdamW over the host shards on every core (elementwise, so any split gives the same
 // values as one pass), then each unit's new working weights to the device.
-void parameter_store::adamw_on_host(const adamw_config& config, std::int64_t step, double lr, double grad_scale) {
-  be_.synchronize();
+std::vector<parameter_store::adamw_piece> parameter_store::adamw_pieces(std::int64_t max_elements) const {
   const std::int64_t r = comm_.rank();
-  struct piece {
-    unit* u;
-    std::int64_t a, b;  // elements of the unit's padded vector
-    bool matrix;
-  };
-  std::vector<piece> pieces;
-  constexpr std::int64_t piece_elements = std::int64_t{1} << 20;
-  for (auto& up : units_) {
+  std::vector<adamw_piece> pieces;
+  for (const auto& up : units_) {
     unit& u = *up;
     const std::int64_t lo = r * u.shard, hi = std::min(lo + u.shard, u.numel);
     for (std::size_t k = 0; k < u.params.size(); ++k) {
       const std::int64_t a = std::max(lo, u.offsets[k]);
       const std::int64_t b = std::min(hi, u.offsets[k] + numel_of(specs_[u.params[k]].shape));
-      for (std::int64_t x = a; x < b; x += piece_elements)
-        pieces.push_back({&u, x, std::min(b, x + piece_elements), specs_[u.params[k]].shape.size() == 2});
+      for (std::int64_t x = a; x < b;) {
+        const std::int64_t end = b - x > max_elements ? x + max_elements : b;
+        pieces.push_back({&u, x, end, specs_[u.params[k]].shape.size() == 2});
+        x = end;
+      }
     }
   }
+  return pieces;
+}
+
+adamw_args parameter_store::adamw_of(const adamw_piece& p, const mat_view& weights, const adamw_config& config,
+                                     std::int64_t step, double lr, double grad_scale) const {
+  const unit& u = *p.u;
+  const std::int64_t at = p.a - comm_.rank() * u.shard, n = p.b - p.a;
+  return {slice(u.master, at, n), slice(u.exp_avg, at, n), slice(u.exp_avg_sq, at, n), slice(u.grad_shard, at, n),
+          weights, static_cast<float>(lr), static_cast<float>(config.beta1), static_cast<float>(config.beta2),
+          static_cast<float>(config.eps), static_cast<float>(p.matrix ? config.weight_decay : 0.0),
+          static_cast<float>(grad_scale), step};
+}
+
+void parameter_store::share_weight_slice(unit& u) {
+  const std::size_t bytes = static_cast<std::size_t>(u.shard) * dtype_size(u.weights.type());
+  void* mine = u.weights.data() == nullptr ? nullptr : static_cast<char*>(u.weights.data()) + comm_.rank() * bytes;
+  comm_.all_gather(mine, u.weights.data(), bytes, "zero2_all_gather");
+}
+
+// AdamW over the host shards on every core (elementwise, so any split gives the same
+// values as one pass), then each unit's new working weights to the device.
+void parameter_store::adamw_on_host(const adamw_config& config, std::int64_t step, double lr, double grad_scale) {
+  be_.synchronize();
+  const std::vector<adamw_piece> pieces = adamw_pieces(std::int64_t{1} << 20);
   if (be_.has_data())
     on_host_cores(pieces.size(), [&](std::size_t i) {
-      const piece& p = pieces[i];
-      unit& u = *p.u;
-      const std::int64_t lo = r * u.shard, n = p.b - p.a;
-      cpu::adamw({slice(u.master, p.a - lo, n), slice(u.exp_avg, p.a - lo, n), slice(u.exp_avg_sq, p.a - lo, n),
-                  slice(u.grad_shard, p.a - lo, n), slice(u.host_weights, p.a - lo, n), static_cast<float>(lr),
-                  static_cast<float>(config.beta1), static_cast<float>(config.beta2), static_cast<float>(config.eps),
-                  static_cast<float>(p.matrix ? config.weight_decay : 0.0), static_cast<float>(grad_scale), step});
+      const adamw_piece& p = pieces[i];
+      const std::int64_t at = p.a - comm_.rank() * p.u->shard;
+      cpu::adamw(adamw_of(p, slice(p.u->host_weights, at, p.b - p.a), config, step, lr, grad_scale));
     });
   for (auto& up : units_) {
     unit& u = *up;
@@ -428,10 +445,10 @@ void parameter_store::adamw_on_host(const adamw_config& config, std::int64_t ste
       be_.copy_bytes(u.weight_shard.data(), u.host_weights.data(), u.host_weights.bytes());
       continue;
     }
-    const std::size_t bytes = u.host_weights.bytes();
-    void* mine = u.weights.data() == nullptr ? nullptr : static_cast<char*>(u.weights.data()) + r * bytes;
-    be_.copy_bytes(mine, u.host_weights.data(), bytes);
-    comm_.all_gather(mine, u.weights.data(), bytes, "zero2_all_gather");
+    char* weights = static_cast<char*>(u.weights.data());
+    be_.copy_bytes(weights == nullptr ? nullptr : weights + comm_.rank() * u.host_weights.bytes(),
+                   u.host_weights.data(), u.host_weights.bytes());
+    share_weight_slice(u);
   }
 }
 
@@ -439,28 +456,15 @@ void parameter_store::adamw_step(const adamw_config& config, std::int64_t step, 
   UPIPE_CHECK(stage_ != zero_stage::replicated, "the optimizer needs sharded state");
   if (offload_) return adamw_on_host(config, step, lr, grad_scale);
   const std::int64_t r = comm_.rank();
-  for (auto& up : units_) {
-    unit& u = *up;
-    const std::int64_t lo = r * u.shard, hi = std::min(lo + u.shard, u.numel);
-    // One call per parameter overlapping this rank's slice: weight decay only on matrices.
-    for (std::size_t k = 0; k < u.params.size(); ++k) {
-      const std::int64_t a = std::max(lo, u.offsets[k]);
-      const std::int64_t b = std::min(hi, u.offsets[k] + numel_of(specs_[u.params[k]].shape));
-      if (a >= b) continue;
-      const bool matrix = specs_[u.params[k]].shape.size() == 2;
-      const mat_view weights = stage_ == zero_stage::three ? slice(u.weight_shard, a - lo, b - a) : slice(u.weights, a, b - a);
-      ops::adamw(be_, {slice(u.master, a - lo, b - a), slice(u.exp_avg, a - lo, b - a), slice(u.exp_avg_sq, a - lo, b - a),
-                       slice(u.grad_shard, a - lo, b - a), weights, static_cast<float>(lr),
-                       static_cast<float>(config.beta1), static_cast<float>(config.beta2), static_cast<float>(config.eps),
-                       static_cast<float>(matrix ? config.weight_decay : 0.0), static_cast<float>(grad_scale), step});
-    }
-    if (stage_ == zero_stage::two) {
-      // In place: this rank's slice of the full weights goes to every rank.
-      const std::size_t bytes = static_cast<std::size_t>(u.shard) * dtype_size(u.weights.type());
-      void* mine = u.weights.data() == nullptr ? nullptr : static_cast<char*>(u.weights.data()) + r * bytes;
-      comm_.all_gather(mine, u.weights.data(), bytes, "zero2_all_gather");
-    }
+  // One call per parameter overlapping this rank's slice.
+  for (const adamw_piece& p : adamw_pieces(std::numeric_limits<std::int64_t>::max())) {
+    const unit& u = *p.u;
+    const mat_view weights = stage_ == zero_stage::three ? slice(u.weight_shard, p.a - r * u.shard, p.b - p.a)
+                                                         : slice(u.weights, p.a, p.b - p.a);
+    ops::adamw(be_, adamw_of(p, weights, config, step, lr, grad_scale));
   }
+  if (stage_ == zero_stage::two)
+    for (auto& up : units_) share_weight_slice(*up);
 }
 
 void parameter_store::zero_grads() {

@@ -130,6 +130,18 @@ class parameter_store {
   host_weights split(const unit& u, const std::vector<float>& flat) const;
   std::vector<float> gather_flat(const unit& u, const tensor& shard);
   void adamw_on_host(const adamw_config& config, std::int64_t step, double lr, double grad_scale);
+  // This rank's part of each parameter, in pieces of at most `max_elements`: AdamW runs one
+  // call per piece (weight decay only on matrices).
+  struct adamw_piece {
+    unit* u;
+    std::int64_t a, b;  // elements of the unit's padded vector
+    bool matrix;
+  };
+  std::vector<adamw_piece> adamw_pieces(std::int64_t max_elements) const;
+  adamw_args adamw_of(const adamw_piece& p, const mat_view& weights, const adamw_config& config, std::int64_t step,
+                      double lr, double grad_scale) const;
+  // ZeRO-2: this rank's slice of a unit's updated weights, in place, to every rank.
+  void share_weight_slice(unit& u);
 
   const model_config config_;
   backend& be_;

@@ -134,15 +134,21 @@ TEST(planner, the_longest_length_fits_and_one_granule_more_does_not) {
       EXPECT_LT(e.longest->seq_len, plan.planned_seq_len) << e.head_chunk;
 }
 
+// llama3-8b on `gpus` GPUs of `gpu_gib` each, with `host_gib` of host memory per node.
+plan_request llama3_8b(int gpus, std::size_t gpu_gib, std::size_t host_gib) {
+  plan_request r;
+  r.model = preset("llama3-8b");
+  r.gpus = gpus;
+  r.gpu_memory = gpu_gib << 30;
+  r.host_memory = host_gib << 30;
+  return r;
+}
+
 // upipe eval holds the weights alone: at 1M tokens of llama3-8b on 8 GPUs its peak is
 // below the training step's with every checkpoint policy, and it holds no gradients,
 // optimizer state or checkpoints.
 TEST(planner, evaluation_at_1m_peaks_below_training_for_llama3_8b) {
-  plan_request r;
-  r.model = preset("llama3-8b");
-  r.gpus = 8;
-  r.gpu_memory = std::size_t{80} << 30;
-  r.host_memory = std::size_t{1} << 41;
+  const plan_request r = llama3_8b(8, 80, 2048);
   const cp_settings cp{strategy_kind::upipe, 8, 8};
   const eval_point forward = evaluate_forward(r, cp, std::int64_t{1} << 20);
   EXPECT_GT(forward.arena_bytes, 0u);
@@ -155,11 +161,7 @@ TEST(planner, evaluation_at_1m_peaks_below_training_for_llama3_8b) {
 // llama3-8b fully fine-tuned on one H200: with AdamW's state on the device nothing fits;
 // with it in host memory 1M tokens do, and the device holds none of it.
 TEST(planner, the_optimizer_in_host_memory_fits_llama3_8b_on_one_gpu) {
-  plan_request r;
-  r.model = preset("llama3-8b");
-  r.gpus = 1;
-  r.gpu_memory = std::size_t{139} << 30;
-  r.host_memory = std::size_t{1945} << 30;
+  plan_request r = llama3_8b(1, 139, 1945);
   const cp_settings cp{strategy_kind::upipe, 1, 1};
   const checkpoint_policy policy = parse_checkpoint_policy("what=input,every=1,where=host-pinned");
   EXPECT_FALSE(evaluate(r, cp, std::int64_t{1} << 20, policy).fits);
