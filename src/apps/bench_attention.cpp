@@ -1,6 +1,7 @@
 // `upipe bench-attention`: the attention layer under CP, one row per configuration
 // (strategy x sequence length x head chunk), nccl-tests style; correctness is checked
 // after timing against the float64 reference.
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
 #include <string>
@@ -22,6 +23,7 @@ struct bench_flags {
   std::vector<std::string> strategies = {"ulysses", "upipe", "ring"};
   int heads = 8, kv_heads = 2, head_dim = 64, model_dim = 0, cp = 4, ring = 2;
   std::vector<std::string> head_chunks;
+  std::vector<int> seq_chunks;  // N per row (empty: the strategy's default)
   std::vector<std::string> seq_lens = {"512"};
   unsigned long long seed = 1;
   std::string json_path, dump_dir;
@@ -60,8 +62,11 @@ std::vector<attention_config> configurations(const bench_flags& f) {
   std::vector<attention_config> configs;
   for (const std::string& name : f.strategies) {
     const strategy_kind kind = parse_strategy_kind(name);
+    const bool chunked = kind == strategy_kind::upipe || kind == strategy_kind::ulysses || kind == strategy_kind::fpdt;
+    const std::vector<int> seq_chunks = f.seq_chunks.empty() || !chunked ? std::vector<int>{0} : f.seq_chunks;
     for (const std::string& s : f.seq_lens)
-      for (int chunk : chunks_for(f, kind)) {
+      for (int chunk : chunks_for(f, kind))
+        for (int n : seq_chunks) {
         attention_config c;
         c.strategy = kind;
         c.seq_len = parse_count(s, "--seq-len");
@@ -72,6 +77,7 @@ std::vector<attention_config> configurations(const bench_flags& f) {
         c.cp = f.cp;
         c.head_chunk = chunk;
         c.ring = kind == strategy_kind::hybrid ? f.ring : 1;
+        c.seq_chunks = n;
         c.rope.theta = f.rope_theta;
         c.rope.scaling.kind = f.rope_llama3 ? rope_kind::llama3 : rope_kind::none;
         c.qk_norm = f.qk_norm;
@@ -93,6 +99,7 @@ nlohmann::json to_json(const experiment_result& r, bool wrong) {
                       {"model_dim", c.model_dim},
                       {"cp", c.cp},
                       {"head_chunk", c.strategy == strategy_kind::ring ? nlohmann::json(nullptr) : nlohmann::json(c.head_chunk)},
+                      {"seq_chunks", c.seq_chunks},
                       {"time_ms", r.time_ms},
                       {"peak_bytes", r.peak_bytes},
                       {"device_peak_bytes", r.device_peak_bytes},
@@ -101,7 +108,12 @@ nlohmann::json to_json(const experiment_result& r, bool wrong) {
                       {"attention_peak_bytes", r.attention_peak_bytes},
                       {"attention_forward_peak_bytes", r.attention_forward_peak},
                       {"attention_backward_peak_bytes", r.attention_backward_peak},
-                      {"attention_peak_formula_bytes", r.attention_peak_formula_bytes},
+                      {"attention_host_peak_bytes", r.attention_host_peak},
+                      {"plan_forward_peak_bytes", r.plan_forward_peak},
+                      {"plan_backward_peak_bytes", r.plan_backward_peak},
+                      {"plan_host_peak_bytes", r.plan_host_peak},
+                      {"plan_bytes_by_label", r.plan_bytes_by_label},
+                      {"plan_bytes_by_link", r.plan_bytes_by_link},
                       {"bytes_sent", r.bytes_sent},
                       {"bytes_sent_by_label", r.bytes_sent_by_label},
                       {"wrong", wrong}};
@@ -119,12 +131,14 @@ void print_row(const experiment_result& r, bool wrong) {
     if (name != "recv") sent += bytes;
   char err[32] = "-";
   if (r.max_rel_error) std::snprintf(err, sizeof err, "%.2e", *r.max_rel_error);
-  std::printf("%-8s %-5s %9lld %4d %4d %4d %3d %4s %11.2f %12.2f %12.2f %11.2f %11.2f %9s %6d\n",
+  const std::size_t plan_peak = std::max(r.plan_forward_peak, r.plan_backward_peak);
+  std::printf("%-8s %-5s %9lld %4d %4d %4d %3d %4s %3d %11.2f %12.2f %12.2f %12.2f %11.2f %11.2f %9s %6d\n",
               std::string(strategy_name(c.strategy)).c_str(), std::string(backend_name(r.backend)).c_str(),
               static_cast<long long>(c.seq_len), c.heads, c.kv_heads, c.head_dim, c.cp,
-              c.strategy == strategy_kind::ring ? "-" : std::to_string(c.head_chunk).c_str(), r.time_ms,
-              mib(static_cast<double>(r.attention_peak_bytes)), mib(static_cast<double>(r.attention_peak_formula_bytes)),
-              mib(static_cast<double>(r.device_peak_bytes)), mib(static_cast<double>(sent)), err, wrong ? 1 : 0);
+              c.strategy == strategy_kind::ring ? "-" : std::to_string(c.head_chunk).c_str(), c.seq_chunks, r.time_ms,
+              mib(static_cast<double>(r.attention_peak_bytes)), mib(static_cast<double>(plan_peak)),
+              mib(static_cast<double>(r.attention_host_peak)), mib(static_cast<double>(r.device_peak_bytes)),
+              mib(static_cast<double>(sent)), err, wrong ? 1 : 0);
   std::fflush(stdout);
 }
 
@@ -142,8 +156,9 @@ int run(const bench_flags& f) {
   std::printf("# upipe bench-attention  backend=%s  D=%d  seed=%llu  (time: forward+backward of rank 0; "
               "memory: rank 0)\n",
               f.backend.c_str(), configs.empty() ? 0 : configs[0].model_dim, f.seed);
-  std::printf("%-8s %-5s %9s %4s %4s %4s %3s %4s %11s %12s %12s %11s %11s %9s %6s\n", "strategy", "back", "S", "H",
-              "K", "d", "C", "U", "time_ms", "attn_MiB", "formula_MiB", "peak_MiB", "sent_MiB", "max_err", "#wrong");
+  std::printf("%-8s %-5s %9s %4s %4s %4s %3s %4s %3s %11s %12s %12s %12s %11s %11s %9s %6s\n", "strategy", "back", "S",
+              "H", "K", "d", "C", "U", "N", "time_ms", "attn_MiB", "plan_MiB", "host_MiB", "peak_MiB", "sent_MiB",
+              "max_err", "#wrong");
   nlohmann::json rows = nlohmann::json::array();
   int wrong_rows = 0;
   for (std::size_t i = 0; i < configs.size(); ++i) {
@@ -173,7 +188,7 @@ command_runner add_bench_attention(CLI::App& app) {
   app.add_option("--backend", f->backend,
                  "cpu (fp32 reference, threads as ranks), cuda (bf16, virtual ranks on one GPU) or meta (shapes only, rank 0)")
       ->capture_default_str();
-  app.add_option("--strategy", f->strategies, "ulysses, upipe, ring, hybrid (comma-separated list)")
+  app.add_option("--strategy", f->strategies, "ulysses, upipe, ring, hybrid, fpdt (comma-separated list)")
       ->delimiter(',')
       ->capture_default_str();
   app.add_option("--heads", f->heads, "query heads H")->capture_default_str();
@@ -184,6 +199,9 @@ command_runner add_bench_attention(CLI::App& app) {
   app.add_option("--ring", f->ring, "hybrid rows: R rings of all-to-all groups of C / R ranks")->capture_default_str();
   app.add_option("--head-chunk", f->head_chunks,
                  "query heads per stage U for upipe (default C; 'all' for every valid U); must equal H for ulysses")
+      ->delimiter(',');
+  app.add_option("--seq-chunks", f->seq_chunks,
+                 "N sequence chunks for ulysses, upipe and fpdt (comma list; default 1, fpdt 64K-token chunks)")
       ->delimiter(',');
   app.add_option("--seq-len", f->seq_lens, "global sequence lengths S (comma list; K and M suffixes: 128K, 1M)")
       ->delimiter(',')

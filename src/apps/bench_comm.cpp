@@ -1,7 +1,8 @@
 // `upipe bench-comm`: the collectives of the CP strategies at their real message sizes,
-// nccl-tests style (time, algorithm and bus bandwidth), on the group's communicator:
-// UPipe's per-stage all-to-all of the query heads and of a kv block, Ulysses' all-heads
-// all-to-alls, and ring attention's K/V send/recv step, for each sequence length.
+// nccl-tests style (time, algorithm and bus bandwidth), on the group's communicator: the
+// distinct messages of each strategy's stage plan (UPipe's per-stage all-to-all of the
+// query heads and of a kv block, Ulysses' all-heads all-to-alls, ring attention's K/V
+// send/recv step), for each sequence length.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -18,7 +19,9 @@
 #include "comm/communicator.hpp"
 #include "core/error.hpp"
 #include "cp/attention_config.hpp"
+#include "cp/stage_plan.hpp"
 #include "model/config.hpp"
+#include "model/transformer.hpp"
 
 namespace upipe::apps {
 
@@ -46,16 +49,30 @@ struct timing {
   double ms = 0;
 };
 
-std::vector<message> messages(const model_config& m, int C, int U, std::int64_t S, std::size_t elem) {
-  const std::size_t s = static_cast<std::size_t>(S / C), d = m.head_dim;
-  const std::size_t H = m.num_heads, K = m.num_kv_heads;
-  // A UPipe stage sends U query heads' worth of s tokens (u = U/C to each rank); a kv
-  // block one kv head to each rank (U = C).
-  return {{"a2a upipe q/o/dq stage (U=" + std::to_string(U) + ")", false, S, s * U * d * elem},
-          {"a2a upipe k/v block (a kv head per rank)", false, S, s * C * d * elem},
-          {"a2a ulysses q/o/dq", false, S, s * H * d * elem},
-          {"a2a ulysses k/v", false, S, s * K * d * elem},
-          {"sendrecv ring k+v step", true, S, 2 * s * K * d * elem}};
+// The forward messages of upipe (U), ulysses and ring as their stage plans send them, each
+// distinct size once under the labels that send it: "upipe a2a_q/a2a_o" is a stage's query
+// (and output) all-to-all, "ring ring_kv" a ring step.
+std::vector<message> messages(const model_config& m, int C, int U, std::int64_t S, dtype work) {
+  std::vector<message> out;
+  for (const auto& [kind, u] : {std::pair{strategy_kind::upipe, U}, {strategy_kind::ulysses, 0}, {strategy_kind::ring, 0}}) {
+    const attention_config c = attention_config_for(m, {kind, C, u, 1, 1}, S);
+    const stage_plan plan = make_stage_plan(c, 0);
+    for (const plan_message& msg : plan.forward.messages()) {
+      if (msg.link != plan_link::all_to_all && msg.link != plan_link::ring) continue;
+      const std::string name = std::string(strategy_name(kind)) + (kind == strategy_kind::upipe ? " U=" + std::to_string(U) : "");
+      const auto bytes = static_cast<std::size_t>(msg.bytes(work));
+      const bool ring = msg.link == plan_link::ring;
+      const auto same = [&](const message& o) {
+        return o.name.rfind(name + " ", 0) == 0 && o.bytes == bytes && o.ring == ring;
+      };
+      auto it = std::find_if(out.begin(), out.end(), same);
+      if (it == out.end())
+        out.push_back({name + " " + msg.label, ring, S, bytes});
+      else if (("/" + it->name.substr(name.size() + 1) + "/").find(std::string("/") + msg.label + "/") == std::string::npos)
+        it->name += std::string("/") + msg.label;
+    }
+  }
+  return out;
 }
 
 int run(const bench_comm_flags& f) {
@@ -77,8 +94,9 @@ int run(const bench_comm_flags& f) {
   std::vector<std::int64_t> lengths;
   for (const std::string& t : f.seq_lens) {
     const std::int64_t S = parse_count(t, "--seq-len");
-    if (S % f.cp != 0)
-      throw config_error("--seq-len " + t + " is not a multiple of --cp " + std::to_string(f.cp));
+    if (S % (2 * f.cp) != 0)
+      throw config_error("--seq-len " + t + " is not a multiple of 2 x --cp = " + std::to_string(2 * f.cp) +
+                         " (ring's zigzag halves)");
     lengths.push_back(S);
   }
   if (!f.json_path.empty() && !std::ofstream(f.json_path, std::ios::trunc))
@@ -91,7 +109,7 @@ int run(const bench_comm_flags& f) {
         // Messages in the backend's working dtype, as the strategies send them.
         std::vector<message> all;
         for (std::int64_t S : lengths)
-          for (message& msg : messages(m, f.cp, U, S, dtype_size(be.work_dtype()))) all.push_back(std::move(msg));
+          for (message& msg : messages(m, f.cp, U, S, be.work_dtype())) all.push_back(std::move(msg));
         std::size_t largest = 0;
         for (const message& msg : all) largest = std::max(largest, msg.bytes);
         // Beside what the backend already holds (on a GPU, the libraries' workspaces).

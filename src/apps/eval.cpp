@@ -7,6 +7,7 @@
 //     right, their mean log-probability) over several samples per cell.
 // Both print a table and write JSON (`upipe report` draws them). Progress and an ETA go to
 // stderr; Ctrl-C stops at the next sequence and keeps what was scored.
+#include <algorithm>
 #include <unistd.h>
 
 #include <atomic>
@@ -123,6 +124,11 @@ eval_setup setup(const eval_flags& f) {
   s.req.cp = f.mesh.settings();
   s.req.options = sized_for_gpu({f.mlp_tile, f.loss_chunk, checkpoint_policy{}}, s.req.model, f.memory_gib);
   s.req.limits = run_limits(s.req.backend, f.memory_gib, checkpoint_location::device);
+  std::int64_t longest = 0;
+  for (const std::int64_t L : parse_lengths(f.seq_lens)) longest = std::max(longest, L);
+  const std::int64_t unit = layout_unit(s.req.cp);
+  s.req.limits = with_chunked_attention(s.req.limits, s.req.model, s.req.cp, (longest + unit - 1) / unit * unit,
+                                        s.req.backend);
   if (f.samples < 1) throw config_error("--samples " + std::to_string(f.samples) + " must be at least 1 (e.g. 8)");
   s.directory = model_directory(f.model, f.config_path);
   const std::string weights_path = f.weights_path.empty() ? s.directory : f.weights_path;

@@ -119,6 +119,19 @@ inline memory_limits with_offloaded_optimizer(memory_limits limits, const model_
   return limits;
 }
 
+// Sequence chunks: the host pool grows by what the attention's plan keeps in host memory
+// at the longest length (the earlier chunks' K/V and their gradients; and a margin for the
+// arena's alignment).
+inline memory_limits with_chunked_attention(memory_limits limits, const model_config& model, const cp_settings& cp,
+                                            std::int64_t seq_len, backend_kind kind) {
+  if (cp.strategy != strategy_kind::fpdt && cp.seq_chunks <= 1) return limits;
+  const attention_config c = attention_config_for(model, cp, seq_len);
+  if (!c.chunked() || kind == backend_kind::meta) return limits;
+  const dtype work = kind == backend_kind::cpu ? dtype::f32 : dtype::bf16;
+  limits.host_bytes += make_stage_plan(c, 0).host_peak(work) + (std::size_t{64} << 20);
+  return limits;
+}
+
 // The MLP tile and loss chunk where `o` gives none, sized for a GPU arena of `memory_gib`
 // whatever the backend, so that a meta or cpu run takes the sizes the GPU run would.
 inline step_options sized_for_gpu(const step_options& o, const model_config& model, double memory_gib) {

@@ -54,6 +54,7 @@ int run(const step_flags& f) {
   req.limits = run_limits(req.backend, f.memory_gib, req.options.policy.where, f.host_memory_gib);
   const std::int64_t S = parse_seq_len(f.seq_len);
   if (S < 2) throw config_error("--seq-len " + f.seq_len + " must be at least 2 (one prediction needs two tokens)");
+  req.limits = with_chunked_attention(req.limits, req.model, req.cp, (S + layout_unit(req.cp) - 1) / layout_unit(req.cp) * layout_unit(req.cp), req.backend);
   const bool data = req.backend != backend_kind::meta;
   const std::string weights_path = f.weights_path.empty() ? model_directory(f.model, f.config_path) : f.weights_path;
   const host_weights weights = !data ? host_weights{}

@@ -127,6 +127,7 @@ train_options to_options(const train_flags& f) {
   o.offload_optimizer = parse_offload(f.offload);
   o.limits = run_limits(o.backend, f.memory_gib, o.step.policy.where, f.host_memory_gib);
   if (o.offload_optimizer) o.limits = with_offloaded_optimizer(o.limits, o.model, o.cp.cp, o.backend);
+  o.limits = with_chunked_attention(o.limits, o.model, o.cp, o.seq_len, o.backend);
   o.eval_samples = f.eval_samples;
   o.eval_every = f.eval_every;
   o.eval_data = f.eval_data;

@@ -11,7 +11,6 @@
 #include "core/error.hpp"
 #include "core/npy.hpp"
 #include "cp/attention_layer.hpp"
-#include "cp/memory_model.hpp"
 #include "cp/reference.hpp"
 
 namespace upipe {
@@ -98,9 +97,11 @@ void run_rank(const attention_config& c, backend& be, communicator& comm, const 
   be.ledger().reset_window();
   attention_layer::context ctx = layer.forward(t.x.matrix(), w, t.y.matrix());
   const std::size_t forward_peak = be.ledger().window_peak(mem_tag::attention);
+  std::size_t host_peak = be.ledger().window_peak(mem_tag::attention_host);
   be.ledger().reset_window();
   layer.backward(ctx, t.x.matrix(), w, t.d_y.matrix(), t.d_x.matrix(), g);
   const std::size_t backward_peak = be.ledger().window_peak(mem_tag::attention);
+  host_peak = std::max(host_peak, be.ledger().window_peak(mem_tag::attention_host));
   be.synchronize();
   comm.barrier();
   const auto stop = std::chrono::steady_clock::now();
@@ -109,6 +110,14 @@ void run_rank(const attention_config& c, backend& be, communicator& comm, const 
     result->attention_forward_peak = forward_peak;
     result->attention_backward_peak = backward_peak;
     result->attention_peak_bytes = std::max(forward_peak, backward_peak);
+    result->attention_host_peak = host_peak;
+    const stage_plan& plan = layer.strategy().plan();
+    const dtype work = be.work_dtype();
+    result->plan_forward_peak = plan.forward_peak(work);
+    result->plan_backward_peak = plan.backward_peak(work);
+    result->plan_host_peak = plan.host_peak(work);
+    result->plan_bytes_by_label = plan.bytes_by_label(work);
+    for (const auto& [link, bytes] : plan.bytes_by_link(work)) result->plan_bytes_by_link[std::string(link_name(link))] = bytes;
     result->peak_bytes = be.ledger().peaks_by_name();
     result->device_peak_bytes = be.ledger().device_peak();
     result->arena_high_water = be.device_arena().high_water();
@@ -230,10 +239,9 @@ experiment_result run_attention_experiment(attention_config config, const experi
   const bool data = options.backend != backend_kind::meta;
   const attention_inputs in = data ? random_attention_inputs(config, options.seed) : attention_inputs{};
   std::vector<rank_output> outputs(static_cast<std::size_t>(config.cp));
-  const auto backends = run_cp_group(options.backend, options.limits, config.cp, [&](int rank, backend& be, communicator& comm) {
+  run_cp_group(options.backend, options.limits, config.cp, [&](int rank, backend& be, communicator& comm) {
     run_rank(config, be, comm, data ? &in : nullptr, options.documents, outputs[rank], rank == 0 ? &result : nullptr);
   }, false, options.comm);
-  result.attention_peak_formula_bytes = attention_peak_formula(config, backends[0]->work_dtype()).peak();
   if (!data) return result;
   const assembled a = assemble(config, outputs);
   if (!options.dump_dir.empty()) dump(options.dump_dir, config, in, a);

@@ -36,7 +36,12 @@ struct experiment_result {
   std::size_t driver_peak_bytes = 0;                // whole GPU per its driver (all virtual ranks); 0 on cpu
   std::size_t attention_peak_bytes = 0;             // max(forward, backward) of tag attention
   std::size_t attention_forward_peak = 0, attention_backward_peak = 0;
-  std::size_t attention_peak_formula_bytes = 0;
+  std::size_t attention_host_peak = 0;              // tag attention_host (sequence chunks' K/V), rank 0
+  // Rank 0's stage plan: the same peaks as the plan has them, and the bytes it sends by
+  // message label and by link (stage_plan.hpp).
+  std::size_t plan_forward_peak = 0, plan_backward_peak = 0, plan_host_peak = 0;
+  std::map<std::string, std::uint64_t> plan_bytes_by_label;
+  std::map<std::string, std::uint64_t> plan_bytes_by_link;
   std::map<std::string, std::uint64_t> bytes_sent;           // collective -> bytes, rank 0
   std::map<std::string, std::uint64_t> bytes_sent_by_label;  // label -> bytes, rank 0
   std::map<std::string, double> rel_error;          // tensor -> max|a-b|/max|b|

@@ -14,6 +14,7 @@ std::string_view mem_tag_name(mem_tag tag) {
     case mem_tag::checkpoints_device: return "checkpoints_device";
     case mem_tag::checkpoints_host: return "checkpoints_host";
     case mem_tag::optimizer_host: return "optimizer_host";
+    case mem_tag::attention_host: return "attention_host";
     case mem_tag::activations: return "activations";
     case mem_tag::attention: return "attention";
     case mem_tag::comm: return "comm";
@@ -38,6 +39,7 @@ void memory_ledger::on_alloc(mem_tag tag, std::size_t bytes, std::string_view la
   ++seq_;
   if (timeline_on_)
     timeline_.push_back({seq_, tag, static_cast<std::int64_t>(bytes), device_current_, std::string(label)});
+  if (observer_ != nullptr) observer_->allocated(tag, bytes, label);
 }
 
 void memory_ledger::on_free(mem_tag tag, std::size_t bytes, std::string_view label) {
@@ -48,6 +50,7 @@ void memory_ledger::on_free(mem_tag tag, std::size_t bytes, std::string_view lab
   ++seq_;
   if (timeline_on_)
     timeline_.push_back({seq_, tag, -static_cast<std::int64_t>(bytes), device_current_, std::string(label)});
+  if (observer_ != nullptr) observer_->freed(tag, bytes, label);
 }
 
 std::map<std::string, std::size_t> memory_ledger::peaks_by_name() const {

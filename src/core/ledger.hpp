@@ -19,6 +19,7 @@ enum class mem_tag : std::uint8_t {
   checkpoints_device,
   checkpoints_host,
   optimizer_host,  // --offload optimizer: master weights, moments and gradient shards in host memory
+  attention_host,  // sequence chunks: earlier chunks' K/V (and their gradients) in host memory
   activations,
   attention,
   comm,
@@ -29,7 +30,9 @@ constexpr std::size_t mem_tag_count = static_cast<std::size_t>(mem_tag::count);
 
 std::string_view mem_tag_name(mem_tag tag);
 // Host tags live in host memory; every other tag is device (arena) memory.
-constexpr bool is_host_tag(mem_tag tag) { return tag == mem_tag::checkpoints_host || tag == mem_tag::optimizer_host; }
+constexpr bool is_host_tag(mem_tag tag) {
+  return tag == mem_tag::checkpoints_host || tag == mem_tag::optimizer_host || tag == mem_tag::attention_host;
+}
 
 struct ledger_event {
   std::uint64_t seq;
@@ -39,8 +42,21 @@ struct ledger_event {
   std::string label;
 };
 
+// Sees every allocation and free of a ledger as it happens (the attention plan's check,
+// cp/stage_plan.hpp). Must not throw: it notes what it finds and reports it later.
+class ledger_observer {
+ public:
+  virtual ~ledger_observer() = default;
+  virtual void allocated(mem_tag tag, std::size_t bytes, std::string_view label) = 0;
+  virtual void freed(mem_tag tag, std::size_t bytes, std::string_view label) = 0;
+};
+
 class memory_ledger {
  public:
+  // At most one observer at a time; nullptr removes it.
+  void set_observer(ledger_observer* observer) { observer_ = observer; }
+  ledger_observer* observer() const { return observer_; }
+
   void on_alloc(mem_tag tag, std::size_t bytes, std::string_view label);
   void on_free(mem_tag tag, std::size_t bytes, std::string_view label);
 
@@ -70,6 +86,7 @@ class memory_ledger {
   std::uint64_t seq_ = 0;
   bool timeline_on_ = false;
   std::vector<ledger_event> timeline_;
+  ledger_observer* observer_ = nullptr;
 };
 
 }  // namespace upipe

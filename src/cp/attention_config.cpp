@@ -1,5 +1,6 @@
 #include "cp/attention_config.hpp"
 
+#include <algorithm>
 #include <sstream>
 
 #include "core/error.hpp"
@@ -12,6 +13,7 @@ std::string_view strategy_name(strategy_kind kind) {
     case strategy_kind::upipe: return "upipe";
     case strategy_kind::ring: return "ring";
     case strategy_kind::hybrid: return "hybrid";
+    case strategy_kind::fpdt: return "fpdt";
   }
   return "unknown";
 }
@@ -21,8 +23,20 @@ strategy_kind parse_strategy_kind(std::string_view name) {
   if (name == "upipe") return strategy_kind::upipe;
   if (name == "ring") return strategy_kind::ring;
   if (name == "hybrid") return strategy_kind::hybrid;
+  if (name == "fpdt") return strategy_kind::fpdt;
   throw config_error("unknown attention strategy '" + std::string(name) +
-                     "': the strategy must be one of ulysses, upipe, ring, hybrid (for example --strategy upipe)");
+                     "': the strategy must be one of ulysses, upipe, ring, hybrid, fpdt (for example --strategy upipe)");
+}
+
+std::vector<row_chunk> sequence_chunks(std::int64_t s, int n) {
+  std::vector<row_chunk> chunks;
+  std::int64_t first = 0;
+  for (int i = 0; i < n; ++i) {
+    const std::int64_t count = s / n + (i < s % n ? 1 : 0);
+    chunks.push_back({first, count});
+    first += count;
+  }
+  return chunks;
 }
 
 std::vector<int> valid_head_chunks(int heads, int cp) {
@@ -105,10 +119,11 @@ void validate_sequence(const attention_config& c) {
 void validate_head_chunk(attention_config& c) {
   switch (c.strategy) {
     case strategy_kind::ulysses:
+    case strategy_kind::fpdt:
       if (c.head_chunk == 0) c.head_chunk = c.heads;
       if (c.head_chunk != c.heads)
-        throw config_error("head chunk U = " + std::to_string(c.head_chunk) +
-                           " is not allowed for ulysses, which runs all H = " + std::to_string(c.heads) +
+        throw config_error("head chunk U = " + std::to_string(c.head_chunk) + " is not allowed for " +
+                           std::string(strategy_name(c.strategy)) + ", which runs all H = " + std::to_string(c.heads) +
                            " heads in one stage; leave it out, or use --strategy upipe");
       return;
     case strategy_kind::ring:
@@ -136,6 +151,34 @@ void validate_head_chunk(attention_config& c) {
   }
 }
 
+// Sequence chunks: ulysses, upipe and fpdt (at least 2 for fpdt, whose point they are), at
+// most one per local row, and without the overlapped output exchange.
+void validate_chunks(attention_config& c) {
+  const std::int64_t s = c.local_tokens();
+  const bool can_chunk = c.strategy == strategy_kind::ulysses || c.strategy == strategy_kind::upipe ||
+                         c.strategy == strategy_kind::fpdt;
+  if (c.seq_chunks == 0) {
+    const std::int64_t n = (c.seq_len + fpdt_default_chunk_tokens - 1) / fpdt_default_chunk_tokens;
+    c.seq_chunks = c.strategy == strategy_kind::fpdt ? static_cast<int>(std::clamp<std::int64_t>(n, 2, std::max<std::int64_t>(s, 2))) : 1;
+  }
+  if (c.seq_chunks < 1)
+    throw config_error("sequence chunks N = " + std::to_string(c.seq_chunks) +
+                       " is invalid: it must be a positive integer (for example --seq-chunks 4)");
+  if (c.seq_chunks > 1 && !can_chunk)
+    throw config_error("sequence chunks N = " + std::to_string(c.seq_chunks) + " apply to ulysses, upipe and fpdt, not " +
+                       std::string(strategy_name(c.strategy)) + "; leave --seq-chunks out, or use --attention upipe");
+  if (c.strategy == strategy_kind::fpdt && c.seq_chunks < 2)
+    throw config_error("fpdt with N = " + std::to_string(c.seq_chunks) + " sequence chunk is Ulysses: give --seq-chunks 2 "
+                       "or more, or use --attention ulysses");
+  if (c.seq_chunks > s)
+    throw config_error("sequence chunks N = " + std::to_string(c.seq_chunks) + " is more than the " + std::to_string(s) +
+                       " tokens of a rank's shard (S / C = " + std::to_string(c.seq_len) + " / " + std::to_string(c.cp) +
+                       "); use at most --seq-chunks " + std::to_string(std::max<std::int64_t>(s, 1)));
+  if (c.seq_chunks > 1 && c.overlap_comm)
+    throw config_error("--overlap-comm applies to unchunked stages; leave it out with --seq-chunks " +
+                       std::to_string(c.seq_chunks));
+}
+
 }  // namespace
 
 void validate(attention_config& c) {
@@ -153,6 +196,8 @@ void validate(attention_config& c) {
   validate_heads(c);
   validate_sequence(c);
   validate_head_chunk(c);
+  validate_chunks(c);
+  if (c.input_tile < 0) require_positive(c.input_tile, "attention input tile");
 }
 
 }  // namespace upipe

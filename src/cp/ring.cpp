@@ -113,7 +113,8 @@ ring_core_grads ring_core_backward(backend& be, communicator& ring, const ring_s
 }
 
 ring_attention::ring_attention(const attention_config& config, backend& be, communicator& comm)
-    : config_(config), be_(be), comm_(comm), tokens_(config.local_tokens()), chunk_(config.seq_len / (2 * config.cp)),
+    : config_(config), be_(be), comm_(comm), plan_(make_stage_plan(config, comm.rank())), tokens_(config.local_tokens()),
+      chunk_(config.seq_len / (2 * config.cp)),
       dim_(config.head_dim), scale_(1.0f / std::sqrt(static_cast<float>(config.head_dim))) {
   UPIPE_CHECK(comm.size() == config.cp, "communicator size must equal cp");
   positions_ = local_positions(comm.rank());
@@ -154,6 +155,7 @@ tensor ring_attention::project_kv(const normed_input& x, const attention_weights
 }
 
 attention_saved ring_attention::forward(const mat_view& x, const attention_weights& w, const mat_view& out) {
+  plan_check check(be_.ledger(), plan_.forward, be_.work_dtype(), "forward");
   const int H = config_.heads;
   head_norm_saved unused;
   tensor q = project_q(x, w, norm_keep::nothing, unused);
@@ -162,12 +164,15 @@ attention_saved ring_attention::forward(const mat_view& x, const attention_weigh
   saved.lse = be_.allocate(mem_tag::activations, dtype::f32, {H, tokens_}, "attn_lse");
   const head_view out_heads = {out.data, out.type, tokens_, H, dim_, out.ld, dim_};
   ring_core_forward(be_, comm_, shape(), q.heads(), std::move(kv), out_heads, lse_view(saved.lse));
+  q.reset();
+  check.finish();
   return saved;
 }
 
 void ring_attention::backward(const attention_saved& saved, const normed_input& x, const attention_weights& w,
                               const mat_view& out, const mat_view& d_out, const mat_view& d_x,
                               const attention_grads& grads) {
+  plan_check check(be_.ledger(), plan_.backward, be_.work_dtype(), "backward");
   const int H = config_.heads, K = config_.kv_heads;
   head_norm_saved q_norm, k_norm;
   tensor q = project_q(x, w, norm_keep::for_backward, q_norm);
@@ -200,6 +205,7 @@ void ring_attention::backward(const attention_saved& saved, const normed_input& 
       ops::gemm(be_, {g.row_block(which * tokens_ + first, rows.rows), transpose::yes, rows, transpose::none,
                       which == 0 ? grads.wk : grads.wv, 1.0f, 1.0f});
   });
+  check.finish();
 }
 
 // grad (s, heads, d) f32 -> working dtype, then d_x += g W and dW += g^T x.

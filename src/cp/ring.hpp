@@ -38,6 +38,7 @@ class ring_attention final : public attention_strategy {
   ring_attention(const attention_config& config, backend& be, communicator& comm);
 
   std::vector<position_run> local_positions(int rank) const override;
+  const stage_plan& plan() const override { return plan_; }
   attention_saved forward(const mat_view& x, const attention_weights& w, const mat_view& out) override;
   void backward(const attention_saved& saved, const normed_input& x, const attention_weights& w, const mat_view& out,
                 const mat_view& d_out, const mat_view& d_x, const attention_grads& grads) override;
@@ -54,6 +55,7 @@ class ring_attention final : public attention_strategy {
   attention_config config_;
   backend& be_;
   communicator& comm_;
+  stage_plan plan_;
   std::int64_t tokens_;  // s = 2 * chunk
   std::int64_t chunk_;   // S / 2C
   int dim_;

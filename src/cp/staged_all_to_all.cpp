@@ -11,34 +11,11 @@
 
 #include "core/error.hpp"
 #include "cp/head_norm.hpp"
+#include "cp/stage_views.hpp"
 #include "ops/ops.hpp"
 
 namespace upipe {
 
-namespace {
-
-// (tokens, heads, d) view of chunk j of a (C, s, n, d) all-to-all buffer.
-head_view chunk_heads(const tensor& t, int chunk) {
-  const auto& d = t.dims();
-  head_view all = {t.data(), t.type(), d[0] * d[1], d[2], d[3], d[2] * d[3], d[3]};
-  return all.token_block(chunk * d[1], d[1]);
-}
-
-// The f32 log-sum-exp of heads [first, first + n) of a (heads, S) tensor.
-head_view lse_heads(const tensor& lse, int first, int n) {
-  const std::int64_t tokens = lse.dims()[1];
-  head_view all = {lse.data(), dtype::f32, tokens, lse.dims()[0], 1, 1, tokens};
-  return all.head_block(first, n);
-}
-
-// Part `which` (0: k, 1: v) of a (2, n, K, d) buffer as (n, K, d).
-head_view pair_part(const tensor& kv, int which) {
-  const auto& d = kv.dims();
-  const head_view all = {kv.data(), kv.type(), 2 * d[1], d[2], d[3], d[2] * d[3], d[3]};
-  return all.token_block(which * d[1], d[1]);
-}
-
-}  // namespace
 
 struct staged_all_to_all::resident_block {
   const kv_block* plan = nullptr;
@@ -49,41 +26,53 @@ struct staged_all_to_all::resident_block {
 
 staged_all_to_all::staged_all_to_all(const attention_config& config, backend& be, communicator& comm)
     : config_(config), be_(be), comm_(comm), ring_(nullptr), world_rank_(comm.rank()), group_(config.cp),
-      schedule_(config.heads, config.kv_heads, config.cp, config.head_chunk),
-      tokens_(config.local_tokens()), gathered_(config.seq_len), dim_(config.head_dim),
-      scale_(1.0f / std::sqrt(static_cast<float>(config.head_dim))) {
+      plan_(make_stage_plan(config, comm.rank())), tokens_(config.local_tokens()), gathered_(config.seq_len),
+      dim_(config.head_dim), scale_(1.0f / std::sqrt(static_cast<float>(config.head_dim))) {
   UPIPE_CHECK(comm.size() == config.cp, "communicator size must equal cp");
   UPIPE_CHECK(config.ring == 1, "a ring of all-to-all groups needs the mesh's groups");
-  for (int j = 0; j < config.cp; ++j)
-    for (const auto& run : local_positions(j))
-      gathered_positions_.push_back({j * tokens_ + run.token_begin, run.position_begin, run.count});
-  rope_positions_ = gathered_positions_;
+  config_ = plan_.config;
+  // The ranks' shards in order make the whole sequence; with chunks, each chunk's pieces in
+  // order make the sequence's part i.
+  gathered_positions_ = {{0, 0, config_.seq_len}};
+  documents_changed();
 }
 
 staged_all_to_all::staged_all_to_all(const attention_config& config, backend& be, mesh_groups mesh, int world_rank)
     : config_(config), be_(be), mesh_(std::move(mesh)), comm_(*mesh_.all_to_all), ring_(mesh_.ring.get()),
-      world_rank_(world_rank), group_(config.all_to_all_size()),
-      schedule_(config.heads, config.kv_heads, group_, config.head_chunk), tokens_(config.local_tokens()),
-      gathered_(config.local_tokens() * group_), dim_(config.head_dim),
+      world_rank_(world_rank), group_(config.all_to_all_size()), plan_(make_stage_plan(config, world_rank)),
+      tokens_(config.local_tokens()), gathered_(config.local_tokens() * group_), dim_(config.head_dim),
       scale_(1.0f / std::sqrt(static_cast<float>(config.head_dim))) {
   UPIPE_CHECK(comm_.size() == group_ && ring_ != nullptr && ring_->size() == config.ring,
               "hybrid's groups must be A = C / R ranks and a ring of R");
+  config_ = plan_.config;
   // The group's ranks in order hold the group's tokens: its zigzag halves, in order.
   const int first = world_rank / group_ * group_;
   for (int j = 0; j < group_; ++j)
     for (const auto& run : local_positions(first + j))
       gathered_positions_.push_back({j * tokens_ + run.token_begin, run.position_begin, run.count});
-  rope_positions_ = gathered_positions_;
+  documents_changed();
+}
+
+void staged_all_to_all::documents_changed() {
+  rope_positions_ = document_positions(gathered_positions_, documents());
+  chunk_rope_positions_.clear();
+  for (const row_chunk& c : plan_.chunks)
+    chunk_rope_positions_.push_back(document_positions({{0, group_ * c.first, group_ * c.count}}, documents()));
 }
 
 staged_all_to_all::~staged_all_to_all() = default;
 
-// Ulysses and UPipe: contiguous shards. Hybrid: group g holds zigzag halves g and
-// 2R - 1 - g (ring attention's layout over the R groups), and its A ranks split those
-// S / R tokens in order.
+// Ulysses and UPipe: contiguous shards; with N sequence chunks, rank r's chunk i is the
+// r-th piece of the sequence's part i (parts of C n_i tokens, n_i the chunk's rows), so
+// that a chunk's all-to-all gathers a contiguous part of the sequence. Hybrid: group g
+// holds zigzag halves g and 2R - 1 - g (ring attention's layout over the R groups), and
+// its A ranks split those S / R tokens in order.
 std::vector<position_run> staged_all_to_all::local_positions(int rank) const {
-  if (config_.ring == 1 && config_.strategy != strategy_kind::hybrid)
-    return contiguous_positions(config_.seq_len, config_.cp, rank);
+  if (config_.ring == 1 && config_.strategy != strategy_kind::hybrid) {
+    std::vector<position_run> runs;
+    for (const row_chunk& c : plan_.chunks) runs.push_back({c.first, config_.cp * c.first + rank * c.count, c.count});
+    return runs;
+  }
   const int g = rank / group_, a = rank % group_;
   const std::int64_t begin = a * tokens_, end = begin + tokens_;
   std::vector<position_run> out;
@@ -96,13 +85,13 @@ std::vector<position_run> staged_all_to_all::local_positions(int rank) const {
 
 staged_all_to_all::head_lists staged_all_to_all::stage_lists(int stage) const {
   head_lists lists;
-  for (int j = 0; j < group_; ++j) lists.push_back(schedule_.stage_heads(j, stage));
+  for (int j = 0; j < group_; ++j) lists.push_back(schedule().stage_heads(j, stage));
   return lists;
 }
 
 staged_all_to_all::head_lists staged_all_to_all::arriving_lists(int stage) const {
   head_lists lists;
-  for (int j = 0; j < group_; ++j) lists.push_back(schedule_.arriving(j, stage)->kv_heads);
+  for (int j = 0; j < group_; ++j) lists.push_back(schedule().arriving(j, stage)->kv_heads);
   return lists;
 }
 
@@ -112,7 +101,7 @@ tensor staged_all_to_all::project_to_send(const normed_input& x, const mat_view&
                                           const char* label) {
   const phase_scope phase(be_, "attn_project");
   const int n = static_cast<int>(lists[0].size());
-  tensor send = be_.allocate(mem_tag::attention, be_.work_dtype(), {group_, tokens_, n, dim_}, label);
+  tensor send = be_.allocate(mem_tag::attention, be_.work_dtype(), {group_, x.row_count(), n, dim_}, label);
   const std::int64_t d = dim_;
   for_each_input_tile(be_, x, [&](std::int64_t first, const mat_view& rows) {
     for (int j = 0; j < group_; ++j) {
@@ -137,34 +126,40 @@ tensor staged_all_to_all::exchange(tensor& send, const char* label) {
   return recv;
 }
 
-// A received (C, s, n, d) buffer holds the ranks' shards in order: the whole sequence.
+// A received (A, rows, n, d) buffer holds the ranks' shards (or chunks) in order: the whole
+// sequence (or its part).
 head_view staged_all_to_all::sequence_heads(const tensor& t) const {
   const auto& d = t.dims();
-  return {t.data(), t.type(), gathered_, d[2], d[3], d[2] * d[3], d[3]};
+  return {t.data(), t.type(), d[0] * d[1], d[2], d[3], d[2] * d[3], d[3]};
 }
 
-void staged_all_to_all::rope(const head_view& x, rope_direction direction) {
+void staged_all_to_all::rope(const head_view& x, const std::vector<position_run>& positions,
+                             rope_direction direction) {
   const phase_scope phase(be_, "attn_rope");
-  ops::rope(be_, {x, rope_positions_, config_.rope, direction});
+  ops::rope(be_, {x, positions, config_.rope, direction});
 }
 
-// Chunk j of the result gets, for this rank's tokens, the stage heads of rank j.
+head_view staged_all_to_all::lse_rows(const tensor& lse, int first, int n, std::int64_t row, std::int64_t rows) const {
+  return lse_heads(lse, first, n).token_block(row, rows);
+}
+
+// Chunk j of the result gets, for this rank's rows, the stage heads of rank j.
 tensor staged_all_to_all::pack_heads(const mat_view& src, int stage, const char* label) {
   const phase_scope phase(be_, "attn_pack");
-  const int u = schedule_.heads_per_stage();
-  tensor send = be_.allocate(mem_tag::attention, be_.work_dtype(), {group_, tokens_, u, dim_}, label);
-  const head_view all = {src.data, src.type, tokens_, config_.heads, dim_, src.ld, dim_};
+  const int u = schedule().heads_per_stage();
+  tensor send = be_.allocate(mem_tag::attention, be_.work_dtype(), {group_, src.rows, u, dim_}, label);
+  const head_view all = {src.data, src.type, src.rows, config_.heads, dim_, src.ld, dim_};
   for (int j = 0; j < group_; ++j)
-    for (const head_run& run : consecutive_runs(schedule_.stage_heads(j, stage)))
+    for (const head_run& run : consecutive_runs(schedule().stage_heads(j, stage)))
       ops::copy_heads(be_, chunk_heads(send, j).head_block(run.slot, run.count), all.head_block(run.first, run.count));
   return send;
 }
 
 void staged_all_to_all::unpack_heads(const tensor& recv, int stage, const mat_view& dst) {
   const phase_scope phase(be_, "attn_pack");
-  const head_view all = {dst.data, dst.type, tokens_, config_.heads, dim_, dst.ld, dim_};
+  const head_view all = {dst.data, dst.type, dst.rows, config_.heads, dim_, dst.ld, dim_};
   for (int j = 0; j < group_; ++j)
-    for (const head_run& run : consecutive_runs(schedule_.stage_heads(j, stage)))
+    for (const head_run& run : consecutive_runs(schedule().stage_heads(j, stage)))
       ops::copy_heads(be_, all.head_block(run.first, run.count), chunk_heads(recv, j).head_block(run.slot, run.count));
 }
 
@@ -173,13 +168,13 @@ staged_all_to_all::resident_block staged_all_to_all::receive_kv(const normed_inp
   const bool fwd = which == pass::forward;
   const head_lists lists = arriving_lists(stage);
   resident_block block;
-  block.plan = schedule_.arriving(comm_.rank(), stage);
+  block.plan = schedule().arriving(comm_.rank(), stage);
   tensor k_send = project_to_send(x, w.wk, lists, "attn_k_send");
   block.k = exchange(k_send, fwd ? "a2a_k" : "bwd_a2a_k");
   if (config_.qk_norm)
     block.k_norm = head_norm_forward(be_, head_rows(block.k, dim_), w.k_norm, config_.norm_eps,
                                      fwd ? norm_keep::nothing : norm_keep::for_backward);
-  rope(sequence_heads(block.k), rope_direction::forward);
+  rope(sequence_heads(block.k), rope_positions_, rope_direction::forward);
   tensor v_send = project_to_send(x, w.wv, lists, "attn_v_send");
   block.v = exchange(v_send, fwd ? "a2a_v" : "bwd_a2a_v");
   if (!fwd) {
@@ -194,46 +189,6 @@ staged_all_to_all::resident_block staged_all_to_all::receive_kv(const normed_inp
     }
   }
   return block;
-}
-
-// Groups the stage's query slots into fused attention calls: slots sharing a kv head
-// form one grouped-query call, and neighbouring equal groups over consecutive kv slots
-// of one block merge into a single call.
-std::vector<staged_all_to_all::sdpa_call> staged_all_to_all::plan_calls(
-    int stage, const std::vector<resident_block>& resident) const {
-  std::vector<sdpa_call> groups;
-  const auto heads = schedule_.stage_heads(comm_.rank(), stage);
-  for (int slot = 0; slot < static_cast<int>(heads.size()); ++slot) {
-    const int kv = schedule_.kv_of(heads[slot]);
-    std::size_t b = 0;
-    int kv_slot = -1;
-    for (; b < resident.size() && kv_slot < 0; ++b) {
-      const auto& list = resident[b].plan->kv_heads;
-      if (auto it = std::find(list.begin(), list.end(), kv); it != list.end())
-        kv_slot = static_cast<int>(it - list.begin());
-    }
-    UPIPE_CHECK(kv_slot >= 0, "kv head " + std::to_string(kv) + " not resident at stage " + std::to_string(stage));
-    --b;
-    if (!groups.empty() && groups.back().block == b && groups.back().kv_slot == kv_slot)
-      ++groups.back().n_q;
-    else
-      groups.push_back({slot, 1, b, kv_slot, 1});
-  }
-  std::vector<sdpa_call> calls;
-  for (const sdpa_call& g : groups) {
-    if (!calls.empty()) {
-      sdpa_call& last = calls.back();
-      const int ratio = last.n_q / last.n_kv;
-      if (last.block == g.block && last.kv_slot + last.n_kv == g.kv_slot && g.n_q == ratio &&
-          last.q_slot + last.n_q == g.q_slot) {
-        last.n_q += g.n_q;
-        ++last.n_kv;
-        continue;
-      }
-    }
-    calls.push_back(g);
-  }
-  return calls;
 }
 
 tensor staged_all_to_all::ring_kv(const resident_block& b, const sdpa_call& c) {
@@ -252,7 +207,13 @@ void staged_all_to_all::release_finished(std::vector<resident_block>& resident, 
 }
 
 attention_saved staged_all_to_all::forward(const mat_view& x, const attention_weights& w, const mat_view& out) {
-  const int rank = comm_.rank(), u = schedule_.heads_per_stage();
+  plan_check check(be_.ledger(), plan_.forward, be_.work_dtype(), "forward");
+  if (config_.chunked()) {
+    attention_saved saved = chunked_forward(x, w, out);
+    check.finish();
+    return saved;
+  }
+  const int u = schedule().heads_per_stage();
   attention_saved saved;
   saved.lse = be_.allocate(mem_tag::activations, dtype::f32, {config_.heads / group_, gathered_}, "attn_lse");
   std::vector<resident_block> resident;
@@ -269,18 +230,19 @@ attention_saved staged_all_to_all::forward(const mat_view& x, const attention_we
     unpack_heads(previous.recv, previous.stage, out);
     previous = {};
   };
-  for (int t = 0; t < schedule_.stages(); ++t) {
-    if (schedule_.arriving(rank, t) != nullptr) resident.push_back(receive_kv(x, w, t, pass::forward));
+  for (int t = 0; t < schedule().stages(); ++t) {
+    const stage_step& step = plan_.stages[t];
+    if (step.arriving >= 0) resident.push_back(receive_kv(x, w, t, pass::forward));
     tensor q_send = project_to_send(x, w.wq, stage_lists(t), "attn_q_send");
     finish_previous();
     tensor q = exchange(q_send, "a2a_q");
     if (config_.qk_norm) head_norm_forward(be_, head_rows(q, dim_), w.q_norm, config_.norm_eps, norm_keep::nothing);
-    rope(sequence_heads(q), rope_direction::forward);
+    rope(sequence_heads(q), rope_positions_, rope_direction::forward);
     tensor o = be_.allocate(mem_tag::attention, be_.work_dtype(), q.dims(), "attn_o_stage");
     {
       const head_view qh = sequence_heads(q), oh = sequence_heads(o);
       const phase_scope phase(be_, "attn_sdpa");
-      for (const sdpa_call& c : plan_calls(t, resident)) {
+      for (const sdpa_call& c : step.calls) {
         const resident_block& b = resident[c.block];
         if (ring_ != nullptr) {
           ring_core_forward(be_, *ring_, ring_geometry(), qh.head_block(c.q_slot, c.n_q), ring_kv(b, c),
@@ -294,7 +256,7 @@ attention_saved staged_all_to_all::forward(const mat_view& x, const attention_we
       }
     }
     q.reset();
-    if (config_.overlap_comm && group_ > 1 && t + 1 < schedule_.stages()) {
+    if (config_.overlap_comm && group_ > 1 && t + 1 < schedule().stages()) {
       const phase_scope phase(be_, "attn_a2a");
       previous.recv = be_.allocate(mem_tag::attention, o.type(), o.dims(), "a2a_o");
       previous.request = comm_.all_to_all_start(o.data(), previous.recv.data(), o.bytes() / group_, "a2a_o");
@@ -307,32 +269,40 @@ attention_saved staged_all_to_all::forward(const mat_view& x, const attention_we
     release_finished(resident, t);
   }
   finish_previous();
+  check.finish();
   return saved;
 }
 
 void staged_all_to_all::backward(const attention_saved& saved, const normed_input& x, const attention_weights& w,
                                  const mat_view& out, const mat_view& d_out, const mat_view& d_x,
                                  const attention_grads& grads) {
+  plan_check check(be_.ledger(), plan_.backward, be_.work_dtype(), "backward");
+  if (config_.chunked()) {
+    chunked_backward(saved, x, w, out, d_out, d_x, grads);
+    check.finish();
+    return;
+  }
   std::vector<resident_block> resident;
-  for (int t = 0; t < schedule_.stages(); ++t) {
-    if (schedule_.arriving(comm_.rank(), t) != nullptr) resident.push_back(receive_kv(x, w, t, pass::backward));
+  for (int t = 0; t < schedule().stages(); ++t) {
+    if (plan_.stages[t].arriving >= 0) resident.push_back(receive_kv(x, w, t, pass::backward));
     backward_stage(t, resident, saved, x, w, out, d_out, d_x, grads);
     for (auto& b : resident)
       if (b.plan->last_stage == t) send_back_kv(b, x, w, d_x, grads);
     release_finished(resident, t);
   }
+  check.finish();
 }
 
 void staged_all_to_all::backward_stage(int t, std::vector<resident_block>& resident, const attention_saved& saved,
                                        const normed_input& x, const attention_weights& w, const mat_view& out,
                                        const mat_view& d_out, const mat_view& d_x, const attention_grads& grads) {
-  const int u = schedule_.heads_per_stage();
+  const int u = schedule().heads_per_stage();
   tensor q_send = project_to_send(x, w.wq, stage_lists(t), "attn_q_send");
   tensor q = exchange(q_send, "bwd_a2a_q");
   head_norm_saved q_norm;
   if (config_.qk_norm)
     q_norm = head_norm_forward(be_, head_rows(q, dim_), w.q_norm, config_.norm_eps, norm_keep::for_backward);
-  rope(sequence_heads(q), rope_direction::forward);
+  rope(sequence_heads(q), rope_positions_, rope_direction::forward);
   tensor o_send = pack_heads(out, t, "attn_o_send");
   tensor o = exchange(o_send, "bwd_a2a_o");
   tensor do_send = pack_heads(d_out, t, "attn_do_send");
@@ -340,7 +310,7 @@ void staged_all_to_all::backward_stage(int t, std::vector<resident_block>& resid
   tensor dq = be_.allocate(mem_tag::attention, be_.work_dtype(), q.dims(), "attn_dq");
   {
     const phase_scope phase(be_, "attn_sdpa");
-    for (const sdpa_call& c : plan_calls(t, resident)) {
+    for (const sdpa_call& c : plan_.stages[t].calls) {
       resident_block& b = resident[c.block];
       const bool spans = b.plan->spans_stages();
       if (ring_ != nullptr) {
@@ -383,7 +353,7 @@ void staged_all_to_all::backward_stage(int t, std::vector<resident_block>& resid
   q.reset();
   o.reset();
   d_o.reset();
-  rope(sequence_heads(dq), rope_direction::inverse);
+  rope(sequence_heads(dq), rope_positions_, rope_direction::inverse);
   if (config_.qk_norm) head_norm_backward(be_, q_norm, head_rows(dq, dim_), w.q_norm, grads.q_norm);
   tensor dq_back = exchange(dq, "bwd_a2a_dq");
   accumulate_input_grads(dq_back, stage_lists(t), w.wq, grads.wq, x, d_x);
@@ -394,12 +364,12 @@ void staged_all_to_all::backward_stage(int t, std::vector<resident_block>& resid
 void staged_all_to_all::send_back_kv(resident_block& block, const normed_input& x, const attention_weights& w,
                                      const mat_view& d_x, const attention_grads& grads) {
   const head_lists lists = arriving_lists(block.plan->first_stage);
-  rope(sequence_heads(block.dk), rope_direction::inverse);
+  rope(sequence_heads(block.dk), rope_positions_, rope_direction::inverse);
   if (config_.qk_norm) head_norm_backward(be_, block.k_norm, head_rows(block.dk, dim_), w.k_norm, grads.k_norm);
   block.k.reset();
   block.v.reset();
   auto to_send = [&](tensor& grad, const char* label) {
-    if (grad.type() == be_.work_dtype()) return std::move(grad);
+    if (!block.plan->spans_stages()) return std::move(grad);  // written once in the working dtype
     tensor send = be_.allocate(mem_tag::attention, be_.work_dtype(), grad.dims(), label);
     ops::copy_heads(be_, sequence_heads(send), sequence_heads(grad));
     grad.reset();
@@ -414,16 +384,16 @@ void staged_all_to_all::send_back_kv(resident_block& block, const normed_input& 
   accumulate_input_grads(dv_back, lists, w.wv, grads.wv, x, d_x);
 }
 
-// For each chunk j of a received gradient (C, s, n, d), whose heads are lists[j]:
+// For each chunk j of a received gradient (A, rows, n, d), whose heads are lists[j]:
 // d_x += g W_rows and dW_rows += g^T x (x a tile of rows at a time), both accumulated in f32.
 void staged_all_to_all::accumulate_input_grads(const tensor& recv, const head_lists& lists, const mat_view& weight,
                                                const mat_view& d_weight, const normed_input& x, const mat_view& d_x) {
   const phase_scope phase(be_, "attn_input_grads");
   const std::int64_t d = dim_;
-  const std::int64_t n = recv.dims()[2];
+  const std::int64_t n = recv.dims()[2], rows = recv.dims()[1];
   const auto grad_rows = [&](int j) {
     const head_view chunk = chunk_heads(recv, j);
-    return mat_view{chunk.data, chunk.type, tokens_, n * d, chunk.token_stride};
+    return mat_view{chunk.data, chunk.type, rows, n * d, chunk.token_stride};
   };
   for (int j = 0; j < group_; ++j)
     for (const head_run& run : consecutive_runs(lists[j]))

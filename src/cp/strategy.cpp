@@ -48,6 +48,11 @@ normed_input normed_input::of_tiles(const mat_view& residual, const mat_view& no
   return x;
 }
 
+normed_input normed_input::rows(std::int64_t first, std::int64_t count) const {
+  if (!tiled) return normed_input(whole.row_block(first, count));
+  return of_tiles(residual.row_block(first, count), norm_weight, eps, tile);
+}
+
 void for_each_input_tile(backend& be, const normed_input& x, const input_tile_fn& fn, const mat_view& rstd) {
   if (!x.tiled) {
     fn(0, x.whole);
@@ -72,7 +77,8 @@ std::unique_ptr<attention_strategy> make_strategy(attention_config config, backe
   switch (config.strategy) {
     case strategy_kind::ulysses:
     case strategy_kind::upipe:
-      UPIPE_CHECK(groups.all_to_all != nullptr, "ulysses and upipe need an all-to-all group");
+    case strategy_kind::fpdt:
+      UPIPE_CHECK(groups.all_to_all != nullptr, "ulysses, upipe and fpdt need an all-to-all group");
       return std::make_unique<staged_all_to_all>(config, be, *groups.all_to_all);
     case strategy_kind::ring:
       UPIPE_CHECK(groups.ring != nullptr, "ring needs a ring group");

@@ -12,6 +12,7 @@
 #include "backend/backend.hpp"
 #include "comm/communicator.hpp"
 #include "cp/attention_config.hpp"
+#include "cp/stage_plan.hpp"
 
 namespace upipe {
 
@@ -50,6 +51,9 @@ struct normed_input {
 
   normed_input(const mat_view& x) : whole(x) {}  // NOLINT(google-explicit-constructor): a whole input
   static normed_input of_tiles(const mat_view& residual, const mat_view& norm_weight, float eps, std::int64_t tile);
+  std::int64_t row_count() const { return tiled ? residual.rows : whole.rows; }
+  // Rows [first, first + count) of the input (a sequence chunk), whole or tiled as this one.
+  normed_input rows(std::int64_t first, std::int64_t count) const;
 };
 
 // fn(first row, rows of x) over x: once with x itself when whole, else for each tile, normed
@@ -78,6 +82,9 @@ class attention_strategy {
 
   // Global positions of each local token of `rank` (the sequence layout).
   virtual std::vector<position_run> local_positions(int rank) const = 0;
+
+  // What this rank's passes allocate, release and send (they are held to it as they run).
+  virtual const stage_plan& plan() const = 0;
 
   // x (s, D) -> out (s, H*d), heads in their true order.
   virtual attention_saved forward(const mat_view& x, const attention_weights& w, const mat_view& out) = 0;

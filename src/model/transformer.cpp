@@ -36,6 +36,7 @@ attention_config attention_config_for(const model_config& model, const cp_settin
   c.cp = cp.cp;
   c.head_chunk = cp.head_chunk;
   c.ring = cp.ring;
+  c.seq_chunks = cp.seq_chunks;
   c.strategy = cp.strategy;
   c.rope = model.rope;
   c.qk_norm = model.qk_norm;
@@ -45,15 +46,17 @@ attention_config attention_config_for(const model_config& model, const cp_settin
 }
 
 namespace {
-attention_config with_overlap(attention_config c, const step_options& options) {
+// The layer's step options: the overlapped output exchange, and the backward's input tiles.
+attention_config with_step_options(attention_config c, const step_options& options) {
   c.overlap_comm = options.overlap_comm;
+  c.input_tile = options.attention_input_tile;
   return c;
 }
 }  // namespace
 
 transformer::transformer(const model_config& model, const cp_settings& cp, std::int64_t seq_len, backend& be,
                          const cp_groups& groups, const step_options& options)
-    : model_(model), be_(be), attention_(with_overlap(attention_config_for(model, cp, seq_len), options), be, groups),
+    : model_(model), be_(be), attention_(with_step_options(attention_config_for(model, cp, seq_len), options), be, groups),
       store_(be, options.policy, model.num_layers), tokens_(seq_len / cp.cp),
       prefetch_weights_(options.prefetch_weights), attention_input_tile_(options.attention_input_tile) {
   if (attention_input_tile_ <= 0)

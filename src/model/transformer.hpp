@@ -23,6 +23,7 @@ struct cp_settings {
   int cp = 1;
   int head_chunk = 0;
   int ring = 1;  // hybrid: R rings of all-to-all groups of C / R ranks
+  int seq_chunks = 0;  // N sequence chunks (fpdt; upipe and ulysses too); 0: the strategy's default
 };
 
 struct step_options {

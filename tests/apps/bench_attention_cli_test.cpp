@@ -39,7 +39,7 @@ TEST(bench_attention_cli, json_has_the_promised_fields) {
   ASSERT_EQ(rows.size(), 6u);  // U in {2, 4, 8} x two lengths
   for (const auto& row : rows) {
     for (const char* key : {"strategy", "backend", "seq_len", "heads", "kv_heads", "head_dim", "cp", "head_chunk",
-                            "time_ms", "peak_bytes", "attention_peak_bytes", "attention_peak_formula_bytes",
+                            "time_ms", "peak_bytes", "attention_peak_bytes", "plan_forward_peak_bytes", "plan_backward_peak_bytes",
                             "bytes_sent", "rel_error", "max_rel_error"})
       EXPECT_TRUE(row.contains(key)) << key;
     EXPECT_LT(row["max_rel_error"].get<double>(), 1e-5);

@@ -119,6 +119,40 @@ TEST_P(strategy_sweep, packed_documents_match_reference) {
   EXPECT_GT(runs, 0);
 }
 
+// Sequence chunks: fpdt (Ulysses in N chunks) and upipe at every U with N in {1, 2, 3, 4},
+// chunks that do not divide a rank's shard evenly (S = 36), Qwen3's qk-norm and packed
+// documents on some: the earlier chunks' K/V pass through host memory and the parts merge
+// by log-sum-exp, and the result is the reference's.
+TEST_P(strategy_sweep, sequence_chunks_match_reference) {
+  const group_shape g = GetParam();
+  int runs = 0;
+  for (std::int64_t S : {24, 36, 48}) {
+    if (S % g.cp != 0) continue;
+    for (int n = 1; n <= 4; ++n) {
+      if (n > S / g.cp) continue;
+      std::vector<std::pair<strategy_kind, int>> cases;
+      if (n > 1) cases.push_back({strategy_kind::fpdt, 0});
+      for (int u : valid_head_chunks(g.heads, g.cp)) cases.push_back({strategy_kind::upipe, u});
+      for (auto [kind, chunk] : cases) {
+        attention_config c = sweep_config(g, kind, chunk, 8, S);
+        c.seq_chunks = n;
+        c.qk_norm = S == 48;
+        experiment_options o;
+        o.seed = 11000 + c.heads * 100 + c.kv_heads * 10 + c.cp + n;
+        o.limits = {std::size_t{64} << 20, std::size_t{1} << 20};
+        if (S != 36) o.documents = random_documents(S, o.seed + static_cast<std::uint64_t>(S));
+        const experiment_result r = run_attention_experiment(c, o);
+        ASSERT_TRUE(r.max_rel_error.has_value());
+        for (const auto& [name, e] : r.rel_error)
+          EXPECT_LT(e, 1e-5) << strategy_name(kind) << " U=" << c.head_chunk << " N=" << n << " S=" << S << " tensor "
+                             << name;
+        ++runs;
+      }
+    }
+  }
+  EXPECT_GT(runs, 0);
+}
+
 INSTANTIATE_TEST_SUITE_P(all_supported, strategy_sweep, ::testing::ValuesIn(supported_shapes()),
                          [](const auto& info) {
                            return "H" + std::to_string(info.param.heads) + "_K" + std::to_string(info.param.kv_heads) +

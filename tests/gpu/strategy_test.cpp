@@ -65,6 +65,35 @@ TEST(gpu_strategies, hybrid_meshes_match_the_reference) {
       }
 }
 
+// Sequence chunks on the GPU: fpdt and upipe with N chunks (some uneven) keep the earlier
+// chunks' K/V in pinned host memory and bring them back on the copy stream while the
+// previous chunk is attended; the backward's dK/dV go to the host and back the same way.
+// Against the float64 reference, with packed documents and qk-norm on some; the ledger's
+// attention peaks equal the plan's.
+TEST(gpu_strategies, sequence_chunks_prefetch_from_host_memory) {
+  if (!have_gpu()) GTEST_SKIP() << "no GPU";
+  for (int cp : {1, 2, 4})
+    for (auto kind : {strategy_kind::fpdt, strategy_kind::upipe})
+      for (int n : {2, 3, 5})
+        for (bool documents : {false, true}) {
+          attention_config c{.seq_len = 480, .heads = 8, .kv_heads = 2, .head_dim = 64, .model_dim = 256, .cp = cp,
+                             .head_chunk = 0, .seq_chunks = n, .strategy = kind};
+          c.qk_norm = documents;
+          experiment_options o;
+          o.backend = backend_kind::cuda;
+          o.limits = {std::size_t{1} << 30, std::size_t{64} << 20};
+          if (documents) o.documents = {0, 1, 64, 200, 201, 333, 384};
+          const experiment_result r = run_attention_experiment(c, o);
+          ASSERT_TRUE(r.max_rel_error.has_value());
+          for (const auto& [name, e] : r.rel_error)
+            EXPECT_LT(e, bf16_tolerance) << strategy_name(kind) << " C=" << cp << " N=" << n
+                                         << " documents=" << documents << " " << name;
+          EXPECT_EQ(r.attention_forward_peak, r.plan_forward_peak);
+          EXPECT_EQ(r.attention_backward_peak, r.plan_backward_peak);
+          EXPECT_GT(r.attention_host_peak, 0u);
+        }
+}
+
 // Packed documents: cuDNN runs each document (and ring's one shared document of a past
 // block) as a call of its own; every strategy equals the float64 reference. Boundaries
 // inside and on the edges of shards and ring's chunks, a one-token document and one

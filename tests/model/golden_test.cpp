@@ -105,6 +105,23 @@ TEST_P(golden, hybrid_on_two_by_two_and_four_by_one) {
   expect_matches(g, hybrid(g, 4, 0), "hybrid 4x1");
 }
 
+// Sequence chunks: fpdt and upipe (every U) with N = 2 and 3 (3 does not divide the shards),
+// on one, two and four ranks, with the strided chunk layout and the host round trips.
+TEST_P(golden, sequence_chunks_on_one_two_and_four_ranks) {
+  const golden_case g = load(GetParam());
+  for (int cp : {1, 2, 4})
+    for (int n : {2, 3}) {
+      model_step_request fpdt = request(g, strategy_kind::fpdt, cp, 0);
+      fpdt.cp.seq_chunks = n;
+      expect_matches(g, fpdt, "fpdt C=" + std::to_string(cp) + " N=" + std::to_string(n));
+      for (int u : valid_head_chunks(g.config.num_heads, cp)) {
+        model_step_request up = request(g, strategy_kind::upipe, cp, u);
+        up.cp.seq_chunks = n;
+        expect_matches(g, up, "upipe C=" + std::to_string(cp) + " U=" + std::to_string(u) + " N=" + std::to_string(n));
+      }
+    }
+}
+
 TEST_P(golden, every_checkpoint_policy) {
   const golden_case g = load(GetParam());
   for (const char* what : {"input", "input+attention"})
@@ -137,9 +154,11 @@ TEST_P(golden, packed_documents_equal_the_documents_one_by_one) {
     std::vector<std::pair<strategy_kind, int>> cases = {{strategy_kind::ulysses, 0}, {strategy_kind::ring, 0}};
     for (int u : valid_head_chunks(g.config.num_heads, cp)) cases.push_back({strategy_kind::upipe, u});
     if (cp == 4) cases.push_back({strategy_kind::hybrid, 2});
+    cases.push_back({strategy_kind::fpdt, 0});
     for (auto [kind, u] : cases) {
       model_step_request req = request(g, kind, cp, u);
       if (kind == strategy_kind::hybrid) req.cp.ring = 2;
+      if (kind == strategy_kind::fpdt) req.cp.seq_chunks = 3;
       req.documents = starts;
       const std::string what = std::string(strategy_name(kind)) + " C=" + std::to_string(cp) + " U=" + std::to_string(u);
       SCOPED_TRACE(what);
