@@ -24,7 +24,8 @@ namespace {
 struct plan_flags {
   std::string model = "llama3-8b", config_path, gpu_memory = "80GiB", host_memory, seq_len, json_path,
       optimizer = "adamw", policy, offload = "none";
-  std::vector<std::string> attention;  // default: ulysses, upipe, ring (and hybrid on several nodes)
+  std::vector<std::string> attention;  // default: ulysses, upipe, ring, fpdt (and hybrid on several nodes)
+  std::vector<int> seq_chunks;          // default: the planner's
   int gpus = 8, gpus_per_node = 0, nodes = 1, zero = 3, layers = 0;
   double margin = 0.05;
   std::int64_t mlp_tile = 0, loss_chunk = 0;
@@ -47,6 +48,35 @@ std::string tokens_text(std::int64_t s) {
 
 std::string u_text(const plan_entry& e) {
   return e.strategy == strategy_kind::ring ? "-" : std::to_string(e.head_chunk);
+}
+
+// The rows of the tables: one per strategy, U, mesh and optimizer placement, the entry of
+// the N that reaches the longest S (ties: the fewest chunks, which move the least through
+// host memory). At a requested length: the fewest chunks that fit (else the closest).
+std::vector<const plan_entry*> table_rows(const std::vector<plan_entry>& entries, bool at_request) {
+  std::vector<const plan_entry*> rows;
+  for (const plan_entry& e : entries) {
+    const auto same = [&](const plan_entry* r) {
+      return r->strategy == e.strategy && r->head_chunk == e.head_chunk && r->ring == e.ring &&
+             r->offload_optimizer == e.offload_optimizer;
+    };
+    auto it = std::find_if(rows.begin(), rows.end(), same);
+    if (it == rows.end()) {
+      rows.push_back(&e);
+      continue;
+    }
+    const plan_entry& best = **it;
+    bool better = false;
+    if (at_request) {
+      const bool fits = e.at_request && e.at_request->fits, best_fits = best.at_request && best.at_request->fits;
+      better = fits && (!best_fits || e.seq_chunks < best.seq_chunks);
+    } else {
+      const std::int64_t s = e.longest ? e.longest->seq_len : 0, b = best.longest ? best.longest->seq_len : 0;
+      better = s > b || (s == b && e.seq_chunks < best.seq_chunks);
+    }
+    if (better) *it = &e;
+  }
+  return rows;
 }
 
 // "upipe", or "hybrid 2x8" (R x A: a ring of R nodes, all-to-all among A GPUs in each);
@@ -95,7 +125,7 @@ int run(const plan_flags& f) {
   if (!f.seq_len.empty()) r.seq_len = parse_seq_len(f.seq_len);
   r.strategies.clear();
   std::vector<std::string> attention = f.attention;
-  if (attention.empty()) attention = {"ulysses", "upipe", "ring"};
+  if (attention.empty()) attention = {"ulysses", "upipe", "ring", "fpdt"};
   if (f.attention.empty() && r.nodes > 1) attention.push_back("hybrid");
   for (const std::string& name : attention) r.strategies.push_back(parse_strategy_kind(name));
   if (f.zero != 2 && f.zero != 3)
@@ -112,6 +142,7 @@ int run(const plan_flags& f) {
     throw config_error("--offload optimizer needs an optimizer: drop --optimizer none");
   r.mlp_tile = f.mlp_tile;
   r.loss_chunk = f.loss_chunk;
+  if (!f.seq_chunks.empty()) r.seq_chunks = f.seq_chunks;
   validate(r);
   std::ofstream json_out;
   if (!f.json_path.empty()) {
@@ -139,36 +170,41 @@ int run(const plan_flags& f) {
   const auto eval_text = [](const plan_entry& e) {
     return e.longest_eval ? tokens_text(e.longest_eval->seq_len) : std::string("none");
   };
-  std::printf("\n%-11s %4s %12s %8s %8s %12s  %s\n", "strategy", "U", "longest S", "GPU GiB", "host GiB", "eval S",
-              "checkpoint policy");
-  for (const plan_entry& e : plan.entries) {
+  std::printf("\n%-11s %4s %4s %12s %8s %8s %12s  %s\n", "strategy", "U", "N", "longest S", "GPU GiB", "host GiB",
+              "eval S", "checkpoint policy");
+  for (const plan_entry* row : table_rows(plan.entries, false)) {
+    const plan_entry& e = *row;
     if (!e.longest) {
-      std::printf("%-11s %4s %12s %8s %8s %12s  %s\n", strategy_text(e, r.gpus).c_str(),
-                  u_text(e).c_str(), "none", "-", "-", eval_text(e).c_str(), "does not fit even the shortest length");
+      std::printf("%-11s %4s %4d %12s %8s %8s %12s  %s\n", strategy_text(e, r.gpus).c_str(), u_text(e).c_str(),
+                  e.seq_chunks, "none", "-", "-", eval_text(e).c_str(), "does not fit even the shortest length");
       continue;
     }
     const plan_point& p = *e.longest;
-    std::printf("%-11s %4s %12s %8.1f %8.1f %12s  %s\n", strategy_text(e, r.gpus).c_str(),
-                u_text(e).c_str(), tokens_text(p.seq_len).c_str(), gib(p.gpu_bytes), gib(p.host_bytes),
+    std::printf("%-11s %4s %4d %12s %8.1f %8.1f %12s  %s\n", strategy_text(e, r.gpus).c_str(), u_text(e).c_str(),
+                e.seq_chunks, tokens_text(p.seq_len).c_str(), gib(p.gpu_bytes), gib(p.host_bytes),
                 eval_text(e).c_str(), p.policy.str().c_str());
   }
+  std::printf("(N: sequence chunks, the one of --seq-chunks that reaches the longest S; the JSON holds every N)\n");
   std::printf("(eval S: the longest length upipe eval fits, forward only with the weights alone%s)\n",
               r.try_offload || r.offload_optimizer ? "; +host: AdamW's state in host memory, --offload optimizer" : "");
   if (r.seq_len) {
-    std::printf("\nat S = %s:\n%-11s %4s %6s %8s %8s  %s\n", tokens_text(*r.seq_len).c_str(), "strategy", "U", "fits",
-                "GPU GiB", "host GiB", "checkpoint policy (the fastest that fits, else the closest to fitting)");
-    for (const plan_entry& e : plan.entries) {
+    std::printf("\nat S = %s:\n%-11s %4s %4s %6s %8s %8s  %s\n", tokens_text(*r.seq_len).c_str(), "strategy", "U", "N",
+                "fits", "GPU GiB", "host GiB", "checkpoint policy (the fastest that fits, else the closest to fitting)");
+    for (const plan_entry* row : table_rows(plan.entries, true)) {
+      const plan_entry& e = *row;
       const plan_point& p = *e.at_request;
-      std::printf("%-11s %4s %6s %8.1f %8.1f  %s\n", strategy_text(e, r.gpus).c_str(), u_text(e).c_str(),
-                  p.fits ? "yes" : "no", gib(p.gpu_bytes), gib(p.host_bytes), p.policy.str().c_str());
+      std::printf("%-11s %4s %4d %6s %8.1f %8.1f  %s\n", strategy_text(e, r.gpus).c_str(), u_text(e).c_str(),
+                  e.seq_chunks, p.fits ? "yes" : "no", gib(p.gpu_bytes), gib(p.host_bytes), p.policy.str().c_str());
     }
   }
   const bool upipe_planned =
       std::find(r.strategies.begin(), r.strategies.end(), strategy_kind::upipe) != r.strategies.end();
   if (upipe_planned && plan.recommended_head_chunk)
-    std::printf("\nrecommended: upipe with U = %d (the largest U that fits S = %s with the margin; a larger U runs "
+    std::printf("\nrecommended: upipe with U = %d%s (the largest U that fits S = %s with the margin; a larger U runs "
                 "fewer, larger stages)\n",
-                *plan.recommended_head_chunk, tokens_text(plan.planned_seq_len).c_str());
+                *plan.recommended_head_chunk,
+                plan.recommended_seq_chunks > 1 ? (" and N = " + std::to_string(plan.recommended_seq_chunks)).c_str() : "",
+                tokens_text(plan.planned_seq_len).c_str());
   else if (upipe_planned)
     std::printf("\nrecommended: none, upipe fits no U at S = %s; shorten --seq-len or add GPUs\n",
                 tokens_text(plan.planned_seq_len).c_str());
@@ -180,6 +216,7 @@ int run(const plan_flags& f) {
     for (const plan_entry& e : plan.entries) {
       nlohmann::json j = {{"strategy", std::string(strategy_name(e.strategy))},
                           {"ring", e.ring},
+                          {"seq_chunks", e.seq_chunks},
                           {"offload_optimizer", e.offload_optimizer},
                           {"head_chunk", e.strategy == strategy_kind::ring ? nlohmann::json(nullptr)
                                                                            : nlohmann::json(e.head_chunk)},
@@ -211,6 +248,7 @@ int run(const plan_flags& f) {
         {"planned_seq_len", plan.planned_seq_len},
         {"recommended_head_chunk",
          plan.recommended_head_chunk ? nlohmann::json(*plan.recommended_head_chunk) : nlohmann::json(nullptr)},
+        {"recommended_seq_chunks", plan.recommended_seq_chunks},
         {"entries", entries}};
     json_out << doc.dump(1) << "\n";
     if (!json_out) throw io_error("writing --json " + f.json_path + " failed");
@@ -232,7 +270,11 @@ command_runner add_plan(CLI::App& app) {
                  "host memory of the node (default 1.9TiB, the paper's machine)");
   app.add_option("--seq-len", f->seq_len, "also plan this length (K and M suffixes)");
   app.add_option("--attention", f->attention,
-                 "strategies to plan (default ulysses, upipe, ring, and hybrid on several nodes)")
+                 "strategies to plan (default ulysses, upipe, ring, fpdt, and hybrid on several nodes)")
+      ->delimiter(',');
+  app.add_option("--seq-chunks", f->seq_chunks,
+                 "sequence chunks N to try for upipe and fpdt, ascending until one reaches no further "
+                 "(comma list; default 1,4,16,64)")
       ->delimiter(',');
   app.add_option("--zero", f->zero, "2: shard optimizer state and gradients; 3: weights too")->capture_default_str();
   app.add_option("--optimizer", f->optimizer, "adamw (a training step) or none (forward and backward only)")

@@ -63,12 +63,15 @@ void check_layout(const char* op, const char* name, const head_view& v) {
   UPIPE_CHECK(v.tokens >= 0 && v.heads >= 0 && v.dim >= 0, fail(op, name, v, "sizes must be non-negative"));
   UPIPE_CHECK(v.token_stride >= 0 && v.head_stride >= 0, fail(op, name, v, "strides must be non-negative"));
   if (v.tokens == 0 || v.heads == 0 || v.dim == 0) return;
-  std::vector<std::pair<std::int64_t, std::int64_t>> outer;  // (stride, extent) of extents > 1
-  if (v.tokens > 1) outer.emplace_back(v.token_stride, v.tokens);
-  if (v.heads > 1) outer.emplace_back(v.head_stride, v.heads);
-  std::sort(outer.begin(), outer.end());
+  // (stride, extent) of the extents > 1, by stride; on the stack: every op call checks this.
+  std::pair<std::int64_t, std::int64_t> outer[2];
+  std::size_t n = 0;
+  if (v.tokens > 1) outer[n++] = {v.token_stride, v.tokens};
+  if (v.heads > 1) outer[n++] = {v.head_stride, v.heads};
+  if (n == 2 && outer[1] < outer[0]) std::swap(outer[0], outer[1]);
   std::int64_t span = v.dim;
-  for (const auto& [stride, extent] : outer) {
+  for (std::size_t i = 0; i < n; ++i) {
+    const auto [stride, extent] = outer[i];
     UPIPE_CHECK(stride >= span, fail(op, name, v, "strides overlap: each stride must clear the block inside it"));
     span = stride * (extent - 1) + span;
   }

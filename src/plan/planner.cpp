@@ -43,20 +43,27 @@ train_options probe_options(const plan_request& r, const cp_settings& cp, std::i
 // The lengths searched: multiples of the layout's unit times 1024.
 std::int64_t granule(const cp_settings& cp) { return layout_unit(cp) * 1024; }
 
-// The longest multiple of the granule at which `fits` holds (0: not even one granule),
-// searched from `known` (a length known to fit, or 0) by doubling, then bisection.
+// The longest multiple of the granule at which `fits` holds (0: not even one granule).
+// From nothing: doubling from one granule, then bisection. From `known` (a length known to
+// fit, usually close to the answer): steps of 1, 2, 4, ... granules above it, then
+// bisection, so a nearby answer costs few probes.
 std::int64_t longest_fit(const cp_settings& cp, const std::function<bool(std::int64_t seq_len)>& fits_at,
                          std::int64_t known = 0) {
-  const std::int64_t g = granule(cp);
+  const std::int64_t g = granule(cp), top = longest_searched / g;
   auto fits = [&](std::int64_t k) { return fits_at(k * g); };
   std::int64_t good = std::max<std::int64_t>(known / g, 1);
   if (known == 0 && !fits(1)) return 0;
-  std::int64_t bad = 2 * good;
-  while (bad * g <= longest_searched && fits(bad)) {
-    good = bad;
-    bad *= 2;
+  std::int64_t bad = 0;
+  for (std::int64_t step = known == 0 ? good : 1; bad == 0; step *= 2) {
+    if (good + step > top) {
+      if (good == top || !fits(top)) bad = top;
+      else return top * g;
+    } else if (fits(good + step)) {
+      good += step;
+    } else {
+      bad = good + step;
+    }
   }
-  if (bad * g > longest_searched) return good * g;
   while (bad - good > 1) {
     const std::int64_t mid = good + (bad - good) / 2;
     (fits(mid) ? good : bad) = mid;
@@ -64,27 +71,44 @@ std::int64_t longest_fit(const cp_settings& cp, const std::function<bool(std::in
   return good * g;
 }
 
-// The configurations: ulysses (U = H), upipe at every valid U, ring, and hybrid (one
-// all-to-all group per node, a ring over the nodes) with Ulysses and every UPipe U inside.
+// longest_fit from a length that may fit (a neighbouring configuration's answer): from it
+// when it fits, else from nothing.
+std::int64_t longest_fit_near(const cp_settings& cp, const std::function<bool(std::int64_t seq_len)>& fits_at,
+                              std::int64_t hint) {
+  const std::int64_t g = granule(cp);
+  hint = hint / g * g;
+  return hint >= g && fits_at(hint) ? longest_fit(cp, fits_at, hint) : longest_fit(cp, fits_at);
+}
+
+// The configurations: ulysses (U = H), upipe at every valid U and N, fpdt at every N, ring,
+// and hybrid (one all-to-all group per node, a ring over the nodes) with Ulysses and every
+// UPipe U inside.
 std::vector<cp_settings> configurations(const plan_request& r) {
   std::vector<cp_settings> out;
   for (strategy_kind kind : r.strategies) {
     if (kind == strategy_kind::upipe) {
-      for (int u : valid_head_chunks(r.model.num_heads, r.gpus)) out.push_back({kind, r.gpus, u});
+      for (int u : valid_head_chunks(r.model.num_heads, r.gpus))
+        for (int n : r.seq_chunks) out.push_back({kind, r.gpus, u, 1, n});
+    } else if (kind == strategy_kind::fpdt) {
+      for (int n : r.seq_chunks)
+        if (n >= 2) out.push_back({kind, r.gpus, r.model.num_heads, 1, n});
     } else if (kind == strategy_kind::hybrid) {
       for (int u : valid_head_chunks(r.model.num_heads, r.gpus / r.nodes)) out.push_back({kind, r.gpus, u, r.nodes});
     } else {
-      out.push_back({kind, r.gpus, kind == strategy_kind::ulysses ? r.model.num_heads : 0});
+      out.push_back({kind, r.gpus, kind == strategy_kind::ulysses ? r.model.num_heads : 0, 1, 1});
     }
   }
   return out;
 }
 
-plan_entry plan_configuration(const plan_request& r, const cp_settings& cp) {
+// One configuration; `hint` is a neighbour's plan (the same strategy and U with fewer
+// chunks), whose lengths start the searches.
+plan_entry plan_configuration(const plan_request& r, const cp_settings& cp, const plan_entry* hint = nullptr) {
   plan_entry e;
   e.strategy = cp.strategy;
   e.head_chunk = cp.head_chunk;
   e.ring = cp.ring;
+  e.seq_chunks = cp.seq_chunks;
   e.offload_optimizer = r.offload_optimizer;
   const std::vector<checkpoint_policy> policies =
       r.policy ? std::vector<checkpoint_policy>{*r.policy} : candidate_policies();
@@ -94,12 +118,16 @@ plan_entry plan_configuration(const plan_request& r, const cp_settings& cp) {
     const auto fits = [&](std::int64_t seq_len) { return evaluate(r, cp, seq_len, policies[i]).fits; };
     // A later policy is searched only if it beats the best so far by a granule, from there.
     if (best > 0 && (best + granule(cp) > longest_searched || !fits(best + granule(cp)))) continue;
-    const std::int64_t s = longest_fit(cp, fits, best > 0 ? best + granule(cp) : 0);
+    const std::int64_t s = best > 0 ? longest_fit(cp, fits, best + granule(cp))
+                           : hint != nullptr && hint->longest ? longest_fit_near(cp, fits, hint->longest->seq_len)
+                                                              : longest_fit(cp, fits);
     if (s > best) best = s, chosen = i;  // ties keep the earlier (faster) policy
   }
   if (best > 0) e.longest = evaluate(r, cp, best, policies[chosen]);
   if (r.eval) {
-    const std::int64_t s = longest_fit(cp, [&](std::int64_t seq_len) { return evaluate_forward(r, cp, seq_len).fits; });
+    const auto fits = [&](std::int64_t seq_len) { return evaluate_forward(r, cp, seq_len).fits; };
+    const std::int64_t s = hint != nullptr && hint->longest_eval ? longest_fit_near(cp, fits, hint->longest_eval->seq_len)
+                                                                : longest_fit(cp, fits);
     if (s > 0) e.longest_eval = evaluate_forward(r, cp, s);
   }
   if (r.seq_len) e.at_request = fastest_fit(r, cp, *r.seq_len);
@@ -173,17 +201,23 @@ void validate(const plan_request& r) {
   if (r.host_memory == 0) throw config_error("--host-memory must be positive (for example --host-memory 1.9TiB)");
   if (!(r.margin >= 0 && r.margin < 1))
     throw config_error("--margin " + std::to_string(r.margin) + " must lie in [0, 1) (for example 0.05)");
-  if (r.strategies.empty()) throw config_error("--attention needs at least one of ulysses, upipe, ring, hybrid");
+  if (r.strategies.empty()) throw config_error("--attention needs at least one of ulysses, upipe, ring, hybrid, fpdt");
+  if (r.seq_chunks.empty()) throw config_error("--seq-chunks needs at least one N (for example --seq-chunks 1,4,16)");
+  for (const int n : r.seq_chunks)
+    if (n < 1 || n > 4096)
+      throw config_error("--seq-chunks " + std::to_string(n) + " must lie in [1, 4096] (for example --seq-chunks 1,4,16)");
   for (strategy_kind kind : r.strategies) {
+    if (kind == strategy_kind::fpdt && std::none_of(r.seq_chunks.begin(), r.seq_chunks.end(), [](int n) { return n >= 2; }))
+      throw config_error("fpdt needs N >= 2 sequence chunks among --seq-chunks (for example --seq-chunks 4,16)");
     if (kind == strategy_kind::hybrid && r.nodes == 1)
       throw config_error("hybrid needs more than one node (its ring runs across the nodes): give --gpus-per-node G "
                          "--nodes M with M >= 2, or plan ulysses, upipe and ring on one node");
-    const cp_settings cp{kind, r.gpus, kind == strategy_kind::ulysses ? r.model.num_heads : 0,
-                         kind == strategy_kind::hybrid ? r.nodes : 1};
+    const cp_settings cp{kind, r.gpus, kind == strategy_kind::ulysses || kind == strategy_kind::fpdt ? r.model.num_heads : 0,
+                         kind == strategy_kind::hybrid ? r.nodes : 1, kind == strategy_kind::fpdt ? 2 : 1};
     if (kind == strategy_kind::upipe && valid_head_chunks(r.model.num_heads, r.gpus).empty())
       throw config_error("upipe has no valid head chunk for " + std::to_string(r.model.num_heads) + " heads on " +
                          std::to_string(r.gpus) + " GPUs; use --gpus dividing the heads");
-    attention_config_for(r.model, cp, layout_unit(cp));  // throws for a group size the model cannot use
+    attention_config_for(r.model, cp, granule(cp));  // throws for a group size the model cannot use
     if (r.seq_len && *r.seq_len < layout_unit(cp))
       throw config_error("--seq-len " + std::to_string(*r.seq_len) + " must be at least " +
                          std::to_string(layout_unit(cp)) + " for " + std::string(strategy_name(kind)) + " on " +
@@ -200,24 +234,54 @@ void validate(const plan_request& r) {
 plan_result make_plan(const plan_request& r) {
   validate(r);
   plan_result out;
-  // Configurations are independent meta runs: one thread each.
-  std::vector<std::future<plan_entry>> work;
+  // Configurations are independent meta runs: a thread for each strategy, U and mesh, which
+  // tries its sequence chunks N in ascending order and stops at the first N that reaches no
+  // further than the one before (more chunks only cost host traffic from there on: the
+  // attention no longer bounds the length).
+  std::vector<std::vector<cp_settings>> groups;
+  for (const cp_settings& cp : configurations(r)) {
+    const auto same = [&](const std::vector<cp_settings>& g) {
+      return g.front().strategy == cp.strategy && g.front().head_chunk == cp.head_chunk && g.front().ring == cp.ring;
+    };
+    auto it = std::find_if(groups.begin(), groups.end(), same);
+    if (it == groups.end()) groups.push_back({cp});
+    else it->push_back(cp);
+  }
+  std::vector<std::future<std::vector<plan_entry>>> work;
   std::vector<bool> offloads = {r.offload_optimizer};
   if (r.try_offload && r.zero != zero_stage::replicated) offloads = {false, true};
-  for (const cp_settings& cp : configurations(r))
+  for (std::vector<cp_settings>& group : groups) {
+    std::sort(group.begin(), group.end(), [](const cp_settings& a, const cp_settings& b) { return a.seq_chunks < b.seq_chunks; });
     for (const bool offload : offloads) {
       plan_request with = r;
       with.offload_optimizer = offload;
-      work.push_back(std::async(std::launch::async, [with, cp] { return plan_configuration(with, cp); }));
+      work.push_back(std::async(std::launch::async, [with, group] {
+        std::vector<plan_entry> entries;
+        for (const cp_settings& cp : group) {
+          entries.push_back(plan_configuration(with, cp, entries.empty() ? nullptr : &entries.back()));
+          const auto longest = [](const plan_entry& e) { return e.longest ? e.longest->seq_len : 0; };
+          std::int64_t best = 0;
+          for (std::size_t i = 0; i + 1 < entries.size(); ++i) best = std::max(best, longest(entries[i]));
+          if (entries.size() > 1 && longest(entries.back()) <= best) break;
+        }
+        return entries;
+      }));
     }
-  for (auto& w : work) out.entries.push_back(w.get());
+  }
+  for (auto& w : work)
+    for (plan_entry& e : w.get()) out.entries.push_back(std::move(e));
   std::int64_t upipe_longest = 0;
   for (const plan_entry& e : out.entries)
     if (e.strategy == strategy_kind::upipe && e.longest) upipe_longest = std::max(upipe_longest, e.longest->seq_len);
   out.planned_seq_len = r.seq_len ? *r.seq_len : upipe_longest;
+  // The largest U that reaches the planned length, with the fewest chunks it needs there.
   for (const plan_entry& e : out.entries) {
     if (e.strategy != strategy_kind::upipe || !e.longest || e.longest->seq_len < out.planned_seq_len) continue;
-    if (!out.recommended_head_chunk || e.head_chunk > *out.recommended_head_chunk) out.recommended_head_chunk = e.head_chunk;
+    if (!out.recommended_head_chunk || e.head_chunk > *out.recommended_head_chunk ||
+        (e.head_chunk == *out.recommended_head_chunk && e.seq_chunks < out.recommended_seq_chunks)) {
+      out.recommended_head_chunk = e.head_chunk;
+      out.recommended_seq_chunks = e.seq_chunks;
+    }
   }
   return out;
 }

@@ -28,6 +28,11 @@ struct plan_request {
   double margin = 0.05;                // fraction of gpu_memory kept free
   std::optional<std::int64_t> seq_len;  // also report every configuration at this length
   std::vector<strategy_kind> strategies{strategy_kind::ulysses, strategy_kind::upipe, strategy_kind::ring};
+  // The sequence chunks N tried, ascending, until one reaches no further than the best
+  // before it: upipe with each, fpdt with each of at least 2; the other strategies run
+  // unchunked. Two chunks hold about what one does (the merge's f32 accumulator and the
+  // prefetched part); from four on the attention's working set falls as 1/N.
+  std::vector<int> seq_chunks{1, 4, 16, 64};
   zero_stage zero = zero_stage::three;
   bool offload_optimizer = false;      // --offload optimizer: its state in the node's host memory
   bool try_offload = false;            // --offload auto: every configuration with the optimizer on both sides
@@ -70,6 +75,7 @@ struct plan_entry {
   strategy_kind strategy = strategy_kind::upipe;
   int head_chunk = 0;                 // U (upipe, hybrid), H (ulysses), 0 (ring)
   int ring = 1;                       // hybrid's R (the nodes)
+  int seq_chunks = 1;                 // N
   bool offload_optimizer = false;     // AdamW's state in host memory
   std::optional<plan_point> longest;  // at the longest length that fits (none: nothing fits)
   std::optional<eval_point> longest_eval;  // the longest evaluable length (with plan_request::eval)
@@ -80,6 +86,7 @@ struct plan_entry {
 struct plan_result {
   std::vector<plan_entry> entries;
   std::optional<int> recommended_head_chunk;  // the largest U that fits at the planned length
+  int recommended_seq_chunks = 1;             // and the fewest sequence chunks it needs there
   std::int64_t planned_seq_len = 0;           // the requested length, or UPipe's longest
 };
 

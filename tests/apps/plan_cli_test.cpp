@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <set>
 #include <fstream>
 
 #include <nlohmann/json.hpp>
@@ -20,22 +21,32 @@ const std::string small = "plan --model llama3.2-1b --layers 2 --gpus 4 --gpu-me
 TEST(plan_cli, json_holds_every_configuration_with_its_policy_and_peaks) {
   const auto dir = temp_dir("plan_cli");
   const auto path = (dir / "plan.json").string();
-  const run_result r = run_upipe(small + "--host-memory 64GiB --seq-len 64K --json " + path);
+  const run_result r = run_upipe(small + "--host-memory 64GiB --seq-len 64K --seq-chunks 1,4 --json " + path);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("recommended: upipe with U = "), std::string::npos) << r.output;
   std::ifstream in(path);
   const nlohmann::json doc = nlohmann::json::parse(in);
   EXPECT_FALSE(doc["host_memory_default"].get<bool>());
   EXPECT_EQ(doc["planned_seq_len"], 65536);
-  ASSERT_EQ(doc["entries"].size(), 2u + 4u);  // ulysses, upipe U = 4, 8, 16, 32, ring
+  // ulysses, upipe U = 4, 8, 16, 32 at N = 1 and 4 (every N is tried until one reaches no
+  // further than the best before it), ring, fpdt (N = 4, its only N of at least 2).
+  std::set<std::string> configurations;
   for (const auto& e : doc["entries"]) {
-    for (const char* key : {"strategy", "head_chunk", "max_seq_len", "peak_bytes", "checkpoint_policy", "gpu_bytes",
-                            "arena_bytes", "host_bytes", "at_seq_len"})
+    const std::string name = e["strategy"].get<std::string>();
+    configurations.insert(name + (e["head_chunk"].is_null() ? "" : " U=" + std::to_string(e["head_chunk"].get<int>())) +
+                          " N=" + std::to_string(e["seq_chunks"].get<int>()));
+    for (const char* key : {"strategy", "head_chunk", "seq_chunks", "max_seq_len", "peak_bytes", "checkpoint_policy",
+                            "gpu_bytes", "arena_bytes", "host_bytes", "at_seq_len"})
       EXPECT_TRUE(e.contains(key)) << key << " in " << e.dump();
     EXPECT_GT(e["max_seq_len"].get<long long>(), 0);
     EXPECT_GT(e["peak_bytes"]["weights"].get<long long>(), 0);
     EXPECT_TRUE(e["checkpoint_policy"].contains("where"));
   }
+  for (const char* name : {"ulysses U=32 N=1", "upipe U=4 N=1", "upipe U=4 N=4", "upipe U=8 N=1", "upipe U=8 N=4",
+                           "upipe U=16 N=1", "upipe U=16 N=4", "upipe U=32 N=1", "upipe U=32 N=4", "ring N=1",
+                           "fpdt U=32 N=4"})
+    EXPECT_EQ(configurations.count(name), 1u) << name;
+  EXPECT_EQ(configurations.size(), doc["entries"].size());
   std::filesystem::remove_all(dir);
 }
 

@@ -3,6 +3,8 @@
 // and bad requests.
 #include <gtest/gtest.h>
 
+#include <map>
+
 #include "backend/backend.hpp"
 #include "core/error.hpp"
 #include "model/model_step.hpp"
@@ -94,6 +96,7 @@ plan_request small_request() {
   r.gpus = 4;
   r.gpu_memory = std::size_t{6} << 30;
   r.host_memory = std::size_t{64} << 30;
+  r.seq_chunks = {1};
   return r;
 }
 
@@ -236,6 +239,43 @@ TEST(planner, two_nodes_add_hybrid_and_count_host_memory_per_node) {
   EXPECT_THROW(validate(r), config_error);  // hybrid's ring needs nodes to run across
   r.nodes = 3;
   EXPECT_THROW(validate(r), config_error);  // 4 GPUs do not split into 3 nodes
+}
+
+// Sequence chunks: upipe tries N = 1, 4, 16, ... and stops at the first N that reaches no
+// further; fpdt starts at its first N of at least 2. Every entry is as tight as the unchunked ones, and where
+// the attention bounds the length, chunks reach further than upipe alone.
+TEST(planner, sequence_chunks_extend_upipe_and_stop_when_they_no_longer_help) {
+  // A slice of llama3-8b on 16 GiB GPUs, where the attention bounds the length.
+  plan_request r;
+  r.model = preset("llama3-8b");
+  r.model.num_layers = 1;
+  r.gpus = 8;
+  r.gpu_memory = std::size_t{16} << 30;
+  r.host_memory = std::size_t{1} << 40;
+  r.strategies = {strategy_kind::upipe, strategy_kind::fpdt};
+  r.seq_chunks = {1, 4, 16, 64};
+  r.eval = false;
+  const plan_result plan = make_plan(r);
+  std::map<std::pair<int, int>, std::vector<const plan_entry*>> groups;  // (strategy, U) -> entries by N
+  for (const plan_entry& e : plan.entries) {
+    ASSERT_TRUE(e.longest.has_value());
+    groups[{static_cast<int>(e.strategy), e.head_chunk}].push_back(&e);
+    const cp_settings cp{e.strategy, r.gpus, e.head_chunk, 1, e.seq_chunks};
+    EXPECT_FALSE(evaluate(r, cp, e.longest->seq_len + layout_unit(cp) * 1024, e.longest->policy).fits)
+        << strategy_name(e.strategy) << " U=" << e.head_chunk << " N=" << e.seq_chunks;
+    if (e.strategy == strategy_kind::fpdt) EXPECT_GE(e.seq_chunks, 2);
+  }
+  EXPECT_EQ(groups.size(), valid_head_chunks(r.model.num_heads, r.gpus).size() + 1);
+  for (const auto& [key, entries] : groups) {
+    EXPECT_EQ(entries.front()->seq_chunks, key.first == static_cast<int>(strategy_kind::fpdt) ? 4 : 1);
+    // Each N but the last reached further than the one before it.
+    for (std::size_t i = 1; i + 1 < entries.size(); ++i)
+      EXPECT_GT(entries[i]->longest->seq_len, entries[i - 1]->longest->seq_len);
+  }
+  const auto& upipe_c = groups.at({static_cast<int>(strategy_kind::upipe), r.gpus});
+  ASSERT_GE(upipe_c.size(), 2u);
+  EXPECT_GT(upipe_c[1]->longest->seq_len, upipe_c[0]->longest->seq_len);  // N = 4 beats N = 1
+  EXPECT_GT(upipe_c[1]->longest->host_bytes, 0u);
 }
 
 TEST(planner, fastest_fit_is_the_first_policy_that_fits_else_the_closest_to_fitting) {
