@@ -44,7 +44,7 @@ class staged_all_to_all final : public attention_strategy {
   head_lists arriving_lists(int stage) const;
   std::vector<sdpa_call> plan_calls(int stage, const std::vector<resident_block>& resident) const;
 
-  tensor project_to_send(const normed_input& x, const mat_view& weight, const head_lists& lists, const char* label);
+  tensor project_to_send(const normed_input& x, const projection& weight, const head_lists& lists, const char* label);
   tensor exchange(tensor& send, const char* label);
   head_view sequence_heads(const tensor& t) const;
   void rope(const head_view& x, rope_direction direction);
@@ -58,8 +58,8 @@ class staged_all_to_all final : public attention_strategy {
                       const mat_view& d_out, const mat_view& d_x, const attention_grads& grads);
   void send_back_kv(resident_block& block, const normed_input& x, const attention_weights& w, const mat_view& d_x,
                     const attention_grads& grads);
-  void accumulate_input_grads(const tensor& recv, const head_lists& lists, const mat_view& weight,
-                              const mat_view& d_weight, const normed_input& x, const mat_view& d_x);
+  void accumulate_input_grads(const tensor& recv, const head_lists& lists, const projection& weight,
+                              const projection_grads& d_weight, const normed_input& x, const mat_view& d_x);
   // Hybrid: a call's kv heads of a resident block as one (2, S / R, n_kv, d) buffer to
   // travel the ring.
   tensor ring_kv(const resident_block& b, const sdpa_call& c);
