@@ -46,6 +46,18 @@ std::vector<std::string> target_names(const nlohmann::json& t, const std::string
 
 }  // namespace
 
+std::string adapter_base_model(const std::string& dir) {
+  const std::string file = (fs::path(dir) / adapter_config_file).string();
+  std::ifstream in(file);
+  try {
+    const auto j = nlohmann::json::parse(in);
+    const auto it = j.find("base_model_name_or_path");
+    return it != j.end() && it->is_string() ? it->get<std::string>() : std::string();
+  } catch (const nlohmann::json::exception& e) {
+    throw io_error("cannot read " + file + ": " + e.what());
+  }
+}
+
 adapter_settings read_adapter_config(const std::string& dir, const model_config& model) {
   const std::string file = (fs::path(dir) / adapter_config_file).string();
   std::ifstream in(file);

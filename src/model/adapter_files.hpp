@@ -28,6 +28,10 @@ struct adapter_settings {
   std::string base_model;  // base_model_name_or_path ("" when absent)
 };
 
+// DIR/adapter_config.json's base_model_name_or_path ("" when absent): the model a
+// command takes when none is named.
+std::string adapter_base_model(const std::string& dir);
+
 // Reads DIR/adapter_config.json for `model`. Throws io_error for a missing or malformed file
 // and config_error for what upipe does not run, naming the field, the rule and a way out.
 adapter_settings read_adapter_config(const std::string& dir, const model_config& model);

@@ -221,6 +221,12 @@ std::int64_t lora_parameter_count(const model_config& model, const lora_config& 
   return n * model.num_layers;
 }
 
+std::size_t lora_offloaded_optimizer_bytes(const model_config& model, const lora_config& lora, int ranks, dtype work) {
+  const std::int64_t per_layer = lora_parameter_count(model, lora) / std::max(model.num_layers, 1);
+  const auto shard = static_cast<std::size_t>((per_layer + ranks - 1) / ranks);
+  return static_cast<std::size_t>(model.num_layers) * shard * (4 * sizeof(float) + dtype_size(work));
+}
+
 double lora_model_flops(const model_config& model, const lora_config& lora, std::int64_t seq_len,
                         std::span<const std::int64_t> documents) {
   const auto S = static_cast<double>(seq_len);

@@ -59,6 +59,11 @@ std::vector<parameter_spec> lora_parameter_specs(const model_config& model, cons
 inline constexpr std::string_view peft_name_prefix = "base_model.model.";
 std::int64_t lora_parameter_count(const model_config& model, const lora_config& lora);
 
+// The host memory one rank's offloaded optimizer holds for the adapters (as
+// offloaded_optimizer_bytes does for a whole model): per layer unit, its shard of the fp32
+// masters, moments and gradients, and of the working weights.
+std::size_t lora_offloaded_optimizer_bytes(const model_config& model, const lora_config& lora, int ranks, dtype work);
+
 // Model FLOPs of one LoRA step over S tokens (docs/design.md section 7, recompute not
 // counted): the base's forward and its input-gradient GEMMs (4 N_matmul S, no weight
 // gradient), the causal attention (6 L H d S^2, or the documents' pairs), and the
