@@ -73,14 +73,23 @@ void linear_forward(backend& be, const mat_view& x, const projection& w, const m
   projection_forward(be, w, x).all(y, beta);
 }
 
+// One block of output columns: dy B needs no f32 sum across blocks, so it is the output of
+// its one GEMM in the working dtype (the same rounding as projection_backward's copy) and
+// the step holds fewer and smaller buffers.
 void linear_backward(backend& be, const mat_view& x, const mat_view& dy, const projection& w,
                      const projection_grads& g, const mat_view& d_x, float beta) {
-  projection_backward pass(be, w, g, x.rows);
-  pass.input_grad(dy, 0, d_x, beta);
-  pass.finish_input_grad(d_x);
-  if (!pass.trains()) return;
-  pass.start_tile(0, x);
-  pass.weight_grad(dy, 0);
+  ops::gemm(be, {dy, transpose::none, w.weight, transpose::none, d_x, 1.0f, beta});
+  if (g.weight.rows > 0) ops::gemm(be, {dy, transpose::yes, x, transpose::none, g.weight, 1.0f, 1.0f});
+  if (!w.adapted()) return;
+  UPIPE_CHECK(g.lora_a.rows == w.lora_a.rows && g.lora_b.rows == w.lora_b.rows,
+              "an adapted projection's backward needs its adapter's gradients");
+  tensor gb = be.allocate(mem_tag::activations, be.work_dtype(), {x.rows, w.lora_a.rows}, "lora_d_middle_work");
+  ops::gemm(be, {dy, transpose::none, w.lora_b, transpose::none, gb.matrix()});
+  ops::gemm(be, {gb.matrix(), transpose::none, w.lora_a, transpose::none, d_x, w.lora_scale, 1.0f});
+  ops::gemm(be, {gb.matrix(), transpose::yes, x, transpose::none, g.lora_a, w.lora_scale, 1.0f});
+  gb.reset();
+  const tensor xa = adapter_input(be, w, x);
+  ops::gemm(be, {dy, transpose::yes, xa.matrix(), transpose::none, g.lora_b, w.lora_scale, 1.0f});
 }
 
 }  // namespace upipe

@@ -3,7 +3,7 @@
 // strategies, the output projection and the MLP run their weight GEMMs through here, so
 // that an adapter follows its weight wherever the weight's rows go (a UPipe stage takes
 // the rows of its heads from W and from B alike) and a frozen weight's gradient GEMM is
-// never run (docs/design.md section 9).
+// never run (docs/design.md section 10).
 #pragma once
 
 #include <cstdint>

@@ -54,6 +54,18 @@ TEST(lora_cli, bad_lora_values_are_refused_before_any_work) {
   fs::remove_all(dir);
 }
 
+// Numbers that break parsers in r and alpha: refused (exit 2) or run, never a crash.
+TEST(lora_cli, bad_numbers_in_r_and_alpha_are_handled) {
+  for (const char* value : {"0", "-1", "2147483648", "1e300", "nan", "inf", "''", "abc", "3.5", "1K",
+                            "99999999999999999999"})
+    for (const std::string lora : {std::string("r=") + value, std::string("r=4,alpha=") + value}) {
+      const std::string args = "train --backend meta --steps 1 --eval-samples 0 --lora " + lora;
+      const run_result r = upipe::testing::run_upipe_env("", args, 60);
+      EXPECT_TRUE(r.exit_code == 0 || r.exit_code == 2) << args << " exited " << r.exit_code << "\n" << r.output;
+      EXPECT_EQ(r.output.find("internal error"), std::string::npos) << args << "\n" << r.output;
+    }
+}
+
 TEST(lora_cli, step_reads_a_peft_adapter_with_peft_loss) {
   const auto dir = upipe::testing::temp_dir("lora_step");
   std::ifstream in(source_path("tests/golden/lora/tiny-llama/golden.json"));
