@@ -98,6 +98,7 @@ TEST(lora_cli, export_keeps_adapters_and_models_apart) {
                      " --merge-adapter " + adapter,
                  "expected");
   EXPECT_FALSE(fs::exists(dir / "out"));
+  expect_refused("eval --model " + adapter + " --seq-len 64", "is a LoRA adapter directory, not a model");
   const run_result merged = run_upipe("export " + source_path("tests/golden/tiny-llama") + " " + (dir / "out").string() +
                                       " --merge-adapter " + adapter);
   ASSERT_EQ(merged.exit_code, 0) << merged.output;
