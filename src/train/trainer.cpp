@@ -76,6 +76,12 @@ class data_source {
 
 bool uses_lora(const train_options& o) { return o.step.lora.enabled(); }
 
+// The base a LoRA run's adapters belong to, as adapter_config.json names it: its directory
+// (absolute), or the preset's name.
+std::string base_model_name(const train_options& o) {
+  return o.model_dir.empty() ? o.model.name : std::filesystem::absolute(o.model_dir).lexically_normal().string();
+}
+
 // LoRA's adapters are a few MiB to a few hundred: their working weights stay whole on every
 // rank (ZeRO-2) whatever --zero says of the base, their fp32 state sharded.
 zero_stage adapter_stage(const train_options& o) {
@@ -195,7 +201,7 @@ void save(rank_context& rc, const std::string& dir, std::int64_t step, std::int6
   r.head_chunk = o.cp.head_chunk;
   r.seq_len = o.seq_len;
   r.lora = o.step.lora;
-  r.base_model = o.model_dir.empty() ? o.model.name : std::filesystem::absolute(o.model_dir).lexically_normal().string();
+  r.base_model = base_model_name(o);
   save_checkpoint(dir, r, rc.trained(), rc.comm);
 }
 
@@ -470,6 +476,11 @@ void check_resumed_adapters(const train_options& o, const saved_state& saved) {
     throw config_error("cannot resume from " + o.resume_dir + ": its adapters are --lora " + lora_text(settings.lora) +
                        ", not " + lora_text(o.step.lora) + "; pass --lora " + lora_text(settings.lora));
   saved.check_units(o.model, o.step.lora);
+  // The base is not in the checkpoint: another one of the same shape is allowed, and said aloud.
+  const std::string base = base_model_name(o);
+  if (!settings.base_model.empty() && settings.base_model != base)
+    std::fprintf(stderr, "upipe: note: the adapters in %s were trained on %s; they continue on %s\n",
+                 o.resume_dir.c_str(), settings.base_model.c_str(), base.c_str());
 }
 
 // A full run resumes a full run of the same model; the RoPE and epsilon it may change on
