@@ -27,7 +27,7 @@ namespace upipe::apps {
 namespace {
 
 struct bench_flags {
-  std::string model = "tiny-llama", config_path, backend = "cpu", optimizer = "adamw", policy, json_path;
+  std::string model = "tiny-llama", config_path, backend = "cpu", optimizer = "adamw", policy, json_path, lora;
   comm_flags comm;
   std::string single_pass_from = "1M", warmup_len;
   std::vector<std::string> attention{"ulysses", "upipe"}, head_chunks, seq_lens{"512"};
@@ -79,6 +79,11 @@ double check_against_cp1(train_options o, std::int64_t check_len) {
   return std::abs(got - want) / std::abs(want);
 }
 
+// Model FLOPs of a step (docs/design.md section 7), a LoRA step's without the base's weight gradients.
+double step_flops(const model_config& m, const lora_config& lora, std::int64_t seq_len) {
+  return lora.enabled() ? lora_model_flops(m, lora, seq_len) : m.model_flops(seq_len);
+}
+
 std::vector<int> chunks_for(const bench_flags& f, const model_config& m, int C) {
   if (f.head_chunks.empty()) return {C};
   if (f.head_chunks.size() == 1 && f.head_chunks[0] == "all") return valid_head_chunks(m.num_heads, C);
@@ -106,6 +111,7 @@ int run(const bench_flags& f) {
   const std::int64_t single_from = parse_count(f.single_pass_from, "--single-pass-from");
   std::vector<std::int64_t> lengths;
   for (const std::string& t : f.seq_lens) lengths.push_back(parse_count(t, "--seq-len"));
+  const lora_config lora = f.lora.empty() ? lora_config{} : parse_lora(f.lora, m);
 
   if (!f.json_path.empty() && !std::ofstream(f.json_path, std::ios::trunc))
     throw io_error("cannot write --json " + f.json_path + ": check the directory");
@@ -130,7 +136,8 @@ int run(const bench_flags& f) {
                      {"layer_ms", timed ? nlohmann::json(r.layer_ms) : nlohmann::json(nullptr)},
                      {"tokens_per_s_per_gpu", timed ? nlohmann::json(r.tokens_per_s_per_gpu) : nlohmann::json(nullptr)},
                      {"model_tflops", timed ? nlohmann::json(r.tflops) : nlohmann::json(nullptr)},
-                     {"model_flops_per_step", m.model_flops(r.seq_len)},
+                     {"model_flops_per_step", step_flops(m, lora, r.seq_len)},
+                     {"lora", lora.enabled() ? nlohmann::json(lora_text(lora)) : nlohmann::json(nullptr)},
                      {"mfu", timed ? nlohmann::json(r.mfu) : nlohmann::json(nullptr)},
                      {"mfu_datasheet", timed ? nlohmann::json(r.mfu_datasheet) : nlohmann::json(nullptr)},
                      {"peak_bytes", r.memory.peak_bytes},
@@ -171,6 +178,7 @@ int run(const bench_flags& f) {
         o.zero = f.optimizer == "none" ? zero_stage::replicated : (f.zero == 3 ? zero_stage::three : zero_stage::two);
         o.step = sized_for_gpu({f.mlp_tile, f.loss_chunk, fixed_policy}, m, f.memory_gib);
         f.comm.apply(o.step);
+        o.step.lora = lora;
         o.optim.total_steps = 1 + f.repeats;
         o.optim.warmup_steps = 0;
         o.seed = f.seed;
@@ -201,7 +209,7 @@ int run(const bench_flags& f) {
         r.step_ms = 1e3 * seconds;
         r.layer_ms = r.step_ms / m.num_layers;
         r.tokens_per_s_per_gpu = static_cast<double>(s) / seconds / C;
-        r.tflops = m.model_flops(s) / seconds / C / 1e12;
+        r.tflops = step_flops(m, lora, s) / seconds / C / 1e12;
         r.mfu = r.tflops / f.peak_tflops;
         r.mfu_datasheet = r.tflops / f.datasheet_tflops;
         r.memory = t.memory;
@@ -273,6 +281,7 @@ command_runner add_bench(CLI::App& app) {
   app.add_option("--host-memory-gib", f->host_memory_gib, host_memory_gib_help);
   app.add_option("--peak-tflops", f->peak_tflops, "the card's measured bf16 GEMM peak, for MFU")->capture_default_str();
   app.add_option("--seed", f->seed, "seed of the weights and tokens")->capture_default_str();
+  app.add_option("--lora", f->lora, "LoRA steps: r=N[,alpha=A][,targets=...] (base frozen; FLOPs counted as such)");
   app.add_option("--json", f->json_path, "write one object per configuration");
   return [f] { return run(*f); };
 }

@@ -48,7 +48,7 @@ int main(int argc, char** argv) {
   auto comm = upipe::apps::add_bench_comm(*app.add_subcommand(
       "bench-comm", "The strategies' collectives at their message sizes: time, algorithm and bus bandwidth"));
   auto export_model = upipe::apps::add_export(*app.add_subcommand(
-      "export", "Write a training checkpoint's weights as a Hugging Face model directory (fp32 or bf16)"));
+      "export", "Write a training checkpoint's weights, or a base with a LoRA adapter merged, as a Hugging Face model directory"));
   auto prepare = upipe::apps::add_prepare_data(*app.add_subcommand(
       "prepare-data", "Tokenize documents (text, JSONL, Parquet) with a model's tokenizer into a corpus for --data"));
   auto eval = upipe::apps::add_eval(*app.add_subcommand(

@@ -11,6 +11,7 @@
 #include <CLI/CLI.hpp>
 
 #include "core/error.hpp"
+#include "model/adapter_files.hpp"
 #include "model/config.hpp"
 
 namespace upipe::apps {
@@ -36,6 +37,10 @@ inline model_config load_model(const std::string& model, const std::string& conf
   if (!config_path.empty()) return slice_layers(read_hf_config(config_path), layers);
   if (looks_like_path(model)) {
     std::error_code ec;
+    if (std::filesystem::is_directory(model, ec) && is_adapter_directory(model))
+      throw config_error("--model " + model + " is a LoRA adapter directory, not a model: pass its base as --model "
+                         "(with --adapter or --init-adapter " + model + " where the command takes one), or merge it "
+                         "first: upipe export BASE OUT --merge-adapter " + model);
     if (std::filesystem::is_directory(model, ec) && !is_model_directory(model))
       throw io_error("--model " + model + " is a directory without a config.json: pass a directory written by "
                      "save_pretrained (or upipe train --save), or a preset (upipe model-config --list)");

@@ -23,7 +23,7 @@ namespace {
 
 struct plan_flags {
   std::string model = "llama3-8b", config_path, gpu_memory = "80GiB", host_memory, seq_len, json_path,
-      optimizer = "adamw", policy, offload = "none";
+      optimizer = "adamw", policy, offload = "none", lora;
   std::vector<std::string> attention;  // default: ulysses, upipe, ring, fpdt (and hybrid on several nodes)
   std::vector<int> seq_chunks;          // default: the planner's
   int gpus = 8, gpus_per_node = 0, nodes = 1, zero = 3, layers = 0;
@@ -143,6 +143,7 @@ int run(const plan_flags& f) {
   r.mlp_tile = f.mlp_tile;
   r.loss_chunk = f.loss_chunk;
   if (!f.seq_chunks.empty()) r.seq_chunks = f.seq_chunks;
+  if (!f.lora.empty()) r.lora = parse_lora(f.lora, r.model);
   validate(r);
   std::ofstream json_out;
   if (!f.json_path.empty()) {
@@ -150,10 +151,13 @@ int run(const plan_flags& f) {
     if (!json_out) throw io_error("cannot write --json " + f.json_path + ": check the directory");
   }
 
-  const std::string step_kind = r.zero == zero_stage::replicated
-                                    ? "forward+backward, no optimizer"
-                                    : "training step, zero=" + std::to_string(f.zero) +
-                                          (r.offload_optimizer ? ", optimizer in host memory" : "");
+  const std::string lora_text_or_none =
+      r.lora.enabled() ? ", LoRA " + lora_text(r.lora) + " (base frozen, adapters trained)" : "";
+  const std::string step_kind = (r.zero == zero_stage::replicated
+                                     ? "forward+backward, no optimizer"
+                                     : "training step, zero=" + std::to_string(f.zero) +
+                                           (r.offload_optimizer ? ", optimizer in host memory" : "")) +
+                                lora_text_or_none;
   std::printf("# upipe plan  model=%s (%d layers)  gpus=%d (%d node%s of %d)  %s  gpu-memory=%.1f GiB (margin %.0f%%: "
               "%.1f GiB usable)\n",
               r.model.name.c_str(), r.model.num_layers, r.gpus, r.nodes, r.nodes == 1 ? "" : "s", r.gpus / r.nodes,
@@ -241,6 +245,7 @@ int run(const plan_flags& f) {
         {"nodes", r.nodes},
         {"zero", r.zero == zero_stage::replicated ? nlohmann::json(nullptr) : nlohmann::json(f.zero)},
         {"optimizer", f.optimizer},
+        {"lora", r.lora.enabled() ? nlohmann::json(lora_text(r.lora)) : nlohmann::json(nullptr)},
         {"gpu_memory_bytes", r.gpu_memory},
         {"host_memory_bytes", r.host_memory},
         {"host_memory_default", host_default},
@@ -287,6 +292,9 @@ command_runner add_plan(CLI::App& app) {
                  "plan only this policy (what=input|input+attention,every=K,where=device|host-pinned|host-pageable)");
   app.add_option("--mlp-tile", f->mlp_tile, mlp_tile_help);
   app.add_option("--loss-chunk", f->loss_chunk, loss_chunk_help);
+  app.add_option("--lora", f->lora,
+                 "plan LoRA: r=N[,alpha=A][,targets=...] (the base frozen: no gradients, masters or moments; "
+                 "the adapters trained)");
   app.add_option("--json", f->json_path, "write the plan as JSON");
   return [f] { return run(*f); };
 }

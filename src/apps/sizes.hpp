@@ -113,9 +113,12 @@ inline bool parse_offload(const std::string& text) {
 // --offload optimizer: the host pool grows by the optimizer state one rank holds there (and
 // a margin for the arena's alignment), whatever the rest of the pool is for.
 inline memory_limits with_offloaded_optimizer(memory_limits limits, const model_config& model, int ranks,
-                                              backend_kind kind) {
+                                              backend_kind kind, const lora_config& lora = {}) {
   const dtype work = kind == backend_kind::cpu ? dtype::f32 : dtype::bf16;
-  limits.host_bytes += offloaded_optimizer_bytes(model, ranks, work) + (std::size_t{64} << 20);
+  // Under LoRA the optimizer is the adapters'.
+  limits.host_bytes += (lora.enabled() ? lora_offloaded_optimizer_bytes(model, lora, ranks, work)
+                                       : offloaded_optimizer_bytes(model, ranks, work)) +
+                       (std::size_t{64} << 20);
   return limits;
 }
 

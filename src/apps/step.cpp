@@ -13,6 +13,7 @@
 #include "apps/model_flags.hpp"
 #include "apps/sizes.hpp"
 #include "core/error.hpp"
+#include "model/adapter_files.hpp"
 #include "model/model_step.hpp"
 #include "train/data.hpp"
 #include "train/safetensors.hpp"
@@ -23,7 +24,7 @@ namespace {
 
 struct step_flags {
   std::string model = "tiny-llama", config_path, weights_path, tokens_path, json_path, grads_path;
-  std::string backend = "cpu", policy, seq_len = "256";
+  std::string backend = "cpu", policy, seq_len = "256", lora, adapter;
   cp_flags mesh{"upipe", 4};
   std::int64_t mlp_tile = 0, loss_chunk = 0;
   unsigned long long seed = 1;
@@ -39,10 +40,33 @@ std::vector<std::int32_t> random_tokens(std::int64_t count, std::int64_t vocab, 
   return tokens;
 }
 
-void write_grads(const step_flags& f, const model_config& c, const model_step_result& r) {
+// The weights' gradients under Hugging Face names, or with LoRA the adapters' under PEFT's.
+void write_grads(const step_flags& f, const model_config& c, const lora_config& lora, const model_step_result& r) {
   std::vector<safetensors_tensor> tensors;
-  for (const parameter_spec& p : parameter_specs(c)) tensors.push_back({p.name, p.shape, r.grads.at(p.name), dtype::f32});
+  if (lora.enabled()) {
+    for (const parameter_spec& p : lora_parameter_specs(c, lora))
+      tensors.push_back({std::string(peft_name_prefix) + p.name, p.shape, r.grads.at(p.name), dtype::f32});
+  } else {
+    for (const parameter_spec& p : parameter_specs(c)) tensors.push_back({p.name, p.shape, r.grads.at(p.name), dtype::f32});
+  }
   write_safetensors(f.grads_path, tensors);
+}
+
+// LoRA: an adapter directory's settings and weights (--adapter), or fresh adapters (--lora,
+// PEFT's initialization from --seed); none without either.
+lora_config choose_adapters(const step_flags& f, const model_config& model, bool data, host_weights& adapters) {
+  if (f.adapter.empty()) {
+    if (f.lora.empty()) return {};
+    const lora_config lora = parse_lora(f.lora, model);
+    if (data) adapters = initial_adapters(model, lora, f.seed);
+    return lora;
+  }
+  const lora_config lora = read_adapter_config(f.adapter, model).lora;
+  if (!f.lora.empty() && !(parse_lora(f.lora, model) == lora))
+    throw config_error("--lora " + f.lora + " differs from the adapters in " + f.adapter + " (" + lora_text(lora) +
+                       "); drop --lora");
+  if (data) adapters = read_adapter_weights(f.adapter, model, lora);
+  return lora;
 }
 
 int run(const step_flags& f) {
@@ -62,7 +86,9 @@ int run(const step_flags& f) {
                                                       : read_weights(req.model, weights_path);
   const std::vector<std::int32_t> tokens = f.tokens_path.empty() ? random_tokens(S, req.model.vocab_size, f.seed + 1)
                                                                  : token_file(f.tokens_path, S, req.model.vocab_size).sequence(0);
-  const model_step_result r = run_model_step(req, weights, tokens);
+  host_weights adapters;
+  req.options.lora = choose_adapters(f, req.model, data, adapters);
+  const model_step_result r = run_model_step(req, weights, tokens, adapters);
   std::printf("# upipe step  model=%s  backend=%s  attention=%s  cp=%d  S=%lld (padded %lld)  policy=%s\n",
               req.model.name.c_str(), f.backend.c_str(), f.mesh.attention.c_str(), f.mesh.cp, static_cast<long long>(S),
               static_cast<long long>(r.seq_len), req.options.policy.str().c_str());
@@ -78,7 +104,7 @@ int run(const step_flags& f) {
     j["loss"] = data ? nlohmann::json(r.loss) : nlohmann::json(nullptr);
     write_json_file(f.json_path, j);
   }
-  if (!f.grads_path.empty() && data) write_grads(f, req.model, r);
+  if (!f.grads_path.empty() && data) write_grads(f, req.model, req.options.lora, r);
   return 0;
 }
 
@@ -99,8 +125,12 @@ command_runner add_step(CLI::App& app) {
   app.add_option("--seed", f->seed, "seed of random weights and tokens")->capture_default_str();
   app.add_option("--memory-gib", f->memory_gib, "arena per rank (cpu or GPU memory), GiB")->capture_default_str();
   app.add_option("--host-memory-gib", f->host_memory_gib, host_memory_gib_help);
+  app.add_option("--lora", f->lora, "a LoRA step with fresh adapters: r=N[,alpha=A][,targets=...] (base frozen)");
+  app.add_option("--adapter", f->adapter,
+                 "a LoRA step with this adapter directory's adapters (upipe's or PEFT's) on the base");
   app.add_option("--json", f->json_path, "write the result as JSON");
-  app.add_option("--save-grads", f->grads_path, "write the weight gradients as safetensors");
+  app.add_option("--save-grads", f->grads_path,
+                 "write the weight gradients as safetensors (with LoRA the adapters', under PEFT's names)");
   return [f] { return run(*f); };
 }
 

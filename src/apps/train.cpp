@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <optional>
 #include <sstream>
 #include <string>
 
@@ -18,6 +19,7 @@
 #include "apps/policy_flags.hpp"
 #include "apps/sizes.hpp"
 #include "core/error.hpp"
+#include "model/adapter_files.hpp"
 #include "plan/planner.hpp"
 #include "train/data.hpp"
 #include "train/trainer.hpp"
@@ -29,6 +31,7 @@ namespace {
 struct train_flags {
   std::string model, config_path, init_path, data_path, save_dir, resume_dir, metrics_path;
   std::string save_dtype = "bf16", max_shard_size = "5GB", packing = "auto";
+  std::string lora, init_adapter;
   std::int64_t min_doc_tokens = 0, eval_every = 0;
   std::string eval_data;
   int eval_sequences = 4;
@@ -43,12 +46,24 @@ struct train_flags {
 };
 
 
-// The model: --model or --config as given; with neither, the model a --resume or --init
-// directory holds, else tiny-llama. Returns the directory it came from.
+// The LoRA adapter directory a run continues (--init-adapter, or a LoRA run's --resume), or "".
+std::string continued_adapter(const train_flags& f) {
+  if (!f.init_adapter.empty()) return f.init_adapter;
+  return !f.resume_dir.empty() && is_adapter_directory(f.resume_dir) ? f.resume_dir : std::string();
+}
+
+// The model: --model or --config as given; with neither, the base a continued adapter
+// names, the model a --resume or --init directory holds, else tiny-llama. Returns the
+// directory it came from.
 std::string choose_model(const train_flags& f, model_config& model) {
   std::string from = f.model;
   if (from.empty() && f.config_path.empty()) {
-    if (!f.resume_dir.empty() && is_model_directory(f.resume_dir))
+    if (const std::string adapter = continued_adapter(f); !adapter.empty()) {
+      from = adapter_base_model(adapter);
+      if (from.empty())
+        throw config_error(adapter + "/" + adapter_config_file + " names no base model (base_model_name_or_path): pass "
+                           "the base it was trained on as --model");
+    } else if (!f.resume_dir.empty() && is_model_directory(f.resume_dir))
       from = f.resume_dir;
     else if (!f.init_path.empty() && is_model_directory(f.init_path))
       from = f.init_path;
@@ -57,6 +72,27 @@ std::string choose_model(const train_flags& f, model_config& model) {
   }
   model = load_model(from, f.config_path, f.layers);
   return model_directory(from, f.config_path);
+}
+
+// LoRA's settings: --lora, or those of the adapter directory the run continues, which a
+// --lora given beside it must repeat.
+lora_config choose_lora(const train_flags& f, const model_config& model) {
+  std::optional<lora_config> flag;
+  if (!f.lora.empty()) flag = parse_lora(f.lora, model);
+  const std::string adapter = continued_adapter(f);
+  if (adapter.empty()) return flag.value_or(lora_config{});
+  const adapter_settings saved = read_adapter_config(adapter, model);
+  if (flag && !(*flag == saved.lora))
+    throw config_error("--lora " + lora_text(*flag) + " differs from the adapters in " + adapter + " (" +
+                       lora_text(saved.lora) + "); drop --lora to continue them as they are, or start new adapters "
+                       "without --init-adapter");
+  if (!flag && saved.dropout != 0) {
+    std::ostringstream p;
+    p << saved.dropout;
+    throw config_error(adapter + " was trained with lora_dropout " + p.str() + " and upipe trains without dropout: to "
+                       "continue without it, say so with --lora " + lora_text(saved.lora) + ",dropout=0");
+  }
+  return saved.lora;
 }
 
 train_options to_options(const train_flags& f) {
@@ -78,7 +114,10 @@ train_options to_options(const train_flags& f) {
     throw config_error("--lr " + num(f.lr) + " must be a positive number at most 1 (for example 3e-4)");
   o.model_dir = choose_model(f, o.model);
   f.rope.apply(o.model);
-  if (!f.resume_dir.empty()) o.model_dir = f.resume_dir;  // its config.json and tokenizer carry on
+  const lora_config lora = choose_lora(f, o.model);
+  // A full run's checkpoint carries its config.json and tokenizer on; a LoRA run's base stays the base.
+  if (!f.resume_dir.empty() && !lora.enabled()) o.model_dir = f.resume_dir;
+  o.init_adapter = f.init_adapter;
   if (f.save_dtype != "bf16" && f.save_dtype != "fp32")
     throw config_error("--save-dtype " + f.save_dtype + " is not supported: use bf16 (the default, as released "
                        "models are stored) or fp32");
@@ -112,6 +151,7 @@ train_options to_options(const train_flags& f) {
       {f.mlp_tile, f.loss_chunk, is_auto_policy(f.policy) ? checkpoint_policy{} : parse_checkpoint_policy(f.policy)},
       o.model, f.memory_gib);
   f.comm.apply(o.step);
+  o.step.lora = lora;
   o.optim.lr = f.lr;
   o.optim.weight_decay = f.weight_decay;
   o.optim.max_grad_norm = f.max_grad_norm;
@@ -126,7 +166,7 @@ train_options to_options(const train_flags& f) {
   o.comm = f.comm.options();
   o.offload_optimizer = parse_offload(f.offload);
   o.limits = run_limits(o.backend, f.memory_gib, o.step.policy.where, f.host_memory_gib);
-  if (o.offload_optimizer) o.limits = with_offloaded_optimizer(o.limits, o.model, o.cp.cp, o.backend);
+  if (o.offload_optimizer) o.limits = with_offloaded_optimizer(o.limits, o.model, o.cp.cp, o.backend, lora);
   o.limits = with_chunked_attention(o.limits, o.model, o.cp, o.seq_len, o.backend);
   o.eval_samples = f.eval_samples;
   o.eval_every = f.eval_every;
@@ -236,6 +276,9 @@ int run(const train_flags& f) {
               o.data_path.empty() ? "passkey task" : o.data_path.c_str(), static_cast<long long>(o.seq_len),
               static_cast<long long>(o.batch), o.cp.cp, f.mesh.describe().c_str(), f.zero,
               static_cast<long long>(o.optim.total_steps), o.optim.lr, f.backend.c_str());
+  if (o.step.lora.enabled())
+    std::printf("# LoRA %s: %lld adapter parameters trained, the base frozen (no gradients, masters or moments)\n",
+                lora_text(o.step.lora).c_str(), static_cast<long long>(lora_parameter_count(o.model, o.step.lora)));
   if (o.seq_warmup > 0)
     std::printf("# steps 1-%lld on sequences of %lld tokens, then %lld (--seq-warmup, --seq-warmup-start)\n",
                 static_cast<long long>(o.seq_warmup), static_cast<long long>(step_seq_len(o, 1)),
@@ -273,6 +316,12 @@ command_runner add_train(CLI::App& app) {
   app.add_option("--init", f->init_path,
                  "weights to start from: a model directory (one file or shards) or a .safetensors file (default: the "
                  "--model directory's weights, else random)")->check(non_empty);
+  app.add_option("--lora", f->lora,
+                 "train LoRA adapters on a frozen base: r=N[,alpha=A][,targets=q,k,v,o,gate,up,down][,dropout=0] "
+                 "(alpha defaults to r, targets to all seven projections); saves a PEFT adapter directory");
+  app.add_option("--init-adapter", f->init_adapter,
+                 "LoRA: continue from this adapter directory (upipe's --save or PEFT's save_pretrained); its "
+                 "adapter_config.json gives --lora")->check(non_empty);
   app.add_option("--data", f->data_path,
                  "a corpus PREFIX from upipe prepare-data (PREFIX.tokens, .index, .json), or a flat little-endian "
                  "uint32 token file (default: the synthetic passkey task)")->check(non_empty);

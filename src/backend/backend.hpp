@@ -109,6 +109,18 @@ class backend {
   }
   std::map<std::string, double> take_phase_ms();
 
+  // The GEMM FLOPs issued so far (2 m n k each, on every backend, meta included), and those
+  // of the GEMMs whose left operand is transposed: dY^T X, the form of every weight
+  // gradient here. ops::gemm counts; tests and benchmarks read.
+  struct gemm_flops {
+    double all = 0, left_transposed = 0;
+  };
+  const gemm_flops& gemm_count() const { return gemm_count_; }
+  void count_gemm(double flops, bool left_transposed) {
+    gemm_count_.all += flops;
+    if (left_transposed) gemm_count_.left_transposed += flops;
+  }
+
   // Op implementations; call them through the checked entries in ops/ops.hpp.
   virtual void gemm(const gemm_args& args) = 0;
   virtual void sdpa_forward(const sdpa_forward_args& args) = 0;
@@ -156,6 +168,7 @@ class backend {
   std::byte* host_base_ = nullptr;
   memory_ledger ledger_;
   bool phase_timing_ = false;
+  gemm_flops gemm_count_;
   std::vector<const char*> phase_stack_;
   std::vector<std::string> phase_of_mark_;  // the phase that starts at mark i
   std::vector<std::chrono::steady_clock::time_point> host_marks_;

@@ -42,4 +42,12 @@ void fill_normal(std::span<float> out, std::uint64_t seed, std::uint64_t stream,
   });
 }
 
+void fill_uniform(std::span<float> out, std::uint64_t seed, std::uint64_t stream, float bound) {
+  const std::uint64_t base = stream_base(seed, stream);
+  parallel_ranges(out.size(), [&](std::size_t first, std::size_t last) {
+    for (std::size_t i = first; i < last; ++i)
+      out[i] = static_cast<float>(bound * (2.0 * unit(mix64(base + i)) - 1.0));
+  });
+}
+
 }  // namespace upipe

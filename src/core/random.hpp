@@ -19,4 +19,7 @@ constexpr std::uint64_t mix64(std::uint64_t x) {
 // out[i] = scale * z, z standard normal (Box-Muller on two hashed words).
 void fill_normal(std::span<float> out, std::uint64_t seed, std::uint64_t stream, float scale);
 
+// out[i] uniform in [-bound, bound).
+void fill_uniform(std::span<float> out, std::uint64_t seed, std::uint64_t stream, float bound);
+
 }  // namespace upipe

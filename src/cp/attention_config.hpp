@@ -55,6 +55,9 @@ struct attention_config {
   // Backward only: the attention's input is normed this many rows at a time where the
   // projections read it (normed_input::of_tiles), when the shard is longer (0: whole).
   std::int64_t input_tile = 0;
+  // Projections that train nothing (LoRA: a frozen weight without an adapter): their
+  // backward makes no weight gradient, so it norms no input tiles for one.
+  bool frozen_q = false, frozen_k = false, frozen_v = false;
 
   std::int64_t local_tokens() const { return seq_len / cp; }  // s
   int group_size() const { return heads / kv_heads; }          // G

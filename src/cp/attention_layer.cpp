@@ -24,15 +24,14 @@ void attention_layer::project_output(const context& ctx, const attention_weights
                                      projection_mode mode) {
   const float beta = mode == projection_mode::accumulate ? 1.0f : 0.0f;
   const phase_scope phase(be_, "attn_out_proj");
-  ops::gemm(be_, {ctx.out.matrix(), transpose::none, w.wo, transpose::yes, y, 1.0f, beta});
+  linear_forward(be_, ctx.out.matrix(), w.wo, y, beta);
 }
 
 tensor attention_layer::output_backward(const context& ctx, const attention_weights& w, const mat_view& d_y,
                                        const attention_grads& grads) {
   tensor d_out = be_.allocate(mem_tag::activations, be_.work_dtype(), ctx.out.dims(), "attn_d_out");
   const phase_scope phase(be_, "attn_out_proj");
-  ops::gemm(be_, {d_y, transpose::yes, ctx.out.matrix(), transpose::none, grads.wo, 1.0f, 1.0f});
-  ops::gemm(be_, {d_y, transpose::none, w.wo, transpose::none, d_out.matrix()});
+  linear_backward(be_, ctx.out.matrix(), d_y, w.wo, grads.wo, d_out.matrix(), 0.0f);
   return d_out;
 }
 

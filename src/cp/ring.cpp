@@ -129,7 +129,7 @@ tensor ring_attention::project_q(const normed_input& x, const attention_weights&
                                  head_norm_saved& saved) {
   tensor q = be_.allocate(mem_tag::attention, be_.work_dtype(), {tokens_, config_.heads, dim_}, "ring_q");
   for_each_input_tile(be_, x, [&](std::int64_t first, const mat_view& rows) {
-    ops::gemm(be_, {rows, transpose::none, w.wq, transpose::yes, q.matrix().row_block(first, rows.rows)});
+    linear_forward(be_, rows, w.wq, q.matrix().row_block(first, rows.rows));
   });
   if (config_.qk_norm) saved = head_norm_forward(be_, head_rows(q, dim_), w.q_norm, config_.norm_eps, keep);
   ops::rope(be_, {q.heads(), rope_positions_, config_.rope, rope_direction::forward});
@@ -143,8 +143,8 @@ tensor ring_attention::project_kv(const normed_input& x, const attention_weights
   for_each_input_tile(be_, x, [&](std::int64_t first, const mat_view& rows) {
     for (int which = 0; which < 2; ++which) {
       const head_view part = kv_part(kv, which);
-      ops::gemm(be_, {rows, transpose::none, which == 0 ? w.wk : w.wv, transpose::yes,
-                      mat_view{part.data, part.type, tokens_, kd, kd}.row_block(first, rows.rows)});
+      linear_forward(be_, rows, which == 0 ? w.wk : w.wv,
+                     mat_view{part.data, part.type, tokens_, kd, kd}.row_block(first, rows.rows));
     }
   });
   const head_view k = kv_part(kv, 0);
@@ -197,27 +197,35 @@ void ring_attention::backward(const attention_saved& saved, const normed_input& 
                   {dkv.data(), dkv.type(), 2 * tokens_, K, dim_, kd, dim_});
   dkv.reset();
   const mat_view g = {dkv_work.data(), dkv_work.type(), 2 * tokens_, kd, kd};
-  for (int which = 0; which < 2; ++which)
-    ops::gemm(be_, {g.row_block(which * tokens_, tokens_), transpose::none, which == 0 ? w.wk : w.wv, transpose::none,
-                    d_x, 1.0f, 1.0f});
-  for_each_input_tile(be_, x, [&](std::int64_t first, const mat_view& rows) {
-    for (int which = 0; which < 2; ++which)
-      ops::gemm(be_, {g.row_block(which * tokens_ + first, rows.rows), transpose::yes, rows, transpose::none,
-                      which == 0 ? grads.wk : grads.wv, 1.0f, 1.0f});
-  });
+  projection_backward passes[2] = {{be_, w.wk, grads.wk, tokens_}, {be_, w.wv, grads.wv, tokens_}};
+  for (int which = 0; which < 2; ++which) {
+    passes[which].input_grad(g.row_block(which * tokens_, tokens_), 0, d_x);
+    passes[which].finish_input_grad(d_x);
+  }
+  if (passes[0].trains() || passes[1].trains())
+    for_each_input_tile(be_, x, [&](std::int64_t first, const mat_view& rows) {
+      for (int which = 0; which < 2; ++which) {
+        passes[which].start_tile(first, rows);
+        passes[which].weight_grad(g.row_block(which * tokens_ + first, rows.rows), 0);
+      }
+    });
   check.finish();
 }
 
-// grad (s, heads, d) f32 -> working dtype, then d_x += g W and dW += g^T x.
-void ring_attention::accumulate_input_grads(tensor& grad, const mat_view& weight, const mat_view& d_weight,
+// grad (s, heads, d) f32 -> working dtype, then d_x += g W and dW += g^T x (and the
+// adapter's share, cp/projection.hpp).
+void ring_attention::accumulate_input_grads(tensor& grad, const projection& weight, const projection_grads& d_weight,
                                             const normed_input& x, const mat_view& d_x) {
   tensor g = be_.allocate(mem_tag::attention, be_.work_dtype(), grad.dims(), "ring_grad_work");
   ops::copy_heads(be_, g.heads(), grad.heads());
   grad.reset();
-  ops::gemm(be_, {g.matrix(), transpose::none, weight, transpose::none, d_x, 1.0f, 1.0f});
+  projection_backward pass(be_, weight, d_weight, tokens_);
+  pass.input_grad(g.matrix(), 0, d_x);
+  pass.finish_input_grad(d_x);
+  if (!pass.trains()) return;
   for_each_input_tile(be_, x, [&](std::int64_t first, const mat_view& rows) {
-    ops::gemm(be_, {g.matrix().row_block(first, rows.rows), transpose::yes, rows, transpose::none, d_weight, 1.0f,
-                    1.0f});
+    pass.start_tile(first, rows);
+    pass.weight_grad(g.matrix().row_block(first, rows.rows), 0);
   });
 }
 

@@ -49,8 +49,8 @@ class ring_attention final : public attention_strategy {
   tensor project_q(const normed_input& x, const attention_weights& w, norm_keep keep, head_norm_saved& saved);
   // (2, s, K, d): k then v, one buffer so a ring step moves both at once.
   tensor project_kv(const normed_input& x, const attention_weights& w, norm_keep keep, head_norm_saved& saved);
-  void accumulate_input_grads(tensor& grad, const mat_view& weight, const mat_view& d_weight, const normed_input& x,
-                              const mat_view& d_x);
+  void accumulate_input_grads(tensor& grad, const projection& weight, const projection_grads& d_weight,
+                              const normed_input& x, const mat_view& d_x);
 
   attention_config config_;
   backend& be_;

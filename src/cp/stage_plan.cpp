@@ -254,11 +254,11 @@ void plan_ring(stage_plan& p) {
   }
   const std::size_t dq_work = b.alloc("ring_grad_work", false, {s, H, d});
   b.release(g.dq);
-  b.input_tiles(s);
+  if (!c.frozen_q) b.input_tiles(s);
   b.release(dq_work);
   const std::size_t dkv_work = b.alloc("ring_dkv_work", false, {2, s, K, d});
   b.release(g.dkv);
-  b.input_tiles(s);
+  if (!c.frozen_k || !c.frozen_v) b.input_tiles(s);
   b.release(dkv_work);
 }
 
@@ -300,8 +300,11 @@ struct staged_builder : shared_builder {
     release(send);
     return recv;
   }
-  // accumulate_input_grads(): the gemms read x a tile at a time.
-  void input_grads(std::int64_t rows) { input_tiles(rows); }
+  // accumulate_input_grads(): the weight-gradient gemms read x a tile at a time, unless the
+  // projection trains nothing.
+  void input_grads(std::int64_t rows, bool frozen) {
+    if (!frozen) input_tiles(rows);
+  }
 
   void forward();
   void backward();
@@ -417,7 +420,7 @@ void staged_builder::backward() {
     release(d_o);
     if (c.qk_norm) head_norm_backward(q_norm);
     const std::size_t dq_back = exchange(dq, "bwd_a2a_dq");
-    input_grads(s);
+    input_grads(s, c.frozen_q);
     release(dq_back);
     // send_back_kv of the blocks whose last stage this is
     for (resident_buffers& r : resident) {
@@ -434,10 +437,10 @@ void staged_builder::backward() {
         return send;
       };
       const std::size_t dk_back = exchange(to_send(r.dk, "attn_dk_send"), "bwd_a2a_dk");
-      input_grads(s);
+      input_grads(s, c.frozen_k);
       release(dk_back);
       const std::size_t dv_back = exchange(to_send(r.dv, "attn_dv_send"), "bwd_a2a_dv");
-      input_grads(s);
+      input_grads(s, c.frozen_v);
       release(dv_back);
       r.has_grads = false;
     }
@@ -589,7 +592,7 @@ struct chunked_builder {
     b.release(dq_acc);
     if (b.c.qk_norm) b.head_norm_backward(q_norm);
     const std::size_t dq_back = b.exchange(dq, "bwd_a2a_dq");
-    b.input_grads(rows);
+    b.input_grads(rows, b.c.frozen_q);
     b.release(dq_back);
   }
   void send_back(host_buffers& h, std::size_t i) {
@@ -607,7 +610,7 @@ struct chunked_builder {
       const std::size_t send = b.alloc(g == 0 ? "attn_dk_send" : "attn_dv_send", false, part_dims(i, n));
       b.release(grad);
       const std::size_t back = b.exchange(send, g == 0 ? "bwd_a2a_dk" : "bwd_a2a_dv");
-      b.input_grads(chunks[i].count);
+      b.input_grads(chunks[i].count, g == 0 ? b.c.frozen_k : b.c.frozen_v);
       b.release(back);
     }
     b.release(h.k[i]);

@@ -97,19 +97,19 @@ staged_all_to_all::head_lists staged_all_to_all::arriving_lists(int stage) const
 
 // Chunk j of the send buffer gets the heads rank j computes, each projected with its
 // own weight rows (the pairing trap of docs/design.md section 4 cannot happen here).
-tensor staged_all_to_all::project_to_send(const normed_input& x, const mat_view& weight, const head_lists& lists,
+tensor staged_all_to_all::project_to_send(const normed_input& x, const projection& weight, const head_lists& lists,
                                           const char* label) {
   const phase_scope phase(be_, "attn_project");
   const int n = static_cast<int>(lists[0].size());
   tensor send = be_.allocate(mem_tag::attention, be_.work_dtype(), {group_, x.row_count(), n, dim_}, label);
   const std::int64_t d = dim_;
   for_each_input_tile(be_, x, [&](std::int64_t first, const mat_view& rows) {
+    const projection_forward project(be_, weight, rows);
     for (int j = 0; j < group_; ++j) {
       const head_view chunk = chunk_heads(send, j).token_block(first, rows.rows);
       const mat_view dst = {chunk.data, chunk.type, rows.rows, n * d, chunk.token_stride};
       for (const head_run& run : consecutive_runs(lists[j]))
-        ops::gemm(be_, {rows, transpose::none, weight.row_block(run.first * d, run.count * d), transpose::yes,
-                        dst.col_block(run.slot * d, run.count * d)});
+        project.rows(run.first * d, run.count * d, dst.col_block(run.slot * d, run.count * d));
     }
   });
   return send;
@@ -385,25 +385,29 @@ void staged_all_to_all::send_back_kv(resident_block& block, const normed_input& 
 }
 
 // For each chunk j of a received gradient (A, rows, n, d), whose heads are lists[j]:
-// d_x += g W_rows and dW_rows += g^T x (x a tile of rows at a time), both accumulated in f32.
-void staged_all_to_all::accumulate_input_grads(const tensor& recv, const head_lists& lists, const mat_view& weight,
-                                               const mat_view& d_weight, const normed_input& x, const mat_view& d_x) {
+// d_x += g W_rows and dW_rows += g^T x (x a tile of rows at a time), both accumulated in
+// f32; an adapter's B rows are those of the same heads (cp/projection.hpp).
+void staged_all_to_all::accumulate_input_grads(const tensor& recv, const head_lists& lists, const projection& weight,
+                                               const projection_grads& d_weight, const normed_input& x,
+                                               const mat_view& d_x) {
   const phase_scope phase(be_, "attn_input_grads");
   const std::int64_t d = dim_;
-  const std::int64_t n = recv.dims()[2], rows = recv.dims()[1];
+  const std::int64_t n = recv.dims()[2], count = recv.dims()[1];
   const auto grad_rows = [&](int j) {
     const head_view chunk = chunk_heads(recv, j);
-    return mat_view{chunk.data, chunk.type, rows, n * d, chunk.token_stride};
+    return mat_view{chunk.data, chunk.type, count, n * d, chunk.token_stride};
   };
+  projection_backward pass(be_, weight, d_weight, count);
   for (int j = 0; j < group_; ++j)
     for (const head_run& run : consecutive_runs(lists[j]))
-      ops::gemm(be_, {grad_rows(j).col_block(run.slot * d, run.count * d), transpose::none,
-                      weight.row_block(run.first * d, run.count * d), transpose::none, d_x, 1.0f, 1.0f});
+      pass.input_grad(grad_rows(j).col_block(run.slot * d, run.count * d), run.first * d, d_x);
+  pass.finish_input_grad(d_x);
+  if (!pass.trains()) return;
   for_each_input_tile(be_, x, [&](std::int64_t first, const mat_view& rows) {
+    pass.start_tile(first, rows);
     for (int j = 0; j < group_; ++j)
       for (const head_run& run : consecutive_runs(lists[j]))
-        ops::gemm(be_, {grad_rows(j).row_block(first, rows.rows).col_block(run.slot * d, run.count * d), transpose::yes,
-                        rows, transpose::none, d_weight.row_block(run.first * d, run.count * d), 1.0f, 1.0f});
+        pass.weight_grad(grad_rows(j).row_block(first, rows.rows).col_block(run.slot * d, run.count * d), run.first * d);
   });
 }
 

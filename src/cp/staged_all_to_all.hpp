@@ -44,7 +44,7 @@ class staged_all_to_all final : public attention_strategy {
   head_lists arriving_lists(int stage) const;
 
   // x's rows (s, D) -> the all-to-all send layout (A, rows, n, d) of the heads `lists` names.
-  tensor project_to_send(const normed_input& x, const mat_view& weight, const head_lists& lists, const char* label);
+  tensor project_to_send(const normed_input& x, const projection& weight, const head_lists& lists, const char* label);
   tensor exchange(tensor& send, const char* label);
   head_view sequence_heads(const tensor& t) const;
   void rope(const head_view& x, const std::vector<position_run>& positions, rope_direction direction);
@@ -62,8 +62,8 @@ class staged_all_to_all final : public attention_strategy {
   void send_back_kv(resident_block& block, const normed_input& x, const attention_weights& w, const mat_view& d_x,
                     const attention_grads& grads);
   // For each chunk j of a received gradient (A, rows, n, d): d_x += g W_rows and dW_rows += g^T x.
-  void accumulate_input_grads(const tensor& recv, const head_lists& lists, const mat_view& weight,
-                              const mat_view& d_weight, const normed_input& x, const mat_view& d_x);
+  void accumulate_input_grads(const tensor& recv, const head_lists& lists, const projection& weight,
+                              const projection_grads& d_weight, const normed_input& x, const mat_view& d_x);
 
   // Sequence chunks (staged_chunks.cpp).
   attention_saved chunked_forward(const mat_view& x, const attention_weights& w, const mat_view& out);

@@ -12,22 +12,25 @@
 #include "backend/backend.hpp"
 #include "comm/communicator.hpp"
 #include "cp/attention_config.hpp"
+#include "cp/projection.hpp"
 #include "cp/stage_plan.hpp"
 
 namespace upipe {
 
-// Weights in the backend's working dtype, Hugging Face layout (y = x W^T).
+// Weights in the backend's working dtype, Hugging Face layout (y = x W^T); each
+// projection with its LoRA adapter, if it has one.
 struct attention_weights {
-  mat_view wq;  // (H*d, D)
-  mat_view wk;  // (K*d, D)
-  mat_view wv;  // (K*d, D)
-  mat_view wo;  // (D, H*d)
+  projection wq;  // (H*d, D)
+  projection wk;  // (K*d, D)
+  projection wv;  // (K*d, D)
+  projection wo;  // (D, H*d)
   mat_view q_norm, k_norm;  // (1, d) each, only with config.qk_norm
 };
 
-// Weight gradients, f32, accumulated (+=) by backward.
+// Weight gradients, f32, accumulated (+=) by backward; a frozen weight's are empty (no
+// rows) and not computed.
 struct attention_grads {
-  mat_view wq, wk, wv, wo;
+  projection_grads wq, wk, wv, wo;
   mat_view q_norm, k_norm;  // only with config.qk_norm
 };
 

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <memory>
 
 #include "comm/communicator.hpp"
 #include "core/error.hpp"
@@ -50,11 +51,20 @@ struct rank_result {
   host_weights grads;
 };
 
-void run_rank(const model_step_request& req, const prepared_sequence& seq, const host_weights& weights, backend& be,
-              communicator& comm, rank_result& out, model_step_result* measured) {
+void run_rank(const model_step_request& req, const prepared_sequence& seq, const host_weights& weights,
+              const host_weights& adapter_weights, backend& be, communicator& comm, rank_result& out,
+              model_step_result* measured) {
   const auto seq_len = static_cast<std::int64_t>(seq.ids.size());
-  parameter_store params(req.model, be, comm, zero_stage::replicated);
+  const lora_config& lora = req.options.lora;
+  parameter_store params(req.model, parameter_specs(req.model), be, comm, zero_stage::replicated, false,
+                         lora.enabled() ? weight_role::frozen : weight_role::trained);
   params.load(weights);
+  std::unique_ptr<parameter_store> adapters;
+  if (lora.enabled()) {
+    adapters = std::make_unique<parameter_store>(req.model, lora_parameter_specs(req.model, lora), be, comm,
+                                                 zero_stage::replicated, false, weight_role::trained);
+    adapters->load(adapter_weights);
+  }
   transformer model(req.model, req.cp, seq_len, be, {&comm, &comm}, req.options);
   const auto runs = model.local_positions(comm.rank());
   const auto ids = shard_rows(seq.ids, 1, runs, model.local_tokens());
@@ -63,16 +73,18 @@ void run_rank(const model_step_request& req, const prepared_sequence& seq, const
   be.ledger().record_timeline(measured != nullptr && req.record_timeline);
   comm.barrier();
   const auto start = std::chrono::steady_clock::now();
-  out.loss_sum = model.forward_backward(params, {ids, labels, scale, seq.documents});
+  const backend::gemm_flops before = be.gemm_count();
+  out.loss_sum = model.forward_backward(params, {ids, labels, scale, seq.documents}, adapters.get());
   be.synchronize();
   comm.barrier();
   if (measured != nullptr) {
+    measured->gemm_flops = {be.gemm_count().all - before.all, be.gemm_count().left_transposed - before.left_transposed};
     measured->time_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
     measured->peak_bytes = be.ledger().peaks_by_name();
     measured->device_peak_bytes = be.ledger().device_peak();
     measured->timeline = be.ledger().timeline();
   }
-  if (be.has_data()) out.grads = params.local_grads();
+  if (be.has_data()) out.grads = (adapters ? *adapters : params).local_grads();
 }
 
 }  // namespace
@@ -90,8 +102,12 @@ std::size_t peak_of_labels(const std::vector<ledger_event>& timeline, std::initi
 }
 
 model_step_result run_model_step(const model_step_request& req, const host_weights& weights,
-                                 std::span<const std::int32_t> tokens) {
+                                 std::span<const std::int32_t> tokens, const host_weights& adapters) {
   validate(req.model);
+  if (req.options.lora.enabled()) validate(req.options.lora, req.model);
+  const host_weights initial = req.options.lora.enabled() && adapters.empty() && req.backend != backend_kind::meta
+                                   ? initial_adapters(req.model, req.options.lora, 1)
+                                   : host_weights{};
   const prepared_sequence seq = prepare_sequence(tokens, layout_unit(req.cp), req.documents);
   model_step_result result;
   result.seq_len = static_cast<std::int64_t>(seq.ids.size());
@@ -99,7 +115,8 @@ model_step_result run_model_step(const model_step_request& req, const host_weigh
   attention_config_for(req.model, req.cp, result.seq_len);  // refuse a bad CP shape before any thread starts
   std::vector<rank_result> per_rank(static_cast<std::size_t>(req.cp.cp));
   run_cp_group(req.backend, req.limits, req.cp.cp, [&](int rank, backend& be, communicator& comm) {
-    run_rank(req, seq, weights, be, comm, per_rank[rank], rank == 0 ? &result : nullptr);
+    run_rank(req, seq, weights, adapters.empty() ? initial : adapters, be, comm, per_rank[rank],
+             rank == 0 ? &result : nullptr);
   }, false, req.comm);
   double loss_sum = 0;
   for (rank_result& r : per_rank) {
@@ -136,7 +153,8 @@ eval_result evaluate_shapes(const model_step_request& req, std::int64_t seq_len)
 }  // namespace
 
 sequence_scores score_sequence(transformer& model, parameter_store& params, communicator& comm,
-                               const prepared_sequence& seq, std::span<const std::int64_t> argmax_at) {
+                               const prepared_sequence& seq, std::span<const std::int64_t> argmax_at,
+                               parameter_store* adapters) {
   const int C = comm.size();
   const std::int64_t s = model.local_tokens();
   const auto runs = model.local_positions(comm.rank());
@@ -151,7 +169,7 @@ sequence_scores score_sequence(transformer& model, parameter_store& params, comm
       }
   const auto ids = shard_rows(seq.ids, 1, runs, s);
   const auto labels = shard_rows(seq.labels, 1, runs, s);
-  const transformer::scores local = model.forward_scores(params, {ids, labels, 1.0, seq.documents}, rows);
+  const transformer::scores local = model.forward_scores(params, {ids, labels, 1.0, seq.documents}, rows, adapters);
   std::vector<float> all(static_cast<std::size_t>(s * C));
   comm.all_gather(local.losses.data(), all.data(), local.losses.size() * sizeof(float), "eval_losses");
   sequence_scores out;

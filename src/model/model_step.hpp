@@ -48,7 +48,8 @@ struct model_step_result {
   double loss = 0;            // mean over unmasked labels of all ranks
   std::int64_t counted = 0;   // unmasked labels
   std::int64_t seq_len = 0;   // after padding
-  host_weights grads;         // summed over ranks (empty on meta)
+  host_weights grads;         // summed over ranks (empty on meta); with LoRA the adapters'
+  backend::gemm_flops gemm_flops;  // rank 0's GEMMs in forward + backward
   std::map<std::string, std::size_t> peak_bytes;  // rank 0, tag -> bytes
   std::size_t device_peak_bytes = 0;              // rank 0
   double time_ms = 0;                             // rank 0, forward + backward
@@ -68,7 +69,8 @@ struct sequence_scores {
   std::vector<std::int32_t> argmax;   // argmax_at.size()
 };
 sequence_scores score_sequence(transformer& model, parameter_store& params, communicator& comm,
-                               const prepared_sequence& seq, std::span<const std::int64_t> argmax_at = {});
+                               const prepared_sequence& seq, std::span<const std::int64_t> argmax_at = {},
+                               parameter_store* adapters = nullptr);
 
 // Forward-only evaluation of sequences of one length (a store of weights alone: no
 // checkpoints, gradients or optimizer state). target_loss[i][t] is sequence i's
@@ -98,8 +100,11 @@ struct eval_hooks {
 eval_result evaluate(const model_step_request& request, const weight_source& weights,
                      const std::vector<eval_sequence>& sequences, const eval_hooks& hooks = {});
 
-// Throws io_error if a weight is missing (weights may be empty on meta).
+// Throws io_error if a weight is missing (weights may be empty on meta). With LoRA
+// (request.options.lora), the base is frozen, `adapters` holds the adapters under
+// lora_parameter_specs' names (PEFT's default initialization when empty) and the result's
+// gradients are theirs.
 model_step_result run_model_step(const model_step_request& request, const host_weights& weights,
-                                 std::span<const std::int32_t> tokens);
+                                 std::span<const std::int32_t> tokens, const host_weights& adapters = {});
 
 }  // namespace upipe

@@ -86,7 +86,12 @@ std::size_t offloaded_optimizer_bytes(const model_config& config, int ranks, dty
 
 parameter_store::parameter_store(const model_config& config, backend& be, communicator& comm, zero_stage stage,
                                  bool offload_optimizer)
-    : config_(config), be_(be), comm_(comm), stage_(stage), offload_(offload_optimizer), specs_(parameter_specs(config)) {
+    : parameter_store(config, parameter_specs(config), be, comm, stage, offload_optimizer, weight_role::trained) {}
+
+parameter_store::parameter_store(const model_config& config, std::vector<parameter_spec> specs, backend& be,
+                                 communicator& comm, zero_stage stage, bool offload_optimizer, weight_role role)
+    : config_(config), be_(be), comm_(comm), stage_(stage), offload_(offload_optimizer), role_(role),
+      specs_(std::move(specs)) {
   UPIPE_CHECK(!offload_ || stage == zero_stage::two || stage == zero_stage::three,
               "the optimizer is offloaded only when it is sharded (ZeRO-2 or ZeRO-3)");
   for (int u = 0; u < config.num_layers + 2; ++u) units_.push_back(std::make_unique<unit>());
@@ -106,7 +111,7 @@ parameter_store::parameter_store(const model_config& config, backend& be, commun
     } else {
       u.weights = be.allocate_zeroed(mem_tag::weights, be.work_dtype(), {1, u.padded}, "weights");
     }
-    if (stage == zero_stage::inference) continue;
+    if (stage == zero_stage::inference || role_ == weight_role::frozen) continue;
     if (stage == zero_stage::replicated) {
       u.grads = be.allocate_zeroed(mem_tag::grads, dtype::f32, {1, u.padded}, "grads");
       continue;
@@ -157,7 +162,7 @@ void parameter_store::release(int index) {
 void parameter_store::open_grads(int index) {
   unit& u = at(index);
   UPIPE_CHECK(stage_ != zero_stage::inference, "an inference store has no gradients");
-  if (stage_ == zero_stage::replicated) return;
+  if (stage_ == zero_stage::replicated || role_ == weight_role::frozen) return;
   UPIPE_CHECK(u.grads.empty(), "a unit's gradients open once per micro-batch");
   u.grads = be_.allocate_zeroed(mem_tag::grads, dtype::f32, {1, u.padded}, "unit_grads");
 }
@@ -166,7 +171,7 @@ void parameter_store::open_grads(int index) {
 // fp32 straight into this rank's shard and free the full copy.
 void parameter_store::close_grads(int index) {
   unit& u = at(index);
-  if (stage_ == zero_stage::replicated) return;
+  if (stage_ == zero_stage::replicated || role_ == weight_role::frozen) return;
   UPIPE_CHECK(!u.grads.empty(), "close of gradients that are not open");
   if (offload_) {
     // Reduced on the device, then straight to the host shard (added there for a later
@@ -210,7 +215,9 @@ void parameter_store::close_grads(int index) {
   u.reduced = true;
 }
 
-bool parameter_store::grads_open(int index) const { return stage_ == zero_stage::replicated || !at(index).grads.empty(); }
+bool parameter_store::grads_open(int index) const {
+  return stage_ == zero_stage::replicated || role_ == weight_role::frozen || !at(index).grads.empty();
+}
 
 mat_view parameter_store::param_view(const unit& u, const tensor& flat, std::size_t k) const {
   const auto& shape = specs_[u.params[k]].shape;
@@ -220,6 +227,7 @@ mat_view parameter_store::param_view(const unit& u, const tensor& flat, std::siz
 }
 
 mat_view parameter_store::named(const std::string& name, bool grad) const {
+  if (grad && role_ == weight_role::frozen) return {};
   const unit& u = at(unit_of(name, config_.num_layers));
   for (std::size_t k = 0; k < u.params.size(); ++k) {
     if (specs_[u.params[k]].name != name) continue;
@@ -291,7 +299,7 @@ void parameter_store::load(const weight_source& source) {
       const std::vector<float> mine = unit_range(u, source, r * u.shard, (r + 1) * u.shard);
       check_finite(u, mine, r * u.shard, "the weights");
       be_.upload_f32(u.weight_shard, mine.data());
-      be_.upload_f32(u.master, mine.data());
+      if (!u.master.empty()) be_.upload_f32(u.master, mine.data());
       continue;
     }
     const std::vector<float> flat = unit_range(u, source, 0, u.padded);

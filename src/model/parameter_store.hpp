@@ -11,6 +11,9 @@
 // - inference: the working weights whole on every rank and nothing else (forward only:
 //   no gradients, no master weights, no moments).
 // A unit's flat vector is padded to a multiple of C; rank r owns the r-th equal slice.
+// A frozen store (LoRA's base) holds the working weights alone, whole or (ZeRO-3) sharded and
+// gathered just in time: no gradients, no master weights, no moments; its gradient views
+// are empty, so that no weight-gradient GEMM runs for it.
 // With the optimizer offloaded (ZeRO-2/3), the fp32 master weights, AdamW's moments and
 // the fp32 gradient shards live in host memory (tag optimizer_host, the backend's host
 // pool: pinned on the GPU): each unit's gradients leave the device as soon as they are
@@ -53,13 +56,21 @@ std::size_t offloaded_optimizer_bytes(const model_config& config, int ranks, dty
 // The sharded optimizer state of a unit: the fp32 master weights and AdamW's moments.
 enum class shard_state : std::uint8_t { master, exp_avg, exp_avg_sq };
 
+// Whether a store's weights are trained (gradients and, sharded, optimizer state) or frozen.
+enum class weight_role : std::uint8_t { trained, frozen };
+
 class parameter_store {
  public:
   parameter_store(const model_config& config, backend& be, communicator& comm, zero_stage stage,
                   bool offload_optimizer = false);
+  // A store of the parameters `specs` (units by layer as above: the embedding's and the
+  // head's units hold those of their names, possibly none), e.g. LoRA's adapters.
+  parameter_store(const model_config& config, std::vector<parameter_spec> specs, backend& be, communicator& comm,
+                  zero_stage stage, bool offload_optimizer, weight_role role);
   ~parameter_store();
 
   zero_stage stage() const { return stage_; }
+  weight_role role() const { return role_; }
   bool optimizer_offloaded() const { return offload_; }
   int embedding_unit() const { return 0; }
   int layer_unit(int layer) const { return 1 + layer; }
@@ -88,6 +99,9 @@ class parameter_store {
   mat_view final_norm_grad() const;
   mat_view lm_head() const;  // the embedding when tied
   mat_view lm_head_grad() const;
+  // Any parameter by name: its acquired weights, its open gradients (empty when frozen).
+  mat_view weight(const std::string& name) const { return named(name, false); }
+  mat_view grad(const std::string& name) const { return named(name, true); }
 
   // Host values in and out, under Hugging Face names. load() fills the weights (and the
   // master copy); every rank passes the same source and reads from it only what it keeps:
@@ -148,6 +162,7 @@ class parameter_store {
   communicator& comm_;
   zero_stage stage_;
   bool offload_;
+  weight_role role_ = weight_role::trained;
   std::vector<parameter_spec> specs_;
   std::vector<std::unique_ptr<unit>> units_;
 };

@@ -22,4 +22,14 @@ layer_params make_layer_params(const model_config& config, int index,
   return l;
 }
 
+layer_gradients as_gradients(const layer_params& g) {
+  const attention_weights& a = g.attention;
+  return {g.input_norm,
+          {a.wq.weight, a.wk.weight, a.wv.weight, a.wo.weight, a.q_norm, a.k_norm},
+          g.post_norm,
+          g.gate.weight,
+          g.up.weight,
+          g.down.weight};
+}
+
 }  // namespace upipe

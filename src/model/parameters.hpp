@@ -13,12 +13,23 @@ struct layer_params {
   mat_view input_norm;          // (1, D)
   attention_weights attention;  // q/k/v/o projections (+ q_norm, k_norm for Qwen3)
   mat_view post_norm;           // (1, D)
-  mat_view gate, up;            // (F, D)
-  mat_view down;                // (D, F)
+  projection gate, up;          // (F, D)
+  projection down;              // (D, F)
+};
+
+// A layer's gradients, f32, accumulated; a frozen weight's are empty (no rows).
+struct layer_gradients {
+  mat_view input_norm;
+  attention_grads attention;
+  mat_view post_norm;
+  projection_grads gate, up, down;
 };
 
 // Layer `index`'s views, each looked up by its Hugging Face name.
 layer_params make_layer_params(const model_config& config, int index,
                                const std::function<mat_view(const std::string&)>& view);
+
+// The gradients of a layer whose views make_layer_params looked up in a store's gradients.
+layer_gradients as_gradients(const layer_params& g);
 
 }  // namespace upipe

@@ -9,8 +9,6 @@ namespace upipe {
 
 namespace {
 
-attention_grads as_grads(const attention_weights& g) { return {g.wq, g.wk, g.wv, g.wo, g.q_norm, g.k_norm}; }
-
 // dst (rows of the same shape) = src, converting dtypes.
 void copy_matrix(backend& be, const mat_view& dst, const mat_view& src) {
   ops::copy_heads(be, ops::as_heads(dst), ops::as_heads(src));
@@ -46,10 +44,16 @@ attention_config attention_config_for(const model_config& model, const cp_settin
 }
 
 namespace {
-// The layer's step options: the overlapped output exchange, and the backward's input tiles.
+// The layer's step options: the overlapped output exchange, the backward's input tiles, and
+// under LoRA the q/k/v projections that train nothing (a frozen weight without an adapter).
 attention_config with_step_options(attention_config c, const step_options& options) {
   c.overlap_comm = options.overlap_comm;
   c.input_tile = options.attention_input_tile;
+  if (options.lora.enabled()) {
+    c.frozen_q = !options.lora.adapts(lora_target::q);
+    c.frozen_k = !options.lora.adapts(lora_target::k);
+    c.frozen_v = !options.lora.adapts(lora_target::v);
+  }
   return c;
 }
 }  // namespace
@@ -58,7 +62,8 @@ transformer::transformer(const model_config& model, const cp_settings& cp, std::
                          const cp_groups& groups, const step_options& options)
     : model_(model), be_(be), attention_(with_step_options(attention_config_for(model, cp, seq_len), options), be, groups),
       store_(be, options.policy, model.num_layers), tokens_(seq_len / cp.cp),
-      prefetch_weights_(options.prefetch_weights), attention_input_tile_(options.attention_input_tile) {
+      prefetch_weights_(options.prefetch_weights), lora_(options.lora),
+      attention_input_tile_(options.attention_input_tile) {
   if (attention_input_tile_ <= 0)
     throw config_error("attention_input_tile " + std::to_string(attention_input_tile_) +
                        " must be a positive row count");
@@ -111,16 +116,18 @@ tensor transformer::embed(parameter_store& params, const tensor& ids) {
   return x;
 }
 
-double transformer::forward_backward(parameter_store& params, const local_batch& batch) {
+double transformer::forward_backward(parameter_store& params, const local_batch& batch, parameter_store* adapters) {
+  UPIPE_CHECK(lora_.enabled() == (adapters != nullptr), "a LoRA step needs its adapters' store, and only it does");
   attention_.strategy().set_documents({batch.documents.begin(), batch.documents.end()});
   tensor ids = upload_ids(batch.ids, "token_ids");
   tensor labels = upload_ids(batch.labels, "labels");
-  forward_layers(params, embed(params, ids), &store_);
+  forward_layers(params, adapters, embed(params, ids), &store_);
   tensor d = be_.allocate(mem_tag::activations, dtype::f32, {tokens_, model_.hidden_size}, "d_hidden");
   const double loss = loss_forward_backward(params, final_hidden_, labels, batch.grad_scale, d);
   final_hidden_.reset();
-  backward_layers(params, ids, d);
+  backward_layers(params, adapters, ids, d);
   set_current_layer(-1);
+  if (params.role() == weight_role::frozen) return loss;  // no gradient for the embedding
   const int embedding = params.embedding_unit();
   if (!params.grads_open(embedding)) params.open_grads(embedding);
   ops::embedding_backward(be_, {d.matrix(), ids.matrix(), params.embedding_grad()});
@@ -128,7 +135,33 @@ double transformer::forward_backward(parameter_store& params, const local_batch&
   return loss;
 }
 
-void transformer::forward_layers(parameter_store& params, tensor x, checkpoint_store* store) {
+layer_params transformer::layer_weights(const parameter_store& params, const parameter_store* adapters,
+                                        int layer) const {
+  layer_params p = params.layer(layer);
+  if (adapters != nullptr)
+    attach_adapters(p, lora_, layer, [adapters](const std::string& name) { return adapters->weight(name); });
+  return p;
+}
+
+layer_gradients transformer::layer_grads(const parameter_store& params, const parameter_store* adapters,
+                                         int layer) const {
+  layer_gradients g = as_gradients(params.layer_grads(layer));
+  if (adapters != nullptr)
+    attach_adapter_grads(g, lora_, layer, [adapters](const std::string& name) { return adapters->grad(name); });
+  return g;
+}
+
+void transformer::acquire_layer(parameter_store& params, parameter_store* adapters, int layer) {
+  params.acquire(params.layer_unit(layer));
+  if (adapters != nullptr) adapters->acquire(adapters->layer_unit(layer));
+}
+
+void transformer::release_layer(parameter_store& params, parameter_store* adapters, int layer) {
+  if (adapters != nullptr) adapters->release(adapters->layer_unit(layer));
+  params.release(params.layer_unit(layer));
+}
+
+void transformer::forward_layers(parameter_store& params, parameter_store* adapters, tensor x, checkpoint_store* store) {
   for (int l = 0; l < model_.num_layers; ++l) {
     attention_layer::context ctx;
     const bool keep_input = store != nullptr && store->keeps_input(l);
@@ -137,10 +170,10 @@ void transformer::forward_layers(parameter_store& params, tensor x, checkpoint_s
     set_current_layer(l);
     // A kept input goes out to the host (when it goes there) while its layer runs.
     if (keep_input) store->start_offload(l, checkpoint_store::item::input, x);
-    params.acquire(params.layer_unit(l));
+    acquire_layer(params, adapters, l);
     if (l + 1 < model_.num_layers) prefetch_layer(params, l + 1);
-    tensor y = layer_forward(params.layer(l), x, out_tag, keep_attention ? &ctx : nullptr);
-    params.release(params.layer_unit(l));
+    tensor y = layer_forward(layer_weights(params, adapters, l), x, out_tag, keep_attention ? &ctx : nullptr);
+    release_layer(params, adapters, l);
     if (keep_input) store->save(l, checkpoint_store::item::input, std::move(x));
     if (keep_attention) {
       store->save(l, checkpoint_store::item::attention_out, std::move(ctx.out));
@@ -175,11 +208,12 @@ void transformer::release_head(parameter_store& params) {
 }
 
 transformer::scores transformer::forward_scores(parameter_store& params, const local_batch& batch,
-                                                std::span<const std::int64_t> argmax_rows) {
+                                                std::span<const std::int64_t> argmax_rows, parameter_store* adapters) {
+  UPIPE_CHECK(lora_.enabled() == (adapters != nullptr), "a LoRA model scores with its adapters' store, and only it does");
   attention_.strategy().set_documents({batch.documents.begin(), batch.documents.end()});
   tensor ids = upload_ids(batch.ids, "token_ids");
   tensor labels = upload_ids(batch.labels, "labels");
-  forward_layers(params, embed(params, ids), nullptr);
+  forward_layers(params, adapters, embed(params, ids), nullptr);
   const phase_scope phase(be_, "loss");
   acquire_head(params);
   const std::int64_t V = model_.vocab_size;
@@ -235,8 +269,8 @@ transformer::mlp_tile_buffers transformer::mlp_tile_inputs(const layer_params& p
   ops::rmsnorm_forward(be_, {xt, p.post_norm, t.h.matrix(), t.rstd.matrix(), static_cast<float>(model_.rms_norm_eps)});
   t.gate = be_.allocate(mem_tag::activations, be_.work_dtype(), {n, F}, "mlp_gate");
   t.up = be_.allocate(mem_tag::activations, be_.work_dtype(), {n, F}, "mlp_up");
-  ops::gemm(be_, {t.h.matrix(), transpose::none, p.gate, transpose::yes, t.gate.matrix()});
-  ops::gemm(be_, {t.h.matrix(), transpose::none, p.up, transpose::yes, t.up.matrix()});
+  linear_forward(be_, t.h.matrix(), p.gate, t.gate.matrix());
+  linear_forward(be_, t.h.matrix(), p.up, t.up.matrix());
   return t;
 }
 
@@ -252,13 +286,13 @@ void transformer::mlp_forward(const layer_params& p, const tensor& x) {
     tensor act = be_.allocate(mem_tag::activations, be_.work_dtype(), t.gate.dims(), "mlp_act");
     ops::swiglu_forward(be_, {t.gate.matrix(), t.up.matrix(), act.matrix()});
     t = {};
-    ops::gemm(be_, {act.matrix(), transpose::none, p.down, transpose::yes, xt, 1.0f, 1.0f});
+    linear_forward(be_, act.matrix(), p.down, xt, 1.0f);
   }
 }
 
 // d (f32) holds d(layer output) and becomes d(x2), the gradient at the MLP's input
 // residual; x2 is the recomputed input of the MLP block.
-void transformer::mlp_backward(const layer_params& p, const layer_params& g, const tensor& x2, const tensor& d) {
+void transformer::mlp_backward(const layer_params& p, const layer_gradients& g, const tensor& x2, const tensor& d) {
   const phase_scope phase(be_, "mlp");
   const std::int64_t D = model_.hidden_size, F = model_.intermediate_size;
   for (std::int64_t t0 = 0; t0 < tokens_; t0 += mlp_tile_) {
@@ -271,24 +305,22 @@ void transformer::mlp_backward(const layer_params& p, const layer_params& g, con
       tensor act = be_.allocate(mem_tag::activations, be_.work_dtype(), {n, F}, "mlp_act");
       ops::swiglu_forward(be_, {gate.matrix(), up.matrix(), act.matrix()});
       tensor d_out = working_copy(be_, dt, "mlp_d_out");
-      ops::gemm(be_, {d_out.matrix(), transpose::yes, act.matrix(), transpose::none, g.down, 1.0f, 1.0f});
-      ops::gemm(be_, {d_out.matrix(), transpose::none, p.down, transpose::none, d_act.matrix()});
+      linear_backward(be_, act.matrix(), d_out.matrix(), p.down, g.down, d_act.matrix(), 0.0f);
     }
     // In place: gate and up become their gradients.
     ops::swiglu_backward(be_, {gate.matrix(), up.matrix(), d_act.matrix(), gate.matrix(), up.matrix()});
     d_act.reset();
-    ops::gemm(be_, {gate.matrix(), transpose::yes, h.matrix(), transpose::none, g.gate, 1.0f, 1.0f});
-    ops::gemm(be_, {up.matrix(), transpose::yes, h.matrix(), transpose::none, g.up, 1.0f, 1.0f});
-    h.reset();
+    // d_h (f32) is held beside h here: less than the tile's peak above whenever D < 2F.
     tensor d_h = be_.allocate(mem_tag::activations, dtype::f32, {n, D}, "mlp_d_norm_out");
-    ops::gemm(be_, {gate.matrix(), transpose::none, p.gate, transpose::none, d_h.matrix()});
-    ops::gemm(be_, {up.matrix(), transpose::none, p.up, transpose::none, d_h.matrix(), 1.0f, 1.0f});
+    linear_backward(be_, h.matrix(), gate.matrix(), p.gate, g.gate, d_h.matrix(), 0.0f);
+    linear_backward(be_, h.matrix(), up.matrix(), p.up, g.up, d_h.matrix(), 1.0f);
+    h.reset();
     ops::rmsnorm_backward(be_, {xt, p.post_norm, rstd.matrix(), d_h.matrix(), d_h.matrix(), g.post_norm});
     ops::add_heads(be_, ops::as_heads(dt), ops::as_heads(d_h.matrix()));
   }
 }
 
-void transformer::layer_backward(int layer, const layer_params& p, const layer_params& g, const tensor& x,
+void transformer::layer_backward(int layer, const layer_params& p, const layer_gradients& g, const tensor& x,
                                  const tensor& d, int checkpoint_ahead) {
   const std::int64_t D = model_.hidden_size;
   const float eps = static_cast<float>(model_.rms_norm_eps);
@@ -323,7 +355,7 @@ void transformer::layer_backward(int layer, const layer_params& p, const layer_p
   x2.reset();
   tensor d_y = working_copy(be_, d.matrix(), "attn_d_y");
   tensor d_h = be_.allocate_zeroed(mem_tag::activations, dtype::f32, {tokens_, D}, "attn_d_norm_out");
-  attention_.backward(ctx, attention_input, p.attention, std::move(d_y), d_h.matrix(), as_grads(g.attention));
+  attention_.backward(ctx, attention_input, p.attention, std::move(d_y), d_h.matrix(), g.attention);
   ctx = {};
   // Past the layer's peak (the attention backward), so the early copy costs no memory at it.
   if (checkpoint_ahead > 0) store_.prefetch(checkpoint_ahead, checkpoint_store::item::input, mem_tag::activations);
@@ -338,7 +370,8 @@ void transformer::prefetch_layer(parameter_store& params, int layer) {
 // Backward, newest layer first. A layer whose input was not kept belongs to a block
 // whose first input was: the block's inputs are recomputed from it, then consumed.
 // Each layer's gradients are complete when its backward ends, and are closed (reduced).
-void transformer::backward_layers(parameter_store& params, const tensor& ids, const tensor& d) {
+void transformer::backward_layers(parameter_store& params, parameter_store* adapters, const tensor& ids,
+                                  const tensor& d) {
   std::vector<tensor> inputs;  // recomputed inputs of the current block, oldest first
   for (int l = model_.num_layers - 1; l >= 0; --l) {
     if (inputs.empty()) {
@@ -348,24 +381,27 @@ void transformer::backward_layers(parameter_store& params, const tensor& ids, co
                                   : store_.take(start, checkpoint_store::item::input, mem_tag::activations));
       for (int j = start; j < l; ++j) {
         set_current_layer(j);
-        params.acquire(params.layer_unit(j));
+        acquire_layer(params, adapters, j);
         prefetch_layer(params, j + 1);  // the next to be acquired: j + 1 <= l
-        inputs.push_back(layer_forward(params.layer(j), inputs.back(), mem_tag::activations, nullptr));
-        params.release(params.layer_unit(j));
+        inputs.push_back(layer_forward(layer_weights(params, adapters, j), inputs.back(), mem_tag::activations, nullptr));
+        release_layer(params, adapters, j);
       }
     }
     set_current_layer(l);
     const int unit = params.layer_unit(l);
-    params.acquire(unit);
+    acquire_layer(params, adapters, l);
     // Next acquired: layer l - 1 if its input is already recomputed, else the first
     // layer of the previous block (its recompute, or its backward for a block of one).
     if (l > 0) prefetch_layer(params, l > store_.block_start(l) ? l - 1 : store_.block_start(l - 1));
     params.open_grads(unit);
+    if (adapters != nullptr) adapters->open_grads(adapters->layer_unit(l));
     // The last layer of a block to go back prefetches the next block's checkpoint.
     const int next_start = l > 0 && l == store_.block_start(l) ? store_.block_start(l - 1) : 0;
-    layer_backward(l, params.layer(l), params.layer_grads(l), inputs.back(), d, next_start);
+    layer_backward(l, layer_weights(params, adapters, l), layer_grads(params, adapters, l), inputs.back(), d,
+                   next_start);
+    if (adapters != nullptr) adapters->close_grads(adapters->layer_unit(l));
     params.close_grads(unit);
-    params.release(unit);
+    release_layer(params, adapters, l);
     inputs.pop_back();
   }
 }
@@ -399,7 +435,8 @@ double transformer::loss_forward_backward(parameter_store& params, const tensor&
     logits.reset();
     tensor d_h = be_.allocate(mem_tag::activations, dtype::f32, {n, D}, "d_final_norm_out");
     ops::gemm(be_, {d_logits.matrix(), transpose::none, params.lm_head(), transpose::none, d_h.matrix()});
-    ops::gemm(be_, {d_logits.matrix(), transpose::yes, h.matrix(), transpose::none, params.lm_head_grad(), 1.0f, 1.0f});
+    if (const mat_view d_head = params.lm_head_grad(); d_head.rows > 0)  // none when frozen
+      ops::gemm(be_, {d_logits.matrix(), transpose::yes, h.matrix(), transpose::none, d_head, 1.0f, 1.0f});
     ops::rmsnorm_backward(be_, {xt, params.final_norm(), rstd.matrix(), d_h.matrix(), d_x.matrix().row_block(t0, n),
                                 params.final_norm_grad()});
   }

@@ -12,6 +12,7 @@
 #include "cp/attention_layer.hpp"
 #include "model/checkpoint_store.hpp"
 #include "model/config.hpp"
+#include "model/lora.hpp"
 #include "model/parameter_store.hpp"
 #include "model/parameters.hpp"
 
@@ -37,6 +38,9 @@ struct step_options {
   // ZeRO-3: gather the next layer's weights while this layer computes (one more layer's
   // weights held meanwhile).
   bool prefetch_weights = false;
+  // LoRA: the adapters the step trains, from a store of their own beside the frozen base
+  // (none: every weight is the store's to train).
+  lora_config lora{};
 };
 
 // The MLP tile and the loss chunk where `o` gives none (0). Their GEMMs want a few
@@ -74,8 +78,9 @@ class transformer {
 
   // Forward and backward; weight gradients go to the store (accumulated when
   // replicated, reduce-scattered unit by unit otherwise). Returns this rank's sum of
-  // per-token losses (fp64) over its unmasked labels.
-  double forward_backward(parameter_store& params, const local_batch& batch);
+  // per-token losses (fp64) over its unmasked labels. With LoRA (step_options::lora),
+  // `adapters` holds the adapters and takes their gradients; `params` is then frozen.
+  double forward_backward(parameter_store& params, const local_batch& batch, parameter_store* adapters = nullptr);
 
   // Forward only, with no checkpoint and no gradient (evaluation): each local token's
   // cross-entropy against its label (fp32, 0 where masked), and the argmax token of the
@@ -84,7 +89,8 @@ class transformer {
     std::vector<float> losses;          // local_tokens()
     std::vector<std::int32_t> argmax;   // argmax_rows.size()
   };
-  scores forward_scores(parameter_store& params, const local_batch& batch, std::span<const std::int64_t> argmax_rows = {});
+  scores forward_scores(parameter_store& params, const local_batch& batch, std::span<const std::int64_t> argmax_rows = {},
+                        parameter_store* adapters = nullptr);
 
  private:
   struct mlp_tile_buffers {
@@ -94,18 +100,23 @@ class transformer {
   tensor upload_ids(std::span<const std::int32_t> values, const char* label);
   tensor layer_forward(const layer_params& p, const tensor& x, mem_tag out_tag, attention_layer::context* keep);
   void mlp_forward(const layer_params& p, const tensor& x);
-  void mlp_backward(const layer_params& p, const layer_params& g, const tensor& x, const tensor& d);
+  void mlp_backward(const layer_params& p, const layer_gradients& g, const tensor& x, const tensor& d);
   // checkpoint_ahead > 0: prefetch that layer's input checkpoint once past the peak.
-  void layer_backward(int layer, const layer_params& p, const layer_params& g, const tensor& x, const tensor& d,
+  void layer_backward(int layer, const layer_params& p, const layer_gradients& g, const tensor& x, const tensor& d,
                       int checkpoint_ahead = 0);
+  // A layer's weights (and gradients), with its adapters beside them under LoRA.
+  layer_params layer_weights(const parameter_store& params, const parameter_store* adapters, int layer) const;
+  layer_gradients layer_grads(const parameter_store& params, const parameter_store* adapters, int layer) const;
+  void acquire_layer(parameter_store& params, parameter_store* adapters, int layer);
+  void release_layer(parameter_store& params, parameter_store* adapters, int layer);
   double loss_forward_backward(parameter_store& params, const tensor& x, const tensor& labels, double grad_scale,
                                const tensor& d_x);
   tensor embed(parameter_store& params, const tensor& ids);
   tensor chunk_logits(parameter_store& params, std::int64_t t0, std::int64_t n);
   void acquire_head(parameter_store& params);  // the lm head, and the embedding when tied
   void release_head(parameter_store& params);
-  void forward_layers(parameter_store& params, tensor x, checkpoint_store* store);
-  void backward_layers(parameter_store& params, const tensor& ids, const tensor& d);
+  void forward_layers(parameter_store& params, parameter_store* adapters, tensor x, checkpoint_store* store);
+  void backward_layers(parameter_store& params, parameter_store* adapters, const tensor& ids, const tensor& d);
   void prefetch_layer(parameter_store& params, int layer);
   mem_tag input_tag(int layer) const;
 
@@ -115,6 +126,7 @@ class transformer {
   checkpoint_store store_;
   std::int64_t tokens_;  // s
   bool prefetch_weights_ = false;
+  lora_config lora_;
   std::int64_t mlp_tile_, loss_chunk_;
   std::int64_t attention_input_tile_;
   tensor final_hidden_;  // (s, D): the last layer's output, input of the loss

@@ -113,7 +113,8 @@ struct rmsnorm_forward_args {
   float eps = 1e-5f;
 };
 
-// d_x written; d_weight (1 x cols, f32) accumulated.
+// d_x written; d_weight (1 x cols, f32) accumulated, or not computed when it has no rows
+// (a frozen weight's).
 struct rmsnorm_backward_args {
   mat_view x, weight, rstd, d_y, d_x, d_weight;
 };

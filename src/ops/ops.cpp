@@ -218,6 +218,7 @@ void gemm(backend& be, const gemm_args& args) {
                             "op(b) must have " + std::to_string(k) + " rows to match op(a)'s columns" +
                                 (tb ? " (b is transposed)" : "")));
   check_dims(op, "c", args.c, m, n);
+  be.count_gemm(2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k), ta);
   be.gemm(args);
 }
 
@@ -300,12 +301,14 @@ void rmsnorm_backward(backend& be, const rmsnorm_backward_args& args) {
     check_matrix(op, name, *view);
     check_type(op, name, *view, be.work_dtype(), dtype::f32);
   }
+  const bool d_weight = args.d_weight.rows > 0;  // else not wanted
   for (const auto& [name, view] : {std::pair{"rstd", &args.rstd}, std::pair{"d_weight", &args.d_weight}}) {
+    if (view == &args.d_weight && !d_weight) continue;
     check_matrix(op, name, *view);
     check_type(op, name, *view, dtype::f32, dtype::f32);
   }
   check_dims(op, "weight", args.weight, 1, cols);
-  check_dims(op, "d_weight", args.d_weight, 1, cols);
+  if (d_weight) check_dims(op, "d_weight", args.d_weight, 1, cols);
   check_dims(op, "d_y", args.d_y, rows, cols);
   check_dims(op, "d_x", args.d_x, rows, cols);
   check_dims(op, "rstd", args.rstd, rows, 1);

@@ -32,6 +32,7 @@ train_options probe_options(const plan_request& r, const cp_settings& cp, std::i
   // The probe's arena is unbounded: the default sizes are those of the planned GPU's arena.
   o.step = with_default_sizes({r.mlp_tile, r.loss_chunk, policy}, r.model,
                               r.gpu_memory > context_bytes ? r.gpu_memory - context_bytes : r.gpu_memory);
+  o.step.lora = r.lora;
   o.optim.total_steps = 1;
   o.optim.warmup_steps = 0;
   o.eval_samples = 0;
@@ -177,6 +178,7 @@ eval_point evaluate_forward(const plan_request& r, const cp_settings& cp, std::i
   req.model = r.model;
   req.cp = cp;
   req.options = o.step;
+  req.options.lora = {};  // evaluation reads the weights alone (a merged adapter)
   req.backend = backend_kind::meta;
   req.limits = o.limits;
   const host_weights none;
@@ -192,6 +194,7 @@ eval_point evaluate_forward(const plan_request& r, const cp_settings& cp, std::i
 
 void validate(const plan_request& r) {
   validate(r.model);
+  if (r.lora.enabled()) validate(r.lora, r.model);
   if (r.gpus < 1)
     throw config_error("--gpus " + std::to_string(r.gpus) + " must be at least 1 (for example --gpus 8)");
   if (r.nodes < 1 || r.gpus % r.nodes != 0)

@@ -35,6 +35,7 @@ struct plan_request {
   std::vector<int> seq_chunks{1, 4, 16, 64};
   zero_stage zero = zero_stage::three;
   bool offload_optimizer = false;      // --offload optimizer: its state in the node's host memory
+  lora_config lora;                    // LoRA: the base frozen, only these adapters trained
   bool try_offload = false;            // --offload auto: every configuration with the optimizer on both sides
   std::int64_t mlp_tile = 0, loss_chunk = 0;  // as for training (0: defaults)
   std::optional<checkpoint_policy> policy;    // only this policy (default: candidate_policies())

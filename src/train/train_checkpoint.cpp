@@ -9,11 +9,15 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <map>
 #include <set>
 
 #include <nlohmann/json.hpp>
 
 #include "core/error.hpp"
+#include "model/adapter_files.hpp"
+#include "ops/cpu/cpu_ops.hpp"
 #include "train/safetensors.hpp"
 
 namespace upipe {
@@ -144,10 +148,66 @@ nlohmann::ordered_json manifest_json(const checkpoint_request& r, const paramete
   j["strategy"] = r.strategy;
   j["head_chunk"] = r.head_chunk;
   j["seq_len"] = r.seq_len;
-  j["model_dtype"] = hf_dtype_name(r.model.type);
+  j["model_dtype"] = r.lora.enabled() ? hf_dtype_name(dtype::f32) : hf_dtype_name(r.model.type);  // adapters: fp32
+  if (r.lora.enabled()) {
+    j["lora"] = lora_text(r.lora);
+    j["base_model"] = r.base_model;
+  }
   j["units"] = units;
   j["files"] = files;
   return j;
+}
+
+// The model, a unit at a time through rank 0, as a model directory in `tmp`; returns the
+// files written (on rank 0).
+std::vector<std::string> write_model(const fs::path& tmp, const checkpoint_request& r, parameter_store& params,
+                                     communicator& comm) {
+  const bool writes = comm.rank() == 0;
+  std::unique_ptr<hf_model_writer> writer;
+  if (writes) writer = std::make_unique<hf_model_writer>(tmp.string(), r.config, r.model);
+  const auto units = parameter_units(r.config);
+  for (int u = 0; u < params.unit_count(); ++u) {
+    const std::vector<float> flat = params.gather_unit(u);
+    if (!writes) continue;
+    for (const unit_parameter& p : units[static_cast<std::size_t>(u)])
+      writer->write(p.name, std::span<const float>(flat.data() + p.offset, static_cast<std::size_t>(p.numel)));
+  }
+  if (!writes) return {};
+  std::vector<std::string> files = writer->commit();
+  write_hf_config(r.config, (tmp / "config.json").string(), r.source_dir, hf_dtype_name(r.model.type));
+  fsync_path(tmp / "config.json", false);
+  files.push_back("config.json");
+  return files;
+}
+
+// LoRA: the adapters' fp32 masters, a unit at a time through rank 0, as PEFT's adapter
+// directory: adapter_model.safetensors under PEFT's names and adapter_config.json.
+std::vector<std::string> write_adapters(const fs::path& tmp, const checkpoint_request& r, parameter_store& adapters,
+                                        communicator& comm) {
+  const bool writes = comm.rank() == 0;
+  std::map<std::string, std::int64_t> numel;
+  std::unique_ptr<safetensors_writer> file;
+  if (writes) {
+    std::vector<safetensors_tensor> declared;
+    for (const parameter_spec& spec : lora_parameter_specs(r.config, r.lora)) {
+      declared.push_back({std::string(peft_name_prefix) + spec.name, spec.shape, {}, dtype::f32});
+      numel[spec.name] = spec.shape[0] * spec.shape[1];
+    }
+    file = std::make_unique<safetensors_writer>((tmp / adapter_weights_file).string(), std::move(declared),
+                                                std::map<std::string, std::string>{{"format", "pt"}});
+  }
+  for (int u = 0; u < adapters.unit_count(); ++u) {
+    const std::vector<float> flat = adapters.gather_unit(u);
+    if (!writes) continue;
+    for (const auto& [name, offset] : adapters.unit_parameters(u))
+      file->write(std::string(peft_name_prefix) + name,
+                  std::span<const float>(flat.data() + offset, static_cast<std::size_t>(numel.at(name))));
+  }
+  if (!writes) return {};
+  file->commit();
+  write_adapter_config(tmp.string(), r.lora, r.base_model);
+  fsync_path(tmp / adapter_config_file, false);
+  return {adapter_weights_file, adapter_config_file};
 }
 
 }  // namespace
@@ -220,22 +280,10 @@ void save_checkpoint(const std::string& dir_text, const checkpoint_request& r, p
     for (int u = 0; u < params.unit_count(); ++u)
       for (shard_state which : all_states) shard_file.write(state_name(u, which), params.shard_values(u, which));
     shard_file.commit();
-    // The model, a unit at a time through rank 0.
-    std::unique_ptr<hf_model_writer> writer;
-    if (writes) writer = std::make_unique<hf_model_writer>(tmp.string(), r.config, r.model);
-    const auto units = parameter_units(r.config);
-    for (int u = 0; u < params.unit_count(); ++u) {
-      const std::vector<float> flat = params.gather_unit(u);
-      if (!writes) continue;
-      for (const unit_parameter& p : units[static_cast<std::size_t>(u)])
-        writer->write(p.name, std::span<const float>(flat.data() + p.offset, static_cast<std::size_t>(p.numel)));
-    }
+    std::vector<std::string> files =
+        r.lora.enabled() ? write_adapters(tmp, r, params, comm) : write_model(tmp, r, params, comm);
     comm.barrier();  // every rank's shard file is complete
     if (writes) {
-      std::vector<std::string> files = writer->commit();
-      write_hf_config(r.config, (tmp / "config.json").string(), r.source_dir, hf_dtype_name(r.model.type));
-      fsync_path(tmp / "config.json", false);
-      files.push_back("config.json");
       if (!r.source_dir.empty() && fs::absolute(r.source_dir) != dir)
         for (const std::string& f : copy_companion_files(r.source_dir, tmp.string())) files.push_back(f);
       else
@@ -315,14 +363,20 @@ saved_state::saved_state(const std::string& text) : impl_(std::make_unique<impl>
 
 saved_state::~saved_state() = default;
 
-void saved_state::check_units(const model_config& config) const {
-  const auto units = parameter_units(config);
-  bool same = units.size() == impl_->units.size();
-  for (std::size_t u = 0; same && u < units.size(); ++u) {
-    std::int64_t n = 0;
-    for (const auto& p : units[u]) n += p.numel;
-    same = n == impl_->units[u];
+void saved_state::check_units(const model_config& config, const lora_config& lora) const {
+  std::vector<std::int64_t> sizes;
+  if (lora.enabled()) {
+    // The adapters' units: none in the embedding's and the head's, a layer's in each layer's.
+    sizes.assign(static_cast<std::size_t>(config.num_layers) + 2, 0);
+    for (int l = 0; l < config.num_layers; ++l) sizes[1 + l] = lora_parameter_count(config, lora) / config.num_layers;
+  } else {
+    for (const auto& unit : parameter_units(config)) {
+      std::int64_t n = 0;
+      for (const auto& p : unit) n += p.numel;
+      sizes.push_back(n);
+    }
   }
+  const bool same = sizes == impl_->units;
   if (!same)
     throw config_error("cannot resume " + config.name + " from " + dir_ +
                        ": its trainer state holds parameter units of another model; pass that model (--model " + dir_ + ")");
@@ -355,10 +409,11 @@ void check_same_model(const model_config& s, const model_config& c, const std::s
                        "); pass its configuration (--model " + dir + ")");
 }
 
-void export_checkpoint(const std::string& checkpoint_dir, const std::string& out_text, const hf_save_options& options) {
-  const saved_state saved(checkpoint_dir);
-  const model_config config = read_hf_config(saved.dir());
-  saved.check_units(config);
+namespace {
+
+// Writes an export's directory: `fill` writes into a temporary beside OUT, which then
+// replaces OUT (absent or empty); nothing is left behind when it throws.
+void write_export(const std::string& out_text, const std::function<void(const fs::path& tmp)>& fill) {
   const fs::path out = resolve_checkpoint_dir(out_text);
   std::error_code ec;
   if (fs::exists(out, ec) && (!fs::is_directory(out, ec) || !fs::is_empty(out, ec)))
@@ -369,6 +424,27 @@ void export_checkpoint(const std::string& checkpoint_dir, const std::string& out
   fs::remove_all(tmp, ec);
   if (!fs::create_directory(tmp, ec)) throw io_error("cannot create " + tmp.string() + ": " + ec.message());
   try {
+    fill(tmp);
+    fsync_path(tmp, true);
+    fs::remove(out, ec);  // an empty directory
+    if (std::rename(tmp.c_str(), out.c_str()) != 0)
+      throw io_error("cannot move the export into " + out.string() + ": " + std::strerror(errno));
+  } catch (...) {
+    fs::remove_all(tmp, ec);
+    throw;
+  }
+}
+
+}  // namespace
+
+void export_checkpoint(const std::string& checkpoint_dir, const std::string& out_text, const hf_save_options& options) {
+  if (is_adapter_directory(checkpoint_dir))
+    throw config_error(checkpoint_dir + " is a LoRA adapter directory, not a model: merge it into the base it was "
+                       "trained on with upipe export BASE " + out_text + " --merge-adapter " + checkpoint_dir);
+  const saved_state saved(checkpoint_dir);
+  const model_config config = read_hf_config(saved.dir());
+  saved.check_units(config);
+  write_export(out_text, [&](const fs::path& tmp) {
     hf_model_writer writer(tmp.string(), config, options);
     const auto units = parameter_units(config);
     for (std::size_t u = 0; u < units.size(); ++u)
@@ -380,14 +456,43 @@ void export_checkpoint(const std::string& checkpoint_dir, const std::string& out
     writer.commit();
     write_hf_config(config, (tmp / "config.json").string(), saved.dir(), hf_dtype_name(options.type));
     copy_companion_files(saved.dir(), tmp.string());
-    fsync_path(tmp, true);
-    fs::remove(out, ec);  // an empty directory
-    if (std::rename(tmp.c_str(), out.c_str()) != 0)
-      throw io_error("cannot move the export into " + out.string() + ": " + std::strerror(errno));
-  } catch (...) {
-    fs::remove_all(tmp, ec);
-    throw;
-  }
+  });
+}
+
+void merge_adapter(const std::string& base_dir, const std::string& adapter_dir, const std::string& out_text,
+                   const hf_save_options& options) {
+  if (!is_model_directory(base_dir))
+    throw io_error("cannot merge into " + base_dir + ": it is not a model directory (config.json and weights); pass "
+                   "the base model directory the adapter was trained on");
+  if (!is_adapter_directory(adapter_dir))
+    throw io_error("--merge-adapter " + adapter_dir + " holds no " + adapter_config_file +
+                   ": pass a LoRA adapter directory (upipe train --lora ... --save, or PEFT's save_pretrained)");
+  const model_config config = read_hf_config(base_dir);
+  const adapter_settings settings = read_adapter_config(adapter_dir, config);
+  host_weights adapters = read_adapter_weights(adapter_dir, config, settings.lora);  // GEMM operands: not const
+  const hf_model_files base(base_dir, config);
+  const float scale = settings.lora.scale();
+  write_export(out_text, [&](const fs::path& tmp) {
+    hf_model_writer writer(tmp.string(), config, options);
+    for (const parameter_spec& spec : parameter_specs(config)) {
+      std::int64_t numel = 1;
+      for (std::int64_t d : spec.shape) numel *= d;
+      std::vector<float> w(static_cast<std::size_t>(numel));
+      base.read(spec.name, 0, numel, w.data());
+      const std::string stem = spec.name.substr(0, spec.name.size() - std::string(".weight").size());
+      if (const auto a = adapters.find(stem + ".lora_A.weight"); a != adapters.end()) {
+        // W (out, in) += s B (out, r) A (r, in), in fp32 with the cpu backend's GEMM.
+        std::vector<float>& b = adapters.at(stem + ".lora_B.weight");
+        const std::int64_t out = spec.shape[0], in = spec.shape[1], r = settings.lora.rank;
+        cpu::gemm({{b.data(), dtype::f32, out, r, r}, transpose::none, {a->second.data(), dtype::f32, r, in, in},
+                   transpose::none, {w.data(), dtype::f32, out, in, in}, scale, 1.0f});
+      }
+      writer.write(spec.name, w);
+    }
+    writer.commit();
+    write_hf_config(config, (tmp / "config.json").string(), base_dir, hf_dtype_name(options.type));
+    copy_companion_files(base_dir, tmp.string());
+  });
 }
 
 }  // namespace upipe

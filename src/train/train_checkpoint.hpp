@@ -6,6 +6,9 @@
 //   tokenizer files, generation_config.json   copied from the input model directory
 //   trainer/manifest.json       the run: step, data position, seed, ranks, ZeRO stage, strategy
 //   trainer/rank-0000R-of-0000C.safetensors   rank R's fp32 master shard and AdamW moments
+// A LoRA run's checkpoint is a PEFT adapter directory instead of a model directory
+// (adapter_config.json, adapter_model.safetensors in fp32: what PeftModel.from_pretrained
+// loads on the base), its trainer/ holding the adapters' masters and moments.
 // Each rank writes its own shard file, in parallel; a resume at another rank count or ZeRO
 // stage reshards from them. The directory is built under DIR.tmp-upipe and swapped in
 // atomically, carrying over the files a user put into DIR, so that an existing checkpoint
@@ -20,6 +23,7 @@
 #include "comm/communicator.hpp"
 #include "model/config.hpp"
 #include "model/hf_model.hpp"
+#include "model/lora.hpp"
 #include "model/parameter_store.hpp"
 
 namespace upipe {
@@ -43,6 +47,8 @@ struct checkpoint_request {
   std::string strategy;    // recorded for the reader; a resume may use another
   int head_chunk = 0;
   std::int64_t seq_len = 0;
+  lora_config lora;        // enabled: the store saved holds the adapters (an adapter directory)
+  std::string base_model;  // LoRA: the base's directory or preset, for adapter_config.json
 };
 
 // Resolves a --save or --resume path as a user means it: a trailing slash is dropped and a
@@ -54,8 +60,9 @@ std::string resolve_checkpoint_dir(const std::string& dir);
 // way out. Removes what a killed save left behind (DIR.tmp-upipe, DIR.tmp-<dead pid>).
 void check_save_dir(const std::string& dir);
 
-// Collective over the CP group: every rank writes its shard, rank 0 the model and the
-// manifest. Throws io_error (full disk, unwritable directory); DIR is then untouched.
+// Collective over the CP group: every rank writes its shard, rank 0 the model (or the
+// adapters) and the manifest. Throws io_error (full disk, unwritable directory); DIR is
+// then untouched.
 void save_checkpoint(const std::string& dir, const checkpoint_request& request, parameter_store& params,
                      communicator& comm);
 
@@ -73,8 +80,9 @@ class saved_state {
   const trainer_state& state() const { return state_; }
   int ranks() const { return ranks_; }
   const std::string& zero() const { return zero_; }
-  // Checks the units against the run's model (config_error naming both otherwise).
-  void check_units(const model_config& config) const;
+  // Checks the units against the run's model, or its adapters (config_error naming both
+  // otherwise).
+  void check_units(const model_config& config, const lora_config& lora = {}) const;
   // Elements [begin, begin + count) of a unit's unpadded flat state, from whichever of the
   // saved ranks hold them (parameter_store::state_reader).
   void read(int unit, shard_state which, std::int64_t begin, std::int64_t count, float* out) const;
@@ -95,5 +103,12 @@ void check_same_model(const model_config& saved, const model_config& run, const 
 // dtype, with its config.json and tokenizer, without the trainer state. OUT must be absent
 // or empty; it is written atomically.
 void export_checkpoint(const std::string& checkpoint_dir, const std::string& out_dir, const hf_save_options& options);
+
+// `upipe export BASE OUT --merge-adapter ADAPTER`: the base model directory with every
+// adapted weight replaced by W + (alpha / r) B A (in fp32, then `options`' dtype), as a
+// plain model directory transformers loads: BASE's config.json and tokenizer. ADAPTER is
+// any LoRA adapter directory (upipe's or PEFT's). OUT must be absent or empty.
+void merge_adapter(const std::string& base_dir, const std::string& adapter_dir, const std::string& out_dir,
+                   const hf_save_options& options);
 
 }  // namespace upipe

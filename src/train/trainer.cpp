@@ -9,6 +9,7 @@
 
 #include "comm/communicator.hpp"
 #include "core/error.hpp"
+#include "model/adapter_files.hpp"
 #include "model/model_step.hpp"
 #include "train/data.hpp"
 #include "train/train_checkpoint.hpp"
@@ -73,17 +74,41 @@ class data_source {
   std::unique_ptr<token_file> file_;
 };
 
+bool uses_lora(const train_options& o) { return o.step.lora.enabled(); }
+
+// The base a LoRA run's adapters belong to, as adapter_config.json names it: its directory
+// (absolute), or the preset's name.
+std::string base_model_name(const train_options& o) {
+  return o.model_dir.empty() ? o.model.name : std::filesystem::absolute(o.model_dir).lexically_normal().string();
+}
+
+// LoRA's adapters are a few MiB to a few hundred: their working weights stay whole on every
+// rank (ZeRO-2) whatever --zero says of the base, their fp32 state sharded.
+zero_stage adapter_stage(const train_options& o) {
+  return o.zero == zero_stage::replicated ? zero_stage::replicated : zero_stage::two;
+}
+
 // Everything one rank holds for the run: one transformer per sequence length (more
 // than one only under sequence-length warmup).
 struct rank_context {
   const train_options& options;
   backend& be;
   communicator& comm;
-  parameter_store params;
+  parameter_store params;                     // the model; frozen under LoRA
+  std::unique_ptr<parameter_store> adapters;  // LoRA's adapters, the trained store then
   std::map<std::int64_t, std::unique_ptr<transformer>> models;
 
   rank_context(const train_options& o, backend& b, communicator& c)
-      : options(o), be(b), comm(c), params(o.model, b, c, o.zero, o.offload_optimizer) {}
+      : options(o), be(b), comm(c),
+        params(o.model, parameter_specs(o.model), b, c, o.zero, o.offload_optimizer && !uses_lora(o),
+               uses_lora(o) ? weight_role::frozen : weight_role::trained) {
+    if (uses_lora(o))
+      adapters = std::make_unique<parameter_store>(o.model, lora_parameter_specs(o.model, o.step.lora), b, c,
+                                                   adapter_stage(o), o.offload_optimizer, weight_role::trained);
+  }
+
+  // The store whose gradients and optimizer state the run keeps.
+  parameter_store& trained() { return adapters ? *adapters : params; }
 
   transformer& model(std::int64_t seq_len) {
     auto& m = models[seq_len];
@@ -100,7 +125,8 @@ double run_step(rank_context& rc, const std::vector<packed_sequence>& batch, std
   std::int64_t counted = 0;
   record.model_flops = 0;
   for (const auto& s : batch) {
-    record.model_flops += o.model.model_flops(s.length(), s.documents);
+    record.model_flops += uses_lora(o) ? lora_model_flops(o.model, o.step.lora, s.length(), s.documents)
+                                       : o.model.model_flops(s.length(), s.documents);
     if (s.tokens.empty()) {  // meta: shapes only, every label but the last counted
       counted += s.length() - 1;
       continue;
@@ -110,27 +136,30 @@ double run_step(rank_context& rc, const std::vector<packed_sequence>& batch, std
   }
   transformer& model = rc.model(batch.front().length());
   const auto runs = model.local_positions(rc.comm.rank());
-  rc.params.zero_grads();
+  parameter_store& trained = rc.trained();
+  trained.zero_grads();
   double local = 0;
   if (seqs.empty()) {
     UPIPE_CHECK(!rc.be.has_data(), "a sequence without tokens runs on the meta backend only");
     const std::vector<std::int32_t> zeros(static_cast<std::size_t>(model.local_tokens()), 0);
     for (std::size_t i = 0; i < batch.size(); ++i)
-      local += model.forward_backward(rc.params, {zeros, zeros, 1.0 / static_cast<double>(counted), batch[i].documents});
+      local += model.forward_backward(rc.params, {zeros, zeros, 1.0 / static_cast<double>(counted), batch[i].documents},
+                                      rc.adapters.get());
   }
   for (const auto& seq : seqs) {
     const auto ids = shard_rows(seq.ids, 1, runs, model.local_tokens());
     const auto labels = shard_rows(seq.labels, 1, runs, model.local_tokens());
-    local += model.forward_backward(rc.params, {ids, labels, 1.0 / static_cast<double>(counted), seq.documents});
+    local += model.forward_backward(rc.params, {ids, labels, 1.0 / static_cast<double>(counted), seq.documents},
+                                    rc.adapters.get());
   }
   record.loss = sum_over_ranks(rc.comm, local, "loss_sum") / static_cast<double>(counted);
-  if (rc.params.stage() == zero_stage::replicated) return record.loss;  // forward and backward only (planner)
-  record.grad_norm = rc.params.grad_norm();
+  if (trained.stage() == zero_stage::replicated) return record.loss;  // forward and backward only (planner)
+  record.grad_norm = trained.grad_norm();
   if (!std::isfinite(record.grad_norm))
     throw config_error("the gradient norm is not finite at step " + std::to_string(step) +
                        ": training diverged; lower --lr (now " + std::to_string(o.optim.lr) + ")");
   record.lr = scheduled_lr(o.optim, step);
-  rc.params.adamw_step(o.optim, step, record.lr, clip_coefficient(o.optim, record.grad_norm));
+  trained.adamw_step(o.optim, step, record.lr, clip_coefficient(o.optim, record.grad_norm));
   return record.loss;
 }
 
@@ -171,7 +200,9 @@ void save(rank_context& rc, const std::string& dir, std::int64_t step, std::int6
   r.strategy = std::string(strategy_name(o.cp.strategy));
   r.head_chunk = o.cp.head_chunk;
   r.seq_len = o.seq_len;
-  save_checkpoint(dir, r, rc.params, rc.comm);
+  r.lora = o.step.lora;
+  r.base_model = base_model_name(o);
+  save_checkpoint(dir, r, rc.trained(), rc.comm);
 }
 
 // The mean held-out loss over eval_sequences windows of `length` tokens, forward only: the
@@ -188,7 +219,8 @@ double held_out_loss(rank_context& rc, data_source& held_out, std::int64_t lengt
     const prepared_sequence seq = prepare_sequence(s.tokens, layout_unit(o.cp), s.documents);
     const auto ids = shard_rows(seq.ids, 1, runs, model.local_tokens());
     const auto labels = shard_rows(seq.labels, 1, runs, model.local_tokens());
-    for (const float loss : model.forward_scores(rc.params, {ids, labels, 1.0, seq.documents}).losses) local += loss;
+    for (const float loss : model.forward_scores(rc.params, {ids, labels, 1.0, seq.documents}, {}, rc.adapters.get()).losses)
+      local += loss;
     counted += seq.counted;
   }
   return sum_over_ranks(rc.comm, local, "eval_loss_sum") / static_cast<double>(std::max<std::int64_t>(counted, 1));
@@ -204,24 +236,33 @@ double evaluate(rank_context& rc, const passkey_task& task) {
     const prepared_sequence seq = prepare_sequence(sample.tokens, layout_unit(rc.options.cp));
     std::vector<std::int64_t> before_digits;
     for (std::int64_t k = 0; k < passkey_task::key_digits; ++k) before_digits.push_back(sample.answer_start + k - 1);
-    right += passkey_task::digits_right(sample, score_sequence(model, rc.params, rc.comm, seq, before_digits).argmax);
+    right += passkey_task::digits_right(
+        sample, score_sequence(model, rc.params, rc.comm, seq, before_digits, rc.adapters.get()).argmax);
   }
   return rc.options.eval_samples > 0 ? right / rc.options.eval_samples : 0.0;
 }
 
-void run_rank(const train_options& o, backend& be, communicator& comm, const saved_state* resume,
-              const weight_source* init, train_summary& summary, const std::function<void(const step_record&)>& on_step,
+// Where a rank's weights come from: a resumed trainer state, or the initial weights; under
+// LoRA the frozen base always from `init` and the adapters from the state or `adapters`.
+struct weight_sources {
+  const saved_state* resume = nullptr;
+  const weight_source* init = nullptr;
+  const weight_source* adapters = nullptr;
+};
+
+void run_rank(const train_options& o, backend& be, communicator& comm, const weight_sources& from,
+              train_summary& summary, const std::function<void(const step_record&)>& on_step,
               clock_type::time_point start) {
   rank_context rc(o, be, comm);
   std::int64_t first = 1, position = 0;
-  if (resume != nullptr) {
-    rc.params.load_state([resume](int u, shard_state which, std::int64_t begin, std::int64_t count, float* out) {
-      resume->read(u, which, begin, count, out);
-    });
-    first = resume->state().step + 1;
-    position = resume->state().data_position;
-  } else if (init != nullptr) {
-    rc.params.load(*init);
+  if (from.init != nullptr && (from.resume == nullptr || rc.adapters)) rc.params.load(*from.init);
+  if (from.resume != nullptr) {
+    rc.trained().load_state([resume = from.resume](int u, shard_state which, std::int64_t begin, std::int64_t count,
+                                                   float* out) { resume->read(u, which, begin, count, out); });
+    first = from.resume->state().step + 1;
+    position = from.resume->state().data_position;
+  } else if (from.adapters != nullptr && rc.adapters) {
+    rc.adapters->load(*from.adapters);
   }
   be.synchronize();
   comm.barrier();
@@ -316,9 +357,15 @@ void validate(const train_options& o) {
                        " (sequences per optimizer step, their gradients accumulated; for example --batch 8)");
   if (o.save_every < 0 || (o.save_every > 0 && o.save_dir.empty()))
     throw config_error("--save-every " + std::to_string(o.save_every) + " needs --save DIR (where to write)");
-  if (!o.resume_dir.empty() && !o.init_path.empty())
+  if (!o.resume_dir.empty() && !o.init_path.empty() && !uses_lora(o))
     throw config_error("--resume and --init contradict each other: a resumed run takes its weights from the checkpoint; "
                        "drop --init");
+  if (uses_lora(o)) validate(o.step.lora, o.model);
+  if (!o.init_adapter.empty() && !uses_lora(o))
+    throw config_error("--init-adapter " + o.init_adapter + " needs LoRA: pass --lora with the adapter's settings");
+  if (!o.init_adapter.empty() && !o.resume_dir.empty())
+    throw config_error("--resume and --init-adapter contradict each other: a resumed run takes its adapters from the "
+                       "checkpoint; drop --init-adapter");
   if (!(o.optim.lr > 0) || !std::isfinite(o.optim.lr))
     throw config_error("--lr " + std::to_string(o.optim.lr) + " must be a positive number (for example 3e-3)");
   // Decoupled decay multiplies each matrix by 1 - lr * wd per step: beyond 1 it flips signs.
@@ -376,11 +423,15 @@ step_timing time_steps(const train_options& o, std::int64_t warmup_len, int repe
   // Random weights wherever there is data: a step over zeros would time multiplications of
   // zeros (which draw less power) and its loss would be log(vocab) whatever the strategy.
   const host_weights init = o.backend == backend_kind::meta ? host_weights{} : random_weights(o.model, o.seed);
+  const host_weights adapters = o.backend == backend_kind::meta || !uses_lora(o)
+                                    ? host_weights{}
+                                    : initial_adapters(o.model, o.step.lora, o.seed);
   run_cp_group(
       o.backend, o.limits, o.cp.cp,
       [&](int rank, backend& be, communicator& comm) {
         rank_context rc(o, be, comm);
         rc.params.load(init);
+        if (rc.adapters) rc.adapters->load(adapters);
         step_record record;
         if (warmup_len > 0) run_step(rc, {tokens(be, warmup_len, 0)}, 1, record);
         for (int i = 0; i < repeats; ++i) {
@@ -413,22 +464,35 @@ step_timing time_steps(const train_options& o, std::int64_t warmup_len, int repe
 
 namespace {
 
-// A resumed run must continue the saved one: the same model and the same data.
-void check_resume(const train_options& o, const saved_state& saved) {
+// A LoRA run resumes a LoRA run's adapters of the same shape and settings (the base is the
+// run's --model, frozen: not part of the trainer state).
+void check_resumed_adapters(const train_options& o, const saved_state& saved) {
+  if (!is_adapter_directory(saved.dir()))
+    throw config_error("cannot resume LoRA from " + o.resume_dir + ": it holds a full model's trainer state (no " +
+                       adapter_config_file + "); start LoRA on its weights with --model " + o.resume_dir +
+                       " and no --resume, or resume it without --lora");
+  const adapter_settings settings = read_adapter_config(saved.dir(), o.model);
+  if (!(settings.lora == o.step.lora))
+    throw config_error("cannot resume from " + o.resume_dir + ": its adapters are --lora " + lora_text(settings.lora) +
+                       ", not " + lora_text(o.step.lora) + "; pass --lora " + lora_text(settings.lora));
+  saved.check_units(o.model, o.step.lora);
+  // The base is not in the checkpoint: another one of the same shape is allowed, and said aloud.
+  const std::string base = base_model_name(o);
+  if (!settings.base_model.empty() && settings.base_model != base)
+    std::fprintf(stderr, "upipe: note: the adapters in %s were trained on %s; they continue on %s\n",
+                 o.resume_dir.c_str(), settings.base_model.c_str(), base.c_str());
+}
+
+// A full run resumes a full run of the same model; the RoPE and epsilon it may change on
+// purpose (context extension) are said aloud.
+void check_resumed_model(const train_options& o, const saved_state& saved) {
+  if (is_adapter_directory(saved.dir()))
+    throw config_error("cannot resume from " + o.resume_dir + ": it holds LoRA adapters (" + adapter_config_file +
+                       "); resume it with --lora as it was trained (its " + adapter_config_file + " says which) and "
+                       "its base as --model");
   const model_config saved_model = read_hf_config(saved.dir());
   check_same_model(saved_model, o.model, saved.dir());
   saved.check_units(o.model);
-  const trainer_state& st = saved.state();
-  if (st.seed != o.seed)
-    throw config_error("cannot resume from " + o.resume_dir + ": it was trained with --seed " + std::to_string(st.seed) +
-                       " (the order of its data and its held-out samples), not " + std::to_string(o.seed) +
-                       "; pass --seed " + std::to_string(st.seed));
-  // What a resume may change on purpose, said aloud: the schedule's length, the RoPE
-  // (context extension) and the norm's epsilon.
-  if (st.total_steps != 0 && st.total_steps != o.optim.total_steps)
-    std::fprintf(stderr, "upipe: note: the schedule now runs to step %lld (it ran to %lld when saved): the learning "
-                 "rate from step %lld follows the new schedule\n", static_cast<long long>(o.optim.total_steps),
-                 static_cast<long long>(st.total_steps), static_cast<long long>(st.step + 1));
   if (!(saved_model.rope == o.model.rope))
     std::fprintf(stderr, "upipe: note: the RoPE differs from the checkpoint's config.json (theta %g, %s scaling); "
                  "the run continues with theta %g, %s scaling\n", saved_model.rope.theta,
@@ -437,6 +501,24 @@ void check_resume(const train_options& o, const saved_state& saved) {
   if (saved_model.rms_norm_eps != o.model.rms_norm_eps)
     std::fprintf(stderr, "upipe: note: rms_norm_eps is %g, the checkpoint's config.json has %g\n", o.model.rms_norm_eps,
                  saved_model.rms_norm_eps);
+}
+
+// A resumed run must continue the saved one: the same model and the same data.
+void check_resume(const train_options& o, const saved_state& saved) {
+  if (uses_lora(o))
+    check_resumed_adapters(o, saved);
+  else
+    check_resumed_model(o, saved);
+  const trainer_state& st = saved.state();
+  if (st.seed != o.seed)
+    throw config_error("cannot resume from " + o.resume_dir + ": it was trained with --seed " + std::to_string(st.seed) +
+                       " (the order of its data and its held-out samples), not " + std::to_string(o.seed) +
+                       "; pass --seed " + std::to_string(st.seed));
+  // What a resume may change on purpose, said aloud: the schedule's length.
+  if (st.total_steps != 0 && st.total_steps != o.optim.total_steps)
+    std::fprintf(stderr, "upipe: note: the schedule now runs to step %lld (it ran to %lld when saved): the learning "
+                 "rate from step %lld follows the new schedule\n", static_cast<long long>(o.optim.total_steps),
+                 static_cast<long long>(st.total_steps), static_cast<long long>(st.step + 1));
   if (st.step >= (o.stop_after > 0 ? o.stop_after : o.optim.total_steps))
     throw config_error("the checkpoint in " + o.resume_dir + " is at step " + std::to_string(st.step) +
                        ", past the last step asked for; raise --steps or --stop-after");
@@ -488,13 +570,21 @@ train_summary train(const train_options& o, const std::function<void(const step_
   const auto start = clock_type::now();
   if (!o.save_dir.empty()) check_save_dir(o.save_dir);
   std::unique_ptr<saved_state> resume;
-  std::unique_ptr<weight_source> init;
-  host_weights random;
+  std::unique_ptr<weight_source> init, adapter_init;
+  host_weights random, random_adapters;
   if (!o.resume_dir.empty()) {
     resume = std::make_unique<saved_state>(o.resume_dir);
     check_resume(o, *resume);
-  } else if (o.backend != backend_kind::meta) {
-    init = initial_weights(o, random);
+  }
+  // The frozen base of a LoRA run is never in its trainer state.
+  if (o.backend != backend_kind::meta && (!resume || uses_lora(o))) init = initial_weights(o, random);
+  if (o.backend != backend_kind::meta && !resume && uses_lora(o)) {
+    if (!o.init_adapter.empty()) {
+      adapter_init = std::make_unique<adapter_files>(o.init_adapter, o.model, o.step.lora);
+    } else {
+      random_adapters = initial_adapters(o.model, o.step.lora, o.seed);
+      adapter_init = std::make_unique<host_weight_source>(random_adapters);
+    }
   }
   if (o.eval_every > 0) {
     if (uses_documents(o.eval_data, o.packing))
@@ -521,7 +611,7 @@ train_summary train(const train_options& o, const std::function<void(const step_
     run_cp_group(
         o.backend, o.limits, o.cp.cp,
         [&](int, backend& be, communicator& comm) {
-          run_rank(o, be, comm, resume.get(), init.get(), summary, on_step, start);
+          run_rank(o, be, comm, {resume.get(), init.get(), adapter_init.get()}, summary, on_step, start);
         },
         false, o.comm);
   } catch (...) {

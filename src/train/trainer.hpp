@@ -27,6 +27,9 @@ constexpr std::int64_t max_batch = std::int64_t{1} << 16;
 struct train_options {
   model_config model;
   std::string init_path;    // weights to start from (a model directory or a .safetensors file); empty: random
+  // LoRA (step.lora enabled): the base is frozen and only adapters train. Their start: a
+  // PEFT adapter directory, or empty for PEFT's default initialization from `seed`.
+  std::string init_adapter;
   std::string model_dir;    // the input model directory: the base of the saved config.json and the source of
                             // the tokenizer files (empty for presets)
   hf_save_options save_model;  // the saved weights' dtype and shard size

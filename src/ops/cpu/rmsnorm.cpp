@@ -33,7 +33,7 @@ void rmsnorm_forward(const rmsnorm_forward_args& args) {
 void rmsnorm_backward(const rmsnorm_backward_args& args) {
   const std::int64_t cols = args.x.cols;
   const float* weight = row_of(args.weight, 0);
-  float* d_weight = mutable_row_of(args.d_weight, 0);
+  float* d_weight = args.d_weight.rows > 0 ? mutable_row_of(args.d_weight, 0) : nullptr;  // none: frozen
   for (std::int64_t r = 0; r < args.x.rows; ++r) {
     const float* x = row_of(args.x, r);
     const float* d_y = row_of(args.d_y, r);
@@ -45,7 +45,7 @@ void rmsnorm_backward(const rmsnorm_backward_args& args) {
     // d_x may alias d_y (in-place backward): read d_y[j] before d_x[j] is written.
     for (std::int64_t j = 0; j < cols; ++j) {
       const double dy = d_y[j];
-      d_weight[j] += static_cast<float>(dy * x[j] * rstd);
+      if (d_weight != nullptr) d_weight[j] += static_cast<float>(dy * x[j] * rstd);
       d_x[j] = static_cast<float>(rstd * (dy * weight[j] - x[j] * correction));
     }
   }

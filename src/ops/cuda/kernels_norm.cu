@@ -158,12 +158,13 @@ __global__ void __launch_bounds__(norm_config.threads) rmsnorm_backward_kernel(r
 #pragma unroll
       for (int e = 0; e < w; ++e) {
         const float contribution = dy[e] * xv[e] * rstd;
-        if (!p.shared_accumulator)
-          atomicAdd(p.d_weight + j + e, contribution);
-        else if constexpr (Group == norm_config.threads)
+        if (!p.shared_accumulator) {
+          if (p.d_weight != nullptr) atomicAdd(p.d_weight + j + e, contribution);  // nullptr: a frozen weight's
+        } else if constexpr (Group == norm_config.threads) {
           d_weight_partial[j + e] += contribution;  // one row at a time: the column is this thread's
-        else
+        } else {
           atomicAdd(d_weight_partial + j + e, contribution);  // warps on different rows share it
+        }
         dy[e] = rstd * (dy[e] * g[e] - xv[e] * correction);
       }
       store_vec<w>(d_x + j, dy);
@@ -227,13 +228,14 @@ void rmsnorm_backward(const rmsnorm_backward_args& args, cudaStream_t stream) {
   const std::int64_t rows = args.x.rows, cols = args.x.cols;
   if (rows == 0 || cols == 0) return;
   const auto shared_bytes = static_cast<std::size_t>(cols) * sizeof(float);
-  const bool shared_accumulator = shared_bytes <= static_cast<std::size_t>(max_dynamic_shared_bytes());
+  const bool wanted = args.d_weight.rows > 0;  // else a frozen weight's: not computed
+  const bool shared_accumulator = wanted && shared_bytes <= static_cast<std::size_t>(max_dynamic_shared_bytes());
   const rmsnorm_backward_params params{args.x.data,
                                        args.weight.data,
                                        static_cast<const float*>(args.rstd.data),
                                        args.d_y.data,
                                        args.d_x.data,
-                                       static_cast<float*>(args.d_weight.data),
+                                       wanted ? static_cast<float*>(args.d_weight.data) : nullptr,
                                        rows,
                                        cols,
                                        args.x.ld,

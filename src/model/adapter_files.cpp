@@ -1,0 +1,170 @@
+#include "model/adapter_files.hpp"
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <set>
+
+#include <nlohmann/json.hpp>
+
+#include "core/error.hpp"
+#include "train/safetensors.hpp"
+
+namespace upipe {
+
+namespace fs = std::filesystem;
+
+bool is_adapter_directory(const std::string& path) {
+  std::error_code ec;
+  return fs::is_regular_file(fs::path(path) / adapter_config_file, ec);
+}
+
+namespace {
+
+// A field that, set, asks for something upipe's LoRA does not do.
+void refuse_if(bool set, const std::string& file, const std::string& field, const std::string& why) {
+  if (set) throw config_error(file + " sets " + field + ", which upipe does not run: " + why);
+}
+
+bool non_empty(const nlohmann::json& j, const char* key) {
+  const auto it = j.find(key);
+  return it != j.end() && !it->is_null() && !(it->is_object() && it->empty()) && !(it->is_array() && it->empty());
+}
+
+std::vector<std::string> target_names(const nlohmann::json& t, const std::string& file) {
+  if (t.is_string()) {
+    const std::string s = t.get<std::string>();
+    if (s.find_first_of("*.()[]|\\^$+?") != std::string::npos)
+      throw config_error(file + " gives target_modules as the pattern '" + s +
+                         "': upipe reads a list of module names (q_proj, ..., down_proj) or all-linear");
+    return {s};
+  }
+  if (!t.is_array()) throw io_error(file + ": target_modules must be a list of module names or a string");
+  return t.get<std::vector<std::string>>();
+}
+
+}  // namespace
+
+std::string adapter_base_model(const std::string& dir) {
+  const std::string file = (fs::path(dir) / adapter_config_file).string();
+  std::ifstream in(file);
+  try {
+    const auto j = nlohmann::json::parse(in);
+    const auto it = j.find("base_model_name_or_path");
+    return it != j.end() && it->is_string() ? it->get<std::string>() : std::string();
+  } catch (const nlohmann::json::exception& e) {
+    throw io_error("cannot read " + file + ": " + e.what());
+  }
+}
+
+adapter_settings read_adapter_config(const std::string& dir, const model_config& model) {
+  const std::string file = (fs::path(dir) / adapter_config_file).string();
+  std::ifstream in(file);
+  if (!in) throw io_error("cannot read " + file + ": is " + dir + " a LoRA adapter directory (PEFT's save_pretrained)?");
+  adapter_settings s;
+  try {
+    const auto j = nlohmann::json::parse(in);
+    if (j.contains("peft_type") && j.at("peft_type") != "LORA")
+      throw config_error(file + " holds a " + j.at("peft_type").dump() + " adapter; upipe trains LoRA adapters only");
+    refuse_if(j.value("use_dora", false), file, "use_dora", "DoRA's magnitude vectors are not implemented");
+    refuse_if(j.value("use_rslora", false), file, "use_rslora", "rank-stabilized scaling (alpha / sqrt r) is not "
+              "implemented; the scale here is alpha / r");
+    refuse_if(j.value("fan_in_fan_out", false), file, "fan_in_fan_out", "the adapted weights are (out, in) linears");
+    refuse_if(j.contains("bias") && j.at("bias") != "none", file, "bias", "the projections have no biases to train; "
+              "use bias \"none\"");
+    for (const char* key : {"rank_pattern", "alpha_pattern", "modules_to_save", "layers_to_transform",
+                            "exclude_modules", "trainable_token_indices", "target_parameters"})
+      refuse_if(non_empty(j, key), file, key, "every layer's targets share one r and alpha here, and only the "
+                "adapters train");
+    s.lora.rank = j.at("r").get<int>();
+    s.lora.alpha = j.at("lora_alpha").get<double>();
+    s.dropout = j.value("lora_dropout", 0.0);
+    s.lora.targets = parse_lora_targets(target_names(j.at("target_modules"), file), model, file + " target_modules");
+    if (j.contains("base_model_name_or_path") && j.at("base_model_name_or_path").is_string())
+      s.base_model = j.at("base_model_name_or_path").get<std::string>();
+  } catch (const nlohmann::json::exception& e) {
+    throw io_error("cannot read " + file + ": " + e.what());
+  }
+  validate(s.lora, model, file);
+  return s;
+}
+
+void write_adapter_config(const std::string& dir, const lora_config& lora, const std::string& base_model) {
+  std::vector<std::string> targets;
+  for (lora_target t : lora.target_list()) targets.emplace_back(lora_module_name(t));
+  nlohmann::ordered_json j;
+  j["peft_type"] = "LORA";
+  j["task_type"] = "CAUSAL_LM";
+  j["base_model_name_or_path"] = base_model;
+  j["r"] = lora.rank;
+  j["lora_alpha"] = lora.alpha;
+  j["lora_dropout"] = 0.0;
+  j["target_modules"] = targets;
+  j["bias"] = "none";
+  j["fan_in_fan_out"] = false;
+  j["use_rslora"] = false;
+  j["use_dora"] = false;
+  j["init_lora_weights"] = true;
+  j["inference_mode"] = true;
+  j["modules_to_save"] = nullptr;
+  j["layers_to_transform"] = nullptr;
+  j["rank_pattern"] = nlohmann::json::object();
+  j["alpha_pattern"] = nlohmann::json::object();
+  j["revision"] = nullptr;
+  const std::string file = (fs::path(dir) / adapter_config_file).string();
+  std::ofstream out(file, std::ios::trunc);
+  out << j.dump(2) << "\n";
+  out.close();
+  if (!out) throw io_error("cannot write " + file + ": check the directory and the disk");
+}
+
+struct adapter_files::impl {
+  safetensors_view file;
+  explicit impl(const std::string& path) : file(path) {}
+};
+
+adapter_files::adapter_files(const std::string& dir, const model_config& model, const lora_config& lora) {
+  const std::string path = (fs::path(dir) / adapter_weights_file).string();
+  std::error_code ec;
+  if (!fs::exists(path, ec))
+    throw io_error("cannot read the adapters: " + path + " is missing (PEFT's save_pretrained writes it; a .bin "
+                   "adapter must be converted to safetensors first)");
+  impl_ = std::make_unique<impl>(path);
+  std::set<std::string> expected;
+  for (const parameter_spec& spec : lora_parameter_specs(model, lora)) {
+    const std::string name = std::string(peft_name_prefix) + spec.name;
+    expected.insert(name);
+    const safetensors_info* info = impl_->file.find(name);
+    if (info == nullptr)
+      throw io_error(path + " lacks " + name + ": the adapter is not one of r=" + std::to_string(lora.rank) + " on " +
+                     lora_text(lora) + " for " + model.name);
+    if (info->shape != spec.shape)
+      throw io_error(path + ": " + name + " has shape " + nlohmann::json(info->shape).dump() + ", expected " +
+                     nlohmann::json(spec.shape).dump() + " (r=" + std::to_string(lora.rank) + " on " + model.name + ")");
+  }
+  for (const auto& [name, info] : impl_->file.tensors())
+    if (!expected.count(name))
+      throw io_error(path + " holds " + name + ", which " + std::string(adapter_config_file) +
+                     "'s targets do not account for: the file and its configuration disagree");
+}
+
+adapter_files::~adapter_files() = default;
+
+void adapter_files::read(const std::string& name, std::int64_t offset, std::int64_t count, float* out) const {
+  impl_->file.read(std::string(peft_name_prefix) + name, static_cast<std::uint64_t>(offset),
+                   static_cast<std::uint64_t>(count), out);
+}
+
+host_weights read_adapter_weights(const std::string& dir, const model_config& model, const lora_config& lora) {
+  const adapter_files files(dir, model, lora);
+  host_weights out;
+  for (const parameter_spec& spec : lora_parameter_specs(model, lora)) {
+    std::vector<float> values(static_cast<std::size_t>(spec.shape[0] * spec.shape[1]));
+    files.read(spec.name, 0, static_cast<std::int64_t>(values.size()), values.data());
+    out.emplace(spec.name, std::move(values));
+  }
+  return out;
+}
+
+}  // namespace upipe

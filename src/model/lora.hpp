@@ -1,0 +1,84 @@
+// LoRA (low-rank adapters) as PEFT defines them: a targeted projection y = x W^T becomes
+// y = x W^T + (alpha / r) (x A^T) B^T with A (r, in) and B (out, r) trained and W frozen.
+// The configuration (`--lora r=16,alpha=32,targets=q,k,v,o,gate,up,down`), the adapters'
+// parameters under PEFT's names, their initialization, the model FLOPs of a LoRA step, and
+// the views that put a store's adapters beside the weights they adapt.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "model/config.hpp"
+#include "model/parameters.hpp"
+#include "model/weights.hpp"
+
+namespace upipe {
+
+// The linear projections of a decoder layer an adapter may target, in PEFT's module names
+// q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj.
+enum class lora_target : std::uint8_t { q, k, v, o, gate, up, down };
+inline constexpr int lora_target_count = 7;
+
+struct lora_config {
+  int rank = 0;           // r; 0: no LoRA (every weight trained)
+  double alpha = 0;       // lora_alpha: the adapter's output is scaled by alpha / r
+  std::uint8_t targets = 0;  // one bit per lora_target
+
+  bool enabled() const { return rank > 0; }
+  float scale() const { return static_cast<float>(alpha / rank); }
+  bool adapts(lora_target t) const { return (targets >> static_cast<int>(t) & 1) != 0; }
+  std::vector<lora_target> target_list() const;
+  bool operator==(const lora_config&) const = default;
+};
+
+// PEFT's module name of a target ("q_proj", ...).
+const char* lora_module_name(lora_target t);
+// "r=16,alpha=32,targets=q,k,v,o,gate,up,down": the flag's own form.
+std::string lora_text(const lora_config& lora);
+
+// Parses --lora: comma-separated key=value items r (required), alpha (default r),
+// dropout (0 only) and targets (the names that follow it, short or PEFT's: q or q_proj, ...,
+// or all; default all seven), and checks them against the model. Throws config_error
+// naming the value, the rule and a valid alternative, before any work is done.
+lora_config parse_lora(std::string_view text, const model_config& model);
+// The checks parse_lora makes on a configuration from elsewhere (an adapter_config.json).
+void validate(const lora_config& lora, const model_config& model, const std::string& what = "--lora");
+// Parses the target names of `names` (short or PEFT's, or all / all-linear) for `model`.
+std::uint8_t parse_lora_targets(const std::vector<std::string>& names, const model_config& model,
+                                const std::string& what = "--lora targets");
+
+// The adapters' parameters: for each layer and each target in order, lora_A (r, in) then
+// lora_B (out, r), named as PEFT names them without its "base_model.model." prefix
+// ("model.layers.0.self_attn.q_proj.lora_A.weight").
+std::vector<parameter_spec> lora_parameter_specs(const model_config& model, const lora_config& lora);
+// PEFT's prefix of every tensor name in adapter_model.safetensors.
+inline constexpr std::string_view peft_name_prefix = "base_model.model.";
+std::int64_t lora_parameter_count(const model_config& model, const lora_config& lora);
+
+// The host memory one rank's offloaded optimizer holds for the adapters (as
+// offloaded_optimizer_bytes does for a whole model): per layer unit, its shard of the fp32
+// masters, moments and gradients, and of the working weights.
+std::size_t lora_offloaded_optimizer_bytes(const model_config& model, const lora_config& lora, int ranks, dtype work);
+
+// Model FLOPs of one LoRA step over S tokens (docs/design.md section 7, recompute not
+// counted): the base's forward and its input-gradient GEMMs (4 N_matmul S, no weight
+// gradient), the causal attention (6 L H d S^2, or the documents' pairs), and the
+// adapters' forward, input and weight gradients (6 N_adapter S).
+double lora_model_flops(const model_config& model, const lora_config& lora, std::int64_t seq_len,
+                        std::span<const std::int64_t> documents = {});
+
+// PEFT's default initialization: A kaiming-uniform with a = sqrt(5), i.e. uniform in
+// +-1/sqrt(in), and B = 0, drawn from `seed` (counter-based, core/random.hpp).
+host_weights initial_adapters(const model_config& model, const lora_config& lora, std::uint64_t seed);
+
+// Puts layer `layer`'s adapters, looked up by name in `view`, beside the weights they adapt
+// (or, for gradients, beside the weights' gradients).
+using named_view = std::function<mat_view(const std::string&)>;
+void attach_adapters(layer_params& p, const lora_config& lora, int layer, const named_view& view);
+void attach_adapter_grads(layer_gradients& g, const lora_config& lora, int layer, const named_view& view);
+
+}  // namespace upipe
