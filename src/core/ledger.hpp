@@ -19,6 +19,7 @@ enum class mem_tag : std::uint8_t {
   checkpoints_device,
   checkpoints_host,
   optimizer_host,  // --offload optimizer: master weights, moments and gradient shards in host memory
+  weights_host,    // --offload optimizer,params: the working-dtype weights in host memory
   activations,
   attention,
   comm,
@@ -29,7 +30,9 @@ constexpr std::size_t mem_tag_count = static_cast<std::size_t>(mem_tag::count);
 
 std::string_view mem_tag_name(mem_tag tag);
 // Host tags live in host memory; every other tag is device (arena) memory.
-constexpr bool is_host_tag(mem_tag tag) { return tag == mem_tag::checkpoints_host || tag == mem_tag::optimizer_host; }
+constexpr bool is_host_tag(mem_tag tag) {
+  return tag == mem_tag::checkpoints_host || tag == mem_tag::optimizer_host || tag == mem_tag::weights_host;
+}
 
 struct ledger_event {
   std::uint64_t seq;
