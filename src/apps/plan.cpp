@@ -50,11 +50,11 @@ std::string u_text(const plan_entry& e) {
 }
 
 // "upipe", or "hybrid 2x8" (R x A: a ring of R nodes, all-to-all among A GPUs in each);
-// "+host" where AdamW's state is in host memory.
+// "+host" where AdamW's state is in host memory, "+host+w" where the weights are too.
 std::string strategy_text(const plan_entry& e, int gpus) {
   std::string name(strategy_name(e.strategy));
   if (e.strategy == strategy_kind::hybrid) name += " " + std::to_string(e.ring) + "x" + std::to_string(gpus / e.ring);
-  return e.offload_optimizer ? name + " +host" : name;
+  return e.offload_params ? name + " +host+w" : e.offload_optimizer ? name + " +host" : name;
 }
 
 nlohmann::json point_json(const plan_point& p) {
@@ -107,9 +107,9 @@ int run(const plan_flags& f) {
                        "or none (forward and backward only: full weights and f32 gradients)");
   if (!f.policy.empty()) r.policy = parse_checkpoint_policy(f.policy);
   r.try_offload = f.offload == "auto";
-  r.offload_optimizer = !r.try_offload && parse_offload(f.offload);
-  if (r.offload_optimizer && r.zero == zero_stage::replicated)
-    throw config_error("--offload optimizer needs an optimizer: drop --optimizer none");
+  const offload_options offload = r.try_offload ? offload_options{} : parse_offload(f.offload);
+  r.offload_optimizer = offload.optimizer;
+  r.offload_params = offload.params;
   r.mlp_tile = f.mlp_tile;
   r.loss_chunk = f.loss_chunk;
   validate(r);
@@ -122,12 +122,14 @@ int run(const plan_flags& f) {
   const std::string step_kind = r.zero == zero_stage::replicated
                                     ? "forward+backward, no optimizer"
                                     : "training step, zero=" + std::to_string(f.zero) +
-                                          (r.offload_optimizer ? ", optimizer in host memory" : "");
+                                          (r.offload_params      ? ", optimizer and weights in host memory"
+                                           : r.offload_optimizer ? ", optimizer in host memory"
+                                                                 : "");
   std::printf("# upipe plan  model=%s (%d layers)  gpus=%d (%d node%s of %d)  %s  gpu-memory=%.1f GiB (margin %.0f%%: "
               "%.1f GiB usable)\n",
               r.model.name.c_str(), r.model.num_layers, r.gpus, r.nodes, r.nodes == 1 ? "" : "s", r.gpus / r.nodes,
               step_kind.c_str(), gib(r.gpu_memory), 100 * r.margin, gib(r.gpu_memory) * (1 - r.margin));
-  std::printf("# host-memory=%.1f GiB per node%s, shared by the node's %d ranks (pinned checkpoints)\n",
+  std::printf("# host-memory=%.1f GiB per node%s, shared by the node's %d ranks (pinned checkpoints and offloaded state)\n",
               gib(r.host_memory), host_default ? " (default: 1.9 TiB, the paper's 8 x H100 machine; set --host-memory)" : "",
               r.gpus / r.nodes);
   std::printf("# GPU bytes = the step's arena high water (meta backend, with cuBLASLt's and cuDNN's workspaces "
@@ -139,27 +141,30 @@ int run(const plan_flags& f) {
   const auto eval_text = [](const plan_entry& e) {
     return e.longest_eval ? tokens_text(e.longest_eval->seq_len) : std::string("none");
   };
-  std::printf("\n%-11s %4s %12s %8s %8s %12s  %s\n", "strategy", "U", "longest S", "GPU GiB", "host GiB", "eval S",
+  std::printf("\n%-15s %4s %12s %8s %8s %12s  %s\n", "strategy", "U", "longest S", "GPU GiB", "host GiB", "eval S",
               "checkpoint policy");
   for (const plan_entry& e : plan.entries) {
     if (!e.longest) {
-      std::printf("%-11s %4s %12s %8s %8s %12s  %s\n", strategy_text(e, r.gpus).c_str(),
+      std::printf("%-15s %4s %12s %8s %8s %12s  %s\n", strategy_text(e, r.gpus).c_str(),
                   u_text(e).c_str(), "none", "-", "-", eval_text(e).c_str(), "does not fit even the shortest length");
       continue;
     }
     const plan_point& p = *e.longest;
-    std::printf("%-11s %4s %12s %8.1f %8.1f %12s  %s\n", strategy_text(e, r.gpus).c_str(),
+    std::printf("%-15s %4s %12s %8.1f %8.1f %12s  %s\n", strategy_text(e, r.gpus).c_str(),
                 u_text(e).c_str(), tokens_text(p.seq_len).c_str(), gib(p.gpu_bytes), gib(p.host_bytes),
                 eval_text(e).c_str(), p.policy.str().c_str());
   }
   std::printf("(eval S: the longest length upipe eval fits, forward only with the weights alone%s)\n",
-              r.try_offload || r.offload_optimizer ? "; +host: AdamW's state in host memory, --offload optimizer" : "");
+              r.try_offload || r.offload_optimizer
+                  ? "; +host: AdamW's state in host memory, --offload optimizer; +host+w: the weights too, --offload "
+                    "optimizer,params"
+                  : "");
   if (r.seq_len) {
-    std::printf("\nat S = %s:\n%-11s %4s %6s %8s %8s  %s\n", tokens_text(*r.seq_len).c_str(), "strategy", "U", "fits",
+    std::printf("\nat S = %s:\n%-15s %4s %6s %8s %8s  %s\n", tokens_text(*r.seq_len).c_str(), "strategy", "U", "fits",
                 "GPU GiB", "host GiB", "checkpoint policy (the fastest that fits, else the closest to fitting)");
     for (const plan_entry& e : plan.entries) {
       const plan_point& p = *e.at_request;
-      std::printf("%-11s %4s %6s %8.1f %8.1f  %s\n", strategy_text(e, r.gpus).c_str(), u_text(e).c_str(),
+      std::printf("%-15s %4s %6s %8.1f %8.1f  %s\n", strategy_text(e, r.gpus).c_str(), u_text(e).c_str(),
                   p.fits ? "yes" : "no", gib(p.gpu_bytes), gib(p.host_bytes), p.policy.str().c_str());
     }
   }
@@ -181,6 +186,7 @@ int run(const plan_flags& f) {
       nlohmann::json j = {{"strategy", std::string(strategy_name(e.strategy))},
                           {"ring", e.ring},
                           {"offload_optimizer", e.offload_optimizer},
+                          {"offload_params", e.offload_params},
                           {"head_chunk", e.strategy == strategy_kind::ring ? nlohmann::json(nullptr)
                                                                            : nlohmann::json(e.head_chunk)},
                           {"max_seq_len", e.longest ? e.longest->seq_len : 0}};
@@ -240,7 +246,7 @@ command_runner add_plan(CLI::App& app) {
   app.add_option("--margin", f->margin, "fraction of GPU and host memory kept free")->capture_default_str();
   app.add_option("--layers", f->layers, "plan a slice: the first N layers only");
   app.add_option("--offload", f->offload,
-                 std::string(offload_help) + "; auto: each configuration both ways")->capture_default_str();
+                 std::string(offload_help) + "; auto: each configuration all three ways")->capture_default_str();
   app.add_option("--checkpoint-policy", f->policy,
                  "plan only this policy (what=input|input+attention,every=K,where=device|host-pinned|host-pageable)");
   app.add_option("--mlp-tile", f->mlp_tile, mlp_tile_help);

@@ -27,12 +27,14 @@ inline plan_point choose_checkpoint_policy(train_options& o, double memory_gib, 
   r.gpus = o.cp.cp;
   r.zero = o.zero;
   r.offload_optimizer = o.offload_optimizer;
+  r.offload_params = o.offload_params;
   r.mlp_tile = o.step.mlp_tile;
   r.loss_chunk = o.step.loss_chunk;
   r.margin = 0.02;
   r.gpu_memory = arena + gpu_context_bytes();
   memory_limits host = run_limits(backend_kind::cuda, memory_gib, checkpoint_location::host_pinned, host_memory_gib);
-  if (o.offload_optimizer) host = with_offloaded_optimizer(host, o.model, o.cp.cp, backend_kind::cuda);
+  const offload_options offload{o.offload_optimizer, o.offload_params};
+  host = with_offload(host, o.model, o.cp.cp, backend_kind::cuda, o.zero, offload, o.batch);
   r.host_memory = host.host_bytes * static_cast<std::size_t>(r.gpus);
   const plan_point chosen = fastest_fit(r, o.cp, o.seq_len);
   if (!chosen.fits) {
@@ -44,7 +46,7 @@ inline plan_point choose_checkpoint_policy(train_options& o, double memory_gib, 
   }
   o.step.policy = chosen.policy;
   o.limits = run_limits(o.backend, memory_gib, chosen.policy.where, host_memory_gib);
-  if (o.offload_optimizer) o.limits = with_offloaded_optimizer(o.limits, o.model, o.cp.cp, o.backend);
+  o.limits = with_offload(o.limits, o.model, o.cp.cp, o.backend, o.zero, offload, o.batch);
   return chosen;
 }
 

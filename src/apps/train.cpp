@@ -124,9 +124,11 @@ train_options to_options(const train_flags& f) {
   o.resume_dir = f.resume_dir;
   o.backend = parse_backend_kind(f.backend);
   o.comm = f.comm.options();
-  o.offload_optimizer = parse_offload(f.offload);
+  const offload_options offload = parse_offload(f.offload);
+  o.offload_optimizer = offload.optimizer;
+  o.offload_params = offload.params;
   o.limits = run_limits(o.backend, f.memory_gib, o.step.policy.where, f.host_memory_gib);
-  if (o.offload_optimizer) o.limits = with_offloaded_optimizer(o.limits, o.model, o.cp.cp, o.backend);
+  o.limits = with_offload(o.limits, o.model, o.cp.cp, o.backend, o.zero, offload, o.batch);
   o.eval_samples = f.eval_samples;
   o.eval_every = f.eval_every;
   o.eval_data = f.eval_data;

@@ -29,6 +29,7 @@ train_options probe_options(const plan_request& r, const cp_settings& cp, std::i
   o.cp = cp;
   o.zero = r.zero;
   o.offload_optimizer = r.offload_optimizer;
+  o.offload_params = r.offload_params;
   // The probe's arena is unbounded: the default sizes are those of the planned GPU's arena.
   o.step = with_default_sizes({r.mlp_tile, r.loss_chunk, policy}, r.model,
                               r.gpu_memory > context_bytes ? r.gpu_memory - context_bytes : r.gpu_memory);
@@ -86,6 +87,7 @@ plan_entry plan_configuration(const plan_request& r, const cp_settings& cp) {
   e.head_chunk = cp.head_chunk;
   e.ring = cp.ring;
   e.offload_optimizer = r.offload_optimizer;
+  e.offload_params = r.offload_params;
   const std::vector<checkpoint_policy> policies =
       r.policy ? std::vector<checkpoint_policy>{*r.policy} : candidate_policies();
   std::int64_t best = 0;
@@ -164,6 +166,10 @@ eval_point evaluate_forward(const plan_request& r, const cp_settings& cp, std::i
 
 void validate(const plan_request& r) {
   validate(r.model);
+  if ((r.offload_optimizer || r.offload_params || r.try_offload) && r.zero == zero_stage::replicated)
+    throw config_error("--offload needs an optimizer (it moves AdamW's state): drop --optimizer none");
+  if (r.offload_params && !r.offload_optimizer)
+    throw config_error("the weights go to host memory only with the optimizer: use --offload optimizer,params");
   if (r.gpus < 1)
     throw config_error("--gpus " + std::to_string(r.gpus) + " must be at least 1 (for example --gpus 8)");
   if (r.nodes < 1 || r.gpus % r.nodes != 0)
@@ -202,12 +208,13 @@ plan_result make_plan(const plan_request& r) {
   plan_result out;
   // Configurations are independent meta runs: one thread each.
   std::vector<std::future<plan_entry>> work;
-  std::vector<bool> offloads = {r.offload_optimizer};
-  if (r.try_offload && r.zero != zero_stage::replicated) offloads = {false, true};
+  std::vector<offload_options> offloads = {{r.offload_optimizer, r.offload_params}};
+  if (r.try_offload && r.zero != zero_stage::replicated) offloads = {{false, false}, {true, false}, {true, true}};
   for (const cp_settings& cp : configurations(r))
-    for (const bool offload : offloads) {
+    for (const offload_options offload : offloads) {
       plan_request with = r;
-      with.offload_optimizer = offload;
+      with.offload_optimizer = offload.optimizer;
+      with.offload_params = offload.params;
       work.push_back(std::async(std::launch::async, [with, cp] { return plan_configuration(with, cp); }));
     }
   for (auto& w : work) out.entries.push_back(w.get());

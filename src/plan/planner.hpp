@@ -30,7 +30,9 @@ struct plan_request {
   std::vector<strategy_kind> strategies{strategy_kind::ulysses, strategy_kind::upipe, strategy_kind::ring};
   zero_stage zero = zero_stage::three;
   bool offload_optimizer = false;      // --offload optimizer: its state in the node's host memory
-  bool try_offload = false;            // --offload auto: every configuration with the optimizer on both sides
+  bool offload_params = false;         // --offload optimizer,params: the working weights there too
+  bool try_offload = false;            // --offload auto: every configuration with nothing, the optimizer, and
+                                       // the optimizer and the weights in host memory
   std::int64_t mlp_tile = 0, loss_chunk = 0;  // as for training (0: defaults)
   std::optional<checkpoint_policy> policy;    // only this policy (default: candidate_policies())
   bool eval = true;                           // also the longest length `upipe eval` fits
@@ -71,6 +73,7 @@ struct plan_entry {
   int head_chunk = 0;                 // U (upipe, hybrid), H (ulysses), 0 (ring)
   int ring = 1;                       // hybrid's R (the nodes)
   bool offload_optimizer = false;     // AdamW's state in host memory
+  bool offload_params = false;        // the working weights too
   std::optional<plan_point> longest;  // at the longest length that fits (none: nothing fits)
   std::optional<eval_point> longest_eval;  // the longest evaluable length (with plan_request::eval)
   std::optional<plan_point> at_request;  // at the requested length: the fastest policy that fits, or the
