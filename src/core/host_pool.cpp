@@ -79,10 +79,6 @@ void host_batch::unhold() {
   if (--pending_ == 0) finished_.notify_all();
 }
 
-void host_batch::for_each(std::size_t items, const std::function<void(std::size_t)>& fn) {
-  for (std::size_t i = 0; i < items; ++i) add([fn, i] { fn(i); });
-}
-
 bool host_batch::done() {
   std::lock_guard lock(mutex_);
   return pending_ == 0;

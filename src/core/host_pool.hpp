@@ -7,6 +7,7 @@
 #include <condition_variable>
 #include <cstddef>
 #include <deque>
+#include <exception>
 #include <functional>
 #include <mutex>
 #include <thread>
@@ -51,8 +52,6 @@ class host_batch {
   // if it were a job, until unhold().
   void hold();
   void unhold();
-  // fn(i) for i in [0, items), as jobs.
-  void for_each(std::size_t items, const std::function<void(std::size_t)>& fn);
   bool done();
   void wait();
 
