@@ -237,6 +237,10 @@ int run(const train_flags& f) {
               o.data_path.empty() ? "passkey task" : o.data_path.c_str(), static_cast<long long>(o.seq_len),
               static_cast<long long>(o.batch), o.cp.cp, f.mesh.describe().c_str(), f.zero,
               static_cast<long long>(o.optim.total_steps), o.optim.lr, f.backend.c_str());
+  if (o.offload_optimizer)
+    std::printf("# in host memory: %s; AdamW on the host's cores %s\n",
+                o.offload_params ? "AdamW's state and the weights" : "AdamW's state",
+                o.optim.max_grad_norm > 0 ? "after the norm, beside the next forward" : "beside the backward");
   if (o.seq_warmup > 0)
     std::printf("# steps 1-%lld on sequences of %lld tokens, then %lld (--seq-warmup, --seq-warmup-start)\n",
                 static_cast<long long>(o.seq_warmup), static_cast<long long>(step_seq_len(o, 1)),
