@@ -22,5 +22,6 @@ command_runner add_bench_comm(CLI::App& app);
 command_runner add_export(CLI::App& app);
 command_runner add_prepare_data(CLI::App& app);
 command_runner add_eval(CLI::App& app);
+command_runner add_bench_adamw(CLI::App& app);
 
 }  // namespace upipe::apps

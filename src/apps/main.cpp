@@ -51,6 +51,8 @@ int main(int argc, char** argv) {
       "export", "Write a training checkpoint's weights, or a base with a LoRA adapter merged, as a Hugging Face model directory"));
   auto prepare = upipe::apps::add_prepare_data(*app.add_subcommand(
       "prepare-data", "Tokenize documents (text, JSONL, Parquet) with a model's tokenizer into a corpus for --data"));
+  auto adamw = upipe::apps::add_bench_adamw(*app.add_subcommand(
+      "bench-adamw", "The offloaded optimizer's host AdamW in parameters per second (scripts/bench_adamw.py: vs PyTorch)"));
   auto eval = upipe::apps::add_eval(*app.add_subcommand(
       "eval", "Held-out loss under CP, forward only: mean, perplexity and loss by position in the context"));
   try {
@@ -76,6 +78,7 @@ int main(int argc, char** argv) {
     if (app.got_subcommand("export")) return export_model();
     if (app.got_subcommand("prepare-data")) return prepare();
     if (app.got_subcommand("eval")) return eval();
+    if (app.got_subcommand("bench-adamw")) return adamw();
   } catch (const std::exception& e) {
     return report_error(e);
   }

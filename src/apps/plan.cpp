@@ -2,6 +2,7 @@
 // policy that fits the GPU and the host, and the recommended U (meta backend only).
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <optional>
@@ -26,6 +27,7 @@ struct plan_flags {
       optimizer = "adamw", policy, offload = "none", lora;
   std::vector<std::string> attention;  // default: ulysses, upipe, ring, fpdt (and hybrid on several nodes)
   std::vector<int> seq_chunks;          // default: the planner's
+  throughput_rates rates;               // the step-time model's
   int gpus = 8, gpus_per_node = 0, nodes = 1, zero = 3, layers = 0;
   double margin = 0.05;
   std::int64_t mlp_tile = 0, loss_chunk = 0;
@@ -58,7 +60,7 @@ std::vector<const plan_entry*> table_rows(const std::vector<plan_entry>& entries
   for (const plan_entry& e : entries) {
     const auto same = [&](const plan_entry* r) {
       return r->strategy == e.strategy && r->head_chunk == e.head_chunk && r->ring == e.ring &&
-             r->offload_optimizer == e.offload_optimizer;
+             r->offload_optimizer == e.offload_optimizer && r->offload_params == e.offload_params;
     };
     auto it = std::find_if(rows.begin(), rows.end(), same);
     if (it == rows.end()) {
@@ -80,11 +82,11 @@ std::vector<const plan_entry*> table_rows(const std::vector<plan_entry>& entries
 }
 
 // "upipe", or "hybrid 2x8" (R x A: a ring of R nodes, all-to-all among A GPUs in each);
-// "+host" where AdamW's state is in host memory.
+// "+host" where AdamW's state is in host memory, "+host+w" where the weights are too.
 std::string strategy_text(const plan_entry& e, int gpus) {
   std::string name(strategy_name(e.strategy));
   if (e.strategy == strategy_kind::hybrid) name += " " + std::to_string(e.ring) + "x" + std::to_string(gpus / e.ring);
-  return e.offload_optimizer ? name + " +host" : name;
+  return e.offload_params ? name + " +host+w" : e.offload_optimizer ? name + " +host" : name;
 }
 
 nlohmann::json point_json(const plan_point& p) {
@@ -92,8 +94,14 @@ nlohmann::json point_json(const plan_point& p) {
                                  {"what", content_name(p.policy.what)},
                                  {"every", p.policy.every},
                                  {"where", location_name(p.policy.where)}};
+  nlohmann::json time = nullptr;
+  if (p.time)
+    time = {{"total", p.time->total()}, {"gemm", p.time->gemm},         {"attention", p.time->attention},
+            {"all_to_all", p.time->all_to_all}, {"ring", p.time->ring}, {"zero", p.time->zero},
+            {"host", p.time->host}};
   return {{"seq_len", p.seq_len},
           {"fits", p.fits},
+          {"step_seconds_model", time},
           {"checkpoint_policy", policy},
           {"peak_bytes", p.memory.peak_bytes},
           {"step_device_peak_bytes", p.memory.device_peak},
@@ -137,12 +145,19 @@ int run(const plan_flags& f) {
                        "or none (forward and backward only: full weights and f32 gradients)");
   if (!f.policy.empty()) r.policy = parse_checkpoint_policy(f.policy);
   r.try_offload = f.offload == "auto";
-  r.offload_optimizer = !r.try_offload && parse_offload(f.offload);
-  if (r.offload_optimizer && r.zero == zero_stage::replicated)
-    throw config_error("--offload optimizer needs an optimizer: drop --optimizer none");
+  const offload_options offload = r.try_offload ? offload_options{} : parse_offload(f.offload);
+  r.offload_optimizer = offload.optimizer;
+  r.offload_params = offload.params;
   r.mlp_tile = f.mlp_tile;
   r.loss_chunk = f.loss_chunk;
   if (!f.seq_chunks.empty()) r.seq_chunks = f.seq_chunks;
+  r.rates = f.rates;
+  for (const double rate : {f.rates.gemm_tflops, f.rates.attention_tflops, f.rates.nvlink_gbytes, f.rates.network_gbits,
+                            f.rates.pcie_gbytes})
+    if (!(rate > 0) || !std::isfinite(rate))
+      throw config_error("the step-time model's rates (--gemm-tflops, --attention-tflops, --nvlink-gbytes, "
+                         "--network-gbits, --pcie-gbytes) must be positive and finite, not " + std::to_string(rate) +
+                         " (for example --network-gbits 400)");
   if (!f.lora.empty()) r.lora = parse_lora(f.lora, r.model);
   validate(r);
   std::ofstream json_out;
@@ -156,17 +171,24 @@ int run(const plan_flags& f) {
   const std::string step_kind = (r.zero == zero_stage::replicated
                                      ? "forward+backward, no optimizer"
                                      : "training step, zero=" + std::to_string(f.zero) +
-                                           (r.offload_optimizer ? ", optimizer in host memory" : "")) +
+                                           (r.offload_params      ? ", optimizer and weights in host memory"
+                                            : r.offload_optimizer ? ", optimizer in host memory"
+                                                                  : "")) +
                                 lora_text_or_none;
   std::printf("# upipe plan  model=%s (%d layers)  gpus=%d (%d node%s of %d)  %s  gpu-memory=%.1f GiB (margin %.0f%%: "
               "%.1f GiB usable)\n",
               r.model.name.c_str(), r.model.num_layers, r.gpus, r.nodes, r.nodes == 1 ? "" : "s", r.gpus / r.nodes,
               step_kind.c_str(), gib(r.gpu_memory), 100 * r.margin, gib(r.gpu_memory) * (1 - r.margin));
-  std::printf("# host-memory=%.1f GiB per node%s, shared by the node's %d ranks (pinned checkpoints)\n",
+  std::printf("# host-memory=%.1f GiB per node%s, shared by the node's %d ranks (pinned checkpoints and offloaded state)\n",
               gib(r.host_memory), host_default ? " (default: 1.9 TiB, the paper's 8 x H100 machine; set --host-memory)" : "",
               r.gpus / r.nodes);
   std::printf("# GPU bytes = the step's arena high water (meta backend, with cuBLASLt's and cuDNN's workspaces "
               "taken as on the GPU) + %.2f GiB of CUDA context\n", gib(estimate_overheads(step_memory{}).context));
+  std::printf("# step s: the step-time model (plan/step_time.hpp), nothing overlapped: GEMMs at %.0f TFLOP/s, causal "
+              "attention at %.0f, all-to-all inside a node at %.0f GB/s, %.0f Gb/s per GPU across nodes, host copies "
+              "at %.0f GB/s\n",
+              r.rates.gemm_tflops, r.rates.attention_tflops, r.rates.nvlink_gbytes, r.rates.network_gbits,
+              r.rates.pcie_gbytes);
   std::fflush(stdout);
   const plan_result plan = make_plan(r);
 
@@ -174,31 +196,39 @@ int run(const plan_flags& f) {
   const auto eval_text = [](const plan_entry& e) {
     return e.longest_eval ? tokens_text(e.longest_eval->seq_len) : std::string("none");
   };
-  std::printf("\n%-11s %4s %4s %12s %8s %8s %12s  %s\n", "strategy", "U", "N", "longest S", "GPU GiB", "host GiB",
-              "eval S", "checkpoint policy");
+  std::printf("\n%-15s %4s %4s %12s %8s %8s %10s %10s %12s  %s\n", "strategy", "U", "N", "longest S", "GPU GiB",
+              "host GiB", "step s", "tok/s/GPU", "eval S", "checkpoint policy");
   for (const plan_entry* row : table_rows(plan.entries, false)) {
     const plan_entry& e = *row;
     if (!e.longest) {
-      std::printf("%-11s %4s %4d %12s %8s %8s %12s  %s\n", strategy_text(e, r.gpus).c_str(), u_text(e).c_str(),
-                  e.seq_chunks, "none", "-", "-", eval_text(e).c_str(), "does not fit even the shortest length");
+      std::printf("%-15s %4s %4d %12s %8s %8s %10s %10s %12s  %s\n", strategy_text(e, r.gpus).c_str(),
+                  u_text(e).c_str(), e.seq_chunks, "none", "-", "-", "-", "-", eval_text(e).c_str(),
+                  "does not fit even the shortest length");
       continue;
     }
     const plan_point& p = *e.longest;
-    std::printf("%-11s %4s %4d %12s %8.1f %8.1f %12s  %s\n", strategy_text(e, r.gpus).c_str(), u_text(e).c_str(),
-                e.seq_chunks, tokens_text(p.seq_len).c_str(), gib(p.gpu_bytes), gib(p.host_bytes),
-                eval_text(e).c_str(), p.policy.str().c_str());
+    const double step = p.time->total();
+    std::printf("%-15s %4s %4d %12s %8.1f %8.1f %10.1f %10.0f %12s  %s\n", strategy_text(e, r.gpus).c_str(),
+                u_text(e).c_str(), e.seq_chunks, tokens_text(p.seq_len).c_str(), gib(p.gpu_bytes), gib(p.host_bytes),
+                step, static_cast<double>(p.seq_len) / step / r.gpus, eval_text(e).c_str(), p.policy.str().c_str());
   }
   std::printf("(N: sequence chunks, the one of --seq-chunks that reaches the longest S; the JSON holds every N)\n");
   std::printf("(eval S: the longest length upipe eval fits, forward only with the weights alone%s)\n",
-              r.try_offload || r.offload_optimizer ? "; +host: AdamW's state in host memory, --offload optimizer" : "");
+              r.try_offload || r.offload_optimizer
+                  ? "; +host: AdamW's state in host memory, --offload optimizer; +host+w: the weights too, --offload "
+                    "optimizer,params"
+                  : "");
   if (r.seq_len) {
-    std::printf("\nat S = %s:\n%-11s %4s %4s %6s %8s %8s  %s\n", tokens_text(*r.seq_len).c_str(), "strategy", "U", "N",
-                "fits", "GPU GiB", "host GiB", "checkpoint policy (the fastest that fits, else the closest to fitting)");
+    std::printf("\nat S = %s:\n%-15s %4s %4s %6s %8s %8s %10s %10s  %s\n", tokens_text(*r.seq_len).c_str(), "strategy",
+                "U", "N", "fits", "GPU GiB", "host GiB", "step s", "tok/s/GPU",
+                "checkpoint policy (the fastest that fits, else the closest to fitting)");
     for (const plan_entry* row : table_rows(plan.entries, true)) {
       const plan_entry& e = *row;
       const plan_point& p = *e.at_request;
-      std::printf("%-11s %4s %4d %6s %8.1f %8.1f  %s\n", strategy_text(e, r.gpus).c_str(), u_text(e).c_str(),
-                  e.seq_chunks, p.fits ? "yes" : "no", gib(p.gpu_bytes), gib(p.host_bytes), p.policy.str().c_str());
+      const double step = p.time->total();
+      std::printf("%-15s %4s %4d %6s %8.1f %8.1f %10.1f %10.0f  %s\n", strategy_text(e, r.gpus).c_str(),
+                  u_text(e).c_str(), e.seq_chunks, p.fits ? "yes" : "no", gib(p.gpu_bytes), gib(p.host_bytes), step,
+                  static_cast<double>(p.seq_len) / step / r.gpus, p.policy.str().c_str());
     }
   }
   const bool upipe_planned =
@@ -222,6 +252,7 @@ int run(const plan_flags& f) {
                           {"ring", e.ring},
                           {"seq_chunks", e.seq_chunks},
                           {"offload_optimizer", e.offload_optimizer},
+                          {"offload_params", e.offload_params},
                           {"head_chunk", e.strategy == strategy_kind::ring ? nlohmann::json(nullptr)
                                                                            : nlohmann::json(e.head_chunk)},
                           {"max_seq_len", e.longest ? e.longest->seq_len : 0}};
@@ -287,7 +318,7 @@ command_runner add_plan(CLI::App& app) {
   app.add_option("--margin", f->margin, "fraction of GPU and host memory kept free")->capture_default_str();
   app.add_option("--layers", f->layers, "plan a slice: the first N layers only");
   app.add_option("--offload", f->offload,
-                 std::string(offload_help) + "; auto: each configuration both ways")->capture_default_str();
+                 std::string(offload_help) + "; auto: each configuration all three ways")->capture_default_str();
   app.add_option("--checkpoint-policy", f->policy,
                  "plan only this policy (what=input|input+attention,every=K,where=device|host-pinned|host-pageable)");
   app.add_option("--mlp-tile", f->mlp_tile, mlp_tile_help);
@@ -296,6 +327,16 @@ command_runner add_plan(CLI::App& app) {
                  "plan LoRA: r=N[,alpha=A][,targets=...] (the base frozen: no gradients, masters or moments; "
                  "the adapters trained)");
   app.add_option("--json", f->json_path, "write the plan as JSON");
+  app.add_option("--gemm-tflops", f->rates.gemm_tflops, "step-time model: bf16 GEMM rate per GPU")->capture_default_str();
+  app.add_option("--attention-tflops", f->rates.attention_tflops,
+                 "step-time model: causal fused attention rate (forward + backward) per GPU")
+      ->capture_default_str();
+  app.add_option("--nvlink-gbytes", f->rates.nvlink_gbytes, "step-time model: all-to-all bus bandwidth in a node, GB/s")
+      ->capture_default_str();
+  app.add_option("--network-gbits", f->rates.network_gbits, "step-time model: bandwidth per GPU across nodes, Gb/s")
+      ->capture_default_str();
+  app.add_option("--pcie-gbytes", f->rates.pcie_gbytes, "step-time model: host <-> device copies, GB/s each way")
+      ->capture_default_str();
   return [f] { return run(*f); };
 }
 

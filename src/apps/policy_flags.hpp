@@ -28,12 +28,14 @@ inline plan_point choose_checkpoint_policy(train_options& o, double memory_gib, 
   r.zero = o.zero;
   r.offload_optimizer = o.offload_optimizer;
   r.lora = o.step.lora;
+  r.offload_params = o.offload_params;
   r.mlp_tile = o.step.mlp_tile;
   r.loss_chunk = o.step.loss_chunk;
   r.margin = 0.02;
   r.gpu_memory = arena + gpu_context_bytes();
   memory_limits host = run_limits(backend_kind::cuda, memory_gib, checkpoint_location::host_pinned, host_memory_gib);
-  if (o.offload_optimizer) host = with_offloaded_optimizer(host, o.model, o.cp.cp, backend_kind::cuda, o.step.lora);
+  const offload_options offload{o.offload_optimizer, o.offload_params};
+  host = with_offload(host, o.model, o.cp.cp, backend_kind::cuda, o.zero, offload, o.batch, o.step.lora);
   host = with_chunked_attention(host, o.model, o.cp, o.seq_len, backend_kind::cuda);
   r.host_memory = host.host_bytes * static_cast<std::size_t>(r.gpus);
   const plan_point chosen = fastest_fit(r, o.cp, o.seq_len);
@@ -46,7 +48,7 @@ inline plan_point choose_checkpoint_policy(train_options& o, double memory_gib, 
   }
   o.step.policy = chosen.policy;
   o.limits = run_limits(o.backend, memory_gib, chosen.policy.where, host_memory_gib);
-  if (o.offload_optimizer) o.limits = with_offloaded_optimizer(o.limits, o.model, o.cp.cp, o.backend, o.step.lora);
+  o.limits = with_offload(o.limits, o.model, o.cp.cp, o.backend, o.zero, offload, o.batch, o.step.lora);
   o.limits = with_chunked_attention(o.limits, o.model, o.cp, o.seq_len, o.backend);
   return chosen;
 }

@@ -97,27 +97,33 @@ inline memory_limits run_limits(backend_kind kind, double memory_gib, checkpoint
   return limits;
 }
 
-// --offload none|optimizer: true for optimizer (its state in host memory, AdamW on the host).
+// --offload none|optimizer|optimizer,params: what of the sharded training state lives in
+// host memory.
 inline constexpr const char* offload_help =
-    "none, or optimizer: the fp32 master weights, AdamW's moments and the gradient shards in host memory "
-    "(pinned), AdamW on the host's cores";
-inline bool parse_offload(const std::string& text) {
-  if (text == "none") return false;
-  if (text == "optimizer") return true;
-  if (text == "optimizer,params" || text == "params")
-    throw config_error("--offload " + text + ": the weights in host memory are not built yet (issue #21); use "
-                       "--offload optimizer");
-  throw config_error("--offload " + text + " is not known: use none or optimizer");
+    "none; optimizer: the fp32 master weights, AdamW's moments and the gradient shards in host memory (pinned), "
+    "AdamW on the host's cores; optimizer,params: the working-dtype weights there too, each unit brought to the GPU "
+    "ahead of its use";
+inline offload_options parse_offload(const std::string& text) {
+  if (text == "none") return {};
+  if (text == "optimizer") return {true, false};
+  if (text == "optimizer,params" || text == "params,optimizer") return {true, true};
+  if (text == "params")
+    throw config_error("--offload params: the weights go to host memory only with the optimizer (AdamW writes them "
+                       "there); use --offload optimizer,params");
+  throw config_error("--offload " + text + " is not known: use none, optimizer or optimizer,params");
 }
 
-// --offload optimizer: the host pool grows by the optimizer state one rank holds there (and
-// a margin for the arena's alignment), whatever the rest of the pool is for.
-inline memory_limits with_offloaded_optimizer(memory_limits limits, const model_config& model, int ranks,
-                                              backend_kind kind, const lora_config& lora = {}) {
+// --offload: the host pool grows by what the offload holds there for one rank
+// (offloaded_bytes, with a margin for the arena's alignment), whatever the rest of the
+// pool is for. Under LoRA the optimizer is the adapters' (a micro-batch's gradients fit in
+// the margin).
+inline memory_limits with_offload(memory_limits limits, const model_config& model, int ranks, backend_kind kind,
+                                  zero_stage zero, offload_options offload, std::int64_t micro_batches,
+                                  const lora_config& lora = {}) {
+  if (!offload.optimizer) return limits;
   const dtype work = kind == backend_kind::cpu ? dtype::f32 : dtype::bf16;
-  // Under LoRA the optimizer is the adapters'.
   limits.host_bytes += (lora.enabled() ? lora_offloaded_optimizer_bytes(model, lora, ranks, work)
-                                       : offloaded_optimizer_bytes(model, ranks, work)) +
+                                       : offloaded_bytes(model, ranks, work, zero, offload, micro_batches)) +
                        (std::size_t{64} << 20);
   return limits;
 }

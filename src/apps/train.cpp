@@ -164,9 +164,11 @@ train_options to_options(const train_flags& f) {
   o.resume_dir = f.resume_dir;
   o.backend = parse_backend_kind(f.backend);
   o.comm = f.comm.options();
-  o.offload_optimizer = parse_offload(f.offload);
+  const offload_options offload = parse_offload(f.offload);
+  o.offload_optimizer = offload.optimizer;
+  o.offload_params = offload.params;
   o.limits = run_limits(o.backend, f.memory_gib, o.step.policy.where, f.host_memory_gib);
-  if (o.offload_optimizer) o.limits = with_offloaded_optimizer(o.limits, o.model, o.cp.cp, o.backend, lora);
+  o.limits = with_offload(o.limits, o.model, o.cp.cp, o.backend, o.zero, offload, o.batch, lora);
   o.limits = with_chunked_attention(o.limits, o.model, o.cp, o.seq_len, o.backend);
   o.eval_samples = f.eval_samples;
   o.eval_every = f.eval_every;
@@ -279,6 +281,10 @@ int run(const train_flags& f) {
   if (o.step.lora.enabled())
     std::printf("# LoRA %s: %lld adapter parameters trained, the base frozen (no gradients, masters or moments)\n",
                 lora_text(o.step.lora).c_str(), static_cast<long long>(lora_parameter_count(o.model, o.step.lora)));
+  if (o.offload_optimizer)
+    std::printf("# in host memory: %s; AdamW on the host's cores %s\n",
+                o.offload_params ? "AdamW's state and the weights" : "AdamW's state",
+                o.optim.max_grad_norm > 0 ? "after the norm, beside the next forward" : "beside the backward");
   if (o.seq_warmup > 0)
     std::printf("# steps 1-%lld on sequences of %lld tokens, then %lld (--seq-warmup, --seq-warmup-start)\n",
                 static_cast<long long>(o.seq_warmup), static_cast<long long>(step_seq_len(o, 1)),

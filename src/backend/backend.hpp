@@ -5,6 +5,8 @@
 
 #include <chrono>
 #include <cstddef>
+#include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -79,6 +81,17 @@ class backend {
   virtual void copy_bytes_side(void* dst, const void* src, std::size_t bytes) { copy_bytes(dst, src, bytes); }
   // Work issued after this call waits for every side copy issued before it.
   virtual void join_side_copies() {}
+  // A point in the side copies: side_point() stands for those issued so far, and
+  // join_side_point() makes the work issued after it wait for those alone, not for side
+  // copies issued since (a weights prefetch joined without waiting for a checkpoint's
+  // offload that started after it). Each point is joined once. The defaults join all.
+  virtual std::uint64_t side_point() { return 0; }
+  virtual void join_side_point(std::uint64_t /*point*/) { join_side_copies(); }
+  // Runs fn on a host thread once the work issued so far is done, without the caller
+  // waiting: on a GPU from the CUDA runtime's callback thread, in the order of the step's
+  // stream (fn must be short and must not call the backend). Where work is done as it is
+  // issued (cpu, meta), fn runs now.
+  virtual void when_done(std::function<void()> fn) { fn(); }
   // What the device's driver reports in use (all of the GPU, every context on it) at its
   // highest seen at a synchronize(); 0 where there is no driver (cpu, meta). Beside the
   // ledger it shows what lies outside the arena: the CUDA context and the libraries.

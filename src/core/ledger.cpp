@@ -15,6 +15,7 @@ std::string_view mem_tag_name(mem_tag tag) {
     case mem_tag::checkpoints_host: return "checkpoints_host";
     case mem_tag::optimizer_host: return "optimizer_host";
     case mem_tag::attention_host: return "attention_host";
+    case mem_tag::weights_host: return "weights_host";
     case mem_tag::activations: return "activations";
     case mem_tag::attention: return "attention";
     case mem_tag::comm: return "comm";

@@ -20,6 +20,7 @@ enum class mem_tag : std::uint8_t {
   checkpoints_host,
   optimizer_host,  // --offload optimizer: master weights, moments and gradient shards in host memory
   attention_host,  // sequence chunks: earlier chunks' K/V (and their gradients) in host memory
+  weights_host,    // --offload optimizer,params: the working-dtype weights in host memory
   activations,
   attention,
   comm,
@@ -31,7 +32,8 @@ constexpr std::size_t mem_tag_count = static_cast<std::size_t>(mem_tag::count);
 std::string_view mem_tag_name(mem_tag tag);
 // Host tags live in host memory; every other tag is device (arena) memory.
 constexpr bool is_host_tag(mem_tag tag) {
-  return tag == mem_tag::checkpoints_host || tag == mem_tag::optimizer_host || tag == mem_tag::attention_host;
+  return tag == mem_tag::checkpoints_host || tag == mem_tag::optimizer_host || tag == mem_tag::weights_host ||
+         tag == mem_tag::attention_host;
 }
 
 struct ledger_event {

@@ -56,13 +56,13 @@ void run_rank(const model_step_request& req, const prepared_sequence& seq, const
               model_step_result* measured) {
   const auto seq_len = static_cast<std::int64_t>(seq.ids.size());
   const lora_config& lora = req.options.lora;
-  parameter_store params(req.model, parameter_specs(req.model), be, comm, zero_stage::replicated, false,
+  parameter_store params(req.model, parameter_specs(req.model), be, comm, zero_stage::replicated, {},
                          lora.enabled() ? weight_role::frozen : weight_role::trained);
   params.load(weights);
   std::unique_ptr<parameter_store> adapters;
   if (lora.enabled()) {
     adapters = std::make_unique<parameter_store>(req.model, lora_parameter_specs(req.model, lora), be, comm,
-                                                 zero_stage::replicated, false, weight_role::trained);
+                                                 zero_stage::replicated, offload_options{}, weight_role::trained);
     adapters->load(adapter_weights);
   }
   transformer model(req.model, req.cp, seq_len, be, {&comm, &comm}, req.options);

@@ -1,32 +1,16 @@
 #include "model/parameter_store.hpp"
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <functional>
 #include <limits>
-#include <thread>
 
 #include "core/error.hpp"
-#include "ops/cpu/cpu_ops.hpp"
+#include "model/parameter_unit.hpp"
 #include "ops/ops.hpp"
 
 namespace upipe {
-
-struct parameter_store::unit {
-  std::vector<std::size_t> params;    // indices into specs_
-  std::vector<std::int64_t> offsets;  // element offset of each parameter in the flat vector
-  std::int64_t numel = 0, padded = 0, shard = 0;
-  tensor weights;       // (1, padded) working dtype: resident, or gathered while acquired (ZeRO-3)
-  tensor weight_shard;  // ZeRO-3: (1, shard) working dtype
-  int acquired = 0;
-  comm_request gathering;  // ZeRO-3: the prefetched gather in flight
-  tensor grads;         // (1, padded) f32: persistent when replicated, else while open
-  bool reduced = false;  // ZeRO: a micro-batch of this step was reduced into grad_shard
-  tensor grad_shard, master, exp_avg, exp_avg_sq;  // ZeRO: (1, shard) f32 (in host memory when offloaded)
-  tensor host_weights;  // offloaded: (1, shard) working dtype, AdamW's output on its way to the device
-};
 
 namespace {
 
@@ -40,19 +24,6 @@ int unit_of(const std::string& name, int layers) {
   const std::string prefix = "model.layers.";
   if (name.rfind(prefix, 0) == 0) return 1 + std::atoi(name.c_str() + prefix.size());
   return name == "model.embed_tokens.weight" ? 0 : layers + 1;
-}
-
-// fn(i) for i in [0, items) on every host core, items taken in turn.
-void on_host_cores(std::size_t items, const std::function<void(std::size_t)>& fn) {
-  std::atomic<std::size_t> next{0};
-  const auto work = [&] {
-    for (std::size_t i = next++; i < items; i = next++) fn(i);
-  };
-  const auto cores = static_cast<std::size_t>(std::max(1u, std::min(std::thread::hardware_concurrency(), 64u)));
-  std::vector<std::thread> threads;
-  for (std::size_t t = 1; t < std::min(cores, items); ++t) threads.emplace_back(work);
-  work();
-  for (auto& t : threads) t.join();
 }
 
 // A (1, count) view at element `offset` of a (1, n) tensor.
@@ -84,16 +55,33 @@ std::size_t offloaded_optimizer_bytes(const model_config& config, int ranks, dty
   return bytes;
 }
 
+std::size_t offloaded_bytes(const model_config& config, int ranks, dtype work, zero_stage stage,
+                            offload_options offload, std::int64_t micro_batches) {
+  if (!offload.optimizer) return 0;
+  std::size_t bytes = 0, largest = 0;
+  for (const auto& unit : parameter_units(config)) {
+    std::int64_t numel = 0;
+    for (const unit_parameter& p : unit) numel += p.numel;
+    const auto shard = static_cast<std::size_t>((numel + ranks - 1) / ranks);
+    bytes += shard * 4 * sizeof(float);
+    if (!offload.params) bytes += shard * dtype_size(work);
+    else bytes += (stage == zero_stage::three ? shard : shard * static_cast<std::size_t>(ranks)) * dtype_size(work);
+    largest = std::max(largest, shard);
+  }
+  if (micro_batches > 1) bytes += 2 * largest * sizeof(float);
+  return bytes;
+}
+
 parameter_store::parameter_store(const model_config& config, backend& be, communicator& comm, zero_stage stage,
-                                 bool offload_optimizer)
-    : parameter_store(config, parameter_specs(config), be, comm, stage, offload_optimizer, weight_role::trained) {}
+                                 offload_options offload)
+    : parameter_store(config, parameter_specs(config), be, comm, stage, offload, weight_role::trained) {}
 
 parameter_store::parameter_store(const model_config& config, std::vector<parameter_spec> specs, backend& be,
-                                 communicator& comm, zero_stage stage, bool offload_optimizer, weight_role role)
-    : config_(config), be_(be), comm_(comm), stage_(stage), offload_(offload_optimizer), role_(role),
-      specs_(std::move(specs)) {
-  UPIPE_CHECK(!offload_ || stage == zero_stage::two || stage == zero_stage::three,
+                                 communicator& comm, zero_stage stage, offload_options offload, weight_role role)
+    : config_(config), be_(be), comm_(comm), stage_(stage), offload_(offload), role_(role), specs_(std::move(specs)) {
+  UPIPE_CHECK(!offload.optimizer || stage == zero_stage::two || stage == zero_stage::three,
               "the optimizer is offloaded only when it is sharded (ZeRO-2 or ZeRO-3)");
+  UPIPE_CHECK(!offload.params || offload.optimizer, "the parameters are offloaded only with the optimizer");
   for (int u = 0; u < config.num_layers + 2; ++u) units_.push_back(std::make_unique<unit>());
   for (std::size_t i = 0; i < specs_.size(); ++i) {
     unit& u = *units_[unit_of(specs_[i].name, config.num_layers)];
@@ -106,27 +94,31 @@ parameter_store::parameter_store(const model_config& config, std::vector<paramet
     unit& u = *up;
     u.padded = (u.numel + C - 1) / C * C;
     u.shard = u.padded / C;
+    const mem_tag weights = offload.params ? mem_tag::weights_host : mem_tag::weights;
     if (stage == zero_stage::three) {
-      u.weight_shard = be.allocate_zeroed(mem_tag::weights, be.work_dtype(), {1, u.shard}, "weight_shard");
+      u.weight_shard = be.allocate_zeroed(weights, be.work_dtype(), {1, u.shard}, "weight_shard");
+    } else if (offload.params) {
+      u.host_copy = be.allocate_zeroed(weights, be.work_dtype(), {1, u.padded}, "host_weights_whole");
     } else {
-      u.weights = be.allocate_zeroed(mem_tag::weights, be.work_dtype(), {1, u.padded}, "weights");
+      u.weights = be.allocate_zeroed(weights, be.work_dtype(), {1, u.padded}, "weights");
     }
     if (stage == zero_stage::inference || role_ == weight_role::frozen) continue;
     if (stage == zero_stage::replicated) {
       u.grads = be.allocate_zeroed(mem_tag::grads, dtype::f32, {1, u.padded}, "grads");
       continue;
     }
-    const mem_tag grads = offload_ ? mem_tag::optimizer_host : mem_tag::grads;
-    const mem_tag state = offload_ ? mem_tag::optimizer_host : mem_tag::optimizer;
+    const mem_tag grads = offload.optimizer ? mem_tag::optimizer_host : mem_tag::grads;
+    const mem_tag state = offload.optimizer ? mem_tag::optimizer_host : mem_tag::optimizer;
     u.grad_shard = be.allocate_zeroed(grads, dtype::f32, {1, u.shard}, "grad_shard");
     u.master = be.allocate_zeroed(state, dtype::f32, {1, u.shard}, "master_shard");
     u.exp_avg = be.allocate_zeroed(state, dtype::f32, {1, u.shard}, "exp_avg_shard");
     u.exp_avg_sq = be.allocate_zeroed(state, dtype::f32, {1, u.shard}, "exp_avg_sq_shard");
-    if (offload_) u.host_weights = be.allocate_zeroed(state, be.work_dtype(), {1, u.shard}, "host_weight_shard");
+    if (offload.optimizer && !offload.params)
+      u.host_weights = be.allocate_zeroed(state, be.work_dtype(), {1, u.shard}, "host_weight_shard");
   }
 }
 
-parameter_store::~parameter_store() = default;
+parameter_store::~parameter_store() { wait_all_host(); }
 
 parameter_store::unit& parameter_store::at(int u) const {
   UPIPE_CHECK(u >= 0 && u < static_cast<int>(units_.size()), "no parameter unit " + std::to_string(u));
@@ -135,6 +127,7 @@ parameter_store::unit& parameter_store::at(int u) const {
 
 void parameter_store::acquire(int index) {
   unit& u = at(index);
+  if (offload_.optimizer) return acquire_offloaded(u);
   if (stage_ != zero_stage::three || u.acquired++ > 0) return;
   if (!u.weights.empty()) {  // prefetched
     u.gathering.wait();
@@ -146,6 +139,7 @@ void parameter_store::acquire(int index) {
 
 void parameter_store::prefetch(int index) {
   unit& u = at(index);
+  if (offload_.optimizer) return prefetch_offloaded(u);
   if (stage_ != zero_stage::three || u.acquired > 0 || !u.weights.empty()) return;
   u.weights = be_.allocate(mem_tag::weights, be_.work_dtype(), {1, u.padded}, "gathered_weights");
   u.gathering =
@@ -154,6 +148,7 @@ void parameter_store::prefetch(int index) {
 
 void parameter_store::release(int index) {
   unit& u = at(index);
+  if (offload_.params) return release_offloaded(u);
   if (stage_ != zero_stage::three) return;
   UPIPE_CHECK(u.acquired > 0, "release of a unit that was not acquired");
   if (--u.acquired == 0) u.weights.reset();
@@ -173,27 +168,7 @@ void parameter_store::close_grads(int index) {
   unit& u = at(index);
   if (stage_ == zero_stage::replicated || role_ == weight_role::frozen) return;
   UPIPE_CHECK(!u.grads.empty(), "close of gradients that are not open");
-  if (offload_) {
-    // Reduced on the device, then straight to the host shard (added there for a later
-    // micro-batch of the step); the device holds one unit's shard only while it travels.
-    tensor staging = be_.allocate(mem_tag::grads, dtype::f32, {1, u.shard}, "grad_shard_staging");
-    comm_.reduce_scatter_sum(u.grads.as<float>(), staging.as<float>(), static_cast<std::size_t>(u.shard),
-                             "zero_reduce_scatter");
-    u.grads.reset();
-    if (!u.reduced) {
-      be_.copy_bytes(u.grad_shard.data(), staging.data(), staging.bytes());
-    } else if (be_.has_data()) {
-      std::vector<float> part(static_cast<std::size_t>(u.shard));
-      be_.download_f32(part.data(), staging);
-      float* into = u.grad_shard.as<float>();
-      constexpr std::size_t piece = std::size_t{1} << 20;
-      on_host_cores((part.size() + piece - 1) / piece, [&](std::size_t p) {
-        for (std::size_t i = p * piece; i < std::min(part.size(), (p + 1) * piece); ++i) into[i] += part[i];
-      });
-    }
-    u.reduced = true;
-    return;
-  }
+  if (offload_.optimizer) return close_offloaded(index);
   if (!u.reduced) {
     comm_.reduce_scatter_sum(u.grads.as<float>(), u.grad_shard.as<float>(), static_cast<std::size_t>(u.shard),
                              "zero_reduce_scatter");
@@ -291,6 +266,8 @@ host_weights parameter_store::split(const unit& u, const std::vector<float>& fla
 }
 
 void parameter_store::load(const weight_source& source) {
+  wait_all_host();
+  for (auto& up : units_) up->stale = false;
   if (!be_.has_data()) return;
   const std::int64_t r = comm_.rank();
   for (auto& up : units_) {
@@ -304,7 +281,7 @@ void parameter_store::load(const weight_source& source) {
     }
     const std::vector<float> flat = unit_range(u, source, 0, u.padded);
     check_finite(u, flat, 0, "the weights");
-    be_.upload_f32(u.weights, flat.data());
+    be_.upload_f32(offload_.params ? u.host_copy : u.weights, flat.data());
     if (!u.master.empty()) be_.upload_f32(u.master, flat.data() + r * u.shard);
   }
 }
@@ -314,7 +291,8 @@ std::int64_t parameter_store::unit_shard(int u) const { return at(u).shard; }
 
 std::vector<float> parameter_store::shard_values(int u, shard_state which) const {
   UPIPE_CHECK(stage_ != zero_stage::replicated, "no optimizer state when replicated");
-  const unit& x = at(u);
+  unit& x = at(u);
+  wait_host(x);  // AdamW's last update is in
   const tensor& t = which == shard_state::master ? x.master : which == shard_state::exp_avg ? x.exp_avg : x.exp_avg_sq;
   std::vector<float> out(static_cast<std::size_t>(x.shard));
   if (be_.has_data()) be_.download_f32(out.data(), t);
@@ -330,6 +308,8 @@ std::vector<std::pair<std::string, std::int64_t>> parameter_store::unit_paramete
 
 void parameter_store::load_state(const state_reader& read) {
   UPIPE_CHECK(stage_ != zero_stage::replicated, "no optimizer state when replicated");
+  wait_all_host();
+  for (auto& up : units_) up->stale = false;
   if (!be_.has_data()) return;
   const std::int64_t r = comm_.rank();
   for (int i = 0; i < unit_count(); ++i) {
@@ -353,12 +333,13 @@ void parameter_store::load_state(const state_reader& read) {
     if (stage_ == zero_stage::three)
       be_.upload_f32(u.weight_shard, master.data());
     else
-      be_.upload_f32(u.weights, range(shard_state::master, 0, u.padded).data());
+      be_.upload_f32(offload_.params ? u.host_copy : u.weights, range(shard_state::master, 0, u.padded).data());
   }
 }
 
 std::vector<float> parameter_store::gather_unit(int u) {
   unit& x = at(u);
+  wait_host(x);
   if (stage_ != zero_stage::replicated) return gather_flat(x, x.master);
   std::vector<float> flat(static_cast<std::size_t>(x.padded));
   if (be_.has_data()) be_.download_f32(flat.data(), x.weights);
@@ -388,19 +369,15 @@ host_weights parameter_store::local_grads() {
 double parameter_store::grad_norm() {
   UPIPE_CHECK(stage_ != zero_stage::replicated, "grad_norm needs sharded gradients");
   double local = 0;
-  if (offload_) {
-    // The host shards, summed per unit as the cpu backend sums them, in unit order.
-    be_.synchronize();  // the last units' gradients have arrived
-    if (be_.has_data())
-      for (auto& up : units_) local += cpu::sum_squares(up->grad_shard.matrix());
+  if (offload_.optimizer) {
+    local = offloaded_grad_norm();
   } else {
     for (auto& up : units_) local += ops::sum_squares(be_, up->grad_shard.matrix());
   }
   return std::sqrt(sum_over_ranks(comm_, local, "grad_norm"));
 }
 
-// AdamW over the host shards on every core (elementwise, so any split gives the same
-// values as one pass), then each unit's new working weights to the device.
+// This rank's part of each parameter, in pieces of at most max_elements.
 std::vector<parameter_store::adamw_piece> parameter_store::adamw_pieces(std::int64_t max_elements) const {
   const std::int64_t r = comm_.rank();
   std::vector<adamw_piece> pieces;
@@ -436,33 +413,9 @@ void parameter_store::share_weight_slice(unit& u) {
   comm_.all_gather(mine, u.weights.data(), bytes, "zero2_all_gather");
 }
 
-// AdamW over the host shards on every core (elementwise, so any split gives the same
-// values as one pass), then each unit's new working weights to the device.
-void parameter_store::adamw_on_host(const adamw_config& config, std::int64_t step, double lr, double grad_scale) {
-  be_.synchronize();
-  const std::vector<adamw_piece> pieces = adamw_pieces(std::int64_t{1} << 20);
-  if (be_.has_data())
-    on_host_cores(pieces.size(), [&](std::size_t i) {
-      const adamw_piece& p = pieces[i];
-      const std::int64_t at = p.a - comm_.rank() * p.u->shard;
-      cpu::adamw(adamw_of(p, slice(p.u->host_weights, at, p.b - p.a), config, step, lr, grad_scale));
-    });
-  for (auto& up : units_) {
-    unit& u = *up;
-    if (stage_ == zero_stage::three) {
-      be_.copy_bytes(u.weight_shard.data(), u.host_weights.data(), u.host_weights.bytes());
-      continue;
-    }
-    char* weights = static_cast<char*>(u.weights.data());
-    be_.copy_bytes(weights == nullptr ? nullptr : weights + comm_.rank() * u.host_weights.bytes(),
-                   u.host_weights.data(), u.host_weights.bytes());
-    share_weight_slice(u);
-  }
-}
-
 void parameter_store::adamw_step(const adamw_config& config, std::int64_t step, double lr, double grad_scale) {
   UPIPE_CHECK(stage_ != zero_stage::replicated, "the optimizer needs sharded state");
-  if (offload_) return adamw_on_host(config, step, lr, grad_scale);
+  if (offload_.optimizer) return offloaded_adamw_step(config, step, lr, grad_scale);
   const std::int64_t r = comm_.rank();
   // One call per parameter overlapping this rank's slice.
   for (const adamw_piece& p : adamw_pieces(std::numeric_limits<std::int64_t>::max())) {
@@ -478,6 +431,8 @@ void parameter_store::adamw_step(const adamw_config& config, std::int64_t step, 
 void parameter_store::zero_grads() {
   for (auto& up : units_) {
     up->reduced = false;
+    // Offloaded: the first micro-batch's gradients overwrite the host shard (close_grads).
+    if (offload_.optimizer) continue;
     tensor& g = stage_ == zero_stage::replicated ? up->grads : up->grad_shard;
     if (be_.has_data()) be_.fill_bytes(g.data(), 0, g.bytes());
   }

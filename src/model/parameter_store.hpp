@@ -17,12 +17,18 @@
 // With the optimizer offloaded (ZeRO-2/3), the fp32 master weights, AdamW's moments and
 // the fp32 gradient shards live in host memory (tag optimizer_host, the backend's host
 // pool: pinned on the GPU): each unit's gradients leave the device as soon as they are
-// reduce-scattered, and AdamW runs on the host's cores with the cpu backend's
-// arithmetic, writing the working-dtype weights that go back to the device.
+// reduce-scattered, and the host's cores (core/host_pool) add, sum and update them with
+// the cpu backend's arithmetic beside the device's work (parameter_store_offload.cpp),
+// writing the working-dtype weights that go back to the device when it next needs them.
+// With the parameters offloaded too, those working-dtype weights live in host memory
+// (tag weights_host): each unit comes to the device (ZeRO-3: its shard, then gathered)
+// on the copy stream ahead of its use and leaves it when released.
 #pragma once
 
 #include <cstdint>
+#include <deque>
 #include <functional>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -31,6 +37,7 @@
 #include "comm/communicator.hpp"
 #include "model/config.hpp"
 #include "model/hf_model.hpp"
+#include "model/host_optimizer.hpp"
 #include "model/parameters.hpp"
 #include "model/weights.hpp"
 #include "train/optimizer.hpp"
@@ -48,10 +55,23 @@ struct unit_parameter {
 };
 std::vector<std::vector<unit_parameter>> parameter_units(const model_config& config);
 
+// What of a sharded store lives in host memory (--offload).
+struct offload_options {
+  bool optimizer = false;  // fp32 master weights, AdamW's moments, gradient shards; AdamW on the host
+  bool params = false;     // the working-dtype weights too (with the optimizer)
+};
+
 // The host memory one rank's offloaded optimizer holds: per unit, its shard of the fp32
 // master weights, the two moments and the gradients, and the working-dtype weights on
 // their way to the device.
 std::size_t offloaded_optimizer_bytes(const model_config& config, int ranks, dtype work);
+// All the host memory one rank's offload holds: the optimizer's as above (without the
+// working copy on its way when the parameters live on the host anyway); the working-dtype
+// weights, this rank's shard (ZeRO-3) or whole (ZeRO-2), with `offload.params`; and with
+// more than one micro-batch a step, the gradient shards of the two largest units on their
+// way to being added.
+std::size_t offloaded_bytes(const model_config& config, int ranks, dtype work, zero_stage stage,
+                            offload_options offload, std::int64_t micro_batches);
 
 // The sharded optimizer state of a unit: the fp32 master weights and AdamW's moments.
 enum class shard_state : std::uint8_t { master, exp_avg, exp_avg_sq };
@@ -62,16 +82,17 @@ enum class weight_role : std::uint8_t { trained, frozen };
 class parameter_store {
  public:
   parameter_store(const model_config& config, backend& be, communicator& comm, zero_stage stage,
-                  bool offload_optimizer = false);
+                  offload_options offload = {});
   // A store of the parameters `specs` (units by layer as above: the embedding's and the
   // head's units hold those of their names, possibly none), e.g. LoRA's adapters.
   parameter_store(const model_config& config, std::vector<parameter_spec> specs, backend& be, communicator& comm,
-                  zero_stage stage, bool offload_optimizer, weight_role role);
-  ~parameter_store();
+                  zero_stage stage, offload_options offload, weight_role role);
+  ~parameter_store();  // waits for the host's work on the shards
 
   zero_stage stage() const { return stage_; }
   weight_role role() const { return role_; }
-  bool optimizer_offloaded() const { return offload_; }
+  bool optimizer_offloaded() const { return offload_.optimizer; }
+  bool params_offloaded() const { return offload_.params; }
   int embedding_unit() const { return 0; }
   int layer_unit(int layer) const { return 1 + layer; }
   int head_unit() const { return config_.num_layers + 1; }
@@ -81,8 +102,9 @@ class parameter_store {
   void acquire(int unit);
   void release(int unit);
   // ZeRO-3: starts gathering a unit that acquire() will ask for next, so the gather runs
-  // beside the current unit's compute (its full weights are held from here). A no-op
-  // otherwise, or when the unit is already gathered or on its way.
+  // beside the current unit's compute (its full weights are held from here); with the
+  // parameters offloaded, starts its copy to the device. A no-op otherwise, or when the
+  // unit is already gathered or on its way.
   void prefetch(int unit);
   // Full f32 gradients of a unit: zeroed here (persistent when replicated); close_grads
   // reduce-scatters them into this rank's shard and frees them (ZeRO-2/3).
@@ -115,7 +137,7 @@ class parameter_store {
   int unit_count() const { return static_cast<int>(units_.size()); }
   std::int64_t unit_numel(int u) const;
   std::int64_t unit_shard(int u) const;
-  std::vector<float> shard_values(int u, shard_state which) const;
+  std::vector<float> shard_values(int u, shard_state which) const;  // offloaded: after the host's update
   std::vector<std::pair<std::string, std::int64_t>> unit_parameters(int u) const;
   // Loads the optimizer state and the weights from a saved state of any rank count:
   // read(unit, which, begin, count, out) gives elements [begin, begin + count) of the
@@ -132,6 +154,17 @@ class parameter_store {
   void adamw_step(const adamw_config& config, std::int64_t step, double lr, double grad_scale);
   void zero_grads();
 
+  // Offloaded, optional: the step's last micro-batch comes next and its update is AdamW at
+  // (step, lr). The host then sums each unit's gradient squares as soon as they land and,
+  // without clipping (max_grad_norm <= 0, so nothing waits for the global norm), updates
+  // the unit there and then, beside the rest of the backward. adamw_step() must follow
+  // with the same step and lr. A no-op when the optimizer is on the device.
+  void announce_update(const adamw_config& config, std::int64_t step, double lr);
+  // Offloaded: AdamW runs on the host after adamw_step() returns, each unit's weights
+  // going back when the device next asks for them; this waits until the host is done
+  // (benchmarks time a step with its update). Nothing needs it for correctness.
+  void finish_host_work();
+
  private:
   struct unit;
   unit& at(int u) const;
@@ -143,7 +176,6 @@ class parameter_store {
   void check_finite(const unit& u, const std::vector<float>& values, std::int64_t lo, const char* what) const;
   host_weights split(const unit& u, const std::vector<float>& flat) const;
   std::vector<float> gather_flat(const unit& u, const tensor& shard);
-  void adamw_on_host(const adamw_config& config, std::int64_t step, double lr, double grad_scale);
   // This rank's part of each parameter, in pieces of at most `max_elements`: AdamW runs one
   // call per piece (weight decay only on matrices).
   struct adamw_piece {
@@ -157,12 +189,28 @@ class parameter_store {
   // ZeRO-2: this rank's slice of a unit's updated weights, in place, to every rank.
   void share_weight_slice(unit& u);
 
+  // The offload (parameter_store_offload.cpp).
+  void close_offloaded(int index);
+  void acquire_offloaded(unit& u);
+  void prefetch_offloaded(unit& u);
+  void release_offloaded(unit& u);
+  void bring_params(unit& u);    // params: the unit's copy to the device, on the copy stream
+  void return_weights(unit& u);  // optimizer only: AdamW's output to the device weights
+  void wait_host(unit& u) const;  // the host's work on the unit done, its incoming gradients freed
+  void start_host_work(unit& u, const host_work& work, bool after_device);
+  host_shard host_shard_of(unit& u) const;
+  double offloaded_grad_norm();
+  void offloaded_adamw_step(const adamw_config& config, std::int64_t step, double lr, double grad_scale);
+  void wait_all_host() noexcept;
+
   const model_config config_;
   backend& be_;
   communicator& comm_;
   zero_stage stage_;
-  bool offload_;
+  offload_options offload_;
   weight_role role_ = weight_role::trained;
+  std::optional<host_adamw> announced_;  // announce_update's, until adamw_step
+  std::deque<int> incoming_units_;  // units whose later micro-batch gradients wait to be added, oldest first
   std::vector<parameter_spec> specs_;
   std::vector<std::unique_ptr<unit>> units_;
 };

@@ -363,8 +363,9 @@ void transformer::layer_backward(int layer, const layer_params& p, const layer_g
   ops::add_heads(be_, ops::as_heads(d.matrix()), ops::as_heads(d_h.matrix()));
 }
 
+// With the parameters in host memory every layer comes to the device ahead of its use.
 void transformer::prefetch_layer(parameter_store& params, int layer) {
-  if (prefetch_weights_) params.prefetch(params.layer_unit(layer));
+  if (prefetch_weights_ || params.params_offloaded()) params.prefetch(params.layer_unit(layer));
 }
 
 // Backward, newest layer first. A layer whose input was not kept belongs to a block

@@ -29,6 +29,7 @@ train_options probe_options(const plan_request& r, const cp_settings& cp, std::i
   o.cp = cp;
   o.zero = r.zero;
   o.offload_optimizer = r.offload_optimizer;
+  o.offload_params = r.offload_params;
   // The probe's arena is unbounded: the default sizes are those of the planned GPU's arena.
   o.step = with_default_sizes({r.mlp_tile, r.loss_chunk, policy}, r.model,
                               r.gpu_memory > context_bytes ? r.gpu_memory - context_bytes : r.gpu_memory);
@@ -102,6 +103,21 @@ std::vector<cp_settings> configurations(const plan_request& r) {
   return out;
 }
 
+// The step-time model at one point (plan/step_time.hpp).
+step_time model_step_time(const plan_request& r, const cp_settings& cp, const plan_point& p) {
+  step_time_request t;
+  t.model = r.model;
+  t.cp = cp;
+  t.gpus_per_node = r.gpus / r.nodes;
+  t.seq_len = p.seq_len;
+  t.policy = p.policy;
+  t.zero = r.zero;
+  t.offload_optimizer = r.offload_optimizer;
+  t.offload_params = r.offload_params;
+  t.lora = r.lora.enabled();
+  return estimate_step_time(t, r.rates);
+}
+
 // One configuration; `hint` is a neighbour's plan (the same strategy and U with fewer
 // chunks), whose lengths start the searches.
 plan_entry plan_configuration(const plan_request& r, const cp_settings& cp, const plan_entry* hint = nullptr) {
@@ -111,6 +127,7 @@ plan_entry plan_configuration(const plan_request& r, const cp_settings& cp, cons
   e.ring = cp.ring;
   e.seq_chunks = cp.seq_chunks;
   e.offload_optimizer = r.offload_optimizer;
+  e.offload_params = r.offload_params;
   const std::vector<checkpoint_policy> policies =
       r.policy ? std::vector<checkpoint_policy>{*r.policy} : candidate_policies();
   std::int64_t best = 0;
@@ -124,14 +141,20 @@ plan_entry plan_configuration(const plan_request& r, const cp_settings& cp, cons
                                                               : longest_fit(cp, fits);
     if (s > best) best = s, chosen = i;  // ties keep the earlier (faster) policy
   }
-  if (best > 0) e.longest = evaluate(r, cp, best, policies[chosen]);
+  if (best > 0) {
+    e.longest = evaluate(r, cp, best, policies[chosen]);
+    e.longest->time = model_step_time(r, cp, *e.longest);
+  }
   if (r.eval) {
     const auto fits = [&](std::int64_t seq_len) { return evaluate_forward(r, cp, seq_len).fits; };
     const std::int64_t s = hint != nullptr && hint->longest_eval ? longest_fit_near(cp, fits, hint->longest_eval->seq_len)
                                                                 : longest_fit(cp, fits);
     if (s > 0) e.longest_eval = evaluate_forward(r, cp, s);
   }
-  if (r.seq_len) e.at_request = fastest_fit(r, cp, *r.seq_len);
+  if (r.seq_len) {
+    e.at_request = fastest_fit(r, cp, *r.seq_len);
+    e.at_request->time = model_step_time(r, cp, *e.at_request);
+  }
   return e;
 }
 
@@ -195,6 +218,13 @@ eval_point evaluate_forward(const plan_request& r, const cp_settings& cp, std::i
 void validate(const plan_request& r) {
   validate(r.model);
   if (r.lora.enabled()) validate(r.lora, r.model);
+  if ((r.offload_optimizer || r.offload_params || r.try_offload) && r.zero == zero_stage::replicated)
+    throw config_error("--offload needs an optimizer (it moves AdamW's state): drop --optimizer none");
+  if (r.offload_params && !r.offload_optimizer)
+    throw config_error("the weights go to host memory only with the optimizer: use --offload optimizer,params");
+  if (r.offload_params && r.lora.enabled())
+    throw config_error("--offload optimizer,params with --lora: a LoRA run's frozen base stays in GPU memory; use "
+                       "--offload optimizer");
   if (r.gpus < 1)
     throw config_error("--gpus " + std::to_string(r.gpus) + " must be at least 1 (for example --gpus 8)");
   if (r.nodes < 1 || r.gpus % r.nodes != 0)
@@ -251,13 +281,17 @@ plan_result make_plan(const plan_request& r) {
     else it->push_back(cp);
   }
   std::vector<std::future<std::vector<plan_entry>>> work;
-  std::vector<bool> offloads = {r.offload_optimizer};
-  if (r.try_offload && r.zero != zero_stage::replicated) offloads = {false, true};
+  std::vector<offload_options> offloads = {{r.offload_optimizer, r.offload_params}};
+  if (r.try_offload && r.zero != zero_stage::replicated) {
+    offloads = {{false, false}, {true, false}};
+    if (!r.lora.enabled()) offloads.push_back({true, true});  // a LoRA base stays on the GPU
+  }
   for (std::vector<cp_settings>& group : groups) {
     std::sort(group.begin(), group.end(), [](const cp_settings& a, const cp_settings& b) { return a.seq_chunks < b.seq_chunks; });
-    for (const bool offload : offloads) {
+    for (const offload_options offload : offloads) {
       plan_request with = r;
-      with.offload_optimizer = offload;
+      with.offload_optimizer = offload.optimizer;
+      with.offload_params = offload.params;
       work.push_back(std::async(std::launch::async, [with, group] {
         std::vector<plan_entry> entries;
         for (const cp_settings& cp : group) {

@@ -15,6 +15,7 @@
 
 #include "model/checkpoint_store.hpp"
 #include "model/parameter_store.hpp"
+#include "plan/step_time.hpp"
 #include "train/trainer.hpp"
 
 namespace upipe {
@@ -36,10 +37,13 @@ struct plan_request {
   zero_stage zero = zero_stage::three;
   bool offload_optimizer = false;      // --offload optimizer: its state in the node's host memory
   lora_config lora;                    // LoRA: the base frozen, only these adapters trained
-  bool try_offload = false;            // --offload auto: every configuration with the optimizer on both sides
+  bool offload_params = false;         // --offload optimizer,params: the working weights there too
+  bool try_offload = false;            // --offload auto: every configuration with nothing, the optimizer, and
+                                       // the optimizer and the weights in host memory
   std::int64_t mlp_tile = 0, loss_chunk = 0;  // as for training (0: defaults)
   std::optional<checkpoint_policy> policy;    // only this policy (default: candidate_policies())
   bool eval = true;                           // also the longest length `upipe eval` fits
+  throughput_rates rates;                     // the step-time model's compute rates and links
 };
 
 // The libraries' share of a GPU: their workspaces (in the arena, reserved by the meta
@@ -60,6 +64,7 @@ struct plan_point {
   std::size_t gpu_bytes = 0;      // arena + context: what the GPU must hold
   std::size_t host_bytes = 0;     // pinned host memory of the node (all C ranks)
   bool fits = false;
+  std::optional<step_time> time;  // the step-time model's, on the entries' final points
 };
 
 // Forward-only evaluation (`upipe eval`) at one length: the weights alone (bf16, whole
@@ -78,6 +83,7 @@ struct plan_entry {
   int ring = 1;                       // hybrid's R (the nodes)
   int seq_chunks = 1;                 // N
   bool offload_optimizer = false;     // AdamW's state in host memory
+  bool offload_params = false;        // the working weights too
   std::optional<plan_point> longest;  // at the longest length that fits (none: nothing fits)
   std::optional<eval_point> longest_eval;  // the longest evaluable length (with plan_request::eval)
   std::optional<plan_point> at_request;  // at the requested length: the fastest policy that fits, or the

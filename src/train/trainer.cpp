@@ -100,11 +100,13 @@ struct rank_context {
 
   rank_context(const train_options& o, backend& b, communicator& c)
       : options(o), be(b), comm(c),
-        params(o.model, parameter_specs(o.model), b, c, o.zero, o.offload_optimizer && !uses_lora(o),
+        params(o.model, parameter_specs(o.model), b, c, o.zero,
+               uses_lora(o) ? offload_options{} : offload_options{o.offload_optimizer, o.offload_params},
                uses_lora(o) ? weight_role::frozen : weight_role::trained) {
     if (uses_lora(o))
       adapters = std::make_unique<parameter_store>(o.model, lora_parameter_specs(o.model, o.step.lora), b, c,
-                                                   adapter_stage(o), o.offload_optimizer, weight_role::trained);
+                                                   adapter_stage(o), offload_options{o.offload_optimizer, false},
+                                                   weight_role::trained);
   }
 
   // The store whose gradients and optimizer state the run keeps.
@@ -138,27 +140,36 @@ double run_step(rank_context& rc, const std::vector<packed_sequence>& batch, std
   const auto runs = model.local_positions(rc.comm.rank());
   parameter_store& trained = rc.trained();
   trained.zero_grads();
+  const bool update = trained.stage() != zero_stage::replicated;  // else forward and backward only (planner)
+  if (update) record.lr = scheduled_lr(o.optim, step);
+  // Offloaded, the host starts on each unit's final gradients as they land.
+  const auto last_micro_batch = [&](std::size_t i) {
+    if (update && i + 1 == batch.size()) trained.announce_update(o.optim, step, record.lr);
+  };
   double local = 0;
   if (seqs.empty()) {
     UPIPE_CHECK(!rc.be.has_data(), "a sequence without tokens runs on the meta backend only");
     const std::vector<std::int32_t> zeros(static_cast<std::size_t>(model.local_tokens()), 0);
-    for (std::size_t i = 0; i < batch.size(); ++i)
+    for (std::size_t i = 0; i < batch.size(); ++i) {
+      last_micro_batch(i);
       local += model.forward_backward(rc.params, {zeros, zeros, 1.0 / static_cast<double>(counted), batch[i].documents},
                                       rc.adapters.get());
+    }
   }
-  for (const auto& seq : seqs) {
+  for (std::size_t i = 0; i < seqs.size(); ++i) {
+    const prepared_sequence& seq = seqs[i];
     const auto ids = shard_rows(seq.ids, 1, runs, model.local_tokens());
     const auto labels = shard_rows(seq.labels, 1, runs, model.local_tokens());
+    last_micro_batch(i);
     local += model.forward_backward(rc.params, {ids, labels, 1.0 / static_cast<double>(counted), seq.documents},
                                     rc.adapters.get());
   }
   record.loss = sum_over_ranks(rc.comm, local, "loss_sum") / static_cast<double>(counted);
-  if (trained.stage() == zero_stage::replicated) return record.loss;  // forward and backward only (planner)
+  if (!update) return record.loss;
   record.grad_norm = trained.grad_norm();
   if (!std::isfinite(record.grad_norm))
     throw config_error("the gradient norm is not finite at step " + std::to_string(step) +
                        ": training diverged; lower --lr (now " + std::to_string(o.optim.lr) + ")");
-  record.lr = scheduled_lr(o.optim, step);
   trained.adamw_step(o.optim, step, record.lr, clip_coefficient(o.optim, record.grad_norm));
   return record.loss;
 }
@@ -352,6 +363,13 @@ void validate(const train_options& o) {
   if (o.stop_after < 0 || o.stop_after > o.optim.total_steps)
     throw config_error("--stop-after " + std::to_string(o.stop_after) + " must lie between 1 and --steps " +
                        std::to_string(o.optim.total_steps) + " (it stops a run early; --steps is the schedule's length)");
+  if (o.offload_params && !o.offload_optimizer)
+    throw config_error("the weights go to host memory only with the optimizer (AdamW writes them there): use "
+                       "--offload optimizer,params");
+  if (o.offload_params && o.step.lora.enabled())
+    throw config_error("--offload optimizer,params with --lora: a LoRA run's frozen base stays in GPU memory (under "
+                       "ZeRO-3 sharded over the CP group) and its adapters' state may go to the host; use --offload "
+                       "optimizer");
   if (o.batch < 1 || o.batch > max_batch)
     throw config_error("--batch " + std::to_string(o.batch) + " must lie between 1 and " + std::to_string(max_batch) +
                        " (sequences per optimizer step, their gradients accumulated; for example --batch 8)");
@@ -441,6 +459,7 @@ step_timing time_steps(const train_options& o, std::int64_t warmup_len, int repe
           be.set_phase_timing(phases);
           const auto start = clock_type::now();
           run_step(rc, batch, 1 + i, record);
+          rc.params.finish_host_work();  // an offloaded update belongs to its step
           be.synchronize();
           comm.barrier();
           const double seconds = std::chrono::duration<double>(clock_type::now() - start).count();

@@ -45,6 +45,7 @@ struct train_options {
   cp_settings cp{strategy_kind::upipe, 4, 0};
   zero_stage zero = zero_stage::two;
   bool offload_optimizer = false;  // master weights, moments and gradient shards in host memory; AdamW on the host
+  bool offload_params = false;     // the working-dtype weights in host memory too (with offload_optimizer)
   step_options step;
   adamw_config optim;            // optim.total_steps is --steps
   std::int64_t stop_after = 0;   // stop once this step is done; 0: at total_steps

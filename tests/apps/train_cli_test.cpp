@@ -52,6 +52,27 @@ TEST(train_cli, metrics_checkpoint_and_resume) {
   fs::remove_all(dir);
 }
 
+// The flag end to end (the host pool sized for it): the same steps with the optimizer and
+// the weights in host memory.
+TEST(train_cli, offloaded_training_logs_the_same_steps) {
+  const auto dir = temp_dir("train_offload");
+  std::vector<nlohmann::json> runs[2];
+  for (int i = 0; i < 2; ++i) {
+    const fs::path metrics = dir / ("m" + std::to_string(i) + ".jsonl");
+    const run_result r = run_upipe(quick + "--stop-after 3 --batch 2 --zero 3 --metrics-json " + metrics.string() +
+                                   (i == 1 ? " --offload optimizer,params" : ""));
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    runs[i] = read_lines(metrics);
+  }
+  ASSERT_EQ(runs[1].size(), runs[0].size());
+  for (std::size_t i = 0; i + 1 < runs[0].size(); ++i) {
+    EXPECT_EQ(runs[1][i]["loss"], runs[0][i]["loss"]) << i;
+    EXPECT_EQ(runs[1][i]["grad_norm"], runs[0][i]["grad_norm"]) << i;
+  }
+  EXPECT_GT(runs[1][0]["peak_bytes"]["weights_host"].get<std::size_t>(), 0u);
+  fs::remove_all(dir);
+}
+
 TEST(train_cli, bad_input_is_refused_and_a_saved_checkpoint_survives) {
   const auto dir = temp_dir("train_bad");
   const fs::path ckpt = dir / "ckpt";
@@ -252,9 +273,9 @@ TEST(train_cli, bad_model_directories_and_flags_are_refused_before_step_one) {
       {"--save-dtype fp16", "--save-dtype fp16 is not supported"},
       {"--max-shard-size 5XB", "--max-shard-size '5XB' is not a positive size"},
       {"--rope-scaling type=dynamic", "rope types are default, llama3, linear and yarn"},
-      {"--offload disk", "--offload disk is not known: use none or optimizer"},
+      {"--offload disk", "--offload disk is not known: use none, optimizer or optimizer,params"},
       {"--batch 2147483648", "must lie between 1 and 65536"},
-      {"--offload optimizer,params", "the weights in host memory are not built yet"},
+      {"--offload params", "use --offload optimizer,params"},
       {"--attention hybrid --ring 3", "--ring 3 must divide cp C = 2"},
       {"--attention upipe --ring 2", "--ring 2 applies to hybrid only"},
       {"--rope-scaling factor=4", "names no type"},

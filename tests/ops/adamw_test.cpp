@@ -1,10 +1,13 @@
 // adamw against an fp64 reference written here in adamw_args' form (decay inside the
 // step), over several steps with weight decay, grad_scale and bias corrections, from
 // zero moments and from a resumed state; one step worked out by hand; three steps of
-// PyTorch's float32 op sequence; the weights copy; the entry checks. sum_squares
-// against an fp64 sum over a padded view.
+// PyTorch's float32 op sequence; the vectorized loop against a scalar replay of the fp32
+// formula, bit for bit, at every offset and split (the host optimizer updates a shard in
+// pieces); the weights copy; the entry checks. sum_squares against an fp64 sum over a
+// padded view, and its blocks.
 #include <gtest/gtest.h>
 
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <random>
@@ -160,6 +163,65 @@ TEST(adamw, three_steps_match_pytorch_float32_sequence) {
   }
 }
 
+// The fp32 formula of ops/adamw_formula.hpp, one element at a time in plain scalar
+// code, each operation rounded to float as the op rounds it.
+void scalar_adamw(std::vector<float>& p, std::vector<float>& m, std::vector<float>& v, const std::vector<float>& g,
+                  const adamw_args& a) {
+  const auto t = static_cast<double>(a.step);
+  const auto one_minus_b1 = static_cast<float>(1.0 - static_cast<double>(a.beta1));
+  const auto one_minus_b2 = static_cast<float>(1.0 - static_cast<double>(a.beta2));
+  const auto decay = static_cast<float>(1.0 - static_cast<double>(a.lr) * static_cast<double>(a.weight_decay));
+  const auto step_size = static_cast<float>(static_cast<double>(a.lr) / (1.0 - std::pow(static_cast<double>(a.beta1), t)));
+  const auto bc2_sqrt = static_cast<float>(std::sqrt(1.0 - std::pow(static_cast<double>(a.beta2), t)));
+  for (std::size_t i = 0; i < p.size(); ++i) {
+    const float grad = g[i] * a.grad_scale;
+    const float first = a.beta1 * m[i], first_add = one_minus_b1 * grad;
+    m[i] = first + first_add;
+    const float second = a.beta2 * v[i], square = one_minus_b2 * grad, second_add = square * grad;
+    v[i] = second + second_add;
+    const float root = std::sqrt(v[i]);
+    const float denom = root / bc2_sqrt + a.eps;
+    const float decayed = p[i] * decay, moved = step_size * m[i];
+    p[i] = decayed - moved / denom;
+  }
+}
+
+// The host optimizer splits a shard into pieces at any element; each piece's vector loop
+// starts at another alignment and ends in another tail, and the bits must not change.
+TEST(adamw, every_lane_and_split_rounds_as_the_scalar_formula) {
+  auto be = make_test_backend();
+  const std::int64_t n = 1037;
+  std::mt19937 rng(18);
+  shard s = make_shard(*be, n, rng, false);
+  tensor bf16_weights = be->allocate_zeroed(mem_tag::activations, dtype::bf16, shape{1, n}, "weights");
+  std::vector<float> p(s.master.view.cols), m(p.size()), v(p.size()), g(p.size());
+  for (std::int64_t j = 0; j < n; ++j) {
+    p[j] = s.master(0, j), m[j] = s.exp_avg(0, j), v[j] = s.exp_avg_sq(0, j), g[j] = s.grad(0, j);
+  }
+  for (std::int64_t t = 1; t <= 3; ++t) {
+    const adamw_args whole = s.args(1e-2f, 0.1f, 0.7f, t);
+    scalar_adamw(p, m, v, g, whole);
+    // Pieces [0, 5), [5, 22), [22, 531), [531, n): unaligned starts, short and long loops.
+    const std::int64_t cuts[] = {0, 5, 22, 531, n};
+    for (int k = 0; k < 4; ++k) {
+      const std::int64_t a = cuts[k], len = cuts[k + 1] - cuts[k];
+      adamw_args piece = whole;
+      piece.master = s.master.view.col_block(a, len);
+      piece.exp_avg = s.exp_avg.view.col_block(a, len);
+      piece.exp_avg_sq = s.exp_avg_sq.view.col_block(a, len);
+      piece.grad = s.grad.view.col_block(a, len);
+      piece.weights = bf16_weights.matrix().col_block(a, len);
+      cpu::adamw(piece);
+    }
+    for (std::int64_t j = 0; j < n; ++j) {
+      ASSERT_EQ(std::bit_cast<std::uint32_t>(s.master(0, j)), std::bit_cast<std::uint32_t>(p[j])) << "step " << t << ", " << j;
+      ASSERT_EQ(std::bit_cast<std::uint32_t>(s.exp_avg(0, j)), std::bit_cast<std::uint32_t>(m[j])) << j;
+      ASSERT_EQ(std::bit_cast<std::uint32_t>(s.exp_avg_sq(0, j)), std::bit_cast<std::uint32_t>(v[j])) << j;
+      ASSERT_EQ(bf16_weights.as<std::uint16_t>()[j], float_to_bf16(p[j])) << j;
+    }
+  }
+}
+
 TEST(adamw, empty_weights_update_the_master_alone) {
   auto be = make_test_backend();
   std::mt19937 rng(14);
@@ -294,6 +356,28 @@ TEST(sum_squares, accumulates_in_fp64) {
   t.as<float>()[0] = 1e7f;
   for (std::int64_t j = 1; j < 4097; ++j) t.as<float>()[j] = 1.0f;
   EXPECT_EQ(ops::sum_squares(*be, t.matrix()), 1e14 + 4096.0);
+}
+
+// Blocks of sum_squares_block elements summed anywhere and added in order give
+// sum_squares' very value (the host optimizer's norm), close to the fp64 sum.
+TEST(sum_squares, blocks_added_in_order_are_the_whole) {
+  auto be = make_test_backend();
+  const std::int64_t n = 3 * cpu::sum_squares_block + 77;
+  tensor t = be->allocate(mem_tag::activations, dtype::f32, shape{1, n}, "x");
+  std::mt19937 rng(19);
+  std::uniform_real_distribution<float> dist(-2.0f, 2.0f);
+  double want = 0.0;
+  for (std::int64_t j = 0; j < n; ++j) {
+    t.as<float>()[j] = dist(rng);
+    want += static_cast<double>(t.as<float>()[j]) * t.as<float>()[j];
+  }
+  std::vector<double> blocks(4, -1.0);
+  cpu::sum_squares_blocks(t.as<float>(), n, blocks.data());
+  double added = 0.0;
+  for (double b : blocks) added += b;
+  EXPECT_EQ(added, ops::sum_squares(*be, t.matrix()));
+  EXPECT_NEAR(added, want, 1e-12 * want);
+  EXPECT_GT(blocks[3], 0.0);
 }
 
 TEST(sum_squares, empty_and_wrong_dtype) {

@@ -162,7 +162,8 @@ TEST(planner, evaluation_at_1m_peaks_below_training_for_llama3_8b) {
 }
 
 // llama3-8b fully fine-tuned on one H200: with AdamW's state on the device nothing fits;
-// with it in host memory 1M tokens do, and the device holds none of it.
+// with it in host memory 1M tokens do, and the device holds none of it; with the weights
+// there too the device holds a few units' worth and the plan reaches further.
 TEST(planner, the_optimizer_in_host_memory_fits_llama3_8b_on_one_gpu) {
   plan_request r = llama3_8b(1, 139, 1945);
   const cp_settings cp{strategy_kind::upipe, 1, 1};
@@ -174,13 +175,29 @@ TEST(planner, the_optimizer_in_host_memory_fits_llama3_8b_on_one_gpu) {
   EXPECT_EQ(p.memory.peak_bytes.at("optimizer"), 0u);
   EXPECT_GE(p.memory.peak_bytes.at("optimizer_host"), offloaded_optimizer_bytes(r.model, 1, dtype::bf16));
   EXPECT_LE(p.memory.peak_bytes.at("optimizer_host"), offloaded_optimizer_bytes(r.model, 1, dtype::bf16) * 1.01);
-  // --offload auto: each configuration both ways; only the offloaded ones fit here.
-  r.offload_optimizer = false;
+  // The weights in host memory too: the device holds only the units in use (and the next
+  // layer), the node's host memory the whole bf16 model beside AdamW's state.
+  r.offload_params = true;
+  const plan_point w = evaluate(r, cp, std::int64_t{1} << 20, policy);
+  EXPECT_TRUE(w.fits);
+  const std::size_t model_bytes = offloaded_bytes(r.model, 1, dtype::bf16, zero_stage::three, {true, true}, 1) -
+                                  offloaded_bytes(r.model, 1, dtype::bf16, zero_stage::three, {true, false}, 1) +
+                                  offloaded_optimizer_bytes(r.model, 1, dtype::bf16) / 9;  // 2 of the 18 bytes
+  EXPECT_GE(w.memory.peak_bytes.at("weights_host"), model_bytes);
+  EXPECT_LT(w.memory.peak_bytes.at("weights"), model_bytes / 4);
+  EXPECT_LT(w.gpu_bytes + model_bytes / 2, p.gpu_bytes);
+  // No more host memory at ZeRO-3 on one GPU: AdamW writes the weights in place of the
+  // bf16 copy it wrote on its way to the device.
+  EXPECT_EQ(w.host_bytes, p.host_bytes);
+  // --offload auto: each configuration all three ways; only the offloaded ones fit here.
+  r.offload_optimizer = r.offload_params = false;
   r.try_offload = true;
   r.strategies = {strategy_kind::ring};
   const plan_result plan = make_plan(r);
-  ASSERT_EQ(plan.entries.size(), 2u);
+  ASSERT_EQ(plan.entries.size(), 3u);
   for (const plan_entry& e : plan.entries) EXPECT_EQ(e.longest.has_value(), e.offload_optimizer);
+  EXPECT_TRUE(plan.entries[2].offload_params);
+  EXPECT_GT(plan.entries[2].longest->seq_len, plan.entries[1].longest->seq_len);
 }
 
 TEST(planner, host_memory_limits_offloaded_checkpoints) {

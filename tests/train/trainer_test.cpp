@@ -171,44 +171,6 @@ TEST(trainer, accumulated_batches_agree_across_strategies_and_zero_stages) {
     }
 }
 
-// --offload optimizer: the master weights, moments and gradient shards in host memory and
-// AdamW on the host's cores give the very same steps (the cpu backend's arithmetic), with
-// nothing of the optimizer left on the device; a run saved so resumes without it exactly.
-TEST(trainer, the_optimizer_in_host_memory_changes_nothing_but_where_it_lives) {
-  const auto dir = std::filesystem::temp_directory_path() / ("upipe_offload_" + std::to_string(::getpid()));
-  for (zero_stage z : {zero_stage::two, zero_stage::three})
-    for (std::int64_t batch : {1, 2}) {
-      SCOPED_TRACE("zero=" + std::to_string(z == zero_stage::three ? 3 : 2) + " batch=" + std::to_string(batch));
-      train_options o = base(strategy_kind::upipe, 2, 0, z);
-      o.batch = batch;
-      o.optim.total_steps = 10;
-      const train_summary reference = train(o, nullptr);
-      train_options off = o;
-      off.offload_optimizer = true;
-      const train_summary got = train(off, nullptr);
-      ASSERT_EQ(got.steps.size(), reference.steps.size());
-      for (std::size_t i = 0; i < got.steps.size(); ++i) {
-        EXPECT_EQ(got.steps[i].loss, reference.steps[i].loss) << "step " << i + 1;
-        EXPECT_EQ(got.steps[i].grad_norm, reference.steps[i].grad_norm) << "step " << i + 1;
-      }
-      EXPECT_EQ(got.peak_bytes[0].at("optimizer"), 0u);
-      EXPECT_GE(got.peak_bytes[0].at("optimizer_host"), offloaded_optimizer_bytes(o.model, 2, dtype::f32));
-      EXPECT_GT(reference.peak_bytes[0].at("optimizer"), 0u);
-      // Saved offloaded, resumed on the device: the steps of the uninterrupted run.
-      std::filesystem::remove_all(dir);
-      train_options first = off;
-      first.stop_after = 5;
-      first.save_dir = dir.string();
-      train(first, nullptr);
-      train_options second = o;
-      second.resume_dir = dir.string();
-      const train_summary resumed = train(second, nullptr);
-      ASSERT_EQ(resumed.steps.size(), 5u);
-      for (std::size_t i = 0; i < 5; ++i) EXPECT_EQ(resumed.steps[i].loss, reference.steps[5 + i].loss) << "step " << 6 + i;
-    }
-  std::filesystem::remove_all(dir);
-}
-
 TEST(trainer, a_batch_step_is_the_mean_over_its_sequences) {
   // Step 1 of a batch of two sees the same weights as step 1 of the two single-sequence
   // runs that start at those sequences, so its loss is their token-weighted mean.

@@ -13,6 +13,8 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -266,6 +268,35 @@ class cuda_backend final : public backend {
     UPIPE_CUDA_CHECK(cudaEventRecord(copies_done_, copy_stream_));
     UPIPE_CUDA_CHECK(cudaStreamWaitEvent(stream_, copies_done_, 0));
   }
+  std::uint64_t side_point() override {
+    use_device();
+    cudaEvent_t e = nullptr;
+    UPIPE_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    UPIPE_CUDA_CHECK(cudaEventRecord(e, copy_stream_));
+    side_points_.emplace(++last_side_point_, e);
+    return last_side_point_;
+  }
+  void join_side_point(std::uint64_t point) override {
+    use_device();
+    const auto it = side_points_.find(point);
+    UPIPE_CHECK(it != side_points_.end(), "side copy point " + std::to_string(point) + " is unknown or joined");
+    UPIPE_CUDA_CHECK(cudaStreamWaitEvent(stream_, it->second, 0));
+    // The wait holds what the event stood for; the event itself may go.
+    UPIPE_CUDA_CHECK(cudaEventDestroy(it->second));
+    side_points_.erase(it);
+  }
+  void when_done(std::function<void()> fn) override {
+    use_device();
+    auto job = std::make_unique<std::function<void()>>(std::move(fn));
+    UPIPE_CUDA_CHECK(cudaLaunchHostFunc(
+        stream_,
+        [](void* p) {
+          std::unique_ptr<std::function<void()>> f(static_cast<std::function<void()>*>(p));
+          (*f)();
+        },
+        job.get()));
+    job.release();  // the host function owns it now
+  }
   void add_f32(float* dst, const float* src, std::size_t count) override {
     if (count == 0) return;
     use_device();
@@ -436,6 +467,8 @@ class cuda_backend final : public backend {
   std::unique_ptr<cuda::sdpa_engine> sdpa_engine_;
   std::size_t driver_peak_ = 0;
   std::vector<cudaEvent_t> marks_;  // phase timing's events, reused
+  std::map<std::uint64_t, cudaEvent_t> side_points_;  // side_point()s not yet joined
+  std::uint64_t last_side_point_ = 0;
 };
 
 void cuda_backend::acquire(std::size_t device_bytes, std::size_t host_bytes, bool host_pageable) {
@@ -498,6 +531,8 @@ void cuda_backend::release_all() noexcept {
   if (stream_ != nullptr) log_cuda(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
   for (cudaEvent_t e : marks_) log_cuda(cudaEventDestroy(e), "cudaEventDestroy");
   marks_.clear();
+  for (const auto& [point, e] : side_points_) log_cuda(cudaEventDestroy(e), "cudaEventDestroy");
+  side_points_.clear();
   sdpa_engine_.reset();  // engines before the workspaces they hold (their destructors only log)
   gemm_engine_.reset();
   scratch_.clear();

@@ -1,78 +1,118 @@
-// Reference AdamW step on a flat fp32 shard and the fp64 sum of squares behind the
-// global gradient norm. Every element is computed in fp64 and stored once as float.
-#include <cmath>
+// AdamW on a flat fp32 shard and the fp64 sum of squares behind the global gradient
+// norm, the arithmetic of ops/adamw_formula.hpp written so that the compiler vectorizes
+// it: one pass over the shard, every lane computing exactly what the scalar loop would
+// (this file compiles with contraction off and without errno from sqrt, so that the
+// vector loop and its scalar tail round alike). On x86-64 each loop is built three times
+// (AVX-512, AVX2, baseline) and the loader picks the widest the CPU has. One call runs on
+// the calling thread; the host optimizer spreads pieces of a shard over every core.
+#include <bit>
 #include <cstdint>
+#include <type_traits>
 
 #include "core/dtype.hpp"
+#include "ops/adamw_formula.hpp"
 #include "ops/cpu/cpu_ops.hpp"
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(UPIPE_NO_SIMD_CLONES)
+#define UPIPE_SIMD_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define UPIPE_SIMD_CLONES
+#endif
 
 namespace upipe::cpu {
 
 namespace {
 
-const float* row_of(const mat_view& m, std::int64_t i) { return static_cast<const float*>(m.data) + i * m.ld; }
-float* f32_data(const mat_view& m) { return static_cast<float*>(m.data); }
+// float_to_bf16 (core/dtype.hpp) without the branch, so that it vectorizes: the rounded
+// bits, or the quiet NaN for a NaN.
+inline std::uint16_t bf16_bits(float value) {
+  const std::uint32_t bits = std::bit_cast<std::uint32_t>(value);
+  const auto rounded = static_cast<std::uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+  const auto quiet = static_cast<std::uint16_t>((bits >> 16) | 0x0040u);
+  const bool nan = (bits & 0x7f800000u) == 0x7f800000u && (bits & 0x007fffffu) != 0;
+  return nan ? quiet : rounded;
+}
 
-// The step's scalars, formed once in fp64 as torch.optim.AdamW forms them.
-struct adamw_scalars {
-  double beta1, beta2, eps, grad_scale;
-  double decay;                  // 1 - lr * weight_decay
-  double step_size;              // lr / (1 - beta1^t)
-  double bias_correction2_sqrt;  // sqrt(1 - beta2^t)
-};
+// W: the working copy's element (float, bf16 bits), or void for none.
+template <class W>
+[[gnu::always_inline]] inline void adamw_loop(const adamw_coefficients& c, float* __restrict master,
+                                              float* __restrict exp_avg, float* __restrict exp_avg_sq,
+                                              const float* __restrict grad, W* __restrict weights, std::int64_t n) {
+  const adamw_coefficients k = c;  // in registers: no store below can change it
+#pragma omp simd
+  for (std::int64_t i = 0; i < n; ++i) {
+    float p = master[i], m = exp_avg[i], v = exp_avg_sq[i];
+    adamw_element(k, p, m, v, grad[i]);
+    master[i] = p;
+    exp_avg[i] = m;
+    exp_avg_sq[i] = v;
+    if constexpr (std::is_same_v<W, float>) weights[i] = p;
+    if constexpr (std::is_same_v<W, std::uint16_t>) weights[i] = bf16_bits(p);
+  }
+}
 
-adamw_scalars scalars_of(const adamw_args& args) {
-  const double lr = args.lr, beta1 = args.beta1, beta2 = args.beta2;
-  const auto t = static_cast<double>(args.step);
-  const double bias_correction1 = 1.0 - std::pow(beta1, t);
-  const double bias_correction2 = 1.0 - std::pow(beta2, t);
-  return {beta1,
-          beta2,
-          static_cast<double>(args.eps),
-          static_cast<double>(args.grad_scale),
-          1.0 - lr * static_cast<double>(args.weight_decay),
-          lr / bias_correction1,
-          std::sqrt(bias_correction2)};
+UPIPE_SIMD_CLONES void adamw_no_copy(const adamw_coefficients& c, float* master, float* m, float* v, const float* g,
+                                     std::int64_t n) {
+  adamw_loop<void>(c, master, m, v, g, nullptr, n);
+}
+UPIPE_SIMD_CLONES void adamw_f32_copy(const adamw_coefficients& c, float* master, float* m, float* v, const float* g,
+                                      float* w, std::int64_t n) {
+  adamw_loop<float>(c, master, m, v, g, w, n);
+}
+UPIPE_SIMD_CLONES void adamw_bf16_copy(const adamw_coefficients& c, float* master, float* m, float* v, const float* g,
+                                       std::uint16_t* w, std::int64_t n) {
+  adamw_loop<std::uint16_t>(c, master, m, v, g, w, n);
+}
+
+// Eight fp64 lanes, lane j summing the squares of the elements i = j (mod 8) in order,
+// then added as a fixed tree: a vector of any width computes the same sums.
+UPIPE_SIMD_CLONES double lane_sum_squares(const float* x, std::int64_t n) {
+  double lane[8] = {};
+  std::int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int j = 0; j < 8; ++j) lane[j] += static_cast<double>(x[i + j]) * static_cast<double>(x[i + j]);
+  for (; i < n; ++i) lane[i & 7] += static_cast<double>(x[i]) * static_cast<double>(x[i]);
+  return ((lane[0] + lane[4]) + (lane[1] + lane[5])) + ((lane[2] + lane[6]) + (lane[3] + lane[7]));
+}
+
+UPIPE_SIMD_CLONES void add_loop(float* __restrict dst, const float* __restrict src, std::int64_t n) {
+#pragma omp simd
+  for (std::int64_t i = 0; i < n; ++i) dst[i] += src[i];
 }
 
 }  // namespace
 
-// PyTorch's single-tensor AdamW (torch/optim/adamw.py), term for term:
-//   p *= 1 - lr wd;  m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2;
-//   denom = sqrt(v) / sqrt(1 - b2^t) + eps;  p -= lr / (1 - b1^t) * m / denom.
-// This equals the form in adamw_args' comment (the decay reads the master value from
-// before the step); only the rounding follows PyTorch's order.
+void accumulate(float* dst, const float* src, std::int64_t n) { add_loop(dst, src, n); }
+
 void adamw(const adamw_args& args) {
-  const adamw_scalars s = scalars_of(args);
+  const adamw_coefficients c = adamw_coefficients_of(args);
   const std::int64_t n = args.master.cols;
-  float* master = f32_data(args.master);
-  float* exp_avg = f32_data(args.exp_avg);
-  float* exp_avg_sq = f32_data(args.exp_avg_sq);
-  const float* grad = row_of(args.grad, 0);
-  const bool write_weights = args.weights.data != nullptr && args.weights.cols > 0;
-  for (std::int64_t i = 0; i < n; ++i) {
-    const double g = static_cast<double>(grad[i]) * s.grad_scale;
-    const double m = s.beta1 * exp_avg[i] + (1.0 - s.beta1) * g;
-    const double v = s.beta2 * exp_avg_sq[i] + (1.0 - s.beta2) * g * g;
-    const double denom = std::sqrt(v) / s.bias_correction2_sqrt + s.eps;
-    const double p = static_cast<double>(master[i]) * s.decay - s.step_size * m / denom;
-    exp_avg[i] = static_cast<float>(m);
-    exp_avg_sq[i] = static_cast<float>(v);
-    master[i] = static_cast<float>(p);
-    if (!write_weights) continue;
-    // The working copy is the stored master, so it never differs from what a reload sees.
-    if (args.weights.type == dtype::bf16)
-      static_cast<std::uint16_t*>(args.weights.data)[i] = float_to_bf16(master[i]);
-    else
-      f32_data(args.weights)[i] = master[i];
+  auto* master = static_cast<float*>(args.master.data);
+  auto* m = static_cast<float*>(args.exp_avg.data);
+  auto* v = static_cast<float*>(args.exp_avg_sq.data);
+  const auto* g = static_cast<const float*>(args.grad.data);
+  // The working copy is the stored master, so it never differs from what a reload sees.
+  if (args.weights.data == nullptr || args.weights.cols == 0)
+    adamw_no_copy(c, master, m, v, g, n);
+  else if (args.weights.type == dtype::bf16)
+    adamw_bf16_copy(c, master, m, v, g, static_cast<std::uint16_t*>(args.weights.data), n);
+  else
+    adamw_f32_copy(c, master, m, v, g, static_cast<float*>(args.weights.data), n);
+}
+
+void sum_squares_blocks(const float* x, std::int64_t n, double* block_sums) {
+  for (std::int64_t b = 0; b * sum_squares_block < n; ++b) {
+    const std::int64_t begin = b * sum_squares_block;
+    block_sums[b] = lane_sum_squares(x + begin, n - begin < sum_squares_block ? n - begin : sum_squares_block);
   }
 }
 
 double sum_squares(const mat_view& x) {
   double sum = 0.0;
   for (std::int64_t r = 0; r < x.rows; ++r) {
-    const float* row = row_of(x, r);
-    for (std::int64_t j = 0; j < x.cols; ++j) sum += static_cast<double>(row[j]) * row[j];
+    const float* row = static_cast<const float*>(x.data) + r * x.ld;
+    for (std::int64_t begin = 0; begin < x.cols; begin += sum_squares_block)
+      sum += lane_sum_squares(row + begin, x.cols - begin < sum_squares_block ? x.cols - begin : sum_squares_block);
   }
   return sum;
 }

@@ -2,6 +2,8 @@
 // its op calls here; the entries in ops/ops.hpp have already checked the arguments.
 #pragma once
 
+#include <cstdint>
+
 #include "ops/op_args.hpp"
 
 namespace upipe::cpu {
@@ -23,5 +25,12 @@ void swiglu_backward(const swiglu_backward_args& args);
 void cross_entropy(const cross_entropy_args& args);
 void adamw(const adamw_args& args);
 double sum_squares(const mat_view& x);
+// sum_squares adds the sums of blocks of this many elements in order; block_sums[b] gets
+// block b's sum of x[0, n), so that the blocks of a long shard may be summed on several
+// cores and added afterwards to the same value.
+inline constexpr std::int64_t sum_squares_block = std::int64_t{1} << 16;
+void sum_squares_blocks(const float* x, std::int64_t n, double* block_sums);
+// dst[i] += src[i] (f32, vectorized; the buffers do not overlap).
+void accumulate(float* dst, const float* src, std::int64_t n);
 
 }  // namespace upipe::cpu

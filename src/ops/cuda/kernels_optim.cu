@@ -1,13 +1,15 @@
-// The optimizer's kernels: one AdamW step on a flat f32 shard (PyTorch's term order, as
-// ops/cpu/adamw.cpp, in fp32 with the step's scalars formed once in fp64 on the host),
-// writing the working copy from the stored master; and the fp64 sum of squares behind
-// the gradient norm (block sums in fp64, added to the result with one atomic a block,
-// so the last bits may vary from run to run).
+// The optimizer's kernels: one AdamW step on a flat f32 shard (ops/adamw_formula.hpp,
+// the arithmetic of the cpu backend and the host optimizer; this file compiles with
+// --fmad=false so that each product and sum rounds as on the host), writing the working
+// copy from the stored master; and the fp64 sum of squares behind the gradient norm
+// (block sums in fp64, added to the result with one atomic a block, so the last bits may
+// vary from run to run).
 #include <cuda_runtime.h>
 
 #include <cmath>
 #include <cstdint>
 
+#include "ops/adamw_formula.hpp"
 #include "ops/cuda/cuda_ops.hpp"
 #include "ops/cuda/kernels_common.cuh"
 
@@ -29,10 +31,7 @@ struct adamw_params {
   void* weights;  // the working copy, or nullptr
   std::int64_t n;
   bool vec;
-  float beta1, beta2, one_minus_beta1, one_minus_beta2, eps, grad_scale;
-  float decay;                  // 1 - lr * weight_decay
-  float step_size;              // lr / (1 - beta1^t)
-  float bias_correction2_sqrt;  // sqrt(1 - beta2^t)
+  adamw_coefficients c;
 };
 
 // W: the working copy's type; void when there is none.
@@ -46,13 +45,7 @@ __global__ void __launch_bounds__(adamw_config.threads) adamw_kernel(adamw_param
     load_vec<w>(p.exp_avg_sq + j, v);
     load_vec<w>(p.grad + j, g);
 #pragma unroll
-    for (int e = 0; e < w; ++e) {
-      const float grad = g[e] * p.grad_scale;
-      m[e] = p.beta1 * m[e] + p.one_minus_beta1 * grad;
-      v[e] = p.beta2 * v[e] + p.one_minus_beta2 * grad * grad;
-      const float denom = sqrtf(v[e]) / p.bias_correction2_sqrt + p.eps;
-      master[e] = master[e] * p.decay - p.step_size * m[e] / denom;
-    }
+    for (int e = 0; e < w; ++e) adamw_element(p.c, master[e], m[e], v[e], g[e]);
     store_vec<w>(p.master + j, master);
     store_vec<w>(p.exp_avg + j, m);
     store_vec<w>(p.exp_avg_sq + j, v);
@@ -82,10 +75,6 @@ void adamw(const adamw_args& args, cudaStream_t stream) {
   const std::int64_t n = args.master.cols;
   if (n == 0) return;
   const bool write_weights = args.weights.data != nullptr && args.weights.cols > 0;
-  const double lr = args.lr, beta1 = args.beta1, beta2 = args.beta2;
-  const auto t = static_cast<double>(args.step);
-  const double bias_correction1 = 1.0 - std::pow(beta1, t);
-  const double bias_correction2 = 1.0 - std::pow(beta2, t);
   adamw_params params{static_cast<float*>(args.master.data),
                       static_cast<float*>(args.exp_avg.data),
                       static_cast<float*>(args.exp_avg_sq.data),
@@ -93,15 +82,7 @@ void adamw(const adamw_args& args, cudaStream_t stream) {
                       write_weights ? args.weights.data : nullptr,
                       n,
                       false,
-                      args.beta1,
-                      args.beta2,
-                      static_cast<float>(1.0 - beta1),
-                      static_cast<float>(1.0 - beta2),
-                      args.eps,
-                      args.grad_scale,
-                      static_cast<float>(1.0 - lr * static_cast<double>(args.weight_decay)),
-                      static_cast<float>(lr / bias_correction1),
-                      static_cast<float>(std::sqrt(bias_correction2))};
+                      adamw_coefficients_of(args)};
   params.vec = aligned16(params.master) && aligned16(params.exp_avg) && aligned16(params.exp_avg_sq) &&
                aligned16(params.grad) && (!write_weights || aligned16(params.weights));
   const int grid = grid_for_units(adamw_config, params.vec ? ceil_div(n, vec_width) : n);

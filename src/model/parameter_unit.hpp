@@ -1,0 +1,39 @@
+// One unit of the parameter store, as parameter_store.cpp and parameter_store_offload.cpp
+// both see it (private to the two).
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include "core/host_pool.hpp"
+#include "model/parameter_store.hpp"
+
+namespace upipe {
+
+struct parameter_store::unit {
+  std::vector<std::size_t> params;    // indices into specs_
+  std::vector<std::int64_t> offsets;  // element offset of each parameter in the flat vector
+  std::int64_t numel = 0, padded = 0, shard = 0;
+  tensor weights;       // (1, padded) working dtype on the device: resident, or while acquired (ZeRO-3, offloaded params)
+  tensor weight_shard;  // ZeRO-3: (1, shard) working dtype (in host memory with the parameters offloaded)
+  int acquired = 0;
+  comm_request gathering;  // ZeRO-3: the prefetched gather in flight
+  tensor grads;         // (1, padded) f32: persistent when replicated, else while open
+  bool reduced = false;  // ZeRO: a micro-batch of this step was reduced into grad_shard
+  tensor grad_shard, master, exp_avg, exp_avg_sq;  // ZeRO: (1, shard) f32 (in host memory when offloaded)
+
+  // Offloaded.
+  tensor host_weights;  // optimizer alone: (1, shard) working dtype, AdamW's output on its way to the device
+  tensor host_copy;     // parameters, ZeRO-2: (1, padded) working dtype, the weights whole in host memory
+  tensor incoming;      // a later micro-batch's gradient shard, until the host has added it
+  std::unique_ptr<host_batch> task;  // the host's work on this unit's shard in flight (one at a time)
+  std::vector<double> block_sums;    // the gradient's squares by block (cpu::sum_squares_block)
+  bool summed = false;        // block_sums hold this step's final gradients
+  bool updated = false;       // AdamW ran, or runs, on this step's gradients
+  bool stale = false;         // the device holds the weights from before AdamW's last update
+  // Parameters: the side copies bringing the unit to the device, and (ZeRO-2, after an
+  // update) taking the gathered unit back to host_copy, as points to join (0: none).
+  std::uint64_t arriving = 0, leaving = 0;
+};
+
+}  // namespace upipe

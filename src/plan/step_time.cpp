@@ -1,0 +1,116 @@
+#include "plan/step_time.hpp"
+
+#include <algorithm>
+#include <cmath>
+
+#include "cp/stage_plan.hpp"
+
+namespace upipe {
+
+namespace {
+
+constexpr double giga = 1e9, tera = 1e12;
+
+// Weights that take part in a matmul: a layer's projections and MLP, and the lm head.
+struct matmul_params {
+  double layer = 0, attention_inputs = 0, head = 0;
+};
+
+matmul_params params_of(const model_config& m) {
+  const double D = m.hidden_size, F = m.intermediate_size, d = m.head_dim;
+  matmul_params p;
+  p.attention_inputs = D * d * (m.num_heads + 2.0 * m.num_kv_heads);  // q, k, v
+  p.layer = p.attention_inputs + D * d * m.num_heads + 3 * D * F;     // + o, gate, up, down
+  p.head = D * static_cast<double>(m.vocab_size);
+  return p;
+}
+
+// The bytes one rank moves in one pass of one layer's attention, by link; an all-to-all
+// counts what leaves the rank, split between the node's links and the network.
+struct pass_bytes {
+  double nvlink = 0, network_a2a = 0, ring = 0, host = 0;
+};
+
+pass_bytes bytes_of(const pass_plan& pass, const step_time_request& r) {
+  const int C = r.cp.cp, G = std::min(r.gpus_per_node, C);
+  const bool hybrid = r.cp.strategy == strategy_kind::hybrid;
+  pass_bytes b;
+  for (const plan_message& m : pass.messages()) {
+    const double bytes = static_cast<double>(m.bytes(dtype::bf16));
+    switch (m.link) {
+      case plan_link::all_to_all: {
+        const double leaving = static_cast<double>(m.bytes_leaving(dtype::bf16));
+        // Hybrid's groups are a node's GPUs; otherwise each rank sends equal parts to the C - 1
+        // others, G - 1 of them in its node.
+        const double off_node = hybrid || C == 1 ? 0 : leaving * (C - G) / (C - 1);
+        b.nvlink += leaving - off_node;
+        b.network_a2a += off_node;
+        break;
+      }
+      case plan_link::ring: b.ring += bytes; break;
+      case plan_link::device_to_host:
+      case plan_link::host_to_device: b.host += bytes; break;
+    }
+  }
+  return b;
+}
+
+}  // namespace
+
+step_time estimate_step_time(const step_time_request& r, const throughput_rates& rates) {
+  const model_config& m = r.model;
+  const int C = r.cp.cp;
+  const bool multi_node = C > r.gpus_per_node;
+  const double s = static_cast<double>(r.seq_len) / C, S = static_cast<double>(r.seq_len), L = m.num_layers;
+  const matmul_params p = params_of(m);
+  // Recompute from the checkpoints: every layer's forward again, but for the attention of
+  // the layers whose attention output is kept (the first of each block of `every`).
+  const bool keeps_attention = r.policy.what == checkpoint_content::layer_input_and_attention;
+  const double recompute_attention = keeps_attention ? 1.0 - 1.0 / r.policy.every : 1.0;
+  const double recompute_gemm =
+      L * (p.layer - (keeps_attention ? p.attention_inputs / r.policy.every : 0.0));
+  step_time t;
+  // Forward 2, backward 4 (input and weight gradients; a frozen base's weight gradients are
+  // not run), and the recompute's forward.
+  const double passes = r.lora ? 4 : 6;
+  t.gemm = (passes * (L * p.layer + p.head) * s + 2 * recompute_gemm * s) / (rates.gemm_tflops * tera);
+  // Causal attention: 2 S^2 H d a layer forward, twice that backward (docs/design.md section 7).
+  const double attention_forward = 2 * S * S * m.num_heads * m.head_dim / C;
+  t.attention = L * attention_forward * (3 + recompute_attention) / (rates.attention_tflops * tera);
+
+  const stage_plan plan = make_stage_plan(attention_config_for(m, r.cp, r.seq_len), 0);
+  const pass_bytes fwd = bytes_of(plan.forward, r), bwd = bytes_of(plan.backward, r);
+  const double passes_fwd = 1 + recompute_attention;  // the forward and its recompute
+  const double network = rates.network_gbits / 8 * giga, nvlink = rates.nvlink_gbytes * giga,
+               pcie = rates.pcie_gbytes * giga;
+  const auto a2a = [&](const pass_bytes& b) { return std::max(b.nvlink / nvlink, b.network_a2a / network); };
+  t.all_to_all = L * (passes_fwd * a2a(fwd) + a2a(bwd));
+  // A ring step is as slow as its slowest hop: across nodes when the ring spans them.
+  t.ring = L * (passes_fwd * fwd.ring + bwd.ring) / (multi_node ? network : nvlink);
+
+  // ZeRO over the CP group: the bf16 weights gathered (twice under ZeRO-3: forward and
+  // backward), the f32 gradients reduce-scattered; a ring collective across nodes runs at
+  // the network's pace.
+  const double weights = L * p.layer + p.head * (m.tie_embeddings ? 1 : 2);  // with the embedding
+  const double share = C > 1 ? static_cast<double>(C - 1) / C : 0.0;
+  const double gathers = r.zero == zero_stage::three ? 2 : (r.zero == zero_stage::two ? 1 : 0);
+  const bool reduces = r.zero != zero_stage::replicated && !r.lora;  // a LoRA base has no gradients
+  const double zero_bytes = (gathers * 2 + (reduces ? 4 : 0)) * weights * share;
+  t.zero = zero_bytes / (multi_node ? network : nvlink);
+
+  // Host copies: the attention's chunks, the checkpoints (out and back) and the offloaded
+  // optimizer's gradients and weights.
+  double host = L * (passes_fwd * fwd.host + bwd.host);
+  if (r.policy.where != checkpoint_location::device) {
+    const double kept_layers = std::max(0.0, std::ceil(L / r.policy.every) - 1);  // layer 0's input is not kept
+    double per_layer = s * m.hidden_size * 2;
+    if (keeps_attention) per_layer += s * m.num_heads * m.head_dim * 2 + s * m.num_heads * 4;
+    host += 2 * kept_layers * per_layer;
+  }
+  if (r.offload_optimizer && !r.lora) host += weights / C * (4 + 2);  // f32 gradients out, bf16 weights back
+  if (r.offload_params) host += weights / C * 2 * (r.zero == zero_stage::three ? 2 : 1);
+  t.host = host / pcie;
+  return t;
+}
+
+}  // namespace upipe

@@ -1,0 +1,49 @@
+// The planner's step-time model: how long one training step of a configuration takes on C
+// GPUs over M nodes, from the model's FLOPs at measured compute rates and the bytes the
+// step moves (the attention's stage plan, ZeRO's gathers and reduce-scatters, the host
+// copies) at stated link bandwidths. Every rate is a parameter the planner prints; the
+// defaults are the H200 measurements in docs/benchmarks.md and the paper's 400 Gb/s per
+// GPU across nodes. Nothing overlaps in this model (compute, then every transfer): it is
+// the step time without overlap, an upper bound for the engine's schedule.
+#pragma once
+
+#include <cstdint>
+
+#include "model/checkpoint_store.hpp"
+#include "model/config.hpp"
+#include "model/parameter_store.hpp"
+#include "model/transformer.hpp"
+
+namespace upipe {
+
+struct throughput_rates {
+  double gemm_tflops = 778;       // bf16 GEMM (bench-kernels, the H200's projection GEMMs: 778-919)
+  double attention_tflops = 549;  // cuDNN causal attention forward + backward, d = 128 (bench-kernels, 32K)
+  double nvlink_gbytes = 330;     // all-to-all bus bandwidth inside a node (bench-comm, 2 x H200, 512K-2M tokens)
+  double network_gbits = 400;     // per GPU across nodes (the paper's InfiniBand)
+  double pcie_gbytes = 50;        // host <-> device, each way (PCIe Gen5 x16; not measured here)
+};
+
+// Where the step's time goes, in seconds.
+struct step_time {
+  double gemm = 0, attention = 0;         // compute: the projections, MLP and head; the fused attention
+  double all_to_all = 0, ring = 0;        // the attention's collectives
+  double zero = 0;                        // ZeRO's weight gathers and gradient reduce-scatters
+  double host = 0;                        // copies between device and host memory
+  double total() const { return gemm + attention + all_to_all + ring + zero + host; }
+};
+
+struct step_time_request {
+  model_config model;
+  cp_settings cp;
+  int gpus_per_node = 8;  // the CP group spans cp.cp / gpus_per_node nodes
+  std::int64_t seq_len = 0;
+  checkpoint_policy policy;
+  zero_stage zero = zero_stage::three;
+  bool offload_optimizer = false, offload_params = false;
+  bool lora = false;  // a frozen base: no weight gradients, no gradient reduce-scatter to speak of
+};
+
+step_time estimate_step_time(const step_time_request& request, const throughput_rates& rates);
+
+}  // namespace upipe

@@ -1,0 +1,90 @@
+// The planner's step-time model: compute from the model's FLOPs at the stated rates, the
+// attention's collectives from its stage plan on the links they take, ZeRO's and the host's
+// bytes; each term against its own arithmetic.
+#include <gtest/gtest.h>
+
+#include "cp/stage_plan.hpp"
+#include "model/config.hpp"
+#include "plan/step_time.hpp"
+
+namespace upipe {
+namespace {
+
+step_time_request request(const char* model, strategy_kind kind, int gpus, int per_node, std::int64_t S) {
+  step_time_request r;
+  r.model = preset(model);
+  // upipe: U = C; hybrid: Ulysses inside each node's group, a ring over the nodes.
+  if (kind == strategy_kind::hybrid) r.cp = {kind, gpus, r.model.num_heads, gpus / per_node, 1};
+  else r.cp = {kind, gpus, kind == strategy_kind::upipe ? gpus : 0, 1, 1};
+  r.gpus_per_node = per_node;
+  r.seq_len = S;
+  r.policy = {checkpoint_content::layer_input, 1, checkpoint_location::device};
+  return r;
+}
+
+TEST(step_time, compute_is_the_model_flops_at_the_stated_rates) {
+  const step_time_request r = request("llama3-8b", strategy_kind::upipe, 8, 8, 1 << 20);
+  throughput_rates rates;
+  const step_time t = estimate_step_time(r, rates);
+  const model_config& m = r.model;
+  const double S = 1 << 20, s = S / 8, D = m.hidden_size, d = m.head_dim;
+  const double layer = D * d * (2 * m.num_heads + 2 * m.num_kv_heads) + 3 * D * m.intermediate_size;
+  const double head = D * static_cast<double>(m.vocab_size);
+  // 6 N s for the step, and the recompute's forward of every layer (2 N_layer s).
+  EXPECT_NEAR(t.gemm, (6 * (m.num_layers * layer + head) * s + 2 * m.num_layers * layer * s) / (rates.gemm_tflops * 1e12),
+              1e-9 * t.gemm);
+  // Causal attention: 2 S^2 H d forward, twice that backward, and the recompute's forward.
+  EXPECT_NEAR(t.attention, m.num_layers * 8 * S * S * m.num_heads * d / 8 / (rates.attention_tflops * 1e12),
+              1e-9 * t.attention);
+  // Doubling S quadruples the attention and doubles the GEMMs.
+  step_time_request twice = r;
+  twice.seq_len *= 2;
+  const step_time t2 = estimate_step_time(twice, rates);
+  EXPECT_NEAR(t2.attention / t.attention, 4.0, 1e-9);
+  EXPECT_NEAR(t2.gemm / t.gemm, 2.0, 1e-9);
+}
+
+TEST(step_time, the_collectives_take_the_links_of_the_mesh) {
+  throughput_rates rates;
+  // UPipe over 16 GPUs of two nodes: 8 of each rank's 15 parts leave the node.
+  const step_time_request spans = request("llama3-8b", strategy_kind::upipe, 16, 8, 1 << 20);
+  const step_time across = estimate_step_time(spans, rates);
+  EXPECT_GT(across.all_to_all, 0);
+  EXPECT_EQ(across.ring, 0);
+  // The same bytes inside one node of 16 run at NVLink's pace only.
+  step_time_request one_node = spans;
+  one_node.gpus_per_node = 16;
+  const step_time inside = estimate_step_time(one_node, rates);
+  const stage_plan plan = make_stage_plan(attention_config_for(spans.model, spans.cp, spans.seq_len), 0);
+  double leaving = 0;
+  for (const pass_plan* pass : {&plan.forward, &plan.forward, &plan.backward})  // forward, its recompute, backward
+    for (const plan_message& m : pass->messages())
+      if (m.link == plan_link::all_to_all) leaving += static_cast<double>(m.bytes_leaving(dtype::bf16));
+  EXPECT_NEAR(inside.all_to_all, spans.model.num_layers * leaving / (rates.nvlink_gbytes * 1e9), 1e-9 * inside.all_to_all);
+  EXPECT_NEAR(across.all_to_all,
+              spans.model.num_layers * leaving * 8.0 / 15.0 / (rates.network_gbits / 8 * 1e9), 1e-9 * across.all_to_all);
+  // Hybrid 2 x 8: the all-to-all stays in the node, the ring crosses at the network's pace.
+  const step_time hybrid = estimate_step_time(request("llama3-8b", strategy_kind::hybrid, 16, 8, 1 << 20), rates);
+  EXPECT_GT(hybrid.ring, 0);
+  EXPECT_LT(hybrid.all_to_all, across.all_to_all);
+  // ZeRO's gathers cross nodes too.
+  EXPECT_GT(across.zero, inside.zero);
+}
+
+TEST(step_time, host_copies_count_the_chunks_and_the_checkpoints) {
+  throughput_rates rates;
+  step_time_request r = request("llama3-8b", strategy_kind::upipe, 8, 8, 1 << 20);
+  EXPECT_EQ(estimate_step_time(r, rates).host, 0);
+  r.cp.seq_chunks = 4;
+  const double chunks = estimate_step_time(r, rates).host;
+  EXPECT_GT(chunks, 0);
+  r.policy.where = checkpoint_location::host_pinned;
+  const double with_checkpoints = estimate_step_time(r, rates).host;
+  // 31 layer inputs (s, D) in bf16 out and back.
+  const double s = (1 << 20) / 8.0;
+  EXPECT_NEAR(with_checkpoints - chunks, 2 * 31 * s * r.model.hidden_size * 2 / (rates.pcie_gbytes * 1e9),
+              1e-9 * with_checkpoints);
+}
+
+}  // namespace
+}  // namespace upipe
