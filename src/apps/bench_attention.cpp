@@ -64,7 +64,10 @@ std::vector<attention_config> configurations(const bench_flags& f) {
   for (const std::string& name : f.strategies) {
     const strategy_kind kind = parse_strategy_kind(name);
     const bool chunked = kind == strategy_kind::upipe || kind == strategy_kind::ulysses || kind == strategy_kind::fpdt;
-    const std::vector<int> seq_chunks = f.seq_chunks.empty() || !chunked ? std::vector<int>{0} : f.seq_chunks;
+    std::vector<int> seq_chunks = f.seq_chunks.empty() || !chunked ? std::vector<int>{0} : f.seq_chunks;
+    // A list for several strategies: fpdt takes its N >= 2 (N = 1 is Ulysses' row).
+    if (kind == strategy_kind::fpdt && std::any_of(seq_chunks.begin(), seq_chunks.end(), [](int n) { return n >= 2; }))
+      std::erase_if(seq_chunks, [](int n) { return n == 1; });
     for (const std::string& s : f.seq_lens)
       for (int chunk : chunks_for(f, kind))
         for (int n : seq_chunks) {

@@ -159,6 +159,24 @@ int run(const plan_flags& f) {
                          "--network-gbits, --pcie-gbytes) must be positive and finite, not " + std::to_string(rate) +
                          " (for example --network-gbits 400)");
   if (!f.lora.empty()) r.lora = parse_lora(f.lora, r.model);
+  // The default strategies that cannot run on this group (Ulysses and UPipe need C to
+  // divide the heads: 1024 GPUs plan hybrid and ring) are left out and named; a strategy
+  // asked for by name is refused instead.
+  std::vector<std::string> skipped;
+  if (f.attention.empty()) {
+    std::vector<strategy_kind> runnable;
+    for (const strategy_kind kind : r.strategies) {
+      plan_request one = r;
+      one.strategies = {kind};
+      try {
+        validate(one);
+        runnable.push_back(kind);
+      } catch (const config_error& e) {
+        skipped.push_back(std::string(strategy_name(kind)) + " (" + e.what() + ")");
+      }
+    }
+    if (!runnable.empty()) r.strategies = runnable;
+  }
   validate(r);
   std::ofstream json_out;
   if (!f.json_path.empty()) {
@@ -189,6 +207,7 @@ int run(const plan_flags& f) {
               "at %.0f GB/s\n",
               r.rates.gemm_tflops, r.rates.attention_tflops, r.rates.nvlink_gbytes, r.rates.network_gbits,
               r.rates.pcie_gbytes);
+  for (const std::string& why : skipped) std::printf("# left out: %s\n", why.c_str());
   std::fflush(stdout);
   const plan_result plan = make_plan(r);
 

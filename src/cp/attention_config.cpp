@@ -90,7 +90,9 @@ void validate_heads(const attention_config& c) {
   if (c.head_dim % 2 != 0)
     throw config_error("head dim d = " + std::to_string(c.head_dim) + " must be even (RoPE rotates pairs); for example " +
                        std::to_string(c.head_dim + 1));
-  // The heads split over the all-to-all group: all C ranks, or hybrid's A.
+  // The heads split over the all-to-all group: all C ranks, or hybrid's A. Ring splits no
+  // heads: every rank attends all of them for its own tokens.
+  if (c.strategy == strategy_kind::ring) return;
   const int group = c.all_to_all_size();
   const std::string name = c.strategy == strategy_kind::hybrid ? "the all-to-all group A = C / R = " : "cp C = ";
   const int alt = suggest_cp(c.heads, c.kv_heads, group);

@@ -95,7 +95,7 @@ std::vector<cp_settings> configurations(const plan_request& r) {
       for (int n : r.seq_chunks)
         if (n >= 2) out.push_back({kind, r.gpus, r.model.num_heads, 1, n});
     } else if (kind == strategy_kind::hybrid) {
-      for (int u : valid_head_chunks(r.model.num_heads, r.gpus / r.nodes)) out.push_back({kind, r.gpus, u, r.nodes});
+      for (int u : valid_head_chunks(r.model.num_heads, r.gpus / r.nodes)) out.push_back({kind, r.gpus, u, r.nodes, 1});
     } else {
       out.push_back({kind, r.gpus, kind == strategy_kind::ulysses ? r.model.num_heads : 0, 1, 1});
     }

@@ -238,6 +238,17 @@ TEST(hybrid_config, bad_meshes_are_refused_with_a_valid_alternative) {
   EXPECT_EQ(c.head_chunk, 8);  // USP by default: Ulysses inside the groups
 }
 
+// Ring splits no heads, so it runs where C does not divide H or K (1024 GPUs of an 8B
+// model): more ranks than heads, and a C that divides neither.
+TEST(ring_groups, need_not_divide_the_heads) {
+  for (auto [H, K, C] : {std::tuple{4, 2, 8}, {6, 3, 4}, {8, 8, 3}}) {
+    attention_config c = sweep_config({H, K, C}, strategy_kind::ring, 0, 16, 2 * C * 4);
+    const experiment_result r = run(c);
+    ASSERT_TRUE(r.max_rel_error.has_value());
+    EXPECT_LT(*r.max_rel_error, 1e-5) << "H" << H << " K" << K << " C" << C;
+  }
+}
+
 // The sweep must cover the interesting regimes, or it proves little.
 TEST(strategy_sweep_coverage, covers_split_and_replicated_kv) {
   bool split = false, replicated = false, odd_cp = false;
