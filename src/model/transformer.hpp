@@ -25,6 +25,13 @@ struct cp_settings {
   int ring = 1;  // hybrid: R rings of all-to-all groups of C / R ranks
 };
 
+// Which MLP tiles and loss chunks a step runs on a backend without data (meta): every one,
+// or the first and the last, shorter one only. Every full tile allocates and frees the same
+// buffers in the same order, so the others change no peak, and with distinct_shapes a
+// probe costs the same whatever the tile (a tile of 1 token at 2^30 tokens would loop 2^30
+// times per layer). Backends with data always run every tile.
+enum class tile_sweep : std::uint8_t { every_tile, distinct_shapes };
+
 struct step_options {
   std::int64_t mlp_tile = 0;    // tokens per MLP/RMSNorm tile; 0: with_default_sizes
   std::int64_t loss_chunk = 0;  // tokens per cross-entropy chunk; 0: with_default_sizes
@@ -36,6 +43,7 @@ struct step_options {
   // ZeRO-3: gather the next layer's weights while this layer computes (one more layer's
   // weights held meanwhile).
   bool prefetch_weights = false;
+  tile_sweep meta_tiles = tile_sweep::distinct_shapes;
 };
 
 // The MLP tile and the loss chunk where `o` gives none (0). Their GEMMs want a few
@@ -90,6 +98,9 @@ class transformer {
     tensor h, rstd, gate, up;  // (n, D), (n, 1) f32, (n, F), (n, F)
   };
   mlp_tile_buffers mlp_tile_inputs(const layer_params& p, const mat_view& xt);
+  // The start of the tile after the one at t0 (tiles of `tile` rows over the shard), as
+  // step_options::meta_tiles says.
+  std::int64_t next_tile(std::int64_t t0, std::int64_t tile) const;
   tensor upload_ids(std::span<const std::int32_t> values, const char* label);
   tensor layer_forward(const layer_params& p, const tensor& x, mem_tag out_tag, attention_layer::context* keep);
   void mlp_forward(const layer_params& p, const tensor& x);
@@ -116,6 +127,7 @@ class transformer {
   bool prefetch_weights_ = false;
   std::int64_t mlp_tile_, loss_chunk_;
   std::int64_t attention_input_tile_;
+  tile_sweep meta_tiles_;
   tensor final_hidden_;  // (s, D): the last layer's output, input of the loss
 };
 
