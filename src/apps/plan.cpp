@@ -11,6 +11,8 @@
 #include <nlohmann/json.hpp>
 
 #include "apps/commands.hpp"
+#include "apps/flag_checks.hpp"
+#include "apps/json_file.hpp"
 #include "apps/model_flags.hpp"
 #include "apps/sizes.hpp"
 #include "core/error.hpp"
@@ -113,11 +115,6 @@ int run(const plan_flags& f) {
   r.mlp_tile = f.mlp_tile;
   r.loss_chunk = f.loss_chunk;
   validate(r);
-  std::ofstream json_out;
-  if (!f.json_path.empty()) {
-    json_out.open(f.json_path, std::ios::trunc);
-    if (!json_out) throw io_error("cannot write --json " + f.json_path + ": check the directory");
-  }
 
   const std::string step_kind = r.zero == zero_stage::replicated
                                     ? "forward+backward, no optimizer"
@@ -175,7 +172,7 @@ int run(const plan_flags& f) {
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   std::printf("# planned in %.1f s\n", seconds);
 
-  if (json_out.is_open()) {
+  if (!f.json_path.empty()) {
     nlohmann::json entries = nlohmann::json::array();
     for (const plan_entry& e : plan.entries) {
       nlohmann::json j = {{"strategy", std::string(strategy_name(e.strategy))},
@@ -212,8 +209,7 @@ int run(const plan_flags& f) {
         {"recommended_head_chunk",
          plan.recommended_head_chunk ? nlohmann::json(*plan.recommended_head_chunk) : nlohmann::json(nullptr)},
         {"entries", entries}};
-    json_out << doc.dump(1) << "\n";
-    if (!json_out) throw io_error("writing --json " + f.json_path + " failed");
+    write_json_file(f.json_path, doc, 1);
   }
   return 0;
 }
@@ -245,7 +241,7 @@ command_runner add_plan(CLI::App& app) {
                  "plan only this policy (what=input|input+attention,every=K,where=device|host-pinned|host-pageable)");
   app.add_option("--mlp-tile", f->mlp_tile, mlp_tile_help);
   app.add_option("--loss-chunk", f->loss_chunk, loss_chunk_help);
-  app.add_option("--json", f->json_path, "write the plan as JSON");
+  app.add_option("--json", f->json_path, "write the plan as JSON")->check(output_file_flag("--json"));
   return [f] { return run(*f); };
 }
 

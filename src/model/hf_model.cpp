@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.hpp"
+#include "core/files.hpp"
 #include "train/safetensors.hpp"
 
 namespace upipe {
@@ -42,11 +43,10 @@ struct index_contents {
 };
 
 index_contents read_index(const fs::path& index) {
-  std::ifstream in(index);
-  if (!in) throw io_error("cannot read " + index.string() + ": no such file or not readable");
+  const std::string text = read_text_file(index.string(), "the weights' index");
   nlohmann::json j;
   try {
-    j = nlohmann::json::parse(in);
+    j = nlohmann::json::parse(text);
   } catch (const nlohmann::json::exception& e) {
     throw io_error(index.string() + " is not valid JSON: " + e.what());
   }

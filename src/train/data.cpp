@@ -20,6 +20,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.hpp"
+#include "core/files.hpp"
 #include "core/random.hpp"
 
 namespace upipe {
@@ -154,11 +155,10 @@ document_corpus::document_corpus(const std::string& prefix, std::int64_t vocab_s
                                  std::uint64_t seed)
     : prefix_(prefix), vocab_(vocab_size), seed_(seed) {
   const std::string manifest_path = prefix + ".json";
-  std::ifstream in(manifest_path);
-  if (!in) throw io_error("cannot read " + manifest_path + ", the manifest of " + prefix + " (upipe prepare-data writes it)");
+  const std::string text = read_text_file(manifest_path, "the manifest of " + prefix + " (upipe prepare-data writes it)");
   nlohmann::json m;
   try {
-    m = nlohmann::json::parse(in);
+    m = nlohmann::json::parse(text);
   } catch (const nlohmann::json::exception& e) {
     throw io_error(manifest_path + " is not valid JSON: " + e.what());
   }

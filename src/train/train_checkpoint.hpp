@@ -33,6 +33,11 @@ struct trainer_state {
   std::uint64_t data_bytes = 0;    // the token file's size when saved
   std::string packing = "stream";  // "documents" or "stream": how the data became sequences
   std::int64_t min_doc_tokens = 0;
+  // The shape of the steps since step shape_step, at data position shape_position (where
+  // the run, or a resume of another shape, began), which the data position follows from
+  // (batch 0: a save of an earlier upipe, which did not record them).
+  std::int64_t batch = 0, seq_len = 0, seq_warmup = 0, warmup_seq_len = 0;
+  std::int64_t shape_step = 0, shape_position = 0;
 };
 
 struct checkpoint_request {
@@ -80,6 +85,10 @@ class saved_state {
   void read(int unit, shard_state which, std::int64_t begin, std::int64_t count, float* out) const;
 
  private:
+  static constexpr std::int64_t max_saved_seq_len = std::int64_t{1} << 30, max_saved_batch = std::int64_t{1} << 16,
+                                max_saved_unit = std::int64_t{1} << 40;
+  void check_manifest_ranges(const std::string& manifest) const;
+
   struct impl;
   std::unique_ptr<impl> impl_;
   std::string dir_;
