@@ -99,6 +99,13 @@ WORK_FLAGS = {"--samples", "--eval-samples", "--eval-sequences", "--repeats", "-
 LENGTH_FLAGS = {"--seq-len", "--lengths", "--warmup-seq-len", "--seq-warmup-start", "--single-pass-from"}
 
 
+# How a message may name a flag's value: by the symbol the rule is written in.
+FLAG_SYMBOLS = {"--seq-len": ["sequence length", "S ="], "--lengths": ["sequence length", "S =", "length"],
+                "--cp": ["C =", "cp C"], "--gpus": ["C =", "GPUs"], "--head-chunk": ["U =", "head chunk"],
+                "--heads": ["H ="], "--kv-heads": ["K ="], "--head-dim": ["d ="], "--model-dim": ["D ="],
+                "--layers": ["layers"], "--ring": ["R ="]}
+
+
 def merely_long(base, flag, value):
     on_cpu = "meta" not in BASES[base][0]
     return value == "1M" and (flag in WORK_FLAGS or (on_cpu and flag in LENGTH_FLAGS))
@@ -128,6 +135,8 @@ def flag_case(rng, t):
     # as read ("+007" is 7).
     names += [f.lstrip("-").replace("-", " ") for f, _ in picked] + [f.lstrip("-").replace("-", "_") for f, _ in picked]
     names += [v.lstrip("+0") or "0" for _, v in picked if v.lstrip("+").isdigit()]
+    names += [alias for f, _ in picked for alias in FLAG_SYMBOLS.get(f, [])]
+    names += [str(int(v[:-1]) << {"K": 10, "M": 20}[v[-1]]) for _, v in picked if v[-1:] in ("K", "M") and v[:-1].isdigit()]
     return Case("flags", f"{base}: " + " ".join(f"{f} {v!r}" for f, v in picked), args, names=names)
 
 

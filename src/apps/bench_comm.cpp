@@ -98,9 +98,10 @@ int run(const bench_comm_flags& f) {
         // Beside what the backend already holds (on a GPU, the libraries' workspaces).
         const std::size_t in_use = be.device_arena().in_use();
         if (2 * largest + in_use > limits.device_bytes)
-          throw config_error("the largest message, " + std::to_string(largest) +
-                             " bytes, needs --memory-gib of at least " +
-                             std::to_string(static_cast<double>(2 * largest + in_use) / (1 << 30) + 0.01));
+          throw config_error("the largest message at --seq-len up to " + std::to_string(*std::max_element(lengths.begin(), lengths.end())) + ", " +
+                             std::to_string(largest) + " bytes, needs --memory-gib of at least " +
+                             real_text(static_cast<double>(2 * largest + in_use) / (1 << 30) + 0.01) +
+                             "; shorten --seq-len or raise --memory-gib");
         const auto words = static_cast<std::int64_t>((largest + 3) / 4);
         tensor send = be.allocate_zeroed(mem_tag::comm, dtype::f32, {words}, "comm_send");
         tensor recv = be.allocate_zeroed(mem_tag::comm, dtype::f32, {words}, "comm_recv");

@@ -86,7 +86,7 @@ std::vector<std::int64_t> parse_lengths(const std::string& text, int samples) {
     const std::size_t comma = std::min(text.find(',', start), text.size());
     out.push_back(parse_seq_len(text.substr(start, comma - start)));
     require_host_memory(static_cast<std::size_t>(out.back()) * static_cast<std::size_t>(samples) * 24,
-                        "the host copies of " + std::to_string(samples) + " sequences of " +
+                        "the host copies of --samples " + std::to_string(samples) + " sequences of --seq-len " +
                             std::to_string(out.back()) + " tokens");
     start = comma + 1;
   }

@@ -227,7 +227,9 @@ int run(const train_flags& f) {
   }
   std::ofstream metrics;
   if (!f.metrics_path.empty()) {
-    metrics.open(checked_output_file(f.metrics_path, "--metrics-json"), std::ios::trunc);
+    const std::string target = checked_output_file(f.metrics_path, "--metrics-json");
+    if (!is_character_device(target)) remove_stale_temporaries(target);  // a killed writer's, as for every output
+    metrics.open(target, std::ios::trunc);
     if (!metrics) throw io_error("cannot write --metrics-json " + f.metrics_path + ": check the directory");
   }
   std::printf("# upipe train  model=%s (%lld parameters)  %s  S=%lld x %lld per step  cp=%d %s  zero=%d  steps=%lld  "

@@ -89,8 +89,8 @@ void require_host_memory(std::size_t bytes, const std::string& what) {
   if (available == 0 || bytes <= available) return;
   const auto gib = [](std::size_t b) { return std::to_string(static_cast<double>(b) / (1 << 30)).substr(0, 6); };
   throw out_of_memory_error(what + " need " + gib(bytes) + " GiB of host memory, and this machine has " +
-                            gib(available) + " GiB available: use a smaller model (--layers N, a slice) or the meta "
-                            "backend (--backend meta) to see the memory a run needs");
+                            gib(available) + " GiB available: shorten --seq-len, use a smaller model (--layers N, a "
+                            "slice), or see the memory a run needs on the meta backend (--backend meta)");
 }
 
 tensor backend::allocate(mem_tag tag, dtype type, const shape& dims, const char* label) {

@@ -349,7 +349,7 @@ void validate(const train_options& o) {
   // rank's shard: 24 bytes a token); meta holds none.
   if (o.backend != backend_kind::meta)
     require_host_memory(static_cast<std::size_t>(o.batch) * static_cast<std::size_t>(o.seq_len) * 24,
-                        "the host copies of a step's " + std::to_string(o.batch) + " sequences of " +
+                        "the host copies of a step's --batch " + std::to_string(o.batch) + " sequences of --seq-len " +
                             std::to_string(o.seq_len) + " tokens");
   if (o.data_path.empty() && o.model.vocab_size < passkey_task::vocab_needed)
     throw config_error("the passkey task needs a vocabulary of at least " + std::to_string(passkey_task::vocab_needed) +
