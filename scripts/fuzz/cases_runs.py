@@ -6,6 +6,7 @@ import os
 import random
 import shutil
 import stat
+import struct
 
 import inputs
 from cases import (BAD_FLAG_NUMBERS, TRAIN_CPU, TRAIN_META, Case, config_case, corpus_case, flag_case, hf_dir_case,
@@ -284,6 +285,32 @@ def poison(file, tensor):
     return setup
 
 
+def corpus_with(offsets=None, documents=None):
+    """A valid corpus at {w}/corpus, its index offsets or its manifest's document count replaced."""
+    def setup(w, t):
+        files = inputs.corpus_files(random.Random(5), 256)
+        if offsets:
+            index = list(struct.unpack(f"<{len(files['.index']) // 8}Q", files[".index"]))
+            for i, v in offsets.items():
+                index[i] = v
+            files[".index"] = struct.pack(f"<{len(index)}Q", *index)
+        if documents is not None:  # one token, an index of one offset: (documents + 1) * 8 wraps to 8 bytes
+            files = {".tokens": inputs.token_bytes([7]), ".index": struct.pack("<Q", 0),
+                     ".json": json.dumps({"dtype": "uint32", "vocab_size": 256, "documents": documents,
+                                          "tokens": 1}).encode()}
+        for suffix, blob in files.items():
+            inputs.write_bytes(os.path.join(w, "corpus" + suffix), blob)
+    return setup
+
+
+def config_with(**fields):
+    def setup(w, t):
+        c = json.load(open(os.path.join(t["hf"], "llama-yarn-shards", "config.json")))
+        c.update(fields)
+        json.dump(c, open(os.path.join(w, "config.json"), "w"))
+    return setup
+
+
 def link_stays(name):
     def check(w, r):
         return [] if os.path.islink(os.path.join(w, name)) else [f"{name} is no longer a symbolic link"]
@@ -323,10 +350,6 @@ def regression_cases():
          lambda w, t: os.symlink("real.json", os.path.join(w, "out")), link_stays("out")),
         ("plan --mlp-tile 1 --loss-chunk 1 ran for minutes",
          "plan --model llama3-8b --gpus 8 --mlp-tile 1 --loss-chunk 1", "handled", [], None),
-        ("sizes whose product overflows ran out of memory at 2^61 bytes",
-         "step --backend meta --seq-len 64 --cp 2 --config {w}/config.json", "refuse", ["hidden_size"],
-         lambda w, t: json.dump(dict(json.load(open(os.path.join(t["hf"], "llama-yarn-shards", "config.json"))),
-                                     hidden_size=2**30, vocab_size=2**30), open(os.path.join(w, "config.json"), "w"))),
         ("report showed a traceback for a row without its strategy", "report --out {w}/plots {w}/rows.json", "refuse",
          ["strategy"], lambda w, t: json.dump([{"seq_len": 64}], open(os.path.join(w, "rows.json"), "w"))),
         ("a safetensors shape nested 100,000 deep overflowed the stack", "step --seq-len 16 --cp 1 --weights {w}/m",
@@ -351,6 +374,16 @@ def regression_cases():
          ["--memory-gib"], None),
         ("plan --gpu-memory 1e300GiB was cast past 64 bits", "plan --model tiny-llama --gpus 2 --gpu-memory 1e300GiB",
          "refuse", ["--gpu-memory"], None),
+        ("a corpus index offset of 2^63 overflowed the epoch's length (UBSan)", TRAIN_CPU + " --data {w}/corpus",
+         "refuse", ["corpus.index"], corpus_with(offsets={3: 2**63})),
+        ("a manifest of 2^61 documents wrapped to the index's size and read past it",
+         TRAIN_CPU + " --data {w}/corpus", "refuse", ["corpus.index"], corpus_with(documents=2**61)),
+        ("plan on a vocabulary of 2^31 - 1 held 8 GiB per probe on the host",
+         "plan --gpus 2 --gpu-memory 2GiB --host-memory 2GiB --config {w}/config.json", "handled", [],
+         config_with(vocab_size=2**31 - 1)),
+        ("sizes whose product overflows ran out of memory at 2^61 bytes",
+         "step --backend meta --seq-len 64 --cp 2 --config {w}/config.json", "refuse", ["hidden_size"],
+         config_with(hidden_size=2**30, vocab_size=2**30)),
     ]
 
 
