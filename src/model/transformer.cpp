@@ -181,10 +181,10 @@ transformer::scores transformer::forward_scores(parameter_store& params, const l
   const phase_scope phase(be_, "loss");
   acquire_head(params);
   const std::int64_t V = model_.vocab_size;
-  scores out{std::vector<float>(static_cast<std::size_t>(tokens_), 0.0f),
+  // The losses and one row of logits (for the argmax) on the host; none on meta, which has
+  // no values (the planner's probes reach 2^30 tokens and vocabularies of 2^31).
+  scores out{std::vector<float>(be_.has_data() ? static_cast<std::size_t>(tokens_) : 0, 0.0f),
              std::vector<std::int32_t>(argmax_rows.size(), 0)};
-  // One row of logits on the host, for the argmax; none on meta (a vocabulary of 2^31 would
-  // be 8 GiB in each of the planner's probes).
   std::vector<float> row(argmax_rows.empty() || !be_.has_data() ? 0 : static_cast<std::size_t>(V));
   tensor row_loss = be_.allocate(mem_tag::activations, dtype::f32, {tokens_, 1}, "row_loss");
   for (std::int64_t t0 = 0; t0 < tokens_; t0 = next_tile(t0, loss_chunk_)) {
