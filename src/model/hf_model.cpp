@@ -1,5 +1,7 @@
 #include "model/hf_model.hpp"
 
+#include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -169,7 +171,15 @@ hf_model_files::~hf_model_files() = default;
 void hf_model_files::read(const std::string& name, std::int64_t offset, std::int64_t count, float* out) const {
   const auto it = impl_->where.find(name);
   if (it == impl_->where.end()) throw io_error("the model files hold no tensor " + name);
-  impl_->views[it->second].read(name, static_cast<std::uint64_t>(offset), static_cast<std::uint64_t>(count), out);
+  const safetensors_view& view = impl_->views[it->second];
+  view.read(name, static_cast<std::uint64_t>(offset), static_cast<std::uint64_t>(count), out);
+  // A NaN or an Inf named by its file as well as its tensor (the store checks values too,
+  // but knows no file).
+  const float* bad = std::find_if(out, out + count, [](float v) { return !std::isfinite(v); });
+  if (bad != out + count)
+    throw io_error(view.path() + " holds " + (std::isnan(*bad) ? std::string("NaN") : std::string(*bad > 0 ? "+Inf" : "-Inf")) +
+                   " in " + name + " (element " + std::to_string(offset + (bad - out)) +
+                   "): the file is damaged or the run that wrote it diverged; start from an earlier checkpoint");
 }
 
 std::string hf_model_files::stored_dtype() const {

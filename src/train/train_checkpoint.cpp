@@ -263,6 +263,7 @@ void save_checkpoint(const std::string& dir_text, const checkpoint_request& r, p
 
 struct saved_state::impl {
   std::vector<safetensors_view> ranks;
+  std::vector<std::vector<unit_parameter>> layout;  // the units' parameters, from check_units
   std::vector<std::int64_t> units;  // unpadded sizes
   std::vector<std::int64_t> shards;  // per unit, elements per saved rank
 };
@@ -374,6 +375,21 @@ void saved_state::check_units(const model_config& config) const {
   if (!same)
     throw config_error("cannot resume " + config.name + " from " + dir_ +
                        ": its trainer state holds parameter units of another model; pass that model (--model " + dir_ + ")");
+  impl_->layout = units;
+}
+
+void saved_state::non_finite(int unit, shard_state which, std::int64_t rank, std::int64_t element, float value) const {
+  static const char* kind[] = {"the master weights", "AdamW's first moment", "AdamW's second moment"};
+  std::string where = state_name(unit, which) + " (element " + std::to_string(element) + ")";
+  if (static_cast<std::size_t>(unit) < impl_->layout.size())
+    for (const unit_parameter& p : impl_->layout[static_cast<std::size_t>(unit)])
+      if (element >= p.offset && element < p.offset + p.numel)
+        where = std::string(kind[static_cast<int>(which)]) + " of " + p.name + " (element " +
+                std::to_string(element - p.offset) + ", tensor " + state_name(unit, which) + ")";
+  throw io_error((fs::path(dir_) / trainer_dir / rank_file(static_cast<int>(rank), ranks_)).string() + " holds " +
+                 (std::isnan(value) ? std::string("NaN") : std::string(value > 0 ? "+Inf" : "-Inf")) + " in " + where +
+                 ": the trainer state is damaged or the run that wrote it diverged; restore the checkpoint, or "
+                 "start from an earlier one");
 }
 
 void saved_state::read(int unit, shard_state which, std::int64_t begin, std::int64_t count, float* out) const {
@@ -385,6 +401,8 @@ void saved_state::read(int unit, shard_state which, std::int64_t begin, std::int
   while (count > 0) {
     const std::int64_t r = begin / shard, offset = begin % shard, n = std::min(count, shard - offset);
     impl_->ranks[r].read(name, offset, n, out);
+    const float* bad = std::find_if(out, out + n, [](float v) { return !std::isfinite(v); });
+    if (bad != out + n) non_finite(unit, which, r, begin + (bad - out), *bad);
     begin += n;
     count -= n;
     out += n;
@@ -422,12 +440,7 @@ void export_checkpoint(const std::string& checkpoint_dir, const std::string& out
     for (std::size_t u = 0; u < units.size(); ++u)
       for (const unit_parameter& p : units[u]) {
         std::vector<float> values(static_cast<std::size_t>(p.numel));
-        saved.read(static_cast<int>(u), shard_state::master, p.offset, p.numel, values.data());
-        const auto bad = std::find_if(values.begin(), values.end(), [](float v) { return !std::isfinite(v); });
-        if (bad != values.end())
-          throw io_error("cannot export " + saved.dir() + ": its trainer state holds " + std::to_string(*bad) +
-                         " in the master weights of " + p.name + " (element " + std::to_string(bad - values.begin()) +
-                         "); the state is damaged: export an earlier checkpoint");
+        saved.read(static_cast<int>(u), shard_state::master, p.offset, p.numel, values.data());  // checks finiteness
         writer.write(p.name, values);
       }
     writer.commit();

@@ -78,16 +78,19 @@ class saved_state {
   const trainer_state& state() const { return state_; }
   int ranks() const { return ranks_; }
   const std::string& zero() const { return zero_; }
-  // Checks the units against the run's model (config_error naming both otherwise).
+  // Checks the units against the run's model (config_error naming both otherwise), and
+  // keeps their parameters' names for read()'s messages.
   void check_units(const model_config& config) const;
   // Elements [begin, begin + count) of a unit's unpadded flat state, from whichever of the
-  // saved ranks hold them (parameter_store::state_reader).
+  // saved ranks hold them (parameter_store::state_reader). A NaN or an Inf is an io_error
+  // naming the rank file, the parameter (once check_units has run) and the element.
   void read(int unit, shard_state which, std::int64_t begin, std::int64_t count, float* out) const;
 
  private:
   static constexpr std::int64_t max_saved_seq_len = std::int64_t{1} << 30, max_saved_batch = std::int64_t{1} << 16,
                                 max_saved_unit = std::int64_t{1} << 40;
   void check_manifest_ranges(const std::string& manifest) const;
+  [[noreturn]] void non_finite(int unit, shard_state which, std::int64_t rank, std::int64_t element, float value) const;
 
   struct impl;
   std::unique_ptr<impl> impl_;
