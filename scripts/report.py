@@ -18,6 +18,7 @@ and writes each plot as SVG and PNG into OUT_DIR:
 Prints one line per file written.
 """
 import json
+import math
 import os
 import sys
 
@@ -31,30 +32,90 @@ GIB = float(1 << 30)
 TAGS = ["weights", "grads", "optimizer", "activations", "attention", "comm", "workspace", "checkpoints_device"]
 
 
+class bad_input(Exception):
+    """A result file holding what no upipe command writes: the message names the file and the field."""
+
+
+def check(row, key, kind, where, required=True):
+    """The row's field `key` as `kind`: str, count (a whole number >= 0), number (finite), or
+    tags (an object of counts by tag); None where it may be absent or null."""
+    value = row.get(key) if isinstance(row, dict) else None
+    if value is None:
+        if required:
+            raise bad_input(f"{where}: field '{key}' is missing (or null)")
+        return None
+    ok = {"str": isinstance(value, str),
+          "count": isinstance(value, int) and not isinstance(value, bool) and value >= 0,
+          "number": isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
+          "tags": isinstance(value, dict) and all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                  and math.isfinite(v) and v >= 0 for v in value.values())}[kind]
+    if not ok:
+        wants = {"str": "a string", "count": "a whole number of 0 or more", "number": "a finite number",
+                 "tags": "an object of byte counts by tag"}[kind]
+        raise bad_input(f"{where}: field '{key}' must be {wants}, found {json.dumps(value)[:60]}")
+    return value
+
+
+def objects(value, where):
+    if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+        raise bad_input(f"{where} must be a list of objects, found {json.dumps(value)[:60]}")
+    return value
+
+
+def bench_row(r, where):
+    for key, kind, required in [("strategy", "str", True), ("seq_len", "count", True), ("head_chunk", "count", False),
+                                ("peak_bytes", "tags", False), ("step_ms", "number", False),
+                                ("time_ms", "number", False), ("tokens_per_s_per_gpu", "number", False),
+                                ("device_peak_bytes", "number", False)]:
+        check(r, key, kind, where, required)
+    return dict(r, source="bench")
+
+
+def plan_row(e, where):
+    for key, kind in [("strategy", "str"), ("head_chunk", "count"), ("max_seq_len", "count"), ("peak_bytes", "tags"),
+                      ("arena_bytes", "number")]:
+        check(e, key, kind, where, key == "strategy")
+    return {"strategy": e["strategy"], "head_chunk": e.get("head_chunk"), "seq_len": e["max_seq_len"],
+            "peak_bytes": e.get("peak_bytes") or {}, "device_peak_bytes": e.get("arena_bytes"), "source": "plan"}
+
+
+def eval_row(length, where, file):
+    check(length, "seq_len", "count", where)
+    for i, b in enumerate(objects(length.get("by_position") or [], where + ": by_position")):
+        for key, kind in [("first", "count"), ("last", "count"), ("loss", "number")]:
+            check(b, key, kind, f"{where}: by_position[{i}]")
+    return {"source": "eval", "file": file, **length}
+
+
+def niah_row(doc, where, file):
+    if not isinstance(doc, dict):
+        raise bad_input(f"{where} must be an object, found {json.dumps(doc)[:60]}")
+    check(doc, "needle", "str", where, False)
+    for i, c in enumerate(objects(doc.get("cells") or [], where + ": cells")):
+        for key, kind in [("seq_len", "count"), ("depth", "number"), ("exact_match", "number")]:
+            check(c, key, kind, f"{where}: cells[{i}]")
+    return {"source": "niah", "file": file, "needle": "?", **doc}
+
+
 def rows_of(path):
+    """The rows of one result file, each field the plots use checked."""
     with open(path) as f:
         try:
             doc = json.load(f)
-        except json.JSONDecodeError as e:
-            sys.exit(f"upipe report: {path} is not JSON ({e}); give the --json file of a finished upipe bench or plan")
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise bad_input(f"it is not JSON ({e}); give the --json file of a finished upipe bench or plan")
+    file = os.path.basename(path)
     if isinstance(doc, dict) and "niah" in doc:  # upipe eval --niah
-        return [{"source": "niah", "file": os.path.basename(path), **doc["niah"]}]
+        return [niah_row(doc["niah"], "niah", file)]
     if isinstance(doc, dict) and "lengths" in doc:  # upipe eval
-        return [{"source": "eval", "file": os.path.basename(path), **length} for length in doc["lengths"]]
+        return [eval_row(v, f"lengths[{i}]", file) for i, v in enumerate(objects(doc["lengths"], "lengths"))]
     if isinstance(doc, dict) and "entries" in doc:  # upipe plan
-        out = []
-        for e in doc["entries"]:
-            if not e.get("max_seq_len"):
-                continue
-            out.append({"strategy": e["strategy"], "head_chunk": e["head_chunk"], "seq_len": e["max_seq_len"],
-                        "peak_bytes": e.get("peak_bytes", {}), "device_peak_bytes": e.get("arena_bytes"),
-                        "source": "plan"})
-        return out
-    if isinstance(doc, list):
-        for r in doc:
-            r.setdefault("source", "bench")
-        return doc
-    raise SystemExit(f"report: {path} is neither a list of benchmark rows nor a plan (an object with 'entries')")
+        entries = objects(doc["entries"], "entries")
+        return [plan_row(e, f"entries[{i}]") for i, e in enumerate(entries) if e.get("max_seq_len")]
+    if isinstance(doc, list):  # upipe bench, bench-attention
+        return [bench_row(r, f"row {i}") for i, r in enumerate(objects(doc, "the file"))]
+    raise bad_input("it is neither a list of benchmark rows nor a plan (an object with 'entries') nor an evaluation "
+                    "(an object with 'lengths' or 'niah')")
 
 
 def label(r):
@@ -129,7 +190,8 @@ def against_s(rows, out_dir, key, ylabel, name, scale=1.0):
 
 
 def u_ablation(rows, out_dir):
-    up = [r for r in rows if r["strategy"] == "upipe" and r.get("head_chunk") and r["source"] == "bench"]
+    up = [r for r in rows if r["strategy"] == "upipe" and r.get("head_chunk") and r["source"] == "bench"
+          and r.get("device_peak_bytes") is not None]
     by_s = {}
     for r in up:
         by_s.setdefault(r["seq_len"], []).append(r)
@@ -201,10 +263,18 @@ def main(argv):
     if len(argv) < 3:
         raise SystemExit(__doc__)
     out_dir = argv[1]
-    os.makedirs(out_dir, exist_ok=True)
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:
+        sys.exit(f"upipe report: cannot make the output directory {out_dir}: {e.strerror}; use --out DIR")
     rows = []
     for path in argv[2:]:
-        rows.extend(rows_of(path))
+        try:
+            rows.extend(rows_of(path))
+        except bad_input as e:
+            sys.exit(f"upipe report: {path}: {e}")
+        except OSError as e:
+            sys.exit(f"upipe report: cannot read {path}: {e.strerror}")
     if not rows:
         raise SystemExit("report: the files hold no rows")
     loss_by_position(rows, out_dir)
@@ -220,4 +290,9 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    main(sys.argv)
+    try:
+        main(sys.argv)
+    except OSError as e:  # writing a plot: a full disk, a path that is no directory
+        sys.exit(f"upipe report: cannot write the plots into {sys.argv[1]}: {e}")
+    except (ValueError, TypeError, OverflowError) as e:  # values the checks let through but a plot cannot draw
+        sys.exit(f"upipe report: cannot plot the values in {', '.join(sys.argv[2:])}: {e}")

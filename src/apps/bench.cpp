@@ -13,11 +13,14 @@
 #include <nlohmann/json.hpp>
 
 #include "apps/commands.hpp"
+#include "apps/flag_checks.hpp"
+#include "apps/json_file.hpp"
 #include "apps/comm_flags.hpp"
 #include "apps/model_flags.hpp"
 #include "apps/policy_flags.hpp"
 #include "apps/sizes.hpp"
 #include "core/error.hpp"
+#include "core/limits.hpp"
 #include "model/config.hpp"
 #include "model/model_step.hpp"
 #include "train/trainer.hpp"
@@ -88,7 +91,7 @@ std::vector<int> chunks_for(const bench_flags& f, const model_config& m, int C) 
   if (f.head_chunks.empty()) return {C};
   if (f.head_chunks.size() == 1 && f.head_chunks[0] == "all") return valid_head_chunks(m.num_heads, C);
   std::vector<int> out;
-  for (const std::string& t : f.head_chunks) out.push_back(static_cast<int>(parse_count(t, "--head-chunk")));
+  for (const std::string& t : f.head_chunks) out.push_back(parse_int_count(t, "--head-chunk"));
   return out;
 }
 
@@ -101,20 +104,18 @@ int run(const bench_flags& f) {
   const model_config whole = load_model(f.model, f.config_path);
   const model_config m = slice_layers(whole, f.layers);
   const int model_layers = whole.num_layers;
-  if (f.repeats < 1) throw config_error("--repeats " + std::to_string(f.repeats) + " must be at least 1");
+  require_within(f.repeats, 1, limits::repeats, "--repeats", "3");
   if (f.zero != 2 && f.zero != 3) throw config_error("--zero " + std::to_string(f.zero) + ": use 2 or 3");
   if (f.optimizer != "adamw" && f.optimizer != "none")
     throw config_error("--optimizer " + f.optimizer + " is not known: use adamw or none (forward and backward only)");
   const backend_kind kind = parse_backend_kind(f.backend);
   const bool auto_policy = is_auto_policy(f.policy);
   const checkpoint_policy fixed_policy = auto_policy ? checkpoint_policy{} : parse_checkpoint_policy(f.policy);
-  const std::int64_t single_from = parse_count(f.single_pass_from, "--single-pass-from");
+  const std::int64_t single_from = parse_seq_len(f.single_pass_from, "--single-pass-from");
   std::vector<std::int64_t> lengths;
-  for (const std::string& t : f.seq_lens) lengths.push_back(parse_count(t, "--seq-len"));
+  for (const std::string& t : f.seq_lens) lengths.push_back(parse_seq_len(t, "--seq-len"));
   const lora_config lora = f.lora.empty() ? lora_config{} : parse_lora(f.lora, m);
 
-  if (!f.json_path.empty() && !std::ofstream(f.json_path, std::ios::trunc))
-    throw io_error("cannot write --json " + f.json_path + ": check the directory");
   std::vector<row> rows;
   // Rewritten after every row, so a run cut short (a time limit, a crash) keeps its rows.
   const auto write_json = [&] {
@@ -148,9 +149,7 @@ int run(const bench_flags& f) {
                      {"check_pass", r.check_pass},
                      {"check_error", r.check_error.empty() ? nlohmann::json(nullptr) : nlohmann::json(r.check_error)},
                      {"phases_ms", r.phases_ms.empty() ? nlohmann::json(nullptr) : nlohmann::json(r.phases_ms)}});
-    std::ofstream out(f.json_path, std::ios::trunc);
-    out << all.dump(1) << "\n";
-    if (!out) throw io_error("writing --json " + f.json_path + " failed");
+    write_json_file(f.json_path, all, 1);
   };
   std::printf("# upipe bench  model=%s  layers=%d of %d (a slice: per-layer time and working set)  backend=%s  %s C=%d  "
               "%s  repeats=%d (1 pass from S=%s)\n",
@@ -193,7 +192,7 @@ int run(const bench_flags& f) {
         }
         const std::int64_t unit = layout_unit(o.cp);
         const std::int64_t warmup =
-            f.warmup_len.empty() ? std::min<std::int64_t>(s, unit * 256) : parse_count(f.warmup_len, "--warmup-seq-len");
+            f.warmup_len.empty() ? std::min<std::int64_t>(s, unit * 256) : parse_seq_len(f.warmup_len, "--warmup-seq-len", true);
         const int repeats = s >= single_from ? 1 : f.repeats;
         const step_timing t = time_steps(o, warmup, repeats, emulate, f.phases);
         row r;
@@ -282,7 +281,7 @@ command_runner add_bench(CLI::App& app) {
   app.add_option("--peak-tflops", f->peak_tflops, "the card's measured bf16 GEMM peak, for MFU")->capture_default_str();
   app.add_option("--seed", f->seed, "seed of the weights and tokens")->capture_default_str();
   app.add_option("--lora", f->lora, "LoRA steps: r=N[,alpha=A][,targets=...] (base frozen; FLOPs counted as such)");
-  app.add_option("--json", f->json_path, "write one object per configuration");
+  app.add_option("--json", f->json_path, "write one object per configuration")->check(output_file_flag("--json"));
   return [f] { return run(*f); };
 }
 

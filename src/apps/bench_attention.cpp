@@ -10,8 +10,11 @@
 #include <nlohmann/json.hpp>
 
 #include "apps/commands.hpp"
+#include "apps/flag_checks.hpp"
+#include "apps/json_file.hpp"
 #include "apps/sizes.hpp"
 #include "bench/attention_experiment.hpp"
+#include "core/limits.hpp"
 #include "core/error.hpp"
 #include "cp/stage_plan.hpp"
 
@@ -53,13 +56,26 @@ std::vector<int> chunks_for(const bench_flags& f, strategy_kind kind) {
                                                        : std::vector<int>{f.heads};
       chunks.insert(chunks.end(), all.begin(), all.end());
     } else {
-      chunks.push_back(static_cast<int>(parse_count(v, "--head-chunk")));
+      chunks.push_back(parse_int_count(v, "--head-chunk"));
     }
   }
   return chunks;
 }
 
+// The shape flags within the limits every model passes (core/limits.hpp), before H * d or
+// any buffer is computed from them.
+void check_shape_flags(const bench_flags& f) {
+  require_within(f.heads, 1, limits::heads, "--heads", "32");
+  require_within(f.kv_heads, 1, limits::heads, "--kv-heads", "8");
+  require_within(f.head_dim, 1, limits::head_dim, "--head-dim", "128");
+  require_within(f.model_dim, 0, limits::hidden_size, "--model-dim", "4096 (0: H x d)");
+  if (!(f.rope_theta > 1 && f.rope_theta <= 1e12))
+    throw config_error("--rope-theta " + real_text(f.rope_theta) +
+                       " must lie in (1, 1e12] (RoPE's wavelengths grow from 2 pi to 2 pi theta); for example 500000");
+}
+
 std::vector<attention_config> configurations(const bench_flags& f) {
+  check_shape_flags(f);
   std::vector<attention_config> configs;
   for (const std::string& name : f.strategies) {
     const strategy_kind kind = parse_strategy_kind(name);
@@ -73,7 +89,7 @@ std::vector<attention_config> configurations(const bench_flags& f) {
         for (int n : seq_chunks) {
         attention_config c;
         c.strategy = kind;
-        c.seq_len = parse_count(s, "--seq-len");
+        c.seq_len = parse_seq_len(s, "--seq-len");
         c.heads = f.heads;
         c.kv_heads = f.kv_heads;
         c.head_dim = f.head_dim;
@@ -179,11 +195,7 @@ int run(const bench_flags& f) {
     print_row(r, wrong);
     rows.push_back(to_json(r, wrong));
   }
-  if (!f.json_path.empty()) {
-    std::ofstream out(f.json_path);
-    out << rows.dump(2) << "\n";
-    if (!out) throw io_error("cannot write " + f.json_path + ": check that the directory exists and is writable");
-  }
+  if (!f.json_path.empty()) write_json_file(f.json_path, rows);
   std::printf("# %zu configurations, %d wrong (tolerance %.0e on max|a-b|/max|b|%s)\n", configs.size(), wrong_rows,
               tolerance, kind == backend_kind::meta ? "; meta has no data, so nothing was checked" : "");
   return wrong_rows == 0 ? 0 : 1;
@@ -215,7 +227,7 @@ command_runner add_bench_attention(CLI::App& app) {
       ->delimiter(',')
       ->capture_default_str();
   app.add_option("--seed", f->seed, "seed of the random inputs and weights")->capture_default_str();
-  app.add_option("--json", f->json_path, "write one JSON object per configuration to this file");
+  app.add_option("--json", f->json_path, "write one JSON object per configuration to this file")->check(output_file_flag("--json"));
   app.add_option("--dump", f->dump_dir, "write inputs, weights, outputs and gradients as .npy files here");
   app.add_option("--memory-gib", f->memory_gib, "arena per rank (cpu or GPU memory), GiB")->capture_default_str();
   app.add_flag("--no-check", f->no_check, "skip the float64 reference (long sequences on cpu)");

@@ -13,11 +13,14 @@
 #include <nlohmann/json.hpp>
 
 #include "apps/commands.hpp"
+#include "apps/flag_checks.hpp"
+#include "apps/json_file.hpp"
 #include "apps/comm_flags.hpp"
 #include "apps/model_flags.hpp"
 #include "apps/sizes.hpp"
 #include "comm/communicator.hpp"
 #include "core/error.hpp"
+#include "core/limits.hpp"
 #include "cp/attention_config.hpp"
 #include "cp/stage_plan.hpp"
 #include "model/config.hpp"
@@ -79,7 +82,7 @@ int run(const bench_comm_flags& f) {
   const backend_kind kind = parse_backend_kind(f.backend);
   if (kind == backend_kind::meta) throw config_error("--backend meta moves no bytes: use cpu or cuda");
   if (f.cp < 2) throw config_error("--cp " + std::to_string(f.cp) + ": a collective needs at least 2 ranks");
-  if (f.repeats < 1) throw config_error("--repeats " + std::to_string(f.repeats) + " must be at least 1");
+  require_within(f.repeats, 1, limits::repeats, "--repeats", "10");
   const model_config m = load_model(f.model, f.config_path);
   const int U = f.head_chunk > 0 ? f.head_chunk : f.cp;
   const std::vector<int> valid = valid_head_chunks(m.num_heads, f.cp);
@@ -93,14 +96,12 @@ int run(const bench_comm_flags& f) {
   const comm_options comm = f.comm.options();
   std::vector<std::int64_t> lengths;
   for (const std::string& t : f.seq_lens) {
-    const std::int64_t S = parse_count(t, "--seq-len");
+    const std::int64_t S = parse_seq_len(t, "--seq-len");
     if (S % (2 * f.cp) != 0)
       throw config_error("--seq-len " + t + " is not a multiple of 2 x --cp = " + std::to_string(2 * f.cp) +
                          " (ring's zigzag halves)");
     lengths.push_back(S);
   }
-  if (!f.json_path.empty() && !std::ofstream(f.json_path, std::ios::trunc))
-    throw io_error("cannot write --json " + f.json_path + ": check the directory");
   const memory_limits limits = run_limits(kind, f.memory_gib, checkpoint_location::device);
   std::vector<timing> results;
   run_cp_group(
@@ -115,9 +116,10 @@ int run(const bench_comm_flags& f) {
         // Beside what the backend already holds (on a GPU, the libraries' workspaces).
         const std::size_t in_use = be.device_arena().in_use();
         if (2 * largest + in_use > limits.device_bytes)
-          throw config_error("the largest message, " + std::to_string(largest) +
-                             " bytes, needs --memory-gib of at least " +
-                             std::to_string(static_cast<double>(2 * largest + in_use) / (1 << 30) + 0.01));
+          throw config_error("the largest message at --seq-len up to " + std::to_string(*std::max_element(lengths.begin(), lengths.end())) + ", " +
+                             std::to_string(largest) + " bytes, needs --memory-gib of at least " +
+                             real_text(static_cast<double>(2 * largest + in_use) / (1 << 30) + 0.01) +
+                             "; shorten --seq-len or raise --memory-gib");
         const auto words = static_cast<std::int64_t>((largest + 3) / 4);
         tensor send = be.allocate_zeroed(mem_tag::comm, dtype::f32, {words}, "comm_send");
         tensor recv = be.allocate_zeroed(mem_tag::comm, dtype::f32, {words}, "comm_recv");
@@ -156,11 +158,7 @@ int run(const bench_comm_flags& f) {
                     {"algbw_gbytes_per_s", algbw}, {"busbw_gbytes_per_s", busbw}, {"cp", f.cp}, {"head_chunk", U},
                     {"model", m.name}, {"backend", f.backend}, {"comm", f.comm.kind}});
   }
-  if (!f.json_path.empty()) {
-    std::ofstream out(f.json_path);
-    out << rows.dump(1) << "\n";
-    if (!out) throw io_error("cannot write --json " + f.json_path + ": check the directory");
-  }
+  if (!f.json_path.empty()) write_json_file(f.json_path, rows, 1);
   return 0;
 }
 
@@ -176,7 +174,7 @@ command_runner add_bench_comm(CLI::App& app) {
   app.add_option("--seq-len", f->seq_lens, "sequence lengths S (K and M suffixes)")->delimiter(',')->capture_default_str();
   app.add_option("--repeats", f->repeats, "timed repeats per message after one warm-up")->capture_default_str();
   app.add_option("--memory-gib", f->memory_gib, "arena per rank, GiB")->capture_default_str();
-  app.add_option("--json", f->json_path, "write the rows as JSON");
+  app.add_option("--json", f->json_path, "write the rows as JSON")->check(output_file_flag("--json"));
   return [f] { return run(*f); };
 }
 

@@ -7,9 +7,12 @@
 #include <nlohmann/json.hpp>
 
 #include "apps/commands.hpp"
+#include "apps/flag_checks.hpp"
+#include "apps/json_file.hpp"
 #include "apps/sizes.hpp"
 #include "bench/kernel_bench.hpp"
 #include "core/error.hpp"
+#include "core/limits.hpp"
 
 namespace upipe::apps {
 
@@ -23,9 +26,9 @@ struct kernel_flags {
 
 int run(const kernel_flags& f) {
   const backend_kind kind = parse_backend_kind(f.backend);
-  if (f.repeats < 1) throw config_error("--repeats must be at least 1");
+  require_within(f.repeats, 1, limits::repeats, "--repeats", "5");
   kernel_bench_options o;
-  o.tokens = parse_count(f.tokens, "--tokens");
+  o.tokens = parse_seq_len(f.tokens, "--tokens");
   o.repeats = f.repeats;
   const std::size_t arena = kind == backend_kind::meta ? std::size_t{1} << 50 : static_cast<std::size_t>(f.memory_gib * (1 << 30));
   auto be = make_backend(kind, {arena, 0});
@@ -47,11 +50,7 @@ int run(const kernel_flags& f) {
               driver > capacity ? (driver - capacity) / 1048576.0 : 0.0);
   rows.push_back({{"op", "memory"}, {"arena_bytes", capacity}, {"arena_high_water_bytes", be->device_arena().high_water()},
                   {"driver_peak_bytes", driver}});
-  if (!f.json_path.empty()) {
-    std::ofstream out(f.json_path);
-    out << rows.dump(2) << "\n";
-    if (!out) throw io_error("cannot write " + f.json_path);
-  }
+  if (!f.json_path.empty()) write_json_file(f.json_path, rows);
   return 0;
 }
 
@@ -63,7 +62,7 @@ command_runner add_bench_kernels(CLI::App& app) {
   app.add_option("--tokens", f->tokens, "tokens s of the shapes (K and M suffixes)")->capture_default_str();
   app.add_option("--repeats", f->repeats, "timed repeats after one warm-up")->capture_default_str();
   app.add_option("--memory-gib", f->memory_gib, "arena, GiB")->capture_default_str();
-  app.add_option("--json", f->json_path, "write the rows as JSON");
+  app.add_option("--json", f->json_path, "write the rows as JSON")->check(output_file_flag("--json"));
   return [f] { return run(*f); };
 }
 

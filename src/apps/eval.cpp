@@ -25,6 +25,7 @@
 #include <nlohmann/json.hpp>
 
 #include "apps/commands.hpp"
+#include "apps/flag_checks.hpp"
 #include "apps/cp_flags.hpp"
 #include "apps/json_file.hpp"
 #include "apps/model_flags.hpp"
@@ -32,6 +33,7 @@
 #include "apps/python.hpp"
 #include "apps/sizes.hpp"
 #include "core/error.hpp"
+#include "core/limits.hpp"
 #include "model/hf_model.hpp"
 #include "model/model_step.hpp"
 #include "train/data.hpp"
@@ -75,12 +77,18 @@ struct buckets {
   }
 };
 
-std::vector<std::int64_t> parse_lengths(const std::string& text) {
+// The lengths, and the host memory a length's sequences take (the tokens, the padded ids
+// and labels, each rank's shard: 24 bytes a token, `samples` sequences at a time) checked
+// against the machine before any is built.
+std::vector<std::int64_t> parse_lengths(const std::string& text, int samples) {
   std::vector<std::int64_t> out;
   std::size_t start = 0;
   while (start <= text.size()) {
     const std::size_t comma = std::min(text.find(',', start), text.size());
     out.push_back(parse_seq_len(text.substr(start, comma - start)));
+    require_host_memory(static_cast<std::size_t>(out.back()) * static_cast<std::size_t>(samples) * 24,
+                        "the host copies of --samples " + std::to_string(samples) + " sequences of --seq-len " +
+                            std::to_string(out.back()) + " tokens");
     start = comma + 1;
   }
   return out;
@@ -124,12 +132,12 @@ eval_setup setup(const eval_flags& f) {
   s.req.cp = f.mesh.settings();
   s.req.options = sized_for_gpu({f.mlp_tile, f.loss_chunk, checkpoint_policy{}}, s.req.model, f.memory_gib);
   s.req.limits = run_limits(s.req.backend, f.memory_gib, checkpoint_location::device);
+  require_within(f.samples, 1, limits::samples, "--samples", "8");
   std::int64_t longest = 0;
-  for (const std::int64_t L : parse_lengths(f.seq_lens)) longest = std::max(longest, L);
+  for (const std::int64_t L : parse_lengths(f.seq_lens, f.samples)) longest = std::max(longest, L);
   const std::int64_t unit = layout_unit(s.req.cp);
   s.req.limits = with_chunked_attention(s.req.limits, s.req.model, s.req.cp, (longest + unit - 1) / unit * unit,
                                         s.req.backend);
-  if (f.samples < 1) throw config_error("--samples " + std::to_string(f.samples) + " must be at least 1 (e.g. 8)");
   s.directory = model_directory(f.model, f.config_path);
   const std::string weights_path = f.weights_path.empty() ? s.directory : f.weights_path;
   if (weights_path.empty()) {
@@ -161,7 +169,7 @@ int held_out_loss(const eval_flags& f, const eval_setup& s) {
   const bool documents = f.packing != "stream" && document_corpus::exists(f.data_path);
   if (f.packing == "documents" && !documents)
     throw config_error("--packing documents needs " + f.data_path + ".index (upipe prepare-data writes it)");
-  const std::vector<std::int64_t> lengths = parse_lengths(f.seq_lens);
+  const std::vector<std::int64_t> lengths = parse_lengths(f.seq_lens, f.samples);
   std::unique_ptr<document_corpus> corpus;
   if (document_corpus::exists(f.data_path))
     corpus = std::make_unique<document_corpus>(f.data_path, s.req.model.vocab_size, 0, f.seed);
@@ -274,7 +282,7 @@ int needle_in_a_haystack(const eval_flags& f, const eval_setup& s) {
   if (passkey && !f.data_path.empty())
     throw config_error("--data is the haystack of text needles; the passkey needle's haystack is the task's own filler "
                        "(drop --data, or use --niah-vocab text)");
-  const std::vector<std::int64_t> lengths = parse_lengths(f.seq_lens);
+  const std::vector<std::int64_t> lengths = parse_lengths(f.seq_lens, f.samples);
   const std::vector<double> depths = parse_depths(f.depths);
   for (const std::int64_t L : lengths)
     if (passkey) passkey_task check(L);  // throws with the minimum length
@@ -419,7 +427,7 @@ command_runner add_eval(CLI::App& app) {
   app.add_option("--memory-gib", f->memory_gib, "arena per rank, GiB")->capture_default_str();
   app.add_option("--seed", f->seed, "seed of random weights (without --model DIR) and of the needles' keys")
       ->capture_default_str();
-  app.add_option("--json", f->json_path, "write the results as JSON");
+  app.add_option("--json", f->json_path, "write the results as JSON")->check(output_file_flag("--json"));
   return [f] { return run(*f); };
 }
 

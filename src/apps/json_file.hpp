@@ -8,15 +8,13 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.hpp"
+#include "core/files.hpp"
 
 namespace upipe::apps {
 
-inline void write_json_file(const std::string& path, const nlohmann::json& value, int indent = 2) {
-  std::ofstream out(path, std::ios::trunc);
-  if (!out) throw io_error("cannot write --json " + path + ": check that the directory exists and is writable");
-  out << value.dump(indent) << "\n";
-  out.close();
-  if (out.fail()) throw io_error("writing --json " + path + " failed (a full disk?)");
+inline void write_json_file(const std::string& path, const nlohmann::json& value, int indent = 2,
+                            const std::string& flag = "--json") {
+  write_file_atomically(path, value.dump(indent) + "\n", flag);
 }
 
 }  // namespace upipe::apps

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "apps/commands.hpp"
+#include "apps/flag_checks.hpp"
 #include "backend/backend.hpp"
 #include "comm/communicator.hpp"
 #include "comm/launch.hpp"
@@ -55,11 +56,18 @@ int main(int argc, char** argv) {
       "bench-adamw", "The offloaded optimizer's host AdamW in parameters per second (scripts/bench_adamw.py: vs PyTorch)"));
   auto eval = upipe::apps::add_eval(*app.add_subcommand(
       "eval", "Held-out loss under CP, forward only: mean, perplexity and loss by position in the context"));
+  upipe::apps::check_every_flag(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     // Bad flags are bad input: exit 2 like every other refusal (0 for --help).
-    return app.exit(e) == 0 ? 0 : 2;
+    if (e.get_exit_code() == 0) return app.exit(e);
+    const bool conversion = dynamic_cast<const CLI::ConversionError*>(&e) != nullptr;
+    std::fprintf(stderr, "upipe: error: %s%s\nRun with --help for the flags and their values.\n", e.what(),
+                 conversion ? " (a number in the flag's range: whole numbers up to 2147483647 for counts of ranks, "
+                              "heads or layers; see --help)"
+                            : "");
+    return 2;
   }
   try {
     // Under a launcher every process runs one rank; rank 0 speaks for the job (errors

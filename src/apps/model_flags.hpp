@@ -12,6 +12,7 @@
 
 #include "core/error.hpp"
 #include "model/adapter_files.hpp"
+#include "core/limits.hpp"
 #include "model/config.hpp"
 
 namespace upipe::apps {
@@ -87,7 +88,7 @@ struct rope_flags {
   void apply(model_config& m) const {
     if (theta) {
       if (!(*theta > 0) || !std::isfinite(*theta))
-        throw config_error("--rope-theta " + std::to_string(*theta) + " must be a positive number (e.g. 500000)");
+        throw config_error("--rope-theta " + real_text(*theta) + " must be a positive number (e.g. 500000)");
       m.rope.theta = *theta;
     }
     const std::int64_t context = m.max_position_embeddings;

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "apps/commands.hpp"
+#include "apps/flag_checks.hpp"
 #include "apps/model_flags.hpp"
 #include "core/error.hpp"
 #include "model/config.hpp"
@@ -50,7 +51,7 @@ int run(const model_flags& f) {
 command_runner add_model_config(CLI::App& app) {
   auto f = std::make_shared<model_flags>();
   add_model_flags(app, f->model, f->config_path);
-  app.add_option("--out", f->out_path, "write the configuration as a Hugging Face config.json here");
+  app.add_option("--out", f->out_path, "write the configuration as a Hugging Face config.json here")->check(output_file_flag("--out"));
   app.add_flag("--list", f->list, "list the presets");
   return [f] { return run(*f); };
 }

@@ -12,6 +12,8 @@
 #include <nlohmann/json.hpp>
 
 #include "apps/commands.hpp"
+#include "apps/flag_checks.hpp"
+#include "apps/json_file.hpp"
 #include "apps/model_flags.hpp"
 #include "apps/sizes.hpp"
 #include "core/error.hpp"
@@ -178,11 +180,6 @@ int run(const plan_flags& f) {
     if (!runnable.empty()) r.strategies = runnable;
   }
   validate(r);
-  std::ofstream json_out;
-  if (!f.json_path.empty()) {
-    json_out.open(f.json_path, std::ios::trunc);
-    if (!json_out) throw io_error("cannot write --json " + f.json_path + ": check the directory");
-  }
 
   const std::string lora_text_or_none =
       r.lora.enabled() ? ", LoRA " + lora_text(r.lora) + " (base frozen, adapters trained)" : "";
@@ -264,7 +261,7 @@ int run(const plan_flags& f) {
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   std::printf("# planned in %.1f s\n", seconds);
 
-  if (json_out.is_open()) {
+  if (!f.json_path.empty()) {
     nlohmann::json entries = nlohmann::json::array();
     for (const plan_entry& e : plan.entries) {
       nlohmann::json j = {{"strategy", std::string(strategy_name(e.strategy))},
@@ -305,8 +302,7 @@ int run(const plan_flags& f) {
          plan.recommended_head_chunk ? nlohmann::json(*plan.recommended_head_chunk) : nlohmann::json(nullptr)},
         {"recommended_seq_chunks", plan.recommended_seq_chunks},
         {"entries", entries}};
-    json_out << doc.dump(1) << "\n";
-    if (!json_out) throw io_error("writing --json " + f.json_path + " failed");
+    write_json_file(f.json_path, doc, 1);
   }
   return 0;
 }
@@ -345,7 +341,7 @@ command_runner add_plan(CLI::App& app) {
   app.add_option("--lora", f->lora,
                  "plan LoRA: r=N[,alpha=A][,targets=...] (the base frozen: no gradients, masters or moments; "
                  "the adapters trained)");
-  app.add_option("--json", f->json_path, "write the plan as JSON");
+  app.add_option("--json", f->json_path, "write the plan as JSON")->check(output_file_flag("--json"));
   app.add_option("--gemm-tflops", f->rates.gemm_tflops, "step-time model: bf16 GEMM rate per GPU")->capture_default_str();
   app.add_option("--attention-tflops", f->rates.attention_tflops,
                  "step-time model: causal fused attention rate (forward + backward) per GPU")

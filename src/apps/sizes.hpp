@@ -8,6 +8,7 @@
 
 #include "backend/backend.hpp"
 #include "core/error.hpp"
+#include "core/limits.hpp"
 #include "model/checkpoint_store.hpp"
 #include "model/parameter_store.hpp"
 #include "model/transformer.hpp"
@@ -36,13 +37,25 @@ inline std::int64_t parse_count(const std::string& text, const char* flag) {
 }
 
 // A sequence length: a count no longer than the engine runs (checked before anything is
-// sized by it).
-inline std::int64_t parse_seq_len(const std::string& text, const char* flag = "--seq-len") {
+// sized by it); 0 only where `allow_zero` (a length that turns something off).
+inline std::int64_t parse_seq_len(const std::string& text, const char* flag = "--seq-len", bool allow_zero = false) {
   const std::int64_t s = parse_count(text, flag);
+  if (s < (allow_zero ? 0 : 1))
+    throw config_error(std::string(flag) + " " + text + " must be " + (allow_zero ? "0 or more" : "at least 1") +
+                       " tokens (for example 4096, 128K or 1M)");
   if (s > max_seq_len)
     throw config_error(std::string(flag) + " " + text + " is beyond the longest this engine plans and runs, 2^30 = " +
                        std::to_string(max_seq_len) + " tokens (1024M); use at most 1024M");
   return s;
+}
+
+// A count that sizes a loop or a group (a head chunk): a whole number in [1, 2^31 - 1],
+// never truncated into an int (4294967300 would otherwise run as 4).
+inline int parse_int_count(const std::string& text, const char* flag) {
+  const std::int64_t v = parse_count(text, flag);
+  if (v < 1 || v > INT_MAX)
+    throw config_error(std::string(flag) + " " + text + " must lie between 1 and 2147483647 (for example 4)");
+  return static_cast<int>(v);
 }
 
 // Bytes with a unit: 80GiB, 1.9TiB, 512MiB (binary) or 80GB (decimal); a bare number
@@ -60,7 +73,12 @@ inline std::size_t parse_bytes(const std::string& text, const char* flag) {
       {"", 1.0},           {"B", 1.0},           {"KiB", 0x1p10},      {"MiB", 0x1p20}, {"GiB", 0x1p30},
       {"TiB", 0x1p40},     {"KB", 1e3},          {"MB", 1e6},          {"GB", 1e9},     {"TB", 1e12}};
   for (const auto& [name, scale] : units)
-    if (used > 0 && unit == name && value > 0) return static_cast<std::size_t>(value * scale);
+    if (used > 0 && unit == name && value > 0) {
+      if (!(value * scale <= 0x1p60))
+        throw config_error(std::string(flag) + " '" + text + "' is beyond 2^60 bytes (an exbibyte), more than any "
+                           "machine holds; for example 80GiB");
+      return static_cast<std::size_t>(value * scale);
+    }
   throw config_error(std::string(flag) + " '" + text + "' is not a positive size: use a number with KiB, MiB, GiB or "
                      "TiB (or KB, MB, GB, TB), for example 80GiB or 1.9TiB");
 }
@@ -83,11 +101,12 @@ inline constexpr const char* host_memory_gib_help =
 // pageable host memory.
 inline memory_limits run_limits(backend_kind kind, double memory_gib, checkpoint_location checkpoints,
                                 double host_gib = 0) {
-  if (!(memory_gib > 0))
-    throw config_error("--memory-gib " + std::to_string(memory_gib) + " must be positive (for example 8)");
-  if (!(host_gib >= 0))
-    throw config_error("--host-memory-gib " + std::to_string(host_gib) +
-                       " must be positive (for example 16), or 0 for the default");
+  if (!(memory_gib > 0 && memory_gib <= limits::max_memory_gib))
+    throw config_error("--memory-gib " + real_text(memory_gib) +
+                       " must be positive and at most 1048576 (a pebibyte) (for example 8)");
+  if (!(host_gib >= 0 && host_gib <= limits::max_memory_gib))
+    throw config_error("--host-memory-gib " + real_text(host_gib) +
+                       " must lie between 0 (the default) and 1048576 (a pebibyte) (for example 16)");
   if (kind == backend_kind::meta) return {std::size_t{1} << 50, std::size_t{1} << 50, true};
   const auto bytes = [](double gib) { return static_cast<std::size_t>(gib * (1 << 30)); };
   const bool small_host = kind == backend_kind::cuda && checkpoints == checkpoint_location::device;

@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "apps/commands.hpp"
+#include "apps/flag_checks.hpp"
 #include "apps/cp_flags.hpp"
 #include "apps/json_file.hpp"
 #include "apps/model_flags.hpp"
@@ -84,8 +85,16 @@ int run(const step_flags& f) {
   const host_weights weights = !data ? host_weights{}
                                : weights_path.empty() ? random_weights(req.model, f.seed)
                                                       : read_weights(req.model, weights_path);
-  const std::vector<std::int32_t> tokens = f.tokens_path.empty() ? random_tokens(S, req.model.vocab_size, f.seed + 1)
-                                                                 : token_file(f.tokens_path, S, req.model.vocab_size).sequence(0);
+  // meta reads no tokens; elsewhere the sequence's host copies (the tokens, the padded ids
+  // and labels, every rank's shard of them: 24 bytes a token) must fit before any exists.
+  if (data)
+    require_host_memory(static_cast<std::size_t>(S) * 24,
+                        "the host copies of a sequence of " + std::to_string(S) + " tokens (--seq-len)");
+  else
+    req.shape_only = S;
+  const std::vector<std::int32_t> tokens = !data                  ? std::vector<std::int32_t>{}
+                                           : f.tokens_path.empty() ? random_tokens(S, req.model.vocab_size, f.seed + 1)
+                                                                   : token_file(f.tokens_path, S, req.model.vocab_size).sequence(0);
   host_weights adapters;
   req.options.lora = choose_adapters(f, req.model, data, adapters);
   const model_step_result r = run_model_step(req, weights, tokens, adapters);
@@ -128,9 +137,10 @@ command_runner add_step(CLI::App& app) {
   app.add_option("--lora", f->lora, "a LoRA step with fresh adapters: r=N[,alpha=A][,targets=...] (base frozen)");
   app.add_option("--adapter", f->adapter,
                  "a LoRA step with this adapter directory's adapters (upipe's or PEFT's) on the base");
-  app.add_option("--json", f->json_path, "write the result as JSON");
+  app.add_option("--json", f->json_path, "write the result as JSON")->check(output_file_flag("--json"));
   app.add_option("--save-grads", f->grads_path,
-                 "write the weight gradients as safetensors (with LoRA the adapters', under PEFT's names)");
+                 "write the weight gradients as safetensors (with LoRA the adapters', under PEFT's names)")
+      ->check(output_file_flag("--save-grads"));
   return [f] { return run(*f); };
 }
 

@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "apps/commands.hpp"
+#include "apps/flag_checks.hpp"
 #include "apps/cp_flags.hpp"
 #include "apps/comm_flags.hpp"
 #include "apps/model_flags.hpp"
@@ -269,7 +270,9 @@ int run(const train_flags& f) {
   }
   std::ofstream metrics;
   if (!f.metrics_path.empty()) {
-    metrics.open(f.metrics_path, std::ios::trunc);
+    const std::string target = checked_output_file(f.metrics_path, "--metrics-json");
+    if (!is_character_device(target)) remove_stale_temporaries(target);  // a killed writer's, as for every output
+    metrics.open(target, std::ios::trunc);
     if (!metrics) throw io_error("cannot write --metrics-json " + f.metrics_path + ": check the directory");
   }
   std::printf("# upipe train  model=%s (%lld parameters)  %s  S=%lld x %lld per step  cp=%d %s  zero=%d  steps=%lld  "
@@ -375,7 +378,8 @@ command_runner add_train(CLI::App& app) {
   app.add_option("--eval-every", f->eval_every, "held-out loss every N steps (and at the last), into the metrics");
   app.add_option("--eval-data", f->eval_data, "held-out data for --eval-every: a corpus PREFIX or a token file")->check(non_empty);
   app.add_option("--eval-sequences", f->eval_sequences, "held-out sequences per evaluation")->capture_default_str();
-  app.add_option("--metrics-json", f->metrics_path, "one JSON object per step, then a final one")->check(non_empty);
+  app.add_option("--metrics-json", f->metrics_path, "one JSON object per step, then a final one")
+      ->check(output_file_flag("--metrics-json"));
   return [f] { return run(*f); };
 }
 

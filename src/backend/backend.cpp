@@ -4,6 +4,7 @@
 #include <sstream>
 
 #include "core/error.hpp"
+#include "core/machine.hpp"
 
 namespace upipe {
 
@@ -81,6 +82,15 @@ std::string backend::breakdown() const {
     out << " " << mem_tag_name(tag) << "=" << ledger_.current(tag);
   }
   return out.str();
+}
+
+void require_host_memory(std::size_t bytes, const std::string& what) {
+  const std::size_t available = available_memory_bytes();
+  if (available == 0 || bytes <= available) return;
+  const auto gib = [](std::size_t b) { return std::to_string(static_cast<double>(b) / (1 << 30)).substr(0, 6); };
+  throw out_of_memory_error(what + " need " + gib(bytes) + " GiB of host memory, and this machine has " +
+                            gib(available) + " GiB available: shorten --seq-len, use a smaller model (--layers N, a "
+                            "slice), or see the memory a run needs on the meta backend (--backend meta)");
 }
 
 tensor backend::allocate(mem_tag tag, dtype type, const shape& dims, const char* label) {

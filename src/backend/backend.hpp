@@ -33,6 +33,11 @@ class out_of_memory_error : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// Host memory a run is about to allocate outside the arenas (`what`: "random weights of
+// llama3-8b"): throws out_of_memory_error naming it, the bytes and what the machine has
+// available, before anything is allocated, when it would not fit.
+void require_host_memory(std::size_t bytes, const std::string& what);
+
 struct memory_limits {
   std::size_t device_bytes = std::size_t{16} << 30;  // arena capacity
   std::size_t host_bytes = std::size_t{64} << 30;    // host pool capacity

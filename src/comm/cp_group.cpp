@@ -6,6 +6,7 @@
 #include "comm/launch.hpp"
 #include "comm/nccl.hpp"
 #include "core/error.hpp"
+#include "core/machine.hpp"
 
 namespace upipe {
 
@@ -68,6 +69,24 @@ bool use_nccl(backend_kind kind, int size, const comm_options& comm, const std::
   return several_processes || (size > 1 && visible_gpus() >= size);
 }
 
+// The cpu backend's arenas are reservations whose pages are committed on first touch, so
+// ranks that together touch more than the machine has would be killed midway. Each rank's
+// arena and pool together are capped at its share of the memory available now; a run
+// that needs more ends in out_of_memory_error (exit 3) naming the allocation instead.
+memory_limits within_machine(memory_limits limits, int ranks, std::size_t& share) {
+  const std::size_t available = available_memory_bytes();
+  share = available / static_cast<std::size_t>(ranks);
+  const std::size_t asked = limits.device_bytes + limits.host_bytes;
+  if (available == 0 || asked <= share) {
+    share = 0;
+    return limits;
+  }
+  const double scale = static_cast<double>(share) / static_cast<double>(asked);
+  limits.device_bytes = static_cast<std::size_t>(static_cast<double>(limits.device_bytes) * scale);
+  limits.host_bytes = static_cast<std::size_t>(static_cast<double>(limits.host_bytes) * scale);
+  return limits;
+}
+
 }  // namespace
 
 std::vector<std::unique_ptr<backend>> run_cp_group(backend_kind kind, const memory_limits& limits, int size,
@@ -94,10 +113,19 @@ std::vector<std::unique_ptr<backend>> run_cp_group(backend_kind kind, const memo
     throw config_error("this build has no CUDA backend, so no NCCL: use --comm threads");
 #endif
   }
-  for (int r = 0; r < size; ++r) backends.push_back(make_backend(kind, limits));
+  std::size_t share = 0;
+  const memory_limits capped = kind == backend_kind::cpu ? within_machine(limits, size, share) : limits;
+  for (int r = 0; r < size; ++r) backends.push_back(make_backend(kind, capped));
   std::vector<backend*> raw;
   for (auto& b : backends) raw.push_back(b.get());
-  run_threads(raw, [&](int rank, communicator& c) { fn(rank, *raw[rank], c); });
+  try {
+    run_threads(raw, [&](int rank, communicator& c) { fn(rank, *raw[rank], c); });
+  } catch (const out_of_memory_error& e) {
+    if (share == 0) throw;
+    throw out_of_memory_error(std::string(e.what()) + " (each of the " + std::to_string(size) +
+                              " cpu ranks has " + std::to_string(share >> 20) +
+                              " MiB, its share of the memory this machine has available)");
+  }
   return backends;
 }
 

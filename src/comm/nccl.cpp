@@ -10,6 +10,14 @@
 // queued behind minutes of attention is not taken for a hang, and past the timeout aborts
 // the whole group (every communicator of this process; the other processes' watchdogs see
 // the same hang), naming the rank, the collective, its label and the layer.
+//
+// NCCL forbids aborting a communicator while another thread is inside a call on it, and a
+// blocking communicator's call can wait indefinitely (for a peer, or for room in CUDA's
+// launch queue behind a hung kernel). So the communicators are non-blocking (every call
+// returns at once; ncclInProgress while NCCL finishes it, polled without holding
+// anything), every call on one is made under its lock, the watchdog aborts it under the
+// same lock, and a rank keeps at most max_in_flight collectives queued, so that no launch
+// can block inside a call.
 #ifdef UPIPE_HAVE_CUDA
 
 #include "comm/nccl.hpp"
@@ -38,15 +46,93 @@ namespace upipe {
 
 namespace {
 
+std::string nccl_message(ncclResult_t status, const std::string& last_error = "") {
+  std::string text = ncclGetErrorString(status);
+  if (!last_error.empty()) text += " (" + last_error + ")";
+  return text;
+}
+
 using clock_type = std::chrono::steady_clock;
 
-std::string nccl_message(ncclResult_t status, ncclComm_t comm) {
-  std::string text = ncclGetErrorString(status);
-  if (comm != nullptr) {
-    const char* last = ncclGetLastError(comm);
-    if (last != nullptr && *last != '\0') text += std::string(" (") + last + ")";
+// Collectives a rank keeps queued on its collectives' stream at most (each is a few CUDA
+// commands; CUDA's launch queue holds about a thousand).
+constexpr std::size_t max_in_flight = 128;
+
+ncclConfig_t nonblocking_config() {
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;
+  return config;
+}
+
+// One communicator of a group: NCCL calls on it run under its lock and the abort takes the
+// same lock, so an abort never overlaps a call (see the top of the file).
+class guarded_comm {
+ public:
+  explicit guarded_comm(ncclComm_t comm) : comm_(comm) {}
+
+  // `call(comm)` under the lock; ncclInvalidUsage once the communicator was aborted.
+  template <class call_fn>
+  ncclResult_t issue(const call_fn& call) {
+    std::lock_guard lock(mutex_);
+    return comm_ == nullptr ? ncclInvalidUsage : call(comm_);
   }
-  return text;
+  // Where a non-blocking call stands: ncclInProgress, ncclSuccess or its error.
+  ncclResult_t state() {
+    return issue([](ncclComm_t c) {
+      ncclResult_t state = ncclSuccess;
+      const ncclResult_t got = ncclCommGetAsyncError(c, &state);
+      return got == ncclSuccess ? state : got;
+    });
+  }
+  std::string last_error() {
+    std::lock_guard lock(mutex_);
+    const char* text = comm_ != nullptr ? ncclGetLastError(comm_) : nullptr;
+    return text != nullptr ? text : "";
+  }
+  void abort() {
+    std::lock_guard lock(mutex_);
+    if (comm_ != nullptr) (void)ncclCommAbort(comm_);
+    comm_ = nullptr;
+  }
+  // Finalizes (waiting at most `timeout` for what is still in flight) and destroys; a
+  // communicator that does not finalize in time is aborted instead.
+  void destroy(std::chrono::duration<double> timeout) {
+    std::lock_guard lock(mutex_);
+    if (comm_ == nullptr) return;
+    ncclResult_t state = ncclCommFinalize(comm_);
+    const auto until = clock_type::now() + timeout;
+    while (state == ncclInProgress && clock_type::now() < until) {
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
+      if (ncclCommGetAsyncError(comm_, &state) != ncclSuccess) break;
+    }
+    (void)(state == ncclSuccess ? ncclCommDestroy(comm_) : ncclCommAbort(comm_));
+    comm_ = nullptr;
+  }
+
+ private:
+  std::mutex mutex_;
+  ncclComm_t comm_;
+};
+
+// Waits for a non-blocking communicator's setup to finish (every rank joined), at most
+// `timeout`; aborts it and throws past that.
+void wait_until_ready(ncclComm_t comm, double timeout_s, const std::string& what) {
+  ncclResult_t state = ncclInProgress;
+  const auto until = clock_type::now() + std::chrono::duration<double>(timeout_s);
+  while (state == ncclInProgress) {
+    if (ncclCommGetAsyncError(comm, &state) != ncclSuccess) state = ncclSystemError;
+    if (state != ncclInProgress) break;
+    if (clock_type::now() > until) {
+      (void)ncclCommAbort(comm);
+      throw std::runtime_error(what + " did not complete within " + std::to_string(static_cast<long long>(timeout_s)) +
+                               " s (a rank did not start); raise --comm-timeout if the setup legitimately takes longer");
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+  if (state != ncclSuccess) {
+    (void)ncclCommAbort(comm);
+    throw std::runtime_error(what + " failed: " + nccl_message(state));
+  }
 }
 
 void check_cuda(cudaError_t status, const std::string& what) {
@@ -79,9 +165,10 @@ struct completion {
 // The communicators of one group in this process, aborted together.
 class nccl_group {
  public:
-  void add(ncclComm_t comm) {
+  guarded_comm& add(ncclComm_t comm) {
     std::lock_guard lock(mutex_);
-    comms_.push_back(comm);
+    comms_.push_back(std::make_unique<guarded_comm>(comm));
+    return *comms_.back();
   }
   bool aborted() const { return aborted_.load(std::memory_order_acquire); }
   std::string reason() const {
@@ -96,19 +183,17 @@ class nccl_group {
     reason_ = reason;
     aborted_.store(true, std::memory_order_release);
     std::fprintf(stderr, "upipe: aborting the NCCL group: %s\n", reason.c_str());
-    for (ncclComm_t c : comms_) (void)ncclCommAbort(c);
-    comms_.clear();
+    for (auto& c : comms_) c->abort();  // each waits for a call in progress on it, which never blocks
   }
   // Destroys what abort() did not already release.
-  void destroy_all() {
+  void destroy_all(double timeout_s) {
     std::lock_guard lock(mutex_);
-    for (ncclComm_t c : comms_) (void)ncclCommDestroy(c);
-    comms_.clear();
+    for (auto& c : comms_) c->destroy(std::chrono::duration<double>(timeout_s));
   }
 
  private:
   mutable std::mutex mutex_;
-  std::vector<ncclComm_t> comms_;
+  std::vector<std::unique_ptr<guarded_comm>> comms_;  // stable addresses: communicators hold them
   std::atomic<bool> aborted_{false};
   std::string reason_;
 };
@@ -159,8 +244,9 @@ class watchdog {
       if (cudaEventQuery(oldest.started->event) == cudaErrorNotReady) continue;
       if (!oldest.running_since) oldest.running_since = clock_type::now();
       if (clock_type::now() - *oldest.running_since < timeout_) continue;
-      const std::string reason = oldest.what + " did not complete within " +
-                                 std::to_string(static_cast<long long>(timeout_.count())) +
+      char seconds[32];
+      std::snprintf(seconds, sizeof seconds, "%g", timeout_.count());
+      const std::string reason = oldest.what + " did not complete within " + seconds +
                                  " s (a rank failed, stopped or called another collective); raise --comm-timeout "
                                  "if a step legitimately takes longer";
       lock.unlock();
@@ -181,7 +267,7 @@ class watchdog {
 
 class nccl_communicator final : public communicator {
  public:
-  nccl_communicator(backend& be, ncclComm_t comm, int rank, int size, nccl_group& group, double timeout_s)
+  nccl_communicator(backend& be, guarded_comm& comm, int rank, int size, nccl_group& group, double timeout_s)
       : be_(be), comm_(comm), rank_(rank), size_(size), group_(group),
         stream_(static_cast<cudaStream_t>(be.native_stream())), dog_(be.device_index(), timeout_s, group) {
     UPIPE_CHECK(stream_ != nullptr, "the NCCL communicator needs a cuda backend");
@@ -208,17 +294,16 @@ class nccl_communicator final : public communicator {
 
   comm_request all_to_all_start(const void* send, void* recv, std::size_t chunk_bytes,
                                 std::string_view label) override {
-    comm_request r = in_flight(collective::all_to_all, label, [&] {
-      check_nccl(ncclGroupStart(), collective::all_to_all, label);
-      for (int j = 0; j < size_; ++j) {
-        check_nccl(ncclSend(static_cast<const std::byte*>(send) + j * chunk_bytes, chunk_bytes, ncclUint8, j, comm_,
-                            comm_stream_),
-                   collective::all_to_all, label);
-        check_nccl(ncclRecv(static_cast<std::byte*>(recv) + j * chunk_bytes, chunk_bytes, ncclUint8, j, comm_,
-                            comm_stream_),
-                   collective::all_to_all, label);
-      }
-      check_nccl(ncclGroupEnd(), collective::all_to_all, label);
+    comm_request r = in_flight(collective::all_to_all, label, [&](ncclComm_t comm) {
+      return grouped([&](ncclResult_t& status) {
+        for (int j = 0; j < size_ && enqueued(status); ++j) {
+          status = ncclSend(static_cast<const std::byte*>(send) + j * chunk_bytes, chunk_bytes, ncclUint8, j, comm,
+                            comm_stream_);
+          if (enqueued(status))
+            status = ncclRecv(static_cast<std::byte*>(recv) + j * chunk_bytes, chunk_bytes, ncclUint8, j, comm,
+                              comm_stream_);
+        }
+      });
     });
     counters_.add(collective::all_to_all, chunk_bytes * size_, label);
     return r;
@@ -226,9 +311,8 @@ class nccl_communicator final : public communicator {
 
   comm_request all_gather_start(const void* send, void* recv, std::size_t chunk_bytes,
                                 std::string_view label) override {
-    comm_request r = in_flight(collective::all_gather, label, [&] {
-      check_nccl(ncclAllGather(send, recv, chunk_bytes, ncclUint8, comm_, comm_stream_), collective::all_gather,
-                 label);
+    comm_request r = in_flight(collective::all_gather, label, [&](ncclComm_t comm) {
+      return ncclAllGather(send, recv, chunk_bytes, ncclUint8, comm, comm_stream_);
     });
     counters_.add(collective::all_gather, chunk_bytes * size_, label);
     return r;
@@ -237,9 +321,8 @@ class nccl_communicator final : public communicator {
   void all_reduce_sum(float* data, std::size_t count, std::string_view label) override {
     const std::size_t bytes = count * sizeof(float);
     staged(data, bytes, data, bytes, [&](const void* in, void* out) {
-      run(collective::all_reduce, label, [&] {
-        check_nccl(ncclAllReduce(in, out, count, ncclFloat32, ncclSum, comm_, comm_stream_), collective::all_reduce,
-                   label);
+      run(collective::all_reduce, label, [&](ncclComm_t comm) {
+        return ncclAllReduce(in, out, count, ncclFloat32, ncclSum, comm, comm_stream_);
       });
     });
     counters_.add(collective::all_reduce, bytes, label);
@@ -248,9 +331,8 @@ class nccl_communicator final : public communicator {
   void reduce_scatter_sum(const float* send, float* recv, std::size_t chunk_count, std::string_view label) override {
     const std::size_t bytes = chunk_count * sizeof(float);
     staged(send, bytes * size_, recv, bytes, [&](const void* in, void* out) {
-      run(collective::reduce_scatter, label, [&] {
-        check_nccl(ncclReduceScatter(in, out, chunk_count, ncclFloat32, ncclSum, comm_, comm_stream_),
-                   collective::reduce_scatter, label);
+      run(collective::reduce_scatter, label, [&](ncclComm_t comm) {
+        return ncclReduceScatter(in, out, chunk_count, ncclFloat32, ncclSum, comm, comm_stream_);
       });
     });
     counters_.add(collective::reduce_scatter, bytes * size_, label);
@@ -258,8 +340,8 @@ class nccl_communicator final : public communicator {
 
   void all_gather(const void* send, void* recv, std::size_t chunk_bytes, std::string_view label) override {
     staged(send, chunk_bytes, recv, chunk_bytes * size_, [&](const void* in, void* out) {
-      run(collective::all_gather, label, [&] {
-        check_nccl(ncclAllGather(in, out, chunk_bytes, ncclUint8, comm_, comm_stream_), collective::all_gather, label);
+      run(collective::all_gather, label, [&](ncclComm_t comm) {
+        return ncclAllGather(in, out, chunk_bytes, ncclUint8, comm, comm_stream_);
       });
     });
     counters_.add(collective::all_gather, chunk_bytes * size_, label);
@@ -269,13 +351,11 @@ class nccl_communicator final : public communicator {
                  std::string_view label) override {
     if (send_bytes > 0) check_peer(dst, "destination");
     if (recv_bytes > 0) check_peer(src, "source");
-    run(collective::send, label, [&] {
-      check_nccl(ncclGroupStart(), collective::send, label);
-      if (send_bytes > 0)
-        check_nccl(ncclSend(send, send_bytes, ncclUint8, dst, comm_, comm_stream_), collective::send, label);
-      if (recv_bytes > 0)
-        check_nccl(ncclRecv(recv, recv_bytes, ncclUint8, src, comm_, comm_stream_), collective::recv, label);
-      check_nccl(ncclGroupEnd(), collective::send, label);
+    run(collective::send, label, [&](ncclComm_t comm) {
+      return grouped([&](ncclResult_t& status) {
+        if (send_bytes > 0) status = ncclSend(send, send_bytes, ncclUint8, dst, comm, comm_stream_);
+        if (recv_bytes > 0 && enqueued(status)) status = ncclRecv(recv, recv_bytes, ncclUint8, src, comm, comm_stream_);
+      });
     });
     if (send_bytes > 0) counters_.add(collective::send, send_bytes, label);
     if (recv_bytes > 0) counters_.add(collective::recv, recv_bytes, label);
@@ -283,8 +363,8 @@ class nccl_communicator final : public communicator {
 
   void barrier() override {
     float* one = static_cast<float*>(staging(sizeof(float)));
-    run(collective::barrier, "", [&] {
-      check_nccl(ncclAllReduce(one, one, 1, ncclFloat32, ncclSum, comm_, comm_stream_), collective::barrier, "");
+    run(collective::barrier, "", [&](ncclComm_t comm) {
+      return ncclAllReduce(one, one, 1, ncclFloat32, ncclSum, comm, comm_stream_);
     });
     wait_for_stream();
     counters_.add(collective::barrier, 0, "");
@@ -296,11 +376,50 @@ class nccl_communicator final : public communicator {
       throw comm_aborted("rank " + std::to_string(rank_) + ": the NCCL group was aborted: " + group_.reason());
   }
 
-  void check_nccl(ncclResult_t status, collective c, std::string_view label) {
+  // A call of a non-blocking communicator has been accepted (done, or finishing in NCCL).
+  static bool enqueued(ncclResult_t status) { return status == ncclSuccess || status == ncclInProgress; }
+
+  // ncclGroupStart, `body(status)` (which stops at the first failed call), ncclGroupEnd
+  // even after a failure; the first failure, else ncclGroupEnd's status.
+  template <class body_fn>
+  static ncclResult_t grouped(const body_fn& body) {
+    ncclResult_t status = ncclGroupStart();
+    if (enqueued(status)) body(status);
+    const ncclResult_t end = ncclGroupEnd();
+    return enqueued(status) ? end : status;
+  }
+
+  // Makes the NCCL calls of `body(comm)` under the communicator's lock, then waits, without
+  // the lock, for NCCL to finish what it still does in the background; a failure aborts the
+  // group, an abort meanwhile ends the wait.
+  template <class body_fn>
+  void call_nccl(collective c, std::string_view label, const body_fn& body) {
+    throw_if_aborted();
+    ncclResult_t status = comm_.issue(body);
+    while (status == ncclInProgress) {
+      throw_if_aborted();
+      std::this_thread::yield();
+      status = comm_.state();
+    }
+    throw_if_aborted();  // an abort between the calls makes issue() refuse: that is not this call's failure
     if (status == ncclSuccess) return;
-    const std::string what = place(rank_, c, label) + " failed: " + nccl_message(status, comm_);
+    const std::string what = place(rank_, c, label) + " failed: " + nccl_message(status, comm_.last_error());
     group_.abort(what);
     throw comm_aborted(what);
+  }
+
+  // Keeps at most max_in_flight collectives queued (see the top of the file); waits on the
+  // host otherwise, which an abort ends.
+  void throttle() {
+    const auto finished = [this] {
+      while (!queued_.empty() && cudaEventQuery(queued_.front()->event) != cudaErrorNotReady) queued_.pop_front();
+    };
+    finished();
+    while (queued_.size() >= max_in_flight) {
+      throw_if_aborted();
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+      finished();
+    }
   }
 
   void check_peer(int peer, const char* role) const {
@@ -321,14 +440,16 @@ class nccl_communicator final : public communicator {
   comm_request in_flight(collective c, std::string_view label, const body_fn& body) {
     throw_if_aborted();
     check_cuda(cudaSetDevice(be_.device_index()), "cudaSetDevice");
+    throttle();
     check_cuda(cudaEventRecord(inputs_ready_, stream_), "cudaEventRecord");
     check_cuda(cudaStreamWaitEvent(comm_stream_, inputs_ready_, 0), "cudaStreamWaitEvent");
     // The watchdog's clock starts here, not at issue: the host runs ahead of the GPU.
     auto started = std::make_shared<const completion>(comm_stream_);
-    body();
+    call_nccl(c, label, body);
     // One event marks the collective's end, for the watchdog and for the compute stream.
     auto done = std::make_shared<const completion>(comm_stream_);
     dog_.watch(std::move(started), done, place(rank_, c, label));
+    queued_.push_back(done);
     return comm_request([this, done] {
       check_cuda(cudaStreamWaitEvent(stream_, done->event, 0), "cudaStreamWaitEvent");
     });
@@ -381,7 +502,7 @@ class nccl_communicator final : public communicator {
   }
 
   backend& be_;
-  ncclComm_t comm_;
+  guarded_comm& comm_;
   const int rank_, size_;
   nccl_group& group_;
   cudaStream_t stream_;                   // the rank's compute stream
@@ -389,11 +510,12 @@ class nccl_communicator final : public communicator {
   cudaEvent_t inputs_ready_ = nullptr;    // the compute stream's point an in-flight collective waits for
   void* staging_ = nullptr;
   std::size_t staging_bytes_ = 0;
+  std::deque<std::shared_ptr<const completion>> queued_;  // the ends of the collectives still queued
   watchdog dog_;  // last: destroyed first, while the rest is still valid
 };
 
 // Runs one rank's function; a failure aborts the group so that no other rank waits.
-void run_rank(int rank, backend& be, ncclComm_t comm, int size, nccl_group& group, double timeout_s,
+void run_rank(int rank, backend& be, guarded_comm& comm, int size, nccl_group& group, double timeout_s,
               const rank_fn& fn, std::exception_ptr& failure) {
   set_current_rank(rank);
   try {
@@ -487,20 +609,42 @@ std::vector<std::unique_ptr<backend>> run_nccl_threads(const memory_limits& limi
     backends.push_back(make_cuda_backend(limits, r));
     devices.push_back(r);
   }
+  // ncclCommInitAll makes blocking communicators: one non-blocking communicator per GPU
+  // instead, set up together in one group call.
   std::vector<ncclComm_t> comms(static_cast<std::size_t>(size), nullptr);
-  const ncclResult_t status = ncclCommInitAll(comms.data(), size, devices.data());
-  if (status != ncclSuccess)
-    throw std::runtime_error("ncclCommInitAll over " + std::to_string(size) + " GPUs failed: " +
-                             nccl_message(status, nullptr));
+  ncclUniqueId id{};
+  ncclResult_t status = ncclGetUniqueId(&id);
+  if (status != ncclSuccess) throw std::runtime_error("ncclGetUniqueId failed: " + nccl_message(status));
+  ncclConfig_t config = nonblocking_config();
+  status = ncclGroupStart();
+  for (int r = 0; r < size && (status == ncclSuccess || status == ncclInProgress); ++r) {
+    check_cuda(cudaSetDevice(devices[r]), "cudaSetDevice");
+    status = ncclCommInitRankConfig(&comms[r], size, id, r, &config);
+  }
+  const ncclResult_t ended = ncclGroupEnd();
+  if ((status != ncclSuccess && status != ncclInProgress) || (ended != ncclSuccess && ended != ncclInProgress))
+    throw std::runtime_error("setting up NCCL over " + std::to_string(size) + " GPUs failed: " +
+                             nccl_message(status != ncclSuccess && status != ncclInProgress ? status : ended));
+  for (int r = 0; r < size; ++r) {
+    try {
+      wait_until_ready(comms[r], timeout_s, "setting up NCCL for rank " + std::to_string(r) + " of " +
+                                                std::to_string(size));
+    } catch (...) {
+      for (int other = 0; other < size; ++other)
+        if (other != r) (void)ncclCommAbort(comms[other]);
+      throw;
+    }
+  }
   nccl_group group;
-  for (ncclComm_t c : comms) group.add(c);
+  std::vector<guarded_comm*> guarded;
+  for (ncclComm_t c : comms) guarded.push_back(&group.add(c));
   std::vector<std::exception_ptr> failures(static_cast<std::size_t>(size));
   {
     std::vector<std::thread> threads;
     try {
       for (int r = 0; r < size; ++r)
-        threads.emplace_back(run_rank, r, std::ref(*backends[r]), comms[r], size, std::ref(group), timeout_s,
-                             std::cref(fn), std::ref(failures[r]));
+        threads.emplace_back(run_rank, r, std::ref(*backends[r]), std::ref(*guarded[r]), size, std::ref(group),
+                             timeout_s, std::cref(fn), std::ref(failures[r]));
     } catch (const std::exception& e) {
       // A thread that could not start must not leave the started ones waiting for it.
       failures[threads.size()] = std::current_exception();
@@ -508,7 +652,7 @@ std::vector<std::unique_ptr<backend>> run_nccl_threads(const memory_limits& limi
     }
     for (auto& t : threads) t.join();
   }
-  group.destroy_all();
+  group.destroy_all(timeout_s);
   std::vector<std::exception_ptr> raised;
   for (auto& f : failures)
     if (f) raised.push_back(f);
@@ -544,15 +688,18 @@ std::vector<std::unique_ptr<backend>> run_nccl_process(const memory_limits& limi
     if (env.rank == 0) {
       const ncclResult_t got_id = ncclGetUniqueId(&id);
       if (got_id != ncclSuccess)
-        throw std::runtime_error("ncclGetUniqueId failed: " + nccl_message(got_id, nullptr));
+        throw std::runtime_error("ncclGetUniqueId failed: " + nccl_message(got_id));
     }
     if (mpi != nullptr && mpi->broadcast(&id, sizeof(id)) != 0)
       throw std::runtime_error("MPI_Bcast of the NCCL id failed");
     check_cuda(cudaSetDevice(env.local_rank), "cudaSetDevice");
-    const ncclResult_t status = ncclCommInitRank(&comm, env.size, id, env.rank);
-    if (status != ncclSuccess)
-      throw std::runtime_error("rank " + std::to_string(env.rank) + ": ncclCommInitRank over " +
-                               std::to_string(env.size) + " processes failed: " + nccl_message(status, nullptr));
+    ncclConfig_t config = nonblocking_config();
+    const ncclResult_t status = ncclCommInitRankConfig(&comm, env.size, id, env.rank, &config);
+    if (status != ncclSuccess && status != ncclInProgress)
+      throw std::runtime_error("rank " + std::to_string(env.rank) + ": ncclCommInitRankConfig over " +
+                               std::to_string(env.size) + " processes failed: " + nccl_message(status));
+    wait_until_ready(comm, timeout_s, "rank " + std::to_string(env.rank) + ": setting up NCCL over " +
+                                          std::to_string(env.size) + " processes");
   } catch (const std::exception& e) {
     // The other processes wait in MPI or in NCCL's setup for this one: end the job.
     if (mpi != nullptr) {
@@ -562,10 +709,10 @@ std::vector<std::unique_ptr<backend>> run_nccl_process(const memory_limits& limi
     throw;
   }
   nccl_group group;
-  group.add(comm);
+  guarded_comm& guarded = group.add(comm);
   std::exception_ptr failure;
-  run_rank(env.rank, *backends[0], comm, env.size, group, timeout_s, fn, failure);
-  group.destroy_all();
+  run_rank(env.rank, *backends[0], guarded, env.size, group, timeout_s, fn, failure);
+  group.destroy_all(timeout_s);
   // A failed rank ends the job at once: the other processes may be waiting for it.
   if (failure && env.size > 1) {
     try {

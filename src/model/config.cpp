@@ -11,6 +11,8 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.hpp"
+#include "core/limits.hpp"
+#include "core/files.hpp"
 
 namespace upipe {
 namespace {
@@ -122,14 +124,29 @@ int suggest_kv_heads(int heads, int kv_heads) {
 
 void validate_rope(const model_config& c) {
   require_positive_real(c, c.rope.theta, "rope_theta", "500000");
+  // theta^(-2i/d) must fall from 1 and stay a normal double over every head dimension.
+  if (!(c.rope.theta > 1 && c.rope.theta <= 1e12))
+    throw config_error("model '" + c.name + "': rope_theta = " + format_number(c.rope.theta) +
+                       " must lie in (1, 1e12] (RoPE's wavelengths grow from 2 pi to 2 pi theta); for example 500000");
   const rope_scaling& s = c.rope.scaling;
   if (!s.enabled()) return;
   require_positive_real(c, s.factor, "rope_scaling factor", "8");
+  if (!(s.factor <= 65536))
+    throw config_error("model '" + c.name + "': rope_scaling factor = " + format_number(s.factor) +
+                       " must be at most 65536 (a context stretched 65536 times); for example 8");
   if (s.kind == rope_kind::linear) return;
   require_positive_size(c, s.original_max_position, "rope_scaling original_max_position_embeddings", 8192);
+  require_within(s.original_max_position, 1, limits::context,
+                 "model '" + c.name + "': rope_scaling original_max_position_embeddings", "8192");
   if (s.kind == rope_kind::yarn) {
     require_positive_real(c, s.beta_fast, "rope_scaling beta_fast", "32");
     require_positive_real(c, s.beta_slow, "rope_scaling beta_slow", "1");
+    // These multiply every rotated q and k (0 or less: absent, derived from the factor).
+    for (const auto& [value, name] : {std::pair{s.mscale, "mscale"}, std::pair{s.mscale_all_dim, "mscale_all_dim"},
+                                      std::pair{s.attention_factor, "attention_factor"}})
+      if (!(value <= 1000))
+        throw config_error("model '" + c.name + "': rope_scaling " + name + " = " + format_number(value) +
+                           " must be at most 1000 (it scales every rotated query and key); for example 1");
     return;
   }
   require_positive_real(c, s.low_freq_factor, "rope_scaling low_freq_factor", "1");
@@ -231,17 +248,15 @@ class field_reader {
 };
 
 json parse_json_file(const std::string& path) {
-  std::error_code ec;
-  if (!std::filesystem::is_regular_file(path, ec))
-    throw io_error("cannot read model config '" + path + "': " +
-                   (std::filesystem::exists(path, ec) ? "it is not a regular file" : "no such file") +
-                   " (pass a model directory holding config.json, or the config.json itself)");
-  std::ifstream in(path);
-  if (!in)
-    throw io_error("cannot open model config '" + path + "': " + std::strerror(errno));
+  std::string text;
+  try {
+    text = read_text_file(path, "model config");
+  } catch (const io_error& e) {
+    throw io_error(std::string(e.what()) + " (pass a model directory holding config.json, or the config.json itself)");
+  }
   json root;
   try {
-    root = json::parse(in);
+    root = json::parse(text);
   } catch (const json::exception& e) {
     throw io_error("model config '" + path + "' is not valid JSON: " + e.what());
   }
@@ -454,10 +469,10 @@ bool same_rope(const rope_config& a, const rope_config& b) {
 // input used: rope_parameters, or rope_theta and rope_scaling), max_position_embeddings and
 // the stored dtype. Every other field is kept as it was.
 nlohmann::ordered_json updated_hf_json(const model_config& c, const std::string& base_path, const std::string& dtype) {
-  std::ifstream in(base_path);
+  const std::string text = read_text_file(base_path, "model config");
   nlohmann::ordered_json j;
   try {
-    j = nlohmann::ordered_json::parse(in);
+    j = nlohmann::ordered_json::parse(text);
   } catch (const nlohmann::ordered_json::exception& e) {
     throw io_error("model config '" + base_path + "' is not valid JSON: " + e.what());
   }
@@ -648,14 +663,7 @@ void write_hf_config(const model_config& config, const std::string& path, const 
   } else {
     j = updated_hf_json(config, hf_config_file(base_path), dtype);
   }
-  const std::string text = j.dump(2) + "\n";
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  if (!out)
-    throw io_error("cannot write model config '" + path + "': " + std::strerror(errno));
-  out << text;
-  out.flush();
-  if (!out)
-    throw io_error("cannot write model config '" + path + "': the write failed (disk full?)");
+  write_file_atomically(path, j.dump(2) + "\n", "model config");
 }
 
 rope_kind parse_rope_kind(std::string_view name, const std::string& what) {
@@ -675,12 +683,16 @@ void validate(const model_config& c) {
   require_positive_size(c, c.num_heads, "num_attention_heads H", 32);
   require_positive_size(c, c.num_kv_heads, "num_key_value_heads K", 8);
   require_positive_size(c, c.head_dim, "head_dim d", 128);
-  if (c.vocab_size > INT32_MAX)
-    throw config_error("model '" + c.name + "': vocab_size V = " + std::to_string(c.vocab_size) +
-                       " is beyond what 32-bit token ids address (at most 2147483647; for example 128256)");
-  if (c.num_layers > 4096)
-    throw config_error("model '" + c.name + "': num_hidden_layers L = " + std::to_string(c.num_layers) +
-                       " is beyond the 4096 this engine holds (for example 32)");
+  const std::string model = "model '" + c.name + "': ";
+  require_within(c.vocab_size, 1, limits::vocab_size, model + "vocab_size V", "128256");
+  require_within(c.hidden_size, 1, limits::hidden_size, model + "hidden_size D", "4096");
+  require_within(c.intermediate_size, 1, limits::intermediate_size, model + "intermediate_size F", "14336");
+  require_within(c.num_layers, 1, limits::layers, model + "num_hidden_layers L", "32");
+  require_within(c.num_heads, 1, limits::heads, model + "num_attention_heads H", "32");
+  require_within(c.head_dim, 1, limits::head_dim, model + "head_dim d", "128");
+  require_within(c.max_position_embeddings, 0, limits::context, model + "max_position_embeddings", "131072");
+  // Each dimension is bounded, so this cannot overflow; the total is bounded too.
+  require_within(c.parameter_count(), 1, limits::parameters, model + "the parameter count", "8030261248 (llama3-8b)");
   if (c.num_heads % c.num_kv_heads != 0)
     throw config_error("model '" + c.name + "': num_key_value_heads K = " +
                        std::to_string(c.num_kv_heads) + " must divide num_attention_heads H = " +
@@ -691,6 +703,10 @@ void validate(const model_config& c) {
                        " must be even (RoPE rotates pairs of dimensions); for example d = " +
                        std::to_string(c.head_dim + 1));
   require_positive_real(c, c.rms_norm_eps, "rms_norm_eps", "1e-05");
+  if (!(c.rms_norm_eps <= 1))
+    throw config_error(model + "rms_norm_eps = " + format_number(c.rms_norm_eps) +
+                       " must be at most 1 (a variance floor above the activations' own would flatten every "
+                       "layer); for example 1e-05");
   validate_rope(c);
   const bool qwen = c.family == model_family::qwen3;
   if (c.qk_norm != qwen)

@@ -1,5 +1,7 @@
 #include "model/hf_model.hpp"
 
+#include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -8,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.hpp"
+#include "core/files.hpp"
 #include "train/safetensors.hpp"
 
 namespace upipe {
@@ -42,11 +45,10 @@ struct index_contents {
 };
 
 index_contents read_index(const fs::path& index) {
-  std::ifstream in(index);
-  if (!in) throw io_error("cannot read " + index.string() + ": no such file or not readable");
+  const std::string text = read_text_file(index.string(), "the weights' index");
   nlohmann::json j;
   try {
-    j = nlohmann::json::parse(in);
+    j = nlohmann::json::parse(text);
   } catch (const nlohmann::json::exception& e) {
     throw io_error(index.string() + " is not valid JSON: " + e.what());
   }
@@ -169,7 +171,15 @@ hf_model_files::~hf_model_files() = default;
 void hf_model_files::read(const std::string& name, std::int64_t offset, std::int64_t count, float* out) const {
   const auto it = impl_->where.find(name);
   if (it == impl_->where.end()) throw io_error("the model files hold no tensor " + name);
-  impl_->views[it->second].read(name, static_cast<std::uint64_t>(offset), static_cast<std::uint64_t>(count), out);
+  const safetensors_view& view = impl_->views[it->second];
+  view.read(name, static_cast<std::uint64_t>(offset), static_cast<std::uint64_t>(count), out);
+  // A NaN or an Inf named by its file as well as its tensor (the store checks values too,
+  // but knows no file).
+  const float* bad = std::find_if(out, out + count, [](float v) { return !std::isfinite(v); });
+  if (bad != out + count)
+    throw io_error(view.path() + " holds " + (std::isnan(*bad) ? std::string("NaN") : std::string(*bad > 0 ? "+Inf" : "-Inf")) +
+                   " in " + name + " (element " + std::to_string(offset + (bad - out)) +
+                   "): the file is damaged or the run that wrote it diverged; start from an earlier checkpoint");
 }
 
 std::string hf_model_files::stored_dtype() const {

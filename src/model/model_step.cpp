@@ -51,10 +51,9 @@ struct rank_result {
   host_weights grads;
 };
 
-void run_rank(const model_step_request& req, const prepared_sequence& seq, const host_weights& weights,
-              const host_weights& adapter_weights, backend& be, communicator& comm, rank_result& out,
-              model_step_result* measured) {
-  const auto seq_len = static_cast<std::int64_t>(seq.ids.size());
+void run_rank(const model_step_request& req, const prepared_sequence& seq, std::int64_t seq_len,
+              const host_weights& weights, const host_weights& adapter_weights, backend& be, communicator& comm,
+              rank_result& out, model_step_result* measured) {
   const lora_config& lora = req.options.lora;
   parameter_store params(req.model, parameter_specs(req.model), be, comm, zero_stage::replicated, {},
                          lora.enabled() ? weight_role::frozen : weight_role::trained);
@@ -67,8 +66,9 @@ void run_rank(const model_step_request& req, const prepared_sequence& seq, const
   }
   transformer model(req.model, req.cp, seq_len, be, {&comm, &comm}, req.options);
   const auto runs = model.local_positions(comm.rank());
-  const auto ids = shard_rows(seq.ids, 1, runs, model.local_tokens());
-  const auto labels = shard_rows(seq.labels, 1, runs, model.local_tokens());
+  const bool host_ids = be.has_data();  // meta reads no ids
+  const auto ids = host_ids ? shard_rows(seq.ids, 1, runs, model.local_tokens()) : std::vector<std::int32_t>{};
+  const auto labels = host_ids ? shard_rows(seq.labels, 1, runs, model.local_tokens()) : std::vector<std::int32_t>{};
   const double scale = seq.counted > 0 ? 1.0 / static_cast<double>(seq.counted) : 0.0;
   be.ledger().record_timeline(measured != nullptr && req.record_timeline);
   comm.barrier();
@@ -108,14 +108,22 @@ model_step_result run_model_step(const model_step_request& req, const host_weigh
   const host_weights initial = req.options.lora.enabled() && adapters.empty() && req.backend != backend_kind::meta
                                    ? initial_adapters(req.model, req.options.lora, 1)
                                    : host_weights{};
-  const prepared_sequence seq = prepare_sequence(tokens, layout_unit(req.cp), req.documents);
+  const std::int64_t unit = layout_unit(req.cp);
+  prepared_sequence seq;
   model_step_result result;
-  result.seq_len = static_cast<std::int64_t>(seq.ids.size());
+  if (req.shape_only > 0) {
+    UPIPE_CHECK(req.backend == backend_kind::meta && tokens.empty(), "a shape-only step runs on meta, without tokens");
+    seq.counted = req.shape_only - 1;
+    result.seq_len = (req.shape_only + unit - 1) / unit * unit;
+  } else {
+    seq = prepare_sequence(tokens, unit, req.documents);
+    result.seq_len = static_cast<std::int64_t>(seq.ids.size());
+  }
   result.counted = seq.counted;
   attention_config_for(req.model, req.cp, result.seq_len);  // refuse a bad CP shape before any thread starts
   std::vector<rank_result> per_rank(static_cast<std::size_t>(req.cp.cp));
   run_cp_group(req.backend, req.limits, req.cp.cp, [&](int rank, backend& be, communicator& comm) {
-    run_rank(req, seq, weights, adapters.empty() ? initial : adapters, be, comm, per_rank[rank],
+    run_rank(req, seq, result.seq_len, weights, adapters.empty() ? initial : adapters, be, comm, per_rank[rank],
              rank == 0 ? &result : nullptr);
   }, false, req.comm);
   double loss_sum = 0;
@@ -142,8 +150,7 @@ eval_result evaluate_shapes(const model_step_request& req, std::int64_t seq_len)
   run_cp_group(req.backend, req.limits, req.cp.cp, [&](int, backend& be, communicator& comm) {
     parameter_store params(req.model, be, comm, zero_stage::inference);
     transformer model(req.model, req.cp, seq_len, be, {&comm, &comm}, req.options);
-    const std::vector<std::int32_t> zeros(static_cast<std::size_t>(model.local_tokens()), 0);
-    model.forward_scores(params, {zeros, zeros, 1.0, {}});
+    model.forward_scores(params, {{}, {}, 1.0, {}});  // no host ids: meta reads none
     result.peak_bytes = be.ledger().peaks_by_name();
     result.arena_high_water = be.device_arena().high_water();
   }, false, req.comm);

@@ -42,6 +42,9 @@ struct model_step_request {
   bool record_timeline = false;  // keep rank 0's ledger timeline in the result
   comm_options comm;             // how the ranks talk (threads in one process unless told)
   std::vector<std::int64_t> documents;  // packed documents: where each begins (empty: one)
+  // meta: a sequence of this many tokens, with no host copy (run_model_step's tokens empty),
+  // so that a step at 2^30 tokens costs the host nothing.
+  std::int64_t shape_only = 0;
 };
 
 struct model_step_result {

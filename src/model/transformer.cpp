@@ -63,7 +63,7 @@ transformer::transformer(const model_config& model, const cp_settings& cp, std::
     : model_(model), be_(be), attention_(with_step_options(attention_config_for(model, cp, seq_len), options), be, groups),
       store_(be, options.policy, model.num_layers), tokens_(seq_len / cp.cp),
       prefetch_weights_(options.prefetch_weights), lora_(options.lora),
-      attention_input_tile_(options.attention_input_tile) {
+      attention_input_tile_(options.attention_input_tile), meta_tiles_(options.meta_tiles) {
   if (attention_input_tile_ <= 0)
     throw config_error("attention_input_tile " + std::to_string(attention_input_tile_) +
                        " must be a positive row count");
@@ -217,11 +217,13 @@ transformer::scores transformer::forward_scores(parameter_store& params, const l
   const phase_scope phase(be_, "loss");
   acquire_head(params);
   const std::int64_t V = model_.vocab_size;
-  scores out{std::vector<float>(static_cast<std::size_t>(tokens_), 0.0f),
+  // The losses and one row of logits (for the argmax) on the host; none on meta, which has
+  // no values (the planner's probes reach 2^30 tokens and vocabularies of 2^31).
+  scores out{std::vector<float>(be_.has_data() ? static_cast<std::size_t>(tokens_) : 0, 0.0f),
              std::vector<std::int32_t>(argmax_rows.size(), 0)};
-  std::vector<float> row(static_cast<std::size_t>(V));
+  std::vector<float> row(argmax_rows.empty() || !be_.has_data() ? 0 : static_cast<std::size_t>(V));
   tensor row_loss = be_.allocate(mem_tag::activations, dtype::f32, {tokens_, 1}, "row_loss");
-  for (std::int64_t t0 = 0; t0 < tokens_; t0 += loss_chunk_) {
+  for (std::int64_t t0 = 0; t0 < tokens_; t0 = next_tile(t0, loss_chunk_)) {
     const std::int64_t n = std::min(loss_chunk_, tokens_ - t0);
     tensor logits = chunk_logits(params, t0, n);
     for (std::size_t i = 0; i < argmax_rows.size(); ++i) {
@@ -260,6 +262,12 @@ tensor transformer::layer_forward(const layer_params& p, const tensor& x, mem_ta
   return out;
 }
 
+std::int64_t transformer::next_tile(std::int64_t t0, std::int64_t tile) const {
+  const std::int64_t next = t0 + tile;
+  if (be_.has_data() || meta_tiles_ == tile_sweep::every_tile || next >= tokens_) return next;
+  return tokens_ % tile == 0 ? tokens_ : std::max(next, (tokens_ - 1) / tile * tile);
+}
+
 // The inputs of one MLP tile: its normed rows (and their 1/rms) and both projections.
 transformer::mlp_tile_buffers transformer::mlp_tile_inputs(const layer_params& p, const mat_view& xt) {
   const std::int64_t n = xt.rows, D = model_.hidden_size, F = model_.intermediate_size;
@@ -278,7 +286,7 @@ transformer::mlp_tile_buffers transformer::mlp_tile_inputs(const layer_params& p
 // MLP's working set is a tile whatever the sequence length.
 void transformer::mlp_forward(const layer_params& p, const tensor& x) {
   const phase_scope phase(be_, "mlp");
-  for (std::int64_t t0 = 0; t0 < tokens_; t0 += mlp_tile_) {
+  for (std::int64_t t0 = 0; t0 < tokens_; t0 = next_tile(t0, mlp_tile_)) {
     const mat_view xt = x.matrix().row_block(t0, std::min(mlp_tile_, tokens_ - t0));
     mlp_tile_buffers t = mlp_tile_inputs(p, xt);
     t.h.reset();
@@ -295,7 +303,7 @@ void transformer::mlp_forward(const layer_params& p, const tensor& x) {
 void transformer::mlp_backward(const layer_params& p, const layer_gradients& g, const tensor& x2, const tensor& d) {
   const phase_scope phase(be_, "mlp");
   const std::int64_t D = model_.hidden_size, F = model_.intermediate_size;
-  for (std::int64_t t0 = 0; t0 < tokens_; t0 += mlp_tile_) {
+  for (std::int64_t t0 = 0; t0 < tokens_; t0 = next_tile(t0, mlp_tile_)) {
     const std::int64_t n = std::min(mlp_tile_, tokens_ - t0);
     const mat_view xt = x2.matrix().row_block(t0, n), dt = d.matrix().row_block(t0, n);
     mlp_tile_buffers t = mlp_tile_inputs(p, xt);
@@ -422,7 +430,7 @@ double transformer::loss_forward_backward(parameter_store& params, const tensor&
     params.open_grads(embedding);
   }
   tensor row_loss = be_.allocate(mem_tag::activations, dtype::f32, {tokens_, 1}, "row_loss");
-  for (std::int64_t t0 = 0; t0 < tokens_; t0 += loss_chunk_) {
+  for (std::int64_t t0 = 0; t0 < tokens_; t0 = next_tile(t0, loss_chunk_)) {
     const std::int64_t n = std::min(loss_chunk_, tokens_ - t0);
     const mat_view xt = x.matrix().row_block(t0, n);
     tensor h = be_.allocate(mem_tag::activations, be_.work_dtype(), {n, D}, "final_norm_out");

@@ -27,6 +27,13 @@ struct cp_settings {
   int seq_chunks = 0;  // N sequence chunks (fpdt; upipe and ulysses too); 0: the strategy's default
 };
 
+// Which MLP tiles and loss chunks a step runs on a backend without data (meta): every one,
+// or the first and the last, shorter one only. Every full tile allocates and frees the same
+// buffers in the same order, so the others change no peak, and with distinct_shapes a
+// probe costs the same whatever the tile (a tile of 1 token at 2^30 tokens would loop 2^30
+// times per layer). Backends with data always run every tile.
+enum class tile_sweep : std::uint8_t { every_tile, distinct_shapes };
+
 struct step_options {
   std::int64_t mlp_tile = 0;    // tokens per MLP/RMSNorm tile; 0: with_default_sizes
   std::int64_t loss_chunk = 0;  // tokens per cross-entropy chunk; 0: with_default_sizes
@@ -41,6 +48,7 @@ struct step_options {
   // LoRA: the adapters the step trains, from a store of their own beside the frozen base
   // (none: every weight is the store's to train).
   lora_config lora{};
+  tile_sweep meta_tiles = tile_sweep::distinct_shapes;
 };
 
 // The MLP tile and the loss chunk where `o` gives none (0). Their GEMMs want a few
@@ -97,6 +105,9 @@ class transformer {
     tensor h, rstd, gate, up;  // (n, D), (n, 1) f32, (n, F), (n, F)
   };
   mlp_tile_buffers mlp_tile_inputs(const layer_params& p, const mat_view& xt);
+  // The start of the tile after the one at t0 (tiles of `tile` rows over the shard), as
+  // step_options::meta_tiles says.
+  std::int64_t next_tile(std::int64_t t0, std::int64_t tile) const;
   tensor upload_ids(std::span<const std::int32_t> values, const char* label);
   tensor layer_forward(const layer_params& p, const tensor& x, mem_tag out_tag, attention_layer::context* keep);
   void mlp_forward(const layer_params& p, const tensor& x);
@@ -129,6 +140,7 @@ class transformer {
   lora_config lora_;
   std::int64_t mlp_tile_, loss_chunk_;
   std::int64_t attention_input_tile_;
+  tile_sweep meta_tiles_;
   tensor final_hidden_;  // (s, D): the last layer's output, input of the loss
 };
 

@@ -4,6 +4,7 @@
 #include <filesystem>
 #include <set>
 
+#include "backend/backend.hpp"
 #include "core/error.hpp"
 #include "core/random.hpp"
 #include "model/hf_model.hpp"
@@ -37,6 +38,9 @@ void write_weights(const model_config& config, const host_weights& weights, cons
 }
 
 host_weights random_weights(const model_config& config, unsigned long long seed) {
+  require_host_memory(static_cast<std::size_t>(config.parameter_count()) * sizeof(float),
+                      "random weights of " + std::to_string(config.parameter_count()) + " parameters (" + config.name +
+                          ")");
   host_weights weights;
   std::uint64_t stream = 0;  // one per tensor
   for (const parameter_spec& spec : parameter_specs(config)) {

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "core/error.hpp"
+#include "core/limits.hpp"
 #include "model/hf_model.hpp"
 #include "model/model_step.hpp"
 #include "ops/gemm_workspace.hpp"
@@ -233,7 +234,7 @@ void validate(const plan_request& r) {
   if (r.gpu_memory == 0) throw config_error("--gpu-memory must be positive (for example --gpu-memory 80GiB)");
   if (r.host_memory == 0) throw config_error("--host-memory must be positive (for example --host-memory 1.9TiB)");
   if (!(r.margin >= 0 && r.margin < 1))
-    throw config_error("--margin " + std::to_string(r.margin) + " must lie in [0, 1) (for example 0.05)");
+    throw config_error("--margin " + real_text(r.margin) + " must lie in [0, 1) (for example 0.05)");
   if (r.strategies.empty()) throw config_error("--attention needs at least one of ulysses, upipe, ring, hybrid, fpdt");
   if (r.seq_chunks.empty()) throw config_error("--seq-chunks needs at least one N (for example --seq-chunks 1,4,16)");
   for (const int n : r.seq_chunks)

@@ -20,6 +20,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.hpp"
+#include "core/files.hpp"
 #include "core/random.hpp"
 
 namespace upipe {
@@ -154,11 +155,10 @@ document_corpus::document_corpus(const std::string& prefix, std::int64_t vocab_s
                                  std::uint64_t seed)
     : prefix_(prefix), vocab_(vocab_size), seed_(seed) {
   const std::string manifest_path = prefix + ".json";
-  std::ifstream in(manifest_path);
-  if (!in) throw io_error("cannot read " + manifest_path + ", the manifest of " + prefix + " (upipe prepare-data writes it)");
+  const std::string text = read_text_file(manifest_path, "the manifest of " + prefix + " (upipe prepare-data writes it)");
   nlohmann::json m;
   try {
-    m = nlohmann::json::parse(in);
+    m = nlohmann::json::parse(text);
   } catch (const nlohmann::json::exception& e) {
     throw io_error(manifest_path + " is not valid JSON: " + e.what());
   }
@@ -176,14 +176,16 @@ document_corpus::document_corpus(const std::string& prefix, std::int64_t vocab_s
   index_ = std::make_unique<mapped_bytes>(prefix + ".index", "document index");
   const std::uint64_t documents = field("documents").is_number_unsigned() ? field("documents").get<std::uint64_t>() : 0;
   const std::uint64_t tokens = field("tokens").is_number_unsigned() ? field("tokens").get<std::uint64_t>() : 0;
-  if (tokens_->size() != tokens * 4)
+  // Compared by division: the manifest's counts come from a file, and tokens * 4 or
+  // (documents + 1) * 8 could wrap around to a size that matches.
+  if (tokens_->size() % 4 != 0 || tokens_->size() / 4 != tokens)
     throw io_error(prefix + ".tokens holds " + std::to_string(tokens_->size()) + " bytes, but the manifest counts " +
-                   std::to_string(tokens) + " uint32 tokens (" + std::to_string(tokens * 4) +
-                   " bytes): the files are of different runs or truncated; prepare the data again");
-  if (index_->size() != (documents + 1) * 8)
-    throw io_error(prefix + ".index holds " + std::to_string(index_->size()) + " bytes, but " +
-                   std::to_string(documents) + " documents need " + std::to_string((documents + 1) * 8) +
-                   " (uint64 offsets, documents + 1); prepare the data again");
+                   std::to_string(tokens) + " uint32 tokens of 4 bytes: the files are of different runs or "
+                   "truncated; prepare the data again");
+  if (index_->size() % 8 != 0 || index_->size() / 8 == 0 || index_->size() / 8 - 1 != documents)
+    throw io_error(prefix + ".index holds " + std::to_string(index_->size()) + " bytes, but the manifest counts " +
+                   std::to_string(documents) + " documents, whose index holds documents + 1 uint64 offsets; "
+                   "prepare the data again");
   ids_ = static_cast<const std::uint32_t*>(tokens_->data());
   offsets_ = static_cast<const std::uint64_t*>(index_->data());
   if (offsets_[0] != 0 || offsets_[documents] != tokens)
@@ -191,8 +193,10 @@ document_corpus::document_corpus(const std::string& prefix, std::int64_t vocab_s
                    std::to_string(offsets_[documents]) + ", not from 0 to the " + std::to_string(tokens) +
                    " tokens; prepare the data again");
   for (std::uint64_t d = 0; d < documents; ++d) {
-    if (offsets_[d + 1] < offsets_[d])
-      throw io_error(prefix + ".index: document " + std::to_string(d) + " ends before it begins");
+    if (offsets_[d + 1] < offsets_[d] || offsets_[d + 1] > tokens)
+      throw io_error(prefix + ".index: document " + std::to_string(d) + " runs from offset " +
+                     std::to_string(offsets_[d]) + " to " + std::to_string(offsets_[d + 1]) +
+                     ", not forward within the " + std::to_string(tokens) + " tokens; prepare the data again");
     const std::int64_t n = doc_length(offsets_, static_cast<std::int64_t>(d));
     if (n >= std::max<std::int64_t>(1, min_doc_tokens)) {
       kept_.push_back(static_cast<std::int64_t>(d));

@@ -18,6 +18,7 @@
 #include <system_error>
 
 #include "core/error.hpp"
+#include "core/files.hpp"
 
 namespace upipe {
 namespace {
@@ -56,7 +57,8 @@ std::string shape_string(std::span<const std::int64_t> shape) {
 class mapped_file {
  public:
   explicit mapped_file(const std::string& path) {
-    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    // O_NONBLOCK: opening a FIFO must not wait for a writer (fstat refuses it next).
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
     if (fd < 0) read_failure(path, "cannot open it: " + errno_message(errno));
     struct stat info {};
     if (::fstat(fd, &info) != 0) {
@@ -304,18 +306,23 @@ json parse_header(const std::string& path, const mapped_file& file, std::uint64_
 }
 
 // The temporary file a write goes to; unless committed, it is closed and removed, so a
-// failed write leaves neither a partial file nor a stray temporary behind.
+// failed write leaves neither a partial file nor a stray temporary behind. The target is
+// the one a user means (core/files.hpp): a symbolic link's target, never a FIFO or a
+// directory; a character device (/dev/null) is written in place.
 class temp_file {
  public:
-  explicit temp_file(const std::string& target)
-      : target_(target), path_(target + ".tmp-" + std::to_string(::getpid())) {
-    fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  explicit temp_file(const std::string& given) : target_(checked_output_file(given, "safetensors file")) {
+    in_place_ = is_character_device(target_);
+    if (!in_place_) remove_stale_temporaries(target_);
+    path_ = in_place_ ? target_ : target_ + ".tmp-" + std::to_string(::getpid());
+    fd_ = ::open(path_.c_str(), in_place_ ? O_WRONLY | O_CLOEXEC : O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
     if (fd_ < 0) write_failure(target_, "cannot create the temporary file " + path_, errno);
   }
   ~temp_file() {
     if (fd_ >= 0) ::close(fd_);
-    if (!committed_) ::unlink(path_.c_str());
+    if (!committed_ && !in_place_) ::unlink(path_.c_str());
   }
+  bool in_place() const { return in_place_; }
   temp_file(const temp_file&) = delete;
   temp_file& operator=(const temp_file&) = delete;
 
@@ -333,10 +340,14 @@ class temp_file {
 
   // fsync before rename so that the name never points at data still in the page cache.
   void commit() {
-    if (::fsync(fd_) != 0) write_failure(target_, "fsync of " + path_ + " failed", errno);
+    if (!in_place_ && ::fsync(fd_) != 0) write_failure(target_, "fsync of " + path_ + " failed", errno);
     const int fd = fd_;
     fd_ = -1;
     if (::close(fd) != 0) write_failure(target_, "closing " + path_ + " failed", errno);
+    if (in_place_) {
+      committed_ = true;
+      return;
+    }
     if (::rename(path_.c_str(), target_.c_str()) != 0)
       write_failure(target_, "renaming " + path_ + " over it failed", errno);
     committed_ = true;
@@ -347,6 +358,7 @@ class temp_file {
   std::string path_;
   int fd_ = -1;
   bool committed_ = false;
+  bool in_place_ = false;
 };
 
 // Makes the rename itself durable: without it a crash could bring back the old entry.
@@ -554,7 +566,7 @@ void safetensors_writer::commit() {
               "safetensors_writer(" + impl_->path + "): committed before " + impl_->order[impl_->current].name +
                   " was written in full");
   impl_->file.commit();
-  sync_directory(impl_->path);
+  if (!impl_->file.in_place()) sync_directory(impl_->path);
 }
 
 void write_safetensors(const std::string& path, std::span<const safetensors_tensor> tensors,

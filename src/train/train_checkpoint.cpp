@@ -4,8 +4,11 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <cmath>
 #include <cstdio>
+#include <climits>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -18,6 +21,7 @@
 #include "core/error.hpp"
 #include "model/adapter_files.hpp"
 #include "ops/cpu/cpu_ops.hpp"
+#include "core/files.hpp"
 #include "train/safetensors.hpp"
 
 namespace upipe {
@@ -71,12 +75,11 @@ bool is_checkpoint(const fs::path& dir) {
 // The top-level files the manifest of DIR says upipe wrote (empty when there is none).
 std::set<std::string> written_files(const fs::path& dir) {
   std::set<std::string> files;
-  std::ifstream in(dir / trainer_dir / manifest_file);
-  if (!in) return files;
   try {
-    const auto j = nlohmann::json::parse(in);
+    const auto j = nlohmann::json::parse(read_text_file((dir / trainer_dir / manifest_file).string(), "manifest"));
     for (const auto& f : j.at("files")) files.insert(f.get<std::string>());
   } catch (const nlohmann::json::exception&) {
+  } catch (const io_error&) {
   }
   return files;
 }
@@ -112,19 +115,12 @@ void publish(const fs::path& tmp, const fs::path& dir) {
   fsync_path(dir.has_parent_path() ? dir.parent_path() : fs::path("."), true);
 }
 
-// DIR.tmp-upipe, and DIR.tmp-<pid> of earlier versions whose process is gone.
-void remove_stale_temporaries(const fs::path& dir) {
+// What a killed save or export left: DIR.tmp-upipe, and DIR.tmp-<pid> (of earlier versions,
+// or of a file writer) whose process is gone.
+void remove_save_leftovers(const fs::path& dir) {
   std::error_code ec;
   fs::remove_all(dir.string() + tmp_suffix, ec);
-  const fs::path parent = dir.parent_path();
-  const std::string prefix = dir.filename().string() + ".tmp-";
-  for (const auto& entry : fs::directory_iterator(parent, ec)) {
-    const std::string name = entry.path().filename().string();
-    if (name.rfind(prefix, 0) != 0) continue;
-    const std::string pid = name.substr(prefix.size());
-    if (pid.empty() || pid.find_first_not_of("0123456789") != std::string::npos) continue;
-    if (::kill(static_cast<pid_t>(std::stol(pid)), 0) != 0 && errno == ESRCH) fs::remove_all(entry.path(), ec);
-  }
+  remove_stale_temporaries(dir.string());
 }
 
 nlohmann::ordered_json manifest_json(const checkpoint_request& r, const parameter_store& params, int ranks,
@@ -143,6 +139,11 @@ nlohmann::ordered_json manifest_json(const checkpoint_request& r, const paramete
   j["data_bytes"] = r.state.data_bytes;
   j["packing"] = r.state.packing;
   j["min_doc_tokens"] = r.state.min_doc_tokens;
+  j["batch"] = r.state.batch;
+  j["seq_warmup"] = r.state.seq_warmup;
+  j["warmup_seq_len"] = r.state.warmup_seq_len;
+  j["shape_step"] = r.state.shape_step;
+  j["shape_position"] = r.state.shape_position;
   j["ranks"] = ranks;
   j["zero"] = zero;
   j["strategy"] = r.strategy;
@@ -246,7 +247,7 @@ void check_save_dir(const std::string& text) {
     if (::access(dir.c_str(), W_OK) != 0)
       throw io_error("cannot save into " + dir.string() + ": it is not writable; choose another --save directory");
   }
-  remove_stale_temporaries(dir);
+  remove_save_leftovers(dir);
 }
 
 void remove_save_temporary(const std::string& dir) {
@@ -310,6 +311,7 @@ void save_checkpoint(const std::string& dir_text, const checkpoint_request& r, p
 
 struct saved_state::impl {
   std::vector<safetensors_view> ranks;
+  std::vector<std::vector<unit_parameter>> layout;  // the units' parameters, from check_units
   std::vector<std::int64_t> units;  // unpadded sizes
   std::vector<std::int64_t> shards;  // per unit, elements per saved rank
 };
@@ -326,24 +328,44 @@ saved_state::saved_state(const std::string& text) : impl_(std::make_unique<impl>
     throw io_error("cannot resume from " + dir_ + ": it holds no " + std::string(trainer_dir) + "/" + manifest_file +
                    " (is it a directory written by upipe train --save?)");
   }
-  std::ifstream in(manifest);
+  const std::string manifest_text = read_text_file(manifest.string(), "the trainer state's manifest");
   try {
-    const auto j = nlohmann::json::parse(in);
-    if (j.at("format") != manifest_format || j.at("version").get<int>() != manifest_version)
+    const auto j = nlohmann::json::parse(manifest_text);
+    if (!j.is_object() || j.value("format", "") != manifest_format || j.value("version", 0) != manifest_version)
       throw io_error(manifest.string() + " is not an upipe trainer state of version " + std::to_string(manifest_version));
-    state_ = {j.at("step").get<std::int64_t>(),      j.at("data_position").get<std::int64_t>(),
-              j.at("seed").get<std::uint64_t>(),     j.at("total_steps").get<std::int64_t>(),
-              j.at("data").get<std::string>(),       j.at("data_bytes").get<std::uint64_t>(),
-              j.at("packing").get<std::string>(),    j.at("min_doc_tokens").get<std::int64_t>()};
-    ranks_ = j.at("ranks").get<int>();
+    // Whole numbers as written (nlohmann's get<> would truncate 3.5 and wrap 2^64).
+    const auto whole = [&](const char* key, bool optional = false) -> std::int64_t {
+      if (optional && !j.contains(key)) return 0;
+      const auto& v = j.at(key);
+      if (!v.is_number_integer() || (v.is_number_unsigned() && v.get<std::uint64_t>() > INT64_MAX))
+        throw io_error(manifest.string() + " is damaged: " + key + " = " + v.dump().substr(0, 40) +
+                       " is not a whole number of 0 or more");
+      return v.get<std::int64_t>();
+    };
+    const auto& seed = j.at("seed");
+    const auto& data_bytes = j.at("data_bytes");
+    if (!seed.is_number_unsigned() || !data_bytes.is_number_unsigned())
+      throw io_error(manifest.string() + " is damaged: seed and data_bytes must be whole numbers of 0 or more");
+    state_ = {whole("step"), whole("data_position"), seed.get<std::uint64_t>(), whole("total_steps"),
+              j.at("data").get<std::string>(), data_bytes.get<std::uint64_t>(), j.at("packing").get<std::string>(),
+              whole("min_doc_tokens")};
+    const std::int64_t ranks = whole("ranks");
+    ranks_ = ranks < 1 || ranks > (1 << 20) ? -1 : static_cast<int>(ranks);
     zero_ = j.at("zero").get<std::string>();
-    impl_->units = j.at("units").get<std::vector<std::int64_t>>();
+    for (const auto& n : j.at("units")) {
+      if (!n.is_number_integer()) throw io_error(manifest.string() + " is damaged: units holds " + n.dump().substr(0, 40));
+      impl_->units.push_back(n.is_number_unsigned() && n.get<std::uint64_t>() > INT64_MAX ? -1 : n.get<std::int64_t>());
+    }
+    state_.seq_len = whole("seq_len");
+    state_.batch = whole("batch", true);
+    state_.seq_warmup = whole("seq_warmup", true);
+    state_.warmup_seq_len = whole("warmup_seq_len", true);
+    state_.shape_step = whole("shape_step", true);
+    state_.shape_position = whole("shape_position", true);
   } catch (const nlohmann::json::exception& e) {
     throw io_error("cannot read " + manifest.string() + ": " + e.what());
   }
-  if (ranks_ < 1 || state_.step < 0 || state_.data_position < 0)
-    throw io_error(manifest.string() + " is damaged: ranks " + std::to_string(ranks_) + ", step " +
-                   std::to_string(state_.step) + ", data position " + std::to_string(state_.data_position));
+  check_manifest_ranges(manifest.string());
   for (std::int64_t n : impl_->units) impl_->shards.push_back((n + ranks_ - 1) / ranks_);
   for (int r = 0; r < ranks_; ++r) {
     const fs::path file = dir / trainer_dir / rank_file(r, ranks_);
@@ -363,6 +385,33 @@ saved_state::saved_state(const std::string& text) : impl_(std::make_unique<impl>
 
 saved_state::~saved_state() = default;
 
+// Every number of the manifest within what a save writes, before any is used to size or
+// index anything.
+void saved_state::check_manifest_ranges(const std::string& manifest) const {
+  const auto damaged = [&](const std::string& field, std::int64_t value, const std::string& rule) {
+    throw io_error(manifest + " is damaged: " + field + " = " + std::to_string(value) + " " + rule +
+                   "; restore the checkpoint, or start from its weights with --init " + dir_);
+  };
+  if (ranks_ < 1) damaged("ranks", ranks_, "must lie between 1 and 2^20 (the CP group that wrote it)");
+  const std::pair<const char*, std::int64_t> counts[] = {
+      {"step", state_.step},           {"data_position", state_.data_position}, {"total_steps", state_.total_steps},
+      {"min_doc_tokens", state_.min_doc_tokens}, {"batch", state_.batch},  {"seq_len", state_.seq_len},
+      {"seq_warmup", state_.seq_warmup}, {"warmup_seq_len", state_.warmup_seq_len},
+      {"shape_step", state_.shape_step}, {"shape_position", state_.shape_position}};
+  for (const auto& [field, value] : counts)
+    if (value < 0) damaged(field, value, "must not be negative");
+  if (state_.total_steps > 0 && state_.step > state_.total_steps)
+    damaged("step", state_.step, "lies past total_steps = " + std::to_string(state_.total_steps));
+  if (state_.shape_step > state_.step)
+    damaged("shape_step", state_.shape_step, "lies past step = " + std::to_string(state_.step));
+  if (state_.seq_len > max_saved_seq_len || state_.warmup_seq_len > max_saved_seq_len)
+    damaged("seq_len", std::max(state_.seq_len, state_.warmup_seq_len), "is beyond the 2^30 tokens a run trains");
+  if (state_.batch > max_saved_batch) damaged("batch", state_.batch, "is beyond the 65536 sequences a step takes");
+  for (std::size_t u = 0; u < impl_->units.size(); ++u)
+    if (impl_->units[u] < 0 || impl_->units[u] > max_saved_unit)
+      damaged("units[" + std::to_string(u) + "]", impl_->units[u], "must lie between 0 and 2^40 parameters");
+}
+
 void saved_state::check_units(const model_config& config, const lora_config& lora) const {
   std::vector<std::int64_t> sizes;
   if (lora.enabled()) {
@@ -380,6 +429,21 @@ void saved_state::check_units(const model_config& config, const lora_config& lor
   if (!same)
     throw config_error("cannot resume " + config.name + " from " + dir_ +
                        ": its trainer state holds parameter units of another model; pass that model (--model " + dir_ + ")");
+  if (!lora.enabled()) impl_->layout = parameter_units(config);  // the adapters' values are named by unit alone
+}
+
+void saved_state::non_finite(int unit, shard_state which, std::int64_t rank, std::int64_t element, float value) const {
+  static const char* kind[] = {"the master weights", "AdamW's first moment", "AdamW's second moment"};
+  std::string where = state_name(unit, which) + " (element " + std::to_string(element) + ")";
+  if (static_cast<std::size_t>(unit) < impl_->layout.size())
+    for (const unit_parameter& p : impl_->layout[static_cast<std::size_t>(unit)])
+      if (element >= p.offset && element < p.offset + p.numel)
+        where = std::string(kind[static_cast<int>(which)]) + " of " + p.name + " (element " +
+                std::to_string(element - p.offset) + ", tensor " + state_name(unit, which) + ")";
+  throw io_error((fs::path(dir_) / trainer_dir / rank_file(static_cast<int>(rank), ranks_)).string() + " holds " +
+                 (std::isnan(value) ? std::string("NaN") : std::string(value > 0 ? "+Inf" : "-Inf")) + " in " + where +
+                 ": the trainer state is damaged or the run that wrote it diverged; restore the checkpoint, or "
+                 "start from an earlier one");
 }
 
 void saved_state::read(int unit, shard_state which, std::int64_t begin, std::int64_t count, float* out) const {
@@ -391,6 +455,8 @@ void saved_state::read(int unit, shard_state which, std::int64_t begin, std::int
   while (count > 0) {
     const std::int64_t r = begin / shard, offset = begin % shard, n = std::min(count, shard - offset);
     impl_->ranks[r].read(name, offset, n, out);
+    const float* bad = std::find_if(out, out + n, [](float v) { return !std::isfinite(v); });
+    if (bad != out + n) non_finite(unit, which, r, begin + (bad - out), *bad);
     begin += n;
     count -= n;
     out += n;
@@ -421,7 +487,7 @@ void write_export(const std::string& out_text, const std::function<void(const fs
   if (!fs::is_directory(out.parent_path(), ec))
     throw io_error("cannot export into " + out.string() + ": its parent directory does not exist; create it first");
   const fs::path tmp = out.string() + tmp_suffix;
-  fs::remove_all(tmp, ec);
+  remove_save_leftovers(out);  // what a killed export left
   if (!fs::create_directory(tmp, ec)) throw io_error("cannot create " + tmp.string() + ": " + ec.message());
   try {
     fill(tmp);
@@ -450,7 +516,7 @@ void export_checkpoint(const std::string& checkpoint_dir, const std::string& out
     for (std::size_t u = 0; u < units.size(); ++u)
       for (const unit_parameter& p : units[u]) {
         std::vector<float> values(static_cast<std::size_t>(p.numel));
-        saved.read(static_cast<int>(u), shard_state::master, p.offset, p.numel, values.data());
+        saved.read(static_cast<int>(u), shard_state::master, p.offset, p.numel, values.data());  // checks finiteness
         writer.write(p.name, values);
       }
     writer.commit();

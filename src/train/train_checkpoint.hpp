@@ -37,6 +37,11 @@ struct trainer_state {
   std::uint64_t data_bytes = 0;    // the token file's size when saved
   std::string packing = "stream";  // "documents" or "stream": how the data became sequences
   std::int64_t min_doc_tokens = 0;
+  // The shape of the steps since step shape_step, at data position shape_position (where
+  // the run, or a resume of another shape, began), which the data position follows from
+  // (batch 0: a save of an earlier upipe, which did not record them).
+  std::int64_t batch = 0, seq_len = 0, seq_warmup = 0, warmup_seq_len = 0;
+  std::int64_t shape_step = 0, shape_position = 0;
 };
 
 struct checkpoint_request {
@@ -81,13 +86,19 @@ class saved_state {
   int ranks() const { return ranks_; }
   const std::string& zero() const { return zero_; }
   // Checks the units against the run's model, or its adapters (config_error naming both
-  // otherwise).
+  // otherwise), and keeps a full model's parameter names for read()'s messages.
   void check_units(const model_config& config, const lora_config& lora = {}) const;
   // Elements [begin, begin + count) of a unit's unpadded flat state, from whichever of the
-  // saved ranks hold them (parameter_store::state_reader).
+  // saved ranks hold them (parameter_store::state_reader). A NaN or an Inf is an io_error
+  // naming the rank file, the parameter (once check_units has run) and the element.
   void read(int unit, shard_state which, std::int64_t begin, std::int64_t count, float* out) const;
 
  private:
+  static constexpr std::int64_t max_saved_seq_len = std::int64_t{1} << 30, max_saved_batch = std::int64_t{1} << 16,
+                                max_saved_unit = std::int64_t{1} << 40;
+  void check_manifest_ranges(const std::string& manifest) const;
+  [[noreturn]] void non_finite(int unit, shard_state which, std::int64_t rank, std::int64_t element, float value) const;
+
   struct impl;
   std::unique_ptr<impl> impl_;
   std::string dir_;

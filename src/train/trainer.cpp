@@ -149,10 +149,9 @@ double run_step(rank_context& rc, const std::vector<packed_sequence>& batch, std
   double local = 0;
   if (seqs.empty()) {
     UPIPE_CHECK(!rc.be.has_data(), "a sequence without tokens runs on the meta backend only");
-    const std::vector<std::int32_t> zeros(static_cast<std::size_t>(model.local_tokens()), 0);
-    for (std::size_t i = 0; i < batch.size(); ++i) {
+    for (std::size_t i = 0; i < batch.size(); ++i) {  // no host ids: meta reads none
       last_micro_batch(i);
-      local += model.forward_backward(rc.params, {zeros, zeros, 1.0 / static_cast<double>(counted), batch[i].documents},
+      local += model.forward_backward(rc.params, {{}, {}, 1.0 / static_cast<double>(counted), batch[i].documents},
                                       rc.adapters.get());
     }
   }
@@ -193,7 +192,18 @@ model_config trained_config(const train_options& o) {
   return c;
 }
 
-void save(rank_context& rc, const std::string& dir, std::int64_t step, std::int64_t position) {
+// Where the steps of this run's shape began: step 0 at position 0; for a resume of the
+// saved shape, where that shape began; for a resume of another shape, the saved step.
+std::pair<std::int64_t, std::int64_t> shape_begin(const train_options& o, const saved_state* resume) {
+  if (resume == nullptr) return {0, 0};
+  const trainer_state& st = resume->state();
+  const bool same = st.batch == o.batch && st.seq_len == o.seq_len && st.seq_warmup == o.seq_warmup &&
+                    st.warmup_seq_len == (o.seq_warmup > 0 ? step_seq_len(o, 1) : 0);
+  return same ? std::pair{st.shape_step, st.shape_position} : std::pair{st.step, st.data_position};
+}
+
+void save(rank_context& rc, const std::string& dir, std::int64_t step, std::int64_t position,
+          std::pair<std::int64_t, std::int64_t> shape) {
   if (!rc.be.has_data()) return;
   const train_options& o = rc.options;
   checkpoint_request r;
@@ -207,7 +217,13 @@ void save(rank_context& rc, const std::string& dir, std::int64_t step, std::int6
              o.data_path.empty() ? "passkey" : o.data_path,
              o.data_path.empty() ? 0 : file_bytes(data_tokens_file(o)),
              uses_documents(o) ? "documents" : "stream",
-             o.min_doc_tokens};
+             o.min_doc_tokens,
+             o.batch,
+             o.seq_len,
+             o.seq_warmup,
+             o.seq_warmup > 0 ? step_seq_len(o, 1) : 0,
+             shape.first,
+             shape.second};
   r.strategy = std::string(strategy_name(o.cp.strategy));
   r.head_chunk = o.cp.head_chunk;
   r.seq_len = o.seq_len;
@@ -301,9 +317,10 @@ void run_rank(const train_options& o, backend& be, communicator& comm, const wei
       summary.steps.push_back(record);
       if (on_step) on_step(record);
     }
-    if (!o.save_dir.empty() && o.save_every > 0 && step % o.save_every == 0 && step != last) save(rc, o.save_dir, step, position);
+    if (!o.save_dir.empty() && o.save_every > 0 && step % o.save_every == 0 && step != last)
+      save(rc, o.save_dir, step, position, shape_begin(o, from.resume));
   }
-  if (!o.save_dir.empty()) save(rc, o.save_dir, last, position);
+  if (!o.save_dir.empty()) save(rc, o.save_dir, last, position, shape_begin(o, from.resume));
   if (data.task() != nullptr && be.has_data() && o.eval_samples > 0) {
     const double accuracy = evaluate(rc, *data.task());
     if (comm.rank() == 0) summary.retrieval_accuracy = accuracy;
@@ -393,6 +410,12 @@ void validate(const train_options& o) {
                   o.optim.weight_decay, o.optim.lr, o.optim.lr * o.optim.weight_decay);
     throw config_error(std::string(text) + ", which must lie in [0, 1) (for example --weight-decay 0.1)");
   }
+  // The step's sequences exist on the host first (tokens, padded ids and labels, each
+  // rank's shard: 24 bytes a token); meta holds none.
+  if (o.backend != backend_kind::meta)
+    require_host_memory(static_cast<std::size_t>(o.batch) * static_cast<std::size_t>(o.seq_len) * 24,
+                        "the host copies of a step's --batch " + std::to_string(o.batch) + " sequences of --seq-len " +
+                            std::to_string(o.seq_len) + " tokens");
   if (o.data_path.empty() && o.model.vocab_size < passkey_task::vocab_needed)
     throw config_error("the passkey task needs a vocabulary of at least " + std::to_string(passkey_task::vocab_needed) +
                        " tokens and " + o.model.name + " has " + std::to_string(o.model.vocab_size) + "; use --data FILE");
@@ -402,6 +425,9 @@ void validate(const train_options& o) {
   if (o.eval_every < 0 || (o.eval_every > 0 && o.eval_data.empty()))
     throw config_error("--eval-every " + std::to_string(o.eval_every) +
                        " needs --eval-data PREFIX (held-out data: upipe prepare-data --heldout-fraction writes it)");
+  if (o.eval_every == 0 && !o.eval_data.empty())
+    throw config_error("--eval-data " + o.eval_data + " is given without --eval-every N, so it would never be read; "
+                       "add --eval-every 100 (held-out loss every 100 steps), or drop --eval-data");
   if (o.eval_every > 0 && o.eval_sequences < 1)
     throw config_error("--eval-sequences " + std::to_string(o.eval_sequences) + " must be at least 1 (e.g. 4)");
   if (o.seq_len % layout_unit(o.cp) != 0) {
@@ -483,6 +509,35 @@ step_timing time_steps(const train_options& o, std::int64_t warmup_len, int repe
 
 namespace {
 
+// The data position a save records follows from the steps before it (their batch and
+// lengths); one that does not is a damaged or edited state. A run of another shape
+// continues from the saved position, and says so.
+void check_resumed_position(const train_options& o, const saved_state& saved) {
+  const trainer_state& st = saved.state();
+  if (st.batch == 0) return;  // a save of an earlier upipe, which did not record the shape
+  if (st.batch != o.batch || st.seq_len != o.seq_len)
+    std::fprintf(stderr, "upipe: note: the checkpoint trained --batch %lld --seq-len %lld; this run takes --batch %lld "
+                 "--seq-len %lld, continuing from its data position %lld\n", static_cast<long long>(st.batch),
+                 static_cast<long long>(st.seq_len), static_cast<long long>(o.batch),
+                 static_cast<long long>(o.seq_len), static_cast<long long>(st.data_position));
+  // The tokens the steps since the shape began consumed; each sequence moves a token file on
+  // by a whole seq_len, and a corpus by the sequence's length.
+  const __int128 steps = st.step - st.shape_step;
+  const __int128 warm = std::clamp<std::int64_t>(st.seq_warmup - st.shape_step, 0, st.step - st.shape_step);
+  __int128 expected = 0;
+  if (st.data == "passkey")
+    expected = 0;
+  else if (st.packing == "documents")
+    expected = st.shape_position + __int128{st.batch} * (warm * st.warmup_seq_len + (steps - warm) * st.seq_len);
+  else if (st.data_bytes >= 4)
+    expected = (st.shape_position + __int128{st.batch} * steps * st.seq_len) % static_cast<__int128>(st.data_bytes / 4);
+  if (expected != st.data_position)
+    throw io_error("the trainer state in " + saved.dir() + " is damaged: its data position " +
+                   std::to_string(st.data_position) + " does not follow from its " +
+                   std::to_string(st.step - st.shape_step) + " steps of " + std::to_string(st.batch) + " x " + std::to_string(st.seq_len) +
+                   " tokens; restore the checkpoint, or start a new run from its weights with --init " + saved.dir());
+}
+
 // A LoRA run resumes a LoRA run's adapters of the same shape and settings (the base is the
 // run's --model, frozen: not part of the trainer state).
 void check_resumed_adapters(const train_options& o, const saved_state& saved) {
@@ -560,6 +615,7 @@ void check_resume(const train_options& o, const saved_state& saved) {
                        " --min-doc-tokens " + std::to_string(st.min_doc_tokens) + ", not --packing " + packing +
                        " --min-doc-tokens " + std::to_string(o.min_doc_tokens) +
                        " (another order of sequences); pass those");
+  check_resumed_position(o, saved);
 }
 
 // Where the first step's weights come from: --init, else the --model directory, else random.

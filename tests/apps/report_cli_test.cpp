@@ -51,6 +51,12 @@ TEST(report_cli, bad_inputs_are_refused) {
   const run_result wrong = run_upipe("report --out " + (dir / "p").string() + " " + bad.string());
   EXPECT_EQ(wrong.exit_code, 2) << wrong.output;
   EXPECT_NE(wrong.output.find("neither a list of benchmark rows nor a plan"), std::string::npos) << wrong.output;
+  // A row without a field the plots use names the file, the row and the field; no traceback.
+  std::ofstream(dir / "rows.json") << "[{\"strategy\": \"upipe\", \"seq_len\": 64}, {\"seq_len\": 64}]";
+  const run_result field = run_upipe("report --out " + (dir / "p").string() + " " + (dir / "rows.json").string());
+  EXPECT_EQ(field.exit_code, 2) << field.output;
+  EXPECT_NE(field.output.find("rows.json: row 1: field 'strategy' is missing"), std::string::npos) << field.output;
+  EXPECT_EQ(field.output.find("Traceback"), std::string::npos) << field.output;
   std::filesystem::remove_all(dir);
 }
 

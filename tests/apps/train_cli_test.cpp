@@ -73,6 +73,43 @@ TEST(train_cli, offloaded_training_logs_the_same_steps) {
   fs::remove_all(dir);
 }
 
+// The data position a save records follows from its steps (batch x sequence length, here
+// over a token file): a manifest whose position was changed is refused as damaged, and a
+// resume of another batch continues from the saved position, saying so.
+TEST(train_cli, a_data_position_that_does_not_follow_from_the_steps_is_refused) {
+  const auto dir = temp_dir("train_position");
+  {
+    std::ofstream tokens(dir / "tokens.bin", std::ios::binary);
+    for (std::uint32_t t = 0; t < 1000; ++t) {
+      const std::uint32_t id = t % 200;
+      tokens.write(reinterpret_cast<const char*>(&id), 4);
+    }
+  }
+  const std::string data = "--data " + (dir / "tokens.bin").string() + " --batch 2 ";
+  const std::string ckpt = (dir / "ckpt").string();
+  ASSERT_EQ(run_upipe(quick + data + "--stop-after 3 --save " + ckpt).exit_code, 0);
+  const fs::path manifest_path = dir / "ckpt" / "trainer" / "manifest.json";
+  nlohmann::json manifest = nlohmann::json::parse(std::ifstream(manifest_path));
+  EXPECT_EQ(manifest["data_position"], 3 * 2 * 64);  // steps x batch x tokens
+  EXPECT_EQ(manifest["batch"], 2);
+  // Another batch continues from the saved position, and a resume of that save follows on.
+  const std::string one = quick + "--data " + (dir / "tokens.bin").string() + " --batch 1 ";
+  const run_result other_batch = run_upipe(one + "--stop-after 4 --resume " + ckpt + " --save " + ckpt + "2");
+  EXPECT_EQ(other_batch.exit_code, 0) << other_batch.output;
+  EXPECT_NE(other_batch.output.find("this run takes --batch 1 --seq-len 64, continuing from its data position 384"),
+            std::string::npos) << other_batch.output;
+  EXPECT_EQ(nlohmann::json::parse(std::ifstream(dir / "ckpt2" / "trainer" / "manifest.json"))["data_position"], 448);
+  const run_result chained = run_upipe(one + "--stop-after 5 --resume " + ckpt + "2");
+  EXPECT_EQ(chained.exit_code, 0) << chained.output;
+  manifest["data_position"] = 128;
+  std::ofstream(manifest_path) << manifest.dump();
+  const run_result edited = run_upipe(quick + data + "--resume " + ckpt);
+  EXPECT_EQ(edited.exit_code, 2) << edited.output;
+  EXPECT_NE(edited.output.find("is damaged: its data position 128 does not follow from its 3 steps of 2 x 64 tokens"),
+            std::string::npos) << edited.output;
+  fs::remove_all(dir);
+}
+
 TEST(train_cli, bad_input_is_refused_and_a_saved_checkpoint_survives) {
   const auto dir = temp_dir("train_bad");
   const fs::path ckpt = dir / "ckpt";
@@ -114,9 +151,9 @@ TEST(train_cli, bad_input_is_refused_and_a_saved_checkpoint_survives) {
       {"--cp 0", "--cp 0 must be at least 1"},
       {"--batch -5", "--batch -5 must be at least 1"},
       {"--weight-decay -1", "--weight-decay -1 must be a finite number >= 0"},
-      {"--max-grad-norm nan", "--max-grad-norm nan must be a finite number"},
+      {"--max-grad-norm nan", "--max-grad-norm: 'nan' is not a finite number"},
       {"--lr 1e300", "at most 1"},
-      {"--resume ''", "an empty path"},
+      {"--resume ''", "--resume: an empty value names nothing"},
       {"--head-chunk 4294967300", "--head-chunk"},
   };
   for (const auto& [args, message] : cases) {
@@ -373,7 +410,7 @@ TEST(eval_cli, bad_needle_requests_are_refused_before_any_length_runs) {
       {"--niah --niah-vocab text", "needs the model directory's tokenizer.json"},
       {"--niah --lengths 8", "too short for the passkey task"},
       {"--niah --data " + (dir / "hay.bin").string(), "the passkey needle's haystack"},
-      {"--niah --samples 0", "--samples 0 must be at least 1"},
+      {"--niah --samples 0", "--samples = 0 must lie between 1 and"},
       {"--niah --model " + hf_fixture("llama-yarn-shards") + " --data " + (dir / "hay.bin").string() + " --lengths 1K",
        "fewer"},
   };

@@ -8,6 +8,7 @@
 #include <cuda_runtime_api.h>
 #include <dlfcn.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <numeric>
@@ -264,6 +265,42 @@ TEST(gpu_nccl, watchdog_aborts_a_collective_a_rank_never_joins_and_names_it) {
   }
   EXPECT_NE(message.find("rank 0: all_reduce 'stuck_grads' in layer 7 did not complete within 1 s"), std::string::npos)
       << message;
+}
+
+// The watchdog aborts the group while a rank thread keeps issuing collectives on the same
+// communicator (the race of issue #23): rank 0 enqueues collectives that can never finish,
+// with no host wait, and without a bound it would sit inside an NCCL launch, behind a full
+// launch queue, when ncclCommAbort runs on another thread. With non-blocking communicators,
+// the lock around every call and the bound on collectives in flight, the rank sees
+// comm_aborted and the group ends, round after round, without a crash or a hang.
+TEST(gpu_nccl, watchdog_aborts_while_a_rank_issues_collectives) {
+  if (gpus() < 2) GTEST_SKIP() << "needs two GPUs: a group of one cannot wait for a peer";
+  if (launcher_environment()) GTEST_SKIP() << "needs every rank in this process";
+  const memory_limits limits{std::size_t{64} << 20, std::size_t{16} << 20};
+  for (int round = 0; round < 3; ++round) {
+    std::atomic<long> issued{0};
+    std::string message;
+    try {
+      run_cp_group(
+          backend_kind::cuda, limits, 2,
+          [&](int rank, backend& be, communicator& comm) {
+            if (rank == 1) return;  // never joins
+            tensor send = be.allocate(mem_tag::comm, dtype::f32, {64}, "send");
+            tensor recv = be.allocate(mem_tag::comm, dtype::f32, {128}, "recv");
+            for (long i = 0; i < 1000000; ++i) {
+              comm_request r = comm.all_gather_start(send.data(), recv.data(), 64 * sizeof(float), "racing");
+              r.wait();  // the compute stream waits for it; the host does not
+              issued.fetch_add(1);
+            }
+          },
+          false, {comm_kind::nccl, 0.5});
+    } catch (const comm_aborted& e) {
+      message = e.what();
+    }
+    EXPECT_NE(message.find("all_gather 'racing'"), std::string::npos) << "round " << round << ": " << message;
+    EXPECT_NE(message.find("did not complete within"), std::string::npos) << message;
+    EXPECT_GT(issued.load(), 1) << "round " << round;  // the rank was issuing when the abort came
+  }
 }
 
 }  // namespace

@@ -5,6 +5,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <string>
 
 #include <nlohmann/json.hpp>
@@ -105,6 +106,24 @@ TEST(hf_model, damaged_directories_are_clear_errors) {
   model_config wide = c;
   wide.intermediate_size = 128;
   expect_error<io_error>([&] { hf_model_files(fixtures + "llama-yarn-shards", wide); }, {"mlp", "[160, 64]", "[128, 64]"});
+  fs::remove_all(dir);
+}
+
+// A NaN or an Inf in a weights file is refused as it is read, naming the file, the tensor
+// and the element.
+TEST(hf_model, non_finite_weights_name_their_file_and_tensor) {
+  const fs::path dir = copy_fixture("qwen3-tied");
+  const model_config c = read_hf_config(dir.string());
+  safetensors_file st = read_safetensors((dir / "model.safetensors").string());
+  std::vector<safetensors_tensor> tensors;
+  st.tensors.at("model.norm.weight").values[5] = -std::numeric_limits<float>::infinity();
+  for (const auto& [name, e] : st.tensors) tensors.push_back({name, e.shape, e.values, dtype::f32});
+  write_safetensors((dir / "model.safetensors").string(), tensors);
+  const hf_model_files files(dir.string(), c);
+  std::vector<float> out(64);
+  expect_error<io_error>([&] { files.read("model.norm.weight", 0, 64, out.data()); },
+                         {(dir / "model.safetensors").string(), "-Inf in model.norm.weight (element 5)"});
+  files.read("model.norm.weight", 0, 5, out.data());  // the elements before it are fine
   fs::remove_all(dir);
 }
 

@@ -1,0 +1,43 @@
+#!/usr/bin/env python3
+"""How long `upipe plan` takes on every preset and GPU count, with the default tiles and
+chunks and with the smallest (--mlp-tile 1 --loss-chunk 1), and on two nodes (hybrid
+planned too). Prints one row per run, slowest first, and the slowest case.
+
+  scripts/fuzz/plan_speed.py --binary build/upipe
+"""
+import argparse
+import subprocess
+import sys
+import time
+
+PRESETS = ["llama3-8b", "llama3-70b", "llama3.2-1b", "llama3.2-3b", "qwen3-8b", "qwen3-32b", "tiny-llama",
+           "tiny-qwen3"]
+LAYOUTS = [["--gpus", str(g)] for g in (1, 2, 4, 8, 16, 32, 64)] + [["--gpus-per-node", "8", "--nodes", "2"]]
+TILES = [[], ["--mlp-tile", "1", "--loss-chunk", "1"]]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--binary", required=True)
+    opts = ap.parse_args()
+    rows = []
+    for preset in PRESETS:
+        for layout in LAYOUTS:
+            for tiles in TILES:
+                args = [opts.binary, "plan", "--model", preset, "--gpu-memory", "80GiB"] + layout + tiles
+                start = time.monotonic()
+                r = subprocess.run(args, capture_output=True, text=True)
+                seconds = time.monotonic() - start
+                outcome = "planned" if r.returncode == 0 else f"refused ({r.returncode})"
+                rows.append((seconds, " ".join(args[2:]), outcome))
+    rows.sort(reverse=True)
+    for seconds, command, outcome in rows:
+        print(f"{seconds:7.2f} s  {outcome:<12} plan {command}")
+    planned = [r for r in rows if r[2] == "planned"]
+    print(f"# {len(rows)} runs ({len(planned)} planned, the rest refused: a GPU count the heads do not divide); "
+          f"slowest {rows[0][0]:.2f} s: plan {rows[0][1]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
