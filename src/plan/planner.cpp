@@ -90,8 +90,11 @@ std::vector<cp_settings> configurations(const plan_request& r) {
   std::vector<cp_settings> out;
   for (strategy_kind kind : r.strategies) {
     if (kind == strategy_kind::upipe) {
+      // UPipe with U = H over chunks is fpdt: planned once, as fpdt, when fpdt is planned.
+      const bool fpdt = std::find(r.strategies.begin(), r.strategies.end(), strategy_kind::fpdt) != r.strategies.end();
       for (int u : valid_head_chunks(r.model.num_heads, r.gpus))
-        for (int n : r.seq_chunks) out.push_back({kind, r.gpus, u, 1, n});
+        for (int n : r.seq_chunks)
+          if (!(fpdt && u == r.model.num_heads && n > 1)) out.push_back({kind, r.gpus, u, 1, n});
     } else if (kind == strategy_kind::fpdt) {
       for (int n : r.seq_chunks)
         if (n >= 2) out.push_back({kind, r.gpus, r.model.num_heads, 1, n});
