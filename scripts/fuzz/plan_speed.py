@@ -4,6 +4,7 @@ chunks and with the smallest (--mlp-tile 1 --loss-chunk 1), and on two nodes (hy
 planned too). Prints one row per run, slowest first, and the slowest case.
 
   scripts/fuzz/plan_speed.py --binary build/upipe
+  scripts/fuzz/plan_speed.py --binary build/upipe --model llama3-8b --model qwen3-32b
 """
 import argparse
 import subprocess
@@ -19,9 +20,10 @@ TILES = [[], ["--mlp-tile", "1", "--loss-chunk", "1"]]
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--binary", required=True)
+    ap.add_argument("--model", action="append", choices=PRESETS, help="only these presets (default: all)")
     opts = ap.parse_args()
     rows = []
-    for preset in PRESETS:
+    for preset in opts.model or PRESETS:
         for layout in LAYOUTS:
             for tiles in TILES:
                 args = [opts.binary, "plan", "--model", preset, "--gpu-memory", "80GiB"] + layout + tiles

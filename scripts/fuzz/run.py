@@ -153,7 +153,7 @@ def run_case(index, opts, templates):
     before_temps = temporaries(w)
     protected = {p: digest(os.path.join(w, p)) for p in case.protect}
     args = [opts.binary] + [a.replace("{w}", w).replace("{t}", templates["root"]) for a in case.args]
-    r = run_limited(args, w, min(case.timeout, opts.timeout), opts.memory_mib, opts.env)
+    r = run_limited(args, w, min(case.timeout, opts.timeout) * opts.slowdown, opts.memory_mib, opts.env)
     problems = list(case.check(w, r)) if case.check and not r.killed else []
     if r.code != 0 and not r.killed:
         problems += [f"{p} changed by a failed run" for p, d in protected.items() if digest(os.path.join(w, p)) != d]
@@ -241,6 +241,9 @@ def main():
     ap.add_argument("--families", help="comma-separated families only (the regression cases always run)")
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=60, help="seconds before a run is a hang")
+    ap.add_argument("--slowdown", type=float, default=1,
+                    help="how much slower the binary runs than a release build (a sanitized one: 10); "
+                         "every time limit is multiplied by it")
     ap.add_argument("--memory-mib", type=int, default=3072, help="resident memory before a run is a blow-up")
     ap.add_argument("--work", help="scratch directory (default: a temporary one)")
     ap.add_argument("--keep", help="keep failing cases' directories (under --work)")
