@@ -81,6 +81,39 @@ TEST(attention_config, refusals_name_rule_and_alternative) {
   expect_refused(c, "not allowed for ring");
 }
 
+TEST(attention_config, sequence_chunk_refusals_name_rule_and_alternative) {
+  attention_config c = base();  // S / C = 16 tokens a rank
+  c.seq_chunks = 17;
+  expect_refused(c, "N = 17 is more than the 16 tokens of a rank's shard (S / C = 64 / 4); use at most --seq-chunks 16");
+  c.seq_chunks = 16;
+  validate(c);
+  c = base();
+  c.seq_chunks = 0;
+  validate(c);
+  EXPECT_EQ(c.seq_chunks, 1);  // upipe: unchunked unless asked
+  c = base();
+  c.seq_chunks = -2;
+  expect_refused(c, "N = -2 is invalid: it must be a positive integer (for example --seq-chunks 4)");
+  c = base();
+  c.strategy = strategy_kind::ring;
+  c.seq_len = 64;
+  c.head_chunk = 0;
+  c.seq_chunks = 2;
+  expect_refused(c, "apply to ulysses, upipe and fpdt, not ring; leave --seq-chunks out, or use --attention upipe");
+  c = base();
+  c.strategy = strategy_kind::fpdt;
+  c.head_chunk = 0;
+  c.seq_chunks = 1;
+  expect_refused(c, "fpdt with N = 1 sequence chunk is Ulysses: give --seq-chunks 2");
+  c.seq_chunks = 0;
+  validate(c);
+  EXPECT_GE(c.seq_chunks, 2);  // fpdt's default chunks the sequence
+  c = base();
+  c.seq_chunks = 2;
+  c.overlap_comm = true;
+  expect_refused(c, "--overlap-comm applies to unchunked stages; leave it out with --seq-chunks 2");
+}
+
 TEST(attention_config, parse_names) {
   EXPECT_EQ(parse_strategy_kind("ring"), strategy_kind::ring);
   EXPECT_THROW(parse_strategy_kind("zigzag"), config_error);
