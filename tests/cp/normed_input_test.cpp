@@ -7,9 +7,9 @@
 #include <string>
 #include <vector>
 
+#include "backend/ops.hpp"
 #include "comm/communicator.hpp"
 #include "cp/attention_layer.hpp"
-#include "ops/ops.hpp"
 
 #include "../support/compare.hpp"
 

@@ -10,10 +10,10 @@
 
 #include <nlohmann/json.hpp>
 
+#include "backend/ops.hpp"
 #include "core/dtype.hpp"
 #include "core/error.hpp"
 #include "model/hf_model.hpp"
-#include "ops/ops.hpp"
 #include "train/safetensors.hpp"
 
 namespace upipe {

@@ -18,7 +18,7 @@
 #include "core/dtype.hpp"
 #include "core/error.hpp"
 #include "ops/cpu/cpu_ops.hpp"
-#include "ops/ops.hpp"
+#include "backend/ops.hpp"
 #include "op_test_support.hpp"
 
 namespace upipe {

@@ -1,6 +1,6 @@
 // The op entries: every shape, dtype and stride rule of the ops lives here, so that the
 // backends' implementations can trust their arguments.
-#include "ops/ops.hpp"
+#include "backend/ops.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "core/error.hpp"
+#include "ops/rope_frequencies.hpp"
 
 namespace upipe::ops {
 
@@ -141,21 +142,6 @@ void check_row_scalar(const char* op, const char* name, const head_view& s, cons
   check_layout(op, name, s);
   check_type(op, name, s, dtype::f32, dtype::f32);
   check_dims(op, name, s, like.tokens, like.heads, 1);
-}
-
-void check_rope_config(const rope_config& config) {
-  UPIPE_CHECK(config.theta > 0.0, "ops::rope: theta " + std::to_string(config.theta) + " must be positive (e.g. 500000)");
-  const rope_scaling& s = config.scaling;
-  if (!s.enabled()) return;
-  UPIPE_CHECK(s.factor > 0.0, "ops::rope: scaling factor " + std::to_string(s.factor) + " must be positive");
-  if (s.kind == rope_kind::linear) return;
-  UPIPE_CHECK(s.original_max_position > 0, "ops::rope: original_max_position must be positive (e.g. 8192)");
-  if (s.kind == rope_kind::llama3)
-    UPIPE_CHECK(s.low_freq_factor > 0.0 && s.high_freq_factor > s.low_freq_factor,
-                "ops::rope: llama3 scaling needs 0 < low_freq_factor (" + std::to_string(s.low_freq_factor) +
-                    ") < high_freq_factor (" + std::to_string(s.high_freq_factor) + "), e.g. 1 and 4");
-  if (s.kind == rope_kind::yarn)
-    UPIPE_CHECK(s.beta_fast > 0.0 && s.beta_slow > 0.0, "ops::rope: yarn's beta_fast and beta_slow must be positive");
 }
 
 // Runs lie inside the view and never overlap, since an overlap would rotate a token twice;
@@ -442,106 +428,6 @@ double sum_squares(backend& be, const mat_view& x) {
   check_matrix("sum_squares", "x", x);
   check_type("sum_squares", "x", x, dtype::f32, dtype::f32);
   return be.sum_squares(x);
-}
-
-namespace {
-
-// The dimension (of head_dim) whose wave turns `rotations` times over the original context.
-double yarn_dimension(double rotations, std::int64_t head_dim, double theta, double original) {
-  return static_cast<double>(head_dim) * std::log(original / (rotations * 2.0 * std::numbers::pi)) /
-         (2.0 * std::log(theta));
-}
-
-double yarn_mscale(double factor, double mscale) { return factor <= 1.0 ? 1.0 : 0.1 * mscale * std::log(factor) + 1.0; }
-
-}  // namespace
-
-}  // namespace upipe::ops
-
-namespace upipe {
-
-std::int64_t document_mask::start_of(std::int64_t g) const {
-  if (starts.empty()) return 0;
-  const auto it = std::upper_bound(starts.begin(), starts.end(), g);
-  return it == starts.begin() ? 0 : *(it - 1);
-}
-
-bool document_mask::shares_document(std::int64_t sq, std::int64_t skv) const {
-  if (sq == 0 || skv == 0) return false;
-  const std::int64_t q_last = q_first + sq - 1, k_last = k_first + skv - 1;
-  if (!active()) return k_first <= q_last;
-  // Per document holding queries: its last query in range sees the most keys, from the
-  // document's start up to itself.
-  auto it = std::upper_bound(starts.begin(), starts.end(), q_first) - 1;
-  for (; it != starts.end() && *it <= q_last; ++it) {
-    const std::int64_t doc_end = it + 1 == starts.end() ? q_last + 1 : std::min(*(it + 1), q_last + 1);
-    if (std::max(k_first, *it) <= std::min(k_last, doc_end - 1)) return true;
-  }
-  return false;
-}
-
-}  // namespace upipe
-
-namespace upipe::ops {
-
-std::vector<double> rope_inverse_frequencies(const rope_config& config, std::int64_t head_dim) {
-  UPIPE_CHECK(head_dim > 0 && head_dim % 2 == 0,
-              "ops::rope_inverse_frequencies: head dim " + std::to_string(head_dim) + " must be positive and even");
-  check_rope_config(config);
-  const rope_scaling& s = config.scaling;
-  const auto original = static_cast<double>(s.original_max_position);
-  std::vector<double> inv(static_cast<std::size_t>(head_dim / 2));
-  for (std::size_t i = 0; i < inv.size(); ++i)
-    inv[i] = 1.0 / std::pow(config.theta, static_cast<double>(2 * i) / static_cast<double>(head_dim));
-  switch (s.kind) {
-    case rope_kind::none:
-      break;
-    case rope_kind::linear:
-      for (double& f : inv) f /= s.factor;
-      break;
-    case rope_kind::llama3: {
-      const double low_wavelen = original / s.low_freq_factor;    // longer waves are slowed by factor
-      const double high_wavelen = original / s.high_freq_factor;  // shorter waves are kept
-      for (double& f : inv) {
-        const double wavelen = 2.0 * std::numbers::pi / f;
-        if (wavelen > low_wavelen) {
-          f = f / s.factor;
-        } else if (wavelen >= high_wavelen) {
-          const double smooth = (original / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
-          f = (1.0 - smooth) * f / s.factor + smooth * f;
-        }
-      }
-      break;
-    }
-    case rope_kind::yarn: {
-      // Dimensions below `low` keep their frequency, those above `high` are divided by the
-      // factor, and a linear ramp blends the band between.
-      double low = yarn_dimension(s.beta_fast, head_dim, config.theta, original);
-      double high = yarn_dimension(s.beta_slow, head_dim, config.theta, original);
-      if (s.truncate) {
-        low = std::floor(low);
-        high = std::ceil(high);
-      }
-      low = std::max(low, 0.0);
-      high = std::min(high, static_cast<double>(head_dim - 1));
-      if (low == high) high += 0.001;  // as transformers does, against a zero-width ramp
-      for (std::size_t i = 0; i < inv.size(); ++i) {
-        const double ramp = std::clamp((static_cast<double>(i) - low) / (high - low), 0.0, 1.0);
-        inv[i] = inv[i] / s.factor * ramp + inv[i] * (1.0 - ramp);
-      }
-      break;
-    }
-  }
-  return inv;
-}
-
-double rope_attention_factor(const rope_config& config) {
-  const rope_scaling& s = config.scaling;
-  if (s.kind != rope_kind::yarn) return 1.0;
-  if (s.attention_factor > 0.0) return s.attention_factor;
-  if (s.mscale > 0.0 && s.mscale_all_dim > 0.0)
-    return yarn_mscale(s.factor, s.mscale) / yarn_mscale(s.factor, s.mscale_all_dim);
-  return yarn_mscale(s.factor, 1.0);
 }
 
 }  // namespace upipe::ops

@@ -2,10 +2,9 @@
 // implementation. Only the entries check; implementations trust their arguments.
 #pragma once
 
-#include <vector>
-
 #include "backend/backend.hpp"
 #include "ops/op_args.hpp"
+#include "ops/rope_frequencies.hpp"
 
 namespace upipe::ops {
 
@@ -32,12 +31,5 @@ double sum_squares(backend& be, const mat_view& x);
 // A matrix as a (rows, 1, cols) head view, so the head ops copy, convert, add and fill
 // matrices too.
 inline head_view as_heads(const mat_view& m) { return {m.data, m.type, m.rows, 1, m.cols, m.ld, m.cols}; }
-
-// The per-pair inverse frequencies of RoPE for head dim d, in fp64, with Llama 3
-// (llama3, linear, yarn) scaling applied. Every backend derives its angles from these.
-std::vector<double> rope_inverse_frequencies(const rope_config& config, std::int64_t head_dim);
-// The factor on cos and sin (yarn's attention factor; 1 for the other kinds), applied in
-// both directions since the inverse direction is the gradient's transpose.
-double rope_attention_factor(const rope_config& config);
 
 }  // namespace upipe::ops

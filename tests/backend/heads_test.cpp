@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "backend/backend.hpp"
-#include "ops/ops.hpp"
+#include "backend/ops.hpp"
 #include "op_test_support.hpp"
 
 namespace upipe {

@@ -11,7 +11,7 @@
 
 #include "backend/backend.hpp"
 #include "core/error.hpp"
-#include "ops/ops.hpp"
+#include "backend/ops.hpp"
 #include "op_test_support.hpp"
 
 namespace upipe {
