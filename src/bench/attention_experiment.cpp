@@ -9,9 +9,9 @@
 
 #include "comm/communicator.hpp"
 #include "core/error.hpp"
-#include "core/npy.hpp"
 #include "cp/attention_layer.hpp"
 #include "cp/reference.hpp"
+#include "formats/npy.hpp"
 
 namespace upipe {
 

@@ -13,8 +13,8 @@
 #include "backend/ops.hpp"
 #include "core/dtype.hpp"
 #include "core/error.hpp"
+#include "formats/safetensors.hpp"
 #include "model/hf_model.hpp"
-#include "train/safetensors.hpp"
 
 namespace upipe {
 namespace {

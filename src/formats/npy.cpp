@@ -1,4 +1,4 @@
-#include "core/npy.hpp"
+#include "formats/npy.hpp"
 
 #include <cstring>
 #include <fstream>

@@ -1,4 +1,4 @@
-#include "train/safetensors.hpp"
+#include "formats/safetensors.hpp"
 
 #include <fcntl.h>
 #include <sys/mman.h>

@@ -1,4 +1,4 @@
-#include "train/safetensors.hpp"
+#include "formats/safetensors.hpp"
 
 #include <gtest/gtest.h>
 #include <sys/resource.h>
