@@ -12,7 +12,7 @@
 
 #include "core/dtype.hpp"
 #include "core/host_pool.hpp"
-#include "train/optimizer.hpp"
+#include "optim/optimizer.hpp"
 
 namespace upipe {
 

@@ -1,7 +1,7 @@
 // scheduled_lr: linear warmup, the peak at the end of warmup, the cosine's midpoint and
 // end, the final value held past the end, no warmup, a schedule no longer than its
 // warmup. clip_coefficient: disabled, below and above the threshold, zero, inf and NaN.
-#include "train/optimizer.hpp"
+#include "optim/optimizer.hpp"
 
 #include <gtest/gtest.h>
 

@@ -1,4 +1,4 @@
-#include "model/host_optimizer.hpp"
+#include "optim/host_optimizer.hpp"
 
 #include <algorithm>
 

@@ -1,6 +1,6 @@
 // The learning-rate schedule and the global-norm clipping coefficient; the AdamW step
 // itself is the op ops::adamw.
-#include "train/optimizer.hpp"
+#include "optim/optimizer.hpp"
 
 #include <algorithm>
 #include <cmath>
