@@ -10,6 +10,7 @@
 #include "backend/ops.hpp"
 #include "comm/communicator.hpp"
 #include "cp/attention_layer.hpp"
+#include "runtime/cp_group.hpp"
 
 #include "../support/compare.hpp"
 

@@ -6,8 +6,8 @@
 #include <tuple>
 #include <vector>
 
-#include "bench/attention_experiment.hpp"
 #include "core/error.hpp"
+#include "runtime/attention_experiment.hpp"
 
 namespace upipe {
 namespace {

@@ -1,4 +1,4 @@
-#include "bench/attention_experiment.hpp"
+#include "runtime/attention_experiment.hpp"
 
 #include <chrono>
 #include <filesystem>
@@ -12,6 +12,7 @@
 #include "cp/attention_layer.hpp"
 #include "cp/reference.hpp"
 #include "formats/npy.hpp"
+#include "runtime/cp_group.hpp"
 
 namespace upipe {
 

@@ -5,9 +5,9 @@
 
 #include <algorithm>
 
-#include "bench/attention_experiment.hpp"
 #include "cp/head_schedule.hpp"
 #include "cp/stage_plan.hpp"
+#include "runtime/attention_experiment.hpp"
 
 namespace upipe {
 namespace {
