@@ -13,7 +13,7 @@
 #include "apps/flag_checks.hpp"
 #include "apps/json_file.hpp"
 #include "apps/sizes.hpp"
-#include "bench/attention_experiment.hpp"
+#include "runtime/attention_experiment.hpp"
 #include "core/limits.hpp"
 #include "core/error.hpp"
 #include "cp/stage_plan.hpp"

@@ -12,10 +12,10 @@
 
 #include <nlohmann/json.hpp>
 
+#include "apps/comm_flags.hpp"
 #include "apps/commands.hpp"
 #include "apps/flag_checks.hpp"
 #include "apps/json_file.hpp"
-#include "apps/comm_flags.hpp"
 #include "apps/model_flags.hpp"
 #include "apps/sizes.hpp"
 #include "comm/communicator.hpp"
@@ -25,6 +25,7 @@
 #include "cp/stage_plan.hpp"
 #include "model/config.hpp"
 #include "model/transformer.hpp"
+#include "runtime/cp_group.hpp"
 
 namespace upipe::apps {
 

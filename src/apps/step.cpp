@@ -17,7 +17,7 @@
 #include "model/adapter_files.hpp"
 #include "model/model_step.hpp"
 #include "train/data.hpp"
-#include "train/safetensors.hpp"
+#include "formats/safetensors.hpp"
 
 namespace upipe::apps {
 

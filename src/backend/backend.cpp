@@ -129,6 +129,14 @@ void backend::retag(tensor& t, mem_tag tag) {
   t.tag_ = tag;
 }
 
+// A tensor's memory goes back to the backend that owns it: core's tensor frees through
+// here, so that core needs nothing of the backend but its name.
+void tensor::reset() noexcept {
+  if (owner_ != nullptr) owner_->release(*this, offset_);
+  owner_ = nullptr;
+  data_ = nullptr;
+}
+
 void backend::release(const tensor& t, std::size_t offset) noexcept {
   const bool host = is_host_tag(t.tag());
   try {

@@ -1,6 +1,6 @@
 // A backend: memory (one arena allocator for device tags, one for host tags, both
 // feeding the rank's ledger) and the ops' implementations. Model and strategy code
-// never asks which backend it runs on; it calls the op entries in ops/ops.hpp.
+// never asks which backend it runs on; it calls the op entries in backend/ops.hpp.
 #pragma once
 
 #include <chrono>
@@ -139,7 +139,7 @@ class backend {
     if (left_transposed) gemm_count_.left_transposed += flops;
   }
 
-  // Op implementations; call them through the checked entries in ops/ops.hpp.
+  // Op implementations; call them through the checked entries in backend/ops.hpp.
   virtual void gemm(const gemm_args& args) = 0;
   virtual void sdpa_forward(const sdpa_forward_args& args) = 0;
   virtual void sdpa_backward(const sdpa_backward_args& args) = 0;

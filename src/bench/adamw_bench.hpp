@@ -10,7 +10,7 @@
 
 #include "backend/backend.hpp"
 #include "core/host_pool.hpp"
-#include "model/host_optimizer.hpp"
+#include "optim/host_optimizer.hpp"
 
 namespace upipe {
 

@@ -4,8 +4,8 @@
 #include <cmath>
 #include <functional>
 
+#include "backend/ops.hpp"
 #include "core/random.hpp"
-#include "ops/ops.hpp"
 
 namespace upipe {
 

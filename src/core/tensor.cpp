@@ -1,6 +1,6 @@
 #include "core/tensor.hpp"
 
-#include "backend/backend.hpp"
+#include "core/error.hpp"
 
 namespace upipe {
 
@@ -29,12 +29,6 @@ head_view head_view::token_block(std::int64_t first, std::int64_t count) const {
 head_view head_view::head_block(std::int64_t first, std::int64_t count) const {
   UPIPE_CHECK(first >= 0 && count >= 0 && first + count <= heads, "head block out of range");
   return {offset_ptr(data, type, first * head_stride), type, tokens, count, dim, token_stride, head_stride};
-}
-
-void tensor::reset() noexcept {
-  if (owner_ != nullptr) owner_->release(*this, offset_);
-  owner_ = nullptr;
-  data_ = nullptr;
 }
 
 mat_view tensor::matrix() const {

@@ -58,7 +58,8 @@ class tensor {
   }
   ~tensor() { reset(); }
 
-  // Frees the memory now (the ledger sees it at once).
+  // Frees the memory now (the ledger sees it at once). Defined with its owner's release
+  // in backend/backend.cpp.
   void reset() noexcept;
   bool empty() const { return owner_ == nullptr; }
 

@@ -1,6 +1,6 @@
 #include "cp/attention_layer.hpp"
 
-#include "ops/ops.hpp"
+#include "backend/ops.hpp"
 
 namespace upipe {
 

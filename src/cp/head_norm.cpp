@@ -1,6 +1,6 @@
 #include "cp/head_norm.hpp"
 
-#include "ops/ops.hpp"
+#include "backend/ops.hpp"
 
 namespace upipe {
 

@@ -1,7 +1,7 @@
 #include "cp/projection.hpp"
 
+#include "backend/ops.hpp"
 #include "core/error.hpp"
-#include "ops/ops.hpp"
 
 namespace upipe {
 

@@ -3,8 +3,8 @@
 #include <algorithm>
 #include <cmath>
 
+#include "backend/ops.hpp"
 #include "core/random.hpp"
-#include "ops/ops.hpp"
 
 namespace upipe {
 

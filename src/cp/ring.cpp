@@ -3,9 +3,9 @@
 #include <cmath>
 #include <limits>
 
+#include "backend/ops.hpp"
 #include "core/error.hpp"
 #include "cp/head_norm.hpp"
-#include "ops/ops.hpp"
 
 namespace upipe {
 

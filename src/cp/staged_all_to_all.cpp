@@ -9,10 +9,10 @@
 #include <cmath>
 #include <string>
 
+#include "backend/ops.hpp"
 #include "core/error.hpp"
 #include "cp/head_norm.hpp"
 #include "cp/stage_views.hpp"
-#include "ops/ops.hpp"
 
 namespace upipe {
 

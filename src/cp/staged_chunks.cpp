@@ -14,11 +14,11 @@
 #include <cmath>
 #include <limits>
 
+#include "backend/ops.hpp"
 #include "core/error.hpp"
 #include "cp/head_norm.hpp"
 #include "cp/stage_views.hpp"
 #include "cp/staged_all_to_all.hpp"
-#include "ops/ops.hpp"
 
 namespace upipe {
 

@@ -1,9 +1,9 @@
 #include "cp/strategy.hpp"
 
+#include "backend/ops.hpp"
 #include "core/error.hpp"
 #include "cp/ring.hpp"
 #include "cp/staged_all_to_all.hpp"
-#include "ops/ops.hpp"
 
 namespace upipe {
 

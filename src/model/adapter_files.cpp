@@ -9,7 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.hpp"
-#include "train/safetensors.hpp"
+#include "formats/safetensors.hpp"
 
 namespace upipe {
 

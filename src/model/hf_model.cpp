@@ -11,7 +11,7 @@
 
 #include "core/error.hpp"
 #include "core/files.hpp"
-#include "train/safetensors.hpp"
+#include "formats/safetensors.hpp"
 
 namespace upipe {
 

@@ -8,6 +8,7 @@
 #include "comm/communicator.hpp"
 #include "core/error.hpp"
 #include "model/hf_model.hpp"
+#include "runtime/cp_group.hpp"
 
 namespace upipe {
 

@@ -6,9 +6,9 @@
 #include <functional>
 #include <limits>
 
+#include "backend/ops.hpp"
 #include "core/error.hpp"
 #include "model/parameter_unit.hpp"
-#include "ops/ops.hpp"
 
 namespace upipe {
 

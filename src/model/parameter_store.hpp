@@ -37,10 +37,10 @@
 #include "comm/communicator.hpp"
 #include "model/config.hpp"
 #include "model/hf_model.hpp"
-#include "model/host_optimizer.hpp"
 #include "model/parameters.hpp"
 #include "model/weights.hpp"
-#include "train/optimizer.hpp"
+#include "optim/host_optimizer.hpp"
+#include "optim/optimizer.hpp"
 
 namespace upipe {
 

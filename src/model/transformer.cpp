@@ -2,8 +2,8 @@
 
 #include <algorithm>
 
+#include "backend/ops.hpp"
 #include "core/error.hpp"
-#include "ops/ops.hpp"
 
 namespace upipe {
 

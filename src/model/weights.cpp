@@ -7,8 +7,8 @@
 #include "backend/backend.hpp"
 #include "core/error.hpp"
 #include "core/random.hpp"
+#include "formats/safetensors.hpp"
 #include "model/hf_model.hpp"
-#include "train/safetensors.hpp"
 
 namespace upipe {
 

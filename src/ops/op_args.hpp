@@ -1,4 +1,4 @@
-// Arguments of the ops, shared by the op entries (ops.hpp) and the backends that
+// Arguments of the ops, shared by the op entries (backend/ops.hpp) and the backends that
 // implement them. Views carry dtypes and strides; the entries check them.
 #pragma once
 

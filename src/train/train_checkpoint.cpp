@@ -22,7 +22,7 @@
 #include "model/adapter_files.hpp"
 #include "ops/cpu/cpu_ops.hpp"
 #include "core/files.hpp"
-#include "train/safetensors.hpp"
+#include "formats/safetensors.hpp"
 
 namespace upipe {
 

@@ -11,6 +11,7 @@
 #include "core/error.hpp"
 #include "model/adapter_files.hpp"
 #include "model/model_step.hpp"
+#include "runtime/cp_group.hpp"
 #include "train/data.hpp"
 #include "train/train_checkpoint.hpp"
 

@@ -12,7 +12,7 @@
 #include "model/hf_model.hpp"
 #include "model/parameter_store.hpp"
 #include "model/transformer.hpp"
-#include "train/optimizer.hpp"
+#include "optim/optimizer.hpp"
 
 namespace upipe {
 

@@ -8,9 +8,9 @@
 
 #include <nlohmann/json.hpp>
 
+#include "formats/safetensors.hpp"
 #include "model/weights.hpp"
 #include "run_upipe.hpp"
-#include "train/safetensors.hpp"
 
 namespace {
 

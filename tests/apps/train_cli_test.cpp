@@ -8,7 +8,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "train/safetensors.hpp"
+#include "formats/safetensors.hpp"
 
 #include "run_upipe.hpp"
 

@@ -15,8 +15,8 @@
 #include <vector>
 
 #include "backend/backend.hpp"
+#include "backend/ops.hpp"
 #include "core/error.hpp"
-#include "ops/ops.hpp"
 
 namespace upipe {
 namespace {

@@ -16,12 +16,13 @@
 #include <thread>
 #include <vector>
 
-#include "bench/attention_experiment.hpp"
 #include "comm/communicator.hpp"
 #include "comm/launch.hpp"
 #include "comm/nccl.hpp"
 #include "core/error.hpp"
 #include "model/model_step.hpp"
+#include "runtime/attention_experiment.hpp"
+#include "runtime/cp_group.hpp"
 #include "train/trainer.hpp"
 
 #include "../support/compare.hpp"

@@ -14,10 +14,10 @@
 #include <vector>
 
 #include "backend/backend.hpp"
+#include "backend/ops.hpp"
 #include "core/dtype.hpp"
 #include "model/parameter_store.hpp"
 #include "ops/cpu/cpu_ops.hpp"
-#include "ops/ops.hpp"
 #include "train/trainer.hpp"
 
 namespace upipe {

@@ -18,8 +18,8 @@
 #include <vector>
 
 #include "backend/backend.hpp"
+#include "backend/ops.hpp"
 #include "core/dtype.hpp"
-#include "ops/ops.hpp"
 
 namespace upipe {
 namespace {

@@ -21,10 +21,10 @@
 #include <vector>
 
 #include "backend/backend.hpp"
+#include "backend/ops.hpp"
 #include "core/dtype.hpp"
 #include "core/error.hpp"
 #include "ops/cuda/cuda_ops.hpp"
-#include "ops/ops.hpp"
 
 namespace upipe {
 namespace {

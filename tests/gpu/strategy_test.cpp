@@ -5,9 +5,9 @@
 
 #include <cuda_runtime_api.h>
 
-#include "bench/attention_experiment.hpp"
 #include "model/hf_model.hpp"
 #include "model/model_step.hpp"
+#include "runtime/attention_experiment.hpp"
 #include "train/trainer.hpp"
 
 #include "../support/compare.hpp"

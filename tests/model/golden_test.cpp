@@ -13,8 +13,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "formats/safetensors.hpp"
 #include "model/model_step.hpp"
-#include "train/safetensors.hpp"
 
 namespace upipe {
 namespace {

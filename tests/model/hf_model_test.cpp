@@ -10,11 +10,11 @@
 
 #include <nlohmann/json.hpp>
 
+#include "backend/ops.hpp"
 #include "core/dtype.hpp"
 #include "core/error.hpp"
+#include "formats/safetensors.hpp"
 #include "model/hf_model.hpp"
-#include "ops/ops.hpp"
-#include "train/safetensors.hpp"
 
 namespace upipe {
 namespace {

@@ -17,7 +17,7 @@
 #include "model/adapter_files.hpp"
 #include "model/model_step.hpp"
 #include "../support/compare.hpp"
-#include "train/safetensors.hpp"
+#include "formats/safetensors.hpp"
 
 namespace upipe {
 namespace {

@@ -4,9 +4,9 @@
 #include <limits>
 
 #include "core/error.hpp"
+#include "formats/safetensors.hpp"
 #include "model/parameter_store.hpp"
 #include "model/weights.hpp"
-#include "train/safetensors.hpp"
 
 namespace upipe {
 namespace {

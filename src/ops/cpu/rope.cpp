@@ -5,7 +5,7 @@
 #include <vector>
 
 #include "ops/cpu/cpu_ops.hpp"
-#include "ops/ops.hpp"
+#include "ops/rope_frequencies.hpp"
 
 namespace upipe::cpu {
 

@@ -12,7 +12,7 @@
 
 #include "ops/cuda/cuda_ops.hpp"
 #include "ops/cuda/kernels_common.cuh"
-#include "ops/ops.hpp"
+#include "ops/rope_frequencies.hpp"
 
 namespace upipe::cuda {
 

@@ -1,0 +1,433 @@
+// The op entries: every shape, dtype and stride rule of the ops lives here, so that the
+// backends' implementations can trust their arguments.
+#include "backend/ops.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <numbers>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/error.hpp"
+#include "ops/rope_frequencies.hpp"
+
+namespace upipe::ops {
+
+namespace {
+
+// Built by appending, which also keeps GCC 12's -Wrestrict false positive away.
+std::string describe(const mat_view& m) {
+  std::string s = "(";
+  s += std::to_string(m.rows);
+  s += " x ";
+  s += std::to_string(m.cols);
+  s += ", ld ";
+  s += std::to_string(m.ld);
+  s += ", ";
+  s += dtype_name(m.type);
+  s += ")";
+  return s;
+}
+
+std::string describe(const head_view& v) {
+  std::string s = "(tokens ";
+  s += std::to_string(v.tokens);
+  s += ", heads ";
+  s += std::to_string(v.heads);
+  s += ", dim ";
+  s += std::to_string(v.dim);
+  s += ", strides ";
+  s += std::to_string(v.token_stride);
+  s += "/";
+  s += std::to_string(v.head_stride);
+  s += ", ";
+  s += dtype_name(v.type);
+  s += ")";
+  return s;
+}
+
+// "ops::gemm: c (2 x 3, ld 3, f32): <rule>"
+template <class View>
+std::string fail(const char* op, const char* name, const View& v, const std::string& rule) {
+  return std::string("ops::") + op + ": " + name + " " + describe(v) + ": " + rule;
+}
+
+void check_matrix(const char* op, const char* name, const mat_view& m) {
+  UPIPE_CHECK(m.rows >= 0 && m.cols >= 0, fail(op, name, m, "sizes must be non-negative"));
+  UPIPE_CHECK(m.ld >= m.cols, fail(op, name, m, "leading dimension must be >= cols"));
+}
+
+// Sizes non-negative and no two elements at one address (dim is contiguous; the token
+// and head strides may nest either way, e.g. a head-major layout).
+void check_layout(const char* op, const char* name, const head_view& v) {
+  UPIPE_CHECK(v.tokens >= 0 && v.heads >= 0 && v.dim >= 0, fail(op, name, v, "sizes must be non-negative"));
+  UPIPE_CHECK(v.token_stride >= 0 && v.head_stride >= 0, fail(op, name, v, "strides must be non-negative"));
+  if (v.tokens == 0 || v.heads == 0 || v.dim == 0) return;
+  // (stride, extent) of the extents > 1, by stride; on the stack: every op call checks this.
+  std::pair<std::int64_t, std::int64_t> outer[2];
+  std::size_t n = 0;
+  if (v.tokens > 1) outer[n++] = {v.token_stride, v.tokens};
+  if (v.heads > 1) outer[n++] = {v.head_stride, v.heads};
+  if (n == 2 && outer[1] < outer[0]) std::swap(outer[0], outer[1]);
+  std::int64_t span = v.dim;
+  for (std::size_t i = 0; i < n; ++i) {
+    const auto [stride, extent] = outer[i];
+    UPIPE_CHECK(stride >= span, fail(op, name, v, "strides overlap: each stride must clear the block inside it"));
+    span = stride * (extent - 1) + span;
+  }
+}
+
+void check_type(const char* op, const char* name, const mat_view& m, dtype want, dtype alt) {
+  UPIPE_CHECK(m.type == want || m.type == alt,
+              fail(op, name, m, "dtype must be " + std::string(dtype_name(want)) +
+                                    (want == alt ? "" : " or " + std::string(dtype_name(alt)))));
+}
+
+void check_type(const char* op, const char* name, const head_view& v, dtype want, dtype alt) {
+  UPIPE_CHECK(v.type == want || v.type == alt,
+              fail(op, name, v, "dtype must be " + std::string(dtype_name(want)) +
+                                    (want == alt ? "" : " or " + std::string(dtype_name(alt)))));
+}
+
+void check_dims(const char* op, const char* name, const mat_view& m, std::int64_t rows, std::int64_t cols) {
+  UPIPE_CHECK(m.rows == rows && m.cols == cols,
+              fail(op, name, m, "expected " + std::to_string(rows) + " x " + std::to_string(cols)));
+}
+
+void check_dims(const char* op, const char* name, const head_view& v, std::int64_t tokens, std::int64_t heads,
+                std::int64_t dim) {
+  UPIPE_CHECK(v.tokens == tokens && v.heads == heads && v.dim == dim,
+              fail(op, name, v,
+                   "expected (tokens " + std::to_string(tokens) + ", heads " + std::to_string(heads) + ", dim " +
+                       std::to_string(dim) + ")"));
+}
+
+// A view of the working type (bf16 on GPU storage) or of fp32 (accumulators, the CPU).
+void check_work_or_f32(const backend& be, const char* op, const char* name, const head_view& v) {
+  check_type(op, name, v, be.work_dtype(), dtype::f32);
+}
+
+// The layout ops convert between f32 and bf16; i32 ids and labels are never converted.
+void check_arithmetic(const char* op, const char* name, const head_view& v) {
+  check_type(op, name, v, dtype::f32, dtype::bf16);
+}
+
+// A column of token ids or labels: (rows x 1) i32.
+void check_index_column(const char* op, const char* name, const mat_view& m, std::int64_t rows) {
+  check_matrix(op, name, m);
+  check_type(op, name, m, dtype::i32, dtype::i32);
+  check_dims(op, name, m, rows, 1);
+}
+
+// The q/k/v triple shared by forward and backward: GQA shapes and the mask rule.
+void check_attention_inputs(const backend& be, const char* op, const head_view& q, const head_view& k,
+                            const head_view& v, attn_mask mask) {
+  for (const auto& [name, view] : {std::pair{"q", &q}, std::pair{"k", &k}, std::pair{"v", &v}}) {
+    check_layout(op, name, *view);
+    check_type(op, name, *view, be.work_dtype(), be.work_dtype());
+  }
+  check_dims(op, "v", v, k.tokens, k.heads, k.dim);
+  UPIPE_CHECK(k.dim == q.dim, fail(op, "k", k, "head dim must equal q's (" + std::to_string(q.dim) + ")"));
+  UPIPE_CHECK(k.heads > 0 && q.heads % k.heads == 0,
+              fail(op, "k", k, "kv heads must divide the query heads (" + std::to_string(q.heads) + ")"));
+  UPIPE_CHECK(mask != attn_mask::causal || q.tokens == k.tokens,
+              fail(op, "k", k,
+                   "a causal mask needs as many keys as queries (" + std::to_string(q.tokens) +
+                       "); use attn_mask::none for a block strictly in the past"));
+}
+
+// An fp32 per-(token, head) scalar such as the log-sum-exp: (tokens, heads, 1).
+void check_row_scalar(const char* op, const char* name, const head_view& s, const head_view& like) {
+  check_layout(op, name, s);
+  check_type(op, name, s, dtype::f32, dtype::f32);
+  check_dims(op, name, s, like.tokens, like.heads, 1);
+}
+
+// Runs lie inside the view and never overlap, since an overlap would rotate a token twice;
+// gaps are allowed and their tokens are left as they are (e.g. padding).
+void check_position_runs(const rope_args& args) {
+  std::vector<std::pair<std::int64_t, std::int64_t>> spans;  // [begin, end) in tokens
+  for (const position_run& run : args.positions) {
+    UPIPE_CHECK(run.token_begin >= 0 && run.count >= 0 && run.token_begin + run.count <= args.x.tokens,
+                fail("rope", "x", args.x,
+                     "position run [" + std::to_string(run.token_begin) + ", +" + std::to_string(run.count) +
+                         ") leaves the view's tokens"));
+    UPIPE_CHECK(run.position_begin >= 0, "ops::rope: position_begin " + std::to_string(run.position_begin) +
+                                             " must be non-negative");
+    if (run.count > 0) spans.emplace_back(run.token_begin, run.token_begin + run.count);
+  }
+  std::sort(spans.begin(), spans.end());
+  for (std::size_t i = 1; i < spans.size(); ++i)
+    UPIPE_CHECK(spans[i].first >= spans[i - 1].second,
+                "ops::rope: position runs overlap at token " + std::to_string(spans[i].first) +
+                    "; each token must be covered at most once");
+}
+
+// A flat fp32 shard of the optimizer: (1 x n).
+void check_shard(const char* op, const char* name, const mat_view& m, std::int64_t n) {
+  check_matrix(op, name, m);
+  check_type(op, name, m, dtype::f32, dtype::f32);
+  check_dims(op, name, m, 1, n);
+}
+
+void check_adamw_scalars(const adamw_args& args) {
+  UPIPE_CHECK(args.step >= 1, "ops::adamw: step " + std::to_string(args.step) +
+                                  " must be >= 1 (steps count from 1 for the bias corrections)");
+  UPIPE_CHECK(args.lr >= 0.0f && std::isfinite(args.lr),
+              "ops::adamw: lr " + std::to_string(args.lr) + " must be finite and >= 0 (e.g. 3e-4)");
+  for (const auto& [name, beta] : {std::pair{"beta1", args.beta1}, std::pair{"beta2", args.beta2}})
+    UPIPE_CHECK(beta >= 0.0f && beta < 1.0f,
+                std::string("ops::adamw: ") + name + " " + std::to_string(beta) + " must be in [0, 1) (e.g. 0.9)");
+  UPIPE_CHECK(args.eps > 0.0f && std::isfinite(args.eps),
+              "ops::adamw: eps " + std::to_string(args.eps) + " must be finite and > 0 (e.g. 1e-8)");
+  UPIPE_CHECK(args.weight_decay >= 0.0f && std::isfinite(args.weight_decay),
+              "ops::adamw: weight_decay " + std::to_string(args.weight_decay) + " must be finite and >= 0 (e.g. 0.1)");
+  UPIPE_CHECK(std::isfinite(args.grad_scale), "ops::adamw: grad_scale " + std::to_string(args.grad_scale) +
+                                                  " must be finite (e.g. the clipping coefficient)");
+}
+
+}  // namespace
+
+void gemm(backend& be, const gemm_args& args) {
+  const char* op = "gemm";
+  check_matrix(op, "a", args.a);
+  check_matrix(op, "b", args.b);
+  check_matrix(op, "c", args.c);
+  check_type(op, "a", args.a, be.work_dtype(), dtype::f32);
+  check_type(op, "b", args.b, be.work_dtype(), dtype::f32);
+  check_type(op, "c", args.c, be.work_dtype(), dtype::f32);
+  const bool ta = args.trans_a == transpose::yes, tb = args.trans_b == transpose::yes;
+  const std::int64_t m = ta ? args.a.cols : args.a.rows, k = ta ? args.a.rows : args.a.cols;
+  const std::int64_t kb = tb ? args.b.cols : args.b.rows, n = tb ? args.b.rows : args.b.cols;
+  UPIPE_CHECK(kb == k, fail(op, "b", args.b,
+                            "op(b) must have " + std::to_string(k) + " rows to match op(a)'s columns" +
+                                (tb ? " (b is transposed)" : "")));
+  check_dims(op, "c", args.c, m, n);
+  be.count_gemm(2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k), ta);
+  be.gemm(args);
+}
+
+static void check_documents(const char* op, const document_mask& m) {
+  if (m.starts.empty()) return;
+  UPIPE_CHECK(m.starts[0] == 0, std::string("ops::") + op + ": the first document starts at 0, not " +
+                                    std::to_string(m.starts[0]));
+  for (std::size_t i = 1; i < m.starts.size(); ++i)
+    UPIPE_CHECK(m.starts[i] > m.starts[i - 1], std::string("ops::") + op + ": document starts must increase (" +
+                                                   std::to_string(m.starts[i - 1]) + " then " +
+                                                   std::to_string(m.starts[i]) + ")");
+  UPIPE_CHECK(m.q_first >= 0 && m.k_first >= 0, std::string("ops::") + op + ": negative first row index");
+}
+
+void sdpa_forward(backend& be, const sdpa_forward_args& args) {
+  const char* op = "sdpa_forward";
+  check_attention_inputs(be, op, args.q, args.k, args.v, args.mask);
+  check_documents(op, args.documents);
+  check_layout(op, "out", args.out);
+  check_type(op, "out", args.out, be.work_dtype(), be.work_dtype());
+  check_dims(op, "out", args.out, args.q.tokens, args.q.heads, args.q.dim);
+  check_row_scalar(op, "lse", args.lse, args.q);
+  be.sdpa_forward(args);
+}
+
+void sdpa_backward(backend& be, const sdpa_backward_args& args) {
+  const char* op = "sdpa_backward";
+  const head_view& q = args.q;
+  const head_view& k = args.k;
+  check_attention_inputs(be, op, q, k, args.v, args.mask);
+  check_documents(op, args.documents);
+  for (const auto& [name, view] : {std::pair{"out", &args.out}, std::pair{"d_out", &args.d_out},
+                                   std::pair{"d_q", &args.d_q}}) {
+    check_layout(op, name, *view);
+    check_dims(op, name, *view, q.tokens, q.heads, q.dim);
+  }
+  for (const auto& [name, view] : {std::pair{"d_k", &args.d_k}, std::pair{"d_v", &args.d_v}}) {
+    check_layout(op, name, *view);
+    check_dims(op, name, *view, k.tokens, k.heads, k.dim);
+  }
+  for (const auto& [name, view] : {std::pair{"out", &args.out}, std::pair{"d_out", &args.d_out},
+                                   std::pair{"d_q", &args.d_q}, std::pair{"d_k", &args.d_k},
+                                   std::pair{"d_v", &args.d_v}})
+    check_type(op, name, *view, be.work_dtype(), be.work_dtype());
+  check_row_scalar(op, "lse", args.lse, q);
+  be.sdpa_backward(args);
+}
+
+void rope(backend& be, const rope_args& args) {
+  check_layout("rope", "x", args.x);
+  check_work_or_f32(be, "rope", "x", args.x);
+  UPIPE_CHECK(args.x.dim % 2 == 0, fail("rope", "x", args.x, "head dim must be even (rotate-half pairs i, i + d/2)"));
+  check_rope_config(args.config);
+  check_position_runs(args);
+  be.rope(args);
+}
+
+void rmsnorm_forward(backend& be, const rmsnorm_forward_args& args) {
+  const char* op = "rmsnorm_forward";
+  const std::int64_t rows = args.x.rows, cols = args.x.cols;
+  for (const auto& [name, view] :
+       {std::pair{"x", &args.x}, std::pair{"weight", &args.weight}, std::pair{"y", &args.y}}) {
+    check_matrix(op, name, *view);
+    check_type(op, name, *view, be.work_dtype(), dtype::f32);
+  }
+  check_matrix(op, "rstd", args.rstd);
+  check_type(op, "rstd", args.rstd, dtype::f32, dtype::f32);
+  check_dims(op, "weight", args.weight, 1, cols);
+  check_dims(op, "y", args.y, rows, cols);
+  check_dims(op, "rstd", args.rstd, rows, 1);
+  UPIPE_CHECK(args.eps >= 0.0f, "ops::rmsnorm_forward: eps " + std::to_string(args.eps) + " must be >= 0 (e.g. 1e-5)");
+  be.rmsnorm_forward(args);
+}
+
+void rmsnorm_backward(backend& be, const rmsnorm_backward_args& args) {
+  const char* op = "rmsnorm_backward";
+  const std::int64_t rows = args.x.rows, cols = args.x.cols;
+  for (const auto& [name, view] : {std::pair{"x", &args.x}, std::pair{"weight", &args.weight},
+                                   std::pair{"d_y", &args.d_y}, std::pair{"d_x", &args.d_x}}) {
+    check_matrix(op, name, *view);
+    check_type(op, name, *view, be.work_dtype(), dtype::f32);
+  }
+  const bool d_weight = args.d_weight.rows > 0;  // else not wanted
+  for (const auto& [name, view] : {std::pair{"rstd", &args.rstd}, std::pair{"d_weight", &args.d_weight}}) {
+    if (view == &args.d_weight && !d_weight) continue;
+    check_matrix(op, name, *view);
+    check_type(op, name, *view, dtype::f32, dtype::f32);
+  }
+  check_dims(op, "weight", args.weight, 1, cols);
+  if (d_weight) check_dims(op, "d_weight", args.d_weight, 1, cols);
+  check_dims(op, "d_y", args.d_y, rows, cols);
+  check_dims(op, "d_x", args.d_x, rows, cols);
+  check_dims(op, "rstd", args.rstd, rows, 1);
+  be.rmsnorm_backward(args);
+}
+
+void copy_heads(backend& be, const head_view& dst, const head_view& src) {
+  check_layout("copy_heads", "dst", dst);
+  check_layout("copy_heads", "src", src);
+  check_arithmetic("copy_heads", "dst", dst);
+  check_arithmetic("copy_heads", "src", src);
+  check_dims("copy_heads", "dst", dst, src.tokens, src.heads, src.dim);
+  be.copy_heads(dst, src);
+}
+
+void add_heads(backend& be, const head_view& dst, const head_view& src) {
+  check_layout("add_heads", "dst", dst);
+  check_layout("add_heads", "src", src);
+  // f32 for cross-stage accumulators; the working dtype for residual adds.
+  check_work_or_f32(be, "add_heads", "dst", dst);
+  check_arithmetic("add_heads", "src", src);
+  check_dims("add_heads", "dst", dst, src.tokens, src.heads, src.dim);
+  be.add_heads(dst, src);
+}
+
+void fill_heads(backend& be, const head_view& dst, float value) {
+  check_layout("fill_heads", "dst", dst);
+  check_arithmetic("fill_heads", "dst", dst);
+  be.fill_heads(dst, value);
+}
+
+void lse_merge(backend& be, const lse_merge_args& args) {
+  const char* op = "lse_merge";
+  check_layout(op, "out", args.out);
+  check_layout(op, "out_part", args.out_part);
+  check_type(op, "out", args.out, dtype::f32, dtype::f32);
+  check_work_or_f32(be, op, "out_part", args.out_part);
+  check_dims(op, "out_part", args.out_part, args.out.tokens, args.out.heads, args.out.dim);
+  check_row_scalar(op, "lse", args.lse, args.out);
+  check_row_scalar(op, "lse_part", args.lse_part, args.out);
+  be.lse_merge(args);
+}
+
+// Ids outside [0, V) can only be seen where the data lives: the implementations check them.
+void embedding_forward(backend& be, const embedding_forward_args& args) {
+  const char* op = "embedding_forward";
+  check_matrix(op, "table", args.table);
+  check_matrix(op, "out", args.out);
+  check_type(op, "table", args.table, be.work_dtype(), be.work_dtype());
+  check_type(op, "out", args.out, be.work_dtype(), be.work_dtype());
+  check_index_column(op, "ids", args.ids, args.out.rows);
+  UPIPE_CHECK(args.out.cols == args.table.cols,
+              fail(op, "out", args.out, "cols must equal the table's (" + std::to_string(args.table.cols) + ")"));
+  be.embedding_forward(args);
+}
+
+void embedding_backward(backend& be, const embedding_backward_args& args) {
+  const char* op = "embedding_backward";
+  check_matrix(op, "d_out", args.d_out);
+  check_matrix(op, "d_table", args.d_table);
+  check_type(op, "d_out", args.d_out, be.work_dtype(), dtype::f32);
+  check_type(op, "d_table", args.d_table, dtype::f32, dtype::f32);
+  check_index_column(op, "ids", args.ids, args.d_out.rows);
+  UPIPE_CHECK(args.d_table.cols == args.d_out.cols,
+              fail(op, "d_table", args.d_table, "cols must equal d_out's (" + std::to_string(args.d_out.cols) + ")"));
+  be.embedding_backward(args);
+}
+
+void swiglu_forward(backend& be, const swiglu_forward_args& args) {
+  const char* op = "swiglu_forward";
+  for (const auto& [name, view] :
+       {std::pair{"gate", &args.gate}, std::pair{"up", &args.up}, std::pair{"out", &args.out}}) {
+    check_matrix(op, name, *view);
+    check_type(op, name, *view, be.work_dtype(), be.work_dtype());
+    check_dims(op, name, *view, args.gate.rows, args.gate.cols);
+  }
+  be.swiglu_forward(args);
+}
+
+// d_gate and d_up may alias gate and up (in place); the implementations read an
+// element's inputs before writing its outputs.
+void swiglu_backward(backend& be, const swiglu_backward_args& args) {
+  const char* op = "swiglu_backward";
+  for (const auto& [name, view] : {std::pair{"gate", &args.gate}, std::pair{"up", &args.up},
+                                   std::pair{"d_out", &args.d_out}, std::pair{"d_gate", &args.d_gate},
+                                   std::pair{"d_up", &args.d_up}}) {
+    check_matrix(op, name, *view);
+    check_dims(op, name, *view, args.gate.rows, args.gate.cols);
+  }
+  for (const auto& [name, view] : {std::pair{"gate", &args.gate}, std::pair{"up", &args.up},
+                                   std::pair{"d_gate", &args.d_gate}, std::pair{"d_up", &args.d_up}})
+    check_type(op, name, *view, be.work_dtype(), be.work_dtype());
+  check_type(op, "d_out", args.d_out, be.work_dtype(), dtype::f32);
+  be.swiglu_backward(args);
+}
+
+// Labels >= V can only be seen where the data lives: the implementations check them.
+void cross_entropy(backend& be, const cross_entropy_args& args) {
+  const char* op = "cross_entropy";
+  const std::int64_t rows = args.logits.rows;
+  check_matrix(op, "logits", args.logits);
+  check_matrix(op, "row_loss", args.row_loss);
+  check_type(op, "logits", args.logits, dtype::f32, dtype::f32);
+  check_type(op, "row_loss", args.row_loss, dtype::f32, dtype::f32);
+  check_index_column(op, "labels", args.labels, rows);
+  check_dims(op, "row_loss", args.row_loss, rows, 1);
+  UPIPE_CHECK(std::isfinite(args.grad_scale), "ops::cross_entropy: grad_scale " + std::to_string(args.grad_scale) +
+                                                  " must be finite (e.g. 1 / the number of unmasked tokens)");
+  be.cross_entropy(args);
+}
+
+// master, the moments and the gradient are (1 x n) f32; weights is the working-dtype
+// copy written from the updated master, or empty (data nullptr, 0 cols) to skip it.
+void adamw(backend& be, const adamw_args& args) {
+  const char* op = "adamw";
+  const std::int64_t n = args.master.cols;
+  for (const auto& [name, view] : {std::pair{"master", &args.master}, std::pair{"exp_avg", &args.exp_avg},
+                                   std::pair{"exp_avg_sq", &args.exp_avg_sq}, std::pair{"grad", &args.grad}})
+    check_shard(op, name, *view, n);
+  const bool no_weights = args.weights.data == nullptr && args.weights.cols == 0;
+  if (!no_weights) {
+    check_matrix(op, "weights", args.weights);
+    check_type(op, "weights", args.weights, be.work_dtype(), be.work_dtype());
+    check_dims(op, "weights", args.weights, 1, n);
+  }
+  check_adamw_scalars(args);
+  be.adamw(args);
+}
+
+double sum_squares(backend& be, const mat_view& x) {
+  check_matrix("sum_squares", "x", x);
+  check_type("sum_squares", "x", x, dtype::f32, dtype::f32);
+  return be.sum_squares(x);
+}
+
+}  // namespace upipe::ops

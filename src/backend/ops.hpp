@@ -1,0 +1,35 @@
+// The op entries: each checks shapes, dtypes and strides, then calls the backend's
+// implementation. Only the entries check; implementations trust their arguments.
+#pragma once
+
+#include "backend/backend.hpp"
+#include "ops/op_args.hpp"
+#include "ops/rope_frequencies.hpp"
+
+namespace upipe::ops {
+
+void gemm(backend& be, const gemm_args& args);
+void sdpa_forward(backend& be, const sdpa_forward_args& args);
+void sdpa_backward(backend& be, const sdpa_backward_args& args);
+void rope(backend& be, const rope_args& args);
+void rmsnorm_forward(backend& be, const rmsnorm_forward_args& args);
+void rmsnorm_backward(backend& be, const rmsnorm_backward_args& args);
+// dst = src elementwise (pack/unpack of the all-to-all layouts, dtype conversion).
+void copy_heads(backend& be, const head_view& dst, const head_view& src);
+// dst += src elementwise; dst is f32 or the working dtype.
+void add_heads(backend& be, const head_view& dst, const head_view& src);
+void fill_heads(backend& be, const head_view& dst, float value);
+void lse_merge(backend& be, const lse_merge_args& args);
+void embedding_forward(backend& be, const embedding_forward_args& args);
+void embedding_backward(backend& be, const embedding_backward_args& args);
+void swiglu_forward(backend& be, const swiglu_forward_args& args);
+void swiglu_backward(backend& be, const swiglu_backward_args& args);
+void cross_entropy(backend& be, const cross_entropy_args& args);
+void adamw(backend& be, const adamw_args& args);
+double sum_squares(backend& be, const mat_view& x);
+
+// A matrix as a (rows, 1, cols) head view, so the head ops copy, convert, add and fill
+// matrices too.
+inline head_view as_heads(const mat_view& m) { return {m.data, m.type, m.rows, 1, m.cols, m.ld, m.cols}; }
+
+}  // namespace upipe::ops

@@ -1,0 +1,99 @@
+#include "runtime/cp_group.hpp"
+
+#include <optional>
+#include <string>
+
+#include "backend/backend.hpp"
+#include "comm/communicator.hpp"
+#include "comm/launch.hpp"
+#include "comm/nccl.hpp"
+#include "core/error.hpp"
+#include "core/machine.hpp"
+
+namespace upipe {
+
+namespace {
+
+// NCCL runs the group when asked, or by default on the cuda backend when a launcher
+// started several processes or every rank can have a GPU of its own.
+bool use_nccl(backend_kind kind, int size, const comm_options& comm, const std::optional<launch_env>& env) {
+  if (comm.kind == comm_kind::nccl) {
+    if (kind != backend_kind::cuda)
+      throw config_error("--comm nccl needs --backend cuda (the " + std::string(backend_name(kind)) +
+                         " backend's ranks talk through --comm threads)");
+    return true;
+  }
+  // Asked for by name, threads run the whole group in this process even under a launcher.
+  if (comm.kind == comm_kind::threads) return false;
+  const bool several_processes = env && env->size > 1;
+  if (kind != backend_kind::cuda) {
+    if (several_processes)
+      throw config_error(env->launcher + " started " + std::to_string(env->size) + " processes, but the " +
+                         std::string(backend_name(kind)) + " backend runs every rank in one process: use --backend "
+                         "cuda with NCCL, or start one process");
+    return false;
+  }
+  return several_processes || (size > 1 && visible_gpus() >= size);
+}
+
+// The cpu backend's arenas are reservations whose pages are committed on first touch, so
+// ranks that together touch more than the machine has would be killed midway. Each rank's
+// arena and pool together are capped at its share of the memory available now; a run
+// that needs more ends in out_of_memory_error (exit 3) naming the allocation instead.
+memory_limits within_machine(memory_limits limits, int ranks, std::size_t& share) {
+  const std::size_t available = available_memory_bytes();
+  share = available / static_cast<std::size_t>(ranks);
+  const std::size_t asked = limits.device_bytes + limits.host_bytes;
+  if (available == 0 || asked <= share) {
+    share = 0;
+    return limits;
+  }
+  const double scale = static_cast<double>(share) / static_cast<double>(asked);
+  limits.device_bytes = static_cast<std::size_t>(static_cast<double>(limits.device_bytes) * scale);
+  limits.host_bytes = static_cast<std::size_t>(static_cast<double>(limits.host_bytes) * scale);
+  return limits;
+}
+
+}  // namespace
+
+std::vector<std::unique_ptr<backend>> run_cp_group(backend_kind kind, const memory_limits& limits, int size,
+                                                   const std::function<void(int rank, backend& be, communicator& comm)>& fn,
+                                                   bool emulate, const comm_options& comm) {
+  validate(comm);
+  std::vector<std::unique_ptr<backend>> backends;
+  if (emulate || kind == backend_kind::meta) {
+    backends.push_back(make_backend(kind, limits));
+    auto loopback = make_loopback_communicator(*backends[0], size);
+    fn(0, *backends[0], *loopback);
+    return backends;
+  }
+  const std::optional<launch_env> env = launcher_environment();
+  if (use_nccl(kind, size, comm, env)) {
+#ifdef UPIPE_HAVE_CUDA
+    if (!env) return run_nccl_threads(limits, size, fn, comm.timeout_s);
+    if (env->size != size)
+      throw config_error(env->launcher + " started " + std::to_string(env->size) + " processes but the CP group has " +
+                         std::to_string(size) + " ranks: start one process per rank (mpirun -np " +
+                         std::to_string(size) + ") or set --cp " + std::to_string(env->size));
+    return run_nccl_process(limits, *env, fn, comm.timeout_s);
+#else
+    throw config_error("this build has no CUDA backend, so no NCCL: use --comm threads");
+#endif
+  }
+  std::size_t share = 0;
+  const memory_limits capped = kind == backend_kind::cpu ? within_machine(limits, size, share) : limits;
+  for (int r = 0; r < size; ++r) backends.push_back(make_backend(kind, capped));
+  std::vector<backend*> raw;
+  for (auto& b : backends) raw.push_back(b.get());
+  try {
+    run_threads(raw, [&](int rank, communicator& c) { fn(rank, *raw[rank], c); });
+  } catch (const out_of_memory_error& e) {
+    if (share == 0) throw;
+    throw out_of_memory_error(std::string(e.what()) + " (each of the " + std::to_string(size) +
+                              " cpu ranks has " + std::to_string(share >> 20) +
+                              " MiB, its share of the memory this machine has available)");
+  }
+  return backends;
+}
+
+}  // namespace upipe

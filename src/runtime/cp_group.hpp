@@ -1,0 +1,26 @@
+// Runs the ranks of a CP group: a backend of the asked kind per rank and the communicator
+// that joins them (threads, NCCL or a loopback).
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "backend/backend.hpp"
+#include "comm/communicator.hpp"
+
+namespace upipe {
+
+// Runs fn(rank, backend, communicator) on every rank of a CP group of `size`: one thread
+// per rank, each with its own backend of `kind`, when the backend holds data; rank 0
+// alone over a loopback communicator on meta (every rank's shapes are rank 0's), or on
+// any backend when `emulate` is set (one GPU measures rank 0 of a group of `size`: its
+// memory, compute and device copies of the bytes it would exchange). Real ranks talk
+// through `comm` (see comm_kind); under a launcher this process runs its own rank only.
+// Returns the backends of the ranks this process ran, so their ledgers can be read
+// afterwards.
+std::vector<std::unique_ptr<backend>> run_cp_group(backend_kind kind, const memory_limits& limits, int size,
+                                                   const std::function<void(int rank, backend& be, communicator& comm)>& fn,
+                                                   bool emulate = false, const comm_options& comm = {});
+
+}  // namespace upipe
