@@ -130,14 +130,20 @@ eval_setup setup(const eval_flags& f) {
   s.req.model = load_model(f.model.empty() ? "tiny-llama" : f.model, f.config_path);
   s.req.backend = parse_backend_kind(f.backend);
   s.req.cp = f.mesh.settings();
-  s.req.options = sized_for_gpu({f.mlp_tile, f.loss_chunk, checkpoint_policy{}}, s.req.model, f.memory_gib);
-  s.req.limits = run_limits(s.req.backend, f.memory_gib, checkpoint_location::device);
   require_within(f.samples, 1, limits::samples, "--samples", "8");
   std::int64_t longest = 0;
   for (const std::int64_t L : parse_lengths(f.seq_lens, f.samples)) longest = std::max(longest, L);
-  const std::int64_t unit = layout_unit(s.req.cp);
-  s.req.limits = with_chunked_attention(s.req.limits, s.req.model, s.req.cp, (longest + unit - 1) / unit * unit,
-                                        s.req.backend);
+  step_request sizes;  // forward only: checkpoints on the device, the default host pool
+  sizes.model = s.req.model;
+  sizes.cp = s.req.cp;
+  sizes.seq_len = longest;
+  sizes.backend = s.req.backend;
+  sizes.memory_gib = f.memory_gib;
+  sizes.mlp_tile = f.mlp_tile;
+  sizes.loss_chunk = f.loss_chunk;
+  const resolved_step resolved = resolve_step(sizes);
+  s.req.options = resolved.step;
+  s.req.limits = resolved.limits;
   s.directory = model_directory(f.model, f.config_path);
   const std::string weights_path = f.weights_path.empty() ? s.directory : f.weights_path;
   if (weights_path.empty()) {

@@ -8,20 +8,43 @@
 #include "apps/sizes.hpp"
 #include "core/error.hpp"
 #include "plan/planner.hpp"
+#include "train/step_sizes.hpp"
 #include "train/trainer.hpp"
 
 namespace upipe::apps {
 
 inline bool is_auto_policy(const std::string& text) { return text == "auto"; }
 
+// What `o` asks of the step's sizes (its tile and chunk already resolved), for budgets of
+// memory_gib and host_memory_gib per rank.
+inline step_request sizes_request(const train_options& o, double memory_gib, double host_memory_gib) {
+  step_request r;
+  r.model = o.model;
+  r.cp = o.cp;
+  r.seq_len = o.seq_len;
+  r.batch = o.batch;
+  r.zero = o.zero;
+  r.offload = {o.offload_optimizer, o.offload_params};
+  r.lora = o.step.lora;
+  r.backend = o.backend;
+  r.memory_gib = memory_gib;
+  r.host_memory_gib = host_memory_gib;
+  r.policy = o.step.policy;
+  r.mlp_tile = o.step.mlp_tile;
+  r.loss_chunk = o.step.loss_chunk;
+  return r;
+}
+
 // auto: sets o.step.policy and o.limits to the planner's fastest policy whose step fits a
 // GPU arena of memory_gib per rank (beside the GPU context the planner adds) and the pinned
-// host pool, 2% kept free; o.cp, o.zero, o.model and o.seq_len must be set, and o.step's tile
-// and chunk sized for that arena (sized_for_gpu), so that the planned step is the one that runs.
+// host pool, 2% kept free; o must be resolved (resolve_step) for these budgets, so that the
+// planned step is the one that runs.
 inline plan_point choose_checkpoint_policy(train_options& o, double memory_gib, double host_memory_gib) {
+  step_request sizes = sizes_request(o, memory_gib, host_memory_gib);
   // As on the GPU whatever the backend, so that meta predicts the GPU's choice.
-  const std::size_t arena =
-      run_limits(backend_kind::cuda, memory_gib, checkpoint_location::device, host_memory_gib).device_bytes;
+  step_request on_gpu = sizes;
+  on_gpu.backend = backend_kind::cuda;
+  on_gpu.policy.where = checkpoint_location::host_pinned;
   plan_request r;
   r.model = o.model;
   r.gpus = o.cp.cp;
@@ -32,12 +55,8 @@ inline plan_point choose_checkpoint_policy(train_options& o, double memory_gib, 
   r.mlp_tile = o.step.mlp_tile;
   r.loss_chunk = o.step.loss_chunk;
   r.margin = 0.02;
-  r.gpu_memory = arena + gpu_context_bytes();
-  memory_limits host = run_limits(backend_kind::cuda, memory_gib, checkpoint_location::host_pinned, host_memory_gib);
-  const offload_options offload{o.offload_optimizer, o.offload_params};
-  host = with_offload(host, o.model, o.cp.cp, backend_kind::cuda, o.zero, offload, o.batch, o.step.lora);
-  host = with_chunked_attention(host, o.model, o.cp, o.seq_len, backend_kind::cuda);
-  r.host_memory = host.host_bytes * static_cast<std::size_t>(r.gpus);
+  r.gpu_memory = gpu_arena_bytes(memory_gib) + gpu_context_bytes();
+  r.host_memory = resolve_step(on_gpu).limits.host_bytes * static_cast<std::size_t>(r.gpus);
   const plan_point chosen = fastest_fit(r, o.cp, o.seq_len);
   if (!chosen.fits) {
     char gib[32];
@@ -46,10 +65,9 @@ inline plan_point choose_checkpoint_policy(train_options& o, double memory_gib, 
                        " per rank: raise --memory-gib or --host-memory-gib, shorten --seq-len, or run `upipe plan` "
                        "to see what fits");
   }
+  sizes.policy = chosen.policy;
   o.step.policy = chosen.policy;
-  o.limits = run_limits(o.backend, memory_gib, chosen.policy.where, host_memory_gib);
-  o.limits = with_offload(o.limits, o.model, o.cp.cp, o.backend, o.zero, offload, o.batch, o.step.lora);
-  o.limits = with_chunked_attention(o.limits, o.model, o.cp, o.seq_len, o.backend);
+  o.limits = resolve_step(sizes).limits;
   return chosen;
 }
 

@@ -1,4 +1,5 @@
-// Parsing of counts with binary suffixes (128K = 131072, 1M = 1048576) for flags.
+// Parsing of counts with binary suffixes (128K = 131072, 1M = 1048576), sizes and --offload
+// for flags; the step's sizes themselves are resolved in train/step_sizes.hpp.
 #pragma once
 
 #include <climits>
@@ -6,12 +7,10 @@
 #include <string>
 #include <utility>
 
-#include "backend/backend.hpp"
 #include "core/error.hpp"
 #include "core/limits.hpp"
-#include "model/checkpoint_store.hpp"
 #include "model/parameter_store.hpp"
-#include "model/transformer.hpp"
+#include "train/step_sizes.hpp"
 
 namespace upipe::apps {
 
@@ -92,30 +91,6 @@ inline constexpr const char* host_memory_gib_help =
     "host pool per rank, GiB: pinned, or pageable with where=host-pageable (0: 16 MiB, or --memory-gib when "
     "checkpoints go to the host)";
 
-// The arenas for a run: `memory_gib` per rank (checked positive); nothing reserved on
-// meta, which takes the GPU libraries' workspaces as the cuda backend would so that its
-// peak is the GPU's; on the GPU a host pool of `host_gib` when given, else 16 MiB unless
-// checkpoints go to the host (then `memory_gib`): only host checkpoints live there, and
-// pinned memory is taken (and counted in the process's RSS) at start, so a pool nothing
-// uses costs each rank its size; pageable (and only reserved) when checkpoints go to
-// pageable host memory.
-inline memory_limits run_limits(backend_kind kind, double memory_gib, checkpoint_location checkpoints,
-                                double host_gib = 0) {
-  if (!(memory_gib > 0 && memory_gib <= limits::max_memory_gib))
-    throw config_error("--memory-gib " + real_text(memory_gib) +
-                       " must be positive and at most 1048576 (a pebibyte) (for example 8)");
-  if (!(host_gib >= 0 && host_gib <= limits::max_memory_gib))
-    throw config_error("--host-memory-gib " + real_text(host_gib) +
-                       " must lie between 0 (the default) and 1048576 (a pebibyte) (for example 16)");
-  if (kind == backend_kind::meta) return {std::size_t{1} << 50, std::size_t{1} << 50, true};
-  const auto bytes = [](double gib) { return static_cast<std::size_t>(gib * (1 << 30)); };
-  const bool small_host = kind == backend_kind::cuda && checkpoints == checkpoint_location::device;
-  memory_limits limits{bytes(memory_gib), host_gib > 0 ? bytes(host_gib)
-                                                       : (small_host ? std::size_t{16} << 20 : bytes(memory_gib))};
-  limits.host_pageable = kind == backend_kind::cuda && checkpoints == checkpoint_location::host_pageable;
-  return limits;
-}
-
 // --offload none|optimizer|optimizer,params: what of the sharded training state lives in
 // host memory.
 inline constexpr const char* offload_help =
@@ -130,41 +105,6 @@ inline offload_options parse_offload(const std::string& text) {
     throw config_error("--offload params: the weights go to host memory only with the optimizer (AdamW writes them "
                        "there); use --offload optimizer,params");
   throw config_error("--offload " + text + " is not known: use none, optimizer or optimizer,params");
-}
-
-// --offload: the host pool grows by what the offload holds there for one rank
-// (offloaded_bytes, with a margin for the arena's alignment), whatever the rest of the
-// pool is for. Under LoRA the optimizer is the adapters' (a micro-batch's gradients fit in
-// the margin).
-inline memory_limits with_offload(memory_limits limits, const model_config& model, int ranks, backend_kind kind,
-                                  zero_stage zero, offload_options offload, std::int64_t micro_batches,
-                                  const lora_config& lora = {}) {
-  if (!offload.optimizer) return limits;
-  const dtype work = kind == backend_kind::cpu ? dtype::f32 : dtype::bf16;
-  limits.host_bytes += (lora.enabled() ? lora_offloaded_optimizer_bytes(model, lora, ranks, work)
-                                       : offloaded_bytes(model, ranks, work, zero, offload, micro_batches)) +
-                       (std::size_t{64} << 20);
-  return limits;
-}
-
-// Sequence chunks: the host pool grows by what the attention's plan keeps in host memory
-// at the longest length (the earlier chunks' K/V and their gradients; and a margin for the
-// arena's alignment).
-inline memory_limits with_chunked_attention(memory_limits limits, const model_config& model, const cp_settings& cp,
-                                            std::int64_t seq_len, backend_kind kind) {
-  if (cp.strategy != strategy_kind::fpdt && cp.seq_chunks <= 1) return limits;
-  const attention_config c = attention_config_for(model, cp, seq_len);
-  if (!c.chunked() || kind == backend_kind::meta) return limits;
-  const dtype work = kind == backend_kind::cpu ? dtype::f32 : dtype::bf16;
-  limits.host_bytes += make_stage_plan(c, 0).host_peak(work) + (std::size_t{64} << 20);
-  return limits;
-}
-
-// The MLP tile and loss chunk where `o` gives none, sized for a GPU arena of `memory_gib`
-// whatever the backend, so that a meta or cpu run takes the sizes the GPU run would.
-inline step_options sized_for_gpu(const step_options& o, const model_config& model, double memory_gib) {
-  const memory_limits gpu = run_limits(backend_kind::cuda, memory_gib, checkpoint_location::device);
-  return with_default_sizes(o, model, gpu.device_bytes);
 }
 
 }  // namespace upipe::apps

@@ -75,11 +75,21 @@ int run(const step_flags& f) {
   req.model = load_model(f.model, f.config_path);
   req.backend = parse_backend_kind(f.backend);
   req.cp = f.mesh.settings();
-  req.options = sized_for_gpu({f.mlp_tile, f.loss_chunk, parse_checkpoint_policy(f.policy)}, req.model, f.memory_gib);
-  req.limits = run_limits(req.backend, f.memory_gib, req.options.policy.where, f.host_memory_gib);
   const std::int64_t S = parse_seq_len(f.seq_len);
   if (S < 2) throw config_error("--seq-len " + f.seq_len + " must be at least 2 (one prediction needs two tokens)");
-  req.limits = with_chunked_attention(req.limits, req.model, req.cp, (S + layout_unit(req.cp) - 1) / layout_unit(req.cp) * layout_unit(req.cp), req.backend);
+  step_request sizes;
+  sizes.model = req.model;
+  sizes.cp = req.cp;
+  sizes.seq_len = S;
+  sizes.backend = req.backend;
+  sizes.memory_gib = f.memory_gib;
+  sizes.host_memory_gib = f.host_memory_gib;
+  sizes.policy = parse_checkpoint_policy(f.policy);
+  sizes.mlp_tile = f.mlp_tile;
+  sizes.loss_chunk = f.loss_chunk;
+  const resolved_step resolved = resolve_step(sizes);
+  req.options = resolved.step;
+  req.limits = resolved.limits;
   const bool data = req.backend != backend_kind::meta;
   const std::string weights_path = f.weights_path.empty() ? model_directory(f.model, f.config_path) : f.weights_path;
   const host_weights weights = !data ? host_weights{}

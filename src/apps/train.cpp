@@ -148,11 +148,6 @@ train_options to_options(const train_flags& f) {
   o.seq_warmup_start = f.seq_warmup_start;
   o.cp = f.mesh.settings();
   o.zero = f.zero == 3 ? zero_stage::three : zero_stage::two;
-  o.step = sized_for_gpu(
-      {f.mlp_tile, f.loss_chunk, is_auto_policy(f.policy) ? checkpoint_policy{} : parse_checkpoint_policy(f.policy)},
-      o.model, f.memory_gib);
-  f.comm.apply(o.step);
-  o.step.lora = lora;
   o.optim.lr = f.lr;
   o.optim.weight_decay = f.weight_decay;
   o.optim.max_grad_norm = f.max_grad_norm;
@@ -168,9 +163,24 @@ train_options to_options(const train_flags& f) {
   const offload_options offload = parse_offload(f.offload);
   o.offload_optimizer = offload.optimizer;
   o.offload_params = offload.params;
-  o.limits = run_limits(o.backend, f.memory_gib, o.step.policy.where, f.host_memory_gib);
-  o.limits = with_offload(o.limits, o.model, o.cp.cp, o.backend, o.zero, offload, o.batch, lora);
-  o.limits = with_chunked_attention(o.limits, o.model, o.cp, o.seq_len, o.backend);
+  step_request sizes;
+  sizes.model = o.model;
+  sizes.cp = o.cp;
+  sizes.seq_len = o.seq_len;
+  sizes.batch = o.batch;
+  sizes.zero = o.zero;
+  sizes.offload = offload;
+  sizes.lora = lora;
+  sizes.backend = o.backend;
+  sizes.memory_gib = f.memory_gib;
+  sizes.host_memory_gib = f.host_memory_gib;
+  sizes.policy = is_auto_policy(f.policy) ? checkpoint_policy{} : parse_checkpoint_policy(f.policy);
+  sizes.mlp_tile = f.mlp_tile;
+  sizes.loss_chunk = f.loss_chunk;
+  const resolved_step resolved = resolve_step(sizes);
+  o.step = resolved.step;
+  o.limits = resolved.limits;
+  f.comm.apply(o.step);
   o.eval_samples = f.eval_samples;
   o.eval_every = f.eval_every;
   o.eval_data = f.eval_data;

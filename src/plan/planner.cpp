@@ -9,6 +9,7 @@
 #include "core/limits.hpp"
 #include "model/hf_model.hpp"
 #include "model/model_step.hpp"
+#include "train/step_sizes.hpp"
 #include "ops/gemm_workspace.hpp"
 
 namespace upipe {
@@ -31,15 +32,28 @@ train_options probe_options(const plan_request& r, const cp_settings& cp, std::i
   o.zero = r.zero;
   o.offload_optimizer = r.offload_optimizer;
   o.offload_params = r.offload_params;
-  // The probe's arena is unbounded: the default sizes are those of the planned GPU's arena.
-  o.step = with_default_sizes({r.mlp_tile, r.loss_chunk, policy}, r.model,
-                              r.gpu_memory > context_bytes ? r.gpu_memory - context_bytes : r.gpu_memory);
-  o.step.lora = r.lora;
   o.optim.total_steps = 1;
   o.optim.warmup_steps = 0;
   o.eval_samples = 0;
   o.backend = backend_kind::meta;
-  o.limits = {std::size_t{1} << 50, std::size_t{1} << 50, true};  // with the GPU's library workspaces
+  // The probe's arenas are unbounded (meta, with the GPU's library workspaces); the tile and
+  // chunk are those of the planned GPU's arena, the GPU memory less the context.
+  step_request sizes;
+  sizes.model = r.model;
+  sizes.cp = cp;
+  sizes.seq_len = seq_len;
+  sizes.zero = r.zero;
+  sizes.offload = {r.offload_optimizer, r.offload_params};
+  sizes.lora = r.lora;
+  sizes.backend = backend_kind::meta;
+  const std::size_t arena = r.gpu_memory > context_bytes ? r.gpu_memory - context_bytes : r.gpu_memory;
+  sizes.memory_gib = static_cast<double>(arena) / (1 << 30);  // exact: a power-of-two scale
+  sizes.policy = policy;
+  sizes.mlp_tile = r.mlp_tile;
+  sizes.loss_chunk = r.loss_chunk;
+  const resolved_step resolved = resolve_step(sizes);
+  o.step = resolved.step;
+  o.limits = resolved.limits;
   return o;
 }
 
@@ -235,6 +249,9 @@ void validate(const plan_request& r) {
     throw config_error("--nodes " + std::to_string(r.nodes) + " must divide the " + std::to_string(r.gpus) +
                        " GPUs into equal nodes (for example --gpus-per-node 8 --nodes 2)");
   if (r.gpu_memory == 0) throw config_error("--gpu-memory must be positive (for example --gpu-memory 80GiB)");
+  if (static_cast<double>(r.gpu_memory) > limits::max_memory_gib * (1 << 30))
+    throw config_error("--gpu-memory " + std::to_string(r.gpu_memory) +
+                       " bytes is beyond a pebibyte, the most a rank's arena sizes for (for example --gpu-memory 80GiB)");
   if (r.host_memory == 0) throw config_error("--host-memory must be positive (for example --host-memory 1.9TiB)");
   if (!(r.margin >= 0 && r.margin < 1))
     throw config_error("--margin " + real_text(r.margin) + " must lie in [0, 1) (for example 0.05)");

@@ -1,0 +1,71 @@
+#include "train/step_sizes.hpp"
+
+#include "core/error.hpp"
+#include "core/limits.hpp"
+#include "cp/stage_plan.hpp"
+#include "model/model_step.hpp"
+
+namespace upipe {
+namespace {
+
+std::size_t gib_bytes(double gib) { return static_cast<std::size_t>(gib * (1 << 30)); }
+
+dtype working_dtype(backend_kind kind) { return kind == backend_kind::cpu ? dtype::f32 : dtype::bf16; }
+
+// The host pool's margin for the arena's alignment, beside what the offload or the chunks
+// keep there.
+constexpr std::size_t host_margin = std::size_t{64} << 20;
+
+// --offload: the pool grows by what the offload holds there for one rank, whatever the rest
+// of the pool is for. Under LoRA the optimizer is the adapters' (a micro-batch's gradients
+// fit in the margin).
+std::size_t offload_host_bytes(const step_request& r) {
+  if (!r.offload.optimizer) return 0;
+  const dtype work = working_dtype(r.backend);
+  return (r.lora.enabled() ? lora_offloaded_optimizer_bytes(r.model, r.lora, r.cp.cp, work)
+                           : offloaded_bytes(r.model, r.cp.cp, work, r.zero, r.offload, r.batch)) +
+         host_margin;
+}
+
+// Sequence chunks: the pool grows by what the attention's plan keeps in host memory at the
+// longest length (the earlier chunks' K/V and their gradients).
+std::size_t chunk_host_bytes(const step_request& r) {
+  if (r.backend == backend_kind::meta) return 0;
+  if (r.cp.strategy != strategy_kind::fpdt && r.cp.seq_chunks <= 1) return 0;
+  const std::int64_t unit = layout_unit(r.cp);
+  const attention_config c = attention_config_for(r.model, r.cp, (r.seq_len + unit - 1) / unit * unit);
+  if (!c.chunked()) return 0;
+  return make_stage_plan(c, 0).host_peak(working_dtype(r.backend)) + host_margin;
+}
+
+}  // namespace
+
+std::size_t gpu_arena_bytes(double memory_gib) {
+  return run_limits(backend_kind::cuda, memory_gib, checkpoint_location::device).device_bytes;
+}
+
+memory_limits run_limits(backend_kind kind, double memory_gib, checkpoint_location checkpoints, double host_gib) {
+  if (!(memory_gib > 0 && memory_gib <= limits::max_memory_gib))
+    throw config_error("--memory-gib " + real_text(memory_gib) +
+                       " must be positive and at most 1048576 (a pebibyte) (for example 8)");
+  if (!(host_gib >= 0 && host_gib <= limits::max_memory_gib))
+    throw config_error("--host-memory-gib " + real_text(host_gib) +
+                       " must lie between 0 (the default) and 1048576 (a pebibyte) (for example 16)");
+  if (kind == backend_kind::meta) return {std::size_t{1} << 50, std::size_t{1} << 50, true};
+  const bool small_host = kind == backend_kind::cuda && checkpoints == checkpoint_location::device;
+  memory_limits limits{gib_bytes(memory_gib),
+                       host_gib > 0 ? gib_bytes(host_gib) : (small_host ? std::size_t{16} << 20 : gib_bytes(memory_gib))};
+  limits.host_pageable = kind == backend_kind::cuda && checkpoints == checkpoint_location::host_pageable;
+  return limits;
+}
+
+resolved_step resolve_step(const step_request& r) {
+  resolved_step out;
+  out.step = with_default_sizes({r.mlp_tile, r.loss_chunk, r.policy}, r.model, gpu_arena_bytes(r.memory_gib));
+  out.step.lora = r.lora;
+  out.limits = run_limits(r.backend, r.memory_gib, r.policy.where, r.host_memory_gib);
+  out.limits.host_bytes += offload_host_bytes(r) + chunk_host_bytes(r);
+  return out;
+}
+
+}  // namespace upipe

@@ -1,0 +1,58 @@
+// The sizes of a step, resolved once: what a run asks for (model, strategy, length, memory
+// budgets, checkpoint policy, tiles, chunks, offload, LoRA) becomes the MLP tile, the loss
+// chunk and the arenas every layer below uses. `train`, `step`, `eval`, `bench`, the
+// checkpoint-policy choice and the planner's meta probe all take a resolved_step; nothing
+// below re-derives these sizes (the transformer fills in a tile or chunk only where a
+// direct caller, a test, gives none).
+#pragma once
+
+#include <cstdint>
+
+#include "backend/backend.hpp"
+#include "model/lora.hpp"
+#include "model/parameter_store.hpp"
+#include "model/transformer.hpp"
+
+namespace upipe {
+
+struct step_request {
+  model_config model;
+  cp_settings cp;
+  std::int64_t seq_len = 0;  // the longest sequence the run takes (rounded up to the layout's unit)
+  std::int64_t batch = 1;    // sequences a step accumulates (the offloaded gradients' size)
+  zero_stage zero = zero_stage::two;
+  offload_options offload;
+  lora_config lora;
+  backend_kind backend = backend_kind::cpu;
+  // The GPU arena per rank, GiB: the tile and chunk are sized for it whatever the backend,
+  // so that a meta or cpu run takes the sizes the GPU run would.
+  double memory_gib = 8;
+  // The host pool per rank, GiB; 0: 16 MiB on the GPU with checkpoints on the device, else
+  // memory_gib.
+  double host_memory_gib = 0;
+  checkpoint_policy policy;
+  std::int64_t mlp_tile = 0;    // tokens; 0: sized for the arena (with_default_sizes)
+  std::int64_t loss_chunk = 0;  // tokens; 0: sized for the arena
+};
+
+struct resolved_step {
+  step_options step;     // the tile, the loss chunk, the checkpoint policy and LoRA
+  memory_limits limits;  // the arenas the backend reserves: the pool, the offload, the chunks' K/V
+};
+
+// Checks the budgets (--memory-gib, --host-memory-gib: positive, at most a pebibyte, named
+// in the error) and resolves every size.
+resolved_step resolve_step(const step_request& r);
+
+// The arenas alone, before the offload and the chunks are added: `memory_gib` per rank;
+// unbounded on meta, which takes the GPU libraries' workspaces as the cuda backend would so
+// that its peak is the GPU's; on the GPU a host pool of `host_gib` when given, else 16 MiB
+// unless checkpoints go to the host (then `memory_gib`): pinned memory is taken (and counted
+// in the process's RSS) at start, so a pool nothing uses costs each rank its size;
+// pageable (and only reserved) when checkpoints go to pageable host memory.
+memory_limits run_limits(backend_kind kind, double memory_gib, checkpoint_location checkpoints, double host_gib = 0);
+
+// The bytes of a GPU arena of `memory_gib` (what the tile and chunk are sized for).
+std::size_t gpu_arena_bytes(double memory_gib);
+
+}  // namespace upipe
