@@ -320,9 +320,8 @@ op_case rmsnorm_backward_case(const norm_shape& n, double bytes) {
   c.tensors[2].bf16_tolerance = c.tensors[3].bf16_tolerance = 0.0;  // forward state
   c.tensors.push_back({.name = "d_y", .dims = {n.rows, width}});
   c.tensors.push_back(out({.name = "d_x", .dims = {n.rows, width}}));
-  // Accumulated: fp32 sums over rows in another order on another backend.
-  c.tensors.push_back(out({.name = "d_weight", .type = case_dtype::f32, .dims = {1, n.cols}, .fill = case_fill::zero},
-                          bf16_tol, 1e-4));
+  // Accumulated onto its values: fp32 sums over rows in another order on another backend.
+  c.tensors.push_back(out({.name = "d_weight", .type = case_dtype::f32, .dims = {1, n.cols}}, bf16_tol, 1e-4));
   c.prepare = [n](backend& be, const case_tensors& t) { norm_forward(be, t, n); };
   c.run = [n](backend& be, const case_tensors& t) {
     ops::rmsnorm_backward(be, {cols_of(t["x"], n.cols, n.first), t["weight"].matrix(), cols_of(t["rstd"], 1),
@@ -377,6 +376,14 @@ struct heads_shape {
 // Heads [1, 1 + heads) of a (tokens, heads + 2, dim) buffer, so both views are strided.
 head_view inner_heads(const tensor& t, std::int64_t heads) { return t.heads().head_block(1, heads); }
 
+// Heads [1, 1 + heads) of a head-major (heads + 2, tokens, dim) buffer: against a
+// token-major destination, a transposing copy (the all-to-all's pack and unpack).
+head_view inner_heads_by_head(const tensor& t, std::int64_t heads) {
+  const std::int64_t tokens = t.dims()[1], dim = t.dims()[2];
+  const head_view all{t.data(), t.type(), tokens, heads + 2, dim, dim, tokens * dim};
+  return all.head_block(1, heads);
+}
+
 std::string heads_text(const heads_shape& h) {
   return dims_text({{"tokens", h.tokens}, {"heads", h.heads}, {"dim", h.dim}});
 }
@@ -385,7 +392,7 @@ op_case heads_case(const heads_shape& h, bool with_src, const case_step& run, do
   op_case c;
   c.size = heads_text(h);
   c.tensors = {out({.name = "dst", .type = h.dst_type, .dims = {h.tokens, h.heads + 2, h.dim}}, bf16_tol, 1e-6)};
-  if (with_src) c.tensors.push_back({.name = "src", .type = h.src_type, .dims = {h.tokens, h.heads + 2, h.dim}});
+  if (with_src) c.tensors.push_back({.name = "src", .type = h.src_type, .dims = {h.heads + 2, h.tokens, h.dim}});
   c.run = run;
   c.bytes = bytes;
   return c;
@@ -411,13 +418,13 @@ op_entry heads_entry(const char* name, MakeCase make) {
 
 op_case copy_heads_case(const heads_shape& h, double bytes) {
   return heads_case(h, true, [h](backend& be, const case_tensors& t) {
-    ops::copy_heads(be, inner_heads(t["dst"], h.heads), inner_heads(t["src"], h.heads));
+    ops::copy_heads(be, inner_heads(t["dst"], h.heads), inner_heads_by_head(t["src"], h.heads));
   }, bytes);
 }
 
 op_case add_heads_case(const heads_shape& h, double bytes) {
   return heads_case(h, true, [h](backend& be, const case_tensors& t) {
-    ops::add_heads(be, inner_heads(t["dst"], h.heads), inner_heads(t["src"], h.heads));
+    ops::add_heads(be, inner_heads(t["dst"], h.heads), inner_heads_by_head(t["src"], h.heads));
   }, bytes * 1.5);
 }
 
@@ -530,8 +537,7 @@ op_case embedding_backward_case(std::int64_t n, std::int64_t vocab, std::int64_t
   c.tensors[2].bf16_tolerance = 0.0;  // the objective's forward output
   c.tensors.push_back({.name = "d_out", .dims = {n, dim}});
   // Repeated ids add up in another order on another backend.
-  c.tensors.push_back(out({.name = "d_table", .type = case_dtype::f32, .dims = {vocab, dim}, .fill = case_fill::zero},
-                          bf16_tol, 1e-6));
+  c.tensors.push_back(out({.name = "d_table", .type = case_dtype::f32, .dims = {vocab, dim}}, bf16_tol, 1e-6));
   c.run = [](backend& be, const case_tensors& t) {
     ops::embedding_backward(be, {t["d_out"].matrix(), t["ids"].matrix(), t["d_table"].matrix()});
   };
