@@ -10,6 +10,7 @@
 #include "apps/flag_checks.hpp"
 #include "apps/json_file.hpp"
 #include "apps/sizes.hpp"
+#include "backend/op_harness.hpp"
 #include "bench/kernel_bench.hpp"
 #include "core/error.hpp"
 #include "core/limits.hpp"
@@ -22,6 +23,7 @@ struct kernel_flags {
   std::string backend = "cuda", tokens = "32K", json_path;
   int repeats = 5;
   double memory_gib = 40;
+  bool registry = false;
 };
 
 int run(const kernel_flags& f) {
@@ -34,6 +36,13 @@ int run(const kernel_flags& f) {
   auto be = make_backend(kind, {arena, 0});
   std::printf("# upipe bench-kernels  backend=%s (%s)  tokens=%lld  repeats=%d  (Llama3-8B layer shapes)\n",
               f.backend.c_str(), be->library_versions().c_str(), static_cast<long long>(o.tokens), o.repeats);
+  if (f.registry) {
+    // Every registered op's perf case (backend/op_registry.cpp), against the device copy
+    // bandwidth and the GEMM's rate.
+    const perf_peaks peaks = measure_peaks(*be, o.tokens, o.repeats);
+    print_op_timings(stdout, time_registered_ops(*be, o.tokens, o.repeats, peaks), peaks);
+    return 0;
+  }
   std::printf("%-40s %12s %10s %10s\n", "op", "time_ms", "TFLOP/s", "GB/s");
   nlohmann::json rows = nlohmann::json::array();
   for (const kernel_timing& t : run_kernel_bench(*be, o)) {
@@ -62,6 +71,7 @@ command_runner add_bench_kernels(CLI::App& app) {
   app.add_option("--tokens", f->tokens, "tokens s of the shapes (K and M suffixes)")->capture_default_str();
   app.add_option("--repeats", f->repeats, "timed repeats after one warm-up")->capture_default_str();
   app.add_option("--memory-gib", f->memory_gib, "arena, GiB")->capture_default_str();
+  app.add_flag("--ops", f->registry, "time every registered op instead (op, size, time, GB/s, TFLOP/s, % of peak)");
   app.add_option("--json", f->json_path, "write the rows as JSON")->check(output_file_flag("--json"));
   return [f] { return run(*f); };
 }

@@ -1,26 +1,15 @@
 #include "bench/kernel_bench.hpp"
 
-#include <chrono>
 #include <cmath>
 #include <functional>
 
+#include "backend/op_harness.hpp"
 #include "backend/ops.hpp"
 #include "core/random.hpp"
 
 namespace upipe {
 
 namespace {
-
-// Mean wall time of fn over `repeats` runs after one warm-up, the backend synchronized
-// around the timed loop.
-double time_ms(backend& be, int repeats, const std::function<void()>& fn) {
-  fn();
-  be.synchronize();
-  const auto start = std::chrono::steady_clock::now();
-  for (int i = 0; i < repeats; ++i) fn();
-  be.synchronize();
-  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count() / repeats;
-}
 
 tensor filled(backend& be, dtype type, const shape& dims, float value, const char* label) {
   tensor t = be.allocate(mem_tag::activations, type, dims, label);
@@ -51,7 +40,7 @@ void bench_gemms(backend& be, const kernel_bench_options& o, std::vector<kernel_
     tensor x = filled(be, w, {s, c.inner}, 0.01f, "bench_x");
     tensor wt = filled(be, w, {c.rows_out, c.inner}, 0.01f, "bench_w");
     tensor y = be.allocate(mem_tag::activations, w, {s, c.rows_out}, "bench_y");
-    const double ms = time_ms(be, o.repeats, [&] {
+    const double ms = time_mean_ms(be, o.repeats, [&] {
       ops::gemm(be, {x.matrix(), transpose::none, wt.matrix(), transpose::yes, y.matrix()});
     });
     out.push_back({c.name, ms, 2.0 * s * c.rows_out * c.inner / (ms * 1e9), 0});
@@ -71,8 +60,8 @@ void bench_attention(backend& be, const kernel_bench_options& o, std::vector<ker
     const sdpa_forward_args fwd{q.heads(), k.heads(), v.heads(), out_t.heads(), lse.heads(), attn_mask::causal, scale};
     const sdpa_backward_args bwd{q.heads(), k.heads(), v.heads(), out_t.heads(), d_o.heads(), lse.heads(), d_q.heads(),
                                  d_k.heads(), d_v.heads(), attn_mask::causal, scale};
-    const double f_ms = time_ms(be, o.repeats, [&] { ops::sdpa_forward(be, fwd); });
-    const double b_ms = time_ms(be, o.repeats, [&] { ops::sdpa_backward(be, bwd); });
+    const double f_ms = time_mean_ms(be, o.repeats, [&] { ops::sdpa_forward(be, fwd); });
+    const double b_ms = time_mean_ms(be, o.repeats, [&] { ops::sdpa_backward(be, bwd); });
     // Causal: half of the 4 s^2 h d forward FLOPs; backward 2.5x the forward.
     const double fwd_flops = 2.0 * s * s * o.heads * d;
     const std::string tag = "sdpa d=" + std::to_string(d);
@@ -87,7 +76,7 @@ void bench_memory_bound(backend& be, const kernel_bench_options& o, std::vector<
   const dtype w = be.work_dtype();
   const double e = static_cast<double>(dtype_size(w));
   auto record = [&](const char* name, double bytes, const std::function<void()>& fn) {
-    const double ms = time_ms(be, o.repeats, fn);
+    const double ms = time_mean_ms(be, o.repeats, fn);
     out.push_back({name, ms, 0, bytes / (ms * 1e6)});
   };
   tensor x = filled(be, w, {s, D}, 0.5f, "bench_x"), y = be.allocate(mem_tag::activations, w, {s, D}, "bench_y");

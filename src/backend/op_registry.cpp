@@ -1,0 +1,695 @@
+// The registered ops. Test shapes pad and offset their views (ld > cols, head blocks of
+// wider buffers) so that both the vectorized and the scalar paths of a kernel run; perf
+// shapes are one Llama3-8B layer's (hidden 4096, 32 query heads and 8 kv heads of 128,
+// intermediate 14336).
+#include "backend/op_registry.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "backend/ops.hpp"
+#include "core/error.hpp"
+
+namespace upipe {
+
+const tensor& case_tensors::operator[](std::string_view name) const {
+  std::size_t i = 0;
+  while (i < specs_->size() && name != (*specs_)[i].name) ++i;
+  UPIPE_CHECK(i < specs_->size(), "op case has no tensor named " + std::string(name));
+  return list_[i];
+}
+
+double host_dot(backend& be, const tensor& a, const tensor& b) {
+  UPIPE_CHECK(a.numel() == b.numel(), std::string("host_dot: ") + a.label() + " and " + b.label() + " differ in size");
+  std::vector<float> x(static_cast<std::size_t>(a.numel())), y(x.size());
+  be.download_f32(x.data(), a);
+  be.download_f32(y.data(), b);
+  double sum = 0.0;
+  for (std::size_t i = 0; i < x.size(); ++i) sum += static_cast<double>(x[i]) * y[i];
+  return sum;
+}
+
+namespace {
+
+constexpr double bf16_tol = 2e-2;  // one bf16 rounding of the output and of its inputs
+constexpr std::int64_t hidden = 4096, q_heads = 32, kv_heads = 8, head_dim = 128, intermediate = 14336;
+
+// Columns [first, first + cols) of a tensor's matrix.
+mat_view cols_of(const tensor& t, std::int64_t cols, std::int64_t first = 0) { return t.matrix().col_block(first, cols); }
+
+// Output tensors: compared across backends.
+case_tensor out(case_tensor t, double bf16_tolerance = bf16_tol, double f32_tolerance = 1e-5) {
+  t.bf16_tolerance = bf16_tolerance;
+  t.f32_tolerance = f32_tolerance;
+  return t;
+}
+
+std::string dims_text(std::initializer_list<std::pair<const char*, std::int64_t>> dims) {
+  std::string s;
+  // Appended piece by piece, which keeps GCC 12's -Wrestrict false positive away.
+  for (const auto& [name, value] : dims) {
+    if (!s.empty()) s += ' ';
+    s += name;
+    s += ' ';
+    s += std::to_string(value);
+  }
+  return s;
+}
+
+// ---------------------------------------------------------------------------------------
+// GEMM: c = alpha op(a) op(b) + beta c
+
+op_case gemm_case(std::int64_t m, std::int64_t n, std::int64_t k, transpose ta, transpose tb, float alpha,
+                  float beta) {
+  const bool at = ta == transpose::yes, bt = tb == transpose::yes;
+  op_case c;
+  c.size = dims_text({{"m", m}, {"n", n}, {"k", k}}) + (at ? " a^T" : "") + (bt ? " b^T" : "");
+  c.tensors = {{.name = "a", .dims = at ? shape{k, m} : shape{m, k}},
+               {.name = "b", .dims = bt ? shape{n, k} : shape{k, n}},
+               out({.name = "c", .dims = {m, n}})};
+  c.run = [=](backend& be, const case_tensors& t) {
+    ops::gemm(be, {t["a"].matrix(), ta, t["b"].matrix(), tb, t["c"].matrix(), alpha, beta});
+  };
+  c.flops = 2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k);
+  return c;
+}
+
+op_entry gemm_entry() {
+  return {"gemm",
+          [] {
+            return std::vector<op_case>{gemm_case(37, 29, 45, transpose::none, transpose::none, 1.0f, 0.0f),
+                                        gemm_case(37, 29, 45, transpose::yes, transpose::none, 1.0f, 0.0f),
+                                        gemm_case(16, 48, 32, transpose::none, transpose::yes, 1.5f, 0.5f),
+                                        gemm_case(33, 17, 64, transpose::yes, transpose::yes, 1.0f, 1.0f)};
+          },
+          [](std::int64_t tokens, dtype) {
+            return gemm_case(tokens, hidden, hidden, transpose::none, transpose::yes, 1.0f, 0.0f);
+          }};
+}
+
+// ---------------------------------------------------------------------------------------
+// Attention
+
+struct attention_shape {
+  std::int64_t sq, skv, hq, hk, d;
+  attn_mask mask;
+};
+
+std::vector<case_tensor> attention_tensors(const attention_shape& a, bool backward) {
+  std::vector<case_tensor> t = {{.name = "q", .dims = {a.sq, a.hq, a.d}},
+                                {.name = "k", .dims = {a.skv, a.hk, a.d}},
+                                {.name = "v", .dims = {a.skv, a.hk, a.d}},
+                                out({.name = "out", .dims = {a.sq, a.hq, a.d}}),
+                                out({.name = "lse", .type = case_dtype::f32, .dims = {a.sq, a.hq, 1}}, bf16_tol, 1e-3)};
+  if (!backward) return t;
+  t[3].bf16_tolerance = t[4].bf16_tolerance = 0.0;  // forward state, compared by sdpa_forward
+  t.push_back({.name = "d_out", .dims = {a.sq, a.hq, a.d}});
+  t.push_back(out({.name = "d_q", .dims = {a.sq, a.hq, a.d}}));
+  t.push_back(out({.name = "d_k", .dims = {a.skv, a.hk, a.d}}));
+  t.push_back(out({.name = "d_v", .dims = {a.skv, a.hk, a.d}}));
+  return t;
+}
+
+std::string attention_text(const attention_shape& a) {
+  return dims_text({{"sq", a.sq}, {"skv", a.skv}, {"hq", a.hq}, {"hk", a.hk}, {"d", a.d}}) +
+         (a.mask == attn_mask::causal ? " causal" : " unmasked");
+}
+
+void attention_forward(backend& be, const case_tensors& t, const attention_shape& a) {
+  const float scale = 1.0f / std::sqrt(static_cast<float>(a.d));
+  ops::sdpa_forward(be, {t["q"].heads(), t["k"].heads(), t["v"].heads(), t["out"].heads(), t["lse"].heads(), a.mask,
+                         scale, {}});
+}
+
+// Causal: half of the 4 s^2 h d FLOPs of the full score and value products.
+double attention_flops(const attention_shape& a) {
+  const double full = 4.0 * static_cast<double>(a.sq) * static_cast<double>(a.skv) * a.hq * a.d;
+  return a.mask == attn_mask::causal ? full / 2 : full;
+}
+
+op_case sdpa_forward_case(const attention_shape& a) {
+  op_case c;
+  c.size = attention_text(a);
+  c.tensors = attention_tensors(a, false);
+  c.run = [a](backend& be, const case_tensors& t) { attention_forward(be, t, a); };
+  c.flops = attention_flops(a);
+  return c;
+}
+
+op_case sdpa_backward_case(const attention_shape& a) {
+  op_case c;
+  c.size = attention_text(a);
+  c.tensors = attention_tensors(a, true);
+  c.prepare = [a](backend& be, const case_tensors& t) { attention_forward(be, t, a); };
+  c.run = [a](backend& be, const case_tensors& t) {
+    const float scale = 1.0f / std::sqrt(static_cast<float>(a.d));
+    ops::sdpa_backward(be, {t["q"].heads(), t["k"].heads(), t["v"].heads(), t["out"].heads(), t["d_out"].heads(),
+                            t["lse"].heads(), t["d_q"].heads(), t["d_k"].heads(), t["d_v"].heads(), a.mask, scale, {}});
+  };
+  c.flops = 2.5 * attention_flops(a);
+  c.objective = [a](backend& be, const case_tensors& t) {
+    attention_forward(be, t, a);
+    return host_dot(be, t["out"], t["d_out"]);
+  };
+  c.gradients = {{"q", "d_q"}, {"k", "d_k"}, {"v", "d_v"}};
+  return c;
+}
+
+// d 64 and 128 (what cuDNN runs), grouped heads, lengths that are not multiples of 64.
+const attention_shape attention_test_shapes[] = {{40, 40, 4, 2, 64, attn_mask::causal},
+                                                 {24, 56, 4, 1, 128, attn_mask::none}};
+attention_shape attention_perf_shape(std::int64_t tokens) {
+  return {tokens, tokens, q_heads, kv_heads, head_dim, attn_mask::causal};
+}
+
+op_entry sdpa_forward_entry() {
+  return {"sdpa_forward",
+          [] {
+            std::vector<op_case> cases;
+            for (const attention_shape& a : attention_test_shapes) cases.push_back(sdpa_forward_case(a));
+            return cases;
+          },
+          [](std::int64_t tokens, dtype) { return sdpa_forward_case(attention_perf_shape(tokens)); }};
+}
+
+op_entry sdpa_backward_entry() {
+  return {"sdpa_backward",
+          [] {
+            std::vector<op_case> cases;
+            for (const attention_shape& a : attention_test_shapes) cases.push_back(sdpa_backward_case(a));
+            return cases;
+          },
+          [](std::int64_t tokens, dtype) { return sdpa_backward_case(attention_perf_shape(tokens)); }};
+}
+
+// Merges a block's partial result into f32 accumulators; a constant -inf lse is a row that
+// has seen no key yet.
+op_case lse_merge_case(std::int64_t tokens, std::int64_t heads, std::int64_t dim, bool empty_rows,
+                       case_dtype part_type) {
+  op_case c;
+  c.size = dims_text({{"tokens", tokens}, {"heads", heads}, {"dim", dim}}) + (empty_rows ? " from -inf" : "");
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  c.tensors = {out({.name = "out", .type = case_dtype::f32, .dims = {tokens, heads, dim}}),
+               empty_rows ? out({.name = "lse", .type = case_dtype::f32, .dims = {tokens, heads, 1},
+                                 .fill = case_fill::constant, .lo = neg_inf})
+                          : out({.name = "lse", .type = case_dtype::f32, .dims = {tokens, heads, 1}, .lo = -2, .hi = 2}),
+               {.name = "out_part", .type = part_type, .dims = {tokens, heads, dim}},
+               {.name = "lse_part", .type = case_dtype::f32, .dims = {tokens, heads, 1}, .lo = -2, .hi = 2}};
+  c.run = [](backend& be, const case_tensors& t) {
+    ops::lse_merge(be, {t["out"].heads(), t["lse"].heads(), t["out_part"].heads(), t["lse_part"].heads()});
+  };
+  c.bytes = (3.0 * 4 + (part_type == case_dtype::f32 ? 4.0 : 2.0)) * static_cast<double>(tokens * heads * dim);
+  return c;
+}
+
+op_entry lse_merge_entry() {
+  return {"lse_merge",
+          [] {
+            return std::vector<op_case>{lse_merge_case(33, 3, 64, false, case_dtype::work),
+                                        lse_merge_case(17, 2, 40, true, case_dtype::f32)};
+          },
+          [](std::int64_t tokens, dtype) { return lse_merge_case(tokens, q_heads, head_dim, false, case_dtype::work); }};
+}
+
+// ---------------------------------------------------------------------------------------
+// RoPE
+
+// Head-major with a gap after each head, or token-major with padding after each token.
+struct rope_shape {
+  std::int64_t tokens, heads, dim;
+  bool head_major;
+  case_dtype type;
+  rope_kind scaling;
+  rope_direction direction;
+};
+
+// Runs with a gap and positions up to 8,000,000, more than one launch's worth.
+std::vector<position_run> spread_runs(std::int64_t tokens) {
+  std::vector<position_run> runs{{0, 0, 5}, {5, 100, 3}, {10, 8'000'000, 6}};
+  std::int64_t token = 16, position = 7'999'990;
+  while (token + 2 <= tokens - 4 && runs.size() < 12) {
+    runs.push_back({token, position, 2});
+    token += 2;
+    position -= 777'777;
+  }
+  return runs;
+}
+
+op_case rope_case(const rope_shape& r, std::vector<position_run> runs, double bytes) {
+  const std::int64_t head_stride = r.head_major ? r.tokens * r.dim + 8 : r.dim;
+  const std::int64_t token_stride = r.head_major ? r.dim : r.heads * r.dim + 4;
+  const std::int64_t size = r.head_major ? r.heads * head_stride : r.tokens * token_stride;
+  rope_config config;
+  config.scaling.kind = r.scaling;
+  if (r.scaling == rope_kind::linear || r.scaling == rope_kind::yarn) config.scaling.factor = 4.0;
+  op_case c;
+  c.size = dims_text({{"tokens", r.tokens}, {"heads", r.heads}, {"dim", r.dim}}) +
+           (r.head_major ? " head-major" : " token-major") +
+           (r.direction == rope_direction::inverse ? " inverse" : "");
+  c.tensors = {out({.name = "x", .type = r.type, .dims = {size}})};
+  c.run = [=](backend& be, const case_tensors& t) {
+    const tensor& x = t["x"];
+    ops::rope(be, {{x.data(), x.type(), r.tokens, r.heads, r.dim, token_stride, head_stride}, runs, config,
+                   r.direction});
+  };
+  c.bytes = bytes;
+  return c;
+}
+
+op_entry rope_entry() {
+  return {"rope",
+          [] {
+            std::vector<op_case> cases;
+            for (const rope_shape& r :
+                 {rope_shape{40, 3, 64, true, case_dtype::f32, rope_kind::llama3, rope_direction::forward},
+                  rope_shape{40, 2, 128, true, case_dtype::f32, rope_kind::yarn, rope_direction::inverse},
+                  rope_shape{40, 2, 300, false, case_dtype::f32, rope_kind::linear, rope_direction::forward},
+                  rope_shape{40, 4, 128, true, case_dtype::work, rope_kind::none, rope_direction::forward},
+                  rope_shape{40, 3, 72, false, case_dtype::work, rope_kind::none, rope_direction::inverse}})
+              cases.push_back(rope_case(r, spread_runs(r.tokens), 0.0));
+            return cases;
+          },
+          [](std::int64_t tokens, dtype work) {
+            const rope_shape r{tokens, q_heads, head_dim, false, case_dtype::work, rope_kind::llama3,
+                               rope_direction::forward};
+            return rope_case(r, {{0, 0, tokens}}, 2.0 * tokens * q_heads * head_dim * dtype_size(work));
+          }};
+}
+
+// ---------------------------------------------------------------------------------------
+// RMSNorm
+
+struct norm_shape {
+  std::int64_t rows, cols, pad, first;  // view columns [first, first + cols) of cols + pad
+};
+
+std::string norm_text(const norm_shape& n) {
+  return dims_text({{"rows", n.rows}, {"cols", n.cols}, {"ld", n.cols + n.pad}});
+}
+
+std::vector<case_tensor> norm_tensors(const norm_shape& n) {
+  const std::int64_t width = n.cols + n.pad;
+  return {{.name = "x", .dims = {n.rows, width}, .lo = -2, .hi = 2},
+          {.name = "weight", .dims = {1, n.cols}, .lo = 0.5f, .hi = 1.5f},
+          out({.name = "y", .dims = {n.rows, width}}),
+          out({.name = "rstd", .type = case_dtype::f32, .dims = {n.rows, 2}})};
+}
+
+void norm_forward(backend& be, const case_tensors& t, const norm_shape& n) {
+  ops::rmsnorm_forward(be, {cols_of(t["x"], n.cols, n.first), t["weight"].matrix(), cols_of(t["y"], n.cols, n.first),
+                            cols_of(t["rstd"], 1), 1e-5f});
+}
+
+op_case rmsnorm_forward_case(const norm_shape& n, double bytes) {
+  op_case c;
+  c.size = norm_text(n);
+  c.tensors = norm_tensors(n);
+  c.run = [n](backend& be, const case_tensors& t) { norm_forward(be, t, n); };
+  c.bytes = bytes;
+  return c;
+}
+
+op_case rmsnorm_backward_case(const norm_shape& n, double bytes) {
+  const std::int64_t width = n.cols + n.pad;
+  op_case c;
+  c.size = norm_text(n);
+  c.tensors = norm_tensors(n);
+  c.tensors[2].bf16_tolerance = c.tensors[3].bf16_tolerance = 0.0;  // forward state
+  c.tensors.push_back({.name = "d_y", .dims = {n.rows, width}});
+  c.tensors.push_back(out({.name = "d_x", .dims = {n.rows, width}}));
+  // Accumulated onto its values: fp32 sums over rows in another order on another backend.
+  c.tensors.push_back(out({.name = "d_weight", .type = case_dtype::f32, .dims = {1, n.cols}}, bf16_tol, 1e-4));
+  c.prepare = [n](backend& be, const case_tensors& t) { norm_forward(be, t, n); };
+  c.run = [n](backend& be, const case_tensors& t) {
+    ops::rmsnorm_backward(be, {cols_of(t["x"], n.cols, n.first), t["weight"].matrix(), cols_of(t["rstd"], 1),
+                               cols_of(t["d_y"], n.cols, n.first), cols_of(t["d_x"], n.cols, n.first),
+                               t["d_weight"].matrix()});
+  };
+  c.objective = [n](backend& be, const case_tensors& t) {
+    norm_forward(be, t, n);
+    return host_dot(be, t["y"], t["d_y"]);
+  };
+  c.gradients = {{"x", "d_x"}, {"weight", "d_weight"}};
+  c.bytes = bytes;
+  return c;
+}
+
+// Warp rows and block rows; aligned rows, odd lds and tails; a row too long for a block's
+// shared accumulator.
+const norm_shape norm_test_shapes[] = {{37, 128, 0, 0}, {37, 96, 3, 1}, {9, 3000, 5, 2}, {3, 70000, 0, 0}};
+
+op_entry rmsnorm_forward_entry() {
+  return {"rmsnorm_forward",
+          [] {
+            std::vector<op_case> cases;
+            for (const norm_shape& n : norm_test_shapes) cases.push_back(rmsnorm_forward_case(n, 0.0));
+            return cases;
+          },
+          [](std::int64_t tokens, dtype work) {
+            return rmsnorm_forward_case({tokens, hidden, 0, 0}, 2.0 * tokens * hidden * dtype_size(work));
+          }};
+}
+
+op_entry rmsnorm_backward_entry() {
+  return {"rmsnorm_backward",
+          [] {
+            std::vector<op_case> cases;
+            for (const norm_shape& n : norm_test_shapes) cases.push_back(rmsnorm_backward_case(n, 0.0));
+            return cases;
+          },
+          [](std::int64_t tokens, dtype work) {
+            return rmsnorm_backward_case({tokens, hidden, 0, 0}, 3.0 * tokens * hidden * dtype_size(work));
+          }};
+}
+
+// ---------------------------------------------------------------------------------------
+// Head layouts: copy (pack, unpack, convert), add, fill on head blocks of wider buffers
+
+struct heads_shape {
+  std::int64_t tokens, heads, dim;
+  case_dtype dst_type, src_type;
+};
+
+// Heads [1, 1 + heads) of a (tokens, heads + 2, dim) buffer, so both views are strided.
+head_view inner_heads(const tensor& t, std::int64_t heads) { return t.heads().head_block(1, heads); }
+
+// Heads [1, 1 + heads) of a head-major (heads + 2, tokens, dim) buffer: against a
+// token-major destination, a transposing copy (the all-to-all's pack and unpack).
+head_view inner_heads_by_head(const tensor& t, std::int64_t heads) {
+  const std::int64_t tokens = t.dims()[1], dim = t.dims()[2];
+  const head_view all{t.data(), t.type(), tokens, heads + 2, dim, dim, tokens * dim};
+  return all.head_block(1, heads);
+}
+
+std::string heads_text(const heads_shape& h) {
+  return dims_text({{"tokens", h.tokens}, {"heads", h.heads}, {"dim", h.dim}});
+}
+
+op_case heads_case(const heads_shape& h, bool with_src, const case_step& run, double bytes) {
+  op_case c;
+  c.size = heads_text(h);
+  c.tensors = {out({.name = "dst", .type = h.dst_type, .dims = {h.tokens, h.heads + 2, h.dim}}, bf16_tol, 1e-6)};
+  if (with_src) c.tensors.push_back({.name = "src", .type = h.src_type, .dims = {h.heads + 2, h.tokens, h.dim}});
+  c.run = run;
+  c.bytes = bytes;
+  return c;
+}
+
+const heads_shape heads_test_shapes[] = {{24, 4, 40, case_dtype::work, case_dtype::f32},
+                                         {17, 3, 64, case_dtype::f32, case_dtype::work},
+                                         {9, 2, 37, case_dtype::f32, case_dtype::f32}};
+
+template <class MakeCase>
+op_entry heads_entry(const char* name, MakeCase make) {
+  return {name,
+          [make] {
+            std::vector<op_case> cases;
+            for (const heads_shape& h : heads_test_shapes) cases.push_back(make(h, 0.0));
+            return cases;
+          },
+          [make](std::int64_t tokens, dtype work) {
+            const heads_shape h{tokens, q_heads / 2, head_dim, case_dtype::work, case_dtype::work};
+            return make(h, 2.0 * tokens * (q_heads / 2) * head_dim * dtype_size(work));
+          }};
+}
+
+op_case copy_heads_case(const heads_shape& h, double bytes) {
+  return heads_case(h, true, [h](backend& be, const case_tensors& t) {
+    ops::copy_heads(be, inner_heads(t["dst"], h.heads), inner_heads_by_head(t["src"], h.heads));
+  }, bytes);
+}
+
+op_case add_heads_case(const heads_shape& h, double bytes) {
+  return heads_case(h, true, [h](backend& be, const case_tensors& t) {
+    ops::add_heads(be, inner_heads(t["dst"], h.heads), inner_heads_by_head(t["src"], h.heads));
+  }, bytes * 1.5);
+}
+
+op_case fill_heads_case(const heads_shape& h, double bytes) {
+  return heads_case(h, false, [h](backend& be, const case_tensors& t) {
+    ops::fill_heads(be, inner_heads(t["dst"], h.heads), 0.375f);
+  }, bytes / 2);
+}
+
+// ---------------------------------------------------------------------------------------
+// SwiGLU
+
+struct swiglu_shape {
+  std::int64_t rows, cols, pad, first;
+  case_dtype d_out_type;
+};
+
+std::vector<case_tensor> swiglu_tensors(const swiglu_shape& s) {
+  const std::int64_t width = s.cols + s.pad;
+  return {{.name = "gate", .dims = {s.rows, width}, .lo = -3, .hi = 3},
+          {.name = "up", .dims = {s.rows, width}},
+          out({.name = "out", .dims = {s.rows, width}})};
+}
+
+void swiglu_forward_step(backend& be, const case_tensors& t, const swiglu_shape& s) {
+  ops::swiglu_forward(be, {cols_of(t["gate"], s.cols, s.first), cols_of(t["up"], s.cols, s.first),
+                           cols_of(t["out"], s.cols, s.first)});
+}
+
+op_case swiglu_forward_case(const swiglu_shape& s, double bytes) {
+  op_case c;
+  c.size = dims_text({{"rows", s.rows}, {"cols", s.cols}, {"ld", s.cols + s.pad}});
+  c.tensors = swiglu_tensors(s);
+  c.run = [s](backend& be, const case_tensors& t) { swiglu_forward_step(be, t, s); };
+  c.bytes = bytes;
+  return c;
+}
+
+op_case swiglu_backward_case(const swiglu_shape& s, double bytes) {
+  const std::int64_t width = s.cols + s.pad;
+  op_case c;
+  c.size = dims_text({{"rows", s.rows}, {"cols", s.cols}, {"ld", width}}) +
+           (s.d_out_type == case_dtype::f32 ? " d_out f32" : "");
+  c.tensors = swiglu_tensors(s);
+  c.tensors[2].bf16_tolerance = 0.0;  // the objective's forward output
+  c.tensors.push_back({.name = "d_out", .type = s.d_out_type, .dims = {s.rows, width}});
+  c.tensors.push_back(out({.name = "d_gate", .dims = {s.rows, width}}));
+  c.tensors.push_back(out({.name = "d_up", .dims = {s.rows, width}}));
+  c.run = [s](backend& be, const case_tensors& t) {
+    ops::swiglu_backward(be, {cols_of(t["gate"], s.cols, s.first), cols_of(t["up"], s.cols, s.first),
+                              cols_of(t["d_out"], s.cols, s.first), cols_of(t["d_gate"], s.cols, s.first),
+                              cols_of(t["d_up"], s.cols, s.first)});
+  };
+  c.objective = [s](backend& be, const case_tensors& t) {
+    swiglu_forward_step(be, t, s);
+    return host_dot(be, t["out"], t["d_out"]);
+  };
+  c.gradients = {{"gate", "d_gate"}, {"up", "d_up"}};
+  c.bytes = bytes;
+  return c;
+}
+
+const swiglu_shape swiglu_test_shapes[] = {{33, 200, 0, 0, case_dtype::work}, {17, 333, 5, 1, case_dtype::f32}};
+
+op_entry swiglu_forward_entry() {
+  return {"swiglu_forward",
+          [] {
+            std::vector<op_case> cases;
+            for (const swiglu_shape& s : swiglu_test_shapes) cases.push_back(swiglu_forward_case(s, 0.0));
+            return cases;
+          },
+          [](std::int64_t tokens, dtype work) {
+            return swiglu_forward_case({tokens, intermediate, 0, 0, case_dtype::work},
+                                       3.0 * tokens * intermediate * dtype_size(work));
+          }};
+}
+
+op_entry swiglu_backward_entry() {
+  return {"swiglu_backward",
+          [] {
+            std::vector<op_case> cases;
+            for (const swiglu_shape& s : swiglu_test_shapes) cases.push_back(swiglu_backward_case(s, 0.0));
+            return cases;
+          },
+          [](std::int64_t tokens, dtype work) {
+            return swiglu_backward_case({tokens, intermediate, 0, 0, case_dtype::work},
+                                        5.0 * tokens * intermediate * dtype_size(work));
+          }};
+}
+
+// ---------------------------------------------------------------------------------------
+// Embedding
+
+op_case embedding_forward_case(std::int64_t n, std::int64_t vocab, std::int64_t dim, double bytes) {
+  op_case c;
+  c.size = dims_text({{"tokens", n}, {"vocab", vocab}, {"dim", dim}});
+  c.tensors = {{.name = "table", .dims = {vocab, dim}},
+               {.name = "ids", .type = case_dtype::i32, .dims = {n, 1}, .fill = case_fill::ids, .lo = 0,
+                .hi = static_cast<float>(vocab)},
+               out({.name = "out", .dims = {n, dim}})};
+  c.run = [](backend& be, const case_tensors& t) {
+    ops::embedding_forward(be, {t["table"].matrix(), t["ids"].matrix(), t["out"].matrix()});
+  };
+  c.bytes = bytes;
+  return c;
+}
+
+op_case embedding_backward_case(std::int64_t n, std::int64_t vocab, std::int64_t dim, double bytes) {
+  op_case c = embedding_forward_case(n, vocab, dim, bytes);
+  c.tensors[2].bf16_tolerance = 0.0;  // the objective's forward output
+  c.tensors.push_back({.name = "d_out", .dims = {n, dim}});
+  // Repeated ids add up in another order on another backend.
+  c.tensors.push_back(out({.name = "d_table", .type = case_dtype::f32, .dims = {vocab, dim}}, bf16_tol, 1e-6));
+  c.run = [](backend& be, const case_tensors& t) {
+    ops::embedding_backward(be, {t["d_out"].matrix(), t["ids"].matrix(), t["d_table"].matrix()});
+  };
+  c.objective = [](backend& be, const case_tensors& t) {
+    ops::embedding_forward(be, {t["table"].matrix(), t["ids"].matrix(), t["out"].matrix()});
+    return host_dot(be, t["out"], t["d_out"]);
+  };
+  c.gradients = {{"table", "d_table"}};
+  return c;
+}
+
+op_entry embedding_forward_entry() {
+  return {"embedding_forward",
+          [] { return std::vector<op_case>{embedding_forward_case(30, 50, 64, 0.0), embedding_forward_case(7, 3, 37, 0.0)}; },
+          [](std::int64_t tokens, dtype work) {
+            return embedding_forward_case(tokens, 32000, hidden, 2.0 * tokens * hidden * dtype_size(work));
+          }};
+}
+
+op_entry embedding_backward_entry() {
+  return {"embedding_backward",
+          [] {
+            return std::vector<op_case>{embedding_backward_case(30, 50, 64, 0.0), embedding_backward_case(7, 3, 37, 0.0)};
+          },
+          [](std::int64_t tokens, dtype work) {
+            return embedding_backward_case(tokens, 32000, hidden, tokens * hidden * (dtype_size(work) + 8.0));
+          }};
+}
+
+// ---------------------------------------------------------------------------------------
+// Cross-entropy: in place on a copy of the logits, so that finite differences can perturb
+// the copy's source.
+
+op_case cross_entropy_case(std::int64_t n, std::int64_t vocab, float masked_share) {
+  op_case c;
+  c.size = dims_text({{"rows", n}, {"vocab", vocab}});
+  const float lo = -masked_share * static_cast<float>(vocab);  // labels below 0 are masked rows
+  c.tensors = {{.name = "logits_in", .type = case_dtype::f32, .dims = {n, vocab}, .lo = -4, .hi = 4},
+               out({.name = "logits", .type = case_dtype::f32, .dims = {n, vocab}}),
+               {.name = "labels", .type = case_dtype::i32, .dims = {n, 1}, .fill = case_fill::ids, .lo = lo,
+                .hi = static_cast<float>(vocab)},
+               out({.name = "row_loss", .type = case_dtype::f32, .dims = {n, 1}})};
+  constexpr float grad_scale = 0.5f;
+  const case_step copy_in = [](backend& be, const case_tensors& t) {
+    ops::copy_heads(be, ops::as_heads(t["logits"].matrix()), ops::as_heads(t["logits_in"].matrix()));
+  };
+  const case_step loss = [grad_scale](backend& be, const case_tensors& t) {
+    ops::cross_entropy(be, {t["logits"].matrix(), t["labels"].matrix(), t["row_loss"].matrix(), grad_scale});
+  };
+  c.prepare = copy_in;
+  c.run = loss;
+  c.objective = [=](backend& be, const case_tensors& t) {
+    copy_in(be, t);
+    loss(be, t);
+    std::vector<float> rows(static_cast<std::size_t>(n));
+    be.download_f32(rows.data(), t["row_loss"]);
+    double sum = 0.0;
+    for (float r : rows) sum += r;
+    return grad_scale * sum;
+  };
+  c.gradients = {{"logits_in", "logits"}};
+  c.bytes = 2.0 * static_cast<double>(n) * static_cast<double>(vocab) * 4;
+  return c;
+}
+
+op_entry cross_entropy_entry() {
+  return {"cross_entropy",
+          [] { return std::vector<op_case>{cross_entropy_case(30, 50, 0.2f), cross_entropy_case(6, 500, 0.0f)}; },
+          [](std::int64_t, dtype) {
+            const std::int64_t vocab = 128256, rows = std::max<std::int64_t>(1, (std::int64_t{256} << 20) / (4 * vocab));
+            return cross_entropy_case(rows, vocab, 0.0f);
+          }};
+}
+
+// ---------------------------------------------------------------------------------------
+// AdamW and the gradient norm
+
+op_case adamw_case(std::int64_t n, bool with_weights, std::int64_t step, dtype work) {
+  op_case c;
+  c.size = dims_text({{"n", n}, {"step", step}}) + (with_weights ? "" : " no weights");
+  c.tensors = {out({.name = "master", .type = case_dtype::f32, .dims = {1, n}}),
+               out({.name = "exp_avg", .type = case_dtype::f32, .dims = {1, n}, .lo = -0.1f, .hi = 0.1f}),
+               out({.name = "exp_avg_sq", .type = case_dtype::f32, .dims = {1, n}, .lo = 0, .hi = 0.01f}),
+               {.name = "grad", .type = case_dtype::f32, .dims = {1, n}},
+               out({.name = "weights", .dims = {1, with_weights ? n : 1}})};
+  c.run = [=](backend& be, const case_tensors& t) {
+    adamw_args a{t["master"].matrix(), t["exp_avg"].matrix(), t["exp_avg_sq"].matrix(), t["grad"].matrix(),
+                 with_weights ? t["weights"].matrix() : mat_view{}};
+    a.lr = 1e-3f;
+    a.weight_decay = 0.1f;
+    a.grad_scale = 0.8f;
+    a.step = step;
+    ops::adamw(be, a);
+  };
+  c.bytes = static_cast<double>(n) * (7 * 4 + (with_weights ? dtype_size(work) : 0));
+  return c;
+}
+
+op_entry adamw_entry() {
+  return {"adamw",
+          [] {
+            return std::vector<op_case>{adamw_case(1000, true, 1, dtype::f32), adamw_case(37, true, 3, dtype::f32),
+                                        adamw_case(515, false, 2, dtype::f32)};
+          },
+          [](std::int64_t tokens, dtype work) { return adamw_case(tokens * 1024, true, 1, work); }};
+}
+
+// The fp64 result goes into a (1 x 1) f32 tensor to be compared like any output.
+op_case sum_squares_case(std::int64_t rows, std::int64_t cols, std::int64_t pad) {
+  op_case c;
+  c.size = dims_text({{"rows", rows}, {"cols", cols}, {"ld", cols + pad}});
+  c.tensors = {{.name = "x", .type = case_dtype::f32, .dims = {rows, cols + pad}},
+               out({.name = "sum", .type = case_dtype::f32, .dims = {1, 1}})};
+  c.run = [cols](backend& be, const case_tensors& t) {
+    const auto sum = static_cast<float>(ops::sum_squares(be, cols_of(t["x"], cols)));
+    be.upload_f32(t["sum"], &sum);
+  };
+  c.bytes = 4.0 * static_cast<double>(rows) * static_cast<double>(cols);
+  return c;
+}
+
+op_entry sum_squares_entry() {
+  return {"sum_squares",
+          [] { return std::vector<op_case>{sum_squares_case(1, 100000, 0), sum_squares_case(37, 300, 5)}; },
+          [](std::int64_t tokens, dtype) { return sum_squares_case(1, tokens * 1024, 0); }};
+}
+
+std::vector<op_entry> build_registry() {
+  return {gemm_entry(),
+          sdpa_forward_entry(),
+          sdpa_backward_entry(),
+          rope_entry(),
+          rmsnorm_forward_entry(),
+          rmsnorm_backward_entry(),
+          heads_entry("copy_heads", copy_heads_case),
+          heads_entry("add_heads", add_heads_case),
+          heads_entry("fill_heads", fill_heads_case),
+          lse_merge_entry(),
+          embedding_forward_entry(),
+          embedding_backward_entry(),
+          swiglu_forward_entry(),
+          swiglu_backward_entry(),
+          cross_entropy_entry(),
+          adamw_entry(),
+          sum_squares_entry()};
+}
+
+}  // namespace
+
+const std::vector<op_entry>& op_registry() {
+  static const std::vector<op_entry> entries = build_registry();
+  return entries;
+}
+
+}  // namespace upipe

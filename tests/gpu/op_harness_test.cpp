@@ -1,0 +1,54 @@
+// Every registered op (backend/op_registry.cpp) on the cuda backend against the cpu
+// reference, one test per op: the same seeded inputs (bf16-rounded where the GPU stores
+// bf16), every compared output's normalized error within its tolerance. A new op is
+// compared the day it is registered. Skipped when no CUDA device is present.
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <memory>
+#include <string>
+
+#include "backend/op_harness.hpp"
+#include "backend/op_registry.hpp"
+
+namespace upipe {
+namespace {
+
+bool have_device() {
+  int count = 0;
+  return cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
+}
+
+std::string op_name(const ::testing::TestParamInfo<op_entry>& info) { return info.param.name; }
+
+class gpu_registered_op : public ::testing::TestWithParam<op_entry> {
+ protected:
+  static void SetUpTestSuite() {
+    if (!have_device()) return;
+    const memory_limits limits{std::size_t{1} << 30, std::size_t{64} << 20};
+    cpu_ = make_cpu_backend(limits);
+    gpu_ = make_backend(backend_kind::cuda, limits);
+  }
+  static void TearDownTestSuite() {
+    gpu_.reset();
+    cpu_.reset();
+  }
+  void SetUp() override {
+    if (!have_device()) GTEST_SKIP() << "no CUDA device";
+  }
+  static inline std::unique_ptr<backend> cpu_, gpu_;
+};
+
+TEST_P(gpu_registered_op, matches_the_cpu_reference) {
+  std::uint64_t seed = 1;
+  for (const op_case& c : GetParam().test_cases()) {
+    SCOPED_TRACE(c.size);
+    for (const output_error& e : compare_with_reference(*cpu_, *gpu_, c, seed++))
+      EXPECT_TRUE(e.ok()) << e.output << " error " << e.error << " > " << e.tolerance;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(every, gpu_registered_op, ::testing::ValuesIn(op_registry()), op_name);
+
+}  // namespace
+}  // namespace upipe
