@@ -104,11 +104,16 @@ std::vector<cp_settings> configurations(const plan_request& r) {
   std::vector<cp_settings> out;
   for (strategy_kind kind : r.strategies) {
     if (kind == strategy_kind::upipe) {
-      // UPipe with U = H over chunks is fpdt: planned once, as fpdt, when fpdt is planned.
+      // Sequence chunks at the smallest U only: U heads x S/N tokens is the attention's
+      // working set and the chunks' K/V in host memory do not depend on U, so for every N
+      // the smallest U reaches at least as far as any larger one (each (U, N) is a search of
+      // its own, dozens of meta steps of H/U x N attention calls per layer). UPipe with
+      // U = H over chunks is fpdt: planned once, as fpdt, when fpdt is planned.
       const bool fpdt = std::find(r.strategies.begin(), r.strategies.end(), strategy_kind::fpdt) != r.strategies.end();
-      for (int u : valid_head_chunks(r.model.num_heads, r.gpus))
+      const std::vector<int> us = valid_head_chunks(r.model.num_heads, r.gpus);
+      for (int u : us)
         for (int n : r.seq_chunks)
-          if (!(fpdt && u == r.model.num_heads && n > 1)) out.push_back({kind, r.gpus, u, 1, n});
+          if (n == 1 || (u == us.front() && !(fpdt && u == r.model.num_heads))) out.push_back({kind, r.gpus, u, 1, n});
     } else if (kind == strategy_kind::fpdt) {
       for (int n : r.seq_chunks)
         if (n >= 2) out.push_back({kind, r.gpus, r.model.num_heads, 1, n});
