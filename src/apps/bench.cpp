@@ -175,28 +175,18 @@ int run(const bench_flags& f) {
         o.seq_len = s;
         o.cp = {strategy, C, u};
         o.zero = f.optimizer == "none" ? zero_stage::replicated : (f.zero == 3 ? zero_stage::three : zero_stage::two);
+        o.step = {f.mlp_tile, f.loss_chunk, fixed_policy};
+        f.comm.apply(o.step);
+        o.step.lora = lora;
         o.optim.total_steps = 1 + f.repeats;
         o.optim.warmup_steps = 0;
         o.seed = f.seed;
         o.eval_samples = 0;
         o.backend = kind;
         o.comm = f.comm.options();
-        step_request sizes;
-        sizes.model = m;
-        sizes.cp = o.cp;
-        sizes.seq_len = s;
-        sizes.zero = o.zero;
-        sizes.lora = lora;
-        sizes.backend = kind;
-        sizes.memory_gib = f.memory_gib;
-        sizes.host_memory_gib = f.host_memory_gib;
-        sizes.policy = fixed_policy;
-        sizes.mlp_tile = f.mlp_tile;
-        sizes.loss_chunk = f.loss_chunk;
-        const resolved_step resolved = resolve_step(sizes);
+        const resolved_step resolved = resolve_step(sizes_of(o, f.memory_gib, f.host_memory_gib));
         o.step = resolved.step;
         o.limits = resolved.limits;
-        f.comm.apply(o.step);
         if (auto_policy) {
           const plan_point chosen = choose_checkpoint_policy(o, f.memory_gib, f.host_memory_gib);
           std::printf("# %s U=%d S=%lld: checkpoint policy %s (auto: the fastest that fits)\n", name.c_str(), u,

@@ -133,15 +133,9 @@ eval_setup setup(const eval_flags& f) {
   require_within(f.samples, 1, limits::samples, "--samples", "8");
   std::int64_t longest = 0;
   for (const std::int64_t L : parse_lengths(f.seq_lens, f.samples)) longest = std::max(longest, L);
-  step_request sizes;  // forward only: checkpoints on the device, the default host pool
-  sizes.model = s.req.model;
-  sizes.cp = s.req.cp;
-  sizes.seq_len = longest;
-  sizes.backend = s.req.backend;
-  sizes.memory_gib = f.memory_gib;
-  sizes.mlp_tile = f.mlp_tile;
-  sizes.loss_chunk = f.loss_chunk;
-  const resolved_step resolved = resolve_step(sizes);
+  // Forward only: checkpoints on the device, the default host pool.
+  s.req.options = {f.mlp_tile, f.loss_chunk, checkpoint_policy{}};
+  const resolved_step resolved = resolve_step(sizes_of(s.req, longest, f.memory_gib, 0));
   s.req.options = resolved.step;
   s.req.limits = resolved.limits;
   s.directory = model_directory(f.model, f.config_path);

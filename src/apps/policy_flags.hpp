@@ -15,36 +15,16 @@ namespace upipe::apps {
 
 inline bool is_auto_policy(const std::string& text) { return text == "auto"; }
 
-// What `o` asks of the step's sizes (its tile and chunk already resolved), for budgets of
-// memory_gib and host_memory_gib per rank.
-inline step_request sizes_request(const train_options& o, double memory_gib, double host_memory_gib) {
-  step_request r;
-  r.model = o.model;
-  r.cp = o.cp;
-  r.seq_len = o.seq_len;
-  r.batch = o.batch;
-  r.zero = o.zero;
-  r.offload = {o.offload_optimizer, o.offload_params};
-  r.lora = o.step.lora;
-  r.backend = o.backend;
-  r.memory_gib = memory_gib;
-  r.host_memory_gib = host_memory_gib;
-  r.policy = o.step.policy;
-  r.mlp_tile = o.step.mlp_tile;
-  r.loss_chunk = o.step.loss_chunk;
-  return r;
-}
-
 // auto: sets o.step.policy and o.limits to the planner's fastest policy whose step fits a
 // GPU arena of memory_gib per rank (beside the GPU context the planner adds) and the pinned
 // host pool, 2% kept free; o must be resolved (resolve_step) for these budgets, so that the
 // planned step is the one that runs.
 inline plan_point choose_checkpoint_policy(train_options& o, double memory_gib, double host_memory_gib) {
-  step_request sizes = sizes_request(o, memory_gib, host_memory_gib);
+  step_request sizes = sizes_of(o, memory_gib, host_memory_gib);
   // As on the GPU whatever the backend, so that meta predicts the GPU's choice.
   step_request on_gpu = sizes;
   on_gpu.backend = backend_kind::cuda;
-  on_gpu.policy.where = checkpoint_location::host_pinned;
+  on_gpu.step.policy.where = checkpoint_location::host_pinned;
   plan_request r;
   r.model = o.model;
   r.gpus = o.cp.cp;
@@ -65,7 +45,7 @@ inline plan_point choose_checkpoint_policy(train_options& o, double memory_gib, 
                        " per rank: raise --memory-gib or --host-memory-gib, shorten --seq-len, or run `upipe plan` "
                        "to see what fits");
   }
-  sizes.policy = chosen.policy;
+  sizes.step.policy = chosen.policy;
   o.step.policy = chosen.policy;
   o.limits = resolve_step(sizes).limits;
   return chosen;

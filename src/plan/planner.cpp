@@ -38,20 +38,11 @@ train_options probe_options(const plan_request& r, const cp_settings& cp, std::i
   o.backend = backend_kind::meta;
   // The probe's arenas are unbounded (meta, with the GPU's library workspaces); the tile and
   // chunk are those of the planned GPU's arena, the GPU memory less the context.
-  step_request sizes;
-  sizes.model = r.model;
-  sizes.cp = cp;
-  sizes.seq_len = seq_len;
-  sizes.zero = r.zero;
-  sizes.offload = {r.offload_optimizer, r.offload_params};
-  sizes.lora = r.lora;
-  sizes.backend = backend_kind::meta;
+  o.step = {r.mlp_tile, r.loss_chunk, policy};
+  o.step.lora = r.lora;
   const std::size_t arena = r.gpu_memory > context_bytes ? r.gpu_memory - context_bytes : r.gpu_memory;
-  sizes.memory_gib = static_cast<double>(arena) / (1 << 30);  // exact: a power-of-two scale
-  sizes.policy = policy;
-  sizes.mlp_tile = r.mlp_tile;
-  sizes.loss_chunk = r.loss_chunk;
-  const resolved_step resolved = resolve_step(sizes);
+  const double arena_gib = static_cast<double>(arena) / (1 << 30);  // exact: a power-of-two scale
+  const resolved_step resolved = resolve_step(sizes_of(o, arena_gib, 0));
   o.step = resolved.step;
   o.limits = resolved.limits;
   return o;

@@ -3,7 +3,6 @@
 #include "core/error.hpp"
 #include "core/limits.hpp"
 #include "cp/stage_plan.hpp"
-#include "model/model_step.hpp"
 
 namespace upipe {
 namespace {
@@ -22,7 +21,7 @@ constexpr std::size_t host_margin = std::size_t{64} << 20;
 std::size_t offload_host_bytes(const step_request& r) {
   if (!r.offload.optimizer) return 0;
   const dtype work = working_dtype(r.backend);
-  return (r.lora.enabled() ? lora_offloaded_optimizer_bytes(r.model, r.lora, r.cp.cp, work)
+  return (r.step.lora.enabled() ? lora_offloaded_optimizer_bytes(r.model, r.step.lora, r.cp.cp, work)
                            : offloaded_bytes(r.model, r.cp.cp, work, r.zero, r.offload, r.batch)) +
          host_margin;
 }
@@ -59,11 +58,38 @@ memory_limits run_limits(backend_kind kind, double memory_gib, checkpoint_locati
   return limits;
 }
 
+step_request sizes_of(const train_options& o, double memory_gib, double host_memory_gib) {
+  step_request r;
+  r.model = o.model;
+  r.cp = o.cp;
+  r.seq_len = o.seq_len;
+  r.batch = o.batch;
+  r.zero = o.zero;
+  r.offload = {o.offload_optimizer, o.offload_params};
+  r.backend = o.backend;
+  r.memory_gib = memory_gib;
+  r.host_memory_gib = host_memory_gib;
+  r.step = o.step;
+  return r;
+}
+
+step_request sizes_of(const model_step_request& req, std::int64_t seq_len, double memory_gib,
+                      double host_memory_gib) {
+  step_request r;
+  r.model = req.model;
+  r.cp = req.cp;
+  r.seq_len = seq_len;
+  r.backend = req.backend;
+  r.memory_gib = memory_gib;
+  r.host_memory_gib = host_memory_gib;
+  r.step = req.options;
+  return r;
+}
+
 resolved_step resolve_step(const step_request& r) {
   resolved_step out;
-  out.step = with_default_sizes({r.mlp_tile, r.loss_chunk, r.policy}, r.model, gpu_arena_bytes(r.memory_gib));
-  out.step.lora = r.lora;
-  out.limits = run_limits(r.backend, r.memory_gib, r.policy.where, r.host_memory_gib);
+  out.step = with_default_sizes(r.step, r.model, gpu_arena_bytes(r.memory_gib));
+  out.limits = run_limits(r.backend, r.memory_gib, r.step.policy.where, r.host_memory_gib);
   out.limits.host_bytes += offload_host_bytes(r) + chunk_host_bytes(r);
   return out;
 }

@@ -10,8 +10,10 @@
 
 #include "backend/backend.hpp"
 #include "model/lora.hpp"
+#include "model/model_step.hpp"
 #include "model/parameter_store.hpp"
 #include "model/transformer.hpp"
+#include "train/trainer.hpp"
 
 namespace upipe {
 
@@ -22,7 +24,6 @@ struct step_request {
   std::int64_t batch = 1;    // sequences a step accumulates (the offloaded gradients' size)
   zero_stage zero = zero_stage::two;
   offload_options offload;
-  lora_config lora;
   backend_kind backend = backend_kind::cpu;
   // The GPU arena per rank, GiB: the tile and chunk are sized for it whatever the backend,
   // so that a meta or cpu run takes the sizes the GPU run would.
@@ -30,15 +31,21 @@ struct step_request {
   // The host pool per rank, GiB; 0: 16 MiB on the GPU with checkpoints on the device, else
   // memory_gib.
   double host_memory_gib = 0;
-  checkpoint_policy policy;
-  std::int64_t mlp_tile = 0;    // tokens; 0: sized for the arena (with_default_sizes)
-  std::int64_t loss_chunk = 0;  // tokens; 0: sized for the arena
+  // The step as asked: its checkpoint policy, LoRA and the rest; a tile or loss chunk of 0
+  // is sized for the arena (with_default_sizes).
+  step_options step;
 };
 
 struct resolved_step {
-  step_options step;     // the tile, the loss chunk, the checkpoint policy and LoRA
+  step_options step;     // the request's, with the tile and the loss chunk
   memory_limits limits;  // the arenas the backend reserves: the pool, the offload, the chunks' K/V
 };
+
+// What a training run's options ask of its sizes (their step as it stands), and what a
+// model step's ask for sequences of up to seq_len tokens.
+step_request sizes_of(const train_options& o, double memory_gib, double host_memory_gib);
+step_request sizes_of(const model_step_request& req, std::int64_t seq_len, double memory_gib,
+                      double host_memory_gib);
 
 // Checks the budgets (--memory-gib, --host-memory-gib: positive, at most a pebibyte, named
 // in the error) and resolves every size.

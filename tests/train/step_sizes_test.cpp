@@ -32,8 +32,8 @@ TEST(step_sizes, tile_and_chunk_are_the_gpu_arenas_on_every_backend) {
     EXPECT_EQ(s.step.loss_chunk, gpu.loss_chunk);
   }
   step_request given = llama(backend_kind::cpu);
-  given.mlp_tile = 512;
-  given.loss_chunk = 100;
+  given.step.mlp_tile = 512;
+  given.step.loss_chunk = 100;
   const resolved_step s = resolve_step(given);
   EXPECT_EQ(s.step.mlp_tile, 512);
   EXPECT_EQ(s.step.loss_chunk, 100);
@@ -43,12 +43,12 @@ TEST(step_sizes, arenas_follow_the_policy_the_offload_and_the_chunks) {
   step_request r = llama(backend_kind::cuda);
   EXPECT_EQ(resolve_step(r).limits.device_bytes, 80 * gib);
   EXPECT_EQ(resolve_step(r).limits.host_bytes, 16 * mib);  // checkpoints on the device: staging only
-  r.policy.where = checkpoint_location::host_pinned;
+  r.step.policy.where = checkpoint_location::host_pinned;
   EXPECT_EQ(resolve_step(r).limits.host_bytes, 80 * gib);
   EXPECT_FALSE(resolve_step(r).limits.host_pageable);
-  r.policy.where = checkpoint_location::host_pageable;
+  r.step.policy.where = checkpoint_location::host_pageable;
   EXPECT_TRUE(resolve_step(r).limits.host_pageable);
-  r.policy.where = checkpoint_location::device;
+  r.step.policy.where = checkpoint_location::device;
   r.host_memory_gib = 2;
   EXPECT_EQ(resolve_step(r).limits.host_bytes, 2 * gib);
 
@@ -83,7 +83,7 @@ TEST(step_sizes, budgets_are_checked_and_named) {
   r.host_memory_gib = -1;
   refused(r, "--host-memory-gib -1 must lie between 0");
   r.host_memory_gib = 0;
-  r.mlp_tile = -3;
+  r.step.mlp_tile = -3;
   refused(r, "--mlp-tile -3 and --loss-chunk 0 must be positive token counts");
 }
 
