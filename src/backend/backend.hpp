@@ -1,6 +1,8 @@
 // A backend: memory (one arena allocator for device tags, one for host tags, both
-// feeding the rank's ledger) and the ops' implementations. Model and strategy code
-// never asks which backend it runs on; it calls the op entries in backend/ops.hpp.
+// feeding the rank's ledger), copies, streams and synchronization, and run(op), which
+// dispatches an op's argument struct to the backend's implementation of it. Model and
+// strategy code never asks which backend it runs on; it calls the op entries in
+// backend/ops.hpp.
 #pragma once
 
 #include <chrono>
@@ -139,25 +141,9 @@ class backend {
     if (left_transposed) gemm_count_.left_transposed += flops;
   }
 
-  // Op implementations; call them through the checked entries in backend/ops.hpp.
-  virtual void gemm(const gemm_args& args) = 0;
-  virtual void sdpa_forward(const sdpa_forward_args& args) = 0;
-  virtual void sdpa_backward(const sdpa_backward_args& args) = 0;
-  virtual void rope(const rope_args& args) = 0;
-  virtual void rmsnorm_forward(const rmsnorm_forward_args& args) = 0;
-  virtual void rmsnorm_backward(const rmsnorm_backward_args& args) = 0;
-  virtual void copy_heads(const head_view& dst, const head_view& src) = 0;
-  virtual void add_heads(const head_view& dst, const head_view& src) = 0;
-  virtual void fill_heads(const head_view& dst, float value) = 0;
-  virtual void lse_merge(const lse_merge_args& args) = 0;
-  virtual void embedding_forward(const embedding_forward_args& args) = 0;
-  virtual void embedding_backward(const embedding_backward_args& args) = 0;
-  virtual void swiglu_forward(const swiglu_forward_args& args) = 0;
-  virtual void swiglu_backward(const swiglu_backward_args& args) = 0;
-  virtual void cross_entropy(const cross_entropy_args& args) = 0;
-  virtual void adamw(const adamw_args& args) = 0;
-  // Sum of squares of an f32 vector, accumulated in fp64 (gradient norms).
-  virtual double sum_squares(const mat_view& x) = 0;
+  // Runs one op (its argument struct, ops/op_args.hpp). Call it through the checked
+  // entries in backend/ops.hpp, which check the arguments first.
+  virtual void run(const op& args) = 0;
 
  protected:
   // Base addresses of the two arenas; nullptr on meta. Set by the derived constructor.

@@ -205,7 +205,7 @@ void gemm(backend& be, const gemm_args& args) {
                                 (tb ? " (b is transposed)" : "")));
   check_dims(op, "c", args.c, m, n);
   be.count_gemm(2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k), ta);
-  be.gemm(args);
+  be.run(args);
 }
 
 static void check_documents(const char* op, const document_mask& m) {
@@ -227,7 +227,7 @@ void sdpa_forward(backend& be, const sdpa_forward_args& args) {
   check_type(op, "out", args.out, be.work_dtype(), be.work_dtype());
   check_dims(op, "out", args.out, args.q.tokens, args.q.heads, args.q.dim);
   check_row_scalar(op, "lse", args.lse, args.q);
-  be.sdpa_forward(args);
+  be.run(args);
 }
 
 void sdpa_backward(backend& be, const sdpa_backward_args& args) {
@@ -250,7 +250,7 @@ void sdpa_backward(backend& be, const sdpa_backward_args& args) {
                                    std::pair{"d_v", &args.d_v}})
     check_type(op, name, *view, be.work_dtype(), be.work_dtype());
   check_row_scalar(op, "lse", args.lse, q);
-  be.sdpa_backward(args);
+  be.run(args);
 }
 
 void rope(backend& be, const rope_args& args) {
@@ -259,7 +259,7 @@ void rope(backend& be, const rope_args& args) {
   UPIPE_CHECK(args.x.dim % 2 == 0, fail("rope", "x", args.x, "head dim must be even (rotate-half pairs i, i + d/2)"));
   check_rope_config(args.config);
   check_position_runs(args);
-  be.rope(args);
+  be.run(args);
 }
 
 void rmsnorm_forward(backend& be, const rmsnorm_forward_args& args) {
@@ -276,7 +276,7 @@ void rmsnorm_forward(backend& be, const rmsnorm_forward_args& args) {
   check_dims(op, "y", args.y, rows, cols);
   check_dims(op, "rstd", args.rstd, rows, 1);
   UPIPE_CHECK(args.eps >= 0.0f, "ops::rmsnorm_forward: eps " + std::to_string(args.eps) + " must be >= 0 (e.g. 1e-5)");
-  be.rmsnorm_forward(args);
+  be.run(args);
 }
 
 void rmsnorm_backward(backend& be, const rmsnorm_backward_args& args) {
@@ -298,7 +298,7 @@ void rmsnorm_backward(backend& be, const rmsnorm_backward_args& args) {
   check_dims(op, "d_y", args.d_y, rows, cols);
   check_dims(op, "d_x", args.d_x, rows, cols);
   check_dims(op, "rstd", args.rstd, rows, 1);
-  be.rmsnorm_backward(args);
+  be.run(args);
 }
 
 void copy_heads(backend& be, const head_view& dst, const head_view& src) {
@@ -307,7 +307,7 @@ void copy_heads(backend& be, const head_view& dst, const head_view& src) {
   check_arithmetic("copy_heads", "dst", dst);
   check_arithmetic("copy_heads", "src", src);
   check_dims("copy_heads", "dst", dst, src.tokens, src.heads, src.dim);
-  be.copy_heads(dst, src);
+  be.run(copy_heads_args{dst, src});
 }
 
 void add_heads(backend& be, const head_view& dst, const head_view& src) {
@@ -317,13 +317,13 @@ void add_heads(backend& be, const head_view& dst, const head_view& src) {
   check_work_or_f32(be, "add_heads", "dst", dst);
   check_arithmetic("add_heads", "src", src);
   check_dims("add_heads", "dst", dst, src.tokens, src.heads, src.dim);
-  be.add_heads(dst, src);
+  be.run(add_heads_args{dst, src});
 }
 
 void fill_heads(backend& be, const head_view& dst, float value) {
   check_layout("fill_heads", "dst", dst);
   check_arithmetic("fill_heads", "dst", dst);
-  be.fill_heads(dst, value);
+  be.run(fill_heads_args{dst, value});
 }
 
 void lse_merge(backend& be, const lse_merge_args& args) {
@@ -335,7 +335,7 @@ void lse_merge(backend& be, const lse_merge_args& args) {
   check_dims(op, "out_part", args.out_part, args.out.tokens, args.out.heads, args.out.dim);
   check_row_scalar(op, "lse", args.lse, args.out);
   check_row_scalar(op, "lse_part", args.lse_part, args.out);
-  be.lse_merge(args);
+  be.run(args);
 }
 
 // Ids outside [0, V) can only be seen where the data lives: the implementations check them.
@@ -348,7 +348,7 @@ void embedding_forward(backend& be, const embedding_forward_args& args) {
   check_index_column(op, "ids", args.ids, args.out.rows);
   UPIPE_CHECK(args.out.cols == args.table.cols,
               fail(op, "out", args.out, "cols must equal the table's (" + std::to_string(args.table.cols) + ")"));
-  be.embedding_forward(args);
+  be.run(args);
 }
 
 void embedding_backward(backend& be, const embedding_backward_args& args) {
@@ -360,7 +360,7 @@ void embedding_backward(backend& be, const embedding_backward_args& args) {
   check_index_column(op, "ids", args.ids, args.d_out.rows);
   UPIPE_CHECK(args.d_table.cols == args.d_out.cols,
               fail(op, "d_table", args.d_table, "cols must equal d_out's (" + std::to_string(args.d_out.cols) + ")"));
-  be.embedding_backward(args);
+  be.run(args);
 }
 
 void swiglu_forward(backend& be, const swiglu_forward_args& args) {
@@ -371,7 +371,7 @@ void swiglu_forward(backend& be, const swiglu_forward_args& args) {
     check_type(op, name, *view, be.work_dtype(), be.work_dtype());
     check_dims(op, name, *view, args.gate.rows, args.gate.cols);
   }
-  be.swiglu_forward(args);
+  be.run(args);
 }
 
 // d_gate and d_up may alias gate and up (in place); the implementations read an
@@ -388,7 +388,7 @@ void swiglu_backward(backend& be, const swiglu_backward_args& args) {
                                    std::pair{"d_gate", &args.d_gate}, std::pair{"d_up", &args.d_up}})
     check_type(op, name, *view, be.work_dtype(), be.work_dtype());
   check_type(op, "d_out", args.d_out, be.work_dtype(), dtype::f32);
-  be.swiglu_backward(args);
+  be.run(args);
 }
 
 // Labels >= V can only be seen where the data lives: the implementations check them.
@@ -403,7 +403,7 @@ void cross_entropy(backend& be, const cross_entropy_args& args) {
   check_dims(op, "row_loss", args.row_loss, rows, 1);
   UPIPE_CHECK(std::isfinite(args.grad_scale), "ops::cross_entropy: grad_scale " + std::to_string(args.grad_scale) +
                                                   " must be finite (e.g. 1 / the number of unmasked tokens)");
-  be.cross_entropy(args);
+  be.run(args);
 }
 
 // master, the moments and the gradient are (1 x n) f32; weights is the working-dtype
@@ -421,13 +421,15 @@ void adamw(backend& be, const adamw_args& args) {
     check_dims(op, "weights", args.weights, 1, n);
   }
   check_adamw_scalars(args);
-  be.adamw(args);
+  be.run(args);
 }
 
 double sum_squares(backend& be, const mat_view& x) {
   check_matrix("sum_squares", "x", x);
   check_type("sum_squares", "x", x, dtype::f32, dtype::f32);
-  return be.sum_squares(x);
+  double result = 0.0;  // meta leaves it
+  be.run(sum_squares_args{x, &result});
+  return result;
 }
 
 }  // namespace upipe::ops

@@ -1,5 +1,5 @@
-// The op entries: each checks shapes, dtypes and strides, then calls the backend's
-// implementation. Only the entries check; implementations trust their arguments.
+// The op entries: each checks shapes, dtypes and strides, then runs the op on the
+// backend (backend::run with its argument struct). Only the entries check; implementations trust their arguments.
 #pragma once
 
 #include "backend/backend.hpp"

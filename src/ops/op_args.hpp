@@ -1,9 +1,11 @@
 // Arguments of the ops, shared by the op entries (backend/ops.hpp) and the backends that
-// implement them. Views carry dtypes and strides; the entries check them.
+// implement them. Views carry dtypes and strides; the entries check them. An op is its
+// argument struct: `op` below holds any of them, and a backend runs one with run(op).
 #pragma once
 
 #include <cstdint>
 #include <span>
+#include <variant>
 
 #include "core/tensor.hpp"
 
@@ -119,6 +121,21 @@ struct rmsnorm_backward_args {
   mat_view x, weight, rstd, d_y, d_x, d_weight;
 };
 
+// dst = src elementwise (pack/unpack of the all-to-all layouts, dtype conversion).
+struct copy_heads_args {
+  head_view dst, src;
+};
+
+// dst += src elementwise; dst is f32 or the working dtype.
+struct add_heads_args {
+  head_view dst, src;
+};
+
+struct fill_heads_args {
+  head_view dst;
+  float value = 0.0f;
+};
+
 // Merges a partial attention result into fp32 accumulators (ring attention):
 // lse = log(exp(lse) + exp(lse_part)); out = out * exp(old - lse) + part * exp(lse_part - lse).
 struct lse_merge_args {
@@ -172,5 +189,19 @@ struct adamw_args {
   float lr = 0, beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f, weight_decay = 0, grad_scale = 1;
   std::int64_t step = 1;  // t, from 1, for the bias corrections
 };
+
+// *result (host memory) = the sum of squares of an f32 matrix, accumulated in fp64
+// (gradient norms). The backend has written it when run() returns; meta leaves it.
+struct sum_squares_args {
+  mat_view x;
+  double* result = nullptr;
+};
+
+// One op, as its arguments. A backend runs it with one std::visit over overloads of its
+// implementations, one per alternative.
+using op = std::variant<gemm_args, sdpa_forward_args, sdpa_backward_args, rope_args, rmsnorm_forward_args,
+                        rmsnorm_backward_args, copy_heads_args, add_heads_args, fill_heads_args, lse_merge_args,
+                        embedding_forward_args, embedding_backward_args, swiglu_forward_args, swiglu_backward_args,
+                        cross_entropy_args, adamw_args, sum_squares_args>;
 
 }  // namespace upipe

@@ -33,7 +33,7 @@ void run_piece(const host_shard& s, const host_work& w, std::int64_t a, std::int
                     static_cast<float>(u.lr), static_cast<float>(u.config.beta1), static_cast<float>(u.config.beta2),
                     static_cast<float>(u.config.eps), static_cast<float>(r.decay ? u.config.weight_decay : 0.0),
                     static_cast<float>(u.grad_scale), u.step};
-    cpu::adamw(args);
+    cpu::run(args);
   }
 }
 

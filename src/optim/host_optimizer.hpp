@@ -2,8 +2,8 @@
 // the host pool (docs/design.md section 5): a later micro-batch's gradients added into
 // the shard, the squares summed by block (the global norm), and AdamW with the working
 // copy written. Every operation is elementwise or a block sum of a fixed layout, so the
-// pieces the pool runs give the cpu backend's very values: ops/cpu (cpu::adamw,
-// cpu::sum_squares) is the code that runs.
+// pieces the pool runs give the cpu backend's very values: ops/cpu (cpu::run of
+// adamw_args and of sum_squares_args) is the code that runs.
 #pragma once
 
 #include <cstdint>
@@ -50,7 +50,7 @@ struct host_work {
 
 // Blocks of the sum of squares a shard of n elements has.
 std::int64_t sum_blocks(std::int64_t n);
-// The shard's gradient squares summed as cpu::sum_squares sums them, from block_sums.
+// The shard's gradient squares summed as cpu::run(sum_squares_args) sums them, from block_sums.
 double add_blocks(const std::vector<double>& block_sums);
 
 // Adds the work's pieces (at most max_piece elements each, on block boundaries) to `batch`.

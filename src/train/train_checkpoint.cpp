@@ -550,8 +550,9 @@ void merge_adapter(const std::string& base_dir, const std::string& adapter_dir, 
         // W (out, in) += s B (out, r) A (r, in), in fp32 with the cpu backend's GEMM.
         std::vector<float>& b = adapters.at(stem + ".lora_B.weight");
         const std::int64_t out = spec.shape[0], in = spec.shape[1], r = settings.lora.rank;
-        cpu::gemm({{b.data(), dtype::f32, out, r, r}, transpose::none, {a->second.data(), dtype::f32, r, in, in},
-                   transpose::none, {w.data(), dtype::f32, out, in, in}, scale, 1.0f});
+        cpu::run(gemm_args{{b.data(), dtype::f32, out, r, r}, transpose::none,
+                           {a->second.data(), dtype::f32, r, in, in}, transpose::none,
+                           {w.data(), dtype::f32, out, in, in}, scale, 1.0f});
       }
       writer.write(spec.name, w);
     }

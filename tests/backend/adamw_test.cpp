@@ -211,7 +211,7 @@ TEST(adamw, every_lane_and_split_rounds_as_the_scalar_formula) {
       piece.exp_avg_sq = s.exp_avg_sq.view.col_block(a, len);
       piece.grad = s.grad.view.col_block(a, len);
       piece.weights = bf16_weights.matrix().col_block(a, len);
-      cpu::adamw(piece);
+      cpu::run(piece);
     }
     for (std::int64_t j = 0; j < n; ++j) {
       ASSERT_EQ(std::bit_cast<std::uint32_t>(s.master(0, j)), std::bit_cast<std::uint32_t>(p[j])) << "step " << t << ", " << j;
@@ -250,7 +250,7 @@ TEST(adamw, cpu_implementation_rounds_a_bf16_weights_copy) {
   tensor bf16_weights = be->allocate_zeroed(mem_tag::activations, dtype::bf16, shape{1, 11}, "weights");
   adamw_args a = s.args(1e-2f, 0.1f, 1.0f, 1);
   a.weights = bf16_weights.matrix();
-  cpu::adamw(a);
+  cpu::run(a);
   for (std::int64_t j = 0; j < 11; ++j)
     EXPECT_EQ(bf16_weights.as<std::uint16_t>()[j], float_to_bf16(s.master(0, j))) << j;
 }

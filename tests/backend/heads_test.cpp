@@ -126,8 +126,8 @@ TEST(add_heads, accumulates_into_a_bf16_dst_rounding_once) {
   for (std::int64_t i = 0; i < dst.numel(); ++i) want[i] = bf16_to_float(dst.as<std::uint16_t>()[i]);
   // Heads 1..2 only: the others must keep their bits.
   const head_view inner = dst.heads().head_block(1, 2);
-  be->add_heads(inner, a.heads().head_block(1, 2));
-  be->add_heads(inner, b.heads().head_block(1, 2));
+  be->run(add_heads_args{inner, a.heads().head_block(1, 2)});
+  be->run(add_heads_args{inner, b.heads().head_block(1, 2)});
   int rounded = 0;
   for (std::int64_t t = 0; t < tokens; ++t)
     for (std::int64_t h = 0; h < heads; ++h)

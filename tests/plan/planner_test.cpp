@@ -23,8 +23,8 @@ double workspace_mib(std::int64_t sq, std::int64_t h, std::int64_t hk, std::int6
   auto be = make_backend(backend_kind::meta, {std::size_t{1} << 40, std::size_t{1} << 30, true});
   const head_view q{nullptr, dtype::bf16, sq, h, d, h * d, d}, kv{nullptr, dtype::bf16, sq, hk, d, hk * d, d};
   const head_view lse{nullptr, dtype::f32, sq, h, 1, h, 1};
-  be->sdpa_forward({q, kv, kv, q, lse, attn_mask::causal, 1.0f});
-  be->sdpa_backward({q, kv, kv, q, q, lse, q, kv, kv, attn_mask::causal, 1.0f});
+  be->run(sdpa_forward_args{q, kv, kv, q, lse, attn_mask::causal, 1.0f});
+  be->run(sdpa_backward_args{q, kv, kv, q, q, lse, q, kv, kv, attn_mask::causal, 1.0f});
   return static_cast<double>(be->ledger().current(mem_tag::workspace)) / mib;
 }
 

@@ -3,6 +3,7 @@
 #include <sys/mman.h>
 
 #include <cstring>
+#include <variant>
 
 #include "backend/backend.hpp"
 #include "core/error.hpp"
@@ -71,23 +72,9 @@ class cpu_backend final : public backend {
     for (std::int64_t i = 0; i < n; ++i) host[i] = bf16_to_float(in[i]);
   }
 
-  void gemm(const gemm_args& a) override { cpu::gemm(a); }
-  void sdpa_forward(const sdpa_forward_args& a) override { cpu::sdpa_forward(a); }
-  void sdpa_backward(const sdpa_backward_args& a) override { cpu::sdpa_backward(a); }
-  void rope(const rope_args& a) override { cpu::rope(a); }
-  void rmsnorm_forward(const rmsnorm_forward_args& a) override { cpu::rmsnorm_forward(a); }
-  void rmsnorm_backward(const rmsnorm_backward_args& a) override { cpu::rmsnorm_backward(a); }
-  void copy_heads(const head_view& d, const head_view& s) override { cpu::copy_heads(d, s); }
-  void add_heads(const head_view& d, const head_view& s) override { cpu::add_heads(d, s); }
-  void fill_heads(const head_view& d, float v) override { cpu::fill_heads(d, v); }
-  void lse_merge(const lse_merge_args& a) override { cpu::lse_merge(a); }
-  void embedding_forward(const embedding_forward_args& a) override { cpu::embedding_forward(a); }
-  void embedding_backward(const embedding_backward_args& a) override { cpu::embedding_backward(a); }
-  void swiglu_forward(const swiglu_forward_args& a) override { cpu::swiglu_forward(a); }
-  void swiglu_backward(const swiglu_backward_args& a) override { cpu::swiglu_backward(a); }
-  void cross_entropy(const cross_entropy_args& a) override { cpu::cross_entropy(a); }
-  void adamw(const adamw_args& a) override { cpu::adamw(a); }
-  double sum_squares(const mat_view& x) override { return cpu::sum_squares(x); }
+  void run(const op& args) override {
+    std::visit([](const auto& a) { cpu::run(a); }, args);
+  }
 
  protected:
   // Give large freed blocks' pages back so resident memory follows the ledger.

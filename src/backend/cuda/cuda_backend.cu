@@ -17,6 +17,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <variant>
 #include <vector>
 
 #include "backend/backend.hpp"
@@ -59,24 +60,6 @@ __global__ void bf16_to_f32_kernel(const std::uint16_t* in, float* out, std::int
   const std::int64_t stride = static_cast<std::int64_t>(blockDim.x) * gridDim.x;
   for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride)
     out[i] = from_bf16_bits(in[i]);
-}
-
-// c = beta * c over a strided matrix; beta == 0 writes zeros without reading c (a GEMM
-// with k == 0, which cuBLASLt does not take).
-__global__ void scale_matrix_kernel(void* data, bool bf16, std::int64_t rows, std::int64_t cols, std::int64_t ld,
-                                    float beta) {
-  const std::int64_t n = rows * cols;
-  const std::int64_t stride = static_cast<std::int64_t>(blockDim.x) * gridDim.x;
-  for (std::int64_t idx = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < n; idx += stride) {
-    const std::int64_t at = idx / cols * ld + idx % cols;
-    if (bf16) {
-      auto* c = static_cast<std::uint16_t*>(data);
-      c[at] = beta == 0.0f ? std::uint16_t{0} : to_bf16_bits(beta * from_bf16_bits(c[at]));
-    } else {
-      auto* c = static_cast<float*>(data);
-      c[at] = beta == 0.0f ? 0.0f : beta * c[at];
-    }
-  }
 }
 
 std::string gib(std::size_t bytes) {
@@ -351,68 +334,13 @@ class cuda_backend final : public backend {
     synchronize();
   }
 
-  void gemm(const gemm_args& a) override;
-  void sdpa_forward(const sdpa_forward_args& a) override {
+  void run(const op& args) override {
     use_device();
-    sdpa_engine_->forward(a);
+    std::visit([this](const auto& a) { cuda::run(a, context_); }, args);
+    // The host reads sum_squares' result once run() returns.
+    if (const auto* s = std::get_if<sum_squares_args>(&args); s != nullptr && s->x.rows > 0 && s->x.cols > 0)
+      synchronize();
   }
-  void sdpa_backward(const sdpa_backward_args& a) override {
-    use_device();
-    sdpa_engine_->backward(a);
-  }
-  void rope(const rope_args& a) override {
-    use_device();
-    cuda::rope(a, stream_);
-  }
-  void rmsnorm_forward(const rmsnorm_forward_args& a) override {
-    use_device();
-    cuda::rmsnorm_forward(a, stream_);
-  }
-  void rmsnorm_backward(const rmsnorm_backward_args& a) override {
-    use_device();
-    cuda::rmsnorm_backward(a, stream_);
-  }
-  void copy_heads(const head_view& d, const head_view& s) override {
-    use_device();
-    cuda::copy_heads(d, s, stream_);
-  }
-  void add_heads(const head_view& d, const head_view& s) override {
-    use_device();
-    cuda::add_heads(d, s, stream_);
-  }
-  void fill_heads(const head_view& d, float v) override {
-    use_device();
-    cuda::fill_heads(d, v, stream_);
-  }
-  void lse_merge(const lse_merge_args& a) override {
-    use_device();
-    cuda::lse_merge(a, stream_);
-  }
-  void embedding_forward(const embedding_forward_args& a) override {
-    use_device();
-    cuda::embedding_forward(a, stream_);
-  }
-  void embedding_backward(const embedding_backward_args& a) override {
-    use_device();
-    cuda::embedding_backward(a, stream_);
-  }
-  void swiglu_forward(const swiglu_forward_args& a) override {
-    use_device();
-    cuda::swiglu_forward(a, stream_);
-  }
-  void swiglu_backward(const swiglu_backward_args& a) override {
-    use_device();
-    cuda::swiglu_backward(a, stream_);
-  }
-  void cross_entropy(const cross_entropy_args& a) override {
-    use_device();
-    cuda::cross_entropy(a, stream_);
-  }
-  void adamw(const adamw_args& a) override {
-    use_device();
-    cuda::adamw(a, stream_);
-  }
-  double sum_squares(const mat_view& x) override;
 
  protected:
   void record_mark(std::size_t index) override {
@@ -451,7 +379,6 @@ class cuda_backend final : public backend {
   void acquire(std::size_t device_bytes, std::size_t host_bytes, bool host_pageable);
   void release_all() noexcept;
   void* engine_scratch(std::size_t bytes, const char* label);
-  void scale_matrix(const mat_view& c, float beta);
 
   int device_;
   cudaStream_t stream_ = nullptr;
@@ -465,6 +392,7 @@ class cuda_backend final : public backend {
   std::vector<tensor> scratch_;       // the engines' cached workspaces (tag workspace)
   std::unique_ptr<cuda::gemm_engine> gemm_engine_;
   std::unique_ptr<cuda::sdpa_engine> sdpa_engine_;
+  cuda::context context_;  // what the ops run with: stream_, the engines, sum_result_
   std::size_t driver_peak_ = 0;
   std::vector<cudaEvent_t> marks_;  // phase timing's events, reused
   std::map<std::uint64_t, cudaEvent_t> side_points_;  // side_point()s not yet joined
@@ -522,6 +450,7 @@ void cuda_backend::acquire(std::size_t device_bytes, std::size_t host_bytes, boo
       stream_, [this](std::size_t bytes) { return engine_scratch(bytes, "cublaslt_workspace"); });
   sdpa_engine_ = std::make_unique<cuda::sdpa_engine>(
       stream_, [this](std::size_t bytes) { return engine_scratch(bytes, "cudnn_workspace"); });
+  context_ = {stream_, gemm_engine_.get(), sdpa_engine_.get(), sum_result_};
 }
 
 // Never throws: a destructor (and a failed constructor) only logs.
@@ -535,6 +464,7 @@ void cuda_backend::release_all() noexcept {
   side_points_.clear();
   sdpa_engine_.reset();  // engines before the workspaces they hold (their destructors only log)
   gemm_engine_.reset();
+  context_ = {};
   scratch_.clear();
   if (sum_result_ != nullptr) log_cuda(cudaFree(sum_result_), "cudaFree(sum_squares result)");
   if (device_base_ != nullptr) log_cuda(cudaFree(device_base_), "cudaFree(arena)");
@@ -621,35 +551,6 @@ void cuda_backend::download_f32(float* host, const tensor& src) {
   }
   UPIPE_CUDA_CHECK(cudaFreeAsync(staging, stream_));
   synchronize();
-}
-
-void cuda_backend::gemm(const gemm_args& a) {
-  if (a.c.rows == 0 || a.c.cols == 0) return;
-  use_device();
-  const std::int64_t k = a.trans_a == transpose::yes ? a.a.rows : a.a.cols;
-  if (k == 0) {
-    scale_matrix(a.c, a.beta);
-    return;
-  }
-  gemm_engine_->run(a);
-}
-
-void cuda_backend::scale_matrix(const mat_view& c, float beta) {
-  if (beta == 1.0f) return;
-  const std::int64_t n = c.rows * c.cols;
-  scale_matrix_kernel<<<elementwise_launch::blocks(n), elementwise_launch::threads, 0, stream_>>>(
-      c.data, c.type == dtype::bf16, c.rows, c.cols, c.ld, beta);
-  UPIPE_CUDA_CHECK(cudaGetLastError());
-}
-
-double cuda_backend::sum_squares(const mat_view& x) {
-  if (x.rows == 0 || x.cols == 0) return 0.0;
-  use_device();
-  cuda::sum_squares(x, sum_result_, stream_);
-  double result = 0.0;
-  UPIPE_CUDA_CHECK(cudaMemcpyAsync(&result, sum_result_, sizeof(double), cudaMemcpyDeviceToHost, stream_));
-  synchronize();
-  return result;
 }
 
 }  // namespace

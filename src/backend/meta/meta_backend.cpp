@@ -3,6 +3,7 @@
 // step at millions of tokens runs in milliseconds and reports the exact peak.
 #include "backend/backend.hpp"
 
+#include <variant>
 #include <vector>
 
 #include "ops/gemm_workspace.hpp"
@@ -12,7 +13,6 @@
 namespace upipe {
 
 namespace {
-
 
 class meta_backend final : public backend {
  public:
@@ -30,32 +30,25 @@ class meta_backend final : public backend {
   void upload_bytes(const tensor&, const void*, std::size_t) override {}
   void download_bytes(void*, const tensor&, std::size_t) override {}
 
-  void gemm(const gemm_args&) override {}
+  void run(const op& args) override {
+    std::visit([this](const auto& a) { model(a); }, args);
+  }
+
+ private:
+  // What an op does on meta: nothing, unless the CUDA backend's implementation of it holds
+  // a workspace, whose reservation is modelled here.
+  template <class args_type>
+  void model(const args_type&) {}
   // As the CUDA engine, no plan (and no workspace) for a call where nothing attends.
-  void sdpa_forward(const sdpa_forward_args& a) override {
+  void model(const sdpa_forward_args& a) {
     if (gpu_workspaces_ && attends(a.q, a.k))
       grow_cudnn_workspace(sdpa_forward_workspace_bytes(a.q.tokens, a.q.heads));
   }
-  void sdpa_backward(const sdpa_backward_args& a) override {
+  void model(const sdpa_backward_args& a) {
     if (gpu_workspaces_ && attends(a.q, a.k))
       grow_cudnn_workspace(sdpa_backward_workspace_bytes(a.q.tokens, a.q.heads, a.q.dim, a.k.tokens, a.mask));
   }
-  void rope(const rope_args&) override {}
-  void rmsnorm_forward(const rmsnorm_forward_args&) override {}
-  void rmsnorm_backward(const rmsnorm_backward_args&) override {}
-  void copy_heads(const head_view&, const head_view&) override {}
-  void add_heads(const head_view&, const head_view&) override {}
-  void fill_heads(const head_view&, float) override {}
-  void lse_merge(const lse_merge_args&) override {}
-  void embedding_forward(const embedding_forward_args&) override {}
-  void embedding_backward(const embedding_backward_args&) override {}
-  void swiglu_forward(const swiglu_forward_args&) override {}
-  void swiglu_backward(const swiglu_backward_args&) override {}
-  void cross_entropy(const cross_entropy_args&) override {}
-  void adamw(const adamw_args&) override {}
-  double sum_squares(const mat_view&) override { return 0.0; }
 
- private:
   static bool attends(const head_view& q, const head_view& k) {
     return q.tokens > 0 && q.heads > 0 && q.dim > 0 && k.tokens > 0;
   }

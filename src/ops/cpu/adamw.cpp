@@ -84,7 +84,7 @@ UPIPE_SIMD_CLONES void add_loop(float* __restrict dst, const float* __restrict s
 
 void accumulate(float* dst, const float* src, std::int64_t n) { add_loop(dst, src, n); }
 
-void adamw(const adamw_args& args) {
+void run(const adamw_args& args) {
   const adamw_coefficients c = adamw_coefficients_of(args);
   const std::int64_t n = args.master.cols;
   auto* master = static_cast<float*>(args.master.data);
@@ -107,14 +107,15 @@ void sum_squares_blocks(const float* x, std::int64_t n, double* block_sums) {
   }
 }
 
-double sum_squares(const mat_view& x) {
+void run(const sum_squares_args& args) {
+  const mat_view& x = args.x;
   double sum = 0.0;
   for (std::int64_t r = 0; r < x.rows; ++r) {
     const float* row = static_cast<const float*>(x.data) + r * x.ld;
     for (std::int64_t begin = 0; begin < x.cols; begin += sum_squares_block)
       sum += lane_sum_squares(row + begin, x.cols - begin < sum_squares_block ? x.cols - begin : sum_squares_block);
   }
-  return sum;
+  *args.result = sum;
 }
 
 }  // namespace upipe::cpu

@@ -105,14 +105,14 @@ void write_rows(const head_view& dst, std::int64_t g, const std::vector<double>&
 
 }  // namespace
 
-void sdpa_forward(const sdpa_forward_args& args) {
+void run(const sdpa_forward_args& args) {
   const std::int64_t group = args.q.heads / args.k.heads;
   std::vector<double> scores(static_cast<std::size_t>(args.k.tokens)), acc(static_cast<std::size_t>(args.q.dim));
   for (std::int64_t h = 0; h < args.q.heads; ++h)
     for (std::int64_t i = 0; i < args.q.tokens; ++i) forward_row(args, i, h, h / group, scores, acc);
 }
 
-void sdpa_backward(const sdpa_backward_args& args) {
+void run(const sdpa_backward_args& args) {
   const std::int64_t group = args.q.heads / args.k.heads, d = args.q.dim;
   std::vector<double> d_q(static_cast<std::size_t>(d));
   kv_grads kv;
@@ -126,7 +126,7 @@ void sdpa_backward(const sdpa_backward_args& args) {
   }
 }
 
-void lse_merge(const lse_merge_args& args) {
+void run(const lse_merge_args& args) {
   const std::int64_t d = args.out.dim;
   for (std::int64_t t = 0; t < args.out.tokens; ++t) {
     for (std::int64_t h = 0; h < args.out.heads; ++h) {

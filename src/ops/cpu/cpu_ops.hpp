@@ -1,5 +1,5 @@
-// The CPU reference implementations (fp32 math; plain loops). The cpu backend forwards
-// its op calls here; the entries in ops/ops.hpp have already checked the arguments.
+// The CPU reference implementations (fp32 math; plain loops). The cpu backend runs its
+// ops here; the entries in ops/ops.hpp have already checked the arguments.
 #pragma once
 
 #include <cstdint>
@@ -8,23 +8,25 @@
 
 namespace upipe::cpu {
 
-void gemm(const gemm_args& args);
-void sdpa_forward(const sdpa_forward_args& args);
-void sdpa_backward(const sdpa_backward_args& args);
-void rope(const rope_args& args);
-void rmsnorm_forward(const rmsnorm_forward_args& args);
-void rmsnorm_backward(const rmsnorm_backward_args& args);
-void copy_heads(const head_view& dst, const head_view& src);
-void add_heads(const head_view& dst, const head_view& src);
-void fill_heads(const head_view& dst, float value);
-void lse_merge(const lse_merge_args& args);
-void embedding_forward(const embedding_forward_args& args);
-void embedding_backward(const embedding_backward_args& args);
-void swiglu_forward(const swiglu_forward_args& args);
-void swiglu_backward(const swiglu_backward_args& args);
-void cross_entropy(const cross_entropy_args& args);
-void adamw(const adamw_args& args);
-double sum_squares(const mat_view& x);
+// One overload per op, named run so that the cpu backend dispatches an `op` with one
+// std::visit.
+void run(const gemm_args& args);
+void run(const sdpa_forward_args& args);
+void run(const sdpa_backward_args& args);
+void run(const rope_args& args);
+void run(const rmsnorm_forward_args& args);
+void run(const rmsnorm_backward_args& args);
+void run(const copy_heads_args& args);
+void run(const add_heads_args& args);
+void run(const fill_heads_args& args);
+void run(const lse_merge_args& args);
+void run(const embedding_forward_args& args);
+void run(const embedding_backward_args& args);
+void run(const swiglu_forward_args& args);
+void run(const swiglu_backward_args& args);
+void run(const cross_entropy_args& args);
+void run(const adamw_args& args);
+void run(const sum_squares_args& args);
 // sum_squares adds the sums of blocks of this many elements in order; block_sums[b] gets
 // block b's sum of x[0, n), so that the blocks of a long shard may be summed on several
 // cores and added afterwards to the same value.

@@ -46,7 +46,7 @@ double loss_and_gradient(float* x, std::int64_t vocab, std::int32_t label, doubl
 
 }  // namespace
 
-void cross_entropy(const cross_entropy_args& args) {
+void run(const cross_entropy_args& args) {
   const std::int64_t vocab = args.logits.cols;
   check_labels(args.labels, vocab);
   for (std::int64_t r = 0; r < args.logits.rows; ++r) {

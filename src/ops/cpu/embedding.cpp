@@ -31,7 +31,7 @@ void check_ids(const char* op, const mat_view& ids, std::int64_t vocab) {
 
 }  // namespace
 
-void embedding_forward(const embedding_forward_args& args) {
+void run(const embedding_forward_args& args) {
   check_ids("embedding_forward", args.ids, args.table.rows);
   const std::int64_t dim = args.table.cols;
   for (std::int64_t r = 0; r < args.ids.rows; ++r) {
@@ -41,7 +41,7 @@ void embedding_forward(const embedding_forward_args& args) {
 }
 
 // Rows are added in order, so repeated ids accumulate deterministically.
-void embedding_backward(const embedding_backward_args& args) {
+void run(const embedding_backward_args& args) {
   check_ids("embedding_backward", args.ids, args.d_table.rows);
   const std::int64_t dim = args.d_table.cols;
   for (std::int64_t r = 0; r < args.ids.rows; ++r) {

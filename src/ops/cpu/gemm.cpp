@@ -65,7 +65,7 @@ __attribute__((target_clones("avx2", "default"))) void rows_times_panel(const fl
 
 }  // namespace
 
-void gemm(const gemm_args& args) {
+void run(const gemm_args& args) {
   const std::int64_t m = args.c.rows, n = args.c.cols;
   const std::int64_t k = args.trans_a == transpose::yes ? args.a.rows : args.a.cols;
   auto* c = static_cast<float*>(args.c.data);

@@ -38,7 +38,9 @@ void store_row(const head_view& v, std::int64_t t, std::int64_t h, const float* 
 
 }  // namespace
 
-void copy_heads(const head_view& dst, const head_view& src) {
+void run(const copy_heads_args& args) {
+  const head_view& dst = args.dst;
+  const head_view& src = args.src;
   std::vector<float> row(static_cast<std::size_t>(src.dim));
   for (std::int64_t t = 0; t < src.tokens; ++t)
     for (std::int64_t h = 0; h < src.heads; ++h) {
@@ -48,7 +50,9 @@ void copy_heads(const head_view& dst, const head_view& src) {
 }
 
 // The sum is formed in fp32 and stored once, so a bf16 dst rounds once per add.
-void add_heads(const head_view& dst, const head_view& src) {
+void run(const add_heads_args& args) {
+  const head_view& dst = args.dst;
+  const head_view& src = args.src;
   std::vector<float> sum(static_cast<std::size_t>(src.dim)), row(static_cast<std::size_t>(src.dim));
   for (std::int64_t t = 0; t < src.tokens; ++t)
     for (std::int64_t h = 0; h < src.heads; ++h) {
@@ -59,7 +63,9 @@ void add_heads(const head_view& dst, const head_view& src) {
     }
 }
 
-void fill_heads(const head_view& dst, float value) {
+void run(const fill_heads_args& args) {
+  const head_view& dst = args.dst;
+  const float value = args.value;
   std::vector<float> row(static_cast<std::size_t>(dst.dim), value);
   for (std::int64_t t = 0; t < dst.tokens; ++t)
     for (std::int64_t h = 0; h < dst.heads; ++h) store_row(dst, t, h, row.data());

@@ -14,7 +14,7 @@ float* mutable_row_of(const mat_view& m, std::int64_t i) { return static_cast<fl
 
 }  // namespace
 
-void rmsnorm_forward(const rmsnorm_forward_args& args) {
+void run(const rmsnorm_forward_args& args) {
   const std::int64_t cols = args.x.cols;
   const float* weight = row_of(args.weight, 0);
   for (std::int64_t r = 0; r < args.x.rows; ++r) {
@@ -30,7 +30,7 @@ void rmsnorm_forward(const rmsnorm_forward_args& args) {
 }
 
 // With g = d_y * weight: d_x = rstd * (g - x * rstd^2 * mean(g * x)); d_weight += d_y * x * rstd.
-void rmsnorm_backward(const rmsnorm_backward_args& args) {
+void run(const rmsnorm_backward_args& args) {
   const std::int64_t cols = args.x.cols;
   const float* weight = row_of(args.weight, 0);
   float* d_weight = args.d_weight.rows > 0 ? mutable_row_of(args.d_weight, 0) : nullptr;  // none: frozen

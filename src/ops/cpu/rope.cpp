@@ -9,7 +9,7 @@
 
 namespace upipe::cpu {
 
-void rope(const rope_args& args) {
+void run(const rope_args& args) {
   const head_view& x = args.x;
   const std::int64_t half = x.dim / 2;
   if (half == 0) return;

@@ -22,7 +22,7 @@ double sigmoid(double x) {
 
 }  // namespace
 
-void swiglu_forward(const swiglu_forward_args& args) {
+void run(const swiglu_forward_args& args) {
   const std::int64_t cols = args.gate.cols;
   for (std::int64_t r = 0; r < args.gate.rows; ++r) {
     const float* gate = row_of(args.gate, r);
@@ -36,7 +36,7 @@ void swiglu_forward(const swiglu_forward_args& args) {
 }
 
 // d_gate = d_out * up * silu'(gate), silu'(x) = s (1 + x (1 - s)); d_up = d_out * silu(gate).
-void swiglu_backward(const swiglu_backward_args& args) {
+void run(const swiglu_backward_args& args) {
   const std::int64_t cols = args.gate.cols;
   for (std::int64_t r = 0; r < args.gate.rows; ++r) {
     const float* gate = row_of(args.gate, r);

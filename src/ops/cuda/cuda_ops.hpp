@@ -1,6 +1,7 @@
 // The CUDA implementations of the ops (bf16 storage, fp32 accumulation), behind plain
 // launchers: pointers and sizes come in the same argument structs as on the CPU, plus
-// the stream. Only CUDA translation units and GPU tests include this header.
+// a context (the stream, the library engines, scratch). Only CUDA translation units and
+// GPU tests include this header.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -13,29 +14,46 @@
 
 namespace upipe::cuda {
 
-// Elementwise, normalization, layout and loss kernels (ops/cuda/*.cu). Every launcher
-// checks its launch with UPIPE_CUDA_CHECK and returns without synchronizing.
-void rmsnorm_forward(const rmsnorm_forward_args& args, cudaStream_t stream);
-void rmsnorm_backward(const rmsnorm_backward_args& args, cudaStream_t stream);
-void rope(const rope_args& args, cudaStream_t stream);
-void swiglu_forward(const swiglu_forward_args& args, cudaStream_t stream);
-void swiglu_backward(const swiglu_backward_args& args, cudaStream_t stream);
-void embedding_forward(const embedding_forward_args& args, cudaStream_t stream);
-void embedding_backward(const embedding_backward_args& args, cudaStream_t stream);
-void cross_entropy(const cross_entropy_args& args, cudaStream_t stream);
-void adamw(const adamw_args& args, cudaStream_t stream);
-void copy_heads(const head_view& dst, const head_view& src, cudaStream_t stream);
-void add_heads(const head_view& dst, const head_view& src, cudaStream_t stream);
-void fill_heads(const head_view& dst, float value, cudaStream_t stream);
-void lse_merge(const lse_merge_args& args, cudaStream_t stream);
+class gemm_engine;
+class sdpa_engine;
+
+// What an op runs with on the GPU: the backend's stream, its library engines and its
+// device scratch. A launcher that needs only the stream takes context{.stream = s}.
+struct context {
+  cudaStream_t stream = nullptr;
+  gemm_engine* gemm = nullptr;    // gemm_args
+  sdpa_engine* sdpa = nullptr;    // sdpa_forward_args, sdpa_backward_args
+  double* sum_result = nullptr;   // (1) f64 device memory, sum_squares_args
+};
+
+// One launcher per op, named run so that the CUDA backend dispatches an `op` with one
+// std::visit (ops/cuda/*.cu, gemm_cublaslt.cpp, sdpa_cudnn.cpp). Every launcher checks
+// its launch with UPIPE_CUDA_CHECK and returns without synchronizing, except where a
+// result goes to host memory (sum_squares: copied on the stream, read once it is done).
+void run(const gemm_args& args, const context& ctx);
+void run(const sdpa_forward_args& args, const context& ctx);
+void run(const sdpa_backward_args& args, const context& ctx);
+void run(const rope_args& args, const context& ctx);
+void run(const rmsnorm_forward_args& args, const context& ctx);
+void run(const rmsnorm_backward_args& args, const context& ctx);
+void run(const copy_heads_args& args, const context& ctx);
+void run(const add_heads_args& args, const context& ctx);
+void run(const fill_heads_args& args, const context& ctx);
+void run(const lse_merge_args& args, const context& ctx);
+void run(const embedding_forward_args& args, const context& ctx);
+void run(const embedding_backward_args& args, const context& ctx);
+void run(const swiglu_forward_args& args, const context& ctx);
+void run(const swiglu_backward_args& args, const context& ctx);
+void run(const cross_entropy_args& args, const context& ctx);
+void run(const adamw_args& args, const context& ctx);
+void run(const sum_squares_args& args, const context& ctx);
+
 // Attention where the one query row sees one key (a one-token document), which cuDNN
 // refuses: out = v, lse = scale q.k; backward d_v = the group's summed d_out, d_q = d_k = 0.
 void single_key_attention_forward(const sdpa_forward_args& args, cudaStream_t stream);
 void single_key_attention_backward(const sdpa_backward_args& args, cudaStream_t stream);
+// dst[i] += src[i] (the communicators' fp32 reduction).
 void add_f32(float* dst, const float* src, std::size_t count, cudaStream_t stream);
-// Sum of squares of an f32 matrix into *result (device memory, one double), accumulated
-// in fp64.
-void sum_squares(const mat_view& x, double* result, cudaStream_t stream);
 
 // Device scratch for the library engines, taken from the backend's arena (tag
 // workspace) so the ledger sees it.

@@ -178,7 +178,8 @@ void gemm_engine::run(const gemm_args& args) {
   key.n = args.c.cols;
   key.k = ta ? args.a.rows : args.a.cols;
   if (key.m == 0 || key.n == 0) return;
-  UPIPE_CHECK(key.k > 0, "gemm_engine::run: k == 0 leaves c = beta * c, which the backend does without cuBLASLt");
+  UPIPE_CHECK(key.k > 0,
+              "gemm_engine::run: k == 0 leaves c = beta * c, which cuda::run(gemm_args) does without cuBLASLt");
   if (args.a.type != args.b.type)
     throw internal_error("gemm_engine: a is " + std::string(dtype_name(args.a.type)) + " but b is " +
                          std::string(dtype_name(args.b.type)) + "; cuBLASLt needs one input dtype (convert one first)");

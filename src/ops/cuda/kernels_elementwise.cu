@@ -1,5 +1,6 @@
 // Elementwise kernels: SwiGLU forward and backward on bf16 (n, F) matrices (d_out bf16 or
-// f32), as ops/cpu/swiglu.cpp but in fp32, and the fp32 add of the communicators.
+// f32), as ops/cpu/swiglu.cpp but in fp32, the fp32 add of the communicators, and the
+// GEMM's launcher (cuBLASLt, or a scale of c where k == 0).
 // Grid-stride over 16-byte chunks when every row is 16-byte aligned, element by element
 // otherwise; matrices without row padding are walked as one long row.
 #include <cuda_runtime.h>
@@ -111,9 +112,40 @@ matrix_walk walk_of(std::initializer_list<mat_view> views) {
 
 operand operand_of(const mat_view& m) { return {m.data, m.ld}; }
 
+// c = beta * c over a strided matrix; beta == 0 writes zeros without reading c (a GEMM
+// with k == 0, which cuBLASLt does not take).
+template <class T>
+__global__ void scale_matrix_kernel(T* c, std::int64_t rows, std::int64_t cols, std::int64_t ld, float beta) {
+  const std::int64_t n = rows * cols;
+  const std::int64_t stride = static_cast<std::int64_t>(blockDim.x) * gridDim.x;
+  for (std::int64_t idx = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < n; idx += stride) {
+    const std::int64_t at = idx / cols * ld + idx % cols;
+    c[at] = from_float<T>(beta == 0.0f ? 0.0f : beta * to_float(c[at]));
+  }
+}
+
 }  // namespace
 
-void swiglu_forward(const swiglu_forward_args& args, cudaStream_t stream) {
+void run(const gemm_args& args, const context& ctx) {
+  const mat_view& c = args.c;
+  if (c.rows == 0 || c.cols == 0) return;
+  const std::int64_t k = args.trans_a == transpose::yes ? args.a.rows : args.a.cols;
+  if (k > 0) {
+    ctx.gemm->run(args);
+    return;
+  }
+  if (args.beta == 1.0f) return;
+  with_types(
+      [&](auto t) {
+        using T = typename decltype(t)::type;
+        launch("scale_matrix_kernel", scale_matrix_kernel<T>, grid_for_units(elementwise_config, c.rows * c.cols),
+               elementwise_config, 0, ctx.stream, static_cast<T*>(c.data), c.rows, c.cols, c.ld, args.beta);
+      },
+      c.type);
+}
+
+void run(const swiglu_forward_args& args, const context& ctx) {
+  const cudaStream_t stream = ctx.stream;
   const matrix_walk walk = walk_of({args.gate, args.up, args.out});
   if (walk.rows * walk.cols == 0) return;
   const swiglu_params params{walk.rows,           walk.cols, operand_of(args.gate), operand_of(args.up), {nullptr, 0},
@@ -123,7 +155,8 @@ void swiglu_forward(const swiglu_forward_args& args, cudaStream_t stream) {
          0, stream, params);
 }
 
-void swiglu_backward(const swiglu_backward_args& args, cudaStream_t stream) {
+void run(const swiglu_backward_args& args, const context& ctx) {
+  const cudaStream_t stream = ctx.stream;
   const matrix_walk walk = walk_of({args.gate, args.up, args.d_out, args.d_gate, args.d_up});
   if (walk.rows * walk.cols == 0) return;
   const swiglu_params params{walk.rows,

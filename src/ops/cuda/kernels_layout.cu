@@ -270,15 +270,18 @@ int embedding_group(std::int64_t units) { return pow2_at_least(units, max_row_gr
 
 }  // namespace
 
-void copy_heads(const head_view& dst, const head_view& src, cudaStream_t stream) {
-  heads_binary<combine::copy>("heads_binary_kernel<copy>", dst, src, stream);
+void run(const copy_heads_args& args, const context& ctx) {
+  heads_binary<combine::copy>("heads_binary_kernel<copy>", args.dst, args.src, ctx.stream);
 }
 
-void add_heads(const head_view& dst, const head_view& src, cudaStream_t stream) {
-  heads_binary<combine::add>("heads_binary_kernel<add>", dst, src, stream);
+void run(const add_heads_args& args, const context& ctx) {
+  heads_binary<combine::add>("heads_binary_kernel<add>", args.dst, args.src, ctx.stream);
 }
 
-void fill_heads(const head_view& dst, float value, cudaStream_t stream) {
+void run(const fill_heads_args& args, const context& ctx) {
+  const head_view& dst = args.dst;
+  const float value = args.value;
+  const cudaStream_t stream = ctx.stream;
   if (empty(dst)) return;
   const walked_views w = walk_views({dst}, {});
   with_types(
@@ -290,7 +293,8 @@ void fill_heads(const head_view& dst, float value, cudaStream_t stream) {
       dst.type);
 }
 
-void lse_merge(const lse_merge_args& args, cudaStream_t stream) {
+void run(const lse_merge_args& args, const context& ctx) {
+  const cudaStream_t stream = ctx.stream;
   if (args.out.tokens == 0 || args.out.heads == 0) return;
   const walked_views w = walk_views({args.out, args.out_part}, {args.lse, args.lse_part});
   with_types(
@@ -302,7 +306,8 @@ void lse_merge(const lse_merge_args& args, cudaStream_t stream) {
       args.out_part.type);
 }
 
-void embedding_forward(const embedding_forward_args& args, cudaStream_t stream) {
+void run(const embedding_forward_args& args, const context& ctx) {
+  const cudaStream_t stream = ctx.stream;
   const std::int64_t n = args.ids.rows, dim = args.table.cols;
   if (n == 0 || dim == 0) return;
   const bool vec = rows_aligned16(args.table.data, args.table.rows, args.table.ld, sizeof(bf16)) &&
@@ -323,7 +328,8 @@ void embedding_forward(const embedding_forward_args& args, cudaStream_t stream) 
          grid_size(layout_config, ceil_div(n, layout_config.threads / group)), layout_config, 0, stream, params);
 }
 
-void embedding_backward(const embedding_backward_args& args, cudaStream_t stream) {
+void run(const embedding_backward_args& args, const context& ctx) {
+  const cudaStream_t stream = ctx.stream;
   const std::int64_t n = args.ids.rows, dim = args.d_table.cols;
   if (n == 0 || dim == 0) return;
   const bool vec = rows_aligned16(args.d_table.data, args.d_table.rows, args.d_table.ld, sizeof(float)) &&
@@ -413,8 +419,8 @@ void single_key_attention_forward(const sdpa_forward_args& a, cudaStream_t strea
 }
 
 void single_key_attention_backward(const sdpa_backward_args& a, cudaStream_t stream) {
-  fill_heads(a.d_q, 0.0f, stream);
-  fill_heads(a.d_k, 0.0f, stream);
+  run(fill_heads_args{a.d_q, 0.0f}, context{.stream = stream});
+  run(fill_heads_args{a.d_k, 0.0f}, context{.stream = stream});
   const int hk = static_cast<int>(a.k.heads), group = static_cast<int>(a.q.heads / a.k.heads);
   with_types(
       [&](auto t) {

@@ -241,7 +241,8 @@ __global__ void __cluster_dims__(cluster_blocks, 1, 1)
 
 }  // namespace
 
-void cross_entropy(const cross_entropy_args& args, cudaStream_t stream) {
+void run(const cross_entropy_args& args, const context& ctx) {
+  const cudaStream_t stream = ctx.stream;
   const std::int64_t rows = args.logits.rows;
   if (rows == 0) return;
   const cross_entropy_params params{static_cast<float*>(args.logits.data),

@@ -188,7 +188,8 @@ int max_dynamic_shared_bytes() {
 
 }  // namespace
 
-void rmsnorm_forward(const rmsnorm_forward_args& args, cudaStream_t stream) {
+void run(const rmsnorm_forward_args& args, const context& ctx) {
+  const cudaStream_t stream = ctx.stream;
   const std::int64_t rows = args.x.rows, cols = args.x.cols;
   if (rows == 0) return;
   const rmsnorm_forward_params params{args.x.data, args.weight.data, args.y.data, static_cast<float*>(args.rstd.data),
@@ -224,7 +225,8 @@ void rmsnorm_forward(const rmsnorm_forward_args& args, cudaStream_t stream) {
       args.x.type, args.weight.type, args.y.type);
 }
 
-void rmsnorm_backward(const rmsnorm_backward_args& args, cudaStream_t stream) {
+void run(const rmsnorm_backward_args& args, const context& ctx) {
+  const cudaStream_t stream = ctx.stream;
   const std::int64_t rows = args.x.rows, cols = args.x.cols;
   if (rows == 0 || cols == 0) return;
   const auto shared_bytes = static_cast<std::size_t>(cols) * sizeof(float);

@@ -71,7 +71,8 @@ __global__ void __launch_bounds__(sum_squares_config.threads)
 
 }  // namespace
 
-void adamw(const adamw_args& args, cudaStream_t stream) {
+void run(const adamw_args& args, const context& ctx) {
+  const cudaStream_t stream = ctx.stream;
   const std::int64_t n = args.master.cols;
   if (n == 0) return;
   const bool write_weights = args.weights.data != nullptr && args.weights.cols > 0;
@@ -94,15 +95,20 @@ void adamw(const adamw_args& args, cudaStream_t stream) {
     launch("adamw_kernel<f32>", adamw_kernel<float>, grid, adamw_config, 0, stream, params);
 }
 
-void sum_squares(const mat_view& x, double* result, cudaStream_t stream) {
-  UPIPE_CUDA_CHECK(cudaMemsetAsync(result, 0, sizeof(double), stream));
+void run(const sum_squares_args& args, const context& ctx) {
+  const mat_view& x = args.x;
+  *args.result = 0.0;
   if (x.rows == 0 || x.cols == 0) return;
+  const cudaStream_t stream = ctx.stream;
+  double* result = ctx.sum_result;
+  UPIPE_CUDA_CHECK(cudaMemsetAsync(result, 0, sizeof(double), stream));
   const bool packed = x.rows <= 1 || x.ld == x.cols;
   const std::int64_t rows = packed ? 1 : x.rows, cols = packed ? x.rows * x.cols : x.cols;
   const bool vec = packed ? aligned16(x.data) : rows_aligned16(x.data, x.rows, x.ld, sizeof(float));
   const int grid = grid_for_units(sum_squares_config, rows * (vec ? ceil_div(cols, vec_width) : cols));
   launch("sum_squares_kernel", sum_squares_kernel, grid, sum_squares_config, 0, stream,
          static_cast<const float*>(x.data), rows, cols, x.ld, vec, result);
+  UPIPE_CUDA_CHECK(cudaMemcpyAsync(args.result, result, sizeof(double), cudaMemcpyDeviceToHost, stream));
 }
 
 }  // namespace upipe::cuda

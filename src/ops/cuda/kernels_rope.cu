@@ -132,7 +132,8 @@ void launch_rope(rope_params& params, std::int64_t tokens, cudaStream_t stream, 
 
 }  // namespace
 
-void rope(const rope_args& args, cudaStream_t stream) {
+void run(const rope_args& args, const context& ctx) {
+  const cudaStream_t stream = ctx.stream;
   const head_view& x = args.x;
   const std::int64_t half = x.dim / 2;
   if (half == 0 || x.heads == 0) return;

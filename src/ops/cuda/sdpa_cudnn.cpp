@@ -293,7 +293,7 @@ plan_key backward_key(const sdpa_backward_args& a, std::size_t version) {
 bool empty(const head_view& v) { return v.tokens == 0 || v.heads == 0 || v.dim == 0; }
 
 void zero(const head_view& v, cudaStream_t stream) {
-  if (!empty(v)) fill_heads(v, 0.0f, stream);
+  if (!empty(v)) run(fill_heads_args{v, 0.0f}, context{.stream = stream});
 }
 
 }  // namespace
@@ -413,12 +413,16 @@ Args rows_of(const Args& a, row_range q, row_range k, attn_mask mask) {
 
 }  // namespace
 
+void run(const sdpa_forward_args& args, const context& ctx) { ctx.sdpa->forward(args); }
+
+void run(const sdpa_backward_args& args, const context& ctx) { ctx.sdpa->backward(args); }
+
 void sdpa_engine::forward(const sdpa_forward_args& a) {
   if (empty(a.q)) return;
   if (a.documents.active()) {
     if (a.mask == attn_mask::none) {  // rows of later documents see no key
       zero(a.out, impl_->stream);
-      fill_heads(a.lse, -std::numeric_limits<float>::infinity(), impl_->stream);
+      run(fill_heads_args{a.lse, -std::numeric_limits<float>::infinity()}, context{.stream = impl_->stream});
     }
     for_each_document_call(a.documents, a.mask, a.q.tokens, a.k.tokens, [&](row_range q, row_range k, attn_mask mask) {
       if (q.count == 1 && k.count == 1)
@@ -430,7 +434,7 @@ void sdpa_engine::forward(const sdpa_forward_args& a) {
   }
   if (a.k.tokens == 0) {  // no keys: out 0 and lse -inf, which lse_merge ignores
     zero(a.out, impl_->stream);
-    fill_heads(a.lse, -std::numeric_limits<float>::infinity(), impl_->stream);
+    run(fill_heads_args{a.lse, -std::numeric_limits<float>::infinity()}, context{.stream = impl_->stream});
     return;
   }
   const plan_key key = forward_key(a, impl_->version);
@@ -442,7 +446,8 @@ void sdpa_engine::forward(const sdpa_forward_args& a) {
   std::unordered_map<std::int64_t, void*> pack{
       {uid_q, a.q.data}, {uid_k, a.k.data}, {uid_v, a.v.data}, {uid_o, a.out.data}, {uid_stats, stats}};
   impl_->execute(plan, pack);
-  if (key.stage_stats) copy_heads(a.lse, packed_stats_view(stats, a.lse), impl_->stream);
+  if (key.stage_stats)
+    run(copy_heads_args{a.lse, packed_stats_view(stats, a.lse)}, context{.stream = impl_->stream});
 }
 
 // The frontend keeps its fp32 dQ accumulator and row sums in the plan's workspace, laid out
@@ -482,7 +487,7 @@ void sdpa_engine::backward(const sdpa_backward_args& a) {
   void* stats = a.lse.data;
   if (key.stage_stats) {
     stats = impl_->staged_stats(plan);
-    copy_heads(packed_stats_view(stats, a.lse), a.lse, impl_->stream);
+    run(copy_heads_args{packed_stats_view(stats, a.lse), a.lse}, context{.stream = impl_->stream});
   }
   std::unordered_map<std::int64_t, void*> pack{
       {uid_q, a.q.data},     {uid_k, a.k.data},         {uid_v, a.v.data},
