@@ -21,7 +21,6 @@ Exits non-zero on any difference.
 """
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -29,22 +28,10 @@ import numpy as np
 import torch
 import transformers
 
+from checklib import check, failures, upipe
+
 ROOT = Path(__file__).resolve().parent.parent
 CHANGED = {"dtype", "torch_dtype", "max_position_embeddings", "transformers_version"}
-failures = []
-
-
-def upipe(binary, *args):
-    r = subprocess.run([binary, *map(str, args)], capture_output=True, text=True)
-    if r.returncode != 0:
-        sys.exit(f"upipe {' '.join(map(str, args))} failed:\n{r.stdout}\n{r.stderr}")
-    return r.stdout
-
-
-def check(ok, what):
-    print(("ok   " if ok else "FAIL ") + what)
-    if not ok:
-        failures.append(what)
 
 
 def hf_loss(directory, ids):

@@ -20,7 +20,6 @@ CPU in float32:
 Prints each number; exits non-zero on any difference.
 """
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -28,24 +27,12 @@ import numpy as np
 import peft
 import torch
 import transformers
+
+from checklib import check, failures, upipe
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parent.parent
 LORA = "r=4,alpha=8,targets=q,k,v,o,gate,up,down"
-failures = []
-
-
-def upipe(binary, *args):
-    r = subprocess.run([binary, *map(str, args)], capture_output=True, text=True)
-    if r.returncode != 0:
-        sys.exit(f"upipe {' '.join(map(str, args))} failed:\n{r.stdout}\n{r.stderr}")
-    return r.stdout
-
-
-def check(ok, what):
-    print(("ok   " if ok else "FAIL ") + what)
-    if not ok:
-        failures.append(what)
 
 
 def base_model(directory):

@@ -17,23 +17,15 @@
 #include "backend/backend.hpp"
 #include "backend/ops.hpp"
 #include "core/error.hpp"
+#include "gpu_support.hpp"
 
 namespace upipe {
 namespace {
 
-bool gpu_present() {
-  int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return false;
-  }
-  return count > 0;
-}
-
 class cuda_backend_test : public ::testing::Test {
  protected:
   void SetUp() override {
-    if (!gpu_present()) GTEST_SKIP() << "no CUDA device";
+    if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   }
 };
 

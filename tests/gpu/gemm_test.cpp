@@ -19,18 +19,10 @@
 #include "backend/backend.hpp"
 #include "backend/ops.hpp"
 #include "core/error.hpp"
+#include "gpu_support.hpp"
 
 namespace upipe {
 namespace {
-
-bool gpu_present() {
-  int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return false;
-  }
-  return count > 0;
-}
 
 constexpr memory_limits cpu_limits{std::size_t{1} << 30, 0};
 constexpr memory_limits gpu_limits{std::size_t{1} << 30, 0};
@@ -38,7 +30,7 @@ constexpr memory_limits gpu_limits{std::size_t{1} << 30, 0};
 class cuda_gemm_test : public ::testing::Test {
  protected:
   void SetUp() override {
-    if (!gpu_present()) GTEST_SKIP() << "no CUDA device";
+    if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
     cpu_ = make_cpu_backend(cpu_limits);
     gpu_ = make_cuda_backend(gpu_limits, 0);
   }

@@ -18,16 +18,10 @@
 #include "train/trainer.hpp"
 
 #include "../support/compare.hpp"
+#include "gpu_support.hpp"
 
 namespace upipe {
 namespace {
-
-bool have_gpu() {
-  int count = 0;
-  return cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
-}
-
-constexpr double bf16_tolerance = 2e-2;
 
 TEST(gpu_lora, adapter_step_matches_the_cpu_backend) {
   if (!have_gpu()) GTEST_SKIP() << "no GPU";

@@ -19,16 +19,10 @@
 #include "model/parameter_store.hpp"
 #include "ops/cpu/cpu_ops.hpp"
 #include "train/trainer.hpp"
+#include "gpu_support.hpp"
 
 namespace upipe {
 namespace {
-
-bool have_gpu() {
-  int count = 0;
-  return cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
-}
-
-constexpr double bf16_tolerance = 2e-2;
 
 TEST(gpu_offload, the_gpu_kernel_and_the_host_optimizer_give_the_same_bits) {
   if (!have_gpu()) GTEST_SKIP() << "no GPU";

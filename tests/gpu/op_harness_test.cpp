@@ -10,34 +10,14 @@
 
 #include "backend/op_harness.hpp"
 #include "backend/op_registry.hpp"
+#include "gpu_support.hpp"
 
 namespace upipe {
 namespace {
 
-bool have_device() {
-  int count = 0;
-  return cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
-}
-
 std::string op_name(const ::testing::TestParamInfo<op_entry>& info) { return info.param.name; }
 
-class gpu_registered_op : public ::testing::TestWithParam<op_entry> {
- protected:
-  static void SetUpTestSuite() {
-    if (!have_device()) return;
-    const memory_limits limits{std::size_t{1} << 30, std::size_t{64} << 20};
-    cpu_ = make_cpu_backend(limits);
-    gpu_ = make_backend(backend_kind::cuda, limits);
-  }
-  static void TearDownTestSuite() {
-    gpu_.reset();
-    cpu_.reset();
-  }
-  void SetUp() override {
-    if (!have_device()) GTEST_SKIP() << "no CUDA device";
-  }
-  static inline std::unique_ptr<backend> cpu_, gpu_;
-};
+class gpu_registered_op : public cpu_and_gpu<::testing::TestWithParam<op_entry>, 1024> {};
 
 TEST_P(gpu_registered_op, matches_the_cpu_reference) {
   std::uint64_t seed = 1;

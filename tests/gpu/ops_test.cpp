@@ -19,17 +19,13 @@
 #include "backend/backend.hpp"
 #include "backend/ops.hpp"
 #include "core/dtype.hpp"
+#include "gpu_support.hpp"
 
 namespace upipe {
 namespace {
 
 constexpr double bf16_tolerance = 2e-2;
 constexpr double f32_tolerance = 1e-5;
-
-bool have_device() {
-  int count = 0;
-  return cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
-}
 
 // A tensor on each backend holding the same values.
 struct twin {
@@ -51,22 +47,8 @@ double relative_error(const std::vector<float>& got, const std::vector<float>& w
   return scale > 0.0 ? err / scale : err;
 }
 
-class gpu_ops : public ::testing::Test {
+class gpu_ops : public cpu_and_gpu<::testing::Test, 256> {
  protected:
-  static void SetUpTestSuite() {
-    if (!have_device()) return;
-    const memory_limits limits{std::size_t{256} << 20, std::size_t{64} << 20};
-    cpu_ = make_cpu_backend(limits);
-    gpu_ = make_backend(backend_kind::cuda, limits);
-  }
-  static void TearDownTestSuite() {
-    gpu_.reset();
-    cpu_.reset();
-  }
-  void SetUp() override {
-    if (!have_device()) GTEST_SKIP() << "no CUDA device";
-  }
-
   static backend& cpu() { return *cpu_; }
   static backend& gpu() { return *gpu_; }
 
@@ -118,9 +100,6 @@ class gpu_ops : public ::testing::Test {
   static double error_of(const twin& t) { return relative_error(fetch(gpu(), t.on_gpu), fetch(cpu(), t.on_cpu)); }
 
   std::mt19937 rng_{20240611};
-
- private:
-  static inline std::unique_ptr<backend> cpu_, gpu_;
 };
 
 // ---------------------------------------------------------------------------------------

@@ -25,14 +25,10 @@
 #include "core/dtype.hpp"
 #include "core/error.hpp"
 #include "ops/cuda/cuda_ops.hpp"
+#include "gpu_support.hpp"
 
 namespace upipe {
 namespace {
-
-bool have_gpu() {
-  int count = 0;
-  return cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
-}
 
 constexpr double rel_tolerance = 2e-2;  // max|gpu - cpu| / max|cpu| for bf16 outputs
 constexpr double lse_tolerance = 1e-2;  // absolute, on the fp32 log-sum-exp

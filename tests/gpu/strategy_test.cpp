@@ -11,16 +11,10 @@
 #include "train/trainer.hpp"
 
 #include "../support/compare.hpp"
+#include "gpu_support.hpp"
 
 namespace upipe {
 namespace {
-
-bool have_gpu() {
-  int count = 0;
-  return cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
-}
-
-constexpr double bf16_tolerance = 2e-2;
 
 TEST(gpu_strategies, virtual_ranks_match_the_reference) {
   if (!have_gpu()) GTEST_SKIP() << "no GPU";

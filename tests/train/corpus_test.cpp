@@ -12,6 +12,7 @@
 #include "core/error.hpp"
 #include "train/data.hpp"
 #include "train/trainer.hpp"
+#include "train_support.hpp"
 
 namespace upipe {
 namespace {
@@ -122,12 +123,6 @@ train_options corpus_run(const std::string& prefix, packing_mode packing) {
   o.eval_samples = 0;
   o.limits = {std::size_t{256} << 20, std::size_t{64} << 20};
   return o;
-}
-
-std::vector<double> losses(const train_options& o) {
-  std::vector<double> out;
-  for (const step_record& r : train(o, nullptr).steps) out.push_back(r.loss);
-  return out;
 }
 
 // Training on a corpus: the documents mask the attention (the loss is not the stream's),

@@ -10,6 +10,7 @@
 #include "core/error.hpp"
 #include "model/adapter_files.hpp"
 #include "train/trainer.hpp"
+#include "train_support.hpp"
 
 namespace upipe {
 namespace {
@@ -28,12 +29,6 @@ train_options lora_run(strategy_kind kind, int cp, int chunk, zero_stage zero) {
   o.eval_samples = 0;
   o.limits = {std::size_t{256} << 20, std::size_t{64} << 20};
   return o;
-}
-
-std::vector<double> losses(const train_options& o) {
-  std::vector<double> out;
-  for (const step_record& r : train(o, nullptr).steps) out.push_back(r.loss);
-  return out;
 }
 
 std::filesystem::path temp(const std::string& name) {

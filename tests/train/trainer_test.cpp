@@ -9,6 +9,7 @@
 #include "core/error.hpp"
 #include "model/parameter_store.hpp"
 #include "train/trainer.hpp"
+#include "train_support.hpp"
 
 namespace upipe {
 namespace {
@@ -26,12 +27,6 @@ train_options base(strategy_kind kind, int cp, int chunk, zero_stage zero) {
   o.eval_samples = 0;
   o.limits = {std::size_t{256} << 20, std::size_t{64} << 20};
   return o;
-}
-
-std::vector<double> losses(const train_options& o) {
-  std::vector<double> out;
-  for (const step_record& r : train(o, nullptr).steps) out.push_back(r.loss);
-  return out;
 }
 
 TEST(trainer, twenty_steps_agree_across_strategies_and_zero_stages) {

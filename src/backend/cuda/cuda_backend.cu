@@ -362,6 +362,18 @@ class cuda_backend final : public backend {
   // Host conversions go through device staging of at most this many elements, so an
   // upload needs little memory beyond the arena.
   static constexpr std::int64_t staging_elements = std::int64_t{4} << 20;
+  // Converts n elements through an f32 staging buffer on the device, one chunk of at most
+  // staging_elements at a time: `chunk(staging, first, count)` issues that chunk's copy and
+  // kernel on the stream; the buffer is freed and the stream synchronized after the last.
+  template <class Chunk>
+  void through_staging(std::int64_t n, Chunk chunk) {
+    const std::int64_t most = std::min(n, staging_elements);
+    float* staging = nullptr;
+    UPIPE_CUDA_CHECK(cudaMallocAsync(&staging, static_cast<std::size_t>(most) * sizeof(float), stream_));
+    for (std::int64_t first = 0; first < n; first += most) chunk(staging, first, std::min(most, n - first));
+    UPIPE_CUDA_CHECK(cudaFreeAsync(staging, stream_));
+    synchronize();
+  }
 
   // Any thread may drive a backend; the device is per thread in the CUDA runtime.
   void use_device() const { UPIPE_CUDA_CHECK(cudaSetDevice(device_)); }
@@ -507,19 +519,13 @@ void cuda_backend::upload_f32(const tensor& dst, const float* host) {
     for (std::int64_t i = 0; i < n; ++i) out[i] = float_to_bf16(host[i]);
     return;
   }
-  const std::int64_t chunk = std::min(n, staging_elements);
-  float* staging = nullptr;
-  UPIPE_CUDA_CHECK(cudaMallocAsync(&staging, static_cast<std::size_t>(chunk) * sizeof(float), stream_));
-  for (std::int64_t first = 0; first < n; first += chunk) {
-    const std::int64_t count = std::min(chunk, n - first);
+  through_staging(n, [&](float* staging, std::int64_t first, std::int64_t count) {
     UPIPE_CUDA_CHECK(cudaMemcpyAsync(staging, host + first, static_cast<std::size_t>(count) * sizeof(float),
                                      cudaMemcpyHostToDevice, stream_));
     f32_to_bf16_kernel<<<elementwise_launch::blocks(count), elementwise_launch::threads, 0, stream_>>>(
         staging, out + first, count);
     UPIPE_CUDA_CHECK(cudaGetLastError());
-  }
-  UPIPE_CUDA_CHECK(cudaFreeAsync(staging, stream_));
-  synchronize();
+  });
 }
 
 void cuda_backend::download_f32(float* host, const tensor& src) {
@@ -538,19 +544,13 @@ void cuda_backend::download_f32(float* host, const tensor& src) {
     for (std::int64_t i = 0; i < n; ++i) host[i] = bf16_to_float(in[i]);
     return;
   }
-  const std::int64_t chunk = std::min(n, staging_elements);
-  float* staging = nullptr;
-  UPIPE_CUDA_CHECK(cudaMallocAsync(&staging, static_cast<std::size_t>(chunk) * sizeof(float), stream_));
-  for (std::int64_t first = 0; first < n; first += chunk) {
-    const std::int64_t count = std::min(chunk, n - first);
+  through_staging(n, [&](float* staging, std::int64_t first, std::int64_t count) {
     bf16_to_f32_kernel<<<elementwise_launch::blocks(count), elementwise_launch::threads, 0, stream_>>>(
         in + first, staging, count);
     UPIPE_CUDA_CHECK(cudaGetLastError());
     UPIPE_CUDA_CHECK(cudaMemcpyAsync(host + first, staging, static_cast<std::size_t>(count) * sizeof(float),
                                      cudaMemcpyDeviceToHost, stream_));
-  }
-  UPIPE_CUDA_CHECK(cudaFreeAsync(staging, stream_));
-  synchronize();
+  });
 }
 
 }  // namespace
