@@ -24,11 +24,10 @@ import shutil
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 import transformers
 
-from checklib import check, failures, upipe
+from checklib import check, failures, fixed_inputs, upipe
 
 ROOT = Path(__file__).resolve().parent.parent
 CHANGED = {"dtype", "torch_dtype", "max_position_embeddings", "transformers_version"}
@@ -49,13 +48,7 @@ def upipe_loss(binary, directory, tokens, work, name):
 
 def main():
     binary, work = sys.argv[1], Path(sys.argv[2])
-    work.mkdir(parents=True, exist_ok=True)
-    tokens = work / "tokens.bin"
-    ids = np.random.default_rng(5).integers(0, 256, size=64, dtype=np.uint32)
-    ids.tofile(tokens)
-    torch_ids = torch.tensor(ids.astype(np.int64))[None]
-    data = work / "data.bin"
-    np.random.default_rng(6).integers(3, 256, size=4096, dtype=np.uint32).tofile(data)
+    tokens, torch_ids, data = fixed_inputs(work)
     sources = [ROOT / "tests/golden/hf" / n for n in ("llama-yarn-shards", "qwen3-tied", "llama-fp16-linear")]
     runs = [(s, s.name, []) for s in sources] + [("tiny-llama", "tiny-llama", [])]
     runs.append((sources[0], "llama-yarn-extended",

@@ -23,12 +23,11 @@ import json
 import sys
 from pathlib import Path
 
-import numpy as np
 import peft
 import torch
 import transformers
 
-from checklib import check, failures, upipe
+from checklib import check, failures, fixed_inputs, upipe
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,13 +46,7 @@ def loss_of(model, ids):
 
 def main():
     binary, work = sys.argv[1], Path(sys.argv[2])
-    work.mkdir(parents=True, exist_ok=True)
-    tokens = work / "tokens.bin"
-    ids = np.random.default_rng(5).integers(0, 256, size=64, dtype=np.uint32)
-    ids.tofile(tokens)
-    torch_ids = torch.tensor(ids.astype(np.int64))[None]
-    data = work / "data.bin"
-    np.random.default_rng(6).integers(3, 256, size=4096, dtype=np.uint32).tofile(data)
+    tokens, torch_ids, data = fixed_inputs(work)
     for name in ("llama-yarn-shards", "qwen3-tied"):
         base = ROOT / "tests/golden/hf" / name
         adapter = work / f"{name}-adapter"

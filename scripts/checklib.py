@@ -3,6 +3,9 @@ upipe, failing loudly where it fails, and counting the checks that fail."""
 import subprocess
 import sys
 
+import numpy as np
+import torch
+
 failures = []
 
 
@@ -19,3 +22,15 @@ def check(ok, what):
     print(("ok   " if ok else "FAIL ") + what)
     if not ok:
         failures.append(what)
+
+
+def fixed_inputs(work):
+    """The checks' inputs under `work`: 64 fixed token ids (tokens.bin, also as a torch batch)
+    and a 4096-token training file (data.bin)."""
+    work.mkdir(parents=True, exist_ok=True)
+    tokens = work / "tokens.bin"
+    ids = np.random.default_rng(5).integers(0, 256, size=64, dtype=np.uint32)
+    ids.tofile(tokens)
+    data = work / "data.bin"
+    np.random.default_rng(6).integers(3, 256, size=4096, dtype=np.uint32).tofile(data)
+    return tokens, torch.tensor(ids.astype(np.int64))[None], data

@@ -128,6 +128,10 @@ parameter_store::unit& parameter_store::at(int u) const {
 void parameter_store::acquire(int index) {
   unit& u = at(index);
   if (offload_.optimizer) return acquire_offloaded(u);
+  gather_on_first_acquire(u);
+}
+
+void parameter_store::gather_on_first_acquire(unit& u) {
   if (stage_ != zero_stage::three || u.acquired++ > 0) return;
   if (!u.weights.empty()) {  // prefetched
     u.gathering.wait();

@@ -192,6 +192,9 @@ class parameter_store {
   // The offload (parameter_store_offload.cpp).
   void close_offloaded(int index);
   void acquire_offloaded(unit& u);
+  // ZeRO-3, weights on the device: the unit's weights at its first acquire, all-gathered
+  // from the shards or waited for where a prefetch gathered them.
+  void gather_on_first_acquire(unit& u);
   void prefetch_offloaded(unit& u);
   void release_offloaded(unit& u);
   void bring_params(unit& u);    // params: the unit's copy to the device, on the copy stream

@@ -222,13 +222,7 @@ void parameter_store::bring_params(unit& u) {
 void parameter_store::acquire_offloaded(unit& u) {
   if (!offload_.params) {
     if (u.stale) return_weights(u);
-    if (stage_ != zero_stage::three || u.acquired++ > 0) return;
-    if (!u.weights.empty()) {  // prefetched
-      u.gathering.wait();
-      return;
-    }
-    u.weights = be_.allocate(mem_tag::weights, be_.work_dtype(), {1, u.padded}, "gathered_weights");
-    comm_.all_gather(u.weight_shard.data(), u.weights.data(), u.weight_shard.bytes(), "zero3_all_gather");
+    gather_on_first_acquire(u);
     return;
   }
   if (u.acquired++ > 0) return;
