@@ -9,6 +9,7 @@ import stat
 import struct
 
 import inputs
+from cases_config import run_config_case  # noqa: E402
 from cases import (BAD_FLAG_NUMBERS, TRAIN_CPU, TRAIN_META, Case, config_case, corpus_case, flag_case, hf_dir_case,
                    make_special, safetensors_case, tokens_case, words)
 
@@ -408,7 +409,7 @@ def regression_case(index, t):
 FAMILIES = [("flags", 30, flag_case), ("config", 12, config_case), ("safetensors", 12, safetensors_case),
             ("hf_dir", 7, hf_dir_case), ("tokens", 7, tokens_case), ("corpus", 6, corpus_case),
             ("trainer_state", 10, trainer_state_case), ("input_paths", 6, input_path_case),
-            ("output_paths", 7, output_case), ("report", 3, report_case)]
+            ("output_paths", 7, output_case), ("report", 3, report_case), ("run_config", 5, run_config_case)]
 
 
 def make_case(seed, index, t, families=None):
