@@ -6,6 +6,7 @@
 #include "cp/staged_all_to_all.hpp"
 
 #include <algorithm>
+#include <limits>
 #include <cmath>
 #include <string>
 
@@ -384,9 +385,38 @@ void staged_all_to_all::send_back_kv(resident_block& block, const normed_input& 
   accumulate_input_grads(dv_back, lists, w.wv, grads.wv, x, d_x);
 }
 
+namespace {
+
+// The heads of a stage's lists as one block of W's rows [first, first + count): every head
+// once and no gap (count 0 otherwise: kv heads replicated over ranks appear more than once).
+head_run one_block(const std::vector<std::span<const int>>& lists) {
+  int lo = std::numeric_limits<int>::max(), hi = -1;
+  std::size_t total = 0;
+  for (const auto& list : lists)
+    for (const int h : list) {
+      lo = std::min(lo, h);
+      hi = std::max(hi, h);
+      ++total;
+    }
+  if (hi < lo || static_cast<std::size_t>(hi - lo + 1) != total) return {};
+  std::vector<bool> seen(static_cast<std::size_t>(hi - lo + 1), false);
+  for (const auto& list : lists)
+    for (const int h : list) {
+      if (seen[static_cast<std::size_t>(h - lo)]) return {};
+      seen[static_cast<std::size_t>(h - lo)] = true;
+    }
+  return {lo, 0, hi - lo + 1};
+}
+
+}  // namespace
+
 // For each chunk j of a received gradient (A, rows, n, d), whose heads are lists[j]:
 // d_x += g W_rows and dW_rows += g^T x (x a tile of rows at a time), both accumulated in
-// f32; an adapter's B rows are those of the same heads (cp/projection.hpp).
+// f32; an adapter's B rows are those of the same heads (cp/projection.hpp). Where a stage's
+// heads are one block of W's rows (UPipe's stages), the chunks' columns are first gathered in
+// W's order, so that d_x takes one GEMM of the stage's width instead of one per chunk, each
+// of which reads and writes the whole f32 d_x (issue #35: UPipe's d_x cost 12.3 ms against
+// Ulysses' 6.6 at 128K); the gathered copy is one stage's gradient, U/H of Ulysses'.
 void staged_all_to_all::accumulate_input_grads(const tensor& recv, const head_lists& lists, const projection& weight,
                                                const projection_grads& d_weight, const normed_input& x,
                                                const mat_view& d_x) {
@@ -397,17 +427,34 @@ void staged_all_to_all::accumulate_input_grads(const tensor& recv, const head_li
     const head_view chunk = chunk_heads(recv, j);
     return mat_view{chunk.data, chunk.type, count, n * d, chunk.token_stride};
   };
+  const head_run block = schedule().stages() > 1 && group_ > 1 ? one_block(lists) : head_run{};
+  tensor gathered;
+  if (block.count > 0) {
+    gathered = be_.allocate(mem_tag::activations, be_.work_dtype(), {count, block.count * d}, "attn_grad_gathered");
+    for (int j = 0; j < group_; ++j)
+      for (const head_run& run : consecutive_runs(lists[j]))
+        ops::copy_heads(be_, ops::as_heads(gathered.matrix().col_block((run.first - block.first) * d, run.count * d)),
+                        ops::as_heads(grad_rows(j).col_block(run.slot * d, run.count * d)));
+  }
+  // Calls f(gradient columns, first row of W) for each block of the stage's gradient.
+  const auto for_each_block = [&](const auto& f) {
+    if (block.count > 0) {
+      f(gathered.matrix(), std::int64_t{block.first} * d);
+      return;
+    }
+    for (int j = 0; j < group_; ++j)
+      for (const head_run& run : consecutive_runs(lists[j]))
+        f(grad_rows(j).col_block(run.slot * d, run.count * d), std::int64_t{run.first} * d);
+  };
   projection_backward pass(be_, weight, d_weight, count);
-  for (int j = 0; j < group_; ++j)
-    for (const head_run& run : consecutive_runs(lists[j]))
-      pass.input_grad(grad_rows(j).col_block(run.slot * d, run.count * d), run.first * d, d_x);
+  for_each_block([&](const mat_view& g, std::int64_t first) { pass.input_grad(g, first, d_x); });
   pass.finish_input_grad(d_x);
   if (!pass.trains()) return;
   for_each_input_tile(be_, x, [&](std::int64_t first, const mat_view& rows) {
     pass.start_tile(first, rows);
-    for (int j = 0; j < group_; ++j)
-      for (const head_run& run : consecutive_runs(lists[j]))
-        pass.weight_grad(grad_rows(j).row_block(first, rows.rows).col_block(run.slot * d, run.count * d), run.first * d);
+    for_each_block([&](const mat_view& g, std::int64_t w_first) {
+      pass.weight_grad(g.row_block(first, rows.rows), w_first);
+    });
   });
 }
 
