@@ -2,6 +2,7 @@
 // and a stopped-and-resumed run that is bit-identical to an uninterrupted one.
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -162,6 +163,32 @@ TEST(trainer, a_save_keeps_user_files_and_clears_a_killed_save) {
   EXPECT_EQ(text, "about step 2");
   // Another run is refused: its save would mix with this run's checkpoints.
   EXPECT_THROW(losses(o), io_error);
+  std::filesystem::remove_all(dir);
+}
+
+// A stop asked for mid-run (the train command's signal handlers set the flag) ends every
+// rank after the same step with a checkpoint; the resume from the run directory continues
+// as the run that never stopped, bit for bit.
+TEST(trainer, a_stop_saves_after_the_step_and_the_resume_is_bit_identical) {
+  const auto dir = std::filesystem::temp_directory_path() / ("upipe_stop_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  const std::vector<double> whole = losses(base(strategy_kind::ring, 4, 0, zero_stage::three));
+  std::atomic<int> stop{0};
+  train_options first = base(strategy_kind::ring, 4, 0, zero_stage::three);
+  first.save_dir = dir.string();
+  first.stop_signal = &stop;
+  const train_summary stopped = train(first, [&](const step_record& r) {
+    if (r.step == 7) stop.store(15);
+  });
+  EXPECT_EQ(stopped.stopped_by_signal, 15);
+  ASSERT_EQ(stopped.steps.size(), 7u);
+  EXPECT_FALSE(stopped.retrieval_accuracy.has_value());
+  EXPECT_EQ(stopped.last_checkpoint, (dir / "checkpoint-7").string());
+  train_options second = base(strategy_kind::ring, 4, 0, zero_stage::three);
+  second.resume_dir = dir.string();
+  const std::vector<double> resumed = losses(second);
+  ASSERT_EQ(resumed.size(), 13u);
+  for (std::size_t i = 0; i < 13; ++i) EXPECT_EQ(resumed[i], whole[7 + i]) << "step " << 8 + i;
   std::filesystem::remove_all(dir);
 }
 
