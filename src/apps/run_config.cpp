@@ -96,7 +96,7 @@ std::vector<option_row> make_rows() {
        "(ulysses over sequence chunks, earlier chunks' K/V in host memory)",
        for_train | for_step | for_eval, r::changes},
       {"--cp", "parallel.cp", UPIPE_FIELD(cp),
-       "ranks in the CP group (threads on the cpu backend, virtual ranks on one GPU; fine-tune default 1)",
+       "ranks in the CP group (threads on the cpu backend, virtual ranks on one GPU)",
        run_commands, r::changes},
       {"--head-chunk", "parallel.head_chunk", UPIPE_FIELD(head_chunk),
        "U, query heads per stage: upipe (default C), hybrid (a multiple of C / R; default H, Ulysses inside)",

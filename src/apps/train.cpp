@@ -563,7 +563,10 @@ command_runner add_train(CLI::App& app) {
   app.get_option("--metrics-json")->check(output_file_flag("--metrics-json"));
   app.add_flag("--print-config", command->print_config,
                "print the resolved configuration as TOML (a --config-file to start from) and exit");
-  app.footer("Exit status: 0 done; 2 bad input; 3 out of memory; 75 stopped by SIGTERM, SIGINT or SIGUSR1 after "
+  app.footer("Defaults: the demo's as shown; a run that starts from pretrained weights (--model DIR with weights, "
+             "--init, --init-adapter) takes a fine-tune's: --lr 2e-5 (2e-4 with --lora), --warmup-ratio 0.03, "
+             "--min-lr-ratio 0, --epochs 1 over --data, --cp 1, --seq-len the model's context up to 4K.\n"
+             "Exit status: 0 done; 2 bad input; 3 out of memory; 75 stopped by SIGTERM, SIGINT or SIGUSR1 after "
              "saving a checkpoint (continue with --resume DIR); 128 + the signal when stopped with nothing saved.");
   return [command] { return run(*command); };
 }
