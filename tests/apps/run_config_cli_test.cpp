@@ -22,20 +22,13 @@
 
 namespace {
 
+using upipe::testing::read_lines;
 using upipe::testing::run_result;
 using upipe::testing::run_upipe;
 using upipe::testing::run_upipe_env;
 using upipe::testing::source_path;
 using upipe::testing::temp_dir;
 namespace fs = std::filesystem;
-
-std::vector<nlohmann::json> read_lines(const fs::path& path) {
-  std::ifstream in(path);
-  std::vector<nlohmann::json> rows;
-  for (std::string line; std::getline(in, line);)
-    if (!line.empty()) rows.push_back(nlohmann::json::parse(line));
-  return rows;
-}
 
 std::string read_file(const fs::path& path) {
   std::ifstream in(path, std::ios::binary);

@@ -14,6 +14,7 @@
 
 namespace {
 
+using upipe::testing::read_lines;
 using upipe::testing::run_result;
 using upipe::testing::run_upipe;
 using upipe::testing::run_upipe_env;
@@ -22,13 +23,6 @@ using upipe::testing::temp_dir;
 namespace fs = std::filesystem;
 
 const std::string quick = "train --seq-len 64 --steps 6 --eval-samples 2 ";
-
-std::vector<nlohmann::json> read_lines(const fs::path& path) {
-  std::ifstream in(path);
-  std::vector<nlohmann::json> rows;
-  for (std::string line; std::getline(in, line);) rows.push_back(nlohmann::json::parse(line));
-  return rows;
-}
 
 TEST(train_cli, metrics_checkpoint_and_resume) {
   const auto dir = temp_dir("train_cli");
