@@ -6,7 +6,7 @@
 #include <algorithm>
 
 #include "core/error.hpp"
-#include "cp/stage_plan_builders.hpp"
+#include "cp/strategy_table.hpp"
 
 namespace upipe {
 
@@ -104,7 +104,7 @@ stage_plan make_stage_plan(attention_config config, int rank) {
   p.config = config;
   p.rank = rank;
   const int A = config.all_to_all_size();
-  p.group_rank = config.strategy == strategy_kind::hybrid ? rank % A : rank;
+  p.group_rank = config.meshed() ? rank % A : rank;
   p.chunks = sequence_chunks(config.local_tokens(), config.seq_chunks);
   // Chunk i's gathered rows are the sequence's [first_i A, (first_i + count_i) A).
   for (const row_chunk& q : p.chunks) {
@@ -115,17 +115,7 @@ stage_plan make_stage_plan(attention_config config, int rank) {
       ++j;
     p.first_part.push_back(j);
   }
-  if (!config.staged()) {
-    plan_building::plan_ring(p);
-    return p;
-  }
-  p.schedule.emplace(config.heads, config.kv_heads, A, config.head_chunk);
-  plan_building::plan_stages(p);
-  plan_building::staged_builder b(p.config, p);
-  b.use(p.forward, false);
-  config.chunked() ? b.chunked_forward() : b.forward();
-  b.use(p.backward, true);
-  config.chunked() ? b.chunked_backward() : b.backward();
+  row_of(config.strategy).plan(p);
   return p;
 }
 

@@ -12,10 +12,11 @@
 
 namespace upipe::plan_building {
 
-// The stages of a staged strategy and their fused attention calls.
-void plan_stages(stage_plan& p);
-// Ring attention over the whole CP group (ring_attention in ring.cpp).
+// The strategies' plan builders (their rows' `plan`): ring attention over the whole CP
+// group (ring_attention in ring.cpp), and the staged strategies, with or without sequence
+// chunks (staged_all_to_all.cpp, staged_chunks.cpp).
 void plan_ring(stage_plan& p);
+void plan_staged(stage_plan& p);
 
 // The allocations of helpers every executor shares: the tiles of a normed input
 // (for_each_input_tile) and Qwen3's head norm (head_norm_forward/backward).

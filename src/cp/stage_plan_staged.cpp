@@ -49,8 +49,7 @@ std::vector<sdpa_call> stage_calls(const head_schedule& schedule, int rank, int 
   return calls;
 }
 
-}  // namespace
-
+// The stages of a staged strategy and their fused attention calls.
 void plan_stages(stage_plan& p) {
   const head_schedule& schedule = *p.schedule;
   std::vector<const kv_block*> resident;
@@ -71,6 +70,8 @@ void plan_stages(stage_plan& p) {
     std::erase_if(resident, [t](const kv_block* b) { return b->last_stage == t; });
   }
 }
+
+}  // namespace
 
 // Ring attention over the whole CP group (ring_attention in ring.cpp).
 void plan_ring(stage_plan& p) {
@@ -149,7 +150,7 @@ void staged_builder::forward() {
     if (c.qk_norm) head_norm(A * s * u, false);
     const std::size_t o = alloc("attn_o_stage", false, {A, s, u, c.head_dim});
     for (const sdpa_call& call : step.calls) {
-      if (c.strategy != strategy_kind::hybrid) continue;
+      if (!c.meshed()) continue;
       const std::size_t kv = alloc("hybrid_ring_kv", false, {2, A * s, call.n_kv, c.head_dim});
       ring.core_forward(call.n_q, kv);
     }
@@ -201,7 +202,7 @@ void staged_builder::backward() {
     const std::size_t dq = alloc("attn_dq", false, {A, s, u, c.head_dim});
     for (const sdpa_call& call : step.calls) {
       const bool spans = block(resident[call.block].block).spans_stages();
-      if (c.strategy == strategy_kind::hybrid) {
+      if (c.meshed()) {
         const std::size_t kv = alloc("hybrid_ring_kv", false, {2, A * s, call.n_kv, c.head_dim});
         const ring_builder::grads g = ring.core_backward(call.n_q, kv);
         release(g.dkv);
@@ -246,6 +247,17 @@ void staged_builder::backward() {
     }
     std::erase_if(resident, [&](const resident_buffers& r) { return block(r.block).last_stage == t; });
   }
+}
+
+void plan_staged(stage_plan& p) {
+  const attention_config& c = p.config;
+  p.schedule.emplace(c.heads, c.kv_heads, c.all_to_all_size(), c.head_chunk);
+  plan_stages(p);
+  staged_builder b(c, p);
+  b.use(p.forward, false);
+  c.chunked() ? b.chunked_forward() : b.forward();
+  b.use(p.backward, true);
+  c.chunked() ? b.chunked_backward() : b.backward();
 }
 
 }  // namespace upipe::plan_building

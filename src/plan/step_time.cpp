@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "cp/stage_plan.hpp"
+#include "cp/strategy_table.hpp"
 
 namespace upipe {
 
@@ -33,7 +34,7 @@ struct pass_bytes {
 
 pass_bytes bytes_of(const pass_plan& pass, const step_time_request& r) {
   const int C = r.cp.cp, G = std::min(r.gpus_per_node, C);
-  const bool hybrid = r.cp.strategy == strategy_kind::hybrid;
+  const bool hybrid = row_of(r.cp.strategy).mesh;
   pass_bytes b;
   for (const plan_message& m : pass.messages()) {
     const double bytes = static_cast<double>(m.bytes(dtype::bf16));
