@@ -20,6 +20,11 @@ std::int64_t attention_config::layout_unit() const {
   return row_of(strategy).layout == sequence_layout::zigzag ? 2 * std::int64_t{cp} : cp;
 }
 
+double attention_pairs(std::int64_t seq_len, std::int64_t window) {
+  const double S = static_cast<double>(seq_len), W = static_cast<double>(window);
+  return window > 0 && window < seq_len ? S * W - W * (W - 1) / 2 : S * S / 2;
+}
+
 std::vector<row_chunk> sequence_chunks(std::int64_t s, int n) {
   std::vector<row_chunk> chunks;
   std::int64_t first = 0;

@@ -80,6 +80,11 @@ struct attention_config {
   std::int64_t layout_unit() const;
 };
 
+// The (query, key) pairs causal attention scores over S tokens: S^2 / 2 (the model-FLOPs
+// convention of docs/design.md section 7), or under a window W < S, S W - W (W - 1) / 2
+// (each query sees at most W keys).
+double attention_pairs(std::int64_t seq_len, std::int64_t window);
+
 // Throws config_error naming the offending value, the rule and a valid alternative.
 // Fills in head_chunk when it is 0 (C for upipe, H for ulysses and fpdt) and seq_chunks.
 void validate(attention_config& config);
