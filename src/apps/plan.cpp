@@ -17,6 +17,7 @@
 #include "apps/model_flags.hpp"
 #include "apps/sizes.hpp"
 #include "core/error.hpp"
+#include "cp/strategy_table.hpp"
 #include "model/config.hpp"
 #include "plan/planner.hpp"
 
@@ -83,7 +84,7 @@ std::string tokens_text(std::int64_t s) {
 }
 
 std::string u_text(const plan_entry& e) {
-  return e.strategy == strategy_kind::ring ? "-" : std::to_string(e.head_chunk);
+  return row_of(e.strategy).heads == head_stages::none ? "-" : std::to_string(e.head_chunk);
 }
 
 // The rows of the tables: one per strategy, U, mesh and optimizer placement, the entry of
@@ -119,7 +120,7 @@ std::vector<const plan_entry*> table_rows(const std::vector<plan_entry>& entries
 // "+host" where AdamW's state is in host memory, "+host+w" where the weights are too.
 std::string strategy_text(const plan_entry& e, int gpus) {
   std::string name(strategy_name(e.strategy));
-  if (e.strategy == strategy_kind::hybrid) name += " " + std::to_string(e.ring) + "x" + std::to_string(gpus / e.ring);
+  if (row_of(e.strategy).mesh) name += " " + std::to_string(e.ring) + "x" + std::to_string(gpus / e.ring);
   return e.offload_params ? name + " +host+w" : e.offload_optimizer ? name + " +host" : name;
 }
 
@@ -161,10 +162,10 @@ int run(const plan_flags& f) {
   r.margin = f.margin;
   if (!f.seq_len.empty()) r.seq_len = parse_seq_len(f.seq_len);
   r.strategies.clear();
-  std::vector<std::string> attention = f.attention;
-  if (attention.empty()) attention = {"ulysses", "upipe", "ring", "fpdt"};
-  if (f.attention.empty() && r.nodes > 1) attention.push_back("hybrid");
-  for (const std::string& name : attention) r.strategies.push_back(parse_strategy_kind(name));
+  // By default the table's planned rows, and the meshes across nodes.
+  for (const strategy_row& row : strategy_rows())
+    if (f.attention.empty() && (row.planned_by_default || (row.mesh && r.nodes > 1))) r.strategies.push_back(row.kind);
+  for (const std::string& name : f.attention) r.strategies.push_back(parse_strategy_kind(name));
   if (f.zero != 2 && f.zero != 3)
     throw config_error("--zero " + std::to_string(f.zero) + " is not supported: use --zero 2 or --zero 3");
   r.zero = f.zero == 3 ? zero_stage::three : zero_stage::two;
@@ -296,8 +297,8 @@ int run(const plan_flags& f) {
                           {"seq_chunks", e.seq_chunks},
                           {"offload_optimizer", e.offload_optimizer},
                           {"offload_params", e.offload_params},
-                          {"head_chunk", e.strategy == strategy_kind::ring ? nlohmann::json(nullptr)
-                                                                           : nlohmann::json(e.head_chunk)},
+                          {"head_chunk", row_of(e.strategy).heads == head_stages::none ? nlohmann::json(nullptr)
+                                                                                        : nlohmann::json(e.head_chunk)},
                           {"max_seq_len", e.longest ? e.longest->seq_len : 0}};
       if (e.longest) {
         const nlohmann::json p = point_json(*e.longest);
@@ -349,7 +350,8 @@ command_runner add_plan(CLI::App& app) {
                  "host memory of the node (default 1.9TiB, the paper's machine)");
   app.add_option("--seq-len", f->seq_len, "also plan this length (K and M suffixes)");
   app.add_option("--attention", f->attention,
-                 "strategies to plan (default ulysses, upipe, ring, fpdt, and hybrid on several nodes)")
+                 "strategies to plan, a comma list of: " + strategy_help() +
+                     " (default ulysses, upipe, ring, fpdt, and hybrid on several nodes)")
       ->delimiter(',');
   app.add_option("--seq-chunks", f->seq_chunks,
                  "sequence chunks N to try for upipe and fpdt, ascending until one reaches no further "

@@ -12,6 +12,7 @@
 #include "apps/sizes.hpp"
 #include "core/error.hpp"
 #include "core/files.hpp"
+#include "cp/strategy_table.hpp"
 
 namespace upipe::apps {
 
@@ -92,8 +93,7 @@ std::vector<option_row> make_rows() {
        "held-out passkey samples for the retrieval accuracy", for_train, r::changes},
       // [parallel]
       {"--attention", "parallel.attention", UPIPE_FIELD(attention),
-       "ulysses, upipe, ring, hybrid (ulysses or upipe inside groups of C / R ranks, a ring of R groups), or fpdt "
-       "(ulysses over sequence chunks, earlier chunks' K/V in host memory)",
+       "the CP strategy (its help is the strategy table's: cp/strategy_table.hpp)",
        for_train | for_step | for_eval, r::changes},
       {"--cp", "parallel.cp", UPIPE_FIELD(cp),
        "ranks in the CP group (threads on the cpu backend, virtual ranks on one GPU)",
@@ -418,6 +418,8 @@ run_options::run_options(CLI::App& app, unsigned command) : app_(app), command_(
         },
         row.field(config_));
     if (!row.switch_) opt->capture_default_str();
+    // The strategies' help is their table's (cp/strategy_table.hpp), so a new row shows.
+    if (std::string_view(row.key) == "parallel.attention") opt->description("the CP strategy: " + strategy_help());
     options_[row.key] = opt;
   }
   app.add_option("--config-file", config_file_,

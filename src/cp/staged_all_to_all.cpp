@@ -69,7 +69,7 @@ staged_all_to_all::~staged_all_to_all() = default;
 // holds zigzag halves g and 2R - 1 - g (ring attention's layout over the R groups), and
 // its A ranks split those S / R tokens in order.
 std::vector<position_run> staged_all_to_all::local_positions(int rank) const {
-  if (config_.ring == 1 && config_.strategy != strategy_kind::hybrid) {
+  if (!config_.meshed()) {
     std::vector<position_run> runs;
     for (const row_chunk& c : plan_.chunks) runs.push_back({c.first, config_.cp * c.first + rank * c.count, c.count});
     return runs;
@@ -200,7 +200,7 @@ tensor staged_all_to_all::ring_kv(const resident_block& b, const sdpa_call& c) {
 }
 
 ring_shape staged_all_to_all::ring_geometry() const {
-  return {config_.ring, ring_->rank(), gathered_ / 2, scale_, &documents()};
+  return {config_.ring, ring_->rank(), gathered_ / 2, scale_, &documents(), config_.window};
 }
 
 void staged_all_to_all::release_finished(std::vector<resident_block>& resident, int stage) {
@@ -253,7 +253,7 @@ attention_saved staged_all_to_all::forward(const mat_view& x, const attention_we
         ops::sdpa_forward(be_, {qh.head_block(c.q_slot, c.n_q), sequence_heads(b.k).head_block(c.kv_slot, c.n_kv),
                                 sequence_heads(b.v).head_block(c.kv_slot, c.n_kv), oh.head_block(c.q_slot, c.n_q),
                                 lse_heads(saved.lse, t * u + c.q_slot, c.n_q), attn_mask::causal, scale_,
-                                document_rows(0, 0)});
+                                document_rows(0, 0), config_.window});
       }
     }
     q.reset();
@@ -344,7 +344,7 @@ void staged_all_to_all::backward_stage(int t, std::vector<resident_block>& resid
           be_, {sequence_heads(q).head_block(c.q_slot, c.n_q), k, sequence_heads(b.v).head_block(c.kv_slot, c.n_kv),
                 sequence_heads(o).head_block(c.q_slot, c.n_q), sequence_heads(d_o).head_block(c.q_slot, c.n_q),
                 lse_heads(saved.lse, t * u + c.q_slot, c.n_q), sequence_heads(dq).head_block(c.q_slot, c.n_q), dk, dv,
-                attn_mask::causal, scale_, document_rows(0, 0)});
+                attn_mask::causal, scale_, document_rows(0, 0), config_.window});
       if (spans) {
         ops::add_heads(be_, sequence_heads(b.dk).head_block(c.kv_slot, c.n_kv), dk);
         ops::add_heads(be_, sequence_heads(b.dv).head_block(c.kv_slot, c.n_kv), dv);
