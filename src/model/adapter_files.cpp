@@ -71,8 +71,8 @@ adapter_settings read_adapter_config(const std::string& dir, const model_config&
     refuse_if(j.value("use_rslora", false), file, "use_rslora", "rank-stabilized scaling (alpha / sqrt r) is not "
               "implemented; the scale here is alpha / r");
     refuse_if(j.value("fan_in_fan_out", false), file, "fan_in_fan_out", "the adapted weights are (out, in) linears");
-    refuse_if(j.contains("bias") && j.at("bias") != "none", file, "bias", "the projections have no biases to train; "
-              "use bias \"none\"");
+    refuse_if(j.contains("bias") && j.at("bias") != "none", file, "bias", "the base's biases stay frozen under "
+              "LoRA here; use bias \"none\"");
     for (const char* key : {"rank_pattern", "alpha_pattern", "modules_to_save", "layers_to_transform",
                             "exclude_modules", "trainable_token_indices", "target_parameters"})
       refuse_if(non_empty(j, key), file, key, "every layer's targets share one r and alpha here, and only the "
@@ -90,9 +90,9 @@ adapter_settings read_adapter_config(const std::string& dir, const model_config&
   return s;
 }
 
-void write_adapter_config(const std::string& dir, const lora_config& lora, const std::string& base_model) {
-  std::vector<std::string> targets;
-  for (lora_target t : lora.target_list()) targets.emplace_back(lora_module_name(t));
+void write_adapter_config(const std::string& dir, const model_config& model, const lora_config& lora,
+                          const std::string& base_model) {
+  const std::vector<std::string> targets = lora_module_names(model, lora);
   nlohmann::ordered_json j;
   j["peft_type"] = "LORA";
   j["task_type"] = "CAUSAL_LM";
