@@ -74,6 +74,8 @@ op_entry gemm_entry() {
 struct attention_shape {
   std::int64_t sq, skv, hq, hk, d;
   attn_mask mask;
+  std::int64_t window = 0;            // the sliding window (0: none)
+  std::int64_t q_first = 0, k_first = 0;  // the rows' global indices, which the window reads
 };
 
 std::vector<case_tensor> attention_tensors(const attention_shape& a, bool backward) {
@@ -92,20 +94,30 @@ std::vector<case_tensor> attention_tensors(const attention_shape& a, bool backwa
 }
 
 std::string attention_text(const attention_shape& a) {
-  return dims_text({{"sq", a.sq}, {"skv", a.skv}, {"hq", a.hq}, {"hk", a.hk}, {"d", a.d}}) +
-         (a.mask == attn_mask::causal ? " causal" : " unmasked");
+  std::string text = dims_text({{"sq", a.sq}, {"skv", a.skv}, {"hq", a.hq}, {"hk", a.hk}, {"d", a.d}}) +
+                     (a.mask == attn_mask::causal ? " causal" : " unmasked");
+  if (a.window > 0)
+    text += " window " + std::to_string(a.window) + " (q at " + std::to_string(a.q_first) + ", k at " +
+            std::to_string(a.k_first) + ")";
+  return text;
 }
 
 void attention_forward(backend& be, const case_tensors& t, const attention_shape& a) {
   const float scale = 1.0f / std::sqrt(static_cast<float>(a.d));
   ops::sdpa_forward(be, {t["q"].heads(), t["k"].heads(), t["v"].heads(), t["out"].heads(), t["lse"].heads(), a.mask,
-                         scale, {}});
+                         scale, {{}, a.q_first, a.k_first}, a.window});
 }
 
-// Causal: half of the 4 s^2 h d FLOPs of the full score and value products.
+// 4 h d FLOPs per visible (query, key) pair: half the s^2 pairs under the causal mask,
+// fewer under a window.
 double attention_flops(const attention_shape& a) {
-  const double full = 4.0 * static_cast<double>(a.sq) * static_cast<double>(a.skv) * a.hq * a.d;
-  return a.mask == attn_mask::causal ? full / 2 : full;
+  double pairs = 0;
+  const document_mask rows{{}, a.q_first, a.k_first};
+  for (std::int64_t i = 0; i < a.sq; ++i) {
+    const std::int64_t end = a.mask == attn_mask::causal ? std::min(i + 1, a.skv) : a.skv;
+    pairs += static_cast<double>(std::max<std::int64_t>(0, end - std::min(end, rows.first_key(i, a.window))));
+  }
+  return 4.0 * pairs * static_cast<double>(a.hq) * static_cast<double>(a.d);
 }
 
 op_case sdpa_forward_case(const attention_shape& a) {
@@ -125,7 +137,8 @@ op_case sdpa_backward_case(const attention_shape& a) {
   c.run = [a](backend& be, const case_tensors& t) {
     const float scale = 1.0f / std::sqrt(static_cast<float>(a.d));
     ops::sdpa_backward(be, {t["q"].heads(), t["k"].heads(), t["v"].heads(), t["out"].heads(), t["d_out"].heads(),
-                            t["lse"].heads(), t["d_q"].heads(), t["d_k"].heads(), t["d_v"].heads(), a.mask, scale, {}});
+                            t["lse"].heads(), t["d_q"].heads(), t["d_k"].heads(), t["d_v"].heads(), a.mask, scale,
+                            {{}, a.q_first, a.k_first}, a.window});
   };
   c.flops = 2.5 * attention_flops(a);
   c.objective = [a](backend& be, const case_tensors& t) {
@@ -136,9 +149,14 @@ op_case sdpa_backward_case(const attention_shape& a) {
   return c;
 }
 
-// d 64 and 128 (what cuDNN runs), grouped heads, lengths that are not multiples of 64.
+// d 64 and 128 (what cuDNN runs), grouped heads, lengths that are not multiples of 64;
+// sliding windows on a causal block and on two blocks in the past (a ring's or a chunk's),
+// one whose every query reaches the first key rows and one whose window starts inside them.
 const attention_shape attention_test_shapes[] = {{40, 40, 4, 2, 64, attn_mask::causal},
-                                                 {24, 56, 4, 1, 128, attn_mask::none}};
+                                                 {24, 56, 4, 1, 128, attn_mask::none},
+                                                 {40, 40, 4, 2, 64, attn_mask::causal, 9, 80, 80},
+                                                 {24, 56, 4, 1, 128, attn_mask::none, 40, 30, 0},
+                                                 {24, 56, 4, 2, 64, attn_mask::none, 30, 50, 0}};
 attention_shape attention_perf_shape(std::int64_t tokens) {
   return {tokens, tokens, q_heads, kv_heads, head_dim, attn_mask::causal};
 }

@@ -213,7 +213,9 @@ void gemm(backend& be, const gemm_args& args) {
   be.run(args);
 }
 
-static void check_documents(const char* op, const document_mask& m) {
+static void check_documents(const char* op, const document_mask& m, std::int64_t window) {
+  UPIPE_CHECK(window >= 0, std::string("ops::") + op + ": sliding window " + std::to_string(window) +
+                               " is negative; give 0 for global attention or the number of keys a query sees");
   if (m.starts.empty()) return;
   UPIPE_CHECK(m.starts[0] == 0, std::string("ops::") + op + ": the first document starts at 0, not " +
                                     std::to_string(m.starts[0]));
@@ -227,7 +229,7 @@ static void check_documents(const char* op, const document_mask& m) {
 void sdpa_forward(backend& be, const sdpa_forward_args& args) {
   const char* op = "sdpa_forward";
   check_attention_inputs(be, op, args.q, args.k, args.v, args.mask);
-  check_documents(op, args.documents);
+  check_documents(op, args.documents, args.window);
   check_layout(op, "out", args.out);
   check_type(op, "out", args.out, be.work_dtype(), be.work_dtype());
   check_dims(op, "out", args.out, args.q.tokens, args.q.heads, args.q.dim);
@@ -240,7 +242,7 @@ void sdpa_backward(backend& be, const sdpa_backward_args& args) {
   const head_view& q = args.q;
   const head_view& k = args.k;
   check_attention_inputs(be, op, q, k, args.v, args.mask);
-  check_documents(op, args.documents);
+  check_documents(op, args.documents, args.window);
   for (const auto& [name, view] : {std::pair{"out", &args.out}, std::pair{"d_out", &args.d_out},
                                    std::pair{"d_q", &args.d_q}}) {
     check_layout(op, name, *view);

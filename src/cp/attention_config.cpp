@@ -194,6 +194,9 @@ void validate(attention_config& c) {
   require_positive(c.model_dim, "model dim D");
   require_positive(c.cp, "cp C");
   if (c.head_chunk < 0) require_positive(c.head_chunk, "head chunk U");
+  if (c.window < 0)
+    throw config_error("sliding window W = " + std::to_string(c.window) + " is invalid: it must be 0 (global "
+                       "attention) or the number of keys a token attends to (for example --window 4096)");
   validate_mesh(c);
   validate_heads(c);
   validate_sequence(c);

@@ -47,6 +47,10 @@ struct attention_config {
   // memory. 0: 1, or for fpdt chunks of fpdt_default_chunk_tokens (at least 2).
   int seq_chunks = 0;
   strategy_kind strategy = strategy_kind::upipe;
+  // W, a sliding window (0: global attention): a token at global position i attends to the
+  // keys j with i - W < j <= i (W keys, itself included), as transformers' sliding-window
+  // causal mask; with packed documents both must allow a pair.
+  std::int64_t window = 0;
   rope_config rope;
   bool qk_norm = false;     // Qwen3, Gemma 3: RMSNorm over d on every q and k head, before RoPE
   float norm_eps = 1e-6f;   // epsilon of that RMSNorm
@@ -75,6 +79,8 @@ struct attention_config {
   int group_size() const { return heads / kv_heads; }          // G
   int all_to_all_size() const { return cp / ring; }            // A: the ranks of one all-to-all group
   bool chunked() const { return seq_chunks > 1; }
+  // Does the window limit any query (W > 0 and shorter than the sequence)?
+  bool windowed() const { return window > 0 && window < seq_len; }
   bool staged() const { return strategy != strategy_kind::ring; }  // all-to-all stages (and hybrid's)
   // Does the backward norm its input in tiles (a shard longer than input_tile)?
   bool tiled_backward() const { return input_tile > 0 && local_tokens() > input_tile; }

@@ -127,9 +127,11 @@ attention_outputs reference_attention_layer(const attention_config& c, const att
                                             std::span<const std::int64_t> documents) {
   const std::int64_t S = c.seq_len, D = c.model_dim, H = c.heads, K = c.kv_heads, d = c.head_dim;
   std::vector<std::int64_t> start(static_cast<std::size_t>(S), 0);  // each row's document start
+  std::vector<std::int64_t> first(static_cast<std::size_t>(S), 0);  // each row's first key: document and window
   for (std::int64_t s = 0, doc = 0; s < S; ++s) {
     while (doc + 1 < static_cast<std::int64_t>(documents.size()) && documents[doc + 1] <= s) ++doc;
     start[s] = documents.empty() ? 0 : documents[doc];
+    first[s] = c.window > 0 ? std::max(start[s], s - c.window + 1) : start[s];
   }
   const std::int64_t G = H / K, hd = H * d, kd = K * d;
   const double scale = c.score_scale > 0 ? c.score_scale : 1.0 / std::sqrt(static_cast<double>(d));
@@ -157,15 +159,15 @@ attention_outputs reference_attention_layer(const attention_config& c, const att
     for (std::int64_t i = 0; i < S; ++i) {
       const double* qi = &q[(i * H + h) * d];
       double mx = -INFINITY, sum = 0;
-      for (std::int64_t j = start[i]; j <= i; ++j) {
+      for (std::int64_t j = first[i]; j <= i; ++j) {
         double dot = 0;
         for (std::int64_t e = 0; e < d; ++e) dot += qi[e] * k[(j * K + g) * d + e];
         p[j] = dot * scale;
         mx = std::max(mx, p[j]);
       }
-      for (std::int64_t j = start[i]; j <= i; ++j) sum += (p[j] = std::exp(p[j] - mx));
+      for (std::int64_t j = first[i]; j <= i; ++j) sum += (p[j] = std::exp(p[j] - mx));
       double* oi = &r.attn_out[(i * H + h) * d];
-      for (std::int64_t j = start[i]; j <= i; ++j) {
+      for (std::int64_t j = first[i]; j <= i; ++j) {
         p[j] /= sum;
         for (std::int64_t e = 0; e < d; ++e) oi[e] += p[j] * v[(j * K + g) * d + e];
       }
@@ -173,7 +175,7 @@ attention_outputs reference_attention_layer(const attention_config& c, const att
       const double* doi = &d_o[(i * H + h) * d];
       double delta = 0;
       for (std::int64_t e = 0; e < d; ++e) delta += doi[e] * oi[e];
-      for (std::int64_t j = start[i]; j <= i; ++j) {
+      for (std::int64_t j = first[i]; j <= i; ++j) {
         double dp = 0;
         for (std::int64_t e = 0; e < d; ++e) dp += doi[e] * v[(j * K + g) * d + e];
         const double ds = p[j] * (dp - delta) * scale;

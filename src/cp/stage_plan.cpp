@@ -6,6 +6,7 @@
 #include <algorithm>
 
 #include "core/error.hpp"
+#include "cp/ring.hpp"
 
 namespace upipe {
 
@@ -30,6 +31,16 @@ void pass_plan::release(std::size_t buffer) { events_.push_back({event::kind::re
 void pass_plan::send(const char* label, plan_link link, int ranks, std::int64_t elements, bool f32) {
   messages_.push_back({label, link, ranks, elements, f32});
   events_.push_back({event::kind::message, messages_.size() - 1});
+}
+
+void pass_plan::skip(const char* label, plan_link link, int ranks, std::int64_t elements, bool f32) {
+  skipped_.push_back({label, link, ranks, elements, f32});
+}
+
+std::map<std::string, std::uint64_t> pass_plan::saved_bytes_by_label(dtype work) const {
+  std::map<std::string, std::uint64_t> out;
+  for (const plan_message& m : skipped_) out[m.label] += m.bytes(work);
+  return out;
 }
 
 std::size_t pass_plan::peak(mem_tag tag, dtype work) const {
@@ -75,6 +86,18 @@ std::map<plan_link, std::uint64_t> stage_plan::bytes_by_link(dtype work) const {
   std::map<plan_link, std::uint64_t> out = forward.bytes_by_link(work);
   for (const auto& [link, bytes] : backward.bytes_by_link(work)) out[link] += bytes;
   return out;
+}
+
+std::map<std::string, std::uint64_t> stage_plan::saved_bytes_by_label(dtype work) const {
+  std::map<std::string, std::uint64_t> out = forward.saved_bytes_by_label(work);
+  for (const auto& [label, bytes] : backward.saved_bytes_by_label(work)) out[label] += bytes;
+  return out;
+}
+
+std::uint64_t stage_plan::saved_bytes(dtype work) const {
+  std::uint64_t total = 0;
+  for (const auto& [label, bytes] : saved_bytes_by_label(work)) total += bytes;
+  return total;
 }
 
 namespace {
@@ -177,24 +200,23 @@ struct shared_builder {
   }
 };
 
-// Ring attention's core (ring.cpp): `kv` is the (2, 2 chunk, n_kv, d) buffer that travels,
-// consumed here (released at the end, as the executor's parameter is).
+// Ring attention's core (ring.cpp): `kv` is this rank's (2, 2 chunk, n_kv, d) buffer,
+// consumed here (released at the end, as the executor's parameter is). Step s sends and
+// receives only where the window lets a query reach the keys (ring_step_at).
 struct ring_builder : shared_builder {
-  int R = 1;
-  std::int64_t chunk = 0;
+  ring_shape geometry;  // size, rank, chunk and window; no documents
 
-  std::size_t pass_on(std::size_t buffer, const char* label) {
-    const plan_buffer b = pass->buffers()[buffer];
-    const std::size_t next = alloc(label, b.f32, b.dims);
-    pass->send(label, plan_link::ring, R, b.dims.numel(), b.f32);
-    release(buffer);
-    return next;
-  }
   void core_forward(std::int64_t n, std::size_t kv) {
-    const std::size_t acc = alloc("ring_out_accum", true, {2 * chunk, n, c.head_dim});
-    const std::size_t part = alloc("ring_out_part", false, {chunk, n, c.head_dim});
-    const std::size_t part_lse = alloc("ring_lse_part", true, {n, chunk});
-    for (int step = 0; step + 1 < R; ++step) kv = pass_on(kv, "ring_kv");
+    const plan_buffer own = pass->buffers()[kv];
+    const std::size_t acc = alloc("ring_out_accum", true, {2 * geometry.chunk, n, c.head_dim});
+    const std::size_t part = alloc("ring_out_part", false, {geometry.chunk, n, c.head_dim});
+    const std::size_t part_lse = alloc("ring_lse_part", true, {n, geometry.chunk});
+    for (int s = 1; s < geometry.size; ++s) {
+      const ring_step step = ring_step_at(geometry, s);
+      const std::size_t visiting = step.receive ? alloc("ring_kv", false, own.dims) : 0;
+      message("ring_kv", step.send, own.dims, false);
+      if (step.receive) release(visiting);
+    }
     release(part_lse);
     release(part);
     release(acc);
@@ -204,20 +226,41 @@ struct ring_builder : shared_builder {
     std::size_t dq, dkv;
   };
   grads core_backward(std::int64_t n, std::size_t kv) {
-    const std::int64_t n_kv = pass->buffers()[kv].dims[2];
+    const plan_buffer own = pass->buffers()[kv];
+    const std::int64_t n_kv = own.dims[2];
     grads g;
-    g.dq = alloc("ring_dq_accum", true, {2 * chunk, n, c.head_dim});
-    g.dkv = alloc("ring_dkv", true, pass->buffers()[kv].dims);
-    const std::size_t dq_part = alloc("ring_dq_part", false, {chunk, n, c.head_dim});
-    const std::size_t dkv_part = alloc("ring_dkv_part", false, {2, chunk, n_kv, c.head_dim});
-    for (int step = 0; step < R; ++step) {
-      g.dkv = pass_on(g.dkv, "ring_dkv");
-      if (step + 1 < R) kv = pass_on(kv, "ring_kv");
+    g.dq = alloc("ring_dq_accum", true, {2 * geometry.chunk, n, c.head_dim});
+    g.dkv = alloc("ring_dkv", true, own.dims);
+    const std::size_t dq_part = alloc("ring_dq_part", false, {geometry.chunk, n, c.head_dim});
+    const std::size_t dkv_part = alloc("ring_dkv_part", false, {2, geometry.chunk, n_kv, c.head_dim});
+    for (int s = 1; s < geometry.size; ++s) {
+      const ring_step step = ring_step_at(geometry, s);
+      std::size_t visit = 0;
+      if (step.receive) {
+        const std::size_t visiting = alloc("ring_kv", false, own.dims);
+        message("ring_kv", step.send, own.dims, false);
+        visit = alloc("ring_dkv_visit", true, own.dims);
+        release(visiting);
+      } else {
+        message("ring_kv", step.send, own.dims, false);
+      }
+      const std::size_t home = step.send ? alloc("ring_dkv", true, own.dims) : 0;
+      message("ring_dkv", step.receive, own.dims, true);
+      if (step.receive) release(visit);
+      if (step.send) release(home);
     }
     release(dkv_part);
     release(dq_part);
     release(kv);
     return g;
+  }
+
+  // A step's message, or the bytes a window saved where the step sends nothing.
+  void message(const char* label, bool sent, const shape& dims, bool f32) {
+    if (sent)
+      pass->send(label, plan_link::ring, geometry.size, dims.numel(), f32);
+    else
+      pass->skip(label, plan_link::ring, geometry.size, dims.numel(), f32);
   }
 };
 
@@ -225,9 +268,8 @@ struct ring_builder : shared_builder {
 void plan_ring(stage_plan& p) {
   const attention_config& c = p.config;
   const std::int64_t s = c.local_tokens(), H = c.heads, K = c.kv_heads, d = c.head_dim;
-  ring_builder b{{c}};
-  b.R = c.cp;
-  b.chunk = c.seq_len / (2 * c.cp);
+  ring_builder b{{c}, {}};
+  b.geometry = {c.cp, p.rank, c.seq_len / (2 * c.cp), 1.0f, nullptr, c.window};
   // Forward.
   b.pass = &p.forward;
   std::size_t q = b.alloc("ring_q", false, {s, H, d});
@@ -269,13 +311,12 @@ struct staged_builder : shared_builder {
   const head_schedule& schedule;
   int A;
   std::int64_t s;
-  ring_builder ring{{c}};
+  ring_builder ring{{c}, {}};
 
   staged_builder(const attention_config& config, const stage_plan& plan)
       : shared_builder{config}, p(plan), schedule(*plan.schedule), A(config.all_to_all_size()),
         s(config.local_tokens()) {
-    ring.R = c.ring;
-    ring.chunk = s * A / 2;
+    ring.geometry = {c.ring, plan.rank / A, s * A / 2, 1.0f, nullptr, c.window};
   }
   void use(pass_plan& pass, bool backward) {
     this->pass = &pass;

@@ -83,6 +83,8 @@ class pass_plan {
   std::size_t allocate(const char* label, mem_tag tag, bool f32, const shape& dims);
   void release(std::size_t buffer);
   void send(const char* label, plan_link link, int ranks, std::int64_t elements, bool f32);
+  // A message the pass would send but for the sliding window (no event: nothing moves).
+  void skip(const char* label, plan_link link, int ranks, std::int64_t elements, bool f32);
 
   const std::vector<plan_buffer>& buffers() const { return buffers_; }
   const std::vector<plan_message>& messages() const { return messages_; }
@@ -92,10 +94,13 @@ class pass_plan {
   // Bytes sent, by message label and by link (whole buffers, as the counters count them).
   std::map<std::string, std::uint64_t> bytes_by_label(dtype work) const;
   std::map<plan_link, std::uint64_t> bytes_by_link(dtype work) const;
+  // The bytes the window saved, by label: the messages skipped.
+  const std::vector<plan_message>& skipped() const { return skipped_; }
+  std::map<std::string, std::uint64_t> saved_bytes_by_label(dtype work) const;
 
  private:
   std::vector<plan_buffer> buffers_;
-  std::vector<plan_message> messages_;
+  std::vector<plan_message> messages_, skipped_;
   std::vector<event> events_;
 };
 
@@ -117,6 +122,9 @@ struct stage_plan {
   // Forward and backward together.
   std::map<std::string, std::uint64_t> bytes_by_label(dtype work) const;
   std::map<plan_link, std::uint64_t> bytes_by_link(dtype work) const;
+  // What the sliding window saved, forward and backward together (empty without one).
+  std::map<std::string, std::uint64_t> saved_bytes_by_label(dtype work) const;
+  std::uint64_t saved_bytes(dtype work) const;
 };
 
 // The plan of `config` (validated here) on `rank` of the CP group.

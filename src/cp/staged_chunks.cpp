@@ -153,7 +153,7 @@ void staged_all_to_all::attend_chunk(int stage, std::size_t i, const std::vector
     for (const sdpa_call& c : step.calls)
       ops::sdpa_forward(be_, {qh.head_block(c.q_slot, c.n_q), kv_of(set, c, 0, q_rows), kv_of(set, c, 1, q_rows),
                               oh.head_block(c.q_slot, c.n_q), lse_of(c), attn_mask::causal, scale_,
-                              document_rows(q_first, q_first)});
+                              document_rows(q_first, q_first), config_.window});
     return;
   }
   tensor acc = be_.allocate(mem_tag::attention, dtype::f32, q.dims(), "attn_o_accum");
@@ -171,11 +171,11 @@ void staged_all_to_all::attend_chunk(int stage, std::size_t i, const std::vector
     const std::int64_t k_first = group_ * plan_.chunks[j].first, k_rows = group_ * plan_.chunks[j].count;
     const document_mask mask = document_rows(q_first, k_first);
     // Without data (meta) the N^2 / 2 calls would only check shapes the runs with data check.
-    if (!be_.has_data() || !mask.shares_document(q_rows, k_rows)) continue;
+    if (!be_.has_data() || !mask.shares_document(q_rows, k_rows, config_.window)) continue;
     for (const sdpa_call& c : step.calls) {
       ops::sdpa_forward(be_, {qh.head_block(c.q_slot, c.n_q), kv_of(cur, c, 0, k_rows), kv_of(cur, c, 1, k_rows),
                               ph.head_block(c.q_slot, c.n_q), lse_heads(part_lse, c.q_slot, c.n_q),
-                              j == i ? attn_mask::causal : attn_mask::none, scale_, mask});
+                              j == i ? attn_mask::causal : attn_mask::none, scale_, mask, config_.window});
       ops::lse_merge(be_, {ah.head_block(c.q_slot, c.n_q), lse_of(c), ph.head_block(c.q_slot, c.n_q),
                            lse_heads(part_lse, c.q_slot, c.n_q)});
     }
@@ -262,7 +262,7 @@ void staged_all_to_all::backward_chunk(int t, std::size_t i, std::vector<host_bl
       if (j < i) fetch_part(resident, step, j + 1, sets[(j + 1) % 2]);
       const std::int64_t k_first = group_ * plan_.chunks[j].first, k_rows = group_ * plan_.chunks[j].count;
       const document_mask mask = document_rows(q_first, k_first);
-      if (be_.has_data() && mask.shares_document(q_rows, k_rows))  // meta: as in attend_chunk
+      if (be_.has_data() && mask.shares_document(q_rows, k_rows, config_.window))  // meta: as in attend_chunk
         for (std::size_t n = 0; n < step.calls.size(); ++n) {
           const sdpa_call& c = step.calls[n];
           const std::size_t b = used_index(step, c.block);
@@ -274,7 +274,7 @@ void staged_all_to_all::backward_chunk(int t, std::size_t i, std::vector<host_bl
                                    oh.head_block(c.q_slot, c.n_q), doh.head_block(c.q_slot, c.n_q),
                                    lse_rows(saved.lse, t * u + c.q_slot, c.n_q, q_first, q_rows),
                                    part.head_block(c.q_slot, c.n_q), dk, dv,
-                                   j == i ? attn_mask::causal : attn_mask::none, scale_, mask});
+                                   j == i ? attn_mask::causal : attn_mask::none, scale_, mask, config_.window});
           ops::add_heads(be_, acc.head_block(c.q_slot, c.n_q), part.head_block(c.q_slot, c.n_q));
           ops::add_heads(be_, part_of(cur.dk), dk);
           ops::add_heads(be_, part_of(cur.dv), dv);

@@ -41,8 +41,13 @@ struct document_mask {
   // The start of the document that holds global index g.
   std::int64_t start_of(std::int64_t g) const;
   // Does any pair of q rows [q_first, q_first + sq) and k rows [k_first, k_first + skv)
-  // with the key not after the query share a document?
-  bool shares_document(std::int64_t sq, std::int64_t skv) const;
+  // with the key not after the query share a document, and lie within `window` (0: any
+  // distance; see sdpa_forward_args::window)?
+  bool shares_document(std::int64_t sq, std::int64_t skv, std::int64_t window = 0) const;
+  // The first key row that query row i may see under the documents and the window: the
+  // later of its document's start and i's global index - window + 1, as a row of k (at
+  // least 0; the caller caps it by the mask's last key).
+  std::int64_t first_key(std::int64_t i, std::int64_t window) const;
 };
 
 // Grouped-query attention: query head h reads kv head h / (q.heads / k.heads).
@@ -53,6 +58,11 @@ struct sdpa_forward_args {
   attn_mask mask = attn_mask::causal;
   float scale = 1.0f;
   document_mask documents;
+  // Sliding window (0: global attention): a query at global index i sees key j only when
+  // i - window < j <= i (window keys, itself included), transformers' sliding-window causal
+  // mask. Global indices are documents.q_first + row and documents.k_first + row; it
+  // composes with the documents (both must allow a pair).
+  std::int64_t window = 0;
 };
 
 struct sdpa_backward_args {
@@ -63,6 +73,7 @@ struct sdpa_backward_args {
   attn_mask mask = attn_mask::causal;
   float scale = 1.0f;
   document_mask documents;
+  std::int64_t window = 0;        // as in forward
 };
 
 // How RoPE's frequencies are stretched for a longer context, as Hugging Face's

@@ -77,10 +77,11 @@ TEST(counters, ring_circulates_kv_and_fp32_gradients) {
     const std::uint64_t kv = 2 * s * K * d * 4;  // k and v of the local tokens, f32 on the cpu backend
     const experiment_result r = run(strategy_kind::ring, H, K, C, 0, S, static_cast<int>(d));
     expect_counters_follow_the_plan(r);
-    // Forward and backward each pass K/V C-1 times; dK/dV (f32) travel C times.
+    // Forward and backward each send this rank's K/V to the C - 1 others; backward sends
+    // the dK/dV (f32) of each visiting block back to its owner.
     EXPECT_EQ(label(r, "ring_kv"), 2 * (C - 1) * kv);
-    EXPECT_EQ(label(r, "ring_dkv"), C * kv);
-    EXPECT_EQ(r.bytes_sent.at("send"), 2 * (C - 1) * kv + C * kv);
+    EXPECT_EQ(label(r, "ring_dkv"), (C - 1) * kv);
+    EXPECT_EQ(r.bytes_sent.at("send"), 3 * (C - 1) * kv);
     EXPECT_EQ(r.bytes_sent.count("all_to_all"), 0u);
   }
 }
@@ -120,7 +121,34 @@ TEST(counters, hybrid_matches_the_volume_of_each_mesh_dimension) {
       }
       const std::uint64_t ring_kv = 2 * G * kv_heads * d * f32;
       EXPECT_EQ(label(r, "ring_kv"), 2 * (R - 1) * ring_kv);
-      EXPECT_EQ(label(r, "ring_dkv"), R * ring_kv);
+      EXPECT_EQ(label(r, "ring_dkv"), (R - 1) * ring_kv);
+    }
+}
+
+// A sliding window: ring and hybrid skip the steps whose K/V no query reaches, and their
+// dK/dV; what each rank sends plus what its plan says the window saved is the volume
+// without the window, label by label; a window of S or more saves nothing.
+TEST(counters, a_window_saves_the_ring_steps_it_does_not_reach) {
+  const std::int64_t S = 96, d = 8;
+  for (auto [kind, H, K, C, R] : {std::tuple{strategy_kind::ring, 8, 2, 4, 4}, {strategy_kind::ring, 4, 4, 6, 6},
+                                  {strategy_kind::hybrid, 8, 2, 8, 4}})
+    for (const std::int64_t window : {std::int64_t{5}, S / (2 * R) + 3, S}) {
+      attention_config c = {.seq_len = S, .heads = H, .kv_heads = K, .head_dim = static_cast<int>(d), .model_dim = 16,
+                            .cp = C, .ring = kind == strategy_kind::hybrid ? R : 1, .strategy = kind};
+      experiment_options o;
+      o.limits = {std::size_t{64} << 20, std::size_t{1} << 20};
+      const experiment_result global = run_attention_experiment(c, o);
+      c.window = window;
+      const experiment_result r = run_attention_experiment(c, o);
+      SCOPED_TRACE(std::string(strategy_name(kind)) + " C" + std::to_string(C) + " W" + std::to_string(window));
+      expect_counters_follow_the_plan(r);
+      const auto saved = make_stage_plan(c, 0).saved_bytes_by_label(dtype::f32);
+      for (const char* name : {"ring_kv", "ring_dkv"}) {
+        const std::uint64_t skipped = saved.count(name) != 0 ? saved.at(name) : 0;
+        EXPECT_EQ(label(r, name) + skipped, label(global, name)) << name;
+        if (window == S) EXPECT_EQ(skipped, 0u) << name;
+        if (window == 5) EXPECT_GT(skipped, 0u) << name;
+      }
     }
 }
 

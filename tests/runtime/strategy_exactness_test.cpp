@@ -153,6 +153,42 @@ TEST_P(strategy_sweep, sequence_chunks_match_reference) {
   EXPECT_GT(runs, 0);
 }
 
+// A sliding window under every strategy: W of one key (the token itself), W shorter than
+// a rank's shard and a multiple of nothing, W longer than a shard, W = S and W > S (global
+// attention), packed documents on one. Ring and hybrid skip the blocks wholly outside the
+// window, the chunked strategies the parts; each equals the float64 reference.
+TEST_P(strategy_sweep, sliding_window_matches_reference) {
+  const group_shape g = GetParam();
+  const std::int64_t S = 48;  // a multiple of 2C for every C of the sweep
+  struct windowed_case {
+    strategy_kind kind;
+    int head_chunk, seq_chunks;
+  };
+  std::vector<windowed_case> cases = {{strategy_kind::ulysses, 0, 0}, {strategy_kind::ring, 0, 0},
+                                      {strategy_kind::fpdt, 0, 3}};
+  for (int u : valid_head_chunks(g.heads, g.cp)) cases.push_back({strategy_kind::upipe, u, 0});
+  cases.push_back({strategy_kind::upipe, g.cp, 2});
+  int runs = 0;
+  for (const std::int64_t window : {1, 5, 13, 48, 100})
+    for (const windowed_case& w : cases) {
+      attention_config c = sweep_config(g, w.kind, w.head_chunk, 8, S);
+      c.seq_chunks = w.seq_chunks;
+      c.window = window;
+      c.qk_norm = window == 13;
+      experiment_options o;
+      o.seed = 13000 + c.heads * 100 + c.kv_heads * 10 + c.cp + static_cast<unsigned long long>(window);
+      o.limits = {std::size_t{64} << 20, std::size_t{1} << 20};
+      if (window == 13) o.documents = random_documents(S, o.seed);
+      const experiment_result r = run_attention_experiment(c, o);
+      ASSERT_TRUE(r.max_rel_error.has_value());
+      for (const auto& [name, e] : r.rel_error)
+        EXPECT_LT(e, 1e-5) << strategy_name(w.kind) << " U=" << c.head_chunk << " N=" << c.seq_chunks
+                           << " W=" << window << " tensor " << name;
+      ++runs;
+    }
+  EXPECT_GT(runs, 0);
+}
+
 INSTANTIATE_TEST_SUITE_P(all_supported, strategy_sweep, ::testing::ValuesIn(supported_shapes()),
                          [](const auto& info) {
                            return "H" + std::to_string(info.param.heads) + "_K" + std::to_string(info.param.kv_heads) +
@@ -198,6 +234,30 @@ TEST_P(hybrid_sweep, matches_reference) {
       ASSERT_TRUE(r.max_rel_error.has_value());
       for (const auto& [name, e] : r.rel_error)
         EXPECT_LT(e, 1e-5) << "U=" << u << (documents ? " documents" : "") << " tensor " << name;
+      ++runs;
+    }
+  EXPECT_GT(runs, 0);
+}
+
+// Windows across the mesh: W shorter than a zigzag half and longer, with Ulysses and the
+// smallest UPipe U inside the groups, packed documents on one.
+TEST_P(hybrid_sweep, sliding_window_matches_reference) {
+  const mesh_shape m = GetParam();
+  const std::vector<int> chunks = valid_head_chunks(m.heads, m.cp / m.ring);
+  int runs = 0;
+  for (const int u : {chunks.front(), chunks.back()})
+    for (const std::int64_t window : {5, 11}) {
+      const std::int64_t S = 48;
+      attention_config c = sweep_config({m.heads, m.kv_heads, m.cp}, strategy_kind::hybrid, u, 8, S);
+      c.ring = m.ring;
+      c.window = window;
+      experiment_options o;
+      o.seed = 15000 + m.heads * 100 + m.kv_heads * 10 + m.cp + u;
+      o.limits = {std::size_t{64} << 20, std::size_t{1} << 20};
+      if (window == 5) o.documents = random_documents(S, o.seed);
+      const experiment_result r = run_attention_experiment(c, o);
+      ASSERT_TRUE(r.max_rel_error.has_value());
+      for (const auto& [name, e] : r.rel_error) EXPECT_LT(e, 1e-5) << "U=" << u << " W=" << window << " tensor " << name;
       ++runs;
     }
   EXPECT_GT(runs, 0);
