@@ -321,6 +321,7 @@ void staged_all_to_all::send_back_chunk(host_block& h, std::size_t i, const norm
       rope(sequence_heads(grad), chunk_rope_positions_[i], rope_direction::inverse);
       if (config_.qk_norm) {
         head_norm_saved k_norm;
+        k_norm.weight_offset = config_.norm_offset;
         k_norm.pre = to_device(be_, h.k_pre[i], "head_norm_pre");
         k_norm.rstd = to_device(be_, h.k_rstd[i], "head_norm_rstd");
         be_.join_side_copies();

@@ -35,8 +35,8 @@ struct model_config {
   std::uint8_t biases = 0;  // projections with a bias (projection_bit): Qwen2's q, k, v
   gate_activation activation = gate_activation::silu;
   std::int64_t sliding_window = 0;    // W of the windowed layers (0: none)
-  std::vector<bool> windowed_layers;  // layer l attends through the window where set (empty: none)
-  std::optional<rope_config> local_rope;  // the windowed layers' RoPE where it differs (Gemma 3's local base)
+  std::vector<bool> windowed_layers{};  // layer l attends through the window where set (empty: none)
+  std::optional<rope_config> local_rope{};  // the windowed layers' RoPE where it differs (Gemma 3's local base)
   double query_pre_attn_scalar = 0;   // > 0: scores scaled by its inverse square root (Gemma 3), else 1/sqrt(d)
   std::int32_t padding_id = -1;       // pad_token_id: its embedding row is not trained by lookups (-1: none)
 

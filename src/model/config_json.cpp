@@ -290,8 +290,8 @@ void window_json(const model_config& c, nlohmann::ordered_json& j) {
   const family_row& row = c.traits();
   if (row.windows == window_rule::none) return;
   j["sliding_window"] = c.sliding_window > 0 ? nlohmann::ordered_json(c.sliding_window) : nlohmann::ordered_json(nullptr);
-  if (row.windows != window_rule::layer_types) return;
-  if (row.family == model_family::qwen2 || row.family == model_family::qwen3) {
+  if (row.windows == window_rule::every_layer) return;
+  if (row.windows == window_rule::qwen_layers) {
     j["use_sliding_window"] = c.sliding_window > 0;
     j["max_window_layers"] = c.num_layers;
   }
@@ -322,12 +322,11 @@ nlohmann::ordered_json to_hf_json(const model_config& c) {
   }
   j["max_position_embeddings"] = c.max_position_embeddings > 0 ? c.max_position_embeddings : default_max_position_embeddings(c);
   j["tie_word_embeddings"] = c.tie_embeddings;
-  if (row.config_biases) j["attention_bias"] = c.has_bias(layer_projection::o);
-  j["attention_dropout"] = 0.0;
-  if (row.family == model_family::llama) {
+  if (row.config_biases) {
+    j["attention_bias"] = c.has_bias(layer_projection::o);
     j["mlp_bias"] = c.has_bias(layer_projection::down);
-    j["pretraining_tp"] = 1;
   }
+  j["attention_dropout"] = 0.0;
   window_json(c, j);
   if (row.query_pre_attn_scalar) {
     j["query_pre_attn_scalar"] = c.query_pre_attn_scalar;
@@ -416,7 +415,7 @@ void read_windows(model_config& c, const field_reader& fields, const std::string
     if (c.sliding_window > 0) c.windowed_layers.assign(static_cast<std::size_t>(std::max(c.num_layers, 0)), true);
     return;
   }
-  const bool qwen = row.family == model_family::qwen2 || row.family == model_family::qwen3;
+  const bool qwen = row.windows == window_rule::qwen_layers;
   if (qwen) {
     bool use = false;
     if (const json* v = fields.find("use_sliding_window")) use = fields.boolean("use_sliding_window", *v);

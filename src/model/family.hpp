@@ -29,13 +29,14 @@ enum class block_norms : std::uint8_t { pre, pre_and_post };
 // transformers rounds it to the model's.
 enum class embedding_scaling : std::uint8_t { none, sqrt_hidden };
 
-// Which layers attend through a sliding window, from config.json:
+// Which layers attend through a window of `sliding_window` tokens, from config.json:
 // none: every layer is global (Llama);
-// every_layer: `sliding_window` (null: none) on every layer (Mistral, Phi-3);
-// layer_types: the `layer_types` list, or where it is absent the family's own rule
-//   (Qwen2/Qwen3: with use_sliding_window, layers from max_window_layers on; Gemma 3: all
-//   but every sliding_window_pattern-th layer).
-enum class window_rule : std::uint8_t { none, every_layer, layer_types };
+// every_layer: every layer, unless sliding_window is null (Mistral, Phi-3);
+// qwen_layers: the `layer_types` list, or without it the layers from max_window_layers on;
+//   only with use_sliding_window (Qwen2, Qwen3);
+// pattern_layers: the `layer_types` list, or without it all but every
+//   sliding_window_pattern-th layer (Gemma 3).
+enum class window_rule : std::uint8_t { none, every_layer, qwen_layers, pattern_layers };
 
 // The linear projections of a decoder layer (also LoRA's targets).
 enum class layer_projection : std::uint8_t { q, k, v, o, gate, up, down };

@@ -39,6 +39,7 @@ attention_config attention_config_for(const model_config& model, const cp_settin
   c.seq_chunks = cp.seq_chunks;
   c.strategy = cp.strategy;
   c.rope = model.layer_rope(layer);
+  c.window = model.layer_window(layer);
   c.qk_norm = model.qk_norm;
   c.norm_eps = static_cast<float>(model.rms_norm_eps);
   c.norm_offset = model.traits().norm_offset;
@@ -50,8 +51,10 @@ attention_config attention_config_for(const model_config& model, const cp_settin
 namespace {
 // The layer's step options: the overlapped output exchange, the backward's input tiles, and
 // under LoRA the q/k/v projections that train nothing (a frozen weight without an adapter).
-// Do two layers attend alike (the same RoPE; every other setting is the model's)?
-bool same_pattern(const attention_config& a, const attention_config& b) { return a.rope == b.rope; }
+// Do two layers attend alike (the same window and RoPE; every other setting is the model's)?
+bool same_pattern(const attention_config& a, const attention_config& b) {
+  return a.window == b.window && a.rope == b.rope;
+}
 
 attention_config with_step_options(attention_config c, const step_options& options) {
   c.overlap_comm = options.overlap_comm;
