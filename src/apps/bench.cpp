@@ -21,6 +21,7 @@
 #include "apps/sizes.hpp"
 #include "core/error.hpp"
 #include "core/limits.hpp"
+#include "cp/strategy_table.hpp"
 #include "model/config.hpp"
 #include "model/model_step.hpp"
 #include "train/trainer.hpp"
@@ -164,10 +165,10 @@ int run(const bench_flags& f) {
   std::fflush(stdout);
 
   for (const std::string& name : f.attention) {
-    const strategy_kind strategy = parse_strategy_kind(name);
-    const std::vector<int> us =
-        strategy == strategy_kind::upipe ? chunks_for(f, m, C)
-                                         : std::vector<int>{strategy == strategy_kind::ulysses ? m.num_heads : 0};
+    const strategy_row& table_row = row_named(name);
+    const strategy_kind strategy = table_row.kind;
+    const std::vector<int> us = table_row.heads == head_stages::chosen ? chunks_for(f, m, C)
+                                                                       : head_chunk_choices(table_row, m.num_heads, C);
     for (int u : us)
       for (std::int64_t s : lengths) {
         train_options o;
@@ -200,7 +201,7 @@ int run(const bench_flags& f) {
         row r;
         r.strategy = name;
         r.checkpoint_policy = o.step.policy.str();
-        r.head_chunk = strategy == strategy_kind::ring ? 0 : u;
+        r.head_chunk = table_row.heads == head_stages::none ? 0 : u;
         r.cp = C;
         r.layers = m.num_layers;
         r.repeats = repeats;
@@ -237,7 +238,7 @@ int run(const bench_flags& f) {
           std::snprintf(times, sizeof times, "%11.2f %10.2f %11.0f %8.1f %6.3f", r.step_ms, r.layer_ms,
                         r.tokens_per_s_per_gpu, r.tflops, r.mfu);
         std::printf("%-8s %4s %9lld %6d %3d %4d %s %9.2f %9.2f %8s\n", name.c_str(),
-                    strategy == strategy_kind::ring ? "-" : std::to_string(u).c_str(), static_cast<long long>(s),
+                    table_row.heads == head_stages::none ? "-" : std::to_string(u).c_str(), static_cast<long long>(s),
                     r.layers, C, repeats, times, gib(r.memory.device_peak), gib(r.memory.arena_high_water), check);
         std::fflush(stdout);
         if (!r.phases_ms.empty()) print_phases(r.phases_ms);
@@ -262,8 +263,10 @@ command_runner add_bench(CLI::App& app) {
   add_comm_flags(app, f->comm, true);
   app.add_option("--cp", f->cp, "ranks in the CP group, every one run (default 4)");
   app.add_option("--emulate-cp", f->emulate_cp, "run rank 0 of a group of C alone (loopback), as on one GPU");
-  app.add_option("--attention", f->attention, "strategies (ulysses, upipe, ring)")->delimiter(',')->capture_default_str();
-  app.add_option("--head-chunk", f->head_chunks, "U values for upipe (default C; 'all' for every valid U)")
+  app.add_option("--attention", f->attention, "strategies, a comma list of: " + strategy_help())
+      ->delimiter(',')
+      ->capture_default_str();
+  app.add_option("--head-chunk", f->head_chunks, "U values for the strategies that choose U (default C; 'all' for every valid U)")
       ->delimiter(',');
   app.add_option("--seq-len", f->seq_lens, "lengths (K and M suffixes)")->delimiter(',')->capture_default_str();
   app.add_option("--zero", f->zero, "2 or 3 (training step)")->capture_default_str();

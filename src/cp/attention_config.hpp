@@ -11,13 +11,15 @@
 
 namespace upipe {
 
-// hybrid: a 2-D mesh of C = R x A ranks, Ulysses or UPipe inside each group of A ranks
-// (a node's GPUs) and zigzag ring attention across the R groups (USP). fpdt: Ulysses over
-// N sequence chunks, earlier chunks' K/V in host memory (DeepSpeed's FPDT); upipe with
-// seq_chunks > 1 is the same with U heads a stage.
+// The CP strategies; what each is (its layout, which of U, N and R it takes, its executor
+// and stage plan) is its row in cp/strategy_table.hpp. hybrid: a 2-D mesh of C = R x A
+// ranks, Ulysses or UPipe inside each group of A ranks (a node's GPUs) and zigzag ring
+// attention across the R groups (USP). fpdt: Ulysses over N sequence chunks, earlier
+// chunks' K/V in host memory (DeepSpeed's FPDT); upipe with seq_chunks > 1 is the same
+// with U heads a stage.
 enum class strategy_kind : std::uint8_t { ulysses, upipe, ring, hybrid, fpdt };
 std::string_view strategy_name(strategy_kind kind);
-// Parses "ulysses", "upipe", "ring", "hybrid" or "fpdt"; throws config_error naming the valid values.
+// Parses a row's name; throws config_error naming the valid values.
 strategy_kind parse_strategy_kind(std::string_view name);
 
 // The longest sequence anything here is asked to size or run (the planner searches up to it).
@@ -81,14 +83,19 @@ struct attention_config {
   bool chunked() const { return seq_chunks > 1; }
   // Does the window limit any query (W > 0 and shorter than the sequence)?
   bool windowed() const { return window > 0 && window < seq_len; }
-  bool staged() const { return strategy != strategy_kind::ring; }  // all-to-all stages (and hybrid's)
+  bool staged() const;  // all-to-all stages (the row has head stages)
+  bool meshed() const;  // a ring of all-to-all groups (hybrid)
   // Does the backward norm its input in tiles (a shard longer than input_tile)?
   bool tiled_backward() const { return input_tile > 0 && local_tokens() > input_tile; }
-  // The sequence's unit: C for ulysses and upipe, 2C for ring's and hybrid's zigzag halves.
-  std::int64_t layout_unit() const {
-    return strategy == strategy_kind::ring || strategy == strategy_kind::hybrid ? 2 * std::int64_t{cp} : cp;
-  }
+  // The sequence's unit: C for contiguous shards (ulysses, upipe), 2C for zigzag halves
+  // (ring, hybrid).
+  std::int64_t layout_unit() const;
 };
+
+// The (query, key) pairs causal attention scores over S tokens: S^2 / 2 (the model-FLOPs
+// convention of docs/design.md section 7), or under a window W < S, S W - W (W - 1) / 2
+// (each query sees at most W keys).
+double attention_pairs(std::int64_t seq_len, std::int64_t window);
 
 // Throws config_error naming the offending value, the rule and a valid alternative.
 // Fills in head_chunk when it is 0 (C for upipe, H for ulysses and fpdt) and seq_chunks.

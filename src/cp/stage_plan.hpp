@@ -83,8 +83,6 @@ class pass_plan {
   std::size_t allocate(const char* label, mem_tag tag, bool f32, const shape& dims);
   void release(std::size_t buffer);
   void send(const char* label, plan_link link, int ranks, std::int64_t elements, bool f32);
-  // A message the pass would send but for the sliding window (no event: nothing moves).
-  void skip(const char* label, plan_link link, int ranks, std::int64_t elements, bool f32);
 
   const std::vector<plan_buffer>& buffers() const { return buffers_; }
   const std::vector<plan_message>& messages() const { return messages_; }
@@ -94,13 +92,10 @@ class pass_plan {
   // Bytes sent, by message label and by link (whole buffers, as the counters count them).
   std::map<std::string, std::uint64_t> bytes_by_label(dtype work) const;
   std::map<plan_link, std::uint64_t> bytes_by_link(dtype work) const;
-  // The bytes the window saved, by label: the messages skipped.
-  const std::vector<plan_message>& skipped() const { return skipped_; }
-  std::map<std::string, std::uint64_t> saved_bytes_by_label(dtype work) const;
 
  private:
   std::vector<plan_buffer> buffers_;
-  std::vector<plan_message> messages_, skipped_;
+  std::vector<plan_message> messages_;
   std::vector<event> events_;
 };
 
@@ -111,6 +106,9 @@ struct stage_plan {
   std::optional<head_schedule> schedule;  // staged strategies: over the all-to-all group
   std::vector<stage_step> stages;  // staged strategies (one for ulysses and fpdt); none for ring
   std::vector<row_chunk> chunks;   // the sequence chunks of a rank's shard (one: the whole shard)
+  // Per chunk i: the first kv part query part i's window reaches (0 without a window); the
+  // chunked executors skip the parts before it.
+  std::vector<std::size_t> first_part;
   pass_plan forward, backward;
 
   // The attention phase's working set: the peaks of the device tag `attention` in each pass
@@ -122,7 +120,8 @@ struct stage_plan {
   // Forward and backward together.
   std::map<std::string, std::uint64_t> bytes_by_label(dtype work) const;
   std::map<plan_link, std::uint64_t> bytes_by_link(dtype work) const;
-  // What the sliding window saved, forward and backward together (empty without one).
+  // What the sliding window saved, forward and backward together: by label, the bytes the
+  // same plan without the window sends (or copies) beyond this one's (empty without one).
   std::map<std::string, std::uint64_t> saved_bytes_by_label(dtype work) const;
   std::uint64_t saved_bytes(dtype work) const;
 };

@@ -68,7 +68,7 @@ staged_all_to_all::~staged_all_to_all() = default;
 // holds zigzag halves g and 2R - 1 - g (ring attention's layout over the R groups), and
 // its A ranks split those S / R tokens in order.
 std::vector<position_run> staged_all_to_all::local_positions(int rank) const {
-  if (config_.ring == 1 && config_.strategy != strategy_kind::hybrid) {
+  if (!config_.meshed()) {
     std::vector<position_run> runs;
     for (const row_chunk& c : plan_.chunks) runs.push_back({c.first, config_.cp * c.first + rank * c.count, c.count});
     return runs;

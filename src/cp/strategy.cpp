@@ -2,8 +2,7 @@
 
 #include "backend/ops.hpp"
 #include "core/error.hpp"
-#include "cp/ring.hpp"
-#include "cp/staged_all_to_all.hpp"
+#include "cp/strategy_table.hpp"
 
 namespace upipe {
 
@@ -75,24 +74,7 @@ void for_each_input_tile(backend& be, const normed_input& x, const input_tile_fn
 
 std::unique_ptr<attention_strategy> make_strategy(attention_config config, backend& be, const cp_groups& groups) {
   validate(config);
-  switch (config.strategy) {
-    case strategy_kind::ulysses:
-    case strategy_kind::upipe:
-    case strategy_kind::fpdt:
-      UPIPE_CHECK(groups.all_to_all != nullptr, "ulysses, upipe and fpdt need an all-to-all group");
-      return std::make_unique<staged_all_to_all>(config, be, *groups.all_to_all);
-    case strategy_kind::ring:
-      UPIPE_CHECK(groups.ring != nullptr, "ring needs a ring group");
-      return std::make_unique<ring_attention>(config, be, *groups.ring);
-    case strategy_kind::hybrid: {
-      // The CP group splits into the mesh: all-to-all inside each group of A, a ring of R.
-      UPIPE_CHECK(groups.all_to_all != nullptr && groups.all_to_all->size() == config.cp,
-                  "hybrid needs the whole CP group to split");
-      communicator& world = *groups.all_to_all;
-      return std::make_unique<staged_all_to_all>(config, be, split_mesh(world, be, config.ring), world.rank());
-    }
-  }
-  throw internal_error("unknown strategy");
+  return row_of(config.strategy).make(config, be, groups);
 }
 
 }  // namespace upipe

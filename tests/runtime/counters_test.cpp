@@ -152,6 +152,53 @@ TEST(counters, a_window_saves_the_ring_steps_it_does_not_reach) {
     }
 }
 
+// Sequence chunks under a window: the parts no query part reaches are neither fetched
+// nor kept, so the host copies fall and the host holds the window's parts (a kv block
+// that later stages read again keeps its parts until its last stage); the all-to-alls
+// are unchanged (every head still crosses once). Host copies plus what the plan says the
+// window saved are the copies without it.
+TEST(counters, a_window_keeps_only_the_parts_it_reaches_on_the_host) {
+  const std::int64_t S = 96, d = 8;
+  struct chunked {
+    strategy_kind kind;
+    int K, U, N;
+    bool blocks_span_stages;
+  };
+  for (const chunked& k : {chunked{strategy_kind::fpdt, 2, 0, 6, false}, chunked{strategy_kind::upipe, 8, 2, 4, false},
+                           chunked{strategy_kind::upipe, 2, 2, 4, true}})
+    for (const std::int64_t window : {std::int64_t{7}, std::int64_t{30}}) {
+      const strategy_kind kind = k.kind;
+      const int N = k.N;
+      attention_config c = {.seq_len = S, .heads = 8, .kv_heads = k.K, .head_dim = static_cast<int>(d),
+                            .model_dim = 16, .cp = 2, .head_chunk = k.U, .seq_chunks = N, .strategy = kind};
+      experiment_options o;
+      o.limits = {std::size_t{64} << 20, std::size_t{1} << 20};
+      const experiment_result global = run_attention_experiment(c, o);
+      c.window = window;
+      const experiment_result r = run_attention_experiment(c, o);
+      SCOPED_TRACE(std::string(strategy_name(kind)) + " N" + std::to_string(N) + " W" + std::to_string(window));
+      expect_counters_follow_the_plan(r);
+      EXPECT_EQ(r.bytes_sent_by_label, global.bytes_sent_by_label);
+      const stage_plan windowed = make_stage_plan(c, 0);
+      c.window = 0;
+      const stage_plan plain = make_stage_plan(c, 0);
+      const auto saved = windowed.saved_bytes_by_label(dtype::f32);
+      EXPECT_GT(saved.at("attn_k_chunk"), 0u);
+      const auto sent_by_label = windowed.bytes_by_label(dtype::f32);
+      for (const auto& [label, bytes] : plain.bytes_by_label(dtype::f32)) {
+        const auto it = sent_by_label.find(label);
+        const std::uint64_t sent = it == sent_by_label.end() ? 0 : it->second;
+        EXPECT_EQ(sent + (saved.count(label) != 0 ? saved.at(label) : 0), bytes) << label;
+      }
+      // The host holds the window's parts: less than the sequence's, as the ledger measured.
+      if (k.blocks_span_stages)
+        EXPECT_LE(r.attention_host_peak, global.attention_host_peak);
+      else
+        EXPECT_LT(r.attention_host_peak, global.attention_host_peak);
+      EXPECT_EQ(r.attention_host_peak, r.plan_host_peak);
+    }
+}
+
 // Sequence chunks move the same all-to-all volume as the unchunked stages (every head still
 // crosses once per pass), and their host copies are the plan's: in forward each query chunk
 // i brings parts 0..i of its stage's kv blocks back, N (N + 1) / 2 parts per block.
