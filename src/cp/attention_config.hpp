@@ -1,6 +1,7 @@
 // The attention layer's shape under context parallelism, and its validation.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <string>
 #include <string_view>
@@ -53,8 +54,11 @@ struct attention_config {
   // causal mask; with packed documents both must allow a pair.
   std::int64_t window = 0;
   rope_config rope;
-  bool qk_norm = false;     // Qwen3: RMSNorm over d on every q and k head, before RoPE
+  bool qk_norm = false;     // Qwen3, Gemma 3: RMSNorm over d on every q and k head, before RoPE
   float norm_eps = 1e-6f;   // epsilon of that RMSNorm
+  float norm_offset = 0.0f;  // that RMSNorm scales by (norm_offset + weight): Gemma 3's 1
+  // The softmax scale of the scores: 0 for 1/sqrt(d); Gemma 3 gives 1/sqrt(query_pre_attn_scalar).
+  double score_scale = 0.0;
   // Ulysses/UPipe: a stage's output all-to-all stays in flight while the next stage
   // projects its K/V and Q (holding one more stage buffer meanwhile).
   bool overlap_comm = false;
@@ -66,6 +70,14 @@ struct attention_config {
   bool frozen_q = false, frozen_k = false, frozen_v = false;
 
   std::int64_t local_tokens() const { return seq_len / cp; }  // s
+  float softmax_scale() const {
+    return static_cast<float>(score_scale > 0 ? score_scale : 1.0 / std::sqrt(static_cast<double>(head_dim)));
+  }
+  // The q/k norm's epsilon and offset (cp/head_norm.hpp).
+  struct head_norm_params {
+    float eps = 1e-6f, weight_offset = 0.0f;
+  };
+  head_norm_params head_norm() const { return {norm_eps, norm_offset}; }
   int group_size() const { return heads / kv_heads; }          // G
   int all_to_all_size() const { return cp / ring; }            // A: the ranks of one all-to-all group
   bool chunked() const { return seq_chunks > 1; }

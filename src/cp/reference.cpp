@@ -67,30 +67,30 @@ struct norm_rows {
   matrix pre;
   std::vector<double> rstd;
 };
-norm_rows head_norm(matrix& t, const std::vector<float>& w, std::int64_t d, double eps) {
+norm_rows head_norm(matrix& t, const std::vector<float>& w, std::int64_t d, double eps, double offset) {
   norm_rows saved{t, {}};
   for (std::size_t r = 0; r * d < t.size(); ++r) {
     double ss = 0;
     for (std::int64_t e = 0; e < d; ++e) ss += t[r * d + e] * t[r * d + e];
     const double rstd = 1.0 / std::sqrt(ss / static_cast<double>(d) + eps);
     saved.rstd.push_back(rstd);
-    for (std::int64_t e = 0; e < d; ++e) t[r * d + e] = t[r * d + e] * rstd * w[e];
+    for (std::int64_t e = 0; e < d; ++e) t[r * d + e] = t[r * d + e] * rstd * (offset + w[e]);
   }
   return saved;
 }
 
 // grad: d(normalized) -> d(pre-norm) in place; returns d(weight).
 std::vector<double> head_norm_backward(matrix& grad, const norm_rows& saved, const std::vector<float>& w,
-                                       std::int64_t d) {
+                                       std::int64_t d, double offset) {
   std::vector<double> d_w(static_cast<std::size_t>(d), 0.0);
   for (std::size_t r = 0; r < saved.rstd.size(); ++r) {
     const double rstd = saved.rstd[r];
     double dot = 0;
-    for (std::int64_t e = 0; e < d; ++e) dot += grad[r * d + e] * w[e] * saved.pre[r * d + e];
+    for (std::int64_t e = 0; e < d; ++e) dot += grad[r * d + e] * (offset + w[e]) * saved.pre[r * d + e];
     for (std::int64_t e = 0; e < d; ++e) {
       const double x = saved.pre[r * d + e], g = grad[r * d + e];
       d_w[e] += g * x * rstd;
-      grad[r * d + e] = rstd * (g * w[e] - x * rstd * rstd * dot / static_cast<double>(d));
+      grad[r * d + e] = rstd * (g * (offset + w[e]) - x * rstd * rstd * dot / static_cast<double>(d));
     }
   }
   return d_w;
@@ -134,13 +134,13 @@ attention_outputs reference_attention_layer(const attention_config& c, const att
     first[s] = c.window > 0 ? std::max(start[s], s - c.window + 1) : start[s];
   }
   const std::int64_t G = H / K, hd = H * d, kd = K * d;
-  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  const double scale = c.score_scale > 0 ? c.score_scale : 1.0 / std::sqrt(static_cast<double>(d));
   const matrix x = widen(in.x), d_y = widen(in.d_y);
   matrix q = linear(x, in.wq, S, D, hd), k = linear(x, in.wk, S, D, kd), v = linear(x, in.wv, S, D, kd);
   norm_rows q_saved, k_saved;
   if (c.qk_norm) {
-    q_saved = head_norm(q, in.q_norm, d, c.norm_eps);
-    k_saved = head_norm(k, in.k_norm, d, c.norm_eps);
+    q_saved = head_norm(q, in.q_norm, d, c.norm_eps, c.norm_offset);
+    k_saved = head_norm(k, in.k_norm, d, c.norm_eps, c.norm_offset);
   }
   rotate(q, c, static_cast<int>(H), 1.0, start);
   rotate(k, c, static_cast<int>(K), 1.0, start);
@@ -192,8 +192,8 @@ attention_outputs reference_attention_layer(const attention_config& c, const att
   rotate(d_q, c, static_cast<int>(H), -1.0, start);
   rotate(d_k, c, static_cast<int>(K), -1.0, start);
   if (c.qk_norm) {
-    r.d_q_norm = head_norm_backward(d_q, q_saved, in.q_norm, d);
-    r.d_k_norm = head_norm_backward(d_k, k_saved, in.k_norm, d);
+    r.d_q_norm = head_norm_backward(d_q, q_saved, in.q_norm, d, c.norm_offset);
+    r.d_k_norm = head_norm_backward(d_k, k_saved, in.k_norm, d, c.norm_offset);
   }
   r.d_x.assign(static_cast<std::size_t>(S * D), 0.0);
   linear_input_grad(r.d_x, d_q, in.wq, S, hd, D);

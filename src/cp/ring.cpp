@@ -153,7 +153,7 @@ ring_core_grads ring_core_backward(backend& be, communicator& ring, const ring_s
 ring_attention::ring_attention(const attention_config& config, backend& be, communicator& comm)
     : config_(config), be_(be), comm_(comm), plan_(make_stage_plan(config, comm.rank())), tokens_(config.local_tokens()),
       chunk_(config.seq_len / (2 * config.cp)),
-      dim_(config.head_dim), scale_(1.0f / std::sqrt(static_cast<float>(config.head_dim))) {
+      dim_(config.head_dim), scale_(config.softmax_scale()) {
   UPIPE_CHECK(comm.size() == config.cp, "communicator size must equal cp");
   positions_ = local_positions(comm.rank());
   rope_positions_ = positions_;
@@ -169,7 +169,7 @@ tensor ring_attention::project_q(const normed_input& x, const attention_weights&
   for_each_input_tile(be_, x, [&](std::int64_t first, const mat_view& rows) {
     linear_forward(be_, rows, w.wq, q.matrix().row_block(first, rows.rows));
   });
-  if (config_.qk_norm) saved = head_norm_forward(be_, head_rows(q, dim_), w.q_norm, config_.norm_eps, keep);
+  if (config_.qk_norm) saved = head_norm_forward(be_, head_rows(q, dim_), w.q_norm, config_.head_norm(), keep);
   ops::rope(be_, {q.heads(), rope_positions_, config_.rope, rope_direction::forward});
   return q;
 }
@@ -187,7 +187,7 @@ tensor ring_attention::project_kv(const normed_input& x, const attention_weights
   });
   const head_view k = kv_part(kv, 0);
   if (config_.qk_norm)
-    saved = head_norm_forward(be_, head_rows(k.data, k.type, tokens_ * kd, dim_), w.k_norm, config_.norm_eps, keep);
+    saved = head_norm_forward(be_, head_rows(k.data, k.type, tokens_ * kd, dim_), w.k_norm, config_.head_norm(), keep);
   ops::rope(be_, {k, rope_positions_, config_.rope, rope_direction::forward});
   return kv;
 }

@@ -28,7 +28,7 @@ struct staged_all_to_all::resident_block {
 staged_all_to_all::staged_all_to_all(const attention_config& config, backend& be, communicator& comm)
     : config_(config), be_(be), comm_(comm), ring_(nullptr), world_rank_(comm.rank()), group_(config.cp),
       plan_(make_stage_plan(config, comm.rank())), tokens_(config.local_tokens()), gathered_(config.seq_len),
-      dim_(config.head_dim), scale_(1.0f / std::sqrt(static_cast<float>(config.head_dim))) {
+      dim_(config.head_dim), scale_(config.softmax_scale()) {
   UPIPE_CHECK(comm.size() == config.cp, "communicator size must equal cp");
   UPIPE_CHECK(config.ring == 1, "a ring of all-to-all groups needs the mesh's groups");
   config_ = plan_.config;
@@ -42,7 +42,7 @@ staged_all_to_all::staged_all_to_all(const attention_config& config, backend& be
     : config_(config), be_(be), mesh_(std::move(mesh)), comm_(*mesh_.all_to_all), ring_(mesh_.ring.get()),
       world_rank_(world_rank), group_(config.all_to_all_size()), plan_(make_stage_plan(config, world_rank)),
       tokens_(config.local_tokens()), gathered_(config.local_tokens() * group_), dim_(config.head_dim),
-      scale_(1.0f / std::sqrt(static_cast<float>(config.head_dim))) {
+      scale_(config.softmax_scale()) {
   UPIPE_CHECK(comm_.size() == group_ && ring_ != nullptr && ring_->size() == config.ring,
               "hybrid's groups must be A = C / R ranks and a ring of R");
   config_ = plan_.config;
@@ -173,7 +173,7 @@ staged_all_to_all::resident_block staged_all_to_all::receive_kv(const normed_inp
   tensor k_send = project_to_send(x, w.wk, lists, "attn_k_send");
   block.k = exchange(k_send, fwd ? "a2a_k" : "bwd_a2a_k");
   if (config_.qk_norm)
-    block.k_norm = head_norm_forward(be_, head_rows(block.k, dim_), w.k_norm, config_.norm_eps,
+    block.k_norm = head_norm_forward(be_, head_rows(block.k, dim_), w.k_norm, config_.head_norm(),
                                      fwd ? norm_keep::nothing : norm_keep::for_backward);
   rope(sequence_heads(block.k), rope_positions_, rope_direction::forward);
   tensor v_send = project_to_send(x, w.wv, lists, "attn_v_send");
@@ -237,7 +237,7 @@ attention_saved staged_all_to_all::forward(const mat_view& x, const attention_we
     tensor q_send = project_to_send(x, w.wq, stage_lists(t), "attn_q_send");
     finish_previous();
     tensor q = exchange(q_send, "a2a_q");
-    if (config_.qk_norm) head_norm_forward(be_, head_rows(q, dim_), w.q_norm, config_.norm_eps, norm_keep::nothing);
+    if (config_.qk_norm) head_norm_forward(be_, head_rows(q, dim_), w.q_norm, config_.head_norm(), norm_keep::nothing);
     rope(sequence_heads(q), rope_positions_, rope_direction::forward);
     tensor o = be_.allocate(mem_tag::attention, be_.work_dtype(), q.dims(), "attn_o_stage");
     {
@@ -302,7 +302,7 @@ void staged_all_to_all::backward_stage(int t, std::vector<resident_block>& resid
   tensor q = exchange(q_send, "bwd_a2a_q");
   head_norm_saved q_norm;
   if (config_.qk_norm)
-    q_norm = head_norm_forward(be_, head_rows(q, dim_), w.q_norm, config_.norm_eps, norm_keep::for_backward);
+    q_norm = head_norm_forward(be_, head_rows(q, dim_), w.q_norm, config_.head_norm(), norm_keep::for_backward);
   rope(sequence_heads(q), rope_positions_, rope_direction::forward);
   tensor o_send = pack_heads(out, t, "attn_o_send");
   tensor o = exchange(o_send, "bwd_a2a_o");

@@ -93,7 +93,7 @@ void staged_all_to_all::store_kv_part(host_block& h, const normed_input& x, cons
   tensor k = exchange(k_send, fwd ? "a2a_k" : "bwd_a2a_k");
   head_norm_saved k_norm;
   if (config_.qk_norm) {
-    k_norm = head_norm_forward(be_, head_rows(k, dim_), w.k_norm, config_.norm_eps,
+    k_norm = head_norm_forward(be_, head_rows(k, dim_), w.k_norm, config_.head_norm(),
                                fwd ? norm_keep::nothing : norm_keep::for_backward);
     if (!fwd) {
       h.k_pre[j] = to_host(be_, k_norm.pre, "attn_k_pre_host");
@@ -214,7 +214,7 @@ attention_saved staged_all_to_all::chunked_forward(const mat_view& x, const atte
       const row_chunk& c = plan_.chunks[i];
       tensor q_send = project_to_send(normed_input(x).rows(c.first, c.count), w.wq, stage_lists(t), "attn_q_send");
       tensor q = exchange(q_send, "a2a_q");
-      if (config_.qk_norm) head_norm_forward(be_, head_rows(q, dim_), w.q_norm, config_.norm_eps, norm_keep::nothing);
+      if (config_.qk_norm) head_norm_forward(be_, head_rows(q, dim_), w.q_norm, config_.head_norm(), norm_keep::nothing);
       rope(sequence_heads(q), chunk_rope_positions_[i], rope_direction::forward);
       tensor o = be_.allocate(mem_tag::attention, be_.work_dtype(), q.dims(), "attn_o_stage");
       attend_chunk(t, i, resident, q, o, saved.lse);
@@ -272,7 +272,7 @@ void staged_all_to_all::backward_chunk(int t, std::size_t i, std::vector<host_bl
   tensor q = exchange(q_send, "bwd_a2a_q");
   head_norm_saved q_norm;
   if (config_.qk_norm)
-    q_norm = head_norm_forward(be_, head_rows(q, dim_), w.q_norm, config_.norm_eps, norm_keep::for_backward);
+    q_norm = head_norm_forward(be_, head_rows(q, dim_), w.q_norm, config_.head_norm(), norm_keep::for_backward);
   rope(sequence_heads(q), chunk_rope_positions_[i], rope_direction::forward);
   tensor o_send = pack_heads(out.row_block(rc.first, rc.count), t, "attn_o_send");
   tensor o = exchange(o_send, "bwd_a2a_o");
@@ -359,6 +359,7 @@ void staged_all_to_all::send_back_chunk(host_block& h, std::size_t i, const norm
       rope(sequence_heads(grad), chunk_rope_positions_[i], rope_direction::inverse);
       if (config_.qk_norm) {
         head_norm_saved k_norm;
+        k_norm.weight_offset = config_.norm_offset;
         k_norm.pre = to_device(be_, h.k_pre[i], "head_norm_pre");
         k_norm.rstd = to_device(be_, h.k_rstd[i], "head_norm_rstd");
         be_.join_side_copies();

@@ -36,20 +36,21 @@ std::vector<position_run> document_positions(const std::vector<position_run>& la
 }
 
 normed_input normed_input::of_tiles(const mat_view& residual, const mat_view& norm_weight, float eps,
-                                    std::int64_t tile) {
+                                    std::int64_t tile, float weight_offset) {
   UPIPE_CHECK(tile > 0, "normed input tiles need a positive row count");
   normed_input x(mat_view{});
   x.tiled = true;
   x.residual = residual;
   x.norm_weight = norm_weight;
   x.eps = eps;
+  x.weight_offset = weight_offset;
   x.tile = tile;
   return x;
 }
 
 normed_input normed_input::rows(std::int64_t first, std::int64_t count) const {
   if (!tiled) return normed_input(whole.row_block(first, count));
-  return of_tiles(residual.row_block(first, count), norm_weight, eps, tile);
+  return of_tiles(residual.row_block(first, count), norm_weight, eps, tile, weight_offset);
 }
 
 void for_each_input_tile(backend& be, const normed_input& x, const input_tile_fn& fn, const mat_view& rstd) {
@@ -66,7 +67,7 @@ void for_each_input_tile(backend& be, const normed_input& x, const input_tile_fn
     const std::int64_t count = std::min(n, s - first);
     const mat_view out = rows.matrix().row_block(0, count);
     const mat_view tile_rstd = keep_rstd ? rstd.row_block(first, count) : scratch.matrix().row_block(0, count);
-    ops::rmsnorm_forward(be, {x.residual.row_block(first, count), x.norm_weight, out, tile_rstd, x.eps});
+    ops::rmsnorm_forward(be, {x.residual.row_block(first, count), x.norm_weight, out, tile_rstd, x.eps, x.weight_offset});
     fn(first, out);
   }
 }

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <map>
 
 #include "cp/stage_plan.hpp"
 #include "cp/strategy_table.hpp"
@@ -93,13 +94,21 @@ step_time estimate_step_time(const step_time_request& r, const throughput_rates&
   // not run), and the recompute's forward.
   const double passes = r.lora ? 4 : 6;
   t.gemm = (passes * (L * p.layer + p.head) * s + 2 * recompute_gemm * s) / (rates.gemm_tflops * tera);
-  // The attention, its collectives and its host copies: every layer runs the model's one
-  // attention configuration (its window included), so L times one layer's.
-  const attention_config layer = attention_config_for(m, r.cp, r.seq_len);
-  const step_time one = layer_attention_time(layer, r, rates, 1 + recompute_attention);
-  t.attention = L * one.attention;
-  t.all_to_all = L * one.all_to_all;
-  t.ring = L * one.ring;
+  // The attention, its collectives and its host copies, layer by layer: a family's layers
+  // may differ in their window (Gemma 3's local and global layers), and layers alike cost
+  // alike, so each distinct window is timed once.
+  std::map<std::int64_t, step_time> by_window;
+  double attention_host = 0;  // seconds: the attention's chunks to and from the host, every layer
+  for (int l = 0; l < m.num_layers; ++l) {
+    const attention_config layer = attention_config_for(m, r.cp, r.seq_len, l);
+    auto it = by_window.find(layer.window);
+    if (it == by_window.end())
+      it = by_window.emplace(layer.window, layer_attention_time(layer, r, rates, 1 + recompute_attention)).first;
+    t.attention += it->second.attention;
+    t.all_to_all += it->second.all_to_all;
+    t.ring += it->second.ring;
+    attention_host += it->second.host;
+  }
   const double network = rates.network_gbits / 8 * giga, nvlink = rates.nvlink_gbytes * giga,
                pcie = rates.pcie_gbytes * giga;
 
@@ -115,7 +124,7 @@ step_time estimate_step_time(const step_time_request& r, const throughput_rates&
 
   // Host copies: the attention's chunks (above), the checkpoints (out and back) and the
   // offloaded optimizer's gradients and weights.
-  double host = L * one.host * pcie;
+  double host = attention_host * pcie;
   if (r.policy.where != checkpoint_location::device) {
     const double kept_layers = std::max(0.0, std::ceil(L / r.policy.every) - 1);  // layer 0's input is not kept
     double per_layer = s * m.hidden_size * 2;

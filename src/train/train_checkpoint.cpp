@@ -210,7 +210,7 @@ std::vector<std::string> write_adapters(const fs::path& tmp, const checkpoint_re
   }
   if (!writes) return {};
   file->commit();
-  write_adapter_config(tmp.string(), r.lora, r.base_model);
+  write_adapter_config(tmp.string(), r.config, r.lora, r.base_model);
   fsync_path(tmp / adapter_config_file, false);
   return {adapter_weights_file, adapter_config_file};
 }
@@ -477,7 +477,7 @@ void check_same_model(const model_config& s, const model_config& c, const std::s
   const bool same = s.family == c.family && s.vocab_size == c.vocab_size && s.hidden_size == c.hidden_size &&
                     s.intermediate_size == c.intermediate_size && s.num_layers == c.num_layers &&
                     s.num_heads == c.num_heads && s.num_kv_heads == c.num_kv_heads && s.head_dim == c.head_dim &&
-                    s.tie_embeddings == c.tie_embeddings;
+                    s.tie_embeddings == c.tie_embeddings && s.biases == c.biases;
   if (!same)
     throw config_error("cannot resume " + c.name + " from " + dir + ": that checkpoint is of another model (L=" +
                        std::to_string(s.num_layers) + " D=" + std::to_string(s.hidden_size) + " H=" +
@@ -558,7 +558,8 @@ void merge_adapter(const std::string& base_dir, const std::string& given_adapter
       std::vector<float> w(static_cast<std::size_t>(numel));
       base.read(spec.name, 0, numel, w.data());
       const std::string stem = spec.name.substr(0, spec.name.size() - std::string(".weight").size());
-      if (const auto a = adapters.find(stem + ".lora_A.weight"); a != adapters.end()) {
+      const auto a = spec.kind == param_kind::matrix ? adapters.find(stem + ".lora_A.weight") : adapters.end();
+      if (a != adapters.end()) {
         // W (out, in) += s B (out, r) A (r, in), in fp32 with the cpu backend's GEMM.
         std::vector<float>& b = adapters.at(stem + ".lora_B.weight");
         const std::int64_t out = spec.shape[0], in = spec.shape[1], r = settings.lora.rank;
