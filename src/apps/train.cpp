@@ -23,6 +23,7 @@
 #include "model/adapter_files.hpp"
 #include "plan/planner.hpp"
 #include "train/data.hpp"
+#include "train/data_reader.hpp"
 #include "train/trainer.hpp"
 
 namespace upipe::apps {
@@ -129,9 +130,12 @@ train_options to_options(const train_flags& f) {
   o.init_path = f.init_path;
   o.data_path = f.data_path;
   // PREFIX.tokens of a corpus means the corpus: its index and manifest lie beside it.
-  if (const std::string suffix = ".tokens"; o.data_path.size() > suffix.size() && o.data_path.ends_with(suffix) &&
-                                            document_corpus::exists(o.data_path.substr(0, o.data_path.size() - suffix.size())))
-    o.data_path.resize(o.data_path.size() - suffix.size());
+  std::vector<data_source_spec> sources = parse_data_sources(f.data_path, "--data");
+  for (data_source_spec& s : sources)
+    if (const std::string suffix = ".tokens"; s.path.size() > suffix.size() && s.path.ends_with(suffix) &&
+                                              document_corpus::exists(s.path.substr(0, s.path.size() - suffix.size())))
+      s.path.resize(s.path.size() - suffix.size());
+  o.data_path = sources.empty() ? std::string() : data_sources_text(sources);
   if (f.packing != "auto" && f.packing != "documents" && f.packing != "stream")
     throw config_error("--packing " + f.packing + " is not known: use documents (attention within each document, "
                        "the default with a document index) or stream (one token stream)");
@@ -203,8 +207,9 @@ class progress {
     const std::int64_t every = std::max<std::int64_t>(1, (last_ - first_ + 1) / 20);
     if (!tty_ && r.step != last_ && (r.step - first_) % every != 0) return;
     const int width = 24, filled = static_cast<int>(width * (r.step - first_ + 1) / std::max<std::int64_t>(1, last_ - first_ + 1));
-    char held_out[32] = "";
+    char held_out[48] = "";
     if (r.eval_loss) std::snprintf(held_out, sizeof held_out, "  eval %.4f", *r.eval_loss);
+    if (r.skipped) std::snprintf(held_out, sizeof held_out, " (skipped: no target)");
     std::printf("%s[%s%s] step %lld/%lld  S %lld  loss %.4f%s  lr %.2e  |g| %.3f  %.0f tok/s  ETA %s%s", tty_ ? "\r" : "",
                 std::string(filled, '#').c_str(), std::string(width - filled, '.').c_str(),
                 static_cast<long long>(r.step), static_cast<long long>(last_), static_cast<long long>(r.seq_len), r.loss,
@@ -220,11 +225,24 @@ class progress {
   double done_seconds_ = 0, done_tokens_ = 0;
 };
 
-nlohmann::json record_json(const step_record& r) {
-  return {{"step", r.step}, {"seq_len", r.seq_len}, {"epoch", r.epoch}, {"loss", r.loss}, {"lr", r.lr},
-          {"grad_norm", r.grad_norm}, {"model_tflops_per_s", r.model_flops / std::max(r.seconds, 1e-9) / 1e12},
-          {"eval_loss", r.eval_loss ? nlohmann::json(*r.eval_loss) : nlohmann::json(nullptr)},
-          {"tokens_per_s", r.tokens_per_s}, {"peak_bytes", r.peak_bytes}};
+nlohmann::json record_json(const train_options& o, const step_record& r) {
+  nlohmann::json j = {{"step", r.step}, {"seq_len", r.seq_len}, {"epoch", r.epoch},
+                      {"loss", r.skipped ? nlohmann::json(nullptr) : nlohmann::json(r.loss)}, {"lr", r.lr},
+                      {"grad_norm", r.grad_norm}, {"model_tflops_per_s", r.model_flops / std::max(r.seconds, 1e-9) / 1e12},
+                      {"eval_loss", r.eval_loss ? nlohmann::json(*r.eval_loss) : nlohmann::json(nullptr)},
+                      {"tokens_per_s", r.tokens_per_s}, {"targets", r.targets}, {"empty_sequences", r.empty_sequences},
+                      {"skipped", r.skipped}, {"peak_bytes", r.peak_bytes}};
+  if (!r.eval_losses.empty()) j["eval_losses"] = r.eval_losses;
+  // Per source of --data: the step's sequences and targets, and the passes over it so far.
+  if (!r.sources.empty()) {
+    const std::vector<data_source_spec> specs = parse_data_sources(o.data_path, "--data");
+    nlohmann::json data = nlohmann::json::object();
+    for (std::size_t i = 0; i < r.sources.size() && i < specs.size(); ++i)
+      data[specs[i].path] = {{"sequences", r.sources[i].sequences}, {"targets", r.sources[i].targets},
+                             {"epoch", r.sources[i].epoch}};
+    j["data"] = data;
+  }
+  return j;
 }
 
 void print_summary(const train_options& o, const train_summary& s) {
@@ -295,7 +313,7 @@ int run(const train_flags& f) {
   progress bar(o, 1, last);
   const train_summary s = train(o, [&](const step_record& r) {
     bar(r);
-    if (metrics.is_open()) metrics << record_json(r).dump() << "\n" << std::flush;
+    if (metrics.is_open()) metrics << record_json(o, r).dump() << "\n" << std::flush;
   });
   print_summary(o, s);
   if (metrics.is_open()) {
@@ -330,8 +348,9 @@ command_runner add_train(CLI::App& app) {
                  "LoRA: continue from this adapter directory (upipe's --save or PEFT's save_pretrained); its "
                  "adapter_config.json gives --lora")->check(non_empty);
   app.add_option("--data", f->data_path,
-                 "a corpus PREFIX from upipe prepare-data (PREFIX.tokens, .index, .json), or a flat little-endian "
-                 "uint32 token file (default: the synthetic passkey task)")->check(non_empty);
+                 "a corpus PREFIX from upipe prepare-data (PREFIX.tokens, .index, .json, and .mask for chat data), a "
+                 "flat little-endian uint32 token file, or a mixture by weight, A:0.7,B:0.3 (default: the synthetic "
+                 "passkey task)")->check(non_empty);
   app.add_option("--packing", f->packing,
                  "documents (attention masked and positions restarted at each document; the default with an index) "
                  "or stream")
@@ -374,7 +393,9 @@ command_runner add_train(CLI::App& app) {
   app.add_option("--offload", f->offload, offload_help)->capture_default_str();
   app.add_option("--eval-samples", f->eval_samples, "held-out passkey samples for the retrieval accuracy")->capture_default_str();
   app.add_option("--eval-every", f->eval_every, "held-out loss every N steps (and at the last), into the metrics");
-  app.add_option("--eval-data", f->eval_data, "held-out data for --eval-every: a corpus PREFIX or a token file")->check(non_empty);
+  app.add_option("--eval-data", f->eval_data,
+                 "held-out data for --eval-every: corpus PREFIXes or token files, comma-separated, each evaluated")
+      ->check(non_empty);
   app.add_option("--eval-sequences", f->eval_sequences, "held-out sequences per evaluation")->capture_default_str();
   app.add_option("--metrics-json", f->metrics_path, "one JSON object per step, then a final one")
       ->check(output_file_flag("--metrics-json"));
