@@ -449,9 +449,11 @@ step_memory measure_step_memory(const train_options& o) {
   return time_steps(o, 0, 1, false).memory;
 }
 
-step_timing time_steps(const train_options& o, std::int64_t warmup_len, int repeats, bool emulate, bool phases) {
+step_timing time_steps(const train_options& o, std::int64_t warmup_len, int repeats, bool emulate, bool phases,
+                       double target_fraction) {
   validate(o);
   UPIPE_CHECK(repeats >= 1, "time_steps needs at least one timed step");
+  UPIPE_CHECK(target_fraction > 0 && target_fraction <= 1, "time_steps' target fraction lies in (0, 1]");
   // Random ids where there is data; zeros on meta, which never reads them.
   const auto tokens = [&](const backend& be, std::int64_t n, std::uint64_t stream) {
     packed_sequence s;
@@ -464,6 +466,11 @@ step_timing time_steps(const train_options& o, std::int64_t warmup_len, int repe
     for (auto& id : s.tokens) {
       x = x * 6364136223846793005ull + 1442695040888963407ull;
       id = static_cast<std::int32_t>((x >> 33) % static_cast<std::uint64_t>(o.model.vocab_size));
+    }
+    if (target_fraction < 1) {  // a prompt, then the answer: its last ceil(f n) tokens
+      const auto answer = static_cast<std::int64_t>(std::ceil(target_fraction * static_cast<double>(n)));
+      s.targets.assign(static_cast<std::size_t>(n), 0);
+      std::fill(s.targets.end() - answer, s.targets.end(), std::uint8_t{1});
     }
     return s;
   };

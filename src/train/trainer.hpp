@@ -127,9 +127,11 @@ struct step_timing {
   std::map<std::string, double> phases_ms;  // with `phases`: rank 0's fastest step by phase
 };
 // Times `repeats` steps after one warm-up step of warmup_len tokens (0: none); with
-// `phases`, also the fastest step's time by phase (backend::take_phase_ms).
+// `phases`, also the fastest step's time by phase (backend::take_phase_ms). With
+// target_fraction < 1 only the last part of each sequence is a target of the loss (the
+// shape of a fine-tuning example: a long prompt, a short answer), the rest masked.
 step_timing time_steps(const train_options& options, std::int64_t warmup_len, int repeats, bool emulate,
-                       bool phases = false);
+                       bool phases = false, double target_fraction = 1.0);
 
 // Runs training; on_step is called on rank 0 after every step (progress, metrics).
 train_summary train(const train_options& options, const std::function<void(const step_record&)>& on_step);
