@@ -42,6 +42,7 @@ rule transformers applies to `{% generation %}` spans). The spans are:
   turns (some drop the reasoning of past turns) is refused for that row: add generation
   blocks to it, or use --loss-mask all.
 """
+import bisect
 import json
 import os
 import time
@@ -300,20 +301,47 @@ def assistant_spans(template, messages, tools, kwargs):
 
 def mask_of(offsets, spans):
     """1 for each token whose characters overlap a span (spans in order), else 0."""
+    starts = [b for b, _ in offsets]
+    ends = [e for _, e in offsets]
     mask = bytearray(len(offsets))
-    s = 0
-    for t, (begin, end) in enumerate(offsets):
-        while s < len(spans) and begin >= spans[s][1]:
-            s += 1
-        if s == len(spans):
-            break
-        if end > spans[s][0]:
-            mask[t] = 1
+    if ends != sorted(ends):  # tokens out of order (never seen): token by token
+        for t, (begin, end) in enumerate(offsets):
+            mask[t] = any(end > a and begin < b for a, b in spans)
+        return mask
+    for a, b in spans:  # the tokens that end after a and start before b
+        lo, hi = bisect.bisect_right(ends, a), bisect.bisect_left(starts, b)
+        mask[lo:hi] = b"\x01" * max(0, hi - lo)
     return mask
 
 
+def mask_of_encoding(enc, spans):
+    """mask_of for a tokenizers Encoding, asking only for the tokens at the spans' ends (the
+    whole offset list costs a Python tuple a token); the offsets where a character is in no token."""
+    n = len(enc.ids)
+    mask = bytearray(n)
+    for a, b in spans:
+        lo, hi = enc.char_to_token(a), enc.char_to_token(b - 1)
+        if lo is None or hi is None:
+            return mask_of(enc.offsets, spans)
+        while lo > 0 and enc.token_to_chars(lo - 1)[1] > a:  # an earlier token shares character a
+            lo -= 1
+        while hi + 1 < n and enc.token_to_chars(hi + 1)[0] < b:  # a later one shares character b - 1
+            hi += 1
+        mask[lo:hi + 1] = b"\x01" * (hi + 1 - lo)
+    return mask
+
+
+class Example:
+    """A row rendered: its text and the target spans in it (None: every token is a target),
+    with BOS and EOS to put around its tokens (a plain pair's)."""
+
+    def __init__(self, text, spans, bos=None, eos=None, why=""):
+        self.text, self.spans, self.bos, self.eos, self.why = text, spans, bos, eos, why
+
+
 class RowEncoder:
-    """Turns rows into (ids, mask) in a worker; mask None means every token is a target."""
+    """Turns rows into (ids, mask) in a worker, in two halves so that the texts of a batch are
+    encoded together: render(row) -> Example, then finish(example, its encoding)."""
 
     def __init__(self, tok, template, loss_mask, bos_id, eos_id):
         self.tok = tok
@@ -322,31 +350,38 @@ class RowEncoder:
         self.bos_id, self.eos_id = bos_id, eos_id
 
     def encode(self, obj):
+        """One row's (ids, mask); mask None means every token is a target."""
+        example = self.render(obj)
+        return self.finish(example, self.tok.encode(example.text, add_special_tokens=False))
+
+    def render(self, obj):
         kind = row_kind(obj)
         if kind == "messages":
             return self._conversation(_messages(obj["messages"], "'messages'"), None, obj)
         prompt, completion = obj["prompt"], obj["completion"]
         if isinstance(prompt, str) and isinstance(completion, str):
-            return self._plain(prompt, completion)
+            spans = None if self.all_targets else [(len(prompt), len(prompt) + len(completion))]
+            return Example(prompt + completion, spans, self.bos_id, self.eos_id, "its completion has no tokens")
         if isinstance(prompt, list) and isinstance(completion, list):
             return self._conversation(_messages(prompt, "'prompt'") + _messages(completion, "'completion'"),
                                       len(prompt), obj)
         raise RowError(f"'prompt' and 'completion' must both be strings or both be lists of messages, not "
                        f"{_describe(prompt)} and {_describe(completion)}")
 
-    def _plain(self, prompt, completion):
-        enc = self.tok.encode(prompt + completion, add_special_tokens=False)
+    def finish(self, example, enc):
         ids = list(enc.ids)
-        mask = mask_of(enc.offsets, [(len(prompt), len(prompt) + len(completion))])
-        if self.bos_id is not None:
-            ids.insert(0, self.bos_id)
-            mask.insert(0, 0)
-        if self.eos_id is not None:
-            ids.append(self.eos_id)
-            mask.append(1)
-        if self.all_targets:
-            return ids, None
-        return self._checked(ids, mask, "its completion has no tokens")
+        mask = mask_of_encoding(enc, example.spans) if example.spans is not None else None
+        if example.bos is not None:
+            ids.insert(0, example.bos)
+            if mask is not None:
+                mask.insert(0, 0)
+        if example.eos is not None:
+            ids.append(example.eos)
+            if mask is not None:
+                mask.append(1)
+        if mask is not None and not any(mask):
+            raise RowError(f"no target: {example.why}", "no_target")
+        return ids, mask
 
     def _conversation(self, messages, prompt_length, obj):
         if self.template is None:
@@ -363,24 +398,14 @@ class RowEncoder:
                 raise RowError("it has no assistant turn, so no token is a target (use --loss-mask all to train on "
                                "every token)", "no_assistant_turn")
         if self.all_targets:
-            text, _ = self.template.render(messages, tools=tools, kwargs=kwargs)
-            return self.tok.encode(text, add_special_tokens=False).ids, None
+            return Example(self.template.render(messages, tools=tools, kwargs=kwargs)[0], None)
+        why = "no token of its assistant turns survives the template (are they empty?)"
         if prompt_length is None:
-            text, spans = assistant_spans(self.template, messages, tools, kwargs)
-        else:
-            text, _ = self.template.render(messages, tools=tools, kwargs=kwargs)
-            before = _render_prefix(self.template, messages, prompt_length, tools, kwargs)
-            if not text.startswith(before):
-                raise RowError("the chat template renders the prompt differently inside the whole conversation, so "
-                               "the completion's tokens cannot be told apart; use --loss-mask all",
-                               "template_rewrites_turns")
-            spans = [_trimmed(text, len(before), len(text))]
-        enc = self.tok.encode(text, add_special_tokens=False)
-        return self._checked(list(enc.ids), mask_of(enc.offsets, spans), "no token of its assistant turns survives "
-                             "the template (are they empty?)")
-
-    @staticmethod
-    def _checked(ids, mask, why):
-        if not any(mask):
-            raise RowError(f"no target: {why}", "no_target")
-        return ids, mask
+            return Example(*assistant_spans(self.template, messages, tools, kwargs), why=why)
+        text, _ = self.template.render(messages, tools=tools, kwargs=kwargs)
+        before = _render_prefix(self.template, messages, prompt_length, tools, kwargs)
+        if not text.startswith(before):
+            raise RowError("the chat template renders the prompt differently inside the whole conversation, so "
+                           "the completion's tokens cannot be told apart; use --loss-mask all",
+                           "template_rewrites_turns")
+        return Example(text, [_trimmed(text, len(before), len(text))], why=why)

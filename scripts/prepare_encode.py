@@ -63,46 +63,60 @@ def encode_items(items):
     with specials, own lengths (SKIPPED for a row left out), the loss mask of the batch's tokens
     or None when every one is a target, each item's row kind, and the rows left out as
     (index, where, reason kind, message))."""
-    texts = [(i, x) for i, x in enumerate(items) if isinstance(x, str)]
+    rejects, texts, rendered, examples = [], [], [], {}
+    for i, item in enumerate(items):  # documents as they are, examples rendered first
+        if isinstance(item, str):
+            texts.append((i, item))
+            continue
+        try:
+            examples[i] = row_encoder().render(item[1])
+            rendered.append((i, examples[i].text))
+        except chat_data.RowError as e:
+            rejects.append((i, item[0], e.kind, str(e)))
     encoded = {}
-    if texts:
-        for (i, _), enc in zip(texts, _WORKER["encode"]([x for _, x in texts], add_special_tokens=False)):
-            encoded[i] = enc.ids
+    # One call for the documents (without offsets, the fast way) and one for the examples,
+    # whose masks need their tokens' offsets.
+    for batch, encode in ((texts, _WORKER["encode"]), (rendered, _WORKER["tok"].encode_batch)):
+        if batch:
+            for (i, _), enc in zip(batch, encode([t for _, t in batch], add_special_tokens=False)):
+                encoded[i] = enc
     bos, eos = _WORKER["bos"], _WORKER["eos"]
     buf = array(TOKEN_TYPECODE)
     lengths, own = array("q"), array("q")
-    mask, kinds, rejects = None, [], []
+    mask, kinds, rejected = None, [], {r[0] for r in rejects}
     for i, item in enumerate(items):
         start = len(buf)
+        kinds.append("text" if isinstance(item, str) else chat_data.row_kind(item[1]))
+        targets = None
+        if i in rejected:
+            lengths.append(0)
+            own.append(SKIPPED)
+            continue
         if isinstance(item, str):
-            kinds.append("text")
-            ids = encoded[i]
+            ids = encoded[i].ids
             if bos is not None:
                 buf.append(bos)
             buf.extend(ids)
             if eos is not None:
                 buf.append(eos)
-            n, targets = len(ids), None
         else:
-            where, obj = item
-            kinds.append(chat_data.row_kind(obj))
             try:
-                ids, targets = row_encoder().encode(obj)
+                ids, targets = row_encoder().finish(examples[i], encoded[i])
             except chat_data.RowError as e:
-                rejects.append((i, where, e.kind, str(e)))
+                rejects.append((i, item[0], e.kind, str(e)))
                 lengths.append(0)
                 own.append(SKIPPED)
                 continue
             buf.extend(ids)
-            n = len(ids)
         if targets is not None and mask is None:
             mask = bytearray(b"\x01" * start)
         if mask is not None:
             mask.extend(targets if targets is not None else b"\x01" * (len(buf) - start))
         lengths.append(len(buf) - start)
-        own.append(n)
+        own.append(len(ids))
     if BIG_ENDIAN:
         buf.byteswap()
+    rejects.sort()
     return buf.tobytes(), lengths, own, (bytes(mask) if mask is not None else None), kinds, rejects
 
 
