@@ -191,9 +191,13 @@ def output_case(rng, t):
         elif kind == "file":
             open(p, "w").write("user data\n")
         elif kind == "stale":  # what a killed save (a directory) or write (a file) leaves
-            if output == "dir":
+            if flag == "--save":  # a run directory: a checkpoint's and a pointer's temporaries inside
+                os.makedirs(os.path.join(p, "checkpoint-1.tmp-upipe", "trainer"))
+                open(os.path.join(p, "latest.tmp-999999999"), "w").write("left by a killed write\n")
+            elif output == "dir":
                 os.makedirs(p + ".tmp-upipe/trainer")
-            open(p + ".tmp-999999999", "w").write("left by a killed write\n")
+            if flag != "--save":
+                open(p + ".tmp-999999999", "w").write("left by a killed write\n")
         elif kind == "foreign_dir":
             os.mkdir(p)
             open(os.path.join(p, "notes.txt"), "w").write("user data\n")
@@ -218,7 +222,7 @@ def output_case(rng, t):
         if kind == "foreign_dir" and os.path.isfile(os.path.join(p, "notes.txt")) is False:
             problems.append("the user's file is gone")
         if kind == "stale" and result.code == 0 and flag != "--dump":  # a dump writes no temporaries
-            left = [n for n in os.listdir(w) if ".tmp-" in n]
+            left = [n for d in (w, p) if os.path.isdir(d) for n in os.listdir(d) if ".tmp-" in n]
             if left:
                 problems.append(f"stale temporaries left after a successful save: {left}")
         return problems

@@ -34,6 +34,7 @@
 #include "apps/python.hpp"
 #include "apps/sizes.hpp"
 #include "core/error.hpp"
+#include "train/run_directory.hpp"
 #include "core/limits.hpp"
 #include "model/hf_model.hpp"
 #include "model/model_step.hpp"
@@ -141,7 +142,7 @@ eval_setup setup(const eval_flags& f) {
   s.req.options = resolved.step;
   s.req.limits = resolved.limits;
   s.directory = model_directory(f.model, f.config_path);
-  const std::string weights_path = f.weights_path.empty() ? s.directory : f.weights_path;
+  const std::string weights_path = f.weights_path.empty() ? s.directory : resolve_checkpoint(f.weights_path);
   if (weights_path.empty()) {
     s.random = random_weights(s.req.model, f.seed);
     s.weights = std::make_unique<host_weight_source>(s.random);
@@ -164,10 +165,21 @@ void write_json(const std::string& path, const nlohmann::json& out) {
 }
 
 // One source's windows of S tokens: --samples consecutive windows from its start, each with
-// its documents (when packed as documents) and loss mask.
+// its documents (when packed as documents) and loss mask; fewer where the source holds fewer,
+// so that each token is scored once (no window wraps around to the data's start).
 std::vector<eval_sequence> windows(const data_reader& reader, std::size_t source, std::int64_t S, int samples) {
+  const std::int64_t tokens = reader.epoch_tokens(source);
+  const std::string& name = reader.spec(source).path;
+  if (tokens < S)
+    throw config_error("--seq-len " + std::to_string(S) + " is longer than " + name + "'s " + std::to_string(tokens) +
+                       " tokens: every window would repeat the data; use a --seq-len of at most " +
+                       std::to_string(tokens));
+  const int count = static_cast<int>(std::min<std::int64_t>(samples, tokens / S));
+  if (count < samples)
+    std::printf("# S %lld: %s holds %lld tokens, %d whole window(s), not --samples %d: each token is scored once\n",
+                static_cast<long long>(S), name.c_str(), static_cast<long long>(tokens), count, samples);
   std::vector<eval_sequence> seqs;
-  for (int i = 0; i < samples; ++i) {
+  for (int i = 0; i < count; ++i) {
     packed_sequence w = reader.read(source, static_cast<std::int64_t>(i) * S, S);
     eval_sequence seq;
     seq.tokens = std::move(w.tokens);

@@ -54,13 +54,19 @@ std::vector<data_source_spec> parse_data_sources(const std::string& text, const 
   return out;
 }
 
+std::string data_source_text(const data_source_spec& source) {
+  if (source.weight == 1.0) return source.path;
+  char weight[32];
+  const auto end = std::to_chars(weight, weight + sizeof weight, source.weight).ptr;  // shortest exact form
+  return source.path + ":" + std::string(weight, end);
+}
+
 std::string data_sources_text(const std::vector<data_source_spec>& sources) {
   if (sources.size() == 1) return sources[0].path;
   std::string out;
   for (std::size_t i = 0; i < sources.size(); ++i) {
-    char weight[32];
-    const auto end = std::to_chars(weight, weight + sizeof weight, sources[i].weight).ptr;  // shortest exact form
-    out += (i ? "," : "") + sources[i].path + ":" + std::string(weight, end);
+    const std::string one = data_source_text(sources[i]);
+    out += (i ? "," : "") + (sources[i].weight == 1.0 ? one + ":1" : one);
   }
   return out;
 }
@@ -158,6 +164,11 @@ packed_sequence data_reader::next(data_position& at, std::int64_t length) const 
 double data_reader::epoch(const data_position& at, std::size_t i) const {
   const source& s = *sources_[i];
   return s.corpus ? static_cast<double>(at.tokens[i]) / static_cast<double>(s.corpus->epoch_tokens()) : 0.0;
+}
+
+std::int64_t data_reader::epoch_tokens(std::size_t i) const {
+  const source& s = *sources_[i];
+  return s.corpus ? s.corpus->epoch_tokens() : s.file->size();
 }
 
 void data_reader::check_ids() const {

@@ -30,8 +30,11 @@ struct data_source_spec {
 // commas and colons included. Throws config_error naming `flag`, the part and a valid form
 // for an empty part, a weight that is not a positive finite number, a source given twice.
 std::vector<data_source_spec> parse_data_sources(const std::string& text, const std::string& flag);
-// The text back, as a manifest records it: "A:0.7,B:0.3" ("A" for one source of weight 1).
+// The text back, as a manifest records it: "A:0.7,B:0.3" ("A" for one source, whose weight
+// means nothing).
 std::string data_sources_text(const std::vector<data_source_spec>& sources);
+// One source as written: "PATH" (weight 1) or "PATH:WEIGHT", the weight in its shortest exact form.
+std::string data_source_text(const data_source_spec& source);
 
 // How far a run has read: per source, the sequences it gave and its position (the tokens
 // before the next window of a corpus; the next token of a token file, which wraps around).
@@ -84,6 +87,8 @@ class data_reader {
   packed_sequence read(std::size_t i, std::int64_t tokens, std::int64_t length) const;
   // Passes over source i's documents (0 for a token file) at `at`.
   double epoch(const data_position& at, std::size_t i) const;
+  // Tokens in one pass over source i (a corpus's kept documents, a token file's tokens).
+  std::int64_t epoch_tokens(std::size_t i) const;
   // Reads every id (and mask byte) of every source once, before training.
   void check_ids() const;
 
