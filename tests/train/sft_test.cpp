@@ -14,6 +14,7 @@
 #include "core/error.hpp"
 #include "model/model_step.hpp"
 #include "train/data_reader.hpp"
+#include "train/run_directory.hpp"
 #include "train/trainer.hpp"
 #include "train_support.hpp"
 
@@ -195,7 +196,7 @@ TEST(sft, a_mixture_follows_its_weights_and_resumes_bit_identically) {
   other.data_path = chat;
   EXPECT_THROW(train(other, nullptr), config_error);
   // A position that does not follow from the steps is a damaged state.
-  const std::string manifest = first.save_dir + "/trainer/manifest.json";
+  const std::string manifest = first.save_dir + "/" + checkpoint_name(4) + "/trainer/manifest.json";
   auto m = nlohmann::json::parse(std::ifstream(manifest));
   m["mixture"][1]["position"] = m["mixture"][1]["position"].get<std::int64_t>() + 48;
   std::ofstream(manifest) << m.dump();
