@@ -263,7 +263,8 @@ def loss_by_position(rows, out_dir):
     for r in rows:
         b = r["by_position"]
         x = [(e["first"] + e["last"]) / 2 for e in b]
-        ax.plot(x, [e["loss"] for e in b], marker="o", label=f"{r['file']} S={tokens(r['seq_len'])}")
+        data = f" {os.path.basename(str(r['data']))}" if r.get("data") else ""  # upipe eval of several sources
+        ax.plot(x, [e["loss"] for e in b], marker="o", label=f"{r['file']}{data} S={tokens(r['seq_len'])}")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("position in the context (tokens, bucket centre)")
     ax.set_ylabel("held-out loss (nats)")

@@ -10,7 +10,8 @@ import struct
 
 import inputs
 from cases_config import run_config_case  # noqa: E402
-from cases import (BAD_FLAG_NUMBERS, TRAIN_CPU, TRAIN_META, Case, config_case, corpus_case, flag_case, hf_dir_case,
+from cases import (BAD_FLAG_NUMBERS, TRAIN_CPU, TRAIN_META, Case, chat_case, config_case, corpus_case, flag_case,
+                   hf_dir_case,
                    make_special, safetensors_case, tokens_case, words)
 
 RESUME = "train --steps 4 --seq-len 32 --eval-samples 0 --checkpoint-policy what=input --resume {w}/ck"
@@ -409,7 +410,8 @@ def regression_case(index, t):
 FAMILIES = [("flags", 30, flag_case), ("config", 12, config_case), ("safetensors", 12, safetensors_case),
             ("hf_dir", 7, hf_dir_case), ("tokens", 7, tokens_case), ("corpus", 6, corpus_case),
             ("trainer_state", 10, trainer_state_case), ("input_paths", 6, input_path_case),
-            ("output_paths", 7, output_case), ("report", 3, report_case), ("run_config", 5, run_config_case)]
+            ("output_paths", 7, output_case), ("report", 3, report_case), ("run_config", 5, run_config_case),
+            ("chat", 3, chat_case)]
 
 
 def make_case(seed, index, t, families=None):

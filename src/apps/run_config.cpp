@@ -11,6 +11,7 @@
 
 #include "apps/sizes.hpp"
 #include "core/error.hpp"
+#include "train/data_reader.hpp"
 #include "core/files.hpp"
 #include "cp/strategy_table.hpp"
 
@@ -57,8 +58,9 @@ std::vector<option_row> make_rows() {
        "the context the saved config declares (default: the model's, or the extended one)", for_train, r::changes},
       // [data]
       {"--data", "data.data", UPIPE_FIELD(data),
-       "a corpus PREFIX from upipe prepare-data (PREFIX.tokens, .index, .json), or a flat little-endian uint32 token "
-       "file (default: the synthetic passkey task)",
+       "a corpus PREFIX from upipe prepare-data (PREFIX.tokens, .index, .json, and .mask for chat data), a flat "
+       "little-endian uint32 token file, or a mixture by weight, A:0.7,B:0.3 (default: the synthetic passkey task; "
+       "eval: several sources, comma-separated, each scored)",
        for_train | for_eval, r::kept, true},
       {"--packing", "data.packing", UPIPE_FIELD(packing),
        "documents (attention masked and positions restarted at each document; the default with an index) or stream",
@@ -86,7 +88,8 @@ std::vector<option_row> make_rows() {
       {"--eval-every", "eval.every", UPIPE_FIELD(eval_every),
        "held-out loss every N steps (and at the last), into the metrics", for_train, r::changes},
       {"--eval-data", "eval.data", UPIPE_FIELD(eval_data),
-       "held-out data for --eval-every: a corpus PREFIX or a token file", for_train, r::changes, true},
+       "held-out data for --eval-every: corpus PREFIXes or token files, comma-separated, each evaluated", for_train,
+       r::changes, true},
       {"--eval-sequences", "eval.sequences", UPIPE_FIELD(eval_sequences), "held-out sequences per evaluation",
        for_train, r::changes},
       {"--eval-samples", "eval.samples", UPIPE_FIELD(eval_samples),
@@ -478,10 +481,27 @@ std::vector<std::string> run_options::apply_stored(const std::string& stored_tex
   return notes;
 }
 
+// --data and --eval-data list sources, each PATH or PATH:WEIGHT: each path resolved alone.
+std::string absolute_data_sources(const std::string& text, const char* flag) {
+  std::string out;
+  for (data_source_spec source : parse_data_sources(text, flag)) {
+    std::error_code ec;
+    const auto absolute = std::filesystem::absolute(source.path, ec);
+    if (!ec) source.path = absolute.lexically_normal().string();
+    while (source.path.size() > 1 && source.path.back() == '/') source.path.pop_back();
+    out += (out.empty() ? "" : ",") + data_source_text(source);
+  }
+  return out;
+}
+
 void run_options::resolve_paths() {
   for (const option_row* row : rows_) {
     if (!row->path) continue;
     std::string& value = *std::get<std::string*>(row->field(config_));
+    if (row->key == std::string("data.data") || row->key == std::string("eval.data")) {
+      value = absolute_data_sources(value, row->flag);
+      continue;
+    }
     // A preset's name stays a name.
     if (value.empty() || (row->key == std::string("model.model") && value.find('/') == std::string::npos &&
                           !std::filesystem::exists(value)))

@@ -29,6 +29,7 @@
 #include "model/adapter_files.hpp"
 #include "plan/planner.hpp"
 #include "train/data.hpp"
+#include "train/data_reader.hpp"
 #include "train/run_directory.hpp"
 #include "train/train_checkpoint.hpp"
 #include "train/trainer.hpp"
@@ -153,14 +154,22 @@ void apply_fine_tune_defaults(run_options& opts) {
   if (!opts.set_anywhere("optimizer.steps")) opts.set_default("data.epochs", 1.0, value_source::fine_tune_default);
 }
 
-// Tokens one pass over the data holds (documents kept by --min-doc-tokens), for --epochs.
+// Tokens one pass over the data holds (documents kept by --min-doc-tokens; a mixture's
+// sources together), for --epochs.
 std::int64_t data_tokens(const train_options& o) {
   if (o.data_path.empty()) return 0;
-  if (o.packing != packing_mode::stream && document_corpus::exists(o.data_path))
-    return document_corpus(o.data_path, o.model.vocab_size, o.min_doc_tokens, o.seed).epoch_tokens();
-  std::error_code ec;
-  const auto bytes = std::filesystem::file_size(o.data_path, ec);
-  return ec ? 0 : static_cast<std::int64_t>(bytes / 4);
+  std::int64_t tokens = 0;
+  for (const data_source_spec& s : parse_data_sources(o.data_path, "--data")) {
+    if (o.packing != packing_mode::stream && document_corpus::exists(s.path)) {
+      tokens += document_corpus(s.path, o.model.vocab_size, o.min_doc_tokens, o.seed).epoch_tokens();
+      continue;
+    }
+    std::error_code ec;
+    const std::string file = document_corpus::exists(s.path) ? s.path + ".tokens" : s.path;
+    const auto bytes = std::filesystem::file_size(file, ec);
+    tokens += ec ? 0 : static_cast<std::int64_t>(bytes / 4);
+  }
+  return tokens;
 }
 
 std::string number_text(double v) {
@@ -260,9 +269,12 @@ train_options to_options(run_options& opts, bool fine_tune) {
   o.init_path = f.init;
   o.data_path = f.data;
   // PREFIX.tokens of a corpus means the corpus: its index and manifest lie beside it.
-  if (const std::string suffix = ".tokens"; o.data_path.size() > suffix.size() && o.data_path.ends_with(suffix) &&
-                                            document_corpus::exists(o.data_path.substr(0, o.data_path.size() - suffix.size())))
-    o.data_path.resize(o.data_path.size() - suffix.size());
+  std::vector<data_source_spec> sources = parse_data_sources(f.data, "--data");
+  for (data_source_spec& s : sources)
+    if (const std::string suffix = ".tokens"; s.path.size() > suffix.size() && s.path.ends_with(suffix) &&
+                                              document_corpus::exists(s.path.substr(0, s.path.size() - suffix.size())))
+      s.path.resize(s.path.size() - suffix.size());
+  o.data_path = sources.empty() ? std::string() : data_sources_text(sources);
   if (f.packing != "auto" && f.packing != "documents" && f.packing != "stream")
     throw config_error("--packing " + f.packing + " is not known: use documents (attention within each document, "
                        "the default with a document index) or stream (one token stream)");
@@ -343,8 +355,9 @@ class progress {
     const std::int64_t every = std::max<std::int64_t>(1, (last_ - first_ + 1) / 20);
     if (!tty_ && r.step != last_ && (r.step - first_) % every != 0) return;
     const int width = 24, filled = static_cast<int>(width * (r.step - first_ + 1) / std::max<std::int64_t>(1, last_ - first_ + 1));
-    char held_out[32] = "";
+    char held_out[48] = "";
     if (r.eval_loss) std::snprintf(held_out, sizeof held_out, "  eval %.4f", *r.eval_loss);
+    if (r.skipped) std::snprintf(held_out, sizeof held_out, " (skipped: no target)");
     std::printf("%s[%s%s] step %lld/%lld  S %lld  loss %.4f%s  lr %.2e  |g| %.3f  %.0f tok/s  ETA %s%s", tty_ ? "\r" : "",
                 std::string(filled, '#').c_str(), std::string(width - filled, '.').c_str(),
                 static_cast<long long>(r.step), static_cast<long long>(last_), static_cast<long long>(r.seq_len), r.loss,
@@ -360,11 +373,24 @@ class progress {
   double done_seconds_ = 0, done_tokens_ = 0;
 };
 
-nlohmann::json record_json(const step_record& r) {
-  return {{"step", r.step}, {"seq_len", r.seq_len}, {"epoch", r.epoch}, {"loss", r.loss}, {"lr", r.lr},
-          {"grad_norm", r.grad_norm}, {"model_tflops_per_s", r.model_flops / std::max(r.seconds, 1e-9) / 1e12},
-          {"eval_loss", r.eval_loss ? nlohmann::json(*r.eval_loss) : nlohmann::json(nullptr)},
-          {"tokens_per_s", r.tokens_per_s}, {"peak_bytes", r.peak_bytes}};
+nlohmann::json record_json(const train_options& o, const step_record& r) {
+  nlohmann::json j = {{"step", r.step}, {"seq_len", r.seq_len}, {"epoch", r.epoch},
+                      {"loss", r.skipped ? nlohmann::json(nullptr) : nlohmann::json(r.loss)}, {"lr", r.lr},
+                      {"grad_norm", r.grad_norm}, {"model_tflops_per_s", r.model_flops / std::max(r.seconds, 1e-9) / 1e12},
+                      {"eval_loss", r.eval_loss ? nlohmann::json(*r.eval_loss) : nlohmann::json(nullptr)},
+                      {"tokens_per_s", r.tokens_per_s}, {"targets", r.targets}, {"empty_sequences", r.empty_sequences},
+                      {"skipped", r.skipped}, {"peak_bytes", r.peak_bytes}};
+  if (!r.eval_losses.empty()) j["eval_losses"] = r.eval_losses;
+  // Per source of --data: the step's sequences and targets, and the passes over it so far.
+  if (!r.sources.empty()) {
+    const std::vector<data_source_spec> specs = parse_data_sources(o.data_path, "--data");
+    nlohmann::json data = nlohmann::json::object();
+    for (std::size_t i = 0; i < r.sources.size() && i < specs.size(); ++i)
+      data[specs[i].path] = {{"sequences", r.sources[i].sequences}, {"targets", r.sources[i].targets},
+                             {"epoch", r.sources[i].epoch}};
+    j["data"] = data;
+  }
+  return j;
 }
 
 void print_summary(const train_options& o, const train_summary& s) {
@@ -518,7 +544,7 @@ int run(train_command& command) {
     s = train(o, [&](const step_record& r) {
       bar(r);
       if (!metrics.is_open()) return;
-      nlohmann::json line = record_json(r);
+      nlohmann::json line = record_json(o, r);
       line["time"] = utc_now();
       line["elapsed_s"] = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
       metrics << line.dump() << "\n" << std::flush;

@@ -146,6 +146,13 @@ nlohmann::ordered_json manifest_json(const checkpoint_request& r, const paramete
   j["warmup_seq_len"] = r.state.warmup_seq_len;
   j["shape_step"] = r.state.shape_step;
   j["shape_position"] = r.state.shape_position;
+  if (!r.state.mixture.empty()) {
+    j["mixture"] = nlohmann::ordered_json::array();
+    for (const trainer_state::source_state& m : r.state.mixture)
+      j["mixture"].push_back({{"data", m.data}, {"weight", m.weight}, {"data_bytes", m.data_bytes},
+                              {"sequences", m.sequences}, {"position", m.position},
+                              {"shape_sequences", m.shape_sequences}, {"shape_position", m.shape_position}});
+  }
   j["ranks"] = ranks;
   j["zero"] = zero;
   j["strategy"] = r.strategy;
@@ -372,6 +379,7 @@ saved_state::saved_state(const std::string& text) : impl_(std::make_unique<impl>
     state_.warmup_seq_len = whole("warmup_seq_len", true);
     state_.shape_step = whole("shape_step", true);
     state_.shape_position = whole("shape_position", true);
+    read_mixture(j, manifest.string());
   } catch (const nlohmann::json::exception& e) {
     throw io_error("cannot read " + manifest.string() + ": " + e.what());
   }
@@ -394,6 +402,29 @@ saved_state::saved_state(const std::string& text) : impl_(std::make_unique<impl>
 }
 
 saved_state::~saved_state() = default;
+
+// A mixture's sources as the manifest lists them, every number checked as the others are.
+void saved_state::read_mixture(const nlohmann::json& j, const std::string& manifest) {
+  if (!j.contains("mixture")) return;
+  const auto& list = j.at("mixture");
+  if (!list.is_array() || list.size() < 2 || list.size() > max_saved_sources)
+    throw io_error(manifest + " is damaged: mixture must list 2 to " + std::to_string(max_saved_sources) + " sources");
+  for (const auto& m : list) {
+    const auto count = [&](const char* key) -> std::int64_t {
+      const auto& v = m.at(key);
+      if (!v.is_number_integer() || v.get<std::int64_t>() < 0 || (v.is_number_unsigned() && v.get<std::uint64_t>() > INT64_MAX))
+        throw io_error(manifest + " is damaged: mixture's " + key + " = " + v.dump().substr(0, 40) +
+                       " is not a whole number of 0 or more");
+      return v.get<std::int64_t>();
+    };
+    const auto& weight = m.at("weight");
+    if (!weight.is_number() || !(weight.get<double>() > 0) || !std::isfinite(weight.get<double>()))
+      throw io_error(manifest + " is damaged: a mixture weight of " + weight.dump().substr(0, 40) + " is not positive");
+    state_.mixture.push_back({m.at("data").get<std::string>(), weight.get<double>(),
+                              static_cast<std::uint64_t>(count("data_bytes")), count("sequences"), count("position"),
+                              count("shape_sequences"), count("shape_position")});
+  }
+}
 
 // Every number of the manifest within what a save writes, before any is used to size or
 // index anything.

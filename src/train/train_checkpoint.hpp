@@ -22,6 +22,8 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json_fwd.hpp>
+
 #include "comm/communicator.hpp"
 #include "model/config.hpp"
 #include "model/hf_model.hpp"
@@ -44,6 +46,16 @@ struct trainer_state {
   // (batch 0: a save of an earlier upipe, which did not record them).
   std::int64_t batch = 0, seq_len = 0, seq_warmup = 0, warmup_seq_len = 0;
   std::int64_t shape_step = 0, shape_position = 0;
+  // A mixture of several sources (--data A:0.7,B:0.3; empty for one): each one's path and
+  // weight as given, its token file's size, and its sequences and position now and at
+  // shape_step. data is then the mixture's text, data_position and shape_position the sums.
+  struct source_state {
+    std::string data;
+    double weight = 1;
+    std::uint64_t data_bytes = 0;
+    std::int64_t sequences = 0, position = 0, shape_sequences = 0, shape_position = 0;
+  };
+  std::vector<source_state> mixture = {};
 };
 
 struct checkpoint_request {
@@ -105,7 +117,9 @@ class saved_state {
  private:
   static constexpr std::int64_t max_saved_seq_len = std::int64_t{1} << 30, max_saved_batch = std::int64_t{1} << 16,
                                 max_saved_unit = std::int64_t{1} << 40;
+  static constexpr std::size_t max_saved_sources = 1024;
   void check_manifest_ranges(const std::string& manifest) const;
+  void read_mixture(const nlohmann::json& manifest, const std::string& path);
   [[noreturn]] void non_finite(int unit, shard_state which, std::int64_t rank, std::int64_t element, float value) const;
 
   struct impl;

@@ -16,6 +16,7 @@
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <tuple>
 
 #include <nlohmann/json.hpp>
 
@@ -198,6 +199,54 @@ TEST_P(golden, packed_documents_equal_the_documents_one_by_one) {
       EXPECT_LT(std::abs(r.loss - g.loss) / std::abs(g.loss), 1e-5);
       for (const auto& [name, entry] : g.grads.tensors) EXPECT_LT(rel_error(r.grads.at(name), entry.values), 1e-5) << name;
     }
+}
+
+// Chat fine-tuning (scripts/make_chat_fixtures.py, tests/golden/hf/llama-chat): two
+// documents, three conversations rendered with a chat template (one with a tool call) and a
+// prompt/completion pair, packed into one sequence with their loss mask, equal transformers
+// run on each row alone with labels -100 where the mask is 0: the loss (the mean over every
+// row's targets) and every gradient, under every strategy at C = 2 and 4.
+TEST(golden_chat, masked_rows_packed_with_documents_equal_each_row_alone) {
+  const std::string dir = std::string(UPIPE_SOURCE_DIR) + "/tests/golden/hf/llama-chat";
+  golden_case g;
+  g.config = read_hf_config(dir + "/config.json");
+  g.weights = read_weights(g.config, dir);
+  g.grads = read_safetensors(dir + "/chat_grads.safetensors");
+  std::ifstream in(dir + "/chat.json");
+  const auto j = nlohmann::json::parse(in);
+  g.tokens = j["tokens"].get<std::vector<std::int32_t>>();
+  g.loss = j["loss"].get<double>();
+  const auto starts = j["starts"].get<std::vector<std::int64_t>>();
+  const auto mask = j["mask"].get<std::vector<std::uint8_t>>();
+  const auto targets = j["targets"].get<std::int64_t>();
+  ASSERT_LT(targets, static_cast<std::int64_t>(g.tokens.size()) / 2);  // most tokens are prompt
+  for (int cp : {2, 4}) {
+    std::vector<std::tuple<strategy_kind, int, int, int>> cases = {  // strategy, U, ring, sequence chunks
+        {strategy_kind::ulysses, 0, 1, 0}, {strategy_kind::ring, 0, 1, 0}, {strategy_kind::fpdt, 0, 1, 3}};
+    for (int u : valid_head_chunks(g.config.num_heads, cp)) {
+      cases.push_back({strategy_kind::upipe, u, 1, 0});
+      cases.push_back({strategy_kind::upipe, u, 1, 2});
+    }
+    if (cp == 4) {
+      cases.push_back({strategy_kind::hybrid, 2, 2, 0});
+      cases.push_back({strategy_kind::hybrid, 0, 4, 0});
+    }
+    for (auto [kind, u, ring, chunks] : cases) {
+      model_step_request req = request(g, kind, cp, u);
+      req.cp.ring = ring;
+      req.cp.seq_chunks = chunks;
+      req.documents = starts;
+      req.targets = mask;
+      const std::string what = std::string(strategy_name(kind)) + " C=" + std::to_string(cp) + " U=" +
+                               std::to_string(u) + " R=" + std::to_string(ring) + " N=" + std::to_string(chunks);
+      SCOPED_TRACE(what);
+      const model_step_result r = run_model_step(req, g.weights, g.tokens);
+      EXPECT_EQ(r.counted, targets);
+      EXPECT_LT(std::abs(r.loss - g.loss) / std::abs(g.loss), 1e-5) << "loss " << r.loss << " vs " << g.loss;
+      ASSERT_EQ(r.grads.size(), g.grads.tensors.size());
+      for (const auto& [name, entry] : g.grads.tensors) EXPECT_LT(rel_error(r.grads.at(name), entry.values), 1e-5) << name;
+    }
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(models, golden,
