@@ -23,6 +23,7 @@
 #include "model/adapter_files.hpp"
 #include "plan/planner.hpp"
 #include "train/data.hpp"
+#include "train/mesh.hpp"
 #include "train/trainer.hpp"
 
 namespace upipe::apps {
@@ -40,7 +41,7 @@ struct train_flags {
   comm_flags comm;
   std::string backend = "cpu", policy = "auto", seq_len = "128", offload = "none";
   cp_flags mesh{"upipe", 4};
-  int zero = 2, layers = 0, eval_samples = 32;
+  int zero = 2, layers = 0, eval_samples = 32, dp = 1, gpus_per_node = 0;
   std::int64_t batch = -1, seq_warmup = -1, seq_warmup_start = 0, steps = 3300, stop_after = 0, save_every = 0, warmup = 20, mlp_tile = 0, loss_chunk = 0;
   double lr = 1e-3, weight_decay = 0.01, max_grad_norm = 1.0, memory_gib = 8, host_memory_gib = 0;
   unsigned long long seed = 1;
@@ -147,6 +148,8 @@ train_options to_options(const train_flags& f) {
   o.seq_warmup = f.seq_warmup >= 0 ? f.seq_warmup : (f.data_path.empty() ? f.steps * 9 / 10 : 0);
   o.seq_warmup_start = f.seq_warmup_start;
   o.cp = f.mesh.settings();
+  o.dp = f.dp;
+  o.gpus_per_node = f.gpus_per_node;
   o.zero = f.zero == 3 ? zero_stage::three : zero_stage::two;
   o.step = {f.mlp_tile, f.loss_chunk, is_auto_policy(f.policy) ? checkpoint_policy{} : parse_checkpoint_policy(f.policy)};
   f.comm.apply(o.step);
@@ -192,11 +195,11 @@ class progress {
       : options_(o), first_(first), last_(last), tty_(::isatty(STDOUT_FILENO)) {}
   void operator()(const step_record& r) {
     done_seconds_ += r.seconds;
-    done_tokens_ += static_cast<double>(r.seq_len * options_.batch);
+    done_tokens_ += static_cast<double>(r.seq_len * global_batch(options_));
     // Steps left in the short stage at its length, the rest at the full length.
     const std::int64_t left = last_ - r.step;
     const std::int64_t short_left = std::clamp<std::int64_t>(std::min(last_, options_.seq_warmup) - r.step, 0, left);
-    const double left_tokens = static_cast<double>(options_.batch) *
+    const double left_tokens = static_cast<double>(global_batch(options_)) *
                                static_cast<double>(short_left * step_seq_len(options_, 1) +
                                                    (left - short_left) * options_.seq_len);
     const double eta = done_tokens_ > 0 ? done_seconds_ / done_tokens_ * left_tokens : 0;
@@ -273,12 +276,14 @@ int run(const train_flags& f) {
     metrics.open(target, std::ios::trunc);
     if (!metrics) throw io_error("cannot write --metrics-json " + f.metrics_path + ": check the directory");
   }
-  std::printf("# upipe train  model=%s (%lld parameters)  %s  S=%lld x %lld per step  cp=%d %s  zero=%d  steps=%lld  "
+  std::printf("# upipe train  model=%s (%lld parameters)  %s  S=%lld x %lld per step  %scp=%d %s  zero=%d  steps=%lld  "
               "lr=%g  backend=%s\n",
               o.model.name.c_str(), static_cast<long long>(o.model.parameter_count()),
               o.data_path.empty() ? "passkey task" : o.data_path.c_str(), static_cast<long long>(o.seq_len),
-              static_cast<long long>(o.batch), o.cp.cp, f.mesh.describe().c_str(), f.zero,
+              static_cast<long long>(global_batch(o)), o.dp > 1 ? ("dp=" + std::to_string(o.dp) + " ").c_str() : "",
+              o.cp.cp, f.mesh.describe().c_str(), f.zero,
               static_cast<long long>(o.optim.total_steps), o.optim.lr, f.backend.c_str());
+  if (o.dp > 1 || o.gpus_per_node > 0) std::printf("%s", mesh_placement(o).c_str());
   if (o.step.lora.enabled())
     std::printf("# LoRA %s: %lld adapter parameters trained, the base frozen (no gradients, masters or moments)\n",
                 lora_text(o.step.lora).c_str(), static_cast<long long>(lora_parameter_count(o.model, o.step.lora)));
@@ -345,7 +350,14 @@ command_runner add_train(CLI::App& app) {
                  "passkey task, 0 with --data)");
   app.add_option("--seq-warmup-start", f->seq_warmup_start,
                  "tokens per sequence during --seq-warmup (default: a quarter of --seq-len)");
-  add_cp_flags(app, f->mesh, "ranks in the CP group (threads on the cpu backend)");
+  add_cp_flags(app, f->mesh, "ranks in each replica's CP group (threads on the cpu backend)");
+  app.add_option("--dp", f->dp,
+                 "data-parallel replicas, each a CP group of --cp ranks reading its own sequences (D x C ranks in "
+                 "all, ZeRO over every one; a step takes dp x batch sequences)")
+      ->capture_default_str();
+  app.add_option("--gpus-per-node", f->gpus_per_node,
+                 "GPUs per node, for the mesh's placement check: a CP group inside a node or over whole nodes "
+                 "(0: every rank on one node)");
   app.add_option("--steps", f->steps, "length of the learning-rate schedule")->capture_default_str();
   app.add_option("--stop-after", f->stop_after, "stop once this step is done (the schedule stays --steps long)");
   app.add_option("--lr", f->lr, "peak learning rate")->capture_default_str();

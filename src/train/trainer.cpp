@@ -13,6 +13,7 @@
 #include "model/model_step.hpp"
 #include "runtime/cp_group.hpp"
 #include "train/data.hpp"
+#include "train/mesh.hpp"
 #include "train/train_checkpoint.hpp"
 
 namespace upipe {
@@ -63,6 +64,12 @@ class data_source {
     position = file_->next_position(position);
     return out;
   }
+  // Moves `position` past the sequence next() would return, without reading it (another
+  // replica's).
+  void skip(std::int64_t& position, std::int64_t length) const {
+    if (corpus_) position += length;
+    else if (file_) position = file_->next_position(position);
+  }
   const passkey_task* task() const { return task_.get(); }
   double epoch(std::int64_t position) const {
     return corpus_ ? static_cast<double>(position) / static_cast<double>(corpus_->epoch_tokens()) : 0.0;
@@ -90,38 +97,46 @@ zero_stage adapter_stage(const train_options& o) {
 }
 
 // Everything one rank holds for the run: one transformer per sequence length (more
-// than one only under sequence-length warmup).
+// than one only under sequence-length warmup). The stores are sharded over the world (every
+// replica's ranks), the attention runs over the rank's CP group.
 struct rank_context {
   const train_options& options;
   backend& be;
-  communicator& comm;
+  communicator& comm;  // the world: D x C ranks
+  communicator& cp;    // this rank's replica: C ranks (the world when D = 1)
+  communicator& shards;  // ZeRO's: the stores' shards and saved files are numbered by it
   parameter_store params;                     // the model; frozen under LoRA
   std::unique_ptr<parameter_store> adapters;  // LoRA's adapters, the trained store then
   std::map<std::int64_t, std::unique_ptr<transformer>> models;
 
-  rank_context(const train_options& o, backend& b, communicator& c)
-      : options(o), be(b), comm(c),
-        params(o.model, parameter_specs(o.model), b, c, o.zero,
+  rank_context(const train_options& o, backend& b, const mesh_comms& mesh)
+      : options(o), be(b), comm(mesh.world), cp(mesh.cp), shards(mesh.shards),
+        params(o.model, parameter_specs(o.model), b, mesh.shards, o.zero,
                uses_lora(o) ? offload_options{} : offload_options{o.offload_optimizer, o.offload_params},
                uses_lora(o) ? weight_role::frozen : weight_role::trained) {
     if (uses_lora(o))
-      adapters = std::make_unique<parameter_store>(o.model, lora_parameter_specs(o.model, o.step.lora), b, c,
+      adapters = std::make_unique<parameter_store>(o.model, lora_parameter_specs(o.model, o.step.lora), b, mesh.shards,
                                                    adapter_stage(o), offload_options{o.offload_optimizer, false},
                                                    weight_role::trained);
   }
+
+  // This rank's replica, 0 .. D - 1.
+  int replica() const { return comm.rank() / cp.size(); }
 
   // The store whose gradients and optimizer state the run keeps.
   parameter_store& trained() { return adapters ? *adapters : params; }
 
   transformer& model(std::int64_t seq_len) {
     auto& m = models[seq_len];
-    if (!m) m = std::make_unique<transformer>(options.model, options.cp, seq_len, be, cp_groups{&comm, &comm}, options.step);
+    if (!m) m = std::make_unique<transformer>(options.model, options.cp, seq_len, be, cp_groups{&cp, &cp}, options.step);
     return *m;
   }
 };
 
-// One optimizer step over the step's sequences: gradients of every sequence accumulate
-// in the shards, and the loss is the mean over all counted tokens of the step.
+// One optimizer step over the step's sequences (this replica's): gradients of every
+// sequence accumulate in the shards, and the loss is the mean over all counted tokens of
+// the step, every replica's. ZeRO's reduce-scatter sums the replicas' gradients, so each
+// is scaled by the count over all of them.
 double run_step(rank_context& rc, const std::vector<packed_sequence>& batch, std::int64_t step, step_record& record) {
   const train_options& o = rc.options;
   std::vector<prepared_sequence> seqs;
@@ -137,8 +152,14 @@ double run_step(rank_context& rc, const std::vector<packed_sequence>& batch, std
     seqs.push_back(prepare_sequence(s.tokens, layout_unit(o.cp), s.documents));
     counted += seqs.back().counted;
   }
+  // Every replica's count, each given once (by its CP group's rank 0), exact in fp64; a
+  // loopback world emulates replicas that all count as rank 0's does.
+  if (o.dp > 1 && rc.comm.is_loopback()) counted *= o.dp;
+  else if (o.dp > 1)
+    counted = static_cast<std::int64_t>(
+        sum_over_ranks(rc.comm, rc.cp.rank() == 0 ? static_cast<double>(counted) : 0.0, "counted"));
   transformer& model = rc.model(batch.front().length());
-  const auto runs = model.local_positions(rc.comm.rank());
+  const auto runs = model.local_positions(rc.cp.rank());
   parameter_store& trained = rc.trained();
   trained.zero_grads();
   const bool update = trained.stage() != zero_stage::replicated;  // else forward and backward only (planner)
@@ -198,7 +219,7 @@ model_config trained_config(const train_options& o) {
 std::pair<std::int64_t, std::int64_t> shape_begin(const train_options& o, const saved_state* resume) {
   if (resume == nullptr) return {0, 0};
   const trainer_state& st = resume->state();
-  const bool same = st.batch == o.batch && st.seq_len == o.seq_len && st.seq_warmup == o.seq_warmup &&
+  const bool same = st.batch == global_batch(o) && st.seq_len == o.seq_len && st.seq_warmup == o.seq_warmup &&
                     st.warmup_seq_len == (o.seq_warmup > 0 ? step_seq_len(o, 1) : 0);
   return same ? std::pair{st.shape_step, st.shape_position} : std::pair{st.step, st.data_position};
 }
@@ -219,7 +240,7 @@ void save(rank_context& rc, const std::string& dir, std::int64_t step, std::int6
              o.data_path.empty() ? 0 : file_bytes(data_tokens_file(o)),
              uses_documents(o) ? "documents" : "stream",
              o.min_doc_tokens,
-             o.batch,
+             global_batch(o),
              o.seq_len,
              o.seq_warmup,
              o.seq_warmup > 0 ? step_seq_len(o, 1) : 0,
@@ -230,15 +251,16 @@ void save(rank_context& rc, const std::string& dir, std::int64_t step, std::int6
   r.seq_len = o.seq_len;
   r.lora = o.step.lora;
   r.base_model = base_model_name(o);
-  save_checkpoint(dir, r, rc.trained(), rc.comm);
+  save_checkpoint(dir, r, rc.trained(), rc.shards);
 }
 
 // The mean held-out loss over eval_sequences windows of `length` tokens, forward only: the
-// training state (weights, moments, data position) is untouched.
+// training state (weights, moments, data position) is untouched. Every replica scores the
+// same windows (the sharded weights are gathered over the world, so all take part).
 double held_out_loss(rank_context& rc, data_source& held_out, std::int64_t length) {
   const train_options& o = rc.options;
   transformer& model = rc.model(length);
-  const auto runs = model.local_positions(rc.comm.rank());
+  const auto runs = model.local_positions(rc.cp.rank());
   double local = 0;
   std::int64_t counted = 0;
   std::int64_t position = 0;
@@ -251,7 +273,7 @@ double held_out_loss(rank_context& rc, data_source& held_out, std::int64_t lengt
       local += loss;
     counted += seq.counted;
   }
-  return sum_over_ranks(rc.comm, local, "eval_loss_sum") / static_cast<double>(std::max<std::int64_t>(counted, 1));
+  return sum_over_ranks(rc.cp, local, "eval_loss_sum") / static_cast<double>(std::max<std::int64_t>(counted, 1));
 }
 
 // Teacher-forced retrieval on held-out samples: the argmax at the position before each
@@ -265,7 +287,7 @@ double evaluate(rank_context& rc, const passkey_task& task) {
     std::vector<std::int64_t> before_digits;
     for (std::int64_t k = 0; k < passkey_task::key_digits; ++k) before_digits.push_back(sample.answer_start + k - 1);
     right += passkey_task::digits_right(
-        sample, score_sequence(model, rc.params, rc.comm, seq, before_digits, rc.adapters.get()).argmax);
+        sample, score_sequence(model, rc.params, rc.cp, seq, before_digits, rc.adapters.get()).argmax);
   }
   return rc.options.eval_samples > 0 ? right / rc.options.eval_samples : 0.0;
 }
@@ -278,10 +300,26 @@ struct weight_sources {
   const weight_source* adapters = nullptr;
 };
 
-void run_rank(const train_options& o, backend& be, communicator& comm, const weight_sources& from,
+// This replica's sequences of a step: the global batch is dp x batch sequences in data
+// order, replica r taking the r-th run of `batch`; `position` moves past all of them.
+std::vector<packed_sequence> replica_batch(const train_options& o, data_source& data, int replica, std::int64_t step,
+                                           std::int64_t& position, std::int64_t length) {
+  std::vector<packed_sequence> batch;
+  const std::int64_t global = global_batch(o), mine = replica * o.batch;
+  for (std::int64_t j = 0; j < global; ++j) {
+    if (j >= mine && j < mine + o.batch)
+      batch.push_back(data.next((step - 1) * global + j + 1, position, length));
+    else
+      data.skip(position, length);
+  }
+  return batch;
+}
+
+void run_rank(const train_options& o, backend& be, const mesh_comms& mesh, const weight_sources& from,
               train_summary& summary, const std::function<void(const step_record&)>& on_step,
               clock_type::time_point start) {
-  rank_context rc(o, be, comm);
+  rank_context rc(o, be, mesh);
+  communicator& comm = mesh.world;
   std::int64_t first = 1, position = 0;
   if (from.init != nullptr && (from.resume == nullptr || rc.adapters)) rc.params.load(*from.init);
   if (from.resume != nullptr) {
@@ -305,12 +343,9 @@ void run_rank(const train_options& o, backend& be, communicator& comm, const wei
     record.step = step;
     record.seq_len = step_seq_len(o, step);
     record.epoch = data.epoch(position);
-    std::vector<packed_sequence> batch;
-    for (std::int64_t i = 0; i < o.batch; ++i)
-      batch.push_back(data.next((step - 1) * o.batch + i + 1, position, record.seq_len));
-    run_step(rc, batch, step, record);
+    run_step(rc, replica_batch(o, data, rc.replica(), step, position, record.seq_len), step, record);
     record.seconds = std::chrono::duration<double>(clock_type::now() - start).count();
-    record.tokens_per_s = static_cast<double>(record.seq_len * o.batch) / record.seconds;
+    record.tokens_per_s = static_cast<double>(record.seq_len * global_batch(o)) / record.seconds;
     if (held_out && be.has_data() && (step % o.eval_every == 0 || step == last))
       record.eval_loss = held_out_loss(rc, *held_out, record.seq_len);
     if (comm.rank() == 0) {
@@ -376,6 +411,7 @@ std::int64_t step_seq_len(const train_options& o, std::int64_t step) {
 
 void validate(const train_options& o) {
   validate(o.model);
+  validate_mesh(o);
   if (o.optim.total_steps < 1)
     throw config_error("--steps " + std::to_string(o.optim.total_steps) + " must be at least 1 (for example --steps 200)");
   if (o.stop_after < 0 || o.stop_after > o.optim.total_steps)
@@ -471,16 +507,22 @@ step_timing time_steps(const train_options& o, std::int64_t warmup_len, int repe
   const host_weights adapters = o.backend == backend_kind::meta || !uses_lora(o)
                                     ? host_weights{}
                                     : initial_adapters(o.model, o.step.lora, o.seed);
-  run_cp_group(
-      o.backend, o.limits, o.cp.cp,
-      [&](int rank, backend& be, communicator& comm) {
-        rank_context rc(o, be, comm);
+  run_mesh(
+      o.backend, o.limits, {o.dp, o.cp.cp},
+      [&](int rank, backend& be, const mesh_comms& mesh) {
+        rank_context rc(o, be, mesh);
+        communicator& comm = mesh.world;
         rc.params.load(init);
         if (rc.adapters) rc.adapters->load(adapters);
         step_record record;
         if (warmup_len > 0) run_step(rc, {tokens(be, warmup_len, 0)}, 1, record);
         for (int i = 0; i < repeats; ++i) {
-          const std::vector<packed_sequence> batch{tokens(be, o.seq_len, 1 + static_cast<std::uint64_t>(i))};
+          // Step i's global batch is sequences i G .. i G + G - 1 of the stream (G = dp x batch),
+          // replica r taking its run of `batch`: one rank with dp x batch reads the same.
+          std::vector<packed_sequence> batch;
+          for (std::int64_t k = 0; k < o.batch; ++k)
+            batch.push_back(tokens(be, o.seq_len,
+                                   1 + static_cast<std::uint64_t>(i * global_batch(o) + rc.replica() * o.batch + k)));
           be.synchronize();
           comm.barrier();
           be.set_phase_timing(phases);
@@ -516,11 +558,12 @@ namespace {
 void check_resumed_position(const train_options& o, const saved_state& saved) {
   const trainer_state& st = saved.state();
   if (st.batch == 0) return;  // a save of an earlier upipe, which did not record the shape
-  if (st.batch != o.batch || st.seq_len != o.seq_len)
-    std::fprintf(stderr, "upipe: note: the checkpoint trained --batch %lld --seq-len %lld; this run takes --batch %lld "
-                 "--seq-len %lld, continuing from its data position %lld\n", static_cast<long long>(st.batch),
-                 static_cast<long long>(st.seq_len), static_cast<long long>(o.batch),
-                 static_cast<long long>(o.seq_len), static_cast<long long>(st.data_position));
+  if (st.batch != global_batch(o) || st.seq_len != o.seq_len)
+    std::fprintf(stderr, "upipe: note: the checkpoint trained %lld sequences a step (--dp x --batch) of --seq-len %lld; "
+                 "this run takes %lld of --seq-len %lld, continuing from its data position %lld\n",
+                 static_cast<long long>(st.batch), static_cast<long long>(st.seq_len),
+                 static_cast<long long>(global_batch(o)), static_cast<long long>(o.seq_len),
+                 static_cast<long long>(st.data_position));
   // The tokens the steps since the shape began consumed; each sequence moves a token file on
   // by a whole seq_len, and a corpus by the sequence's length.
   const __int128 steps = st.step - st.shape_step;
@@ -682,12 +725,12 @@ train_summary train(const train_options& o, const std::function<void(const step_
   }
   train_summary summary;
   summary.seq_len = o.seq_len;
-  summary.peak_bytes.resize(static_cast<std::size_t>(o.cp.cp));
+  summary.peak_bytes.resize(static_cast<std::size_t>(o.dp * o.cp.cp));
   try {
-    run_cp_group(
-        o.backend, o.limits, o.cp.cp,
-        [&](int, backend& be, communicator& comm) {
-          run_rank(o, be, comm, {resume.get(), init.get(), adapter_init.get()}, summary, on_step, start);
+    run_mesh(
+        o.backend, o.limits, {o.dp, o.cp.cp},
+        [&](int, backend& be, const mesh_comms& mesh) {
+          run_rank(o, be, mesh, {resume.get(), init.get(), adapter_init.get()}, summary, on_step, start);
         },
         false, o.comm);
   } catch (...) {
