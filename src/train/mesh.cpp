@@ -86,7 +86,7 @@ void validate_mesh(const train_options& o) {
   if (o.gpus_per_node < 0)
     throw config_error("--gpus-per-node " + std::to_string(o.gpus_per_node) +
                        " must be 0 (every rank on one node) or the GPUs of a node (for example 8)");
-  if (o.batch >= 1 && global_batch(o) > max_batch)
+  if (o.dp > 1 && o.batch >= 1 && o.batch <= max_batch && global_batch(o) > max_batch)
     throw config_error("--dp " + std::to_string(o.dp) + " x --batch " + std::to_string(o.batch) + " = " +
                        std::to_string(global_batch(o)) + " sequences per step is past the " +
                        std::to_string(max_batch) + " a step takes; lower --batch to at most " +

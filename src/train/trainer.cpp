@@ -558,11 +558,12 @@ namespace {
 void check_resumed_position(const train_options& o, const saved_state& saved) {
   const trainer_state& st = saved.state();
   if (st.batch == 0) return;  // a save of an earlier upipe, which did not record the shape
+  // The saved batch is the step's over every replica (--dp x --batch).
   if (st.batch != global_batch(o) || st.seq_len != o.seq_len)
-    std::fprintf(stderr, "upipe: note: the checkpoint trained %lld sequences a step (--dp x --batch) of --seq-len %lld; "
-                 "this run takes %lld of --seq-len %lld, continuing from its data position %lld\n",
-                 static_cast<long long>(st.batch), static_cast<long long>(st.seq_len),
-                 static_cast<long long>(global_batch(o)), static_cast<long long>(o.seq_len),
+    std::fprintf(stderr, "upipe: note: the checkpoint trained --batch %lld --seq-len %lld; this run takes --batch %lld "
+                 "--seq-len %lld%s, continuing from its data position %lld\n", static_cast<long long>(st.batch),
+                 static_cast<long long>(st.seq_len), static_cast<long long>(global_batch(o)),
+                 static_cast<long long>(o.seq_len), o.dp > 1 ? " (over its replicas)" : "",
                  static_cast<long long>(st.data_position));
   // The tokens the steps since the shape began consumed; each sequence moves a token file on
   // by a whole seq_len, and a corpus by the sequence's length.
