@@ -4,6 +4,7 @@
 #include <string>
 
 #include "comm/launch.hpp"
+#include "comm/nccl.hpp"
 #include "core/error.hpp"
 #include "model/model_step.hpp"
 
@@ -101,6 +102,14 @@ void validate_mesh(const train_options& o) {
     }
   }
   const std::optional<launch_env> env = launcher_environment();
+  // NCCL threads in one process: a GPU per rank.
+  if (!env && o.dp > 1 && o.backend == backend_kind::cuda && o.comm.kind == comm_kind::nccl &&
+      visible_gpus() < o.dp * o.cp.cp)
+    throw config_error("--comm nccl with --dp " + std::to_string(o.dp) + " x --cp " + std::to_string(o.cp.cp) +
+                       " needs a GPU per rank but " + std::to_string(visible_gpus()) + " are visible; meshes of " +
+                       std::to_string(visible_gpus()) + " ranks that " + std::string(strategy_name(o.cp.strategy)) +
+                       " runs: " + meshes_text(valid_meshes(o, visible_gpus())) +
+                       " (or --comm threads for virtual ranks on one GPU)");
   const bool launched = env && o.backend == backend_kind::cuda && o.comm.kind != comm_kind::threads;
   if (launched && env->size != o.dp * o.cp.cp) {
     throw config_error(env->launcher + " started " + std::to_string(env->size) + " processes but --dp " +
