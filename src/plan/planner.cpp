@@ -353,7 +353,7 @@ plan_result make_plan(const plan_request& r) {
     }
   }
   if (out.planned_seq_len > 0 && !r.dps.empty()) {
-    out.meshes = plan_meshes(r, out.planned_seq_len);
+    out.meshes = plan_meshes(r, out.planned_seq_len, &out.entries);
     recommend_mesh(out);
   }
   return out;

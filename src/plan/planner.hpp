@@ -144,11 +144,14 @@ std::vector<cp_settings> plan_configurations(const plan_request& request);
 // The step-time model at one point of a configuration (plan/step_time.hpp).
 step_time model_step_time(const plan_request& request, const cp_settings& cp, const plan_point& point);
 
-// Every mesh of the request's sweep (each D of its dps whose CP group of C = gpus / D sits
-// inside a node or over whole nodes) at `seq_len`: per D and strategy
-// (and U, ring and offload), the fewest sequence chunks that fit and the fastest policy
-// (plan/mesh_plan.cpp).
-std::vector<mesh_entry> plan_meshes(const plan_request& request, std::int64_t seq_len);
+// Every mesh of the request's sweep (each D of its dps, ascending, whose CP group of
+// C = gpus / D sits inside a node or over whole nodes) at `seq_len`: per D and strategy (and
+// U, ring and offload), the fewest sequence chunks that fit and the policy with the
+// shortest modelled step (plan/mesh_plan.cpp). The sweep stops after a D where nothing
+// fits (more replicas hold more per GPU). `cp_only`, the plan of the request's own D, leaves
+// out at that D the configurations whose longest length falls short of seq_len.
+std::vector<mesh_entry> plan_meshes(const plan_request& request, std::int64_t seq_len,
+                                    const std::vector<plan_entry>* cp_only = nullptr);
 
 // The fastest mesh that fits, and the fastest that fits with D = 1.
 void recommend_mesh(plan_result& result);
