@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from checklib import check, failures, fixed_inputs, upipe
+from checklib import check, failures, fixed_inputs, train_into, upipe
 
 ROOT = Path(__file__).resolve().parent.parent
 CHANGED = {"dtype", "torch_dtype", "max_position_embeddings", "transformers_version"}
@@ -54,12 +54,10 @@ def main():
     runs.append((sources[0], "llama-yarn-extended",
                  ["--rope-theta", "20000", "--rope-scaling", "type=yarn,factor=8,original_max_position_embeddings=32"]))
     for source, name, extra in runs:
-        train = ["train", "--model", source, "--data", data, "--seq-len", 64, "--steps", 4, "--cp", 4,
-                 "--eval-samples", 0, *extra]
+        train = ["--model", source, "--data", data, "--seq-len", 64, "--steps", 4, "--cp", 4, "--eval-samples", 0, *extra]
         saved = {}
         for dtype in ("bf16", "fp32"):
-            saved[dtype] = work / f"{name}-{dtype}"
-            upipe(binary, *train, "--save", saved[dtype], "--save-dtype", dtype)
+            saved[dtype] = train_into(binary, work / f"{name}-{dtype}", *train, "--save-dtype", dtype)
         losses = {}
         for dtype, directory in saved.items():
             ours = upipe_loss(binary, directory, tokens, work, f"{name}-{dtype}")

@@ -27,7 +27,7 @@ import peft
 import torch
 import transformers
 
-from checklib import check, failures, fixed_inputs, upipe
+from checklib import check, failures, fixed_inputs, train_into, upipe
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -49,9 +49,8 @@ def main():
     tokens, torch_ids, data = fixed_inputs(work)
     for name in ("llama-yarn-shards", "qwen3-tied"):
         base = ROOT / "tests/golden/hf" / name
-        adapter = work / f"{name}-adapter"
-        upipe(binary, "train", "--model", base, "--data", data, "--seq-len", 64, "--steps", 6, "--cp", 4, "--zero", 3,
-              "--lr", "1e-2", "--eval-samples", 0, "--lora", LORA, "--save", adapter)
+        adapter = train_into(binary, work / f"{name}-adapter", "--model", base, "--data", data, "--seq-len", 64,
+                             "--steps", 6, "--cp", 4, "--zero", 3, "--lr", "1e-2", "--eval-samples", 0, "--lora", LORA)
         step = work / f"{name}-step.json"
         upipe(binary, "step", "--model", base, "--adapter", adapter, "--tokens", tokens, "--seq-len", 64, "--cp", 1,
               "--json", step)

@@ -33,6 +33,7 @@
 #include "apps/python.hpp"
 #include "apps/sizes.hpp"
 #include "core/error.hpp"
+#include "train/run_directory.hpp"
 #include "core/limits.hpp"
 #include "model/hf_model.hpp"
 #include "model/model_step.hpp"
@@ -139,7 +140,7 @@ eval_setup setup(const eval_flags& f) {
   s.req.options = resolved.step;
   s.req.limits = resolved.limits;
   s.directory = model_directory(f.model, f.config_path);
-  const std::string weights_path = f.weights_path.empty() ? s.directory : f.weights_path;
+  const std::string weights_path = f.weights_path.empty() ? s.directory : resolve_checkpoint(f.weights_path);
   if (weights_path.empty()) {
     s.random = random_weights(s.req.model, f.seed);
     s.weights = std::make_unique<host_weight_source>(s.random);
@@ -183,8 +184,18 @@ int held_out_loss(const eval_flags& f, const eval_setup& s) {
   for (const std::int64_t S : lengths) {
     std::unique_ptr<token_file> file;
     if (!corpus) file = std::make_unique<token_file>(f.data_path, S, s.req.model.vocab_size);
+    // Each token is scored once: no window wraps around to the data's start.
+    const std::int64_t tokens = corpus ? corpus->epoch_tokens() : file->size();
+    if (tokens < S)
+      throw config_error("--seq-len " + std::to_string(S) + " is longer than " + f.data_path + "'s " +
+                         std::to_string(tokens) + " tokens: every window would repeat the data; use a --seq-len of at "
+                         "most " + std::to_string(tokens));
+    const int windows = static_cast<int>(std::min<std::int64_t>(f.samples, tokens / S));
+    if (windows < f.samples)
+      std::printf("# S %lld: %s holds %lld tokens, %d whole window(s), not --samples %d: each token is scored once\n",
+                  static_cast<long long>(S), f.data_path.c_str(), static_cast<long long>(tokens), windows, f.samples);
     std::vector<eval_sequence> seqs;
-    for (int i = 0; i < f.samples; ++i) {
+    for (int i = 0; i < windows; ++i) {
       eval_sequence seq;
       if (corpus) {
         packed_sequence w = corpus->window(static_cast<std::int64_t>(i) * S, S);

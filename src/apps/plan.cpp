@@ -32,11 +32,43 @@ struct plan_flags {
   std::vector<int> dps;                 // the mesh sweep's replica counts (default: every divisor of the GPUs)
   throughput_rates rates;               // the step-time model's
   int gpus = 8, gpus_per_node = 0, nodes = 1, zero = 3, layers = 0;
+  bool gpus_given = false, nodes_given = false;  // given on the command line (checked against each other)
   double margin = 0.05;
   std::int64_t mlp_tile = 0, loss_chunk = 0;
 };
 
 constexpr const char* paper_host_memory = "1.9TiB";  // the paper's 8 x H100 machine
+
+struct mesh_size {
+  int gpus = 0, nodes = 1;
+};
+
+// The GPUs and nodes --gpus, --gpus-per-node and --nodes ask for, all three consistent:
+// --gpus alone is one node; with --gpus-per-node the nodes follow (G x nodes = gpus), and
+// --nodes beside both must agree. Refused with the values and a valid line otherwise.
+mesh_size plan_mesh(int gpus, bool gpus_given, int per_node, int nodes, bool nodes_given) {
+  if (gpus < 1 || (per_node == 0 && nodes < 1) || per_node < 0 || nodes < 1)
+    throw config_error("--gpus " + std::to_string(gpus) + ", --gpus-per-node " + std::to_string(per_node) +
+                       " and --nodes " + std::to_string(nodes) + " must be positive (for example --gpus 16 "
+                       "--gpus-per-node 8)");
+  if (per_node == 0) {
+    if (nodes_given && nodes != 1)
+      throw config_error("--nodes " + std::to_string(nodes) + " needs --gpus-per-node G (for example --gpus-per-node " +
+                         std::to_string(std::max(1, gpus / nodes)) + " --nodes " + std::to_string(nodes) + ")");
+    return {gpus, 1};
+  }
+  if (!gpus_given) return {per_node * nodes, nodes};
+  if (gpus % per_node != 0)
+    throw config_error("--gpus " + std::to_string(gpus) + " is not a whole number of nodes of --gpus-per-node " +
+                       std::to_string(per_node) + ": use --gpus " + std::to_string((gpus / per_node + 1) * per_node) +
+                       " or a --gpus-per-node that divides it");
+  if (nodes_given && nodes * per_node != gpus)
+    throw config_error("--gpus " + std::to_string(gpus) + " differs from --nodes " + std::to_string(nodes) +
+                       " x --gpus-per-node " + std::to_string(per_node) + " = " + std::to_string(nodes * per_node) +
+                       ": give two of the three (for example --gpus " + std::to_string(gpus) + " --gpus-per-node " +
+                       std::to_string(per_node) + ")");
+  return {gpus, gpus / per_node};
+}
 
 double gib(std::size_t bytes) { return static_cast<double>(bytes) / (1 << 30); }
 
@@ -208,14 +240,9 @@ int run(const plan_flags& f) {
   const auto start = std::chrono::steady_clock::now();
   plan_request r;
   r.model = load_model(f.model, f.config_path, f.layers);
-  r.gpus = f.gpus;
-  if (f.gpus_per_node != 0 || f.nodes != 1) {
-    if (f.gpus_per_node < 1)
-      throw config_error("--nodes " + std::to_string(f.nodes) + " needs --gpus-per-node G (for example "
-                         "--gpus-per-node 8 --nodes 2)");
-    r.gpus = f.gpus_per_node * f.nodes;
-  }
-  r.nodes = f.nodes;
+  const mesh_size mesh = plan_mesh(f.gpus, f.gpus_given, f.gpus_per_node, f.nodes, f.nodes_given);
+  r.gpus = mesh.gpus;
+  r.nodes = mesh.nodes;
   r.gpu_memory = parse_bytes(f.gpu_memory, "--gpu-memory");
   const bool host_default = f.host_memory.empty();
   r.host_memory = parse_bytes(host_default ? paper_host_memory : f.host_memory, "--host-memory");
@@ -406,10 +433,11 @@ int run(const plan_flags& f) {
 command_runner add_plan(CLI::App& app) {
   auto f = std::make_shared<plan_flags>();
   add_model_flags(app, f->model, f->config_path);
-  app.add_option("--gpus", f->gpus, "GPUs in the CP group, one node")->capture_default_str();
-  app.add_option("--gpus-per-node", f->gpus_per_node, "with --nodes: GPUs per node (the CP group is all of them)");
-  app.add_option("--nodes", f->nodes, "nodes (hybrid's ring runs across them; host memory is per node)")
-      ->capture_default_str();
+  CLI::Option* gpus = app.add_option("--gpus", f->gpus, "GPUs in all (one node unless --gpus-per-node)")
+                          ->capture_default_str();
+  app.add_option("--gpus-per-node", f->gpus_per_node, "GPUs per node: --gpus / G nodes (or with --nodes)");
+  CLI::Option* nodes = app.add_option("--nodes", f->nodes, "nodes (hybrid's ring runs across them; host memory is per "
+                                      "node)")->capture_default_str();
   app.add_option("--gpu-memory", f->gpu_memory, "memory per GPU (80GiB, 141GB, ...)")->capture_default_str();
   app.add_option("--host-memory", f->host_memory,
                  "host memory of the node (default 1.9TiB, the paper's machine)");
@@ -450,7 +478,11 @@ command_runner add_plan(CLI::App& app) {
       ->capture_default_str();
   app.add_option("--pcie-gbytes", f->rates.pcie_gbytes, "step-time model: host <-> device copies, GB/s each way")
       ->capture_default_str();
-  return [f] { return run(*f); };
+  return [f, gpus, nodes] {
+    f->gpus_given = gpus->count() > 0;
+    f->nodes_given = nodes->count() > 0;
+    return run(*f);
+  };
 }
 
 }  // namespace upipe::apps

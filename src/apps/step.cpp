@@ -14,6 +14,7 @@
 #include "apps/model_flags.hpp"
 #include "apps/sizes.hpp"
 #include "core/error.hpp"
+#include "train/run_directory.hpp"
 #include "model/adapter_files.hpp"
 #include "model/model_step.hpp"
 #include "train/data.hpp"
@@ -82,7 +83,8 @@ int run(const step_flags& f) {
   req.options = resolved.step;
   req.limits = resolved.limits;
   const bool data = req.backend != backend_kind::meta;
-  const std::string weights_path = f.weights_path.empty() ? model_directory(f.model, f.config_path) : f.weights_path;
+  const std::string weights_path =
+      f.weights_path.empty() ? model_directory(f.model, f.config_path) : resolve_checkpoint(f.weights_path);
   const host_weights weights = !data ? host_weights{}
                                : weights_path.empty() ? random_weights(req.model, f.seed)
                                                       : read_weights(req.model, weights_path);

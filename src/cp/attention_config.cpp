@@ -60,11 +60,13 @@ void require_positive(std::int64_t value, const char* name) {
                        " is invalid: it must be a positive integer (for example 8)");
 }
 
-// The largest divisor of `heads` that is at most `cp`, as a suggestion for C.
-int suggest_cp(int heads, int kv_heads, int cp) {
-  for (int c = cp; c > 1; --c)
-    if (heads % c == 0 && (kv_heads % c == 0 || c % kv_heads == 0)) return c;
-  return 1;
+// Every group size that splits the heads evenly (it divides H, and K or K divides it), up
+// to H: the valid alternatives a refusal names.
+std::string valid_group_sizes(int heads, int kv_heads) {
+  std::string out;
+  for (int c = 1; c <= heads; ++c)
+    if (heads % c == 0 && (kv_heads % c == 0 || c % kv_heads == 0)) out += (out.empty() ? "" : ", ") + std::to_string(c);
+  return out;
 }
 
 void validate_mesh(const attention_config& c) {
@@ -95,15 +97,17 @@ void validate_heads(const attention_config& c) {
   if (c.strategy == strategy_kind::ring) return;
   const int group = c.all_to_all_size();
   const std::string name = c.strategy == strategy_kind::hybrid ? "the all-to-all group A = C / R = " : "cp C = ";
-  const int alt = suggest_cp(c.heads, c.kv_heads, group);
   const std::string letter = c.strategy == strategy_kind::hybrid ? "A" : "C";
+  const std::string valid = "; valid " + letter + " for H = " + std::to_string(c.heads) + ", K = " +
+                            std::to_string(c.kv_heads) + ": " + valid_group_sizes(c.heads, c.kv_heads) +
+                            ", or ring attention, which runs any C";
   if (c.heads % group != 0)
     throw config_error(name + std::to_string(group) + " must divide query heads H = " + std::to_string(c.heads) +
-                       " (each rank computes H/" + letter + " heads); use " + letter + " = " + std::to_string(alt));
+                       " (each rank computes H/" + letter + " heads)" + valid);
   if (c.kv_heads % group != 0 && group % c.kv_heads != 0)
     throw config_error(name + std::to_string(group) + " and kv heads K = " + std::to_string(c.kv_heads) +
                        " are not supported: " + letter + " must divide K or K must divide " + letter +
-                       " (kv heads are split or replicated evenly); use " + letter + " = " + std::to_string(alt));
+                       " (kv heads are split or replicated evenly)" + valid);
 }
 
 void validate_sequence(const attention_config& c) {

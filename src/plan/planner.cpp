@@ -27,6 +27,7 @@ train_options probe_options(const plan_request& r, const cp_settings& cp, std::i
                             const checkpoint_policy& policy) {
   train_options o;
   o.model = r.model;
+  o.tokens = token_source::random;
   o.seq_len = seq_len;
   o.cp = cp;
   o.dp = r.dp;

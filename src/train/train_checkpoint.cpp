@@ -23,6 +23,7 @@
 #include "ops/cpu/cpu_ops.hpp"
 #include "core/files.hpp"
 #include "formats/safetensors.hpp"
+#include "train/run_directory.hpp"
 
 namespace upipe {
 
@@ -32,6 +33,7 @@ namespace {
 
 constexpr const char* trainer_dir = "trainer";
 constexpr const char* manifest_file = "manifest.json";
+constexpr const char* run_config_file = "run.toml";
 constexpr const char* manifest_format = "upipe-trainer-state";
 constexpr int manifest_version = 2;
 constexpr const char* tmp_suffix = ".tmp-upipe";
@@ -154,6 +156,8 @@ nlohmann::ordered_json manifest_json(const checkpoint_request& r, const paramete
     j["lora"] = lora_text(r.lora);
     j["base_model"] = r.base_model;
   }
+  if (!r.run_id.empty()) j["run_id"] = r.run_id;
+  if (r.eval_loss) j["eval_loss"] = *r.eval_loss;
   j["units"] = units;
   j["files"] = files;
   return j;
@@ -212,6 +216,10 @@ std::vector<std::string> write_adapters(const fs::path& tmp, const checkpoint_re
 }
 
 }  // namespace
+
+std::string run_config_path(const std::string& checkpoint_dir) {
+  return (fs::path(checkpoint_dir) / trainer_dir / run_config_file).string();
+}
 
 std::string resolve_checkpoint_dir(const std::string& text) {
   if (text.empty()) throw config_error("an empty checkpoint directory was given: name a directory, e.g. --save run1");
@@ -289,6 +297,7 @@ void save_checkpoint(const std::string& dir_text, const checkpoint_request& r, p
         for (const std::string& f : copy_companion_files(r.source_dir, tmp.string())) files.push_back(f);
       else
         for (const std::string& f : copy_companion_files(dir.string(), tmp.string())) files.push_back(f);
+      if (!r.run_config.empty()) write_text(tmp / trainer_dir / run_config_file, r.run_config);
       write_text(tmp / trainer_dir / manifest_file, manifest_json(r, params, C, files).dump(2) + "\n");
       fsync_path(tmp / trainer_dir, true);
       carry_user_files(dir, tmp);
@@ -352,6 +361,7 @@ saved_state::saved_state(const std::string& text) : impl_(std::make_unique<impl>
     const std::int64_t ranks = whole("ranks");
     ranks_ = ranks < 1 || ranks > (1 << 20) ? -1 : static_cast<int>(ranks);
     zero_ = j.at("zero").get<std::string>();
+    if (j.contains("run_id") && j["run_id"].is_string()) run_id_ = j["run_id"].get<std::string>();
     for (const auto& n : j.at("units")) {
       if (!n.is_number_integer()) throw io_error(manifest.string() + " is damaged: units holds " + n.dump().substr(0, 40));
       impl_->units.push_back(n.is_number_unsigned() && n.get<std::uint64_t>() > INT64_MAX ? -1 : n.get<std::int64_t>());
@@ -503,7 +513,8 @@ void write_export(const std::string& out_text, const std::function<void(const fs
 
 }  // namespace
 
-void export_checkpoint(const std::string& checkpoint_dir, const std::string& out_text, const hf_save_options& options) {
+void export_checkpoint(const std::string& given, const std::string& out_text, const hf_save_options& options) {
+  const std::string checkpoint_dir = resolve_checkpoint(given);  // a run directory: its latest
   if (is_adapter_directory(checkpoint_dir))
     throw config_error(checkpoint_dir + " is a LoRA adapter directory, not a model: merge it into the base it was "
                        "trained on with upipe export BASE " + out_text + " --merge-adapter " + checkpoint_dir);
@@ -525,8 +536,9 @@ void export_checkpoint(const std::string& checkpoint_dir, const std::string& out
   });
 }
 
-void merge_adapter(const std::string& base_dir, const std::string& adapter_dir, const std::string& out_text,
+void merge_adapter(const std::string& base_dir, const std::string& given_adapter, const std::string& out_text,
                    const hf_save_options& options) {
+  const std::string adapter_dir = resolve_checkpoint(given_adapter);  // a LoRA run directory: its latest
   if (!is_model_directory(base_dir))
     throw io_error("cannot merge into " + base_dir + ": it is not a model directory (config.json and weights); pass "
                    "the base model directory the adapter was trained on");

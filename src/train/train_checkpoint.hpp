@@ -4,7 +4,8 @@
 //   model.safetensors           the weights (bf16 by default), or model-0000N-of-0000M shards
 //   model.safetensors.index.json   with shards
 //   tokenizer files, generation_config.json   copied from the input model directory
-//   trainer/manifest.json       the run: step, data position, seed, ranks, ZeRO stage, strategy
+//   trainer/manifest.json       the run: step, data position, seed, ranks, ZeRO stage, strategy, run id
+//   trainer/run.toml            the run's resolved configuration (train --resume DIR needs nothing else)
 //   trainer/rank-0000R-of-0000C.safetensors   rank R's fp32 master shard and AdamW moments
 // A LoRA run's checkpoint is a PEFT adapter directory instead of a model directory
 // (adapter_config.json, adapter_model.safetensors in fp32: what PeftModel.from_pretrained
@@ -17,6 +18,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -54,7 +56,13 @@ struct checkpoint_request {
   std::int64_t seq_len = 0;
   lora_config lora;        // enabled: the store saved holds the adapters (an adapter directory)
   std::string base_model;  // LoRA: the base's directory or preset, for adapter_config.json
+  std::string run_id;      // the run this checkpoint belongs to (run_directory.hpp)
+  std::optional<double> eval_loss;  // the held-out loss at this step, when one was measured
+  std::string run_config;  // the resolved run configuration (TOML), written as trainer/run.toml
 };
+
+// The run configuration file inside a checkpoint: CHECKPOINT/trainer/run.toml.
+std::string run_config_path(const std::string& checkpoint_dir);
 
 // Resolves a --save or --resume path as a user means it: a trailing slash is dropped and a
 // symbolic link is followed (the link stays; its target is written).
@@ -85,6 +93,7 @@ class saved_state {
   const trainer_state& state() const { return state_; }
   int ranks() const { return ranks_; }
   const std::string& zero() const { return zero_; }
+  const std::string& run_id() const { return run_id_; }  // "" for a checkpoint before run ids
   // Checks the units against the run's model, or its adapters (config_error naming both
   // otherwise), and keeps a full model's parameter names for read()'s messages.
   void check_units(const model_config& config, const lora_config& lora = {}) const;
@@ -105,6 +114,7 @@ class saved_state {
   trainer_state state_;
   int ranks_ = 0;
   std::string zero_;
+  std::string run_id_;
 };
 
 // A resumed run's model must be the saved one: config_error naming both otherwise.

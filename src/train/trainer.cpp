@@ -7,13 +7,21 @@
 #include <filesystem>
 #include <memory>
 
+#include <nlohmann/json.hpp>
+#include <optional>
+
+#include <unistd.h>
+
 #include "comm/communicator.hpp"
+#include "core/digest.hpp"
 #include "core/error.hpp"
+#include "core/files.hpp"
 #include "model/adapter_files.hpp"
 #include "model/model_step.hpp"
 #include "runtime/cp_group.hpp"
 #include "train/data.hpp"
 #include "train/mesh.hpp"
+#include "train/run_directory.hpp"
 #include "train/train_checkpoint.hpp"
 
 namespace upipe {
@@ -224,10 +232,13 @@ std::pair<std::int64_t, std::int64_t> shape_begin(const train_options& o, const 
   return same ? std::pair{st.shape_step, st.shape_position} : std::pair{st.step, st.data_position};
 }
 
-void save(rank_context& rc, const std::string& dir, std::int64_t step, std::int64_t position,
-          std::pair<std::int64_t, std::int64_t> shape) {
-  if (!rc.be.has_data()) return;
+// Saves checkpoint-`step` into the run directory, then (rank 0) points latest at it and
+// rotates the older ones. Returns the checkpoint's path.
+std::string save(rank_context& rc, std::int64_t step, std::int64_t position, std::pair<std::int64_t, std::int64_t> shape,
+                 std::optional<double> eval_loss) {
   const train_options& o = rc.options;
+  const std::string path = (std::filesystem::path(o.save_dir) / checkpoint_name(step)).string();
+  if (!rc.be.has_data()) return path;
   checkpoint_request r;
   r.config = trained_config(o);
   r.source_dir = o.model_dir;
@@ -251,7 +262,33 @@ void save(rank_context& rc, const std::string& dir, std::int64_t step, std::int6
   r.seq_len = o.seq_len;
   r.lora = o.step.lora;
   r.base_model = base_model_name(o);
-  save_checkpoint(dir, r, rc.trained(), rc.shards);
+  r.run_id = o.run_id;
+  r.eval_loss = eval_loss;
+  r.run_config = o.run_config;
+  if (rc.comm.rank() == 0) {
+    std::error_code ec;
+    std::filesystem::create_directories(o.save_dir, ec);
+    if (ec) throw io_error("cannot create the run directory " + o.save_dir + ": " + ec.message());
+  }
+  save_checkpoint(path, r, rc.trained(), rc.shards);
+  if (rc.comm.rank() == 0) {
+    const auto removed = publish_checkpoint(o.save_dir, step, o.run_id, {o.keep_last, o.keep_best, o.overwrite});
+    std::string text;
+    for (const std::string& name : removed) text += (text.empty() ? " (removed " : ", ") + name;
+    std::printf("%ssaved %s%s%s\n", ::isatty(STDOUT_FILENO) ? "\n" : "", path.c_str(), text.c_str(),
+                text.empty() ? "" : ")");
+    std::fflush(stdout);
+  }
+  rc.comm.barrier();
+  return path;
+}
+
+// Has any rank been asked to stop (SIGTERM, SIGINT, SIGUSR1)? Every rank gets the same
+// answer, so the group stops after the same step.
+bool group_stop(rank_context& rc) {
+  if (rc.options.stop_signal == nullptr) return false;
+  const bool asked = rc.options.stop_signal->load() != 0;
+  return sum_over_ranks(rc.comm, asked ? 1.0 : 0.0, "stop_requested") > 0;
 }
 
 // The mean held-out loss over eval_sequences windows of `length` tokens, forward only: the
@@ -337,6 +374,13 @@ void run_rank(const train_options& o, backend& be, const mesh_comms& mesh, const
   std::unique_ptr<data_source> held_out;
   if (o.eval_every > 0) held_out = std::make_unique<data_source>(o, o.eval_data, 0);
   const std::int64_t last = o.stop_after > 0 ? o.stop_after : o.optim.total_steps;
+  std::int64_t saved_step = -1, done = first - 1;
+  std::optional<double> eval_loss;
+  const auto save_now = [&](std::int64_t step) {
+    const std::string path = save(rc, step, position, shape_begin(o, from.resume), eval_loss);
+    if (comm.rank() == 0) summary.last_checkpoint = path;
+    saved_step = step;
+  };
   for (std::int64_t step = first; step <= last; ++step) {
     const auto start = clock_type::now();
     step_record record;
@@ -346,18 +390,24 @@ void run_rank(const train_options& o, backend& be, const mesh_comms& mesh, const
     run_step(rc, replica_batch(o, data, rc.replica(), step, position, record.seq_len), step, record);
     record.seconds = std::chrono::duration<double>(clock_type::now() - start).count();
     record.tokens_per_s = static_cast<double>(record.seq_len * global_batch(o)) / record.seconds;
+    eval_loss.reset();
     if (held_out && be.has_data() && (step % o.eval_every == 0 || step == last))
-      record.eval_loss = held_out_loss(rc, *held_out, record.seq_len);
+      eval_loss = record.eval_loss = held_out_loss(rc, *held_out, record.seq_len);
     if (comm.rank() == 0) {
       record.peak_bytes = be.ledger().peaks_by_name();
       summary.steps.push_back(record);
       if (on_step) on_step(record);
     }
-    if (!o.save_dir.empty() && o.save_every > 0 && step % o.save_every == 0 && step != last)
-      save(rc, o.save_dir, step, position, shape_begin(o, from.resume));
+    done = step;
+    if (!o.save_dir.empty() && o.save_every > 0 && step % o.save_every == 0 && step != last) save_now(step);
+    if (step != last && group_stop(rc)) {
+      if (comm.rank() == 0) summary.stopped_by_signal = o.stop_signal->load();
+      break;
+    }
   }
-  if (!o.save_dir.empty()) save(rc, o.save_dir, last, position, shape_begin(o, from.resume));
-  if (data.task() != nullptr && be.has_data() && o.eval_samples > 0) {
+  if (!o.save_dir.empty() && saved_step != done && done >= first) save_now(done);
+  const bool stopped = done < last;
+  if (!stopped && data.task() != nullptr && be.has_data() && o.eval_samples > 0) {
     const double accuracy = evaluate(rc, *data.task());
     if (comm.rank() == 0) summary.retrieval_accuracy = accuracy;
   }
@@ -375,7 +425,9 @@ step_memory memory_of(const backend& be) {
   return m;
 }
 
-std::int64_t shortest_sequence(const train_options& o) { return o.data_path.empty() ? passkey_task::min_seq_len() : 2; }
+std::int64_t shortest_sequence(const train_options& o) {
+  return o.data_path.empty() && o.tokens == token_source::data ? passkey_task::min_seq_len() : 2;
+}
 
 // The warmup's first length: as given, or a quarter of seq_len rounded up to the
 // layout's unit (at least the passkey task's minimum, at most seq_len).
@@ -412,8 +464,9 @@ std::int64_t step_seq_len(const train_options& o, std::int64_t step) {
 void validate(const train_options& o) {
   validate(o.model);
   validate_mesh(o);
-  if (o.optim.total_steps < 1)
-    throw config_error("--steps " + std::to_string(o.optim.total_steps) + " must be at least 1 (for example --steps 200)");
+  if (o.optim.total_steps < 1 || o.optim.total_steps > max_train_steps)
+    throw config_error("--steps " + std::to_string(o.optim.total_steps) + " must lie between 1 and " +
+                       std::to_string(max_train_steps) + " (for example --steps 200)");
   if (o.stop_after < 0 || o.stop_after > o.optim.total_steps)
     throw config_error("--stop-after " + std::to_string(o.stop_after) + " must lie between 1 and --steps " +
                        std::to_string(o.optim.total_steps) + " (it stops a run early; --steps is the schedule's length)");
@@ -453,10 +506,11 @@ void validate(const train_options& o) {
     require_host_memory(static_cast<std::size_t>(o.batch) * static_cast<std::size_t>(o.seq_len) * 24,
                         "the host copies of a step's --batch " + std::to_string(o.batch) + " sequences of --seq-len " +
                             std::to_string(o.seq_len) + " tokens");
-  if (o.data_path.empty() && o.model.vocab_size < passkey_task::vocab_needed)
+  const bool passkey = o.data_path.empty() && o.tokens == token_source::data;
+  if (passkey && o.model.vocab_size < passkey_task::vocab_needed)
     throw config_error("the passkey task needs a vocabulary of at least " + std::to_string(passkey_task::vocab_needed) +
                        " tokens and " + o.model.name + " has " + std::to_string(o.model.vocab_size) + "; use --data FILE");
-  if (o.data_path.empty() && o.seq_len < passkey_task::min_seq_len())
+  if (passkey && o.seq_len < passkey_task::min_seq_len())
     passkey_task check(o.seq_len);  // throws with the minimum
   if (o.seq_len < 2) throw config_error("--seq-len must be at least 2");
   if (o.eval_every < 0 || (o.eval_every > 0 && o.eval_data.empty()))
@@ -482,7 +536,9 @@ step_memory measure_step_memory(const train_options& o) {
   return time_steps(o, 0, 1, false).memory;
 }
 
-step_timing time_steps(const train_options& o, std::int64_t warmup_len, int repeats, bool emulate, bool phases) {
+step_timing time_steps(const train_options& options, std::int64_t warmup_len, int repeats, bool emulate, bool phases) {
+  train_options o = options;
+  o.tokens = token_source::random;
   validate(o);
   UPIPE_CHECK(repeats >= 1, "time_steps needs at least one timed step");
   // Random ids where there is data; zeros on meta, which never reads them.
@@ -663,6 +719,45 @@ void check_resume(const train_options& o, const saved_state& saved) {
   check_resumed_position(o, saved);
 }
 
+// The data must have been tokenized by the model's tokenizer: a corpus's manifest records
+// the SHA-256 of the tokenizer.json that made it, compared with the model directory's.
+void check_data_tokenizer(const train_options& o, const std::string& prefix, const char* flag) {
+  std::error_code ec;
+  const std::string model_tokenizer = (std::filesystem::path(o.model_dir) / "tokenizer.json").string();
+  if (o.model_dir.empty() || !document_corpus::exists(prefix) || !std::filesystem::exists(model_tokenizer, ec)) return;
+  nlohmann::json manifest;
+  try {
+    manifest = nlohmann::json::parse(read_text_file(prefix + ".json", "the corpus manifest"));
+  } catch (const nlohmann::json::exception&) {
+    return;  // the corpus's own reader names a damaged manifest
+  }
+  if (!manifest.is_object() || !manifest.contains("tokenizer_sha256") || !manifest["tokenizer_sha256"].is_string())
+    return;
+  const std::string made_by = manifest["tokenizer_sha256"].get<std::string>();
+  if (made_by == file_sha256(model_tokenizer, "the model's tokenizer")) return;
+  const std::string source = manifest.contains("tokenizer") && manifest["tokenizer"].is_string()
+                                 ? manifest["tokenizer"].get<std::string>()
+                                 : std::string("another tokenizer");
+  const std::string text = std::string(flag) + " " + prefix + " was tokenized with " + source +
+                           ", whose tokenizer.json differs from " + model_tokenizer + " (SHA-256 " +
+                           made_by.substr(0, 12) + "... against the model's)";
+  if (o.allow_tokenizer_mismatch) {
+    std::fprintf(stderr, "upipe: warning: %s; training on it as --allow-tokenizer-mismatch says\n", text.c_str());
+    return;
+  }
+  throw config_error(text + ": prepare the data with this model's tokenizer (upipe prepare-data --tokenizer " +
+                     o.model_dir + "), or pass --allow-tokenizer-mismatch if the ids mean the same");
+}
+
+// One pass over the data must hold at least one sequence: a shorter corpus would be
+// repeated within the sequence.
+void check_data_length(std::int64_t tokens, std::int64_t seq_len, const std::string& data, const char* flag) {
+  if (tokens >= seq_len) return;
+  throw config_error(std::string(flag) + " " + data + " holds " + std::to_string(tokens) +
+                     " tokens (in the documents kept), fewer than one sequence of --seq-len " + std::to_string(seq_len) +
+                     ": give more data, or a --seq-len of at most " + std::to_string(std::max<std::int64_t>(tokens, 2)));
+}
+
 // Where the first step's weights come from: --init, else the --model directory, else random.
 std::unique_ptr<weight_source> initial_weights(const train_options& o, host_weights& random) {
   const std::string path = !o.init_path.empty() ? o.init_path : o.model_dir;
@@ -683,12 +778,17 @@ std::unique_ptr<weight_source> initial_weights(const train_options& o, host_weig
 
 }  // namespace
 
-train_summary train(const train_options& o, const std::function<void(const step_record&)>& on_step) {
-  validate(o);
+train_summary train(const train_options& options, const std::function<void(const step_record&)>& on_step) {
+  validate(options);
   // Everything that can be checked before the first step is: the save directory, the
   // checkpoint or the weights against the model, the data file's ids.
   const auto start = clock_type::now();
-  if (!o.save_dir.empty()) check_save_dir(o.save_dir);
+  train_options o = options;
+  // A run directory means its latest checkpoint, wherever a checkpoint is read.
+  o.resume_dir = resolve_checkpoint(o.resume_dir);
+  if (!o.save_dir.empty()) o.save_dir = resolve_checkpoint_dir(o.save_dir);  // a trailing slash, a symbolic link
+  o.init_path = resolve_checkpoint(o.init_path);
+  o.init_adapter = resolve_checkpoint(o.init_adapter);
   std::unique_ptr<saved_state> resume;
   std::unique_ptr<weight_source> init, adapter_init;
   host_weights random, random_adapters;
@@ -696,6 +796,12 @@ train_summary train(const train_options& o, const std::function<void(const step_
     resume = std::make_unique<saved_state>(o.resume_dir);
     check_resume(o, *resume);
   }
+  // A resumed run keeps its id, so that it saves into its own run directory.
+  if (o.run_id.empty()) o.run_id = resume && !resume->run_id().empty() ? resume->run_id() : new_run_id();
+  if (!o.save_dir.empty())
+    for (const std::string& note :
+         check_run_directory(o.save_dir, o.run_id, o.overwrite, resume ? resume->state().step : 0))
+      std::fprintf(stderr, "upipe: note: %s\n", note.c_str());
   // The frozen base of a LoRA run is never in its trainer state.
   if (o.backend != backend_kind::meta && (!resume || uses_lora(o))) init = initial_weights(o, random);
   if (o.backend != backend_kind::meta && !resume && uses_lora(o)) {
@@ -719,13 +825,19 @@ train_summary train(const train_options& o, const std::function<void(const step_
       throw config_error("--packing documents needs a document index: " + o.data_path +
                          ".index is missing (upipe prepare-data writes PREFIX.tokens, PREFIX.index and PREFIX.json; "
                          "pass --data PREFIX), or use --packing stream for a flat token file");
-    if (uses_documents(o))
-      document_corpus(o.data_path, o.model.vocab_size, o.min_doc_tokens, o.seed).check_ids();
-    else
+    check_data_tokenizer(o, o.data_path, "--data");
+    if (uses_documents(o)) {
+      const document_corpus corpus(o.data_path, o.model.vocab_size, o.min_doc_tokens, o.seed);
+      corpus.check_ids();
+      check_data_length(corpus.epoch_tokens(), o.seq_len, o.data_path, "--data");
+    } else {
       token_file(data_tokens_file(o), o.seq_len, o.model.vocab_size).check_ids();
+      check_data_length(static_cast<std::int64_t>(file_bytes(data_tokens_file(o)) / 4), o.seq_len, o.data_path, "--data");
+    }
   }
   train_summary summary;
   summary.seq_len = o.seq_len;
+  summary.run_id = o.run_id;
   summary.peak_bytes.resize(static_cast<std::size_t>(o.dp * o.cp.cp));
   try {
     run_mesh(
@@ -735,7 +847,7 @@ train_summary train(const train_options& o, const std::function<void(const step_
         },
         false, o.comm);
   } catch (...) {
-    if (!o.save_dir.empty()) remove_save_temporary(o.save_dir);
+    if (!o.save_dir.empty()) remove_unfinished_saves(o.save_dir);
     throw;
   }
   summary.seconds = std::chrono::duration<double>(clock_type::now() - start).count();

@@ -2,6 +2,7 @@
 // AdamW, checkpoints and resume, metrics and the retrieval evaluation.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -16,6 +17,10 @@
 
 namespace upipe {
 
+// Where a run's tokens come from: its data (a corpus, a token file, or the passkey task when
+// none is given), or random ids (benchmarks and the planner's probes, time_steps).
+enum class token_source : std::uint8_t { data, random };
+
 // How a corpus of documents becomes sequences: documents (attention masked and positions
 // restarted at each document, the target across a boundary dropped), stream (one token
 // stream, as a flat file), automatic (documents when there is an index).
@@ -23,6 +28,8 @@ enum class packing_mode : std::uint8_t { automatic, documents, stream };
 
 // The most sequences one optimizer step accumulates.
 constexpr std::int64_t max_batch = std::int64_t{1} << 16;
+// The longest schedule: a billion steps (years at a step a second); beyond it a typo.
+constexpr std::int64_t max_train_steps = 1'000'000'000;
 
 struct train_options {
   model_config model;
@@ -34,8 +41,11 @@ struct train_options {
                             // the tokenizer files (empty for presets)
   hf_save_options save_model;  // the saved weights' dtype and shard size
   std::string data_path;    // a prepared corpus (PREFIX) or a flat uint32 token file; empty: the passkey task
+  token_source tokens = token_source::data;  // random: time_steps' ids, no task to satisfy
   packing_mode packing = packing_mode::automatic;
   std::int64_t min_doc_tokens = 0;  // documents shorter than this are left out of a corpus
+  // Data tokenized with another tokenizer than the model directory's is refused unless set.
+  bool allow_tokenizer_mismatch = false;
   std::int64_t seq_len = 128;
   std::int64_t batch = 1;   // sequences per optimizer step and replica (gradients accumulated)
   // Data parallelism (docs/design.md section 11): dp replicas, each a CP group of cp.cp
@@ -57,9 +67,17 @@ struct train_options {
   adamw_config optim;            // optim.total_steps is --steps
   std::int64_t stop_after = 0;   // stop once this step is done; 0: at total_steps
   std::uint64_t seed = 1;
-  std::string save_dir;
+  std::string save_dir;          // the run directory: DIR/checkpoint-STEP, DIR/latest (train/run_directory.hpp)
   std::int64_t save_every = 0;
-  std::string resume_dir;
+  std::int64_t keep_last = 0;    // keep the newest N of the run's checkpoints (0: all)
+  bool keep_best = false;        // and the one of the lowest held-out loss
+  bool overwrite = false;        // remove another run's checkpoints in save_dir after the first save
+  std::string resume_dir;        // a checkpoint (a run directory's latest already resolved)
+  std::string run_config;        // the resolved configuration (TOML), written into every checkpoint
+  std::string run_id;            // empty: the resumed checkpoint's, or a new one
+  // Set by a signal handler to the signal's number: every rank finishes the step it is in,
+  // the group agrees, the run saves (with save_dir) and stops.
+  const std::atomic<int>* stop_signal = nullptr;
   backend_kind backend = backend_kind::cpu;
   memory_limits limits;
   comm_options comm;      // how real ranks talk (threads, NCCL)
@@ -88,6 +106,9 @@ struct train_summary {
   double seconds = 0;
   double load_seconds = 0;                    // from the start until every rank holds its weights
   std::size_t arena_high_water = 0;           // rank 0's device arena, bytes
+  int stopped_by_signal = 0;                  // the signal that stopped the run early, or 0
+  std::string last_checkpoint;                // the newest checkpoint saved (empty: none)
+  std::string run_id;                         // the run's id, kept across resumes
 };
 
 // One optimizer step's memory on rank 0 of the meta backend (zero tokens, no data).
