@@ -35,7 +35,7 @@ struct bench_flags {
   comm_flags comm;
   std::string single_pass_from = "1M", warmup_len;
   std::vector<std::string> attention{"ulysses", "upipe"}, head_chunks, seq_lens{"512"};
-  int cp = 0, emulate_cp = 0, layers = 0, zero = 3, repeats = 3;
+  int cp = 0, emulate_cp = 0, dp = 1, layers = 0, zero = 3, repeats = 3;
   std::int64_t mlp_tile = 0, loss_chunk = 0;
   double memory_gib = 8, host_memory_gib = 0, peak_tflops = 778, datasheet_tflops = 989, targets = 1;
   bool no_check = false, phases = false;
@@ -68,16 +68,19 @@ void print_phases(const std::map<std::string, double>& phases) {
   std::printf("\n");
 }
 
-// The loss of step 1 on a short sequence under `o`'s strategy with every rank real, against
-// C = 1 on the same backend: relative difference (the check after timing; an emulated
-// run's own loss is not the model's, since rank 0 receives its own bytes).
+// The loss of step 1 on a short sequence under `o`'s strategy and mesh with every rank
+// real, against C = 1 with the replicas' sequences as one batch on the same backend:
+// relative difference (the check after timing; an emulated run's own loss is not the
+// model's, since rank 0 receives its own bytes).
 double check_against_cp1(train_options o, std::int64_t check_len) {
   o.seq_len = check_len;
   train_options one = o;  // C = 1 runs alone afterwards: the whole arenas, as timed
   one.cp = {strategy_kind::ulysses, 1, 0};
-  // Every rank is real here, and on a GPU they share it: each gets 1/C of the arenas.
-  o.limits.device_bytes /= static_cast<std::size_t>(o.cp.cp);
-  o.limits.host_bytes /= static_cast<std::size_t>(o.cp.cp);
+  one.dp = 1;
+  one.batch = global_batch(o);
+  // Every rank is real here, and on a GPU they share it: each gets 1/(D C) of the arenas.
+  o.limits.device_bytes /= static_cast<std::size_t>(o.dp * o.cp.cp);
+  o.limits.host_bytes /= static_cast<std::size_t>(o.dp * o.cp.cp);
   const double got = time_steps(o, 0, 1, false).losses.front();
   const double want = time_steps(one, 0, 1, false).losses.front();
   return std::abs(got - want) / std::abs(want);
@@ -130,6 +133,7 @@ int run(const bench_flags& f) {
       all.push_back({{"strategy", r.strategy},
                      {"head_chunk", r.head_chunk == 0 ? nlohmann::json(nullptr) : nlohmann::json(r.head_chunk)},
                      {"cp", r.cp},
+                     {"dp", f.dp},
                      {"emulated", emulate},
                      {"backend", f.backend},
                      {"model", m.name},
@@ -156,10 +160,10 @@ int run(const bench_flags& f) {
                      {"phases_ms", r.phases_ms.empty() ? nlohmann::json(nullptr) : nlohmann::json(r.phases_ms)}});
     write_json_file(f.json_path, all, 1);
   };
-  std::printf("# upipe bench  model=%s  layers=%d of %d (a slice: per-layer time and working set)  backend=%s  %s C=%d  "
-              "%s  repeats=%d (1 pass from S=%s)\n",
+  std::printf("# upipe bench  model=%s  layers=%d of %d (a slice: per-layer time and working set)  backend=%s  %s "
+              "D=%d x C=%d  %s  repeats=%d (1 pass from S=%s)\n",
               m.name.c_str(), m.num_layers, model_layers,
-              f.backend.c_str(), emulate ? "emulated (rank 0 alone, loopback)" : "every rank", C,
+              f.backend.c_str(), emulate ? "emulated (rank 0 alone, loopback)" : "every rank", f.dp, C,
               f.optimizer == "none" ? "forward+backward" : ("training step, zero=" + std::to_string(f.zero)).c_str(),
               f.repeats, f.single_pass_from.c_str());
   std::printf("# MFU against %.0f TFLOP/s (measured bf16 GEMM peak) and, in the JSON, %.0f (datasheet)\n",
@@ -167,8 +171,8 @@ int run(const bench_flags& f) {
   if (f.targets < 1)
     std::printf("# loss mask: the last %.4g of each sequence's tokens are targets, the rest masked (--targets)\n",
                 f.targets);
-  std::printf("%-8s %4s %9s %6s %3s %4s %11s %10s %11s %8s %6s %9s %9s %8s\n", "strategy", "U", "S", "layers", "C",
-              "reps", "step_ms", "layer_ms", "tok/s/GPU", "TFLOP/s", "MFU", "peak_GiB", "arena_GiB", "check");
+  std::printf("%-8s %4s %9s %6s %3s %3s %4s %11s %10s %11s %8s %6s %9s %9s %8s\n", "strategy", "U", "S", "layers", "D",
+              "C", "reps", "step_ms", "layer_ms", "tok/s/GPU", "TFLOP/s", "MFU", "peak_GiB", "arena_GiB", "check");
   std::fflush(stdout);
 
   for (const std::string& name : f.attention) {
@@ -182,6 +186,7 @@ int run(const bench_flags& f) {
         o.model = m;
         o.seq_len = s;
         o.cp = {strategy, C, u};
+        o.dp = f.dp;
         o.zero = f.optimizer == "none" ? zero_stage::replicated : (f.zero == 3 ? zero_stage::three : zero_stage::two);
         o.step = {f.mlp_tile, f.loss_chunk, fixed_policy};
         f.comm.apply(o.step);
@@ -244,9 +249,9 @@ int run(const bench_flags& f) {
         if (kind != backend_kind::meta)
           std::snprintf(times, sizeof times, "%11.2f %10.2f %11.0f %8.1f %6.3f", r.step_ms, r.layer_ms,
                         r.tokens_per_s_per_gpu, r.tflops, r.mfu);
-        std::printf("%-8s %4s %9lld %6d %3d %4d %s %9.2f %9.2f %8s\n", name.c_str(),
+        std::printf("%-8s %4s %9lld %6d %3d %3d %4d %s %9.2f %9.2f %8s\n", name.c_str(),
                     table_row.heads == head_stages::none ? "-" : std::to_string(u).c_str(), static_cast<long long>(s),
-                    r.layers, C, repeats, times, gib(r.memory.device_peak), gib(r.memory.arena_high_water), check);
+                    r.layers, f.dp, C, repeats, times, gib(r.memory.device_peak), gib(r.memory.arena_high_water), check);
         std::fflush(stdout);
         if (!r.phases_ms.empty()) print_phases(r.phases_ms);
         rows.push_back(std::move(r));
@@ -270,6 +275,10 @@ command_runner add_bench(CLI::App& app) {
   add_comm_flags(app, f->comm, true);
   app.add_option("--cp", f->cp, "ranks in the CP group, every one run (default 4)");
   app.add_option("--emulate-cp", f->emulate_cp, "run rank 0 of a group of C alone (loopback), as on one GPU");
+  app.add_option("--dp", f->dp,
+                 "data-parallel replicas of the CP group (D x C ranks, ZeRO over all; with --emulate-cp rank 0 of "
+                 "D x C alone, ZeRO's collectives on the loopback); tok/s/GPU counts each replica's sequence")
+      ->capture_default_str();
   app.add_option("--attention", f->attention, "strategies, a comma list of: " + strategy_help())
       ->delimiter(',')
       ->capture_default_str();

@@ -30,6 +30,7 @@ struct plan_flags {
       optimizer = "adamw", policy, offload = "none", lora;
   std::vector<std::string> attention;  // default: ulysses, upipe, ring, fpdt (and hybrid on several nodes)
   std::vector<int> seq_chunks;          // default: the planner's
+  std::vector<int> dps;                 // the mesh sweep's replica counts (default: every divisor of the GPUs)
   throughput_rates rates;               // the step-time model's
   int gpus = 8, gpus_per_node = 0, nodes = 1, zero = 3, layers = 0;
   bool gpus_given = false, nodes_given = false;  // given on the command line (checked against each other)
@@ -133,6 +134,7 @@ nlohmann::json point_json(const plan_point& p) {
   if (p.time)
     time = {{"total", p.time->total()}, {"gemm", p.time->gemm},         {"attention", p.time->attention},
             {"all_to_all", p.time->all_to_all}, {"ring", p.time->ring}, {"zero", p.time->zero},
+            {"data_parallel", p.time->data_parallel},
             {"host", p.time->host}};
   return {{"seq_len", p.seq_len},
           {"fits", p.fits},
@@ -147,6 +149,92 @@ nlohmann::json point_json(const plan_point& p) {
           {"arena_bytes", p.arena_bytes},
           {"gpu_bytes", p.gpu_bytes},
           {"host_bytes", p.host_bytes}};
+}
+
+// "upipe" or "hybrid 2x8" for a mesh entry's CP group, "+host" as strategy_text.
+std::string mesh_strategy_text(const mesh_entry& e) {
+  std::string name(strategy_name(e.cp.strategy));
+  if (e.cp.strategy == strategy_kind::hybrid) name += " " + std::to_string(e.cp.ring) + "x" + std::to_string(e.cp.cp / e.cp.ring);
+  return e.offload_params ? name + " +host+w" : e.offload_optimizer ? name + " +host" : name;
+}
+
+// The `upipe train` command line that runs a mesh entry as planned.
+std::string train_command(const plan_flags& f, const plan_request& r, const mesh_entry& e) {
+  std::string c = "upipe train " + (f.config_path.empty() ? "--model " + f.model : "--config " + f.config_path) +
+                  (f.layers > 0 ? " --layers " + std::to_string(f.layers) : "") + " --dp " + std::to_string(e.dp) + " --cp " + std::to_string(e.cp.cp) + " --attention " +
+                  std::string(strategy_name(e.cp.strategy));
+  if (e.cp.strategy == strategy_kind::upipe || e.cp.strategy == strategy_kind::hybrid)
+    c += " --head-chunk " + std::to_string(e.cp.head_chunk);
+  if (e.cp.strategy == strategy_kind::hybrid) c += " --ring " + std::to_string(e.cp.ring);
+  if (e.cp.seq_chunks > 1) c += " --seq-chunks " + std::to_string(e.cp.seq_chunks);
+  c += " --seq-len " + std::to_string(e.point.seq_len) + " --zero " + std::to_string(f.zero) +
+       " --checkpoint-policy " + e.point.policy.str();
+  if (e.offload_optimizer) c += e.offload_params ? " --offload optimizer,params" : " --offload optimizer";
+  if (r.lora.enabled()) c += " --lora " + lora_text(r.lora);
+  if (r.nodes > 1) c += " --gpus-per-node " + std::to_string(r.gpus / r.nodes);
+  return c + " --backend cuda";
+}
+
+// The mesh sweep at the planned length: per D, each strategy's fastest configuration, then
+// the recommended mesh against CP over every GPU and its train command.
+void print_meshes(const plan_flags& f, const plan_request& r, const plan_result& plan) {
+  if (plan.meshes.empty()) return;
+  std::printf("\nmeshes at S = %s (D replicas, each a CP group of C = %d / D GPUs, ZeRO over all %d; each "
+              "strategy's fastest U, N and policy):\n%3s %3s %-15s %4s %4s %5s %8s %8s %10s %10s  %s\n",
+              tokens_text(plan.planned_seq_len).c_str(), r.gpus, r.gpus, "D", "C", "strategy", "U", "N", "fits",
+              "GPU GiB", "host GiB", "step s", "tok/s/GPU", "checkpoint policy");
+  std::vector<const mesh_entry*> rows;
+  for (const mesh_entry& e : plan.meshes) rows.push_back(&e);
+  std::stable_sort(rows.begin(), rows.end(), [](const mesh_entry* a, const mesh_entry* b) { return a->dp < b->dp; });
+  for (const mesh_entry* e : rows)
+    std::printf("%3d %3d %-15s %4s %4d %5s %8.1f %8.1f %10.2f %10.0f  %s\n", e->dp, e->cp.cp,
+                mesh_strategy_text(*e).c_str(),
+                e->cp.strategy == strategy_kind::ring ? "-" : std::to_string(e->cp.head_chunk).c_str(),
+                e->cp.seq_chunks, e->point.fits ? "yes" : "no", gib(e->point.gpu_bytes), gib(e->point.host_bytes),
+                e->point.time->total(), e->tokens_per_s_per_gpu(), e->point.policy.str().c_str());
+  if (!plan.recommended_mesh) {
+    std::printf("\nrecommended mesh: none fits S = %s; shorten --seq-len or add GPUs\n",
+                tokens_text(plan.planned_seq_len).c_str());
+    return;
+  }
+  const mesh_entry& best = plan.meshes[*plan.recommended_mesh];
+  std::printf("\nrecommended mesh: --dp %d --cp %d, %s (U %s, N %d): %.0f tokens/s/GPU in the step-time model",
+              best.dp, best.cp.cp, mesh_strategy_text(best).c_str(),
+              best.cp.strategy == strategy_kind::ring ? "-" : std::to_string(best.cp.head_chunk).c_str(),
+              best.cp.seq_chunks, best.tokens_per_s_per_gpu());
+  if (plan.best_cp_only) {
+    const mesh_entry& cp = plan.meshes[*plan.best_cp_only];
+    std::printf(", %.2fx CP over all %d GPUs (%s, %.0f tokens/s/GPU)\n", best.tokens_per_s_per_gpu() / cp.tokens_per_s_per_gpu(),
+                r.gpus, mesh_strategy_text(cp).c_str(), cp.tokens_per_s_per_gpu());
+  } else {
+    std::printf("; CP over all %d GPUs fits no configuration here\n", r.gpus);
+  }
+  std::printf("  %s\n", train_command(f, r, best).c_str());
+}
+
+nlohmann::json meshes_json(const plan_flags& f, const plan_request& r, const plan_result& plan) {
+  nlohmann::json rows = nlohmann::json::array();
+  for (std::size_t i = 0; i < plan.meshes.size(); ++i) {
+    const mesh_entry& e = plan.meshes[i];
+    nlohmann::json j = point_json(e.point);
+    j["dp"] = e.dp;
+    j["cp"] = e.cp.cp;
+    j["strategy"] = std::string(strategy_name(e.cp.strategy));
+    j["head_chunk"] = e.cp.strategy == strategy_kind::ring ? nlohmann::json(nullptr) : nlohmann::json(e.cp.head_chunk);
+    j["ring"] = e.cp.ring;
+    j["seq_chunks"] = e.cp.seq_chunks;
+    j["offload_optimizer"] = e.offload_optimizer;
+    j["offload_params"] = e.offload_params;
+    j["tokens_per_s_per_gpu_model"] = e.tokens_per_s_per_gpu();
+    j["recommended"] = plan.recommended_mesh == i;
+    if (plan.recommended_mesh == i) {
+      j["train_command"] = train_command(f, r, e);
+      if (plan.best_cp_only)
+        j["speedup_over_cp_only"] = e.tokens_per_s_per_gpu() / plan.meshes[*plan.best_cp_only].tokens_per_s_per_gpu();
+    }
+    rows.push_back(j);
+  }
+  return rows;
 }
 
 int run(const plan_flags& f) {
@@ -181,6 +269,10 @@ int run(const plan_flags& f) {
   r.mlp_tile = f.mlp_tile;
   r.loss_chunk = f.loss_chunk;
   if (!f.seq_chunks.empty()) r.seq_chunks = f.seq_chunks;
+  r.dps = f.dps;
+  if (r.dps.empty())  // every mesh of the GPUs
+    for (int d = 1; d <= r.gpus; ++d)
+      if (r.gpus % d == 0) r.dps.push_back(d);
   r.rates = f.rates;
   for (const double rate : {f.rates.gemm_tflops, f.rates.attention_tflops, f.rates.nvlink_gbytes, f.rates.network_gbits,
                             f.rates.pcie_gbytes})
@@ -286,6 +378,7 @@ int run(const plan_flags& f) {
   else if (upipe_planned)
     std::printf("\nrecommended: none, upipe fits no U at S = %s; shorten --seq-len or add GPUs\n",
                 tokens_text(plan.planned_seq_len).c_str());
+  print_meshes(f, r, plan);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   std::printf("# planned in %.1f s\n", seconds);
 
@@ -329,7 +422,8 @@ int run(const plan_flags& f) {
         {"recommended_head_chunk",
          plan.recommended_head_chunk ? nlohmann::json(*plan.recommended_head_chunk) : nlohmann::json(nullptr)},
         {"recommended_seq_chunks", plan.recommended_seq_chunks},
-        {"entries", entries}};
+        {"entries", entries},
+        {"meshes", meshes_json(f, r, plan)}};
     write_json_file(f.json_path, doc, 1);
   }
   return 0;
@@ -356,6 +450,10 @@ command_runner add_plan(CLI::App& app) {
   app.add_option("--seq-chunks", f->seq_chunks,
                  "sequence chunks N to try for upipe and fpdt, ascending until one reaches no further "
                  "(comma list; default 1,4,16,64)")
+      ->delimiter(',');
+  app.add_option("--dp", f->dps,
+                 "replica counts D the mesh sweep tries at the planned length, each a CP group of gpus / D "
+                 "(comma list; default every divisor of the GPUs)")
       ->delimiter(',');
   app.add_option("--zero", f->zero, "2: shard optimizer state and gradients; 3: weights too")->capture_default_str();
   app.add_option("--optimizer", f->optimizer, "adamw (a training step) or none (forward and backward only)")

@@ -110,6 +110,14 @@ std::vector<option_row> make_rows() {
        "N sequence chunks for upipe, ulysses and fpdt: the attention holds S / N tokens at a time, earlier chunks' "
        "K/V in host memory (0: 1, fpdt chunks of 64K tokens)",
        for_train | for_step | for_eval, r::changes},
+      {"--dp", "parallel.dp", UPIPE_FIELD(dp),
+       "data-parallel replicas, each a CP group of --cp ranks reading its own --batch sequences (D x C ranks in all, "
+       "ZeRO over every one; a step takes dp x batch sequences)",
+       for_train, r::changes},
+      {"--gpus-per-node", "parallel.gpus_per_node", UPIPE_FIELD(gpus_per_node),
+       "GPUs per node, for the mesh's placement check: a CP group inside a node or over whole nodes (0: every rank "
+       "on one node)",
+       for_train, r::changes},
       {"--zero", "parallel.zero", UPIPE_FIELD(zero), "2: shard optimizer state and gradients; 3: shard weights too",
        for_train | for_bench | for_plan, r::changes},
       {"--comm", "parallel.comm", UPIPE_FIELD(comm),

@@ -36,7 +36,7 @@ struct run_config {
   int eval_sequences = 4, eval_samples = 32;
   // [parallel]
   std::string attention = "upipe", comm = "auto";
-  int cp = 4, head_chunk = 0, ring = 1, seq_chunks = 0, zero = 2;
+  int cp = 4, head_chunk = 0, ring = 1, seq_chunks = 0, zero = 2, dp = 1, gpus_per_node = 0;
   double comm_timeout = 600;
   bool overlap_comm = false, prefetch_weights = false;
   // [optimizer]

@@ -30,6 +30,7 @@
 #include "plan/planner.hpp"
 #include "train/data.hpp"
 #include "train/data_reader.hpp"
+#include "train/mesh.hpp"
 #include "train/run_directory.hpp"
 #include "train/train_checkpoint.hpp"
 #include "train/trainer.hpp"
@@ -193,7 +194,7 @@ void derive_schedule(run_options& opts, train_options& o) {
   const bool steps_from_epochs = f.epochs > 0 && !o.data_path.empty() &&
                                  (from_user("data.epochs") || !opts.set_anywhere("optimizer.steps"));
   if (steps_from_epochs) {
-    const double per_step = static_cast<double>(o.seq_len) * static_cast<double>(o.batch);
+    const double per_step = static_cast<double>(o.seq_len) * static_cast<double>(global_batch(o));  // every replica's
     const double steps = std::ceil(f.epochs * static_cast<double>(data_tokens(o)) / per_step);
     if (steps > static_cast<double>(max_train_steps))
       throw config_error("--epochs " + number_text(f.epochs) + " over --data " + o.data_path + " is " +
@@ -288,6 +289,8 @@ train_options to_options(run_options& opts, bool fine_tune) {
   o.allow_tokenizer_mismatch = f.allow_tokenizer_mismatch;
   const cp_flags mesh{f.attention, f.cp, f.head_chunk, f.ring, f.seq_chunks};
   o.cp = mesh.settings();
+  o.dp = f.dp;
+  o.gpus_per_node = f.gpus_per_node;
   if (fine_tune) {
     opts.set_default("data.seq_len", std::to_string(fine_tune_seq_len(o)), value_source::fine_tune_default);
   }
@@ -344,11 +347,11 @@ class progress {
       : options_(o), first_(first), last_(last), tty_(::isatty(STDOUT_FILENO)) {}
   void operator()(const step_record& r) {
     done_seconds_ += r.seconds;
-    done_tokens_ += static_cast<double>(r.seq_len * options_.batch);
+    done_tokens_ += static_cast<double>(r.seq_len * global_batch(options_));
     // Steps left in the short stage at its length, the rest at the full length.
     const std::int64_t left = last_ - r.step;
     const std::int64_t short_left = std::clamp<std::int64_t>(std::min(last_, options_.seq_warmup) - r.step, 0, left);
-    const double left_tokens = static_cast<double>(options_.batch) *
+    const double left_tokens = static_cast<double>(global_batch(options_)) *
                                static_cast<double>(short_left * step_seq_len(options_, 1) +
                                                    (left - short_left) * options_.seq_len);
     const double eta = done_tokens_ > 0 ? done_seconds_ / done_tokens_ * left_tokens : 0;
@@ -514,12 +517,14 @@ int run(train_command& command) {
     if (!metrics) throw io_error("cannot write --metrics-json " + f.metrics_json + ": check the directory");
   }
   const cp_flags mesh{f.attention, f.cp, f.head_chunk, f.ring, f.seq_chunks};
-  std::printf("# upipe train  model=%s (%lld parameters)  %s  S=%lld x %lld per step  cp=%d %s  zero=%d  steps=%lld  "
+  std::printf("# upipe train  model=%s (%lld parameters)  %s  S=%lld x %lld per step  %scp=%d %s  zero=%d  steps=%lld  "
               "lr=%g  backend=%s\n",
               o.model.name.c_str(), static_cast<long long>(o.model.parameter_count()),
               o.data_path.empty() ? "passkey task" : o.data_path.c_str(), static_cast<long long>(o.seq_len),
-              static_cast<long long>(o.batch), o.cp.cp, mesh.describe().c_str(), f.zero,
+              static_cast<long long>(global_batch(o)), o.dp > 1 ? ("dp=" + std::to_string(o.dp) + " ").c_str() : "",
+              o.cp.cp, mesh.describe().c_str(), f.zero,
               static_cast<long long>(o.optim.total_steps), o.optim.lr, f.backend.c_str());
+  if (o.dp > 1 || o.gpus_per_node > 0) std::printf("%s", mesh_placement(o).c_str());
   if (o.step.lora.enabled())
     std::printf("# LoRA %s: %lld adapter parameters trained, the base frozen (no gradients, masters or moments)\n",
                 lora_text(o.step.lora).c_str(), static_cast<long long>(lora_parameter_count(o.model, o.step.lora)));

@@ -112,15 +112,20 @@ step_time estimate_step_time(const step_time_request& r, const throughput_rates&
   const double network = rates.network_gbits / 8 * giga, nvlink = rates.nvlink_gbytes * giga,
                pcie = rates.pcie_gbytes * giga;
 
-  // ZeRO over the CP group: the bf16 weights gathered (twice under ZeRO-3: forward and
-  // backward), the f32 gradients reduce-scattered; a ring collective across nodes runs at
-  // the network's pace.
+  // ZeRO over every rank of the mesh (comm/replica_mesh.hpp): the bf16 weights gathered
+  // (twice under ZeRO-3: forward and backward), the f32 gradients reduce-scattered, each in
+  // two levels: over the CP group (its ring across nodes at the network's pace), then the
+  // group's 1/C of the unit across the D replicas (data parallelism: across nodes unless the
+  // whole mesh shares one).
+  const int D = r.dp, W = D * C;
   const double weights = L * p.layer + p.head * (m.tie_embeddings ? 1 : 2);  // with the embedding
-  const double share = C > 1 ? static_cast<double>(C - 1) / C : 0.0;
   const double gathers = r.zero == zero_stage::three ? 2 : (r.zero == zero_stage::two ? 1 : 0);
   const bool reduces = r.zero != zero_stage::replicated && !r.lora;  // a LoRA base has no gradients
-  const double zero_bytes = (gathers * 2 + (reduces ? 4 : 0)) * weights * share;
-  t.zero = zero_bytes / (multi_node ? network : nvlink);
+  const double zero_bytes = (gathers * 2 + (reduces ? 4 : 0)) * weights;
+  const double in_group = C > 1 ? static_cast<double>(C - 1) / C : 0.0;
+  const double across = D > 1 ? static_cast<double>(D - 1) / D / C : 0.0;
+  t.zero = zero_bytes * in_group / (multi_node ? network : nvlink);
+  t.data_parallel = zero_bytes * across / (W > r.gpus_per_node ? network : nvlink);
 
   // Host copies: the attention's chunks (above), the checkpoints (out and back) and the
   // offloaded optimizer's gradients and weights.
@@ -131,8 +136,8 @@ step_time estimate_step_time(const step_time_request& r, const throughput_rates&
     if (keeps_attention) per_layer += s * m.num_heads * m.head_dim * 2 + s * m.num_heads * 4;
     host += 2 * kept_layers * per_layer;
   }
-  if (r.offload_optimizer && !r.lora) host += weights / C * (4 + 2);  // f32 gradients out, bf16 weights back
-  if (r.offload_params) host += weights / C * 2 * (r.zero == zero_stage::three ? 2 : 1);
+  if (r.offload_optimizer && !r.lora) host += weights / W * (4 + 2);  // f32 gradients out, bf16 weights back
+  if (r.offload_params) host += weights / W * 2 * (r.zero == zero_stage::three ? 2 : 1);
   t.host = host / pcie;
   return t;
 }

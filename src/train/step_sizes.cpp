@@ -22,8 +22,9 @@ constexpr std::size_t host_margin = std::size_t{64} << 20;
 std::size_t offload_host_bytes(const step_request& r) {
   if (!r.offload.optimizer) return 0;
   const dtype work = working_dtype(r.backend);
-  return (r.step.lora.enabled() ? lora_offloaded_optimizer_bytes(r.model, r.step.lora, r.cp.cp, work)
-                           : offloaded_bytes(r.model, r.cp.cp, work, r.zero, r.offload, r.batch)) +
+  const int ranks = r.dp * r.cp.cp;  // ZeRO's shards span every replica
+  return (r.step.lora.enabled() ? lora_offloaded_optimizer_bytes(r.model, r.step.lora, ranks, work)
+                           : offloaded_bytes(r.model, ranks, work, r.zero, r.offload, r.batch)) +
          host_margin;
 }
 
@@ -65,6 +66,7 @@ step_request sizes_of(const train_options& o, double memory_gib, double host_mem
   r.cp = o.cp;
   r.seq_len = o.seq_len;
   r.batch = o.batch;
+  r.dp = o.dp;
   r.zero = o.zero;
   r.offload = {o.offload_optimizer, o.offload_params};
   r.backend = o.backend;

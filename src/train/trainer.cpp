@@ -20,6 +20,7 @@
 #include "model/model_step.hpp"
 #include "runtime/cp_group.hpp"
 #include "train/data.hpp"
+#include "train/mesh.hpp"
 #include "train/run_directory.hpp"
 #include "train/train_checkpoint.hpp"
 #include "train/trainer_data.hpp"
@@ -47,41 +48,49 @@ zero_stage adapter_stage(const train_options& o) {
 }
 
 // Everything one rank holds for the run: one transformer per sequence length (more
-// than one only under sequence-length warmup).
+// than one only under sequence-length warmup). The stores are sharded over the world (every
+// replica's ranks), the attention runs over the rank's CP group.
 struct rank_context {
   const train_options& options;
   backend& be;
-  communicator& comm;
+  communicator& comm;  // the world: D x C ranks
+  communicator& cp;    // this rank's replica: C ranks (the world when D = 1)
+  communicator& shards;  // ZeRO's: the stores' shards and saved files are numbered by it
   parameter_store params;                     // the model; frozen under LoRA
   std::unique_ptr<parameter_store> adapters;  // LoRA's adapters, the trained store then
   std::map<std::int64_t, std::unique_ptr<transformer>> models;
 
-  rank_context(const train_options& o, backend& b, communicator& c)
-      : options(o), be(b), comm(c),
-        params(o.model, parameter_specs(o.model), b, c, o.zero,
+  rank_context(const train_options& o, backend& b, const mesh_comms& mesh)
+      : options(o), be(b), comm(mesh.world), cp(mesh.cp), shards(mesh.shards),
+        params(o.model, parameter_specs(o.model), b, mesh.shards, o.zero,
                uses_lora(o) ? offload_options{} : offload_options{o.offload_optimizer, o.offload_params},
                uses_lora(o) ? weight_role::frozen : weight_role::trained) {
     if (uses_lora(o))
-      adapters = std::make_unique<parameter_store>(o.model, lora_parameter_specs(o.model, o.step.lora), b, c,
+      adapters = std::make_unique<parameter_store>(o.model, lora_parameter_specs(o.model, o.step.lora), b, mesh.shards,
                                                    adapter_stage(o), offload_options{o.offload_optimizer, false},
                                                    weight_role::trained);
   }
+
+  // This rank's replica, 0 .. D - 1.
+  int replica() const { return comm.rank() / cp.size(); }
 
   // The store whose gradients and optimizer state the run keeps.
   parameter_store& trained() { return adapters ? *adapters : params; }
 
   transformer& model(std::int64_t seq_len) {
     auto& m = models[seq_len];
-    if (!m) m = std::make_unique<transformer>(options.model, options.cp, seq_len, be, cp_groups{&comm, &comm}, options.step);
+    if (!m) m = std::make_unique<transformer>(options.model, options.cp, seq_len, be, cp_groups{&cp, &cp}, options.step);
     return *m;
   }
 };
 
-// One optimizer step over the step's sequences: gradients of every sequence accumulate
-// in the shards, and the loss is the mean over all counted targets of the step (the
-// gradient scale 1 / targets, as transformers' mean over labels that are not -100). A
-// sequence with no target adds nothing and is not run; a step with none is skipped (no
-// update, the data moves on).
+// One optimizer step over the step's sequences (this replica's): gradients of every
+// sequence accumulate in the shards, and the loss is the mean over all counted targets of
+// the step, every replica's (the gradient scale 1 / targets, as transformers' mean over
+// labels that are not -100; ZeRO's reduce-scatter sums the replicas' gradients). A sequence
+// with no target adds nothing and is not run, except beside other replicas, which run as
+// many micro-batches as it does; a step with none anywhere is skipped (no update, the data
+// moves on).
 double run_step(rank_context& rc, const std::vector<packed_sequence>& batch, std::int64_t step, step_record& record) {
   const train_options& o = rc.options;
   std::vector<prepared_sequence> seqs;
@@ -98,14 +107,20 @@ double run_step(rank_context& rc, const std::vector<packed_sequence>& batch, std
     prepared_sequence p = prepare_sequence(s.tokens, layout_unit(o.cp), s.documents, s.targets);
     if (s.source < static_cast<int>(record.sources.size())) record.sources[s.source].targets += p.counted;
     counted += p.counted;
-    if (p.counted == 0)
-      ++record.empty_sequences;
-    else
-      seqs.push_back(std::move(p));
+    if (p.counted == 0) ++record.empty_sequences;
+    // Beside other replicas a sequence without targets still runs (adding nothing): every
+    // replica takes part in ZeRO's collectives of each micro-batch.
+    if (p.counted > 0 || o.dp > 1) seqs.push_back(std::move(p));
   }
+  // Every replica's count, each given once (by its CP group's rank 0), exact in fp64; a
+  // loopback world emulates replicas that all count as rank 0's does.
+  if (o.dp > 1 && rc.comm.is_loopback()) counted *= o.dp;
+  else if (o.dp > 1)
+    counted = static_cast<std::int64_t>(
+        sum_over_ranks(rc.comm, rc.cp.rank() == 0 ? static_cast<double>(counted) : 0.0, "counted"));
   record.targets = counted;
   transformer& model = rc.model(batch.front().length());
-  const auto runs = model.local_positions(rc.comm.rank());
+  const auto runs = model.local_positions(rc.cp.rank());
   parameter_store& trained = rc.trained();
   const bool update = trained.stage() != zero_stage::replicated;  // else forward and backward only (planner)
   if (update) record.lr = scheduled_lr(o.optim, step);
@@ -179,7 +194,7 @@ std::pair<std::int64_t, data_position> shape_begin(const train_options& o, const
                                                    const saved_state* resume) {
   if (resume == nullptr) return {0, data.start()};
   const trainer_state& st = resume->state();
-  const bool same = st.batch == o.batch && st.seq_len == o.seq_len && st.seq_warmup == o.seq_warmup &&
+  const bool same = st.batch == global_batch(o) && st.seq_len == o.seq_len && st.seq_warmup == o.seq_warmup &&
                     st.warmup_seq_len == (o.seq_warmup > 0 ? step_seq_len(o, 1) : 0);
   return same ? std::pair{st.shape_step, saved_position(st, true)} : std::pair{st.step, saved_position(st, false)};
 }
@@ -199,7 +214,7 @@ std::string save(rank_context& rc, const run_data& data, std::int64_t step, cons
   r.state.seed = o.seed;
   r.state.total_steps = o.optim.total_steps;
   record_data(o, data, position, shape.second, r.state);
-  r.state.batch = o.batch;
+  r.state.batch = global_batch(o);  // every replica's
   r.state.seq_len = o.seq_len;
   r.state.seq_warmup = o.seq_warmup;
   r.state.warmup_seq_len = o.seq_warmup > 0 ? step_seq_len(o, 1) : 0;
@@ -217,7 +232,7 @@ std::string save(rank_context& rc, const run_data& data, std::int64_t step, cons
     std::filesystem::create_directories(o.save_dir, ec);
     if (ec) throw io_error("cannot create the run directory " + o.save_dir + ": " + ec.message());
   }
-  save_checkpoint(path, r, rc.trained(), rc.comm);
+  save_checkpoint(path, r, rc.trained(), rc.shards);
   if (rc.comm.rank() == 0) {
     const auto removed = publish_checkpoint(o.save_dir, step, o.run_id, {o.keep_last, o.keep_best, o.overwrite});
     std::string text;
@@ -240,12 +255,13 @@ bool group_stop(rank_context& rc) {
 
 // The held-out loss over eval_sequences windows of `length` tokens of each --eval-data
 // source (from its start), forward only: the training state (weights, moments, data
-// position) is untouched. Per source, and over the targets of all of them together.
+// position) is untouched. Every replica scores the same windows (the sharded weights are
+// gathered over the world, so all take part). Per source, and over the targets of all of them together.
 std::map<std::string, double> held_out_loss(rank_context& rc, const data_reader& held_out, std::int64_t length,
                                             double& overall) {
   const train_options& o = rc.options;
   transformer& model = rc.model(length);
-  const auto runs = model.local_positions(rc.comm.rank());
+  const auto runs = model.local_positions(rc.cp.rank());
   std::map<std::string, double> out;
   double all_sum = 0;
   std::int64_t all_counted = 0;
@@ -263,7 +279,7 @@ std::map<std::string, double> held_out_loss(rank_context& rc, const data_reader&
         local += loss;
       counted += seq.counted;
     }
-    const double sum = sum_over_ranks(rc.comm, local, "eval_loss_sum");
+    const double sum = sum_over_ranks(rc.cp, local, "eval_loss_sum");
     out[held_out.spec(d).path] = sum / static_cast<double>(std::max<std::int64_t>(counted, 1));
     all_sum += sum;
     all_counted += counted;
@@ -283,7 +299,7 @@ double evaluate(rank_context& rc, const passkey_task& task) {
     std::vector<std::int64_t> before_digits;
     for (std::int64_t k = 0; k < passkey_task::key_digits; ++k) before_digits.push_back(sample.answer_start + k - 1);
     right += passkey_task::digits_right(
-        sample, score_sequence(model, rc.params, rc.comm, seq, before_digits, rc.adapters.get()).argmax);
+        sample, score_sequence(model, rc.params, rc.cp, seq, before_digits, rc.adapters.get()).argmax);
   }
   return rc.options.eval_samples > 0 ? right / rc.options.eval_samples : 0.0;
 }
@@ -296,10 +312,31 @@ struct weight_sources {
   const weight_source* adapters = nullptr;
 };
 
-void run_rank(const train_options& o, backend& be, communicator& comm, const weight_sources& from,
+// This replica's sequences of a step: the global batch is dp x batch sequences in data
+// order, replica r taking the r-th run of `batch`; `position` moves past all of them, and
+// `record` counts every replica's sequences by source.
+std::vector<packed_sequence> replica_batch(const train_options& o, const run_data& data, int replica,
+                                           std::int64_t step, data_position& position, step_record& record) {
+  std::vector<packed_sequence> batch;
+  const std::int64_t global = global_batch(o), mine = replica * o.batch;
+  for (std::int64_t j = 0; j < global; ++j) {
+    int source = 0;
+    if (j >= mine && j < mine + o.batch) {
+      batch.push_back(data.next((step - 1) * global + j + 1, position, record.seq_len));
+      source = batch.back().source;
+    } else {
+      source = data.skip(position, record.seq_len);
+    }
+    if (data.reader() != nullptr) ++record.sources[static_cast<std::size_t>(source)].sequences;
+  }
+  return batch;
+}
+
+void run_rank(const train_options& o, backend& be, const mesh_comms& mesh, const weight_sources& from,
               train_summary& summary, const std::function<void(const step_record&)>& on_step,
               clock_type::time_point start) {
-  rank_context rc(o, be, comm);
+  rank_context rc(o, be, mesh);
+  communicator& comm = mesh.world;
   const run_data data(o);
   std::int64_t first = 1;
   data_position position = data.start();
@@ -337,18 +374,14 @@ void run_rank(const train_options& o, backend& be, communicator& comm, const wei
       record.sources[i].epoch = reader->epoch(position, i);
       record.epoch = std::max(record.epoch, record.sources[i].epoch);
     }
-    std::vector<packed_sequence> batch;
-    for (std::int64_t i = 0; i < o.batch; ++i) {
-      batch.push_back(data.next((step - 1) * o.batch + i + 1, position, record.seq_len));
-      if (reader) ++record.sources[static_cast<std::size_t>(batch.back().source)].sequences;
-    }
+    const std::vector<packed_sequence> batch = replica_batch(o, data, rc.replica(), step, position, record);
     run_step(rc, batch, step, record);
     if (record.skipped && comm.rank() == 0)
       std::fprintf(stderr, "upipe: note: step %lld has no target (the loss mask leaves out every token of its %s); "
                    "skipped: no update, the data moves on\n", static_cast<long long>(step),
                    describe_documents(batch, reader).c_str());
     record.seconds = std::chrono::duration<double>(clock_type::now() - start).count();
-    record.tokens_per_s = static_cast<double>(record.seq_len * o.batch) / record.seconds;
+    record.tokens_per_s = static_cast<double>(record.seq_len * global_batch(o)) / record.seconds;
     eval_loss.reset();
     if (held_out && be.has_data() && (step % o.eval_every == 0 || step == last)) {
       double overall = 0;
@@ -425,6 +458,7 @@ std::int64_t step_seq_len(const train_options& o, std::int64_t step) {
 
 void validate(const train_options& o) {
   validate(o.model);
+  validate_mesh(o);
   if (o.optim.total_steps < 1 || o.optim.total_steps > max_train_steps)
     throw config_error("--steps " + std::to_string(o.optim.total_steps) + " must lie between 1 and " +
                        std::to_string(max_train_steps) + " (for example --steps 200)");
@@ -537,16 +571,22 @@ step_timing time_steps(const train_options& options, std::int64_t warmup_len, in
   const host_weights adapters = o.backend == backend_kind::meta || !uses_lora(o)
                                     ? host_weights{}
                                     : initial_adapters(o.model, o.step.lora, o.seed);
-  run_cp_group(
-      o.backend, o.limits, o.cp.cp,
-      [&](int rank, backend& be, communicator& comm) {
-        rank_context rc(o, be, comm);
+  run_mesh(
+      o.backend, o.limits, {o.dp, o.cp.cp},
+      [&](int rank, backend& be, const mesh_comms& mesh) {
+        rank_context rc(o, be, mesh);
+        communicator& comm = mesh.world;
         rc.params.load(init);
         if (rc.adapters) rc.adapters->load(adapters);
         step_record record;
         if (warmup_len > 0) run_step(rc, {tokens(be, warmup_len, 0)}, 1, record);
         for (int i = 0; i < repeats; ++i) {
-          const std::vector<packed_sequence> batch{tokens(be, o.seq_len, 1 + static_cast<std::uint64_t>(i))};
+          // Step i's global batch is sequences i G .. i G + G - 1 of the stream (G = dp x batch),
+          // replica r taking its run of `batch`: one rank with dp x batch reads the same.
+          std::vector<packed_sequence> batch;
+          for (std::int64_t k = 0; k < o.batch; ++k)
+            batch.push_back(tokens(be, o.seq_len,
+                                   1 + static_cast<std::uint64_t>(i * global_batch(o) + rc.replica() * o.batch + k)));
           be.synchronize();
           comm.barrier();
           be.set_phase_timing(phases);
@@ -742,12 +782,12 @@ train_summary train(const train_options& options, const std::function<void(const
   train_summary summary;
   summary.seq_len = o.seq_len;
   summary.run_id = o.run_id;
-  summary.peak_bytes.resize(static_cast<std::size_t>(o.cp.cp));
+  summary.peak_bytes.resize(static_cast<std::size_t>(o.dp * o.cp.cp));
   try {
-    run_cp_group(
-        o.backend, o.limits, o.cp.cp,
-        [&](int, backend& be, communicator& comm) {
-          run_rank(o, be, comm, {resume.get(), init.get(), adapter_init.get()}, summary, on_step, start);
+    run_mesh(
+        o.backend, o.limits, {o.dp, o.cp.cp},
+        [&](int, backend& be, const mesh_comms& mesh) {
+          run_rank(o, be, mesh, {resume.get(), init.get(), adapter_init.get()}, summary, on_step, start);
         },
         false, o.comm);
   } catch (...) {

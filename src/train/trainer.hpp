@@ -45,7 +45,14 @@ struct train_options {
   // Data tokenized with another tokenizer than the model directory's is refused unless set.
   bool allow_tokenizer_mismatch = false;
   std::int64_t seq_len = 128;
-  std::int64_t batch = 1;   // sequences per optimizer step (gradients accumulated)
+  std::int64_t batch = 1;   // sequences per optimizer step and replica (gradients accumulated)
+  // Data parallelism (docs/design.md section 11): dp replicas, each a CP group of cp.cp
+  // ranks reading its own sequences; ZeRO shards over all dp x cp ranks. A step takes
+  // dp x batch sequences (global_batch).
+  int dp = 1;
+  // GPUs per node, for the mesh's placement check (a CP group inside a node, or whole
+  // nodes); 0: every rank on one node.
+  int gpus_per_node = 0;
   // Short-sequence stage: steps 1..seq_warmup train on sequences of seq_warmup_start
   // tokens (0: a quarter of seq_len), the rest on seq_len; seq_warmup 0: every step at
   // seq_len.
@@ -123,6 +130,9 @@ struct step_memory {
   std::size_t workspace_at_end = 0;  // workspace tag live after the step: the libraries' cached workspaces
 };
 
+// Sequences per optimizer step over every replica: dp x batch.
+inline std::int64_t global_batch(const train_options& o) { return o.dp * o.batch; }
+
 // Checks the options as a whole (throws config_error naming the flag, the rule and a
 // valid alternative) before anything runs.
 void validate(const train_options& options);
@@ -136,9 +146,9 @@ std::int64_t step_seq_len(const train_options& options, std::int64_t step);
 step_memory measure_step_memory(const train_options& options);
 
 // Timed steps for benchmarks: one warm-up step at warmup_len tokens (0: none), then
-// `repeats` steps at options.seq_len on random tokens, each timed on rank 0 between device
-// synchronizations. With `emulate`, rank 0 alone over a loopback communicator (one GPU
-// measures rank 0 of a group of options.cp.cp).
+// `repeats` steps at options.seq_len on random tokens (one sequence per replica), each timed
+// on rank 0 between device synchronizations. With `emulate`, rank 0 alone over loopback
+// communicators (one GPU measures rank 0 of a mesh of options.dp x options.cp.cp).
 struct step_timing {
   std::vector<double> seconds;  // per timed step
   std::vector<double> losses;

@@ -96,11 +96,13 @@ data_layout saved_layout(const trainer_state& st) {
 void check_resumed_position(const train_options& o, const saved_state& saved) {
   const trainer_state& st = saved.state();
   if (st.batch == 0) return;  // a save of an earlier upipe recorded no shape
-  if (st.batch != o.batch || st.seq_len != o.seq_len)
+  // The saved batch is the step's over every replica (--dp x --batch).
+  if (st.batch != global_batch(o) || st.seq_len != o.seq_len)
     std::fprintf(stderr, "upipe: note: the checkpoint trained --batch %lld --seq-len %lld; this run takes --batch %lld "
-                 "--seq-len %lld, continuing from its data position %lld\n", static_cast<long long>(st.batch),
-                 static_cast<long long>(st.seq_len), static_cast<long long>(o.batch),
-                 static_cast<long long>(o.seq_len), static_cast<long long>(st.data_position));
+                 "--seq-len %lld%s, continuing from its data position %lld\n", static_cast<long long>(st.batch),
+                 static_cast<long long>(st.seq_len), static_cast<long long>(global_batch(o)),
+                 static_cast<long long>(o.seq_len), o.dp > 1 ? " (over its replicas)" : "",
+                 static_cast<long long>(st.data_position));
   const data_layout layout = saved_layout(st);
   data_position at = saved_position(st, true);
   for (std::int64_t step = st.shape_step + 1; step <= st.step && st.data != "passkey"; ++step) {
@@ -149,6 +151,13 @@ packed_sequence run_data::next(std::int64_t index, data_position& at, std::int64
   out.tokens = length == task_->seq_len() ? task_->sample(seed_, static_cast<std::uint64_t>(index)).tokens
                                           : passkey_task(length).sample(seed_, static_cast<std::uint64_t>(index)).tokens;
   return out;
+}
+
+int run_data::skip(data_position& at, std::int64_t length) const {
+  if (!reader_) return 0;
+  const int source = static_cast<int>(reader_->layout().next_source(at));
+  reader_->layout().advance(at, static_cast<std::size_t>(source), length);
+  return source;
 }
 
 void record_data(const train_options& o, const run_data& data, const data_position& at, const data_position& shape_at,

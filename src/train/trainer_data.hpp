@@ -22,6 +22,9 @@ class run_data {
   // sequence at `at`, which then moves on. A shorter `length` (the short-sequence stage)
   // takes a passkey sample of that length, or the first `length` tokens of the data's window.
   packed_sequence next(std::int64_t index, data_position& at, std::int64_t length) const;
+  // Moves `at` past the sequence next() would return (another replica's) without reading
+  // it; returns its source.
+  int skip(data_position& at, std::int64_t length) const;
   const passkey_task* task() const { return task_.get(); }
   const data_reader* reader() const { return reader_.get(); }
   data_position start() const;
