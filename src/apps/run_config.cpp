@@ -100,7 +100,7 @@ std::vector<option_row> make_rows() {
        for_train | for_step | for_eval, r::changes},
       {"--cp", "parallel.cp", UPIPE_FIELD(cp),
        "ranks in the CP group (threads on the cpu backend, virtual ranks on one GPU)",
-       run_commands, r::changes},
+       run_commands & ~for_bench, r::changes},
       {"--head-chunk", "parallel.head_chunk", UPIPE_FIELD(head_chunk),
        "U, query heads per stage: upipe (default C), hybrid (a multiple of C / R; default H, Ulysses inside)",
        for_train | for_step | for_eval, r::changes},
