@@ -24,6 +24,7 @@ struct step_request {
   std::int64_t batch = 1;    // sequences a step accumulates (the offloaded gradients' size)
   zero_stage zero = zero_stage::two;
   offload_options offload;
+  optimizer_state_options state;  // the trained store's format and kept gradients (the offload's host bytes)
   backend_kind backend = backend_kind::cpu;
   // The GPU arena per rank, GiB: the tile and chunk are sized for it whatever the backend,
   // so that a meta or cpu run takes the sizes the GPU run would.
