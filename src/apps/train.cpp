@@ -19,6 +19,7 @@
 #include "apps/model_flags.hpp"
 #include "apps/policy_flags.hpp"
 #include "apps/sizes.hpp"
+#include "apps/state_flags.hpp"
 #include "core/error.hpp"
 #include "model/adapter_files.hpp"
 #include "plan/planner.hpp"
@@ -40,6 +41,7 @@ struct train_flags {
   comm_flags comm;
   std::string backend = "cpu", policy = "auto", seq_len = "128", offload = "none";
   cp_flags mesh{"upipe", 4};
+  state_flags state;
   int zero = 2, layers = 0, eval_samples = 32;
   std::int64_t batch = -1, seq_warmup = -1, seq_warmup_start = 0, steps = 3300, stop_after = 0, save_every = 0, warmup = 20, mlp_tile = 0, loss_chunk = 0;
   double lr = 1e-3, weight_decay = 0.01, max_grad_norm = 1.0, memory_gib = 8, host_memory_gib = 0;
@@ -166,6 +168,8 @@ train_options to_options(const train_flags& f) {
   const offload_options offload = parse_offload(f.offload);
   o.offload_optimizer = offload.optimizer;
   o.offload_params = offload.params;
+  o.offload_master = offload.master;
+  f.state.apply(o);
   const resolved_step resolved = resolve_step(sizes_of(o, f.memory_gib, f.host_memory_gib));
   o.step = resolved.step;
   o.limits = resolved.limits;
@@ -286,6 +290,14 @@ int run(const train_flags& f) {
     std::printf("# in host memory: %s; AdamW on the host's cores %s\n",
                 o.offload_params ? "AdamW's state and the weights" : "AdamW's state",
                 o.optim.max_grad_norm > 0 ? "after the norm, beside the next forward" : "beside the backward");
+  if (o.offload_master)
+    std::printf("# in host memory: the master weights%s; the GPU runs the moments' half of AdamW, the host the "
+                "master's\n", o.offload_params ? " and the working weights" : "");
+  if (!(o.state_format == adamw_state_format{}) || o.grad_type != dtype::f32)
+    std::printf("# AdamW state: moments %s, master %s, gradient shards %s\n", moments_flag(o.state_format.moments),
+                master_flag(o.state_format.master),
+                state_options_of(o).grads == grad_keeping::streamed ? "none (each unit updated as they arrive)"
+                                                                    : (o.grad_type == dtype::bf16 ? "bf16" : "fp32"));
   if (o.seq_warmup > 0)
     std::printf("# steps 1-%lld on sequences of %lld tokens, then %lld (--seq-warmup, --seq-warmup-start)\n",
                 static_cast<long long>(o.seq_warmup), static_cast<long long>(step_seq_len(o, 1)),
@@ -372,6 +384,7 @@ command_runner add_train(CLI::App& app) {
   app.add_option("--memory-gib", f->memory_gib, "arena per rank (cpu or GPU memory), GiB")->capture_default_str();
   app.add_option("--host-memory-gib", f->host_memory_gib, host_memory_gib_help);
   app.add_option("--offload", f->offload, offload_help)->capture_default_str();
+  f->state.add(app, true);
   app.add_option("--eval-samples", f->eval_samples, "held-out passkey samples for the retrieval accuracy")->capture_default_str();
   app.add_option("--eval-every", f->eval_every, "held-out loss every N steps (and at the last), into the metrics");
   app.add_option("--eval-data", f->eval_data, "held-out data for --eval-every: a corpus PREFIX or a token file")->check(non_empty);
