@@ -25,7 +25,7 @@ struct adamw_spec {
   case_dtype grad = case_dtype::f32;
   bool weights = true;
   adamw_part part = adamw_part::whole;
-  std::vector<adamw_run> runs;
+  std::vector<adamw_run> runs = {};
 };
 
 case_tensor compared(case_tensor t) { return case_output(t, exact, exact); }
