@@ -21,6 +21,7 @@
 #include "apps/sizes.hpp"
 #include "core/error.hpp"
 #include "core/limits.hpp"
+#include "cp/strategy_table.hpp"
 #include "model/config.hpp"
 #include "model/model_step.hpp"
 #include "train/trainer.hpp"
@@ -36,7 +37,7 @@ struct bench_flags {
   std::vector<std::string> attention{"ulysses", "upipe"}, head_chunks, seq_lens{"512"};
   int cp = 0, emulate_cp = 0, layers = 0, zero = 3, repeats = 3;
   std::int64_t mlp_tile = 0, loss_chunk = 0;
-  double memory_gib = 8, host_memory_gib = 0, peak_tflops = 778, datasheet_tflops = 989;
+  double memory_gib = 8, host_memory_gib = 0, peak_tflops = 778, datasheet_tflops = 989, targets = 1;
   bool no_check = false, phases = false;
   unsigned long long seed = 1;
 };
@@ -105,6 +106,9 @@ int run(const bench_flags& f) {
   const model_config m = slice_layers(whole, f.layers);
   const int model_layers = whole.num_layers;
   require_within(f.repeats, 1, limits::repeats, "--repeats", "3");
+  if (!(f.targets > 0 && f.targets <= 1))
+    throw config_error("--targets " + std::to_string(f.targets) + " must lie in (0, 1]: the fraction of each sequence "
+                       "that is a target of the loss (e.g. 0.0625: an answer after a prompt 15 times longer)");
   if (f.zero != 2 && f.zero != 3) throw config_error("--zero " + std::to_string(f.zero) + ": use 2 or 3");
   if (f.optimizer != "adamw" && f.optimizer != "none")
     throw config_error("--optimizer " + f.optimizer + " is not known: use adamw or none (forward and backward only)");
@@ -139,6 +143,7 @@ int run(const bench_flags& f) {
                      {"model_tflops", timed ? nlohmann::json(r.tflops) : nlohmann::json(nullptr)},
                      {"model_flops_per_step", step_flops(m, lora, r.seq_len)},
                      {"lora", lora.enabled() ? nlohmann::json(lora_text(lora)) : nlohmann::json(nullptr)},
+                     {"targets", f.targets},
                      {"mfu", timed ? nlohmann::json(r.mfu) : nlohmann::json(nullptr)},
                      {"mfu_datasheet", timed ? nlohmann::json(r.mfu_datasheet) : nlohmann::json(nullptr)},
                      {"peak_bytes", r.memory.peak_bytes},
@@ -159,15 +164,18 @@ int run(const bench_flags& f) {
               f.repeats, f.single_pass_from.c_str());
   std::printf("# MFU against %.0f TFLOP/s (measured bf16 GEMM peak) and, in the JSON, %.0f (datasheet)\n",
               f.peak_tflops, f.datasheet_tflops);
+  if (f.targets < 1)
+    std::printf("# loss mask: the last %.4g of each sequence's tokens are targets, the rest masked (--targets)\n",
+                f.targets);
   std::printf("%-8s %4s %9s %6s %3s %4s %11s %10s %11s %8s %6s %9s %9s %8s\n", "strategy", "U", "S", "layers", "C",
               "reps", "step_ms", "layer_ms", "tok/s/GPU", "TFLOP/s", "MFU", "peak_GiB", "arena_GiB", "check");
   std::fflush(stdout);
 
   for (const std::string& name : f.attention) {
-    const strategy_kind strategy = parse_strategy_kind(name);
-    const std::vector<int> us =
-        strategy == strategy_kind::upipe ? chunks_for(f, m, C)
-                                         : std::vector<int>{strategy == strategy_kind::ulysses ? m.num_heads : 0};
+    const strategy_row& table_row = row_named(name);
+    const strategy_kind strategy = table_row.kind;
+    const std::vector<int> us = table_row.heads == head_stages::chosen ? chunks_for(f, m, C)
+                                                                       : head_chunk_choices(table_row, m.num_heads, C);
     for (int u : us)
       for (std::int64_t s : lengths) {
         train_options o;
@@ -196,11 +204,11 @@ int run(const bench_flags& f) {
         const std::int64_t warmup =
             f.warmup_len.empty() ? std::min<std::int64_t>(s, unit * 256) : parse_seq_len(f.warmup_len, "--warmup-seq-len", true);
         const int repeats = s >= single_from ? 1 : f.repeats;
-        const step_timing t = time_steps(o, warmup, repeats, emulate, f.phases);
+        const step_timing t = time_steps(o, warmup, repeats, emulate, f.phases, f.targets);
         row r;
         r.strategy = name;
         r.checkpoint_policy = o.step.policy.str();
-        r.head_chunk = strategy == strategy_kind::ring ? 0 : u;
+        r.head_chunk = table_row.heads == head_stages::none ? 0 : u;
         r.cp = C;
         r.layers = m.num_layers;
         r.repeats = repeats;
@@ -237,7 +245,7 @@ int run(const bench_flags& f) {
           std::snprintf(times, sizeof times, "%11.2f %10.2f %11.0f %8.1f %6.3f", r.step_ms, r.layer_ms,
                         r.tokens_per_s_per_gpu, r.tflops, r.mfu);
         std::printf("%-8s %4s %9lld %6d %3d %4d %s %9.2f %9.2f %8s\n", name.c_str(),
-                    strategy == strategy_kind::ring ? "-" : std::to_string(u).c_str(), static_cast<long long>(s),
+                    table_row.heads == head_stages::none ? "-" : std::to_string(u).c_str(), static_cast<long long>(s),
                     r.layers, C, repeats, times, gib(r.memory.device_peak), gib(r.memory.arena_high_water), check);
         std::fflush(stdout);
         if (!r.phases_ms.empty()) print_phases(r.phases_ms);
@@ -262,8 +270,10 @@ command_runner add_bench(CLI::App& app) {
   add_comm_flags(app, f->comm, true);
   app.add_option("--cp", f->cp, "ranks in the CP group, every one run (default 4)");
   app.add_option("--emulate-cp", f->emulate_cp, "run rank 0 of a group of C alone (loopback), as on one GPU");
-  app.add_option("--attention", f->attention, "strategies (ulysses, upipe, ring)")->delimiter(',')->capture_default_str();
-  app.add_option("--head-chunk", f->head_chunks, "U values for upipe (default C; 'all' for every valid U)")
+  app.add_option("--attention", f->attention, "strategies, a comma list of: " + strategy_help())
+      ->delimiter(',')
+      ->capture_default_str();
+  app.add_option("--head-chunk", f->head_chunks, "U values for the strategies that choose U (default C; 'all' for every valid U)")
       ->delimiter(',');
   app.add_option("--seq-len", f->seq_lens, "lengths (K and M suffixes)")->delimiter(',')->capture_default_str();
   app.add_option("--zero", f->zero, "2 or 3 (training step)")->capture_default_str();
@@ -283,6 +293,10 @@ command_runner add_bench(CLI::App& app) {
   app.add_option("--peak-tflops", f->peak_tflops, "the card's measured bf16 GEMM peak, for MFU")->capture_default_str();
   app.add_option("--seed", f->seed, "seed of the weights and tokens")->capture_default_str();
   app.add_option("--lora", f->lora, "LoRA steps: r=N[,alpha=A][,targets=...] (base frozen; FLOPs counted as such)");
+  app.add_option("--targets", f->targets,
+                 "the fraction of each sequence that is a target of the loss, its last tokens (fine-tuning's shape: a "
+                 "prompt, then the answer); the rest masked")
+      ->capture_default_str();
   app.add_option("--json", f->json_path, "write one object per configuration")->check(output_file_flag("--json"));
   return [f] { return run(*f); };
 }

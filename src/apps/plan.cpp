@@ -18,6 +18,7 @@
 #include "apps/sizes.hpp"
 #include "apps/state_flags.hpp"
 #include "core/error.hpp"
+#include "cp/strategy_table.hpp"
 #include "model/config.hpp"
 #include "plan/planner.hpp"
 
@@ -33,11 +34,43 @@ struct plan_flags {
   std::vector<int> seq_chunks;          // default: the planner's
   throughput_rates rates;               // the step-time model's
   int gpus = 8, gpus_per_node = 0, nodes = 1, zero = 3, layers = 0;
+  bool gpus_given = false, nodes_given = false;  // given on the command line (checked against each other)
   double margin = 0.05;
   std::int64_t mlp_tile = 0, loss_chunk = 0;
 };
 
 constexpr const char* paper_host_memory = "1.9TiB";  // the paper's 8 x H100 machine
+
+struct mesh_size {
+  int gpus = 0, nodes = 1;
+};
+
+// The GPUs and nodes --gpus, --gpus-per-node and --nodes ask for, all three consistent:
+// --gpus alone is one node; with --gpus-per-node the nodes follow (G x nodes = gpus), and
+// --nodes beside both must agree. Refused with the values and a valid line otherwise.
+mesh_size plan_mesh(int gpus, bool gpus_given, int per_node, int nodes, bool nodes_given) {
+  if (gpus < 1 || (per_node == 0 && nodes < 1) || per_node < 0 || nodes < 1)
+    throw config_error("--gpus " + std::to_string(gpus) + ", --gpus-per-node " + std::to_string(per_node) +
+                       " and --nodes " + std::to_string(nodes) + " must be positive (for example --gpus 16 "
+                       "--gpus-per-node 8)");
+  if (per_node == 0) {
+    if (nodes_given && nodes != 1)
+      throw config_error("--nodes " + std::to_string(nodes) + " needs --gpus-per-node G (for example --gpus-per-node " +
+                         std::to_string(std::max(1, gpus / nodes)) + " --nodes " + std::to_string(nodes) + ")");
+    return {gpus, 1};
+  }
+  if (!gpus_given) return {per_node * nodes, nodes};
+  if (gpus % per_node != 0)
+    throw config_error("--gpus " + std::to_string(gpus) + " is not a whole number of nodes of --gpus-per-node " +
+                       std::to_string(per_node) + ": use --gpus " + std::to_string((gpus / per_node + 1) * per_node) +
+                       " or a --gpus-per-node that divides it");
+  if (nodes_given && nodes * per_node != gpus)
+    throw config_error("--gpus " + std::to_string(gpus) + " differs from --nodes " + std::to_string(nodes) +
+                       " x --gpus-per-node " + std::to_string(per_node) + " = " + std::to_string(nodes * per_node) +
+                       ": give two of the three (for example --gpus " + std::to_string(gpus) + " --gpus-per-node " +
+                       std::to_string(per_node) + ")");
+  return {gpus, gpus / per_node};
+}
 
 double gib(std::size_t bytes) { return static_cast<double>(bytes) / (1 << 30); }
 
@@ -53,7 +86,7 @@ std::string tokens_text(std::int64_t s) {
 }
 
 std::string u_text(const plan_entry& e) {
-  return e.strategy == strategy_kind::ring ? "-" : std::to_string(e.head_chunk);
+  return row_of(e.strategy).heads == head_stages::none ? "-" : std::to_string(e.head_chunk);
 }
 
 // The rows of the tables: one per strategy, U, mesh and optimizer placement, the entry of
@@ -91,7 +124,7 @@ std::vector<const plan_entry*> table_rows(const std::vector<plan_entry>& entries
 // are, "+w" where the weights are too.
 std::string strategy_text(const plan_entry& e, int gpus) {
   std::string name(strategy_name(e.strategy));
-  if (e.strategy == strategy_kind::hybrid) name += " " + std::to_string(e.ring) + "x" + std::to_string(gpus / e.ring);
+  if (row_of(e.strategy).mesh) name += " " + std::to_string(e.ring) + "x" + std::to_string(gpus / e.ring);
   if (e.offload_optimizer) name += " +host";
   else if (e.offload_master) name += " +master";
   return e.offload_params ? name + "+w" : name;
@@ -181,24 +214,19 @@ int run(const plan_flags& f) {
   const auto start = std::chrono::steady_clock::now();
   plan_request r;
   r.model = load_model(f.model, f.config_path, f.layers);
-  r.gpus = f.gpus;
-  if (f.gpus_per_node != 0 || f.nodes != 1) {
-    if (f.gpus_per_node < 1)
-      throw config_error("--nodes " + std::to_string(f.nodes) + " needs --gpus-per-node G (for example "
-                         "--gpus-per-node 8 --nodes 2)");
-    r.gpus = f.gpus_per_node * f.nodes;
-  }
-  r.nodes = f.nodes;
+  const mesh_size mesh = plan_mesh(f.gpus, f.gpus_given, f.gpus_per_node, f.nodes, f.nodes_given);
+  r.gpus = mesh.gpus;
+  r.nodes = mesh.nodes;
   r.gpu_memory = parse_bytes(f.gpu_memory, "--gpu-memory");
   const bool host_default = f.host_memory.empty();
   r.host_memory = parse_bytes(host_default ? paper_host_memory : f.host_memory, "--host-memory");
   r.margin = f.margin;
   if (!f.seq_len.empty()) r.seq_len = parse_seq_len(f.seq_len);
   r.strategies.clear();
-  std::vector<std::string> attention = f.attention;
-  if (attention.empty()) attention = {"ulysses", "upipe", "ring", "fpdt"};
-  if (f.attention.empty() && r.nodes > 1) attention.push_back("hybrid");
-  for (const std::string& name : attention) r.strategies.push_back(parse_strategy_kind(name));
+  // By default the table's planned rows, and the meshes across nodes.
+  for (const strategy_row& row : strategy_rows())
+    if (f.attention.empty() && (row.planned_by_default || (row.mesh && r.nodes > 1))) r.strategies.push_back(row.kind);
+  for (const std::string& name : f.attention) r.strategies.push_back(parse_strategy_kind(name));
   if (f.zero != 2 && f.zero != 3)
     throw config_error("--zero " + std::to_string(f.zero) + " is not supported: use --zero 2 or --zero 3");
   r.zero = f.zero == 3 ? zero_stage::three : zero_stage::two;
@@ -347,8 +375,8 @@ int run(const plan_flags& f) {
                           {"offload_params", e.offload_params},
                           {"offload_master", e.offload_master},
                           {"optimizer_state", state_text(e.state)},
-                          {"head_chunk", e.strategy == strategy_kind::ring ? nlohmann::json(nullptr)
-                                                                           : nlohmann::json(e.head_chunk)},
+                          {"head_chunk", row_of(e.strategy).heads == head_stages::none ? nlohmann::json(nullptr)
+                                                                                        : nlohmann::json(e.head_chunk)},
                           {"max_seq_len", e.longest ? e.longest->seq_len : 0}};
       if (e.longest) {
         const nlohmann::json p = point_json(*e.longest);
@@ -401,16 +429,18 @@ int run(const plan_flags& f) {
 command_runner add_plan(CLI::App& app) {
   auto f = std::make_shared<plan_flags>();
   add_model_flags(app, f->model, f->config_path);
-  app.add_option("--gpus", f->gpus, "GPUs in the CP group, one node")->capture_default_str();
-  app.add_option("--gpus-per-node", f->gpus_per_node, "with --nodes: GPUs per node (the CP group is all of them)");
-  app.add_option("--nodes", f->nodes, "nodes (hybrid's ring runs across them; host memory is per node)")
-      ->capture_default_str();
+  CLI::Option* gpus = app.add_option("--gpus", f->gpus, "GPUs in all (one node unless --gpus-per-node)")
+                          ->capture_default_str();
+  app.add_option("--gpus-per-node", f->gpus_per_node, "GPUs per node: --gpus / G nodes (or with --nodes)");
+  CLI::Option* nodes = app.add_option("--nodes", f->nodes, "nodes (hybrid's ring runs across them; host memory is per "
+                                      "node)")->capture_default_str();
   app.add_option("--gpu-memory", f->gpu_memory, "memory per GPU (80GiB, 141GB, ...)")->capture_default_str();
   app.add_option("--host-memory", f->host_memory,
                  "host memory of the node (default 1.9TiB, the paper's machine)");
   app.add_option("--seq-len", f->seq_len, "also plan this length (K and M suffixes)");
   app.add_option("--attention", f->attention,
-                 "strategies to plan (default ulysses, upipe, ring, fpdt, and hybrid on several nodes)")
+                 "strategies to plan, a comma list of: " + strategy_help() +
+                     " (default ulysses, upipe, ring, fpdt, and hybrid on several nodes)")
       ->delimiter(',');
   app.add_option("--seq-chunks", f->seq_chunks,
                  "sequence chunks N to try for upipe and fpdt, ascending until one reaches no further "
@@ -453,7 +483,11 @@ command_runner add_plan(CLI::App& app) {
       ->capture_default_str();
   app.add_option("--pcie-gbytes", f->rates.pcie_gbytes, "step-time model: host <-> device copies, GB/s each way")
       ->capture_default_str();
-  return [f] { return run(*f); };
+  return [f, gpus, nodes] {
+    f->gpus_given = gpus->count() > 0;
+    f->nodes_given = nodes->count() > 0;
+    return run(*f);
+  };
 }
 
 }  // namespace upipe::apps

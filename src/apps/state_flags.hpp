@@ -1,11 +1,9 @@
-// --optimizer-state, --master-weights, --grad-dtype and --convert-optimizer-state: AdamW's
-// state format (docs/design.md section 5, "Lean optimizer state") for the commands that
-// train (train, bench), and the words plan uses to print them.
+// The words of --optimizer-state, --master-weights and --grad-dtype (AdamW's state format,
+// docs/design.md section 5, "Lean optimizer state"; train's rows in apps/run_config.cpp,
+// plan's own flags): parsed with a clear error, and printed back by plan.
 #pragma once
 
 #include <string>
-
-#include <CLI/CLI.hpp>
 
 #include "core/error.hpp"
 #include "train/trainer.hpp"
@@ -37,35 +35,5 @@ inline const char* moments_flag(moment_format f) {
   return f == moment_format::f32 ? "fp32" : f == moment_format::bf16 ? "bf16" : "8bit";
 }
 inline const char* master_flag(master_format f) { return f == master_format::f32 ? "fp32" : "bf16-kahan"; }
-
-struct state_flags {
-  std::string moments = "fp32", master = "fp32", grads = "fp32";
-  bool convert = false;
-
-  void add(CLI::App& app, bool resumes) {
-    app.add_option("--optimizer-state", moments,
-                   "AdamW's moments: fp32, bf16 (round to nearest even), or 8bit (block-wise quantized, 256 a block "
-                   "with an f32 absmax each, bitsandbytes' AdamW8bit)")
-        ->capture_default_str();
-    app.add_option("--master-weights", master,
-                   "fp32, or bf16-kahan: the bf16 weights are the master, a bf16 compensation keeps what rounding "
-                   "lost (on the GPU 4 bytes a parameter instead of 6)")
-        ->capture_default_str();
-    app.add_option("--grad-dtype", grads,
-                   "the gradient shards kept for the norm or a later micro-batch: fp32 or bf16 (none are kept "
-                   "without clipping at --batch 1)")
-        ->capture_default_str();
-    if (resumes)
-      app.add_flag("--convert-optimizer-state", convert,
-                   "--resume from a checkpoint of another state format: decode it to fp32 and encode it in this "
-                   "run's (else refused)");
-  }
-
-  void apply(train_options& o) const {
-    o.state_format = {parse_moments(moments), parse_master(master)};
-    o.grad_type = parse_grad_dtype(grads);
-    o.convert_state = convert;
-  }
-};
 
 }  // namespace upipe::apps

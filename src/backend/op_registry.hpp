@@ -78,13 +78,6 @@ struct op_entry {
 
 // Every registered op.
 const std::vector<op_entry>& op_registry();
-// The optimizer's entries (backend/op_registry_optim.cpp), part of op_registry().
-std::vector<op_entry> optimizer_op_entries();
-
-// For the entries: an output compared across backends, and a case's size text
-// ("rows 37 cols 96").
-case_tensor case_output(case_tensor t, double bf16_tolerance, double f32_tolerance);
-std::string dims_text(std::initializer_list<std::pair<const char*, std::int64_t>> dims);
 
 // sum a[i] * b[i] over two f32 or bf16 tensors of one size, in fp64 on the host (the
 // objectives of the gradient ops).

@@ -6,10 +6,11 @@
 #include <string>
 #include <vector>
 
+#include "backend/op_cases.hpp"
 #include "backend/op_registry.hpp"
 #include "backend/ops.hpp"
 
-namespace upipe {
+namespace upipe::op_cases {
 
 namespace {
 
@@ -28,7 +29,7 @@ struct adamw_spec {
   std::vector<adamw_run> runs = {};
 };
 
-case_tensor compared(case_tensor t) { return case_output(t, exact, exact); }
+case_tensor compared(case_tensor t) { return out(t, exact, exact); }
 
 // The moments' tensors of a format: f32 and bf16 values near a trained state's, or
 // random codes with their blocks' absmax.
@@ -71,7 +72,7 @@ op_case adamw_case(const adamw_spec& s, dtype work) {
       c.tensors.push_back(compared({.name = "master_comp", .type = case_dtype::bf16, .dims = {1, n}, .lo = -1e-3f,
                                     .hi = 1e-3f}));
     c.tensors.push_back(
-        case_output({.name = "weights", .dims = {1, s.weights ? n : 1}, .fill = case_fill::zero}, copy_tol, exact));
+        out({.name = "weights", .dims = {1, s.weights ? n : 1}, .fill = case_fill::zero}, copy_tol, exact));
   }
   if (moments) {
     add_moments(c.tensors, s, true);
@@ -171,7 +172,7 @@ op_case sum_squares_case(std::int64_t rows, std::int64_t cols, std::int64_t pad,
   op_case c;
   c.size = dims_text({{"rows", rows}, {"cols", cols}, {"ld", cols + pad}}) + (type == case_dtype::bf16 ? " bf16" : "");
   c.tensors = {{.name = "x", .type = type, .dims = {rows, cols + pad}},
-               case_output({.name = "sum", .type = case_dtype::f32, .dims = {1, 1}}, 2e-2, 1e-5)};
+               out({.name = "sum", .type = case_dtype::f32, .dims = {1, 1}}, 2e-2, 1e-5)};
   c.run = [cols](backend& be, const case_tensors& t) {
     const auto sum = static_cast<float>(ops::sum_squares(be, t["x"].matrix().col_block(0, cols)));
     be.upload_f32(t["sum"], &sum);
@@ -195,4 +196,4 @@ std::vector<op_entry> optimizer_op_entries() {
   return {adamw_entry(), adamw_bf16_entry(), adamw_q8_entry(), sum_squares_entry()};
 }
 
-}  // namespace upipe
+}  // namespace upipe::op_cases

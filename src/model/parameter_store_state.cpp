@@ -104,8 +104,9 @@ void parameter_store::allocate_state(unit& u) {
   u.runs = decay_runs(u);
 }
 
-// This rank's part of each parameter in order, a run each (matrices decay, the rest not),
-// neighbours of one decay merged; the padding past the last parameter decays not.
+// This rank's part of each parameter in order, a run each, neighbours of one decay merged;
+// the padding past the last parameter decays not. AdamW's weight decay applies to matrices
+// and embeddings, not to norms and biases (as transformers' Trainer excludes them).
 std::vector<adamw_run> parameter_store::decay_runs(const unit& u) const {
   const std::int64_t lo = comm_.rank() * u.shard, hi = lo + u.shard;
   std::vector<adamw_run> runs;
@@ -118,7 +119,7 @@ std::vector<adamw_run> parameter_store::decay_runs(const unit& u) const {
     std::int64_t numel = 1;
     for (auto d : spec.shape) numel *= d;
     const std::int64_t a = std::max(lo, u.offsets[k]), b = std::min(hi, u.offsets[k] + numel);
-    if (a < b) add(b - lo, spec.shape.size() == 2);
+    if (a < b) add(b - lo, spec.kind == param_kind::matrix || spec.kind == param_kind::embedding);
   }
   if (runs.empty() || runs.back().end < u.shard) add(u.shard, false);
   return runs;

@@ -48,4 +48,12 @@ struct step_time_request {
 
 step_time estimate_step_time(const step_time_request& request, const throughput_rates& rates);
 
+// One layer's attention in that step: its fused attention's compute (the pairs of its
+// causal, possibly windowed mask: a window W caps a query's keys, so the work grows as S W
+// rather than S^2 / 2), and the messages and host copies of its stage plan (a window
+// skips ring steps and chunk parts). `passes_forward` counts the forward and its
+// recompute (1 + the share of layers recomputed).
+step_time layer_attention_time(const attention_config& layer, const step_time_request& request,
+                               const throughput_rates& rates, double passes_forward);
+
 }  // namespace upipe

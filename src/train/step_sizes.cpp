@@ -3,6 +3,7 @@
 #include "core/error.hpp"
 #include "core/limits.hpp"
 #include "cp/stage_plan.hpp"
+#include "cp/strategy_table.hpp"
 
 namespace upipe {
 namespace {
@@ -30,7 +31,7 @@ std::size_t offload_host_bytes(const step_request& r) {
 // longest length (the earlier chunks' K/V and their gradients).
 std::size_t chunk_host_bytes(const step_request& r) {
   if (r.backend == backend_kind::meta) return 0;
-  if (r.cp.strategy != strategy_kind::fpdt && r.cp.seq_chunks <= 1) return 0;
+  if (row_of(r.cp.strategy).chunks != sequence_chunking::required && r.cp.seq_chunks <= 1) return 0;
   const std::int64_t unit = layout_unit(r.cp);
   const attention_config c = attention_config_for(r.model, r.cp, (r.seq_len + unit - 1) / unit * unit);
   if (!c.chunked()) return 0;

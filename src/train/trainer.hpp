@@ -2,6 +2,7 @@
 // AdamW, checkpoints and resume, metrics and the retrieval evaluation.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -13,16 +14,18 @@
 #include "model/parameter_store.hpp"
 #include "model/transformer.hpp"
 #include "optim/optimizer.hpp"
+#include "train/data_reader.hpp"
 
 namespace upipe {
 
-// How a corpus of documents becomes sequences: documents (attention masked and positions
-// restarted at each document, the target across a boundary dropped), stream (one token
-// stream, as a flat file), automatic (documents when there is an index).
-enum class packing_mode : std::uint8_t { automatic, documents, stream };
+// Where a run's tokens come from: its data (a corpus, a token file, or the passkey task when
+// none is given), or random ids (benchmarks and the planner's probes, time_steps).
+enum class token_source : std::uint8_t { data, random };
 
 // The most sequences one optimizer step accumulates.
 constexpr std::int64_t max_batch = std::int64_t{1} << 16;
+// The longest schedule: a billion steps (years at a step a second); beyond it a typo.
+constexpr std::int64_t max_train_steps = 1'000'000'000;
 
 struct train_options {
   model_config model;
@@ -33,9 +36,14 @@ struct train_options {
   std::string model_dir;    // the input model directory: the base of the saved config.json and the source of
                             // the tokenizer files (empty for presets)
   hf_save_options save_model;  // the saved weights' dtype and shard size
-  std::string data_path;    // a prepared corpus (PREFIX) or a flat uint32 token file; empty: the passkey task
+  // --data: a prepared corpus (PREFIX), a flat uint32 token file, or a mixture of them by
+  // weight ("A:0.7,B:0.3", parse_data_sources); empty: the passkey task.
+  std::string data_path;
+  token_source tokens = token_source::data;  // random: time_steps' ids, no task to satisfy
   packing_mode packing = packing_mode::automatic;
   std::int64_t min_doc_tokens = 0;  // documents shorter than this are left out of a corpus
+  // Data tokenized with another tokenizer than the model directory's is refused unless set.
+  bool allow_tokenizer_mismatch = false;
   std::int64_t seq_len = 128;
   std::int64_t batch = 1;   // sequences per optimizer step (gradients accumulated)
   // Short-sequence stage: steps 1..seq_warmup train on sequences of seq_warmup_start
@@ -57,15 +65,24 @@ struct train_options {
   adamw_config optim;            // optim.total_steps is --steps
   std::int64_t stop_after = 0;   // stop once this step is done; 0: at total_steps
   std::uint64_t seed = 1;
-  std::string save_dir;
+  std::string save_dir;          // the run directory: DIR/checkpoint-STEP, DIR/latest (train/run_directory.hpp)
   std::int64_t save_every = 0;
-  std::string resume_dir;
+  std::int64_t keep_last = 0;    // keep the newest N of the run's checkpoints (0: all)
+  bool keep_best = false;        // and the one of the lowest held-out loss
+  bool overwrite = false;        // remove another run's checkpoints in save_dir after the first save
+  std::string resume_dir;        // a checkpoint (a run directory's latest already resolved)
+  std::string run_config;        // the resolved configuration (TOML), written into every checkpoint
+  std::string run_id;            // empty: the resumed checkpoint's, or a new one
+  // Set by a signal handler to the signal's number: every rank finishes the step it is in,
+  // the group agrees, the run saves (with save_dir) and stops.
+  const std::atomic<int>* stop_signal = nullptr;
   backend_kind backend = backend_kind::cpu;
   memory_limits limits;
   comm_options comm;      // how real ranks talk (threads, NCCL)
   int eval_samples = 32;  // held-out passkey samples for the retrieval accuracy
   // Held-out loss during training: every eval_every steps, eval_sequences windows of the
-  // step's length from eval_data (a corpus or token file), forward only.
+  // step's length from each source of eval_data (corpora or token files, comma-separated),
+  // forward only.
   std::int64_t eval_every = 0;
   std::string eval_data;
   int eval_sequences = 4;
@@ -73,9 +90,20 @@ struct train_options {
 
 struct step_record {
   std::int64_t step = 0, seq_len = 0;
-  double epoch = 0;  // corpora: how many passes over the documents, at the step's first sequence
+  double epoch = 0;  // corpora: how many passes over the documents (a mixture: its most-read source's)
   double model_flops = 0;  // of the step's sequences, attention counted over the attended pairs only
-  std::optional<double> eval_loss;  // held-out loss after this step (--eval-every)
+  std::optional<double> eval_loss;  // held-out loss after this step (--eval-every), over every eval source
+  std::map<std::string, double> eval_losses;  // ... and per --eval-data source
+  std::int64_t targets = 0;          // the step's counted targets (its loss is their mean)
+  std::int64_t empty_sequences = 0;  // sequences whose every target is masked: they add nothing and are not run
+  bool skipped = false;              // no target in the whole step: no update (loss NaN), the data moves on
+  // Per source of --data, in its order: this step's sequences and targets, and the passes
+  // over its documents at the step's start.
+  struct source_counts {
+    std::int64_t sequences = 0, targets = 0;
+    double epoch = 0;
+  };
+  std::vector<source_counts> sources;
   double loss = 0, lr = 0, grad_norm = 0, tokens_per_s = 0, seconds = 0;
   std::map<std::string, std::size_t> peak_bytes;  // rank 0
 };
@@ -88,6 +116,9 @@ struct train_summary {
   double seconds = 0;
   double load_seconds = 0;                    // from the start until every rank holds its weights
   std::size_t arena_high_water = 0;           // rank 0's device arena, bytes
+  int stopped_by_signal = 0;                  // the signal that stopped the run early, or 0
+  std::string last_checkpoint;                // the newest checkpoint saved (empty: none)
+  std::string run_id;                         // the run's id, kept across resumes
 };
 
 // One optimizer step's memory on rank 0 of the meta backend (zero tokens, no data).
@@ -129,9 +160,11 @@ struct step_timing {
   std::map<std::string, double> phases_ms;  // with `phases`: rank 0's fastest step by phase
 };
 // Times `repeats` steps after one warm-up step of warmup_len tokens (0: none); with
-// `phases`, also the fastest step's time by phase (backend::take_phase_ms).
+// `phases`, also the fastest step's time by phase (backend::take_phase_ms). With
+// target_fraction < 1 only the last part of each sequence is a target of the loss (the
+// shape of a fine-tuning example: a long prompt, a short answer), the rest masked.
 step_timing time_steps(const train_options& options, std::int64_t warmup_len, int repeats, bool emulate,
-                       bool phases = false);
+                       bool phases = false, double target_fraction = 1.0);
 
 // Runs training; on_step is called on rank 0 after every step (progress, metrics).
 train_summary train(const train_options& options, const std::function<void(const step_record&)>& on_step);

@@ -6,6 +6,7 @@
 
 #include <set>
 #include <string>
+#include <variant>
 
 #include "backend/op_harness.hpp"
 #include "backend/op_registry.hpp"
@@ -30,7 +31,9 @@ TEST(op_registry, names_are_unique_and_every_entry_has_cases) {
       EXPECT_EQ(c.gradients.empty(), !c.objective) << e.name << " " << c.size << ": gradients need an objective";
     }
   }
-  EXPECT_EQ(names.size(), 17u);
+  // Each alternative of `op` has an entry at least (swiglu and geglu share theirs), so a new
+  // alternative without one shows here without a count to keep by hand.
+  EXPECT_GE(names.size(), std::variant_size_v<op>);
 }
 
 TEST_P(registered_op, matches_the_cpu_reference_on_a_second_cpu_backend) {

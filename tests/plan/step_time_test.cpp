@@ -88,3 +88,34 @@ TEST(step_time, host_copies_count_the_chunks_and_the_checkpoints) {
 
 }  // namespace
 }  // namespace upipe
+
+namespace upipe {
+namespace {
+
+// A sliding window caps the attention: its compute is the window's pairs (S W - W (W - 1)
+// / 2 rather than S^2 / 2), ring skips the steps no query reaches, and the chunked
+// strategies the parts; a window of S or more changes nothing.
+TEST(step_time, a_window_caps_the_attention_and_its_messages) {
+  throughput_rates rates;
+  for (const strategy_kind kind : {strategy_kind::ring, strategy_kind::upipe, strategy_kind::fpdt}) {
+    step_time_request r = request("llama3-8b", kind, 8, 8, 1 << 20);
+    if (kind == strategy_kind::fpdt) r.cp = {kind, 8, r.model.num_heads, 1, 16};
+    const attention_config global = attention_config_for(r.model, r.cp, r.seq_len);
+    attention_config windowed = global;
+    windowed.window = 4096;
+    const step_time g = layer_attention_time(global, r, rates, 2), w = layer_attention_time(windowed, r, rates, 2);
+    const double S = 1 << 20, W = 4096;
+    EXPECT_NEAR(w.attention / g.attention, (S * W - W * (W - 1) / 2) / (S * S / 2), 1e-12) << strategy_name(kind);
+    if (kind == strategy_kind::ring) EXPECT_LT(w.ring, g.ring / 3);  // 2 of the 7 other ranks' steps are reached
+    if (kind == strategy_kind::upipe) EXPECT_EQ(w.all_to_all, g.all_to_all);  // every head still crosses once
+    if (kind == strategy_kind::fpdt) EXPECT_LT(w.host, g.host / 2);           // two parts a query part, not i + 1
+    windowed.window = 1 << 20;
+    const step_time whole = layer_attention_time(windowed, r, rates, 2);
+    EXPECT_EQ(whole.attention, g.attention);
+    EXPECT_EQ(whole.ring, g.ring);
+    EXPECT_EQ(whole.host, g.host);
+  }
+}
+
+}  // namespace
+}  // namespace upipe
