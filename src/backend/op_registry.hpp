@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <initializer_list>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -17,10 +18,12 @@
 namespace upipe {
 
 // The element type of a case's tensor, resolved on each backend: `work` is the backend's
-// working dtype (f32 on cpu, bf16 on cuda and meta).
-enum class case_dtype : std::uint8_t { work, f32, i32 };
+// working dtype (f32 on cpu, bf16 on cuda and meta); bf16 and u8 (8-bit codes) are those
+// on every backend.
+enum class case_dtype : std::uint8_t { work, f32, i32, bf16, u8 };
 // random: uniform in [lo, hi); zero; constant: every element lo (-inf for an empty
-// log-sum-exp); ids: integers uniform in [lo, hi) (i32 only; negative labels are masked).
+// log-sum-exp); ids: integers uniform in [lo, hi) (i32 and u8 only; negative labels are
+// masked).
 enum class case_fill : std::uint8_t { random, zero, constant, ids };
 
 struct case_tensor {
@@ -31,7 +34,8 @@ struct case_tensor {
   float lo = -1.0f, hi = 1.0f;
   // > 0: an output compared against the reference backend, the normalized error (max
   // |got - want| / max |want|, over the whole allocation) at most this where the tested
-  // backend stores this tensor in bf16; f32_tolerance where it stores f32.
+  // backend stores a working-dtype tensor in bf16; f32_tolerance where it stores it as the
+  // reference does (f32, or a bf16 or u8 tensor on every backend).
   double bf16_tolerance = 0.0;
   double f32_tolerance = 1e-5;
 };
