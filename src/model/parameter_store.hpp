@@ -91,7 +91,6 @@ class parameter_store {
 
   zero_stage stage() const { return stage_; }
   weight_role role() const { return role_; }
-  bool optimizer_offloaded() const { return offload_.optimizer; }
   bool params_offloaded() const { return offload_.params; }
   int embedding_unit() const { return 0; }
   int layer_unit(int layer) const { return 1 + layer; }

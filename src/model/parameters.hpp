@@ -1,8 +1,11 @@
 // Views of one decoder layer's parameters (or gradients) under Hugging Face names.
 #pragma once
 
+#include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
+#include <string_view>
 
 #include "cp/strategy.hpp"
 #include "model/config.hpp"
@@ -24,6 +27,12 @@ struct layer_gradients {
   mat_view post_norm;
   projection_grads gate, up, down;
 };
+
+// The layer of a tensor named "model.layers.N. ...": N when it is written as a layer's name
+// is (decimal digits, no leading zero, within 64 bits), -1 when it is not ("01", "-1",
+// 99999999999999999999: no layer's, never read as another one), nothing for a tensor
+// outside the layers.
+std::optional<std::int64_t> layer_of(std::string_view name);
 
 // Layer `index`'s views, each looked up by its Hugging Face name.
 layer_params make_layer_params(const model_config& config, int index,
