@@ -104,6 +104,9 @@ def rows_of(path):
             doc = json.load(f)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise bad_input(f"it is not JSON ({e}); give the --json file of a finished upipe bench or plan")
+        except RecursionError:
+            raise bad_input("its JSON nests too deep to be a result file; give the --json file of a finished upipe "
+                            "bench or plan") from None
     file = os.path.basename(path)
     if isinstance(doc, dict) and "niah" in doc:  # upipe eval --niah
         return [niah_row(doc["niah"], "niah", file)]
@@ -259,6 +262,13 @@ def niah_heatmap(rows, out_dir):
     save(fig, out_dir, "niah_heatmap.svg", tight=False)
 
 
+def fail(message):
+    """The one line upipe's refusals end with (upipe runs this script for `upipe report`), exit 2."""
+    command = os.environ.get("UPIPE_COMMAND")
+    print(f"upipe: error: {command}: {message}" if command else f"report.py: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
 def main(argv):
     if len(argv) < 3:
         raise SystemExit(__doc__)
@@ -266,17 +276,17 @@ def main(argv):
     try:
         os.makedirs(out_dir, exist_ok=True)
     except OSError as e:
-        sys.exit(f"upipe report: cannot make the output directory {out_dir}: {e.strerror}; use --out DIR")
+        fail(f"cannot make the output directory {out_dir}: {e.strerror}; use --out DIR")
     rows = []
     for path in argv[2:]:
         try:
             rows.extend(rows_of(path))
         except bad_input as e:
-            sys.exit(f"upipe report: {path}: {e}")
+            fail(f"{path}: {e}")
         except OSError as e:
-            sys.exit(f"upipe report: cannot read {path}: {e.strerror}")
+            fail(f"cannot read {path}: {e.strerror}")
     if not rows:
-        raise SystemExit("report: the files hold no rows")
+        fail(f"{', '.join(argv[2:])} hold no rows: give the --json file of a finished upipe bench, plan or eval")
     loss_by_position(rows, out_dir)
     niah_heatmap(rows, out_dir)
     rows = [r for r in rows if r["source"] not in ("eval", "niah")]
@@ -293,6 +303,6 @@ if __name__ == "__main__":
     try:
         main(sys.argv)
     except OSError as e:  # writing a plot: a full disk, a path that is no directory
-        sys.exit(f"upipe report: cannot write the plots into {sys.argv[1]}: {e}")
+        fail(f"cannot write the plots into {sys.argv[1]}: {e}")
     except (ValueError, TypeError, OverflowError) as e:  # values the checks let through but a plot cannot draw
-        sys.exit(f"upipe report: cannot plot the values in {', '.join(sys.argv[2:])}: {e}")
+        fail(f"cannot plot the values in {', '.join(sys.argv[2:])}: {e}")

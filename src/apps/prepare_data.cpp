@@ -22,8 +22,8 @@ command_runner add_prepare_data(CLI::App& app) {
     if (spawn({"python3", "-c", "import tokenizers"}, "upipe prepare-data") != 0)
       throw config_error("upipe prepare-data needs Hugging Face tokenizers for python3: scripts/setup-deps installs "
                          "it (or: python3 -m pip install tokenizers)");
-    const int status = run_python_file(prepare_data_script, "prepare_data.py", *args);
-    return status == 0 ? 0 : 2;  // the script names the bad input
+    run_scripts_for("prepare-data");
+    return script_exit_status(run_python_file(prepare_data_script, "prepare_data.py", *args), "prepare-data");
   };
 }
 
