@@ -74,12 +74,29 @@ void check_shape_flags(const bench_flags& f) {
                        " must lie in (1, 1e12] (RoPE's wavelengths grow from 2 pi to 2 pi theta); for example 500000");
 }
 
+bool takes_sequence_chunks(strategy_kind kind) {
+  return kind == strategy_kind::upipe || kind == strategy_kind::ulysses || kind == strategy_kind::fpdt;
+}
+
+// --seq-chunks sweeps the rows of the strategies that chunk the sequence; given to none of
+// them it would be ignored, and is refused instead.
+void check_seq_chunks_apply(const bench_flags& f) {
+  if (std::all_of(f.seq_chunks.begin(), f.seq_chunks.end(), [](int n) { return n == 1; })) return;
+  for (const std::string& name : f.strategies)
+    if (takes_sequence_chunks(parse_strategy_kind(name))) return;
+  std::string listed;
+  for (const std::string& name : f.strategies) listed += (listed.empty() ? "" : ",") + name;
+  throw config_error("--seq-chunks applies to ulysses, upipe and fpdt, and --strategy " + listed +
+                     " lists none of them: leave --seq-chunks out, or add --strategy upipe");
+}
+
 std::vector<attention_config> configurations(const bench_flags& f) {
   check_shape_flags(f);
+  check_seq_chunks_apply(f);
   std::vector<attention_config> configs;
   for (const std::string& name : f.strategies) {
     const strategy_kind kind = parse_strategy_kind(name);
-    const bool chunked = kind == strategy_kind::upipe || kind == strategy_kind::ulysses || kind == strategy_kind::fpdt;
+    const bool chunked = takes_sequence_chunks(kind);
     std::vector<int> seq_chunks = f.seq_chunks.empty() || !chunked ? std::vector<int>{0} : f.seq_chunks;
     // A list for several strategies: fpdt takes its N >= 2 (N = 1 is Ulysses' row).
     if (kind == strategy_kind::fpdt && std::any_of(seq_chunks.begin(), seq_chunks.end(), [](int n) { return n >= 2; }))
@@ -208,7 +225,9 @@ command_runner add_bench_attention(CLI::App& app) {
   app.add_option("--backend", f->backend,
                  "cpu (fp32 reference, threads as ranks), cuda (bf16, virtual ranks on one GPU) or meta (shapes only, rank 0)")
       ->capture_default_str();
-  app.add_option("--strategy", f->strategies, "ulysses, upipe, ring, hybrid, fpdt (comma-separated list)")
+  // --attention as in train, step, bench and plan, so that a message naming it names a flag
+  // of this command too.
+  app.add_option("--strategy,--attention", f->strategies, "ulysses, upipe, ring, hybrid, fpdt (comma-separated list)")
       ->delimiter(',')
       ->capture_default_str();
   app.add_option("--heads", f->heads, "query heads H")->capture_default_str();

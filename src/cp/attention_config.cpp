@@ -25,7 +25,7 @@ strategy_kind parse_strategy_kind(std::string_view name) {
   if (name == "hybrid") return strategy_kind::hybrid;
   if (name == "fpdt") return strategy_kind::fpdt;
   throw config_error("unknown attention strategy '" + std::string(name) +
-                     "': the strategy must be one of ulysses, upipe, ring, hybrid, fpdt (for example --strategy upipe)");
+                     "': the strategy must be one of ulysses, upipe, ring, hybrid, fpdt (for example --attention upipe)");
 }
 
 std::vector<row_chunk> sequence_chunks(std::int64_t s, int n) {
@@ -126,12 +126,12 @@ void validate_head_chunk(attention_config& c) {
       if (c.head_chunk != c.heads)
         throw config_error("head chunk U = " + std::to_string(c.head_chunk) + " is not allowed for " +
                            std::string(strategy_name(c.strategy)) + ", which runs all H = " + std::to_string(c.heads) +
-                           " heads in one stage; leave it out, or use --strategy upipe");
+                           " heads in one stage; leave it out, or use --attention upipe");
       return;
     case strategy_kind::ring:
       if (c.head_chunk != 0)
         throw config_error("head chunk U = " + std::to_string(c.head_chunk) +
-                           " is not allowed for ring, which has no head stages; leave it out, or use --strategy upipe");
+                           " is not allowed for ring, which has no head stages; leave it out, or use --attention upipe");
       return;
     case strategy_kind::hybrid: {
       const int A = c.all_to_all_size();

@@ -60,7 +60,6 @@ struct attention_config {
   bool frozen_q = false, frozen_k = false, frozen_v = false;
 
   std::int64_t local_tokens() const { return seq_len / cp; }  // s
-  int group_size() const { return heads / kv_heads; }          // G
   int all_to_all_size() const { return cp / ring; }            // A: the ranks of one all-to-all group
   bool chunked() const { return seq_chunks > 1; }
   bool staged() const { return strategy != strategy_kind::ring; }  // all-to-all stages (and hybrid's)

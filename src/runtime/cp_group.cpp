@@ -58,10 +58,10 @@ memory_limits within_machine(memory_limits limits, int ranks, std::size_t& share
 
 std::vector<std::unique_ptr<backend>> run_cp_group(backend_kind kind, const memory_limits& limits, int size,
                                                    const std::function<void(int rank, backend& be, communicator& comm)>& fn,
-                                                   bool emulate, const comm_options& comm) {
+                                                   group_run ranks, const comm_options& comm) {
   validate(comm);
   std::vector<std::unique_ptr<backend>> backends;
-  if (emulate || kind == backend_kind::meta) {
+  if (ranks == group_run::rank_zero_emulated || kind == backend_kind::meta) {
     backends.push_back(make_backend(kind, limits));
     auto loopback = make_loopback_communicator(*backends[0], size);
     fn(0, *backends[0], *loopback);
