@@ -85,7 +85,7 @@ std::vector<std::int64_t> parse_lengths(const std::string& text, int samples) {
   std::size_t start = 0;
   while (start <= text.size()) {
     const std::size_t comma = std::min(text.find(',', start), text.size());
-    out.push_back(parse_seq_len(text.substr(start, comma - start)));
+    out.push_back(parse_scored_seq_len(text.substr(start, comma - start)));
     require_host_memory(static_cast<std::size_t>(out.back()) * static_cast<std::size_t>(samples) * 24,
                         "the host copies of --samples " + std::to_string(samples) + " sequences of --seq-len " +
                             std::to_string(out.back()) + " tokens");
@@ -139,7 +139,7 @@ eval_setup setup(const eval_flags& f) {
   s.req.options = resolved.step;
   s.req.limits = resolved.limits;
   s.directory = model_directory(f.model, f.config_path);
-  const std::string weights_path = f.weights_path.empty() ? s.directory : f.weights_path;
+  const std::string weights_path = f.weights_path.empty() ? default_weights(f.model, f.config_path) : f.weights_path;
   if (weights_path.empty()) {
     s.random = random_weights(s.req.model, f.seed);
     s.weights = std::make_unique<host_weight_source>(s.random);
@@ -175,6 +175,7 @@ int held_out_loss(const eval_flags& f, const eval_setup& s) {
     corpus = std::make_unique<document_corpus>(f.data_path, s.req.model.vocab_size, 0, f.seed);
   else
     for (const std::int64_t S : lengths) token_file check(f.data_path, S, s.req.model.vocab_size);  // before any length runs
+  if (documents) corpus->check_documents_predict();
   nlohmann::json out = {{"model", s.req.model.name}, {"data", f.data_path}, {"packing", documents ? "documents" : "stream"},
                         {"strategy", f.mesh.attention}, {"cp", f.mesh.cp}, {"lengths", nlohmann::json::array()}};
   std::printf("# upipe eval  model=%s  data=%s (%s)  %s cp=%d  backend=%s  %d sequences per length, forward only\n",
@@ -212,6 +213,10 @@ int held_out_loss(const eval_flags& f, const eval_setup& s) {
         ++targets;
       }
     }
+    if (targets == 0 && r.completed > 0)
+      throw config_error("the " + std::to_string(r.completed) + " sequences of " + std::to_string(S) + " tokens of " +
+                         f.data_path + " hold no token to predict (documents of one token each): evaluate documents "
+                         "of several tokens, or use --packing stream");
     const double mean = targets > 0 ? sum / static_cast<double>(targets) : 0.0;
     std::printf("\nS %lld: loss %.5f  perplexity %.3f  over %lld targets of %zu sequences  (%.1f s)\n",
                 static_cast<long long>(S), mean, std::exp(mean), static_cast<long long>(targets), r.completed, r.seconds);
@@ -271,7 +276,8 @@ tokenized_needles tokenize_needles(const std::string& model_dir, const std::vect
 int needle_in_a_haystack(const eval_flags& f, const eval_setup& s) {
   if (f.niah_vocab != "auto" && f.niah_vocab != "text" && f.niah_vocab != "passkey")
     throw config_error("--niah-vocab " + f.niah_vocab + " is not known: use text (the model's tokenizer) or passkey");
-  const bool has_tokenizer = !s.directory.empty() && std::filesystem::is_regular_file(s.directory + "/tokenizer.json");
+  std::error_code unreadable;  // a link loop: no tokenizer (load_model refused it already)
+  const bool has_tokenizer = !s.directory.empty() && std::filesystem::is_regular_file(s.directory + "/tokenizer.json", unreadable);
   const bool passkey = f.niah_vocab == "passkey" || (f.niah_vocab == "auto" && !has_tokenizer);
   if (!passkey && !has_tokenizer)
     throw config_error("--niah-vocab text needs the model directory's tokenizer.json (--model DIR); for a model "

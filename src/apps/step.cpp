@@ -2,7 +2,6 @@
 // entry), reporting the loss, the time and the peak memory by tag of rank 0.
 #include <cstdio>
 #include <fstream>
-#include <random>
 #include <string>
 
 #include <nlohmann/json.hpp>
@@ -32,14 +31,6 @@ struct step_flags {
   double memory_gib = 8, host_memory_gib = 0;
 };
 
-
-std::vector<std::int32_t> random_tokens(std::int64_t count, std::int64_t vocab, unsigned long long seed) {
-  std::mt19937_64 rng(seed);
-  std::uniform_int_distribution<std::int64_t> pick(0, vocab - 1);
-  std::vector<std::int32_t> tokens(static_cast<std::size_t>(count));
-  for (auto& t : tokens) t = static_cast<std::int32_t>(pick(rng));
-  return tokens;
-}
 
 // The weights' gradients under Hugging Face names, or with LoRA the adapters' under PEFT's.
 void write_grads(const step_flags& f, const model_config& c, const lora_config& lora, const model_step_result& r) {
@@ -75,14 +66,13 @@ int run(const step_flags& f) {
   req.model = load_model(f.model, f.config_path);
   req.backend = parse_backend_kind(f.backend);
   req.cp = f.mesh.settings();
-  const std::int64_t S = parse_seq_len(f.seq_len);
-  if (S < 2) throw config_error("--seq-len " + f.seq_len + " must be at least 2 (one prediction needs two tokens)");
+  const std::int64_t S = parse_scored_seq_len(f.seq_len);
   req.options = {f.mlp_tile, f.loss_chunk, parse_checkpoint_policy(f.policy)};
   const resolved_step resolved = resolve_step(sizes_of(req, S, f.memory_gib, f.host_memory_gib));
   req.options = resolved.step;
   req.limits = resolved.limits;
   const bool data = req.backend != backend_kind::meta;
-  const std::string weights_path = f.weights_path.empty() ? model_directory(f.model, f.config_path) : f.weights_path;
+  const std::string weights_path = f.weights_path.empty() ? default_weights(f.model, f.config_path) : f.weights_path;
   const host_weights weights = !data ? host_weights{}
                                : weights_path.empty() ? random_weights(req.model, f.seed)
                                                       : read_weights(req.model, weights_path);

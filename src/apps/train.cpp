@@ -104,6 +104,7 @@ train_options to_options(const train_flags& f) {
     text << v;
     return text.str();
   };
+  require_within(f.steps, 1, limits::steps, "--steps", "--steps 200");  // before steps * 9 / 10 below
   if (f.batch != -1 && f.batch < 1)
     throw config_error("--batch " + std::to_string(f.batch) + " must be at least 1 (sequences per optimizer step)");
   if (!(f.weight_decay >= 0) || !std::isfinite(f.weight_decay))
@@ -114,6 +115,7 @@ train_options to_options(const train_flags& f) {
   if (!(f.lr > 0) || !(f.lr <= 1))
     throw config_error("--lr " + num(f.lr) + " must be a positive number at most 1 (for example 3e-4)");
   o.model_dir = choose_model(f, o.model);
+  if (!f.config_path.empty()) o.weights_in_model_dir = train_options::model_dir_weights::optional;
   f.rope.apply(o.model);
   const lora_config lora = choose_lora(f, o.model);
   // A full run's checkpoint carries its config.json and tokenizer on; a LoRA run's base stays the base.

@@ -74,6 +74,8 @@ void save_checkpoint(const std::string& dir, const checkpoint_request& request, 
 // Removes the temporary a failed save_checkpoint left, once no rank writes into it.
 void remove_save_temporary(const std::string& dir);
 
+class safetensors_view;
+
 // A saved checkpoint's trainer state: the manifest and every rank's shard file, mapped.
 class saved_state {
  public:
@@ -85,6 +87,11 @@ class saved_state {
   const trainer_state& state() const { return state_; }
   int ranks() const { return ranks_; }
   const std::string& zero() const { return zero_; }
+  // Whether the manifest records the steps' shape (batch, lengths; saves of earlier
+  // versions do not), against which the data position is checked.
+  bool shape_recorded() const { return shape_recorded_; }
+  // A LoRA run's --lora as saved (lora_text), empty for a full run's state.
+  const std::string& lora() const { return lora_; }
   // Checks the units against the run's model, or its adapters (config_error naming both
   // otherwise), and keeps a full model's parameter names for read()'s messages.
   void check_units(const model_config& config, const lora_config& lora = {}) const;
@@ -97,6 +104,7 @@ class saved_state {
   static constexpr std::int64_t max_saved_seq_len = std::int64_t{1} << 30, max_saved_batch = std::int64_t{1} << 16,
                                 max_saved_unit = std::int64_t{1} << 40;
   void check_manifest_ranges(const std::string& manifest) const;
+  void check_shard_rank(const safetensors_view& shard, const std::string& file, int rank) const;
   [[noreturn]] void non_finite(int unit, shard_state which, std::int64_t rank, std::int64_t element, float value) const;
 
   struct impl;
@@ -104,7 +112,8 @@ class saved_state {
   std::string dir_;
   trainer_state state_;
   int ranks_ = 0;
-  std::string zero_;
+  std::string zero_, lora_;
+  bool shape_recorded_ = false;
 };
 
 // A resumed run's model must be the saved one: config_error naming both otherwise.

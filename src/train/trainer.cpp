@@ -9,6 +9,7 @@
 
 #include "comm/communicator.hpp"
 #include "core/error.hpp"
+#include "core/limits.hpp"
 #include "model/adapter_files.hpp"
 #include "model/model_step.hpp"
 #include "runtime/cp_group.hpp"
@@ -39,8 +40,7 @@ class data_source {
     if (uses_documents(data, o.packing))
       corpus_ = std::make_unique<document_corpus>(data, o.model.vocab_size, min_doc_tokens, o.seed);
     else if (!data.empty())
-      file_ = std::make_unique<token_file>(document_corpus::exists(data) ? data + ".tokens" : data, o.seq_len,
-                                           o.model.vocab_size);
+      file_ = open_token_stream(data, o.seq_len, o.model.vocab_size);
   }
   // Sequence `index` (counted from 1 over the whole run) of the passkey task, or the data's
   // sequence at `position` (tokens consumed before it), which then moves on. A shorter
@@ -137,6 +137,10 @@ double run_step(rank_context& rc, const std::vector<packed_sequence>& batch, std
     seqs.push_back(prepare_sequence(s.tokens, layout_unit(o.cp), s.documents));
     counted += seqs.back().counted;
   }
+  if (counted == 0)  // only documents of one token (corpora of none of two are refused at the start)
+    throw config_error("step " + std::to_string(step) + "'s sequences of " + o.data_path + " hold no token to predict "
+                       "(documents of one token each, and attention stays within a document): leave such documents "
+                       "out with --min-doc-tokens 2, or use --packing stream");
   transformer& model = rc.model(batch.front().length());
   const auto runs = model.local_positions(rc.comm.rank());
   parameter_store& trained = rc.trained();
@@ -169,7 +173,9 @@ double run_step(rank_context& rc, const std::vector<packed_sequence>& batch, std
   record.grad_norm = trained.grad_norm();
   if (!std::isfinite(record.grad_norm))
     throw config_error("the gradient norm is not finite at step " + std::to_string(step) +
-                       ": training diverged; lower --lr (now " + std::to_string(o.optim.lr) + ")");
+                       ": training diverged; lower --lr (now " + real_text(o.optim.lr) + ")" +
+                       (uses_lora(o) ? " or the adapters' scale alpha / r (now --lora " + lora_text(o.step.lora) + ")"
+                                     : std::string()));
   trained.adamw_step(o.optim, step, record.lr, clip_coefficient(o.optim, record.grad_norm));
   return record.loss;
 }
@@ -251,7 +257,10 @@ double held_out_loss(rank_context& rc, data_source& held_out, std::int64_t lengt
       local += loss;
     counted += seq.counted;
   }
-  return sum_over_ranks(rc.comm, local, "eval_loss_sum") / static_cast<double>(std::max<std::int64_t>(counted, 1));
+  if (counted == 0)
+    throw config_error("the held-out sequences of " + o.eval_data + " hold no token to predict (documents of one token "
+                       "each): hold out documents of several tokens, or use --packing stream");
+  return sum_over_ranks(rc.comm, local, "eval_loss_sum") / static_cast<double>(counted);
 }
 
 // Teacher-forced retrieval on held-out samples: the argmax at the position before each
@@ -376,8 +385,7 @@ std::int64_t step_seq_len(const train_options& o, std::int64_t step) {
 
 void validate(const train_options& o) {
   validate(o.model);
-  if (o.optim.total_steps < 1)
-    throw config_error("--steps " + std::to_string(o.optim.total_steps) + " must be at least 1 (for example --steps 200)");
+  require_within(o.optim.total_steps, 1, limits::steps, "--steps", "--steps 200");
   if (o.stop_after < 0 || o.stop_after > o.optim.total_steps)
     throw config_error("--stop-after " + std::to_string(o.stop_after) + " must lie between 1 and --steps " +
                        std::to_string(o.optim.total_steps) + " (it stops a run early; --steps is the schedule's length)");
@@ -443,10 +451,11 @@ void validate(const train_options& o) {
 
 step_memory measure_step_memory(const train_options& o) {
   UPIPE_CHECK(o.backend == backend_kind::meta, "measure_step_memory runs on the meta backend");
-  return time_steps(o, 0, 1, false).memory;
+  return time_steps(o, 0, 1, group_run::every_rank).memory;
 }
 
-step_timing time_steps(const train_options& o, std::int64_t warmup_len, int repeats, bool emulate, bool phases) {
+step_timing time_steps(const train_options& o, std::int64_t warmup_len, int repeats, group_run ranks,
+                       phase_timing phases) {
   validate(o);
   UPIPE_CHECK(repeats >= 1, "time_steps needs at least one timed step");
   // Random ids where there is data; zeros on meta, which never reads them.
@@ -483,7 +492,7 @@ step_timing time_steps(const train_options& o, std::int64_t warmup_len, int repe
           const std::vector<packed_sequence> batch{tokens(be, o.seq_len, 1 + static_cast<std::uint64_t>(i))};
           be.synchronize();
           comm.barrier();
-          be.set_phase_timing(phases);
+          be.set_phase_timing(phases == phase_timing::by_phase);
           const auto start = clock_type::now();
           run_step(rc, batch, 1 + i, record);
           rc.params.finish_host_work();  // an offloaded update belongs to its step
@@ -504,7 +513,7 @@ step_timing time_steps(const train_options& o, std::int64_t warmup_len, int repe
         out.memory = memory_of(be);
         out.driver_peak = be.driver_peak_bytes();
       },
-      emulate, o.comm);
+      ranks, o.comm);
   return out;
 }
 
@@ -515,7 +524,7 @@ namespace {
 // continues from the saved position, and says so.
 void check_resumed_position(const train_options& o, const saved_state& saved) {
   const trainer_state& st = saved.state();
-  if (st.batch == 0) return;  // a save of an earlier upipe, which did not record the shape
+  if (!saved.shape_recorded()) return;  // a save of an earlier upipe
   if (st.batch != o.batch || st.seq_len != o.seq_len)
     std::fprintf(stderr, "upipe: note: the checkpoint trained --batch %lld --seq-len %lld; this run takes --batch %lld "
                  "--seq-len %lld, continuing from its data position %lld\n", static_cast<long long>(st.batch),
@@ -547,6 +556,12 @@ void check_resumed_adapters(const train_options& o, const saved_state& saved) {
                        adapter_config_file + "); start LoRA on its weights with --model " + o.resume_dir +
                        " and no --resume, or resume it without --lora");
   const adapter_settings settings = read_adapter_config(saved.dir(), o.model);
+  // The manifest records the adapters the state was trained as; an adapter_config.json that
+  // says otherwise was edited (or copied from another run).
+  if (!saved.lora().empty() && saved.lora() != lora_text(settings.lora))
+    throw config_error("cannot resume from " + o.resume_dir + ": its " + adapter_config_file + " says --lora " +
+                       lora_text(settings.lora) + " but its trainer state was saved as --lora " + saved.lora() +
+                       " (trainer/manifest.json): the file was edited or replaced; restore it");
   if (!(settings.lora == o.step.lora))
     throw config_error("cannot resume from " + o.resume_dir + ": its adapters are --lora " + lora_text(settings.lora) +
                        ", not " + lora_text(o.step.lora) + "; pass --lora " + lora_text(settings.lora));
@@ -622,7 +637,9 @@ void check_resume(const train_options& o, const saved_state& saved) {
 // Where the first step's weights come from: --init, else the --model directory, else random.
 std::unique_ptr<weight_source> initial_weights(const train_options& o, host_weights& random) {
   const std::string path = !o.init_path.empty() ? o.init_path : o.model_dir;
-  if (path.empty()) {
+  const bool none_there = o.init_path.empty() && !o.model_dir.empty() && !has_weight_files(o.model_dir) &&
+                          o.weights_in_model_dir == train_options::model_dir_weights::optional;
+  if (path.empty() || none_there) {
     random = random_weights(o.model, o.seed);
     return std::make_unique<host_weight_source>(random);
   }
@@ -663,22 +680,26 @@ train_summary train(const train_options& o, const std::function<void(const step_
     }
   }
   if (o.eval_every > 0) {
-    if (uses_documents(o.eval_data, o.packing))
-      document_corpus(o.eval_data, o.model.vocab_size, 0, o.seed).check_ids();
+    if (uses_documents(o.eval_data, o.packing)) {
+      const document_corpus held_out(o.eval_data, o.model.vocab_size, 0, o.seed);
+      held_out.check_ids();
+      held_out.check_documents_predict();
+    }
     else
-      token_file(document_corpus::exists(o.eval_data) ? o.eval_data + ".tokens" : o.eval_data, o.seq_len,
-                 o.model.vocab_size)
-          .check_ids();
+      open_token_stream(o.eval_data, o.seq_len, o.model.vocab_size)->check_ids();
   }
   if (!o.data_path.empty()) {
     if (o.packing == packing_mode::documents && !document_corpus::exists(o.data_path))
       throw config_error("--packing documents needs a document index: " + o.data_path +
                          ".index is missing (upipe prepare-data writes PREFIX.tokens, PREFIX.index and PREFIX.json; "
                          "pass --data PREFIX), or use --packing stream for a flat token file");
-    if (uses_documents(o))
-      document_corpus(o.data_path, o.model.vocab_size, o.min_doc_tokens, o.seed).check_ids();
+    if (uses_documents(o)) {
+      const document_corpus corpus(o.data_path, o.model.vocab_size, o.min_doc_tokens, o.seed);
+      corpus.check_ids();
+      corpus.check_documents_predict();
+    }
     else
-      token_file(data_tokens_file(o), o.seq_len, o.model.vocab_size).check_ids();
+      open_token_stream(o.data_path, o.seq_len, o.model.vocab_size)->check_ids();
   }
   train_summary summary;
   summary.seq_len = o.seq_len;
@@ -689,7 +710,7 @@ train_summary train(const train_options& o, const std::function<void(const step_
         [&](int, backend& be, communicator& comm) {
           run_rank(o, be, comm, {resume.get(), init.get(), adapter_init.get()}, summary, on_step, start);
         },
-        false, o.comm);
+        group_run::every_rank, o.comm);
   } catch (...) {
     if (!o.save_dir.empty()) remove_save_temporary(o.save_dir);
     throw;

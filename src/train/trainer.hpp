@@ -13,6 +13,7 @@
 #include "model/parameter_store.hpp"
 #include "model/transformer.hpp"
 #include "optim/optimizer.hpp"
+#include "runtime/cp_group.hpp"
 
 namespace upipe {
 
@@ -32,6 +33,10 @@ struct train_options {
   std::string init_adapter;
   std::string model_dir;    // the input model directory: the base of the saved config.json and the source of
                             // the tokenizer files (empty for presets)
+  // Without init_path the first weights are model_dir's: required there (--model DIR), or
+  // random where it holds none (--config: a config alone is a model of random weights).
+  enum class model_dir_weights { required, optional };
+  model_dir_weights weights_in_model_dir = model_dir_weights::required;
   hf_save_options save_model;  // the saved weights' dtype and shard size
   std::string data_path;    // a prepared corpus (PREFIX) or a flat uint32 token file; empty: the passkey task
   packing_mode packing = packing_mode::automatic;
@@ -116,10 +121,12 @@ struct step_timing {
   std::size_t driver_peak = 0;  // rank 0's device, bytes the driver reported in use (0: not a GPU)
   std::map<std::string, double> phases_ms;  // with `phases`: rank 0's fastest step by phase
 };
-// Times `repeats` steps after one warm-up step of warmup_len tokens (0: none); with
-// `phases`, also the fastest step's time by phase (backend::take_phase_ms).
-step_timing time_steps(const train_options& options, std::int64_t warmup_len, int repeats, bool emulate,
-                       bool phases = false);
+// Times `repeats` steps after one warm-up step of warmup_len tokens (0: none), on every rank
+// or on rank 0 alone (emulated); by_phase: also the fastest step's time by phase
+// (backend::take_phase_ms).
+enum class phase_timing { off, by_phase };
+step_timing time_steps(const train_options& options, std::int64_t warmup_len, int repeats, group_run ranks,
+                       phase_timing phases = phase_timing::off);
 
 // Runs training; on_step is called on rank 0 after every step (progress, metrics).
 train_summary train(const train_options& options, const std::function<void(const step_record&)>& on_step);
