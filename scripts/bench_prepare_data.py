@@ -14,10 +14,17 @@ size is there already. Then measures, each in a fresh process, one after the oth
       calling `Tokenizer.encode_batch(texts, add_special_tokens=False)` on 1000 documents
       at a time (tokenizers' own thread pool on), the ids gathered into one uint32 array
       and written to a file; the time of the whole process as well;
-  (c) prepare_data.py --workers 1, for scale (skipped with --skip-one-worker).
-Prints MB/s of text for each and the ratio (a) / (b), and writes the numbers to
-OUT_DIR/bench_prepare_data.json. The two token counts are checked against each other
-(prepare_data adds the BOS/EOS its manifest records).
+  (c) prepare_data.py --workers 1, for scale (skipped with --skip-one-worker);
+  (d) chat data against plain text (skipped with --skip-chat): OUT_DIR/chat.jsonl, about as
+      much text as conversations (a system message now and then, one to four user and
+      assistant turns of the same sentences), and prepare_data.py --workers N with the chat
+      fixture's tokenizer (tests/golden/hf/llama-chat) on the plain corpus, on the
+      conversations with its chat template (each assistant turn found by rendering the
+      conversation's prefixes), and with the same template's {% generation %} twin (one
+      rendering per conversation).
+Prints MB/s of text for each and the ratios (a) / (b) and chat / plain, and writes the
+numbers to OUT_DIR/bench_prepare_data.json. The two token counts of (a) and (b) are checked
+against each other (prepare_data adds the BOS/EOS its manifest records).
 """
 import argparse
 import json
@@ -31,6 +38,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PREPARE = ROOT / "scripts" / "prepare_data.py"
 DEFAULT_TOKENIZER = ROOT / "tests" / "golden" / "hf" / "qwen3-tied"
+CHAT_MODEL = ROOT / "tests" / "golden" / "hf" / "llama-chat"
 
 BASELINE = r"""
 import json, sys, time
@@ -122,6 +130,32 @@ def make_corpus(path, mb, seed):
     return total, docs
 
 
+def make_chat_corpus(path, mb, seed):
+    """Conversations of about `mb` MB of message text, from the plain corpus's sentences."""
+    target = int(mb * 1e6)
+    rng = random.Random(seed + 1)
+    sentences = make_sentences(rng, 20000)
+    total = rows = 0
+
+    def content(mean):
+        size = min(int(rng.lognormvariate(mean, 1.2)) + 10, 100_000)
+        parts, n = [], 0
+        while n < size:
+            parts.append(rng.choice(sentences))
+            n += len(parts[-1]) + 1
+        return " ".join(parts)
+
+    with open(path, "w", encoding="utf-8") as f:
+        while total < target:
+            messages = [{"role": "system", "content": content(4.0)}] if rng.random() < 0.3 else []
+            for _ in range(rng.randint(1, 4)):
+                messages += [{"role": "user", "content": content(6.5)}, {"role": "assistant", "content": content(6.0)}]
+            f.write(json.dumps({"messages": messages}, ensure_ascii=False) + "\n")
+            total += sum(len(m["content"].encode("utf-8")) for m in messages)
+            rows += 1
+    return total, rows
+
+
 def timed(cmd):
     t0 = time.perf_counter()
     p = subprocess.run(cmd, capture_output=True, text=True)
@@ -139,6 +173,7 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workers", type=int, default=None, help="prepare_data --workers (default: all cores)")
     ap.add_argument("--skip-one-worker", action="store_true")
+    ap.add_argument("--skip-chat", action="store_true", help="leave out (d), chat data against plain text")
     a = ap.parse_args()
     a.out_dir.mkdir(parents=True, exist_ok=True)
     corpus = a.out_dir / "corpus.jsonl"
@@ -159,9 +194,9 @@ def main():
         while f.read(1 << 24):
             pass
 
-    def prepare(n, name):
-        seconds, out = timed([sys.executable, str(PREPARE), "--tokenizer", str(a.tokenizer), "--out",
-                              str(a.out_dir / name), "--workers", str(n), "--overwrite", str(corpus)])
+    def prepare(n, name, tokenizer=a.tokenizer, source=corpus, extra=()):
+        seconds, out = timed([sys.executable, str(PREPARE), "--tokenizer", str(tokenizer), "--out",
+                              str(a.out_dir / name), "--workers", str(n), "--overwrite", *extra, str(source)])
         manifest = json.loads((a.out_dir / (name + ".json")).read_text())
         return seconds, manifest, out.strip().splitlines()[-1]
 
@@ -196,8 +231,39 @@ def main():
     }
     if one_s is not None:
         result["prepare_data_one_worker"] = {"seconds": one_s, "mb_per_s": text_mb / one_s}
+    if not a.skip_chat:
+        result["chat"] = chat_against_plain(a, corpus, text_mb, workers, prepare)
     (a.out_dir / "bench_prepare_data.json").write_text(json.dumps(result, indent=2) + "\n")
     print(f"ratio (a)/(b): {result['ratio']:.2f}x   -> {a.out_dir / 'bench_prepare_data.json'}")
+
+
+def chat_against_plain(a, corpus, text_mb, workers, prepare):
+    """(d): the chat fixture's tokenizer on the plain corpus and on as much chat text."""
+    chat = a.out_dir / "chat.jsonl"
+    info = a.out_dir / "chat.info.json"
+    want = {"mb": a.mb, "seed": a.seed}
+    if not (chat.exists() and info.exists() and json.loads(info.read_text()).get("want") == want):
+        chat_bytes, rows = make_chat_corpus(chat, a.mb, a.seed)
+        info.write_text(json.dumps({"want": want, "text_bytes": chat_bytes, "rows": rows}))
+    meta = json.loads(info.read_text())
+    chat_mb = meta["text_bytes"] / 1e6
+    with open(chat, "rb") as f:
+        while f.read(1 << 24):
+            pass
+    plain_s, _, _ = prepare(workers, "plain-chat-tokenizer", CHAT_MODEL)
+    print(f"(d) plain text, the chat fixture's tokenizer: {plain_s:.2f} s, {text_mb / plain_s:.2f} MB/s")
+    prefix_s, manifest, summary = prepare(workers, "chat", CHAT_MODEL, chat)
+    print(f"    {meta['rows']} conversations, their template: {prefix_s:.2f} s, {chat_mb / prefix_s:.2f} MB/s "
+          f"[{summary}]")
+    tagged = CHAT_MODEL / "templates" / "chatml_generation.jinja"
+    tagged_s, _, _ = prepare(workers, "chat-generation", CHAT_MODEL, chat, ("--chat-template", str(tagged)))
+    print(f"    the same with {{% generation %}} blocks: {tagged_s:.2f} s, {chat_mb / tagged_s:.2f} MB/s")
+    ratio = (chat_mb / prefix_s) / (text_mb / plain_s)
+    print(f"chat / plain text: {ratio:.2f}x the MB/s (prefix renderings), "
+          f"{(chat_mb / tagged_s) / (text_mb / plain_s):.2f}x (generation blocks)")
+    return {"rows": meta["rows"], "text_mb": chat_mb, "targets": manifest["loss_mask"]["targets"],
+            "tokens": manifest["tokens"], "plain_mb_per_s": text_mb / plain_s, "chat_mb_per_s": chat_mb / prefix_s,
+            "chat_generation_mb_per_s": chat_mb / tagged_s, "ratio": ratio}
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 
 Recomputes the attention layer (QKV projection, Qwen3's per-head q/k RMSNorm when the
 run used it, rotate-half RoPE with optional Llama 3
-scaling, causal grouped-query attention, output projection) and its backward pass in
+scaling, causal grouped-query attention within the run's sliding window, output projection) and its backward pass in
 float64 NumPy from the dumped inputs and weights, and compares upipe's outputs and
 gradients per tensor as max|a-b| / max|b|. Exits non-zero above the tolerance.
 """
@@ -63,7 +63,11 @@ def layer(cfg, a):
     v = (x @ a["wv"].T).reshape(S, K, d)
     kq, vq = np.repeat(k, H // K, axis=1), np.repeat(v, H // K, axis=1)  # head h reads kv h // G
     scores = np.einsum("shd,thd->hst", q, kq) / math.sqrt(d)
-    scores = np.where(np.tril(np.ones((S, S), dtype=bool))[None], scores, -np.inf)
+    visible = np.tril(np.ones((S, S), dtype=bool))
+    window = cfg.get("window", 0)
+    if window > 0:  # query i sees keys j with i - W < j <= i
+        visible &= np.triu(np.ones((S, S), dtype=bool), -(window - 1))
+    scores = np.where(visible[None], scores, -np.inf)
     p = np.exp(scores - scores.max(axis=-1, keepdims=True))
     p /= p.sum(axis=-1, keepdims=True)
     o = np.einsum("hst,thd->shd", p, vq)

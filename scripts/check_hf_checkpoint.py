@@ -5,7 +5,9 @@ its own, with the same loss, tokenizer and configuration.
 usage: check_hf_checkpoint.py UPIPE_BINARY WORK_DIR
 
 For each model directory in tests/golden/hf/ (Llama with YaRN in bf16 shards, a tied Qwen3,
-an fp16 Llama with linear scaling) and for the tiny-llama preset: trains a few steps with
+an fp16 Llama with linear scaling, and the families of make_family_fixtures.py: Qwen2 with
+biases and with a window, Mistral, Phi-3 with fused projections saved fused again, Gemma 3's
+text model) and for the tiny-llama preset: trains a few steps with
 upipe starting from it (4 CP ranks, UPipe), saving in bf16 (the default) and in fp32, and
 once with the context extended (--rope-theta and --rope-scaling yarn). For every saved
 directory it then checks, with transformers on the CPU in float32:
@@ -27,7 +29,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from checklib import check, failures, fixed_inputs, upipe
+from checklib import check, failures, fixed_inputs, train_into, upipe
 
 ROOT = Path(__file__).resolve().parent.parent
 CHANGED = {"dtype", "torch_dtype", "max_position_embeddings", "transformers_version"}
@@ -49,17 +51,17 @@ def upipe_loss(binary, directory, tokens, work, name):
 def main():
     binary, work = sys.argv[1], Path(sys.argv[2])
     tokens, torch_ids, data = fixed_inputs(work)
-    sources = [ROOT / "tests/golden/hf" / n for n in ("llama-yarn-shards", "qwen3-tied", "llama-fp16-linear")]
+    sources = [ROOT / "tests/golden/hf" / n for n in ("llama-yarn-shards", "qwen3-tied", "llama-fp16-linear",
+                                                      "qwen2-bias", "qwen2-window", "mistral-window", "phi3-fused",
+                                                      "gemma3-text")]
     runs = [(s, s.name, []) for s in sources] + [("tiny-llama", "tiny-llama", [])]
     runs.append((sources[0], "llama-yarn-extended",
                  ["--rope-theta", "20000", "--rope-scaling", "type=yarn,factor=8,original_max_position_embeddings=32"]))
     for source, name, extra in runs:
-        train = ["train", "--model", source, "--data", data, "--seq-len", 64, "--steps", 4, "--cp", 4,
-                 "--eval-samples", 0, *extra]
+        train = ["--model", source, "--data", data, "--seq-len", 64, "--steps", 4, "--cp", 4, "--eval-samples", 0, *extra]
         saved = {}
         for dtype in ("bf16", "fp32"):
-            saved[dtype] = work / f"{name}-{dtype}"
-            upipe(binary, *train, "--save", saved[dtype], "--save-dtype", dtype)
+            saved[dtype] = train_into(binary, work / f"{name}-{dtype}", *train, "--save-dtype", dtype)
         losses = {}
         for dtype, directory in saved.items():
             ours = upipe_loss(binary, directory, tokens, work, f"{name}-{dtype}")

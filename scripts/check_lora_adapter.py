@@ -5,8 +5,9 @@ directory that PEFT loads on the base with upipe's loss, and that `upipe export
 
 usage: check_lora_adapter.py UPIPE_BINARY WORK_DIR
 
-For two model directories of tests/golden/hf/ (a Llama with YaRN in bf16 shards, a tied
-Qwen3): trains 6 steps of LoRA (r = 4, alpha = 8, all seven projections; 4 CP ranks,
+For the model directories of tests/golden/hf/ (a Llama with YaRN in bf16 shards, a tied
+Qwen3, and the families of make_family_fixtures.py: Qwen2 with biases and with a window,
+Mistral, Phi-3 with its fused modules, Gemma 3's text model): trains 6 steps of LoRA (r = 4, alpha = 8, all seven projections; 4 CP ranks,
 UPipe, ZeRO-3 base) from the directory and saves the adapters, then with PyTorch on the
 CPU in float32:
 - PeftModel.from_pretrained(base, adapter) has the loss of `upipe step --model BASE
@@ -27,11 +28,13 @@ import peft
 import torch
 import transformers
 
-from checklib import check, failures, fixed_inputs, upipe
+from checklib import check, failures, fixed_inputs, train_into, upipe
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parent.parent
-LORA = "r=4,alpha=8,targets=q,k,v,o,gate,up,down"
+LORA = "r=4,alpha=8,targets=q,k,v,o,gate,up,down"  # Phi-3's fused qkv_proj and gate_up_proj whole
+# scripts/make_family_fixtures.py's model directories.
+FAMILIES = ("qwen2-bias", "qwen2-window", "mistral-window", "phi3-fused", "gemma3-text")
 
 
 def base_model(directory):
@@ -47,11 +50,10 @@ def loss_of(model, ids):
 def main():
     binary, work = sys.argv[1], Path(sys.argv[2])
     tokens, torch_ids, data = fixed_inputs(work)
-    for name in ("llama-yarn-shards", "qwen3-tied"):
+    for name in ("llama-yarn-shards", "qwen3-tied", *FAMILIES):
         base = ROOT / "tests/golden/hf" / name
-        adapter = work / f"{name}-adapter"
-        upipe(binary, "train", "--model", base, "--data", data, "--seq-len", 64, "--steps", 6, "--cp", 4, "--zero", 3,
-              "--lr", "1e-2", "--eval-samples", 0, "--lora", LORA, "--save", adapter)
+        adapter = train_into(binary, work / f"{name}-adapter", "--model", base, "--data", data, "--seq-len", 64,
+                             "--steps", 6, "--cp", 4, "--zero", 3, "--lr", "1e-2", "--eval-samples", 0, "--lora", LORA)
         step = work / f"{name}-step.json"
         upipe(binary, "step", "--model", base, "--adapter", adapter, "--tokens", tokens, "--seq-len", 64, "--cp", 1,
               "--json", step)

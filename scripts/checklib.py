@@ -1,7 +1,9 @@
 """What the check scripts share (check_hf_checkpoint.py, check_lora_adapter.py): running
 upipe, failing loudly where it fails, and counting the checks that fail."""
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -15,6 +17,15 @@ def upipe(binary, *args):
     if r.returncode != 0:
         sys.exit(f"upipe {' '.join(map(str, args))} failed:\n{r.stdout}\n{r.stderr}")
     return r.stdout
+
+
+def train_into(binary, run_dir, *args):
+    """`upipe train ARGS --save RUN_DIR` into a fresh run directory; returns the checkpoint its
+    `latest` names (a model directory, or a PEFT adapter directory with --lora)."""
+    run_dir = Path(run_dir)
+    shutil.rmtree(run_dir, ignore_errors=True)
+    upipe(binary, "train", *args, "--save", run_dir)
+    return run_dir / (run_dir / "latest").read_text().strip()
 
 
 def check(ok, what):

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Tokenizes documents into upipe's training token files (`upipe prepare-data` runs this).
+"""Tokenizes documents, instruction pairs and conversations into upipe's training files
+(`upipe prepare-data` runs this).
 
 usage: prepare_data.py --tokenizer MODEL_DIR --out PREFIX [options] INPUT...
 
@@ -9,20 +10,23 @@ Each INPUT is a file or a folder. Folders are walked recursively; names starting
 (files and folders) are skipped, and the files are taken in path order (compared folder
 name by folder name, by Unicode code point). A file's kind comes from its name:
 
-  *.jsonl, *.jsonl.gz  one JSON object per line, the document in the string field named
-                       by --text-field (default "text"); blank lines are skipped; a line
-                       that is not an object, or lacks the field, or holds a non-string
-                       there, is an error naming the file and line
-  *.parquet            a Parquet file as Hugging Face datasets write it, the document in
-                       the string column --text-field, read in row-group batches
+  *.jsonl, *.jsonl.gz  one JSON object per line; blank lines are skipped. A line with
+                       "messages", or with "prompt" and "completion", is an example
+                       (chat_data.py describes them); any other holds a document in the
+                       string field named by --text-field (default "text"). A line that
+                       is not an object, or is neither, is an error naming file and line
+  *.parquet            a Parquet file as Hugging Face datasets write it, read in
+                       row-group batches: examples where it has a "messages" column (or
+                       "prompt" and "completion"), else documents in the string column
+                       --text-field
   *.json, other *.gz   refused (convert to .jsonl or .jsonl.gz)
   anything else        plain UTF-8 text (.txt, .md, ...): the whole file is ONE document,
                        byte for byte (no newline translation, no BOM stripping); also in
                        a folder of dataset files (a README.md there is a document too:
                        a note on stderr says so)
 
-Documents are numbered in input order from 0 (their "ordinal"), every document read
-counting, empty ones included.
+Documents and examples are numbered in input order from 0 (their "ordinal"), every one
+read counting, empty ones included.
 
 Tokens
 ------
@@ -33,41 +37,33 @@ before them and/or the EOS id after them:
   "content"), looked up in the vocabulary; else config.json's "bos_token_id"/
   "eos_token_id" (the first one where it is a list); else the token the tokenizer's
   post-processor puts before (BOS) or after (EOS) a sample text;
-- whether they are added (--bos/--eos auto, the default): tokenizer_config.json's
-  "add_bos_token"/"add_eos_token" where present; else whether
-  `encode(sample, add_special_tokens=True)` puts a token before (BOS) or after (EOS) the
-  sample's own ids. --bos yes|no and --eos yes|no override this.
+- whether they are added (--bos/--eos auto, the default): BOS where tokenizer_config.json's
+  "add_bos_token" says so, else where `encode(sample, add_special_tokens=True)` puts a
+  token before the sample's own ids; EOS wherever there is an EOS id, so that packed
+  documents are separated even where the tokenizer adds none. --bos yes|no and
+  --eos yes|no override this.
 A document with no tokens of its own (the empty string, say) counts as an "empty
 document"; it is written as a document of just BOS and/or EOS where those are added, and
-is skipped otherwise.
+is skipped otherwise. A conversation's tokens are its chat template's, with nothing added
+(templates write their own BOS and EOS); a plain prompt/completion pair gets BOS and EOS
+as a document does.
 
-Output files (all integers little-endian)
-------------------------------------------
-  PREFIX.tokens  uint32 token ids, every document's tokens one after another, nothing in
-                 between, no header: (tokens) * 4 bytes
-  PREFIX.index   uint64 offsets into PREFIX.tokens, counted in tokens, documents + 1 of
-                 them, no header: offsets[0] = 0, document i is
-                 tokens[offsets[i] : offsets[i+1]], offsets[documents] = tokens; every
-                 document has at least one token
-  PREFIX.json    the manifest, a JSON object:
-    "format": "upipe-tokens", "version": 1, "dtype": "uint32",
-    "vocab_size": tokenizer.get_vocab_size(with_added_tokens=True) (every id < it),
-    "tokenizer": MODEL_DIR as given, "tokenizer_sha256": hex SHA-256 of tokenizer.json,
-    "bos_id", "eos_id": ints or null, "add_bos", "add_eos": booleans,
-    "documents": documents in this file set (the index holds documents + 1 offsets),
-    "tokens": tokens in it (PREFIX.tokens holds tokens * 4 bytes),
-    "empty_documents": empty documents of this split (kept or skipped, see above),
-    "text_bytes": UTF-8 bytes of the text of this split's documents, skipped ones included,
-    "length_histogram": {"edges": [1, 2, 4, ..., 2^n], "counts": [c0, ..., c(n-1)]}:
-        counts[k] documents have edges[k] <= length < edges[k+1] tokens; 2^n is the first
-        power of two above max_length (no documents: edges [1], counts []),
-    "min_length", "max_length": ints, "mean_length": tokens / documents (null when there
-        are no documents),
-    "split": "train" or "heldout", "heldout_fraction": F, "seed": S,
-    "sources": the INPUT paths as given.
-With --heldout-fraction F > 0 the held-out documents go to PREFIX-heldout.tokens,
-PREFIX-heldout.index and PREFIX-heldout.json (same format, "split": "heldout"), the others
-to PREFIX.*. With the seed S (an integer in [0, 2^64)), document ordinal i is held out when
+Loss mask
+---------
+Where an example makes some of its tokens not targets (--loss-mask auto, the default:
+the assistant turns of a conversation, the completion of a pair; chat_data.py says
+exactly which tokens), PREFIX.mask holds one byte per token, 1 for a target; the tokens of
+plain documents are all targets. --loss-mask all makes every token a target (no mask). A
+row that is not an example (no assistant turn, an unknown role, a template that fails to
+render it, ...) is an error naming the file and line or row, or with --bad-rows skip is
+left out, named on stderr (the first five of each reason) and counted in the manifest.
+
+Output
+------
+PREFIX.tokens, PREFIX.index, PREFIX.json and PREFIX.mask, as corpus_writer.py describes.
+With --heldout-fraction F > 0 the held-out documents go to PREFIX-heldout.* (the same
+files, "split": "heldout"), the others to PREFIX.*. With the seed S (an integer in
+[0, 2^64)), document ordinal i is held out when
 
     h = splitmix64(splitmix64(S) XOR i)   and   (h >> 11) < ceil(F * 2^53)
 
@@ -78,16 +74,10 @@ exact real comparison (h >> 11) < F * 2^53), and splitmix64, all modulo 2^64, is
     z = (z ^ (z >> 27)) * 0x94D049BB133111EB;
     return z ^ (z >> 31).
 So the split depends only on the seed and the order of the input, not on --workers,
---bos or --eos. Documents keep their input order within each split.
-
-With F = 0 (the default) no held-out files are written (--overwrite removes stale ones of
-the same PREFIX).
-
-Every file is written under a temporary name in the same folder, flushed to disk, and
-renamed into place at the end, the manifest last (a reader should open PREFIX.json first;
-its counts give the sizes of the other two files); existing outputs are refused unless
---overwrite. The run is deterministic: the same inputs and options give byte-identical
-files for any --workers.
+--bos or --eos. Documents keep their input order within each split. With F = 0 (the
+default) no held-out files are written (--overwrite removes stale ones of the same
+PREFIX). Existing outputs are refused unless --overwrite. The run is deterministic: the
+same inputs and options give byte-identical files for any --workers.
 
 Encoding runs in --workers processes (default: every core this process may use), each
 loading the tokenizer once and encoding batches of about --batch-bytes of text, one
@@ -96,8 +86,9 @@ order. A tqdm progress bar (input bytes, text MB, documents/s) goes to stderr wh
 a terminal, or always with --progress.
 
 Errors print one line "prepare_data: error: ..." ("upipe: error: prepare-data: ..." when
-`upipe prepare-data` runs it) on stderr and exit with status 2. The
-last line on stdout sums up the run: documents, tokens, MB of text, seconds, MB/s.
+`upipe prepare-data` runs it) on stderr and exit with status 2. The last line on stdout
+sums up the run: documents, tokens, MB of text, seconds, MB/s, and the share of targets
+where there is a mask.
 """
 import argparse
 import gzip
@@ -109,8 +100,11 @@ import signal
 import sys
 import time
 import zlib
-from array import array
-from collections import deque
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import chat_data  # noqa: E402  (the modules beside this script; the upipe binary carries them too)
+from corpus_writer import SplitWriter  # noqa: E402
+from prepare_encode import Consumer, PrepareError, encode_all, quiet_tokenizers_threads  # noqa: E402,F401
 
 FORMAT = "upipe-tokens"
 VERSION = 1
@@ -119,16 +113,6 @@ DEFAULT_BATCH_BYTES = 1 << 20
 MAX_WORKERS_PER_CORE = 4
 MAX_BATCH_DOCS = 4096
 M64 = (1 << 64) - 1
-
-# An array typecode of exactly 4 bytes for the token ids (uint32) and of 8 for offsets.
-TOKEN_TYPECODE = next(c for c in "IL" if array(c).itemsize == 4)
-OFFSET_TYPECODE = "Q"
-assert array(OFFSET_TYPECODE).itemsize == 8
-BIG_ENDIAN = sys.byteorder == "big"
-
-
-class PrepareError(Exception):
-    """A problem with the user's input or options: reported as one line, exit status 2."""
 
 
 # ----------------------------------------------------------------------------- split hash
@@ -279,10 +263,13 @@ def read_jsonl(path, field, compressed):
                 if not isinstance(obj, dict):
                     raise PrepareError(f"{where}: the line is {describe_json_type(obj)}, not a JSON "
                                        f"object such as {{\"{field}\": \"...\"}}")
+                if chat_data.row_kind(obj) is not None:
+                    yield (where, obj), chat_data.row_text_bytes(obj), consumed
+                    continue
                 if field not in obj:
                     keys = ", ".join(f"'{k}'" for k in list(obj)[:20]) or "none"
-                    raise PrepareError(f"{where}: no field '{field}' (the line has: {keys}); "
-                                       f"choose the text field with --text-field")
+                    raise PrepareError(f"{where}: no field '{field}' (the line has: {keys}), nor 'messages' "
+                                       f"or 'prompt' and 'completion'; choose the text field with --text-field")
                 text = obj[field]
                 if not isinstance(text, str):
                     raise PrepareError(f"{where}: field '{field}' is {describe_json_type(text)}, "
@@ -304,31 +291,37 @@ def read_parquet(path, field):
         raise PrepareError(f"{path}: not a readable Parquet file ({e})") from None
     with pf:
         schema = pf.schema_arrow
-        if field not in schema.names:
-            cols = ", ".join(f"'{n}'" for n in schema.names) or "none"
+        names = schema.names
+        example = chat_data.row_kind({n: None for n in names})
+        columns = [field]
+        if example is not None:  # examples: their columns, and the optional ones beside them
+            wanted = ["messages"] if example == "messages" else ["prompt", "completion"]
+            columns = wanted + [n for n in ("tools", "chat_template_kwargs") if n in names]
+        elif field not in names:
+            cols = ", ".join(f"'{n}'" for n in names) or "none"
             raise PrepareError(f"{path}: the Parquet file has no column '{field}' (its columns: "
-                               f"{cols}); choose the text column with --text-field")
-        ftype = schema.field(field).type
-        string_types = [pa.types.is_string, pa.types.is_large_string]
-        if hasattr(pa.types, "is_string_view"):
-            string_types.append(pa.types.is_string_view)
-        if not any(t(ftype) for t in string_types):
-            raise PrepareError(f"{path}: column '{field}' holds {ftype}, not strings; choose the text "
+                               f"{cols}), nor 'messages' or 'prompt' and 'completion'; choose the text "
                                f"column with --text-field")
+        else:
+            check_string_column(pa, path, field, schema.field(field).type)
         size = os.path.getsize(path)
         total_rows = max(pf.metadata.num_rows, 1)
         row = 0
         reported = 0
         try:
-            for batch in pf.iter_batches(batch_size=1024, columns=[field], use_threads=False):
-                for text in batch.column(0).to_pylist():
+            for batch in pf.iter_batches(batch_size=1024, columns=columns, use_threads=False):
+                values = batch.to_pylist() if example is not None else batch.column(0).to_pylist()
+                for value in values:
                     where = f"{path}: row {row}"
                     row += 1
-                    if text is None:
-                        raise PrepareError(f"{where}: column '{field}' is null, not a string")
                     target = size * row // total_rows
                     consumed, reported = target - reported, target
-                    yield text, utf8_len(text, where), consumed
+                    if example is not None:
+                        yield (where, value), chat_data.row_text_bytes(value), consumed
+                        continue
+                    if value is None:
+                        raise PrepareError(f"{where}: column '{field}' is null, not a string")
+                    yield value, utf8_len(value, where), consumed
         except (pa.ArrowException, OSError) as e:  # OSError: a corrupt page (snappy, zstd, ...)
             raise PrepareError(f"{path}: cannot read row {row}: {e} (is the file damaged?)") from None
         except UnicodeDecodeError as e:
@@ -336,8 +329,18 @@ def read_parquet(path, field):
                                f"{e.start}); the file is damaged or was written without checking its strings") from None
 
 
+def check_string_column(pa, path, field, ftype):
+    string_types = [pa.types.is_string, pa.types.is_large_string]
+    if hasattr(pa.types, "is_string_view"):
+        string_types.append(pa.types.is_string_view)
+    if not any(t(ftype) for t in string_types):
+        raise PrepareError(f"{path}: column '{field}' holds {ftype}, not strings; choose the text "
+                           f"column with --text-field")
+
+
 def read_documents(files, field):
-    """Yields (text, text_bytes, input_bytes); text None marks input consumed without a document."""
+    """Yields (item, text_bytes, input_bytes): item a document's text, a row (where, object) of an
+    example, or None for input consumed without a document."""
     for path, kind in files:
         if kind == "text":
             yield from read_text_file(path)
@@ -348,7 +351,7 @@ def read_documents(files, field):
 
 
 def batches(docs, batch_bytes):
-    """Groups documents into lists of about batch_bytes of text: (texts, text_bytes, input_bytes)."""
+    """Groups documents into lists of about batch_bytes of text: (items, text_bytes, input_bytes)."""
     texts, nbytes, consumed, size = [], [], 0, 0
     for text, tb, ib in docs:
         consumed += ib
@@ -365,12 +368,6 @@ def batches(docs, batch_bytes):
 
 
 # ----------------------------------------------------------------------------- tokenizer
-
-def quiet_tokenizers_threads():
-    # Each process encodes on one thread; parallelism comes from the worker processes.
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    os.environ["RAYON_NUM_THREADS"] = "1"
-
 
 def load_tokenizer(model_dir):
     if not os.path.isdir(model_dir):
@@ -465,6 +462,9 @@ def resolve_special(model_dir, tok, vocab_size, bos_opt, eos_opt):
             add, why = True, f"--{name} yes"
         elif opt == "no":
             add, why = False, f"--{name} no"
+        elif name == "eos":  # packed documents need a separator whatever the tokenizer adds
+            add, why = tid is not None, "auto: a separator between packed documents" if tid is not None else \
+                "auto: the tokenizer has no EOS"
         elif isinstance(tcfg.get(key), bool):
             add, why = tcfg[key], f"tokenizer_config.json {key}"
         else:
@@ -481,147 +481,6 @@ def resolve_special(model_dir, tok, vocab_size, bos_opt, eos_opt):
         shown = f"id {tid} ({tok.id_to_token(tid)!r}, from {source})" if tid is not None else "none"
         notes.append(f"{name.upper()} {shown}: {'added' if add else 'not added'} ({why})")
     return out, "; ".join(notes)
-
-
-# ----------------------------------------------------------------------------- encoding
-
-_WORKER = {}
-
-
-def multiprocessing_child():
-    import multiprocessing
-    return multiprocessing.parent_process() is not None
-
-
-def init_encoder(model_dir, bos_id, eos_id):
-    """Loads the tokenizer once per process (the worker initializer)."""
-    quiet_tokenizers_threads()
-    if multiprocessing_child():
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process handles Ctrl-C
-    from tokenizers import Tokenizer
-    tok = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
-    _WORKER["tok"] = tok
-    _WORKER["encode"] = getattr(tok, "encode_batch_fast", tok.encode_batch)
-    _WORKER["bos"] = bos_id
-    _WORKER["eos"] = eos_id
-
-
-def encode_texts(texts):
-    """Encodes a batch; returns (uint32 little-endian bytes, lengths with specials, own lengths)."""
-    encodings = _WORKER["encode"](texts, add_special_tokens=False)
-    bos, eos = _WORKER["bos"], _WORKER["eos"]
-    buf = array(TOKEN_TYPECODE)
-    lengths = array("q")
-    own = array("q")
-    for enc in encodings:
-        ids = enc.ids
-        start = len(buf)
-        if bos is not None:
-            buf.append(bos)
-        buf.extend(ids)
-        if eos is not None:
-            buf.append(eos)
-        lengths.append(len(buf) - start)
-        own.append(len(ids))
-    if BIG_ENDIAN:
-        buf.byteswap()
-    return buf.tobytes(), lengths, own
-
-
-# ----------------------------------------------------------------------------- output
-
-class SplitWriter:
-    """Writes one split's .tokens/.index under temporary names, and counts for its manifest."""
-
-    def __init__(self, prefix, split):
-        self.prefix = prefix
-        self.split = split
-        self.finals = [prefix + ".tokens", prefix + ".index", prefix + ".json"]
-        folder = os.path.dirname(prefix)
-        self.temps = [os.path.join(folder, f".{os.path.basename(p)}.tmp-{os.getpid()}") for p in self.finals]
-        self.tokens_f = open(self.temps[0], "wb")
-        self.index_f = open(self.temps[1], "wb")
-        self.documents = 0
-        self.tokens = 0
-        self.empty = 0
-        self.text_bytes = 0
-        self.buckets = []
-        self.min_len = None
-        self.max_len = 0
-        self._write_offsets(array(OFFSET_TYPECODE, [0]))
-
-    def _write_offsets(self, offsets):
-        if BIG_ENDIAN:
-            offsets.byteswap()
-        self.index_f.write(offsets.tobytes())
-
-    def add(self, data, lengths, own, text_bytes):
-        """Appends documents: data is their tokens, lengths[i] with specials, own[i] without."""
-        offsets = array(OFFSET_TYPECODE)
-        total = self.tokens
-        for n, m, tb in zip(lengths, own, text_bytes):
-            self.text_bytes += tb
-            if m == 0:
-                self.empty += 1
-            if n == 0:
-                continue
-            total += n
-            offsets.append(total)
-            k = n.bit_length() - 1
-            while len(self.buckets) <= k:
-                self.buckets.append(0)
-            self.buckets[k] += 1
-            if self.min_len is None or n < self.min_len:
-                self.min_len = n
-            if n > self.max_len:
-                self.max_len = n
-        self.tokens_f.write(data)
-        self._write_offsets(offsets)
-        self.documents += len(offsets)
-        self.tokens = total
-
-    def manifest(self, common):
-        n = len(self.buckets)
-        m = dict(common)
-        m.update({
-            "documents": self.documents,
-            "tokens": self.tokens,
-            "empty_documents": self.empty,
-            "text_bytes": self.text_bytes,
-            "length_histogram": {"edges": [1 << k for k in range(n + 1)], "counts": list(self.buckets)},
-            "min_length": self.min_len,
-            "max_length": self.max_len if self.documents else None,
-            "mean_length": self.tokens / self.documents if self.documents else None,
-            "split": self.split,
-        })
-        return m
-
-    def finish(self, common):
-        for f in (self.tokens_f, self.index_f):
-            f.flush()
-            os.fsync(f.fileno())
-            f.close()
-        with open(self.temps[2], "w", encoding="utf-8") as f:
-            json.dump(self.manifest(common), f, indent=2)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-
-    def commit(self):
-        for tmp, final in zip(self.temps, self.finals):
-            os.replace(tmp, final)
-
-    def discard(self):
-        for f in (self.tokens_f, self.index_f):
-            try:
-                f.close()
-            except OSError:
-                pass
-        for tmp in self.temps:
-            try:
-                os.remove(tmp)
-            except FileNotFoundError:
-                pass
 
 
 # ----------------------------------------------------------------------------- main
@@ -667,6 +526,15 @@ def parse_args(argv):
                    help=f"encoding processes (default: all cores, {default_workers()} here)")
     p.add_argument("--batch-bytes", type=int, default=DEFAULT_BATCH_BYTES, metavar="B",
                    help=f"text per batch handed to a worker (default {DEFAULT_BATCH_BYTES})")
+    p.add_argument("--loss-mask", choices=("auto", "all"), default="auto",
+                   help="the targets: auto (assistant turns of 'messages' rows, the completion of prompt/completion "
+                        "rows, every token of text) or all (every token)")
+    p.add_argument("--chat-template", metavar="FILE", default=None,
+                   help="a Jinja chat template (default: the model directory's chat_template.jinja or "
+                        "tokenizer_config.json's chat_template)")
+    p.add_argument("--bad-rows", choices=("error", "skip"), default="error",
+                   help="a row that is not an example (no assistant turn, an unknown role, a template that fails "
+                        "on it): error (the default) or skip it, counted in the manifest")
     p.add_argument("--progress", action="store_true", help="show the progress bar even when stderr is not a terminal")
     p.add_argument("--overwrite", action="store_true", help="replace existing output files")
     a = p.parse_args(argv)
@@ -693,7 +561,7 @@ def parse_args(argv):
 
 def check_outputs(prefixes, overwrite):
     for prefix in prefixes:
-        for ext in (".tokens", ".index", ".json"):
+        for ext in (".tokens", ".index", ".json", ".mask"):
             path = prefix + ext
             if os.path.lexists(path) and not overwrite:
                 raise PrepareError(f"output '{path}' already exists: pass --overwrite to replace it, "
@@ -718,6 +586,23 @@ def _terminated(signum, frame):
     raise SystemExit(128 + signum)  # unwinds through the clean-up of temporary files
 
 
+def chat_settings(a):
+    """(template text or None, special token strings, --loss-mask) for the workers, and a line saying
+    where the template comes from; also the manifest's fields for it."""
+    try:
+        text, source = chat_data.load_chat_template(a.tokenizer, a.chat_template)
+    except (chat_data.RowError, ValueError) as e:
+        raise PrepareError(str(e)) from None
+    tcfg = read_json_object(os.path.join(a.tokenizer, "tokenizer_config.json"))
+    special = chat_data.special_token_strings(tcfg)
+    fields = {"loss_mask_rule": "every token" if a.loss_mask == "all" else
+              "assistant turns of conversations, completions of prompt/completion rows, every token of text"}
+    if text is not None:
+        fields["chat_template_sha256"] = hashlib.sha256(text.encode("utf-8")).hexdigest()
+    line = f"chat template from {source}" if text is not None else "no chat template"
+    return (text, special, a.loss_mask), line, fields
+
+
 def run(a):
     t0 = time.perf_counter()
     signal.signal(signal.SIGTERM, _terminated)
@@ -725,6 +610,7 @@ def run(a):
     tok, sha = load_tokenizer(a.tokenizer)
     vocab_size = check_vocab_size(tok.get_vocab_size(with_added_tokens=True))
     special, explain = resolve_special(a.tokenizer, tok, vocab_size, a.bos, a.eos)
+    chat, chat_line, chat_fields = chat_settings(a)
     files = expand_inputs(a.inputs)
 
     heldout = a.heldout_fraction > 0
@@ -736,7 +622,8 @@ def run(a):
             os.makedirs(folder, exist_ok=True)
         except OSError as e:
             raise PrepareError(f"cannot create the output folder '{folder}': {e.strerror}") from None
-    print(f"prepare_data: {len(files)} input file(s), {a.workers} worker(s); {explain}", file=sys.stderr)
+    print(f"prepare_data: {len(files)} input file(s), {a.workers} worker(s); {explain}; {chat_line}",
+          file=sys.stderr)
 
     bos_id = special["bos_id"] if special["add_bos"] else None
     eos_id = special["eos_id"] if special["add_eos"] else None
@@ -747,78 +634,19 @@ def run(a):
         "add_bos": special["add_bos"], "add_eos": special["add_eos"],
         "heldout_fraction": a.heldout_fraction, "seed": a.seed, "sources": list(a.inputs),
     }
-    splitter = Splitter(a.heldout_fraction, a.seed)
+    common.update(chat_fields)
     total_input = sum(os.path.getsize(p) for p, _ in files)
     bar = make_progress(a.progress or sys.stderr.isatty(), total_input)
-
     writers = []
-    pool = None
     try:
         writers = [SplitWriter(p, s) for p, s in zip(prefixes, ("train", "heldout"))]
-        ordinal = 0
-        docs_done = 0
-        text_done = 0
-
-        def consume(result, nbytes, consumed):
-            nonlocal ordinal, docs_done, text_done
-            data, lengths, own = result
-            n = len(lengths)
-            if not heldout:
-                writers[0].add(data, lengths, own, nbytes)
-            else:
-                view = memoryview(data)
-                side = [splitter.heldout(ordinal + i) for i in range(n)]
-                start_doc, start_tok = 0, 0
-                while start_doc < n:
-                    end_doc, end_tok = start_doc, start_tok
-                    while end_doc < n and side[end_doc] == side[start_doc]:
-                        end_tok += lengths[end_doc]
-                        end_doc += 1
-                    writers[1 if side[start_doc] else 0].add(
-                        view[start_tok * 4:end_tok * 4], lengths[start_doc:end_doc],
-                        own[start_doc:end_doc], nbytes[start_doc:end_doc])
-                    start_doc, start_tok = end_doc, end_tok
-            ordinal += n
-            docs_done += n
-            text_done += sum(nbytes)
-            if bar is not None:
-                bar.update(consumed)
-                elapsed = max(time.perf_counter() - t0, 1e-9)
-                bar.set_postfix_str(f"text {text_done / 1e6:.1f} MB, {docs_done / elapsed:.0f} docs/s",
-                                    refresh=False)
-
-        source = batches(read_documents(files, a.text_field), a.batch_bytes)
-        if a.workers == 1:
-            init_encoder(a.tokenizer, bos_id, eos_id)
-            for texts, nbytes, consumed in source:
-                consume(encode_texts(texts), nbytes, consumed)
-        else:
-            import multiprocessing
-            from concurrent.futures import ProcessPoolExecutor
-            from concurrent.futures.process import BrokenProcessPool
-            pool = ProcessPoolExecutor(max_workers=a.workers, mp_context=multiprocessing.get_context("spawn"),
-                                       initializer=init_encoder, initargs=(a.tokenizer, bos_id, eos_id))
-            pending = deque()
-            window = 2 * a.workers + 1
-            try:
-                for texts, nbytes, consumed in source:
-                    pending.append((pool.submit(encode_texts, texts), nbytes, consumed))
-                    while len(pending) >= window:
-                        fut, nb, c = pending.popleft()
-                        consume(fut.result(), nb, c)
-                while pending:
-                    fut, nb, c = pending.popleft()
-                    consume(fut.result(), nb, c)
-            except BrokenProcessPool:
-                raise PrepareError("an encoding worker process died (out of memory?); try fewer --workers "
-                                   "or a smaller --batch-bytes") from None
-            pool.shutdown()
-            pool = None
-
+        consume = Consumer(writers, Splitter(a.heldout_fraction, a.seed), a.bad_rows, bar, t0)
+        encode_all(a, batches(read_documents(files, a.text_field), a.batch_bytes), consume,
+                   (a.tokenizer, bos_id, eos_id, chat))
         for w in writers:
-            w.finish(common)
+            w.finish(common, {"skipped_rows": dict(sorted(consume.skipped.items()))})
         if not heldout and a.overwrite:
-            for ext in (".tokens", ".index", ".json"):
+            for ext in (".tokens", ".index", ".json", ".mask"):
                 stale = a.out + "-heldout" + ext
                 if os.path.isfile(stale):
                     os.remove(stale)
@@ -826,26 +654,31 @@ def run(a):
         for w in writers:
             w.commit()
     except BaseException:
-        if pool is not None:
-            pool.shutdown(wait=True, cancel_futures=True)
         for w in writers:
             w.discard()
         raise
     finally:
         if bar is not None:
             bar.close()
+    summarize(a, writers, consume.skipped, time.perf_counter() - t0)
+    return 0
 
-    seconds = time.perf_counter() - t0
+
+def summarize(a, writers, skipped, seconds):
     docs = sum(w.documents for w in writers)
     tokens = sum(w.tokens for w in writers)
     text_mb = sum(w.text_bytes for w in writers) / 1e6
     split = ""
-    if heldout:
+    if len(writers) > 1:
         split = (f" (train {writers[0].documents} documents, heldout {writers[1].documents} documents "
                  f"in {writers[1].prefix}.*)")
+    if any(w.mask_f is not None for w in writers):
+        targets = sum(w.targets for w in writers)
+        split += f"; {targets} targets ({100.0 * targets / max(tokens, 1):.1f}% of the tokens) in the loss mask"
+    if skipped:
+        split += "; rows left out: " + ", ".join(f"{n} {k.replace('_', ' ')}" for k, n in sorted(skipped.items()))
     print(f"prepared {docs} documents, {tokens} tokens, {text_mb:.2f} MB of text in {seconds:.2f} s "
           f"({text_mb / max(seconds, 1e-9):.2f} MB/s) -> {a.out}.tokens{split}", flush=True)
-    return 0
 
 
 def main(argv=None):

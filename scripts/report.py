@@ -15,6 +15,9 @@ and writes each plot as SVG and PNG into OUT_DIR:
                         per length and input file (log-spaced position buckets)
   niah_heatmap.svg      eval --niah: exact match by needle depth (rows) and context length
                         (columns), one panel per input file
+  loss_curve.svg        train --metrics-json (JSON lines): training loss against the step,
+                        the held-out loss where measured, the learning rate beside, a curve
+                        per input file
 Prints one line per file written.
 """
 import json
@@ -97,17 +100,54 @@ def niah_row(doc, where, file):
     return {"source": "niah", "file": file, "needle": "?", **doc}
 
 
+def metrics_rows(text, file):
+    """train --metrics-json: one JSON object per line, a step's ('step', 'loss', 'lr') or the
+    run's final one ('final'); None when the text is not JSON lines."""
+    lines = [line for line in text.splitlines() if line.strip()]
+    if len(lines) < 1 or not lines[0].lstrip().startswith("{"):
+        return None
+    steps = []
+    for i, line in enumerate(lines):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if i == 0:
+                return None
+            raise bad_input(f"line {i + 1} is not JSON (a run killed while writing it?); remove that line")
+        if not isinstance(record, dict) or "step" not in record:
+            if i == 0 and len(lines) == 1:
+                return None
+            continue  # the final record, or another object a later upipe adds
+        where = f"line {i + 1}"
+        check(record, "step", "count", where)
+        check(record, "loss", "number", where)
+        check(record, "lr", "number", where)
+        if record.get("eval_loss") is not None:
+            check(record, "eval_loss", "number", where)
+        steps.append(record)
+    if not steps:
+        return None
+    return [{"source": "metrics", "file": file, "steps": steps}]
+
+
 def rows_of(path):
     """The rows of one result file, each field the plots use checked."""
     with open(path) as f:
         try:
-            doc = json.load(f)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise bad_input(f"it is not JSON ({e}); give the --json file of a finished upipe bench or plan")
-        except RecursionError:
-            raise bad_input("its JSON nests too deep to be a result file; give the --json file of a finished upipe "
-                            "bench or plan") from None
+            text = f.read()
+        except UnicodeDecodeError as e:
+            raise bad_input(f"it is not text ({e}); give the --json file of a finished upipe bench or plan")
     file = os.path.basename(path)
+    metrics = metrics_rows(text, file)
+    if metrics is not None:
+        return metrics
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise bad_input(f"it is not JSON ({e}); give the --json file of a finished upipe bench or plan")
+    except RecursionError:
+        raise bad_input("its JSON nests too deep to be a result file; give the --json file of a finished upipe "
+                        "bench or plan") from None
     if isinstance(doc, dict) and "niah" in doc:  # upipe eval --niah
         return [niah_row(doc["niah"], "niah", file)]
     if isinstance(doc, dict) and "lengths" in doc:  # upipe eval
@@ -226,7 +266,8 @@ def loss_by_position(rows, out_dir):
     for r in rows:
         b = r["by_position"]
         x = [(e["first"] + e["last"]) / 2 for e in b]
-        ax.plot(x, [e["loss"] for e in b], marker="o", label=f"{r['file']} S={tokens(r['seq_len'])}")
+        data = f" {os.path.basename(str(r['data']))}" if r.get("data") else ""  # upipe eval of several sources
+        ax.plot(x, [e["loss"] for e in b], marker="o", label=f"{r['file']}{data} S={tokens(r['seq_len'])}")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("position in the context (tokens, bucket centre)")
     ax.set_ylabel("held-out loss (nats)")
@@ -269,6 +310,29 @@ def fail(message):
     sys.exit(2)
 
 
+def loss_curve(rows, out_dir):
+    runs = [r for r in rows if r["source"] == "metrics"]
+    if not runs:
+        return
+    fig, (loss_ax, lr_ax) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, gridspec_kw={"height_ratios": [3, 1]})
+    for run in runs:
+        steps = run["steps"]
+        line, = loss_ax.plot([s["step"] for s in steps], [s["loss"] for s in steps], lw=1, label=f"{run['file']} train")
+        held = [s for s in steps if s.get("eval_loss") is not None]
+        if held:
+            loss_ax.plot([s["step"] for s in held], [s["eval_loss"] for s in held], "o--", ms=3, color=line.get_color(),
+                         label=f"{run['file']} held-out")
+        lr_ax.plot([s["step"] for s in steps], [s["lr"] for s in steps], lw=1, color=line.get_color())
+    loss_ax.set_ylabel("loss")
+    loss_ax.set_title("training loss (upipe train --metrics-json)", fontsize=10)
+    loss_ax.legend(fontsize=7)
+    loss_ax.grid(alpha=0.3)
+    lr_ax.set_ylabel("learning rate")
+    lr_ax.set_xlabel("step")
+    lr_ax.grid(alpha=0.3)
+    save(fig, out_dir, "loss_curve.svg")
+
+
 def main(argv):
     if len(argv) < 3:
         raise SystemExit(__doc__)
@@ -289,7 +353,8 @@ def main(argv):
         fail(f"{', '.join(argv[2:])} hold no rows: give the --json file of a finished upipe bench, plan or eval")
     loss_by_position(rows, out_dir)
     niah_heatmap(rows, out_dir)
-    rows = [r for r in rows if r["source"] not in ("eval", "niah")]
+    loss_curve(rows, out_dir)
+    rows = [r for r in rows if r["source"] not in ("eval", "niah", "metrics")]
     if not rows:
         return
     memory_breakdown(rows, out_dir)

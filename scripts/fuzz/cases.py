@@ -304,7 +304,7 @@ def tokens_case(rng, t):
 
 
 def corpus_case(rng, t):
-    files = inputs.corpus_files(rng, 256)
+    files = inputs.corpus_files(rng, 256, masked=rng.random() < 0.4)
     what, files, names = inputs.mutate_corpus(rng, files)
 
     def setup(w):
@@ -315,3 +315,48 @@ def corpus_case(rng, t):
                           TRAIN_CPU + " --data {w}/corpus.tokens --min-doc-tokens 5",
                           TRAIN_META + " --eval-every 1 --eval-data {w}/corpus"])
     return Case("corpus", what, words(command), setup, names=names + ["corpus"])
+
+
+# ---------------------------------------------------------------------------------------
+# Chat rows for prepare-data: one bad row among good ones. Refused naming its line, or with
+# --bad-rows skip left out and counted (exit 0).
+
+CHAT_GOOD = [{"messages": [{"role": "user", "content": "Name a fox."}, {"role": "assistant", "content": "A fox."}]},
+             {"prompt": "def add(a, b):", "completion": " return a + b"},
+             {"text": "The dog sleeps."}]
+CHAT_BAD = [
+    ("no assistant turn", {"messages": [{"role": "user", "content": "hi"}]}, True),
+    ("unknown role", {"messages": [{"role": "wizard", "content": "x"}, {"role": "assistant", "content": "y"}]}, False),
+    ("role not a string", {"messages": [{"role": 7, "content": "x"}, {"role": "assistant", "content": "y"}]}, False),
+    ("content a number", {"messages": [{"role": "user", "content": 1e308}, {"role": "assistant", "content": "y"}]},
+     False),
+    ("messages not a list", {"messages": {"role": "user"}}, False),
+    ("no messages", {"messages": []}, False),
+    ("message not an object", {"messages": ["hi", {"role": "assistant", "content": "y"}]}, False),
+    ("pair of mixed types", {"prompt": "a", "completion": [{"role": "assistant", "content": "b"}]}, False),
+    ("tools not a list", {"tools": "add", "messages": CHAT_GOOD[0]["messages"]}, False),
+    ("kwargs not an object", {"chat_template_kwargs": [1], "messages": CHAT_GOOD[0]["messages"]}, False),
+    ("template raises", {"messages": [{"role": "user", "content": "x"}, {"role": "system", "content": "late"},
+                                      {"role": "assistant", "content": "y"}]}, False),
+    ("deep content", {"messages": [{"role": "user", "content": [[[[[["x"]]]]]]},
+                                   {"role": "assistant", "content": "y"}]}, False),
+]
+
+
+def chat_case(rng, t):
+    what, bad, fine_with_all = rng.choice(CHAT_BAD)
+    rows = [rng.choice(CHAT_GOOD) for _ in range(rng.randrange(1, 6))]
+    line = rng.randrange(len(rows) + 1)
+    rows.insert(line, bad)
+    mode = rng.choice(["error", "error", "skip", "all"])
+
+    def setup(w):
+        with open(os.path.join(w, "c.jsonl"), "w") as f:
+            f.write("".join(json.dumps(r) + "\n" for r in rows))
+    flags = {"error": "", "skip": " --bad-rows skip", "all": " --loss-mask all"}[mode]
+    model = os.path.join(t["hf"], "llama-chat")
+    template = f" --chat-template {model}/templates/headers.jinja" if what == "template raises" else ""
+    command = f"prepare-data --tokenizer {model} --out {{w}}/o --workers 1" + flags + template + " {w}/c.jsonl"
+    expect = "handled" if mode == "skip" or (mode == "all" and fine_with_all) else "refuse"
+    return Case("chat", f"{what}, {mode}", words(command), setup, expect=expect, names=[f"c.jsonl:{line + 1}"],
+                timeout=120)

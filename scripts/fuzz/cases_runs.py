@@ -9,7 +9,9 @@ import shutil
 import stat
 
 import inputs
-from cases import (TRAIN_CPU, TRAIN_META, Case, config_case, corpus_case, flag_case, hf_dir_case,
+from cases_config import run_config_case  # noqa: E402
+from cases import (TRAIN_CPU, TRAIN_META, Case, chat_case, config_case, corpus_case, flag_case,
+                   hf_dir_case,
                    make_special, safetensors_case, tokens_case, words)
 from cases_tools import adapter_case, model_dir_member_case, prepare_case
 from regressions import RESUME, regression_case, regression_cases
@@ -195,9 +197,13 @@ def output_case(rng, t):
         elif kind == "file":
             open(p, "w").write("user data\n")
         elif kind == "stale":  # what a killed save (a directory) or write (a file) leaves
-            if output == "dir":
+            if flag == "--save":  # a run directory: a checkpoint's and a pointer's temporaries inside
+                os.makedirs(os.path.join(p, "checkpoint-1.tmp-upipe", "trainer"))
+                open(os.path.join(p, "latest.tmp-999999999"), "w").write("left by a killed write\n")
+            elif output == "dir":
                 os.makedirs(p + ".tmp-upipe/trainer")
-            open(p + ".tmp-999999999", "w").write("left by a killed write\n")
+            if flag != "--save":
+                open(p + ".tmp-999999999", "w").write("left by a killed write\n")
         elif kind == "foreign_dir":
             os.mkdir(p)
             open(os.path.join(p, "notes.txt"), "w").write("user data\n")
@@ -222,7 +228,7 @@ def output_case(rng, t):
         if kind == "foreign_dir" and os.path.isfile(os.path.join(p, "notes.txt")) is False:
             problems.append("the user's file is gone")
         if kind == "stale" and result.code == 0 and flag != "--dump":  # a dump writes no temporaries
-            left = [n for n in os.listdir(w) if ".tmp-" in n]
+            left = [n for d in (w, p) if os.path.isdir(d) for n in os.listdir(d) if ".tmp-" in n]
             if left:
                 problems.append(f"stale temporaries left after a successful save: {left}")
         return problems
@@ -273,8 +279,9 @@ def report_case(rng, t):
 FAMILIES = [("flags", 30, flag_case), ("config", 12, config_case), ("safetensors", 12, safetensors_case),
             ("hf_dir", 7, hf_dir_case), ("tokens", 7, tokens_case), ("corpus", 6, corpus_case),
             ("trainer_state", 10, trainer_state_case), ("input_paths", 6, input_path_case),
-            ("output_paths", 7, output_case), ("report", 3, report_case), ("adapters", 5, adapter_case),
-            ("model_dir", 4, model_dir_member_case), ("prepare_data", 3, prepare_case)]
+            ("output_paths", 7, output_case), ("report", 3, report_case), ("run_config", 5, run_config_case),
+            ("chat", 3, chat_case), ("adapters", 5, adapter_case), ("model_dir", 4, model_dir_member_case),
+            ("prepare_data", 3, prepare_case)]
 
 
 def make_case(seed, index, t, families=None):

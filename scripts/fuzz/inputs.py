@@ -226,8 +226,9 @@ def mutate_tokens(rng, vocab):
     return f"{n} valid tokens", token_bytes([rng.randrange(vocab) for _ in range(n)]), []
 
 
-def corpus_files(rng, vocab, documents=6, length=40):
-    """A valid corpus as prepare-data writes it: {suffix: bytes}."""
+def corpus_files(rng, vocab, documents=6, length=40, masked=False):
+    """A valid corpus as prepare-data writes it: {suffix: bytes}; `masked` adds a loss mask
+    (prompt tokens 0, the answer at each document's end 1)."""
     lengths = [rng.randrange(1, length) for _ in range(documents)]
     offsets = [0]
     for n in lengths:
@@ -235,14 +236,45 @@ def corpus_files(rng, vocab, documents=6, length=40):
     ids = [rng.randrange(vocab) for _ in range(offsets[-1])]
     manifest = {"format": "upipe-tokens", "version": 1, "dtype": "uint32", "vocab_size": vocab,
                 "documents": documents, "tokens": offsets[-1]}
-    return {".tokens": token_bytes(ids), ".index": struct.pack(f"<{len(offsets)}Q", *offsets),
-            ".json": json.dumps(manifest).encode()}
+    files = {".tokens": token_bytes(ids), ".index": struct.pack(f"<{len(offsets)}Q", *offsets)}
+    if masked:
+        mask = bytes(1 if i >= n // 2 else 0 for n in lengths for i in range(n))
+        files[".mask"] = mask
+        manifest["loss_mask"] = {"format": "upipe-loss-mask", "version": 1, "dtype": "uint8",
+                                 "file": "corpus.mask", "targets": sum(mask)}
+    files[".json"] = json.dumps(manifest).encode()
+    return files
+
+
+def mutate_mask(rng, files, manifest):
+    """One mutation of a masked corpus's mask: (what, files, names)."""
+    kind = rng.choice(["size", "bytes", "manifest", "missing", "none"])
+    if kind == "size":
+        files[".mask"] = files[".mask"][:rng.choice([0, 1, len(files[".mask"]) - 1])] + rng.choice([b"", b"\x01" * 9])
+        return "mask cut", files, [".mask"]
+    if kind == "bytes":
+        mask = bytearray(files[".mask"])
+        mask[rng.randrange(len(mask))] = rng.choice([2, 255])
+        files[".mask"] = bytes(mask)
+        return "mask byte past 1", files, [".mask"]
+    if kind == "manifest":
+        key = rng.choice(["format", "version", "dtype"])
+        manifest["loss_mask"][key] = rng.choice(BAD_JSON_VALUES + ["upipe-tokens", 2, "uint16"])
+        files[".json"] = json.dumps(manifest).encode()
+        return f"loss_mask {key} changed", files, ["loss_mask", ".json"]
+    if kind == "missing":
+        del files[".mask"]
+        return "mask missing", files, [".mask"]
+    files[".mask"] = bytes(len(files[".mask"]))  # valid: no target anywhere, every step skipped
+    return "every token masked", files, [".mask", "target"]
 
 
 def mutate_corpus(rng, files):
-    """One mutation of a corpus's three files: (what, files, names)."""
+    """One mutation of a corpus's files: (what, files, names)."""
     files = dict(files)
     manifest = json.loads(files[".json"])
+    if ".mask" in files and rng.random() < 0.6:
+        return mutate_mask(rng, files, manifest)
     offsets = list(struct.unpack(f"<{len(files['.index']) // 8}Q", files[".index"]))
     kind = rng.choice(["manifest", "manifest", "offsets", "index_size", "tokens_size", "missing", "manifest_text"])
     if kind == "manifest":

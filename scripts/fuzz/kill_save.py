@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """SIGKILL during checkpoint saves (issue #23): a run that saves every step is killed at
-a random moment, again and again; after each kill the checkpoint directory must hold the
-previous checkpoint or a complete new one, and the next save must leave no temporary.
+a random moment, again and again; after each kill the run directory's `latest` must name
+the previous checkpoint or a complete new one, and the next save must leave no temporary.
 
   scripts/fuzz/kill_save.py --binary build/upipe              # 20 kills (the full check)
   scripts/fuzz/kill_save.py --binary build/upipe --kills 3    # what ctest runs
@@ -67,13 +67,22 @@ def run(binary, args, **kw):
     return subprocess.run([binary] + args, capture_output=True, text=True, **kw)
 
 
-def step_of(ck):
-    with open(os.path.join(ck, "trainer", "manifest.json")) as f:
+def latest(run_dir):
+    """The checkpoint the run directory's `latest` names."""
+    with open(os.path.join(run_dir, "latest")) as f:
+        return os.path.join(run_dir, f.read().strip())
+
+
+def step_of(run_dir):
+    with open(os.path.join(latest(run_dir), "trainer", "manifest.json")) as f:
         return json.load(f)["step"]
 
 
-def complete(binary, ck, scratch):
-    """Problems with the checkpoint in `ck` (empty when it is complete)."""
+def complete(binary, run_dir, scratch):
+    """Problems with the latest checkpoint of `run_dir` (empty when it is complete)."""
+    if not os.path.isfile(os.path.join(run_dir, "latest")):
+        return [f"{run_dir} has no latest"]
+    ck = latest(run_dir)
     manifest = os.path.join(ck, "trainer", "manifest.json")
     if not os.path.isfile(manifest):
         return [f"{ck} has no trainer/manifest.json"]
@@ -85,17 +94,22 @@ def complete(binary, ck, scratch):
     problems = [f"{name} is missing" for name in files if not os.path.isfile(os.path.join(ck, name))]
     out = os.path.join(scratch, "export")
     shutil.rmtree(out, ignore_errors=True)
-    r = run(binary, ["export", ck, out])
+    r = run(binary, ["export", run_dir, out])
     if r.returncode != 0:
         problems.append("export failed: " + r.stderr.strip()[-300:])
-    r = run(binary, ["step", "--model", ck, "--seq-len", "32", "--cp", "1"])
+    r = run(binary, ["step", "--model", run_dir, "--seq-len", "32", "--cp", "1"])
     if r.returncode != 0:
         problems.append("its weights do not load: " + r.stderr.strip()[-300:])
     return problems
 
 
-def temporaries(parent):
-    return sorted(n for n in os.listdir(parent) if ".tmp-" in n)
+def temporaries(*dirs):
+    return sorted(n for d in dirs if os.path.isdir(d) for n in os.listdir(d) if ".tmp-" in n)
+
+
+def saving(run_dir):
+    """Is a save in flight (a checkpoint's temporary in the run directory)?"""
+    return any(n.endswith(".tmp-upipe") for n in temporaries(run_dir))
 
 
 def main():
@@ -135,28 +149,28 @@ def main():
         if k % 2 == 0:  # anywhere in the run
             time.sleep(rng.uniform(0.05, span))
         else:  # aimed: a random moment after a save has begun
-            while not os.path.exists(ck + ".tmp-upipe") and p.poll() is None and time.monotonic() - t0 < span:
+            while not saving(ck) and p.poll() is None and time.monotonic() - t0 < span:
                 time.sleep(0.001)
             time.sleep(rng.uniform(0, 0.3))
         delay = time.monotonic() - t0
-        saving = os.path.exists(ck + ".tmp-upipe")
+        in_flight = saving(ck)
         p.send_signal(signal.SIGKILL)
         p.wait()
-        in_save += saving
+        in_save += in_flight
         problems = complete(binary, ck, work)
         after = step_of(ck) if not problems else None
         if after is not None and after < before:
             problems.append(f"the checkpoint went back from step {before} to {after}")
-        left = temporaries(work)
+        left = temporaries(work, ck)
         # The next save finishes, removes what the killed one left, and is complete.
         nxt = run(binary, TRAIN + ["--resume", ck, "--steps", str((after or before) + 1), "--save", ck])
         if nxt.returncode != 0:
             problems.append("the next save failed: " + nxt.stderr.strip()[-300:])
         problems += complete(binary, ck, work)
-        if temporaries(work):
-            problems.append(f"temporaries left after the next save: {temporaries(work)}")
+        if temporaries(work, ck):
+            problems.append(f"temporaries left after the next save: {temporaries(work, ck)}")
         failures += bool(problems)
-        print(f"kill {k + 1:2d}: at {delay:5.2f} s of {span:.2f}, {'in a save' if saving else 'between saves'}; "
+        print(f"kill {k + 1:2d}: at {delay:5.2f} s of {span:.2f}, {'in a save' if in_flight else 'between saves'}; "
               f"step {before} -> {after}; left {left or 'nothing'}; next save ok: {nxt.returncode == 0}"
               + ("" if not problems else "\n  FAIL: " + "\n  FAIL: ".join(problems)), flush=True)
     print(f"# {opts.kills} kills, {in_save} inside a save: {opts.kills - failures} left a complete checkpoint and "

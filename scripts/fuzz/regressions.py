@@ -248,7 +248,7 @@ def second_fuzz_cases():
         ("swapped trainer shards resumed (the rank in each shard was not checked)", resume, "refuse", ["rank-0000"],
          swap_shards, None, True),
         ("an edited adapter_config.json contradicting the manifest resumed", *lora_resume[:1], "refuse",
-         ["adapter_config.json"], edit_json("ck/adapter_config.json", lora_alpha=8.0), None, lora_resume[1]),
+         ["adapter_config.json", "alpha=8"], edit_json("ck/adapter_config.json", lora_alpha=8.0), None, lora_resume[1]),
     ] + [
         (f"adapter r = {r} was read as 4", lora_resume[0], "refuse", [f"r = {r}"], edit_json("ck/adapter_config.json", r=r),
          None, lora_resume[1]) for r in (4294967300, 4.9, -4)

@@ -200,14 +200,23 @@ def make_templates(opts):
                "eval": ["eval", "--model", os.path.join(root, "checkpoint"), "--data", t["corpus"], "--seq-len",
                         "32,64", "--samples", "2", "--cp", "1"],
                "niah": ["eval", "--niah", "--model", "tiny-llama", "--lengths", "64", "--samples", "1", "--cp", "1"]}
-    commands = [train + ["--save", os.path.join(root, "checkpoint")],
-                train + ["--data", t["corpus"], "--save", os.path.join(root, "checkpoint_data")],
-                train + ["--lora", "r=2", "--save", os.path.join(root, "checkpoint_lora")]]
-    commands += [[opts.binary] + a + ["--json", os.path.join(root, k + ".json")] for k, a in reports.items()]
+    # Each template run saves into a run directory; its latest checkpoint is taken out as
+    # the template (a checkpoint directory the cases copy and mutate).
+    runs = {"checkpoint": train, "checkpoint_data": train + ["--data", t["corpus"]],
+            "checkpoint_lora": train + ["--lora", "r=2"]}
+    commands = [c + ["--save", os.path.join(root, name + ".run")] for name, c in runs.items()]
+    commands += [[opts.binary] + a + ["--json", os.path.join(root, k + ".json")] for k, a in reports.items()
+                 if k != "eval"]
+    commands += [[opts.binary] + reports["eval"] + ["--json", os.path.join(root, "eval.json")]]
     for c in commands:
         r = subprocess.run(c, capture_output=True, text=True, env=opts.env)
         if r.returncode != 0:
             sys.exit(f"fuzz: a template failed: {' '.join(c)}\n{r.stdout}{r.stderr}")
+        for name in runs:
+            run_dir = os.path.join(root, name + ".run")
+            if os.path.isfile(os.path.join(run_dir, "latest")) and not os.path.exists(os.path.join(root, name)):
+                with open(os.path.join(run_dir, "latest")) as f:
+                    os.rename(os.path.join(run_dir, f.read().strip()), os.path.join(root, name))
     t["reports"] = {k: os.path.join(root, k + ".json") for k in reports}
     try:
         os.mknod(os.path.join(root, "probe"), 0o666 | 0o020000, os.makedev(1, 3))

@@ -21,6 +21,7 @@
 #include "apps/sizes.hpp"
 #include "core/error.hpp"
 #include "core/limits.hpp"
+#include "cp/strategy_table.hpp"
 #include "model/config.hpp"
 #include "model/model_step.hpp"
 #include "train/trainer.hpp"
@@ -34,9 +35,9 @@ struct bench_flags {
   comm_flags comm;
   std::string single_pass_from = "1M", warmup_len;
   std::vector<std::string> attention{"ulysses", "upipe"}, head_chunks, seq_lens{"512"};
-  int cp = 0, emulate_cp = 0, layers = 0, zero = 3, repeats = 3;
+  int cp = 0, emulate_cp = 0, dp = 1, layers = 0, zero = 3, repeats = 3;
   std::int64_t mlp_tile = 0, loss_chunk = 0;
-  double memory_gib = 8, host_memory_gib = 0, peak_tflops = 778, datasheet_tflops = 989;
+  double memory_gib = 8, host_memory_gib = 0, peak_tflops = 778, datasheet_tflops = 989, targets = 1;
   bool no_check = false, phases = false;
   unsigned long long seed = 1;
 };
@@ -67,6 +68,24 @@ void print_phases(const std::map<std::string, double>& phases) {
   std::printf("#   phases (ms, %% of the step):");
   for (const auto& [name, ms] : sorted) std::printf("  %s %.2f (%.1f%%)", name.c_str(), ms, 100.0 * ms / total);
   std::printf("\n");
+}
+
+// With data parallelism (which run_model_step does not run): the loss of step 1 on a short sequence under `o`'s strategy and mesh with every rank
+// real, against C = 1 with the replicas' sequences as one batch on the same backend:
+// relative difference (the check after timing; an emulated run's own loss is not the
+// model's, since rank 0 receives its own bytes).
+double loss_against_cp1(train_options o, std::int64_t check_len) {
+  o.seq_len = check_len;
+  train_options one = o;  // C = 1 runs alone afterwards: the whole arenas, as timed
+  one.cp = {strategy_kind::ulysses, 1, 0};
+  one.dp = 1;
+  one.batch = global_batch(o);
+  // Every rank is real here, and on a GPU they share it: each gets 1/(D C) of the arenas.
+  o.limits.device_bytes /= static_cast<std::size_t>(o.dp * o.cp.cp);
+  o.limits.host_bytes /= static_cast<std::size_t>(o.dp * o.cp.cp);
+  const double got = time_steps(o, 0, 1, group_run::every_rank).losses.front();
+  const double want = time_steps(one, 0, 1, group_run::every_rank).losses.front();
+  return std::abs(got - want) / std::abs(want);
 }
 
 // The check after timing (as nccl-tests checks what it timed): one forward and backward
@@ -119,6 +138,12 @@ step_check compare_with_cp1(const train_options& o, std::int64_t len) {
 
 // At the timed length when the C = 1 step fits in its memory, else at `short_len`.
 step_check check_against_cp1(const train_options& o, std::int64_t short_len) {
+  if (o.dp > 1) {
+    step_check c;
+    c.seq_len = std::min(o.seq_len, short_len);
+    c.loss_rel_diff = loss_against_cp1(o, c.seq_len);
+    return c;
+  }
   if (o.seq_len > short_len) {
     try {
       return compare_with_cp1(o, o.seq_len);
@@ -153,6 +178,9 @@ int run(const bench_flags& f) {
   const model_config m = slice_layers(whole, f.layers);
   const int model_layers = whole.num_layers;
   require_within(f.repeats, 1, limits::repeats, "--repeats", "3");
+  if (!(f.targets > 0 && f.targets <= 1))
+    throw config_error("--targets " + std::to_string(f.targets) + " must lie in (0, 1]: the fraction of each sequence "
+                       "that is a target of the loss (e.g. 0.0625: an answer after a prompt 15 times longer)");
   if (f.zero != 2 && f.zero != 3) throw config_error("--zero " + std::to_string(f.zero) + ": use 2 or 3");
   if (f.optimizer != "adamw" && f.optimizer != "none")
     throw config_error("--optimizer " + f.optimizer + " is not known: use adamw or none (forward and backward only)");
@@ -174,6 +202,7 @@ int run(const bench_flags& f) {
       all.push_back({{"strategy", r.strategy},
                      {"head_chunk", r.head_chunk == 0 ? nlohmann::json(nullptr) : nlohmann::json(r.head_chunk)},
                      {"cp", r.cp},
+                     {"dp", f.dp},
                      {"emulated", emulate},
                      {"backend", f.backend},
                      {"model", m.name},
@@ -187,6 +216,7 @@ int run(const bench_flags& f) {
                      {"model_tflops", timed ? nlohmann::json(r.tflops) : nlohmann::json(nullptr)},
                      {"model_flops_per_step", step_flops(m, lora, r.seq_len)},
                      {"lora", lora.enabled() ? nlohmann::json(lora_text(lora)) : nlohmann::json(nullptr)},
+                     {"targets", f.targets},
                      {"mfu", timed ? nlohmann::json(r.mfu) : nlohmann::json(nullptr)},
                      {"mfu_datasheet", timed ? nlohmann::json(r.mfu_datasheet) : nlohmann::json(nullptr)},
                      {"peak_bytes", r.memory.peak_bytes},
@@ -204,29 +234,33 @@ int run(const bench_flags& f) {
                      {"phases_ms", r.phases_ms.empty() ? nlohmann::json(nullptr) : nlohmann::json(r.phases_ms)}});
     write_json_file(f.json_path, all, 1);
   };
-  std::printf("# upipe bench  model=%s  layers=%d of %d (a slice: per-layer time and working set)  backend=%s  %s C=%d  "
-              "%s  repeats=%d (1 pass from S=%s)\n",
+  std::printf("# upipe bench  model=%s  layers=%d of %d (a slice: per-layer time and working set)  backend=%s  %s "
+              "D=%d x C=%d  %s  repeats=%d (1 pass from S=%s)\n",
               m.name.c_str(), m.num_layers, model_layers,
-              f.backend.c_str(), emulate ? "emulated (rank 0 alone, loopback)" : "every rank", C,
+              f.backend.c_str(), emulate ? "emulated (rank 0 alone, loopback)" : "every rank", f.dp, C,
               f.optimizer == "none" ? "forward+backward" : ("training step, zero=" + std::to_string(f.zero)).c_str(),
               f.repeats, f.single_pass_from.c_str());
   std::printf("# MFU against %.0f TFLOP/s (measured bf16 GEMM peak) and, in the JSON, %.0f (datasheet)\n",
               f.peak_tflops, f.datasheet_tflops);
-  std::printf("%-8s %4s %9s %6s %3s %4s %11s %10s %11s %8s %6s %9s %9s %8s\n", "strategy", "U", "S", "layers", "C",
-              "reps", "step_ms", "layer_ms", "tok/s/GPU", "TFLOP/s", "MFU", "peak_GiB", "arena_GiB", "check");
+  if (f.targets < 1)
+    std::printf("# loss mask: the last %.4g of each sequence's tokens are targets, the rest masked (--targets)\n",
+                f.targets);
+  std::printf("%-8s %4s %9s %6s %3s %3s %4s %11s %10s %11s %8s %6s %9s %9s %8s\n", "strategy", "U", "S", "layers", "D",
+              "C", "reps", "step_ms", "layer_ms", "tok/s/GPU", "TFLOP/s", "MFU", "peak_GiB", "arena_GiB", "check");
   std::fflush(stdout);
 
   for (const std::string& name : f.attention) {
-    const strategy_kind strategy = parse_strategy_kind(name);
-    const std::vector<int> us =
-        strategy == strategy_kind::upipe ? chunks_for(f, m, C)
-                                         : std::vector<int>{strategy == strategy_kind::ulysses ? m.num_heads : 0};
+    const strategy_row& table_row = row_named(name);
+    const strategy_kind strategy = table_row.kind;
+    const std::vector<int> us = table_row.heads == head_stages::chosen ? chunks_for(f, m, C)
+                                                                       : head_chunk_choices(table_row, m.num_heads, C);
     for (int u : us)
       for (std::int64_t s : lengths) {
         train_options o;
         o.model = m;
         o.seq_len = s;
         o.cp = {strategy, C, u};
+        o.dp = f.dp;
         o.zero = f.optimizer == "none" ? zero_stage::replicated : (f.zero == 3 ? zero_stage::three : zero_stage::two);
         o.step = {f.mlp_tile, f.loss_chunk, fixed_policy};
         f.comm.apply(o.step);
@@ -251,11 +285,11 @@ int run(const bench_flags& f) {
         const int repeats = s >= single_from ? 1 : f.repeats;
         const step_timing t = time_steps(o, warmup, repeats,
                                          emulate ? group_run::rank_zero_emulated : group_run::every_rank,
-                                         f.phases ? phase_timing::by_phase : phase_timing::off);
+                                         f.phases ? phase_timing::by_phase : phase_timing::off, f.targets);
         row r;
         r.strategy = name;
         r.checkpoint_policy = o.step.policy.str();
-        r.head_chunk = strategy == strategy_kind::ring ? 0 : u;
+        r.head_chunk = table_row.heads == head_stages::none ? 0 : u;
         r.cp = C;
         r.layers = m.num_layers;
         r.repeats = repeats;
@@ -299,9 +333,9 @@ int run(const bench_flags& f) {
         if (kind != backend_kind::meta)
           std::snprintf(times, sizeof times, "%11.2f %10.2f %11.0f %8.1f %6.3f", r.step_ms, r.layer_ms,
                         r.tokens_per_s_per_gpu, r.tflops, r.mfu);
-        std::printf("%-8s %4s %9lld %6d %3d %4d %s %9.2f %9.2f %8s\n", name.c_str(),
-                    strategy == strategy_kind::ring ? "-" : std::to_string(u).c_str(), static_cast<long long>(s),
-                    r.layers, C, repeats, times, gib(r.memory.device_peak), gib(r.memory.arena_high_water), check);
+        std::printf("%-8s %4s %9lld %6d %3d %3d %4d %s %9.2f %9.2f %8s\n", name.c_str(),
+                    table_row.heads == head_stages::none ? "-" : std::to_string(u).c_str(), static_cast<long long>(s),
+                    r.layers, f.dp, C, repeats, times, gib(r.memory.device_peak), gib(r.memory.arena_high_water), check);
         std::fflush(stdout);
         if (!r.phases_ms.empty()) print_phases(r.phases_ms);
         rows.push_back(std::move(r));
@@ -326,8 +360,14 @@ command_runner add_bench(CLI::App& app) {
   add_comm_flags(app, f->comm, true);
   app.add_option("--cp", f->cp, "ranks in the CP group, every one run (default 4)");
   app.add_option("--emulate-cp", f->emulate_cp, "run rank 0 of a group of C alone (loopback), as on one GPU");
-  app.add_option("--attention", f->attention, "strategies (ulysses, upipe, ring)")->delimiter(',')->capture_default_str();
-  app.add_option("--head-chunk", f->head_chunks, "U values for upipe (default C; 'all' for every valid U)")
+  app.add_option("--dp", f->dp,
+                 "data-parallel replicas of the CP group (D x C ranks, ZeRO over all; with --emulate-cp rank 0 of "
+                 "D x C alone, ZeRO's collectives on the loopback); tok/s/GPU counts each replica's sequence")
+      ->capture_default_str();
+  app.add_option("--attention", f->attention, "strategies, a comma list of: " + strategy_help())
+      ->delimiter(',')
+      ->capture_default_str();
+  app.add_option("--head-chunk", f->head_chunks, "U values for the strategies that choose U (default C; 'all' for every valid U)")
       ->delimiter(',');
   app.add_option("--seq-len", f->seq_lens, "lengths (K and M suffixes)")->delimiter(',')->capture_default_str();
   app.add_option("--zero", f->zero, "2 or 3 (training step)")->capture_default_str();
@@ -347,6 +387,10 @@ command_runner add_bench(CLI::App& app) {
   app.add_option("--peak-tflops", f->peak_tflops, "the card's measured bf16 GEMM peak, for MFU")->capture_default_str();
   app.add_option("--seed", f->seed, "seed of the weights and tokens")->capture_default_str();
   app.add_option("--lora", f->lora, "LoRA steps: r=N[,alpha=A][,targets=...] (base frozen; FLOPs counted as such)");
+  app.add_option("--targets", f->targets,
+                 "the fraction of each sequence that is a target of the loss, its last tokens (fine-tuning's shape: a "
+                 "prompt, then the answer); the rest masked")
+      ->capture_default_str();
   app.add_option("--json", f->json_path, "write one object per configuration")->check(output_file_flag("--json"));
   return [f] { return run(*f); };
 }

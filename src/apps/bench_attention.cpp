@@ -17,6 +17,7 @@
 #include "core/limits.hpp"
 #include "core/error.hpp"
 #include "cp/stage_plan.hpp"
+#include "cp/strategy_table.hpp"
 
 namespace upipe::apps {
 
@@ -29,6 +30,7 @@ struct bench_flags {
   std::vector<std::string> head_chunks;
   std::vector<int> seq_chunks;  // N per row (empty: the strategy's default)
   std::vector<std::string> seq_lens = {"512"};
+  std::vector<std::int64_t> windows = {0};  // sliding windows W per row (0: global attention)
   unsigned long long seed = 1;
   std::string json_path, dump_dir;
   double memory_gib = 8;
@@ -40,20 +42,18 @@ struct bench_flags {
 
 // The head chunks to run for one strategy: the flag's values, "all" for every valid U,
 // or the strategy's default.
-std::vector<int> chunks_for(const bench_flags& f, strategy_kind kind) {
+std::vector<int> chunks_for(const bench_flags& f, const strategy_row& row) {
   if (f.head_chunks.empty()) return {0};
   // "all" alone sweeps each strategy's valid chunks: ring has none, ulysses only H.
-  if (f.head_chunks == std::vector<std::string>{"all"} && kind != strategy_kind::upipe && kind != strategy_kind::hybrid)
-    return {0};
-  if (kind == strategy_kind::ring)
-    throw config_error("--head-chunk is not allowed with --strategy ring, which has no head stages; leave it out, "
-                       "or use --strategy upipe");
+  if (f.head_chunks == std::vector<std::string>{"all"} && row.heads != head_stages::chosen) return {0};
+  if (row.heads == head_stages::none)
+    throw config_error("--head-chunk is not allowed with --strategy " + std::string(row.name) +
+                       ", which has no head stages; leave it out, or use --strategy upipe");
+  const int group = row.mesh ? f.cp / std::max(f.ring, 1) : f.cp;
   std::vector<int> chunks;
   for (const std::string& v : f.head_chunks) {
     if (v == "all") {
-      const auto all = kind == strategy_kind::upipe    ? valid_head_chunks(f.heads, f.cp)
-                       : kind == strategy_kind::hybrid ? valid_head_chunks(f.heads, f.cp / std::max(f.ring, 1))
-                                                       : std::vector<int>{f.heads};
+      const auto all = head_chunk_choices(row, f.heads, group);
       chunks.insert(chunks.end(), all.begin(), all.end());
     } else {
       chunks.push_back(parse_int_count(v, "--head-chunk"));
@@ -74,19 +74,17 @@ void check_shape_flags(const bench_flags& f) {
                        " must lie in (1, 1e12] (RoPE's wavelengths grow from 2 pi to 2 pi theta); for example 500000");
 }
 
-bool takes_sequence_chunks(strategy_kind kind) {
-  return kind == strategy_kind::upipe || kind == strategy_kind::ulysses || kind == strategy_kind::fpdt;
-}
-
 // --seq-chunks sweeps the rows of the strategies that chunk the sequence; given to none of
 // them it would be ignored, and is refused instead.
 void check_seq_chunks_apply(const bench_flags& f) {
   if (std::all_of(f.seq_chunks.begin(), f.seq_chunks.end(), [](int n) { return n == 1; })) return;
   for (const std::string& name : f.strategies)
-    if (takes_sequence_chunks(parse_strategy_kind(name))) return;
-  std::string listed;
+    if (row_named(name).chunks != sequence_chunking::none) return;
+  std::string listed, chunking;
   for (const std::string& name : f.strategies) listed += (listed.empty() ? "" : ",") + name;
-  throw config_error("--seq-chunks applies to ulysses, upipe and fpdt, and --strategy " + listed +
+  for (const strategy_row& row : strategy_rows())
+    if (row.chunks != sequence_chunking::none) chunking += (chunking.empty() ? "" : ", ") + std::string(row.name);
+  throw config_error("--seq-chunks applies to " + chunking + ", and --strategy " + listed +
                      " lists none of them: leave --seq-chunks out, or add --strategy upipe");
 }
 
@@ -95,15 +93,19 @@ std::vector<attention_config> configurations(const bench_flags& f) {
   check_seq_chunks_apply(f);
   std::vector<attention_config> configs;
   for (const std::string& name : f.strategies) {
-    const strategy_kind kind = parse_strategy_kind(name);
-    const bool chunked = takes_sequence_chunks(kind);
+    const strategy_row& row = row_named(name);
+    const strategy_kind kind = row.kind;
+    const bool chunked = row.chunks != sequence_chunking::none;
     std::vector<int> seq_chunks = f.seq_chunks.empty() || !chunked ? std::vector<int>{0} : f.seq_chunks;
-    // A list for several strategies: fpdt takes its N >= 2 (N = 1 is Ulysses' row).
-    if (kind == strategy_kind::fpdt && std::any_of(seq_chunks.begin(), seq_chunks.end(), [](int n) { return n >= 2; }))
+    // A list for several strategies: a row that requires chunks takes its N >= 2 (N = 1 is
+    // another row's).
+    if (row.chunks == sequence_chunking::required &&
+        std::any_of(seq_chunks.begin(), seq_chunks.end(), [](int n) { return n >= 2; }))
       std::erase_if(seq_chunks, [](int n) { return n == 1; });
     for (const std::string& s : f.seq_lens)
-      for (int chunk : chunks_for(f, kind))
-        for (int n : seq_chunks) {
+      for (int chunk : chunks_for(f, row))
+        for (int n : seq_chunks)
+          for (const std::int64_t window : f.windows) {
         attention_config c;
         c.strategy = kind;
         c.seq_len = parse_seq_len(s, "--seq-len");
@@ -113,8 +115,9 @@ std::vector<attention_config> configurations(const bench_flags& f) {
         c.model_dim = f.model_dim != 0 ? f.model_dim : f.heads * f.head_dim;
         c.cp = f.cp;
         c.head_chunk = chunk;
-        c.ring = kind == strategy_kind::hybrid ? f.ring : 1;
+        c.ring = row.mesh ? f.ring : 1;
         c.seq_chunks = n;
+        c.window = window;
         c.rope.theta = f.rope_theta;
         c.rope.scaling.kind = f.rope_llama3 ? rope_kind::llama3 : rope_kind::none;
         c.qk_norm = f.qk_norm;
@@ -135,9 +138,11 @@ nlohmann::json to_json(const experiment_result& r, bool wrong) {
                       {"head_dim", c.head_dim},
                       {"model_dim", c.model_dim},
                       {"cp", c.cp},
-                      {"head_chunk", c.strategy == strategy_kind::ring ? nlohmann::json(nullptr) : nlohmann::json(c.head_chunk)},
+                      {"head_chunk", c.staged() ? nlohmann::json(c.head_chunk) : nlohmann::json(nullptr)},
                       {"seq_chunks", c.seq_chunks},
+                      {"window", c.window},
                       {"time_ms", r.time_ms},
+                      {"tokens_per_s", r.time_ms > 0 ? static_cast<double>(c.seq_len) / (r.time_ms * 1e-3) : 0.0},
                       {"peak_bytes", r.peak_bytes},
                       {"device_peak_bytes", r.device_peak_bytes},
                       {"arena_high_water_bytes", r.arena_high_water},
@@ -151,6 +156,7 @@ nlohmann::json to_json(const experiment_result& r, bool wrong) {
                       {"plan_host_peak_bytes", r.plan_host_peak},
                       {"plan_bytes_by_label", r.plan_bytes_by_label},
                       {"plan_bytes_by_link", r.plan_bytes_by_link},
+                      {"plan_saved_bytes_by_label", r.plan_saved_bytes_by_label},
                       {"bytes_sent", r.bytes_sent},
                       {"bytes_sent_by_label", r.bytes_sent_by_label},
                       {"wrong", wrong}};
@@ -169,13 +175,18 @@ void print_row(const experiment_result& r, bool wrong) {
   char err[32] = "-";
   if (r.max_rel_error) std::snprintf(err, sizeof err, "%.2e", *r.max_rel_error);
   const std::size_t plan_peak = std::max(r.plan_forward_peak, r.plan_backward_peak);
-  std::printf("%-8s %-5s %9lld %4d %4d %4d %3d %4s %3d %11.2f %12.2f %12.2f %12.2f %11.2f %11.2f %9s %6d\n",
+  std::uint64_t saved = 0;
+  for (const auto& [label, bytes] : r.plan_saved_bytes_by_label) saved += bytes;
+  const double tokens_per_s = r.time_ms > 0 ? static_cast<double>(c.seq_len) / (r.time_ms * 1e-3) : 0.0;
+  std::printf("%-8s %-5s %9lld %4d %4d %4d %3d %4s %3d %7lld %11.2f %11.0f %12.2f %12.2f %12.2f %11.2f %11.2f %11.2f %9s "
+              "%6d\n",
               std::string(strategy_name(c.strategy)).c_str(), std::string(backend_name(r.backend)).c_str(),
               static_cast<long long>(c.seq_len), c.heads, c.kv_heads, c.head_dim, c.cp,
-              c.strategy == strategy_kind::ring ? "-" : std::to_string(c.head_chunk).c_str(), c.seq_chunks, r.time_ms,
-              mib(static_cast<double>(r.attention_peak_bytes)), mib(static_cast<double>(plan_peak)),
-              mib(static_cast<double>(r.attention_host_peak)), mib(static_cast<double>(r.device_peak_bytes)),
-              mib(static_cast<double>(sent)), err, wrong ? 1 : 0);
+              c.staged() ? std::to_string(c.head_chunk).c_str() : "-", c.seq_chunks, static_cast<long long>(c.window),
+              r.time_ms, tokens_per_s, mib(static_cast<double>(r.attention_peak_bytes)),
+              mib(static_cast<double>(plan_peak)), mib(static_cast<double>(r.attention_host_peak)),
+              mib(static_cast<double>(r.device_peak_bytes)), mib(static_cast<double>(sent)),
+              mib(static_cast<double>(saved)), err, wrong ? 1 : 0);
   std::fflush(stdout);
 }
 
@@ -190,12 +201,13 @@ int run(const bench_flags& f) {
   options.limits = run_limits(kind, f.memory_gib, checkpoint_location::device);
   // fp32 (cpu) or bf16 storage (cuda) against the float64 reference.
   const double tolerance = kind == backend_kind::cuda ? 2e-2 : 1e-5;
-  std::printf("# upipe bench-attention  backend=%s  D=%d  seed=%llu  (time: forward+backward of rank 0; "
-              "memory: rank 0)\n",
+  std::printf("# upipe bench-attention  backend=%s  D=%d  seed=%llu  (time: forward+backward of rank 0; tok/s: S "
+              "over it, the group's rate; memory and bytes: rank 0's; saved_MiB: what its plan sends and copies "
+              "less than without the window W)\n",
               f.backend.c_str(), configs.empty() ? 0 : configs[0].model_dim, f.seed);
-  std::printf("%-8s %-5s %9s %4s %4s %4s %3s %4s %3s %11s %12s %12s %12s %11s %11s %9s %6s\n", "strategy", "back", "S",
-              "H", "K", "d", "C", "U", "N", "time_ms", "attn_MiB", "plan_MiB", "host_MiB", "peak_MiB", "sent_MiB",
-              "max_err", "#wrong");
+  std::printf("%-8s %-5s %9s %4s %4s %4s %3s %4s %3s %7s %11s %11s %12s %12s %12s %11s %11s %11s %9s %6s\n", "strategy",
+              "back", "S", "H", "K", "d", "C", "U", "N", "W", "time_ms", "tok/s", "attn_MiB", "plan_MiB", "host_MiB",
+              "peak_MiB", "sent_MiB", "saved_MiB", "max_err", "#wrong");
   nlohmann::json rows = nlohmann::json::array();
   int wrong_rows = 0;
   for (std::size_t i = 0; i < configs.size(); ++i) {
@@ -227,7 +239,7 @@ command_runner add_bench_attention(CLI::App& app) {
       ->capture_default_str();
   // --attention as in train, step, bench and plan, so that a message naming it names a flag
   // of this command too.
-  app.add_option("--strategy,--attention", f->strategies, "ulysses, upipe, ring, hybrid, fpdt (comma-separated list)")
+  app.add_option("--strategy,--attention", f->strategies, "comma-separated list of: " + strategy_help())
       ->delimiter(',')
       ->capture_default_str();
   app.add_option("--heads", f->heads, "query heads H")->capture_default_str();
@@ -243,6 +255,10 @@ command_runner add_bench_attention(CLI::App& app) {
                  "N sequence chunks for ulysses, upipe and fpdt (comma list; default 1, fpdt 64K-token chunks)")
       ->delimiter(',');
   app.add_option("--seq-len", f->seq_lens, "global sequence lengths S (comma list; K and M suffixes: 128K, 1M)")
+      ->delimiter(',')
+      ->capture_default_str();
+  app.add_option("--window", f->windows,
+                 "sliding windows W (comma list; 0: global attention): a token attends to the W keys up to itself")
       ->delimiter(',')
       ->capture_default_str();
   app.add_option("--seed", f->seed, "seed of the random inputs and weights")->capture_default_str();

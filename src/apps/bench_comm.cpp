@@ -23,6 +23,7 @@
 #include "core/limits.hpp"
 #include "cp/attention_config.hpp"
 #include "cp/stage_plan.hpp"
+#include "cp/strategy_table.hpp"
 #include "model/config.hpp"
 #include "model/transformer.hpp"
 #include "runtime/cp_group.hpp"
@@ -53,17 +54,23 @@ struct timing {
   double ms = 0;
 };
 
-// The forward messages of upipe (U), ulysses and ring as their stage plans send them, each
-// distinct size once under the labels that send it: "upipe a2a_q/a2a_o" is a stage's query
-// (and output) all-to-all, "ring ring_kv" a ring step.
+// The forward messages of every strategy in the table as its stage plan sends them (U for
+// the rows that choose it, each row's default N), each distinct size once under the labels
+// that send it: "upipe U=8 a2a_q/a2a_o" is a stage's query (and output) all-to-all, "ring
+// ring_kv" a ring step. A mesh's collectives run on sub-groups of the CP group, which this
+// command does not form: its rows are left out.
 std::vector<message> messages(const model_config& m, int C, int U, std::int64_t S, dtype work) {
   std::vector<message> out;
-  for (const auto& [kind, u] : {std::pair{strategy_kind::upipe, U}, {strategy_kind::ulysses, 0}, {strategy_kind::ring, 0}}) {
-    const attention_config c = attention_config_for(m, {kind, C, u, 1, 1}, S);
+  for (const strategy_row& row : strategy_rows()) {
+    if (row.mesh) continue;
+    const bool chosen = row.heads == head_stages::chosen;
+    const attention_config c = attention_config_for(m, {row.kind, C, chosen ? U : 0, 1, 0}, S);
     const stage_plan plan = make_stage_plan(c, 0);
+    std::string name(row.name);
+    if (chosen) name += " U=" + std::to_string(U);
+    if (c.chunked()) name += " N=" + std::to_string(c.seq_chunks);
     for (const plan_message& msg : plan.forward.messages()) {
       if (msg.link != plan_link::all_to_all && msg.link != plan_link::ring) continue;
-      const std::string name = std::string(strategy_name(kind)) + (kind == strategy_kind::upipe ? " U=" + std::to_string(U) : "");
       const auto bytes = static_cast<std::size_t>(msg.bytes(work));
       const bool ring = msg.link == plan_link::ring;
       const auto same = [&](const message& o) {

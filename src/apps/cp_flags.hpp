@@ -7,6 +7,7 @@
 #include <CLI/CLI.hpp>
 
 #include "core/error.hpp"
+#include "cp/strategy_table.hpp"
 #include "model/transformer.hpp"
 
 namespace upipe::apps {
@@ -28,16 +29,13 @@ struct cp_flags {
   }
   // "upipe", "upipe N=4", or "hybrid 2x4" (R x A).
   std::string describe() const {
-    if (attention == "hybrid" && ring > 0) return attention + " " + std::to_string(ring) + "x" + std::to_string(cp / ring);
+    if (row_named(attention).mesh && ring > 0) return attention + " " + std::to_string(ring) + "x" + std::to_string(cp / ring);
     return seq_chunks > 1 ? attention + " N=" + std::to_string(seq_chunks) : attention;
   }
 };
 
 inline void add_cp_flags(CLI::App& app, cp_flags& f, const char* cp_help = "ranks in the CP group") {
-  app.add_option("--attention", f.attention,
-                 "ulysses, upipe, ring, hybrid (ulysses or upipe inside groups of C / R ranks, a ring of R groups), or "
-                 "fpdt (ulysses over sequence chunks, earlier chunks' K/V in host memory)")
-      ->capture_default_str();
+  app.add_option("--attention", f.attention, "the CP strategy: " + strategy_help())->capture_default_str();
   app.add_option("--cp", f.cp, cp_help)->capture_default_str();
   app.add_option("--head-chunk", f.head_chunk,
                  "U, query heads per stage: upipe (default C), hybrid (a multiple of C / R; default H, Ulysses inside)");

@@ -1,7 +1,8 @@
 // `upipe eval`: a model's long-context evaluation under CP, forward only (the weights and
 // nothing of training's state).
-//   held-out loss: at one or more lengths, on a user's data, mean loss, perplexity and the
-//     loss by position in the context in power-of-two buckets (with the targets in each);
+//   held-out loss: at one or more lengths, on each of a user's data sources, mean loss,
+//     perplexity and the loss by position in the context in power-of-two buckets (with the
+//     targets in each), on the targets of the loss mask only where a corpus has one;
 //   --niah: needle in a haystack, a key planted at each depth of a context of each length
 //     and asked for at the end, scored by teacher forcing (exact match, the key's tokens
 //     right, their mean log-probability) over several samples per cell.
@@ -33,10 +34,12 @@
 #include "apps/python.hpp"
 #include "apps/sizes.hpp"
 #include "core/error.hpp"
+#include "train/run_directory.hpp"
 #include "core/limits.hpp"
 #include "model/hf_model.hpp"
 #include "model/model_step.hpp"
 #include "train/data.hpp"
+#include "train/data_reader.hpp"
 #include "train/niah.hpp"
 
 namespace upipe::apps {
@@ -139,7 +142,8 @@ eval_setup setup(const eval_flags& f) {
   s.req.options = resolved.step;
   s.req.limits = resolved.limits;
   s.directory = model_directory(f.model, f.config_path);
-  const std::string weights_path = f.weights_path.empty() ? default_weights(f.model, f.config_path) : f.weights_path;
+  const std::string weights_path =
+      f.weights_path.empty() ? default_weights(f.model, f.config_path) : resolve_checkpoint(f.weights_path);
   if (weights_path.empty()) {
     s.random = random_weights(s.req.model, f.seed);
     s.weights = std::make_unique<host_weight_source>(s.random);
@@ -161,85 +165,124 @@ void write_json(const std::string& path, const nlohmann::json& out) {
   if (!path.empty()) write_json_file(path, out, 1);
 }
 
+// One source's windows of S tokens: --samples consecutive windows from its start, each with
+// its documents (when packed as documents) and loss mask; fewer where the source holds fewer,
+// so that each token is scored once (no window wraps around to the data's start).
+std::vector<eval_sequence> windows(const data_reader& reader, std::size_t source, std::int64_t S, int samples) {
+  const std::int64_t tokens = reader.epoch_tokens(source);
+  const std::string& name = reader.spec(source).path;
+  if (tokens < S)
+    throw config_error("--seq-len " + std::to_string(S) + " is longer than " + name + "'s " + std::to_string(tokens) +
+                       " tokens: every window would repeat the data; use a --seq-len of at most " +
+                       std::to_string(tokens));
+  const int count = static_cast<int>(std::min<std::int64_t>(samples, tokens / S));
+  if (count < samples)
+    std::printf("# S %lld: %s holds %lld tokens, %d whole window(s), not --samples %d: each token is scored once\n",
+                static_cast<long long>(S), name.c_str(), static_cast<long long>(tokens), count, samples);
+  std::vector<eval_sequence> seqs;
+  for (int i = 0; i < count; ++i) {
+    packed_sequence w = reader.read(source, static_cast<std::int64_t>(i) * S, S);
+    eval_sequence seq;
+    seq.tokens = std::move(w.tokens);
+    if (reader.documents(source)) seq.documents = std::move(w.documents);
+    seq.targets = std::move(w.targets);
+    seqs.push_back(std::move(seq));
+  }
+  return seqs;
+}
+
+// The loss of one source's windows at one length: printed, and its JSON row (null when none
+// was scored). Targets the loss mask leaves out are not scored (their loss is NaN) and are
+// counted apart; the position of a target is its place in its document.
+nlohmann::json score_windows(const std::vector<eval_sequence>& seqs, const eval_result& r, std::int64_t S) {
+  buckets by_position;
+  double sum = 0;
+  std::int64_t targets = 0, masked = 0;
+  for (std::size_t i = 0; i < r.completed; ++i) {
+    std::size_t doc = 0;
+    for (std::size_t t = 0; t < r.target_loss[i].size(); ++t) {
+      const float loss = r.target_loss[i][t];
+      if (std::isnan(loss)) {
+        masked += !seqs[i].targets.empty() && seqs[i].targets[t + 1] == 0 ? 1 : 0;
+        continue;
+      }
+      while (doc + 1 < seqs[i].documents.size() && seqs[i].documents[doc + 1] <= static_cast<std::int64_t>(t)) ++doc;
+      const std::int64_t first = seqs[i].documents.empty() ? 0 : seqs[i].documents[doc];
+      by_position.add(static_cast<std::int64_t>(t) + 1 - first, loss);
+      sum += loss;
+      ++targets;
+    }
+  }
+  if (targets == 0 && r.completed > 0)  // a loss over no targets would read as 0
+    throw config_error("the " + std::to_string(r.completed) + " sequences of " + std::to_string(S) + " tokens hold no "
+                       "token to predict (documents of one token each, or every target masked): evaluate documents "
+                       "of several tokens, or use --packing stream");
+  const double mean = sum / static_cast<double>(std::max<std::int64_t>(targets, 1));
+  std::printf("\nS %lld: loss %.5f  perplexity %.3f  over %lld targets of %zu sequences", static_cast<long long>(S), mean,
+              std::exp(mean), static_cast<long long>(targets), r.completed);
+  if (masked > 0) std::printf(" (%lld more left out by the loss mask)", static_cast<long long>(masked));
+  std::printf("  (%.1f s)\n  %-20s %10s %12s\n", r.seconds, "positions", "loss", "targets");
+  nlohmann::json rows = nlohmann::json::array();
+  for (std::size_t k = 0; k < by_position.sum.size(); ++k) {
+    if (by_position.count[k] == 0) continue;
+    const double loss = by_position.sum[k] / static_cast<double>(by_position.count[k]);
+    const std::int64_t lo = std::int64_t{1} << k, hi = (std::int64_t{1} << (k + 1)) - 1;
+    std::printf("  %-20s %10.5f %12lld\n", (std::to_string(lo) + "-" + std::to_string(hi)).c_str(), loss,
+                static_cast<long long>(by_position.count[k]));
+    rows.push_back({{"first", lo}, {"last", hi}, {"loss", loss}, {"targets", by_position.count[k]}});
+  }
+  if (r.completed == 0) return nullptr;
+  return {{"seq_len", S}, {"loss", mean}, {"perplexity", std::exp(mean)}, {"targets", targets}, {"masked", masked},
+          {"sequences", r.completed}, {"seconds", r.seconds}, {"by_position", rows}, {"peak_bytes", r.peak_bytes},
+          {"arena_high_water_bytes", r.arena_high_water}};
+}
+
 int held_out_loss(const eval_flags& f, const eval_setup& s) {
   if (f.data_path.empty())
     throw config_error("upipe eval needs --data PREFIX (a corpus from upipe prepare-data) or FILE, or --niah");
   if (f.packing != "auto" && f.packing != "documents" && f.packing != "stream")
     throw config_error("--packing " + f.packing + " is not known: use documents or stream");
-  const bool documents = f.packing != "stream" && document_corpus::exists(f.data_path);
-  if (f.packing == "documents" && !documents)
-    throw config_error("--packing documents needs " + f.data_path + ".index (upipe prepare-data writes it)");
+  const std::vector<data_source_spec> specs = parse_data_sources(f.data_path, "--data");
+  for (const data_source_spec& d : specs)
+    if (d.weight != 1.0)
+      throw config_error("--data " + f.data_path + ": each source is evaluated on its own, so a weight (" + d.path +
+                         ") means nothing; list them without weights, e.g. --data chat-heldout,books-heldout");
   const std::vector<std::int64_t> lengths = parse_lengths(f.seq_lens, f.samples);
-  std::unique_ptr<document_corpus> corpus;
-  if (document_corpus::exists(f.data_path))
-    corpus = std::make_unique<document_corpus>(f.data_path, s.req.model.vocab_size, 0, f.seed);
-  else
-    for (const std::int64_t S : lengths) token_file check(f.data_path, S, s.req.model.vocab_size);  // before any length runs
-  if (documents) corpus->check_documents_predict();
-  nlohmann::json out = {{"model", s.req.model.name}, {"data", f.data_path}, {"packing", documents ? "documents" : "stream"},
+  const packing_mode packing = f.packing == "documents" ? packing_mode::documents
+                               : f.packing == "stream"  ? packing_mode::stream
+                                                        : packing_mode::automatic;
+  // One reader per length (a token file's sequences are of one length), every one opened
+  // before any length runs.
+  std::vector<data_reader> readers;
+  for (const std::int64_t S : lengths) readers.emplace_back(specs, data_reader::options{s.req.model.vocab_size, S, 0, packing, f.seed});
+  const data_reader& first = readers.front();
+  std::string packed;
+  for (std::size_t d = 0; d < first.size(); ++d) packed += (d ? "," : "") + std::string(first.documents(d) ? "documents" : "stream");
+  nlohmann::json out = {{"model", s.req.model.name}, {"data", f.data_path}, {"packing", packed},
                         {"strategy", f.mesh.attention}, {"cp", f.mesh.cp}, {"lengths", nlohmann::json::array()}};
   std::printf("# upipe eval  model=%s  data=%s (%s)  %s cp=%d  backend=%s  %d sequences per length, forward only\n",
-              s.req.model.name.c_str(), f.data_path.c_str(), documents ? "documents" : "stream", f.mesh.attention.c_str(),
-              f.mesh.cp, f.backend.c_str(), f.samples);
-  for (const std::int64_t S : lengths) {
-    std::unique_ptr<token_file> file;
-    if (!corpus) file = std::make_unique<token_file>(f.data_path, S, s.req.model.vocab_size);
-    std::vector<eval_sequence> seqs;
-    for (int i = 0; i < f.samples; ++i) {
-      eval_sequence seq;
-      if (corpus) {
-        packed_sequence w = corpus->window(static_cast<std::int64_t>(i) * S, S);
-        seq.tokens = std::move(w.tokens);
-        if (documents) seq.documents = std::move(w.documents);
-      } else {
-        seq.tokens = file->sequence(static_cast<std::int64_t>(i) * S);
+              s.req.model.name.c_str(), f.data_path.c_str(), packed.c_str(), f.mesh.attention.c_str(), f.mesh.cp,
+              f.backend.c_str(), f.samples);
+  for (std::size_t d = 0; d < first.size(); ++d) {
+    if (first.size() > 1) std::printf("\n## %s%s\n", specs[d].path.c_str(), first.masked(d) ? " (loss mask)" : "");
+    for (std::size_t l = 0; l < lengths.size(); ++l) {
+      const std::int64_t S = lengths[l];
+      const std::vector<eval_sequence> seqs = windows(readers[l], d, S, f.samples);
+      eval_result r;
+      const bool whole = run_length(s, seqs, "S " + std::to_string(S), r);
+      nlohmann::json row = score_windows(seqs, r, S);
+      if (!row.is_null()) {
+        row["data"] = specs[d].path;
+        out["lengths"].push_back(std::move(row));
       }
-      seqs.push_back(std::move(seq));
-    }
-    eval_result r;
-    const bool whole = run_length(s, seqs, "S " + std::to_string(S), r);
-    buckets by_position;
-    double sum = 0;
-    std::int64_t targets = 0;
-    for (std::size_t i = 0; i < r.completed; ++i) {
-      std::size_t doc = 0;
-      for (std::size_t t = 0; t < r.target_loss[i].size(); ++t) {
-        const float loss = r.target_loss[i][t];
-        if (std::isnan(loss)) continue;
-        while (doc + 1 < seqs[i].documents.size() && seqs[i].documents[doc + 1] <= static_cast<std::int64_t>(t)) ++doc;
-        const std::int64_t first = seqs[i].documents.empty() ? 0 : seqs[i].documents[doc];
-        by_position.add(static_cast<std::int64_t>(t) + 1 - first, loss);
-        sum += loss;
-        ++targets;
+      if (!whole) {
+        out["interrupted"] = true;
+        write_json(f.json_path, out);
+        std::fprintf(stderr, "upipe eval: interrupted at S %lld after %zu of %zu sequences%s\n",
+                     static_cast<long long>(S), r.completed, seqs.size(),
+                     f.json_path.empty() ? "" : ("; the results so far are in " + f.json_path).c_str());
+        return 130;
       }
-    }
-    if (targets == 0 && r.completed > 0)
-      throw config_error("the " + std::to_string(r.completed) + " sequences of " + std::to_string(S) + " tokens of " +
-                         f.data_path + " hold no token to predict (documents of one token each): evaluate documents "
-                         "of several tokens, or use --packing stream");
-    const double mean = targets > 0 ? sum / static_cast<double>(targets) : 0.0;
-    std::printf("\nS %lld: loss %.5f  perplexity %.3f  over %lld targets of %zu sequences  (%.1f s)\n",
-                static_cast<long long>(S), mean, std::exp(mean), static_cast<long long>(targets), r.completed, r.seconds);
-    std::printf("  %-20s %10s %12s\n", "positions", "loss", "targets");
-    nlohmann::json rows = nlohmann::json::array();
-    for (std::size_t k = 0; k < by_position.sum.size(); ++k) {
-      if (by_position.count[k] == 0) continue;
-      const double loss = by_position.sum[k] / static_cast<double>(by_position.count[k]);
-      const std::int64_t lo = std::int64_t{1} << k, hi = (std::int64_t{1} << (k + 1)) - 1;
-      std::printf("  %-20s %10.5f %12lld\n", (std::to_string(lo) + "-" + std::to_string(hi)).c_str(), loss,
-                  static_cast<long long>(by_position.count[k]));
-      rows.push_back({{"first", lo}, {"last", hi}, {"loss", loss}, {"targets", by_position.count[k]}});
-    }
-    if (r.completed > 0)
-      out["lengths"].push_back({{"seq_len", S}, {"loss", mean}, {"perplexity", std::exp(mean)}, {"targets", targets},
-                                {"sequences", r.completed}, {"seconds", r.seconds}, {"by_position", rows},
-                                {"peak_bytes", r.peak_bytes}, {"arena_high_water_bytes", r.arena_high_water}});
-    if (!whole) {
-      out["interrupted"] = true;
-      write_json(f.json_path, out);
-      std::fprintf(stderr, "upipe eval: interrupted at S %lld after %zu of %zu sequences%s\n", static_cast<long long>(S),
-                   r.completed, seqs.size(), f.json_path.empty() ? "" : ("; the results so far are in " + f.json_path).c_str());
-      return 130;
     }
   }
   write_json(f.json_path, out);
@@ -412,8 +455,9 @@ command_runner add_eval(CLI::App& app) {
   add_model_flags(app, f->model, f->config_path);
   app.add_option("--weights", f->weights_path, "weights (a model directory or checkpoint; default the --model directory's)");
   app.add_option("--data", f->data_path,
-                 "held-out data: a corpus PREFIX from upipe prepare-data, or a uint32 token file (with --niah: the "
-                 "haystack, default a built-in text)");
+                 "held-out data: corpus PREFIXes from upipe prepare-data or uint32 token files, comma-separated, each "
+                 "scored on its own targets (a loss mask's where it has one); with --niah: the haystack, default a "
+                 "built-in text");
   app.add_option("--seq-len,--lengths", f->seq_lens, "lengths, comma-separated (K and M suffixes), e.g. 4K,32K,128K")
       ->capture_default_str();
   app.add_option("--samples", f->samples, "sequences per length (with --niah: per depth and length)")

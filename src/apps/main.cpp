@@ -1,11 +1,14 @@
 // The upipe command line.
+#include <algorithm>
 #include <csignal>
 #include <cstdio>
 #include <exception>
 #include <string>
+#include <vector>
 
 #include "apps/commands.hpp"
 #include "apps/flag_checks.hpp"
+#include "apps/run_config.hpp"
 #include "backend/backend.hpp"
 #include "comm/communicator.hpp"
 #include "comm/launch.hpp"
@@ -21,6 +24,45 @@ int report_error(const std::exception& e) {
   return user_error ? 2 : memory ? 3 : 4;
 }
 
+// "did you mean": the subcommand or flag closest to a mistyped one, named in the error.
+std::string suggestion(const std::string& word, const std::vector<std::string>& known) {
+  const std::string near = upipe::apps::closest(word, known);
+  return near.empty() ? std::string() : "; did you mean " + near + "?";
+}
+
+std::vector<std::string> option_names(const CLI::App& app) {
+  std::vector<std::string> names;
+  for (const CLI::Option* opt : app.get_options())
+    for (const std::string& name : opt->get_lnames()) names.push_back("--" + name);
+  return names;
+}
+
+// A command line CLI11 refused: the message, with the closest subcommand or flag where a
+// word was mistyped.
+std::string explain_parse_error(CLI::App& app, const CLI::ParseError& e, int argc, char** argv) {
+  std::vector<std::string> commands;
+  for (const CLI::App* sub : app.get_subcommands([](CLI::App*) { return true; })) commands.push_back(sub->get_name());
+  // The first word is the command: one CLI11 does not know is named as such.
+  if (argc > 1 && argv[1][0] != '-' && std::find(commands.begin(), commands.end(), argv[1]) == commands.end()) {
+    std::string all;
+    for (const std::string& c : commands) all += (all.empty() ? "" : ", ") + c;
+    return "'" + std::string(argv[1]) + "' is not a command of upipe" + suggestion(argv[1], commands) +
+           " The commands: " + all;
+  }
+  std::string text = e.what();
+  if (dynamic_cast<const CLI::ExtrasError*>(&e) == nullptr || argc < 2) return text;
+  CLI::App* command = app.get_subcommand(argv[1]);
+  for (int i = 2; i < argc; ++i) {
+    std::string word = argv[i];
+    if (word.rfind("--", 0) != 0) continue;
+    word = word.substr(0, word.find('='));
+    const std::vector<std::string> known = option_names(*command);
+    if (std::find(known.begin(), known.end(), word) != known.end()) continue;
+    return "upipe " + std::string(argv[1]) + " has no flag " + word + suggestion(word, known);
+  }
+  return text;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -29,6 +71,7 @@ int main(int argc, char** argv) {
   std::signal(SIGXFSZ, SIG_IGN);
   CLI::App app{"upipe: long-context training with untied Ulysses (UPipe) context parallelism"};
   app.require_subcommand(1);
+  app.set_version_flag("--version", upipe::apps::version_text());
   upipe::apps::command_runner run;
   auto train = upipe::apps::add_train(*app.add_subcommand(
       "train", "Train under context parallelism (default: a tiny model learns a passkey task on the CPU)"));
@@ -63,7 +106,8 @@ int main(int argc, char** argv) {
     // Bad flags are bad input: exit 2 like every other refusal (0 for --help).
     if (e.get_exit_code() == 0) return app.exit(e);
     const bool conversion = dynamic_cast<const CLI::ConversionError*>(&e) != nullptr;
-    std::fprintf(stderr, "upipe: error: %s%s\nRun with --help for the flags and their values.\n", e.what(),
+    std::fprintf(stderr, "upipe: error: %s%s\nRun with --help for the flags and their values.\n",
+                 explain_parse_error(app, e, argc, argv).c_str(),
                  conversion ? " (a number in the flag's range: whole numbers up to 2147483647 for counts of ranks, "
                               "heads or layers; see --help)"
                             : "");

@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include <CLI/CLI.hpp>
 
@@ -16,6 +17,7 @@
 #include "core/limits.hpp"
 #include "model/config.hpp"
 #include "model/hf_model.hpp"
+#include "train/run_directory.hpp"
 
 namespace upipe::apps {
 
@@ -36,7 +38,7 @@ inline bool looks_like_path(const std::string& s) {
 
 // --model NAME|DIR or --config FILE|DIR; a path that is no model directory is an error
 // naming what it lacks.
-inline model_config load_model(const std::string& model, const std::string& config_path, int layers = 0) {
+inline model_config load_model(const std::string& given, const std::string& config_path, int layers = 0) {
   if (!config_path.empty()) {
     model_config m = slice_layers(read_hf_config(config_path), layers);
     std::error_code ec;
@@ -46,6 +48,7 @@ inline model_config load_model(const std::string& model, const std::string& conf
     check_companion_files(dir.empty() ? "." : dir.string());  // a save copies them
     return m;
   }
+  const std::string model = resolve_checkpoint(given);  // a run directory means its latest checkpoint
   if (looks_like_path(model)) {
     std::error_code ec;
     if (std::filesystem::is_directory(model, ec) && is_adapter_directory(model))
@@ -63,8 +66,9 @@ inline model_config load_model(const std::string& model, const std::string& conf
 
 // The directory a model came from (its config.json is the base of a saved one, its
 // tokenizer files are copied), or empty for a preset.
-inline std::string model_directory(const std::string& model, const std::string& config_path) {
+inline std::string model_directory(const std::string& given, const std::string& config_path) {
   std::error_code ec;
+  const std::string model = config_path.empty() ? resolve_checkpoint(given) : given;
   if (!config_path.empty())
     return std::filesystem::is_directory(config_path, ec) ? config_path
                                                           : std::filesystem::path(config_path).parent_path().string();
@@ -94,24 +98,26 @@ struct rope_flags {
   std::string scaling;                                 // "type=yarn,factor=4,..." (empty: the model's)
   std::optional<std::int64_t> max_position_embeddings;  // the model's unless given (raised to cover the extension)
 
-  void add(CLI::App& app) {
-    app.add_option("--rope-theta", theta, "RoPE base (the model's unless given)");
-    app.add_option("--rope-scaling", scaling,
-                   "RoPE scaling as transformers computes it: type=llama3|linear|yarn|default then key=value pairs "
-                   "(factor, original_max_position_embeddings, low_freq_factor, high_freq_factor, beta_fast, "
-                   "beta_slow, mscale, mscale_all_dim, attention_factor, truncate), e.g. type=yarn,factor=4");
-    app.add_option("--max-position-embeddings", max_position_embeddings,
-                   "the context the saved config declares (default: the model's, or the extended one)");
-  }
-
-  void apply(model_config& m) const {
+  // Applies the flags to the model; returns what changed of the model's own context, to be
+  // said aloud (a scaling replaced, the declared context raised).
+  std::vector<std::string> apply(model_config& m) const {
+    std::vector<std::string> notes;
     if (theta) {
       if (!(*theta > 0) || !std::isfinite(*theta))
         throw config_error("--rope-theta " + real_text(*theta) + " must be a positive number (e.g. 500000)");
+      if (*theta != m.rope.theta)
+        notes.push_back("--rope-theta " + real_text(*theta) + " replaces the model's RoPE base " + real_text(m.rope.theta));
       m.rope.theta = *theta;
     }
     const std::int64_t context = m.max_position_embeddings;
-    if (!scaling.empty()) m.rope.scaling = parse_scaling(m);
+    if (!scaling.empty()) {
+      const rope_scaling before = m.rope.scaling;
+      m.rope.scaling = parse_scaling(m);
+      if (before.enabled() && !(before == m.rope.scaling))
+        notes.push_back(std::string("--rope-scaling replaces the model's ") + rope_kind_name(before.kind) +
+                        " scaling (factor " + real_text(before.factor) + ") by " + rope_kind_name(m.rope.scaling.kind) +
+                        (m.rope.scaling.enabled() ? " (factor " + real_text(m.rope.scaling.factor) + ")" : std::string()));
+    }
     if (max_position_embeddings && *max_position_embeddings < 1)
       throw config_error("--max-position-embeddings " + std::to_string(*max_position_embeddings) +
                          " must be positive (e.g. 131072)");
@@ -123,7 +129,11 @@ struct rope_flags {
       m.max_position_embeddings =
           std::max(context, static_cast<std::int64_t>(std::llround(static_cast<double>(original) * m.rope.scaling.factor)));
     }
+    if (m.max_position_embeddings != context && context > 0)
+      notes.push_back("the context the model declares (max_position_embeddings) goes from " + std::to_string(context) +
+                      " to " + std::to_string(m.max_position_embeddings) + " in the saved config.json");
     validate(m);
+    return notes;
   }
 
  private:

@@ -25,10 +25,16 @@ int run(const model_flags& f) {
   if (f.list) {
     for (const std::string& name : preset_names()) {
       const model_config c = preset(name);
-      std::printf("%-12s %6.2fB parameters  L=%d D=%d H=%d K=%d d=%d F=%d V=%lld%s%s\n", name.c_str(),
-                  static_cast<double>(c.parameter_count()) / 1e9, c.num_layers, c.hidden_size, c.num_heads,
-                  c.num_kv_heads, c.head_dim, c.intermediate_size, static_cast<long long>(c.vocab_size),
-                  c.tie_embeddings ? " tied" : "", c.qk_norm ? " qk-norm" : "");
+      int windowed = 0;
+      for (int l = 0; l < c.num_layers; ++l) windowed += c.layer_window(l) > 0 ? 1 : 0;
+      const std::string window = windowed == 0 ? std::string()
+                                               : " window=" + std::to_string(c.sliding_window) + " on " +
+                                                     std::to_string(windowed) + "/" + std::to_string(c.num_layers);
+      std::printf("%-12s %-12s %6.2fB parameters  L=%d D=%d H=%d K=%d d=%d F=%d V=%lld%s%s%s%s\n", name.c_str(),
+                  std::string(c.traits().model_type).c_str(), static_cast<double>(c.parameter_count()) / 1e9,
+                  c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
+                  static_cast<long long>(c.vocab_size), c.tie_embeddings ? " tied" : "", c.qk_norm ? " qk-norm" : "",
+                  c.biases != 0 ? " bias" : "", window.c_str());
     }
     return 0;
   }

@@ -17,6 +17,7 @@
 #include "apps/model_flags.hpp"
 #include "apps/sizes.hpp"
 #include "core/error.hpp"
+#include "cp/strategy_table.hpp"
 #include "model/config.hpp"
 #include "plan/planner.hpp"
 
@@ -29,13 +30,46 @@ struct plan_flags {
       optimizer = "adamw", policy, offload = "none", lora;
   std::vector<std::string> attention;  // default: ulysses, upipe, ring, fpdt (and hybrid on several nodes)
   std::vector<int> seq_chunks;          // default: the planner's
+  std::vector<int> dps;                 // the mesh sweep's replica counts (default: every divisor of the GPUs)
   throughput_rates rates;               // the step-time model's
   int gpus = 8, gpus_per_node = 0, nodes = 1, zero = 3, layers = 0;
+  bool gpus_given = false, nodes_given = false;  // given on the command line (checked against each other)
   double margin = 0.05;
   std::int64_t mlp_tile = 0, loss_chunk = 0;
 };
 
 constexpr const char* paper_host_memory = "1.9TiB";  // the paper's 8 x H100 machine
+
+struct mesh_size {
+  int gpus = 0, nodes = 1;
+};
+
+// The GPUs and nodes --gpus, --gpus-per-node and --nodes ask for, all three consistent:
+// --gpus alone is one node; with --gpus-per-node the nodes follow (G x nodes = gpus), and
+// --nodes beside both must agree. Refused with the values and a valid line otherwise.
+mesh_size plan_mesh(int gpus, bool gpus_given, int per_node, int nodes, bool nodes_given) {
+  if (gpus < 1 || (per_node == 0 && nodes < 1) || per_node < 0 || nodes < 1)
+    throw config_error("--gpus " + std::to_string(gpus) + ", --gpus-per-node " + std::to_string(per_node) +
+                       " and --nodes " + std::to_string(nodes) + " must be positive (for example --gpus 16 "
+                       "--gpus-per-node 8)");
+  if (per_node == 0) {
+    if (nodes_given && nodes != 1)
+      throw config_error("--nodes " + std::to_string(nodes) + " needs --gpus-per-node G (for example --gpus-per-node " +
+                         std::to_string(std::max(1, gpus / nodes)) + " --nodes " + std::to_string(nodes) + ")");
+    return {gpus, 1};
+  }
+  if (!gpus_given) return {per_node * nodes, nodes};
+  if (gpus % per_node != 0)
+    throw config_error("--gpus " + std::to_string(gpus) + " is not a whole number of nodes of --gpus-per-node " +
+                       std::to_string(per_node) + ": use --gpus " + std::to_string((gpus / per_node + 1) * per_node) +
+                       " or a --gpus-per-node that divides it");
+  if (nodes_given && nodes * per_node != gpus)
+    throw config_error("--gpus " + std::to_string(gpus) + " differs from --nodes " + std::to_string(nodes) +
+                       " x --gpus-per-node " + std::to_string(per_node) + " = " + std::to_string(nodes * per_node) +
+                       ": give two of the three (for example --gpus " + std::to_string(gpus) + " --gpus-per-node " +
+                       std::to_string(per_node) + ")");
+  return {gpus, gpus / per_node};
+}
 
 double gib(std::size_t bytes) { return static_cast<double>(bytes) / (1 << 30); }
 
@@ -51,7 +85,7 @@ std::string tokens_text(std::int64_t s) {
 }
 
 std::string u_text(const plan_entry& e) {
-  return e.strategy == strategy_kind::ring ? "-" : std::to_string(e.head_chunk);
+  return row_of(e.strategy).heads == head_stages::none ? "-" : std::to_string(e.head_chunk);
 }
 
 // The rows of the tables: one per strategy, U, mesh and optimizer placement, the entry of
@@ -87,7 +121,7 @@ std::vector<const plan_entry*> table_rows(const std::vector<plan_entry>& entries
 // "+host" where AdamW's state is in host memory, "+host+w" where the weights are too.
 std::string strategy_text(const plan_entry& e, int gpus) {
   std::string name(strategy_name(e.strategy));
-  if (e.strategy == strategy_kind::hybrid) name += " " + std::to_string(e.ring) + "x" + std::to_string(gpus / e.ring);
+  if (row_of(e.strategy).mesh) name += " " + std::to_string(e.ring) + "x" + std::to_string(gpus / e.ring);
   return e.offload_params ? name + " +host+w" : e.offload_optimizer ? name + " +host" : name;
 }
 
@@ -100,6 +134,7 @@ nlohmann::json point_json(const plan_point& p) {
   if (p.time)
     time = {{"total", p.time->total()}, {"gemm", p.time->gemm},         {"attention", p.time->attention},
             {"all_to_all", p.time->all_to_all}, {"ring", p.time->ring}, {"zero", p.time->zero},
+            {"data_parallel", p.time->data_parallel},
             {"host", p.time->host}};
   return {{"seq_len", p.seq_len},
           {"fits", p.fits},
@@ -116,28 +151,109 @@ nlohmann::json point_json(const plan_point& p) {
           {"host_bytes", p.host_bytes}};
 }
 
+// "upipe" or "hybrid 2x8" for a mesh entry's CP group, "+host" as strategy_text.
+std::string mesh_strategy_text(const mesh_entry& e) {
+  std::string name(strategy_name(e.cp.strategy));
+  if (e.cp.strategy == strategy_kind::hybrid) name += " " + std::to_string(e.cp.ring) + "x" + std::to_string(e.cp.cp / e.cp.ring);
+  return e.offload_params ? name + " +host+w" : e.offload_optimizer ? name + " +host" : name;
+}
+
+// The `upipe train` command line that runs a mesh entry as planned.
+std::string train_command(const plan_flags& f, const plan_request& r, const mesh_entry& e) {
+  std::string c = "upipe train " + (f.config_path.empty() ? "--model " + f.model : "--config " + f.config_path) +
+                  (f.layers > 0 ? " --layers " + std::to_string(f.layers) : "") + " --dp " + std::to_string(e.dp) + " --cp " + std::to_string(e.cp.cp) + " --attention " +
+                  std::string(strategy_name(e.cp.strategy));
+  if (e.cp.strategy == strategy_kind::upipe || e.cp.strategy == strategy_kind::hybrid)
+    c += " --head-chunk " + std::to_string(e.cp.head_chunk);
+  if (e.cp.strategy == strategy_kind::hybrid) c += " --ring " + std::to_string(e.cp.ring);
+  if (e.cp.seq_chunks > 1) c += " --seq-chunks " + std::to_string(e.cp.seq_chunks);
+  c += " --seq-len " + std::to_string(e.point.seq_len) + " --zero " + std::to_string(f.zero) +
+       " --checkpoint-policy " + e.point.policy.str();
+  if (e.offload_optimizer) c += e.offload_params ? " --offload optimizer,params" : " --offload optimizer";
+  if (r.lora.enabled()) c += " --lora " + lora_text(r.lora);
+  if (r.nodes > 1) c += " --gpus-per-node " + std::to_string(r.gpus / r.nodes);
+  return c + " --backend cuda";
+}
+
+// The mesh sweep at the planned length: per D, each strategy's fastest configuration, then
+// the recommended mesh against CP over every GPU and its train command.
+void print_meshes(const plan_flags& f, const plan_request& r, const plan_result& plan) {
+  if (plan.meshes.empty()) return;
+  std::printf("\nmeshes at S = %s (D replicas, each a CP group of C = %d / D GPUs, ZeRO over all %d; each "
+              "strategy's fastest U, N and policy):\n%3s %3s %-15s %4s %4s %5s %8s %8s %10s %10s  %s\n",
+              tokens_text(plan.planned_seq_len).c_str(), r.gpus, r.gpus, "D", "C", "strategy", "U", "N", "fits",
+              "GPU GiB", "host GiB", "step s", "tok/s/GPU", "checkpoint policy");
+  std::vector<const mesh_entry*> rows;
+  for (const mesh_entry& e : plan.meshes) rows.push_back(&e);
+  std::stable_sort(rows.begin(), rows.end(), [](const mesh_entry* a, const mesh_entry* b) { return a->dp < b->dp; });
+  for (const mesh_entry* e : rows)
+    std::printf("%3d %3d %-15s %4s %4d %5s %8.1f %8.1f %10.2f %10.0f  %s\n", e->dp, e->cp.cp,
+                mesh_strategy_text(*e).c_str(),
+                e->cp.strategy == strategy_kind::ring ? "-" : std::to_string(e->cp.head_chunk).c_str(),
+                e->cp.seq_chunks, e->point.fits ? "yes" : "no", gib(e->point.gpu_bytes), gib(e->point.host_bytes),
+                e->point.time->total(), e->tokens_per_s_per_gpu(), e->point.policy.str().c_str());
+  if (!plan.recommended_mesh) {
+    std::printf("\nrecommended mesh: none fits S = %s; shorten --seq-len or add GPUs\n",
+                tokens_text(plan.planned_seq_len).c_str());
+    return;
+  }
+  const mesh_entry& best = plan.meshes[*plan.recommended_mesh];
+  std::printf("\nrecommended mesh: --dp %d --cp %d, %s (U %s, N %d): %.0f tokens/s/GPU in the step-time model",
+              best.dp, best.cp.cp, mesh_strategy_text(best).c_str(),
+              best.cp.strategy == strategy_kind::ring ? "-" : std::to_string(best.cp.head_chunk).c_str(),
+              best.cp.seq_chunks, best.tokens_per_s_per_gpu());
+  if (plan.best_cp_only) {
+    const mesh_entry& cp = plan.meshes[*plan.best_cp_only];
+    std::printf(", %.2fx CP over all %d GPUs (%s, %.0f tokens/s/GPU)\n", best.tokens_per_s_per_gpu() / cp.tokens_per_s_per_gpu(),
+                r.gpus, mesh_strategy_text(cp).c_str(), cp.tokens_per_s_per_gpu());
+  } else {
+    std::printf("; CP over all %d GPUs fits no configuration here\n", r.gpus);
+  }
+  std::printf("  %s\n", train_command(f, r, best).c_str());
+}
+
+nlohmann::json meshes_json(const plan_flags& f, const plan_request& r, const plan_result& plan) {
+  nlohmann::json rows = nlohmann::json::array();
+  for (std::size_t i = 0; i < plan.meshes.size(); ++i) {
+    const mesh_entry& e = plan.meshes[i];
+    nlohmann::json j = point_json(e.point);
+    j["dp"] = e.dp;
+    j["cp"] = e.cp.cp;
+    j["strategy"] = std::string(strategy_name(e.cp.strategy));
+    j["head_chunk"] = e.cp.strategy == strategy_kind::ring ? nlohmann::json(nullptr) : nlohmann::json(e.cp.head_chunk);
+    j["ring"] = e.cp.ring;
+    j["seq_chunks"] = e.cp.seq_chunks;
+    j["offload_optimizer"] = e.offload_optimizer;
+    j["offload_params"] = e.offload_params;
+    j["tokens_per_s_per_gpu_model"] = e.tokens_per_s_per_gpu();
+    j["recommended"] = plan.recommended_mesh == i;
+    if (plan.recommended_mesh == i) {
+      j["train_command"] = train_command(f, r, e);
+      if (plan.best_cp_only)
+        j["speedup_over_cp_only"] = e.tokens_per_s_per_gpu() / plan.meshes[*plan.best_cp_only].tokens_per_s_per_gpu();
+    }
+    rows.push_back(j);
+  }
+  return rows;
+}
+
 int run(const plan_flags& f) {
   const auto start = std::chrono::steady_clock::now();
   plan_request r;
   r.model = load_model(f.model, f.config_path, f.layers);
-  r.gpus = f.gpus;
-  if (f.gpus_per_node != 0 || f.nodes != 1) {
-    if (f.gpus_per_node < 1)
-      throw config_error("--nodes " + std::to_string(f.nodes) + " needs --gpus-per-node G (for example "
-                         "--gpus-per-node 8 --nodes 2)");
-    r.gpus = f.gpus_per_node * f.nodes;
-  }
-  r.nodes = f.nodes;
+  const mesh_size mesh = plan_mesh(f.gpus, f.gpus_given, f.gpus_per_node, f.nodes, f.nodes_given);
+  r.gpus = mesh.gpus;
+  r.nodes = mesh.nodes;
   r.gpu_memory = parse_bytes(f.gpu_memory, "--gpu-memory");
   const bool host_default = f.host_memory.empty();
   r.host_memory = parse_bytes(host_default ? paper_host_memory : f.host_memory, "--host-memory");
   r.margin = f.margin;
   if (!f.seq_len.empty()) r.seq_len = parse_seq_len(f.seq_len);
   r.strategies.clear();
-  std::vector<std::string> attention = f.attention;
-  if (attention.empty()) attention = {"ulysses", "upipe", "ring", "fpdt"};
-  if (f.attention.empty() && r.nodes > 1) attention.push_back("hybrid");
-  for (const std::string& name : attention) r.strategies.push_back(parse_strategy_kind(name));
+  // By default the table's planned rows, and the meshes across nodes.
+  for (const strategy_row& row : strategy_rows())
+    if (f.attention.empty() && (row.planned_by_default || (row.mesh && r.nodes > 1))) r.strategies.push_back(row.kind);
+  for (const std::string& name : f.attention) r.strategies.push_back(parse_strategy_kind(name));
   if (f.zero != 2 && f.zero != 3)
     throw config_error("--zero " + std::to_string(f.zero) + " is not supported: use --zero 2 or --zero 3");
   r.zero = f.zero == 3 ? zero_stage::three : zero_stage::two;
@@ -153,6 +269,10 @@ int run(const plan_flags& f) {
   r.mlp_tile = f.mlp_tile;
   r.loss_chunk = f.loss_chunk;
   if (!f.seq_chunks.empty()) r.seq_chunks = f.seq_chunks;
+  r.dps = f.dps;
+  if (r.dps.empty())  // every mesh of the GPUs
+    for (int d = 1; d <= r.gpus; ++d)
+      if (r.gpus % d == 0) r.dps.push_back(d);
   r.rates = f.rates;
   for (const double rate : {f.rates.gemm_tflops, f.rates.attention_tflops, f.rates.nvlink_gbytes, f.rates.network_gbits,
                             f.rates.pcie_gbytes})
@@ -258,6 +378,7 @@ int run(const plan_flags& f) {
   else if (upipe_planned)
     std::printf("\nrecommended: none, upipe fits no U at S = %s; shorten --seq-len or add GPUs\n",
                 tokens_text(plan.planned_seq_len).c_str());
+  print_meshes(f, r, plan);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   std::printf("# planned in %.1f s\n", seconds);
 
@@ -269,8 +390,8 @@ int run(const plan_flags& f) {
                           {"seq_chunks", e.seq_chunks},
                           {"offload_optimizer", e.offload_optimizer},
                           {"offload_params", e.offload_params},
-                          {"head_chunk", e.strategy == strategy_kind::ring ? nlohmann::json(nullptr)
-                                                                           : nlohmann::json(e.head_chunk)},
+                          {"head_chunk", row_of(e.strategy).heads == head_stages::none ? nlohmann::json(nullptr)
+                                                                                        : nlohmann::json(e.head_chunk)},
                           {"max_seq_len", e.longest ? e.longest->seq_len : 0}};
       if (e.longest) {
         const nlohmann::json p = point_json(*e.longest);
@@ -301,7 +422,8 @@ int run(const plan_flags& f) {
         {"recommended_head_chunk",
          plan.recommended_head_chunk ? nlohmann::json(*plan.recommended_head_chunk) : nlohmann::json(nullptr)},
         {"recommended_seq_chunks", plan.recommended_seq_chunks},
-        {"entries", entries}};
+        {"entries", entries},
+        {"meshes", meshes_json(f, r, plan)}};
     write_json_file(f.json_path, doc, 1);
   }
   return 0;
@@ -312,20 +434,26 @@ int run(const plan_flags& f) {
 command_runner add_plan(CLI::App& app) {
   auto f = std::make_shared<plan_flags>();
   add_model_flags(app, f->model, f->config_path);
-  app.add_option("--gpus", f->gpus, "GPUs in the CP group, one node")->capture_default_str();
-  app.add_option("--gpus-per-node", f->gpus_per_node, "with --nodes: GPUs per node (the CP group is all of them)");
-  app.add_option("--nodes", f->nodes, "nodes (hybrid's ring runs across them; host memory is per node)")
-      ->capture_default_str();
+  CLI::Option* gpus = app.add_option("--gpus", f->gpus, "GPUs in all (one node unless --gpus-per-node)")
+                          ->capture_default_str();
+  app.add_option("--gpus-per-node", f->gpus_per_node, "GPUs per node: --gpus / G nodes (or with --nodes)");
+  CLI::Option* nodes = app.add_option("--nodes", f->nodes, "nodes (hybrid's ring runs across them; host memory is per "
+                                      "node)")->capture_default_str();
   app.add_option("--gpu-memory", f->gpu_memory, "memory per GPU (80GiB, 141GB, ...)")->capture_default_str();
   app.add_option("--host-memory", f->host_memory,
                  "host memory of the node (default 1.9TiB, the paper's machine)");
   app.add_option("--seq-len", f->seq_len, "also plan this length (K and M suffixes)");
   app.add_option("--attention", f->attention,
-                 "strategies to plan (default ulysses, upipe, ring, fpdt, and hybrid on several nodes)")
+                 "strategies to plan, a comma list of: " + strategy_help() +
+                     " (default ulysses, upipe, ring, fpdt, and hybrid on several nodes)")
       ->delimiter(',');
   app.add_option("--seq-chunks", f->seq_chunks,
                  "sequence chunks N to try for upipe and fpdt, ascending until one reaches no further "
                  "(comma list; default 1,4,16,64)")
+      ->delimiter(',');
+  app.add_option("--dp", f->dps,
+                 "replica counts D the mesh sweep tries at the planned length, each a CP group of gpus / D "
+                 "(comma list; default every divisor of the GPUs)")
       ->delimiter(',');
   app.add_option("--zero", f->zero, "2: shard optimizer state and gradients; 3: weights too")->capture_default_str();
   app.add_option("--optimizer", f->optimizer, "adamw (a training step) or none (forward and backward only)")
@@ -352,7 +480,11 @@ command_runner add_plan(CLI::App& app) {
       ->capture_default_str();
   app.add_option("--pcie-gbytes", f->rates.pcie_gbytes, "step-time model: host <-> device copies, GB/s each way")
       ->capture_default_str();
-  return [f] { return run(*f); };
+  return [f, gpus, nodes] {
+    f->gpus_given = gpus->count() > 0;
+    f->nodes_given = nodes->count() > 0;
+    return run(*f);
+  };
 }
 
 }  // namespace upipe::apps

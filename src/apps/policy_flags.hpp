@@ -27,7 +27,8 @@ inline plan_point choose_checkpoint_policy(train_options& o, double memory_gib, 
   on_gpu.step.policy.where = checkpoint_location::host_pinned;
   plan_request r;
   r.model = o.model;
-  r.gpus = o.cp.cp;
+  r.gpus = o.dp * o.cp.cp;
+  r.dp = o.dp;
   r.zero = o.zero;
   r.offload_optimizer = o.offload_optimizer;
   r.lora = o.step.lora;

@@ -75,8 +75,10 @@ int run_in(const private_dir& dir, const char* script, const std::string& name, 
 
 }  // namespace
 
-int run_python_file(const char* script, const std::string& name, const std::vector<std::string>& args) {
+int run_python_file(const char* script, const std::string& name, const std::vector<std::string>& args,
+                    std::span<const python_module> modules) {
   const private_dir dir(name);
+  for (const python_module& m : modules) std::ofstream(dir.file(m.name)) << m.text;
   return run_in(dir, script, name, args);
 }
 

@@ -2,6 +2,7 @@
 // offline tools beside the engine; training itself never runs Python.
 #pragma once
 
+#include <span>
 #include <string>
 #include <vector>
 
@@ -19,9 +20,17 @@ int script_exit_status(int status, const std::string& command);
 // `needed_for` when it cannot be started.
 int spawn(const std::vector<std::string>& args, const std::string& needed_for);
 
-// Writes `script` to a private temporary file and runs `python3 FILE args...` (a file, not
-// -c, so that its worker processes can import it); returns the exit status.
-int run_python_file(const char* script, const std::string& name, const std::vector<std::string>& args);
+// A module a script imports, written beside it.
+struct python_module {
+  const char* name;  // file name, e.g. "chat_data.py"
+  const char* text;
+};
+
+// Writes `script` (and the `modules` it imports) to a private temporary directory and runs
+// `python3 FILE args...` (a file, not -c, so that its worker processes can import it);
+// returns the exit status.
+int run_python_file(const char* script, const std::string& name, const std::vector<std::string>& args,
+                    std::span<const python_module> modules = {});
 
 // The same, where an argument equal to output_placeholder becomes a file in that private
 // directory; returns the exit status and what the script wrote there (empty if nothing).

@@ -11,8 +11,11 @@
 #include "apps/cp_flags.hpp"
 #include "apps/json_file.hpp"
 #include "apps/model_flags.hpp"
+#include "apps/policy_flags.hpp"
+#include "apps/run_config.hpp"
 #include "apps/sizes.hpp"
 #include "core/error.hpp"
+#include "train/run_directory.hpp"
 #include "model/adapter_files.hpp"
 #include "model/model_step.hpp"
 #include "train/data.hpp"
@@ -22,13 +25,10 @@ namespace upipe::apps {
 
 namespace {
 
+// The shared options (model, CP group, sizes, policy) are rows of the run configuration.
 struct step_flags {
-  std::string model = "tiny-llama", config_path, weights_path, tokens_path, json_path, grads_path;
-  std::string backend = "cpu", policy, seq_len = "256", lora, adapter;
-  cp_flags mesh{"upipe", 4};
-  std::int64_t mlp_tile = 0, loss_chunk = 0;
-  unsigned long long seed = 1;
-  double memory_gib = 8, host_memory_gib = 0;
+  std::shared_ptr<run_options> options;
+  std::string weights_path, tokens_path, json_path, grads_path, adapter;
 };
 
 
@@ -47,34 +47,70 @@ void write_grads(const step_flags& f, const model_config& c, const lora_config& 
 // LoRA: an adapter directory's settings and weights (--adapter), or fresh adapters (--lora,
 // PEFT's initialization from --seed); none without either.
 lora_config choose_adapters(const step_flags& f, const model_config& model, bool data, host_weights& adapters) {
+  const run_config& c = f.options->config();
   if (f.adapter.empty()) {
-    if (f.lora.empty()) return {};
-    const lora_config lora = parse_lora(f.lora, model);
-    if (data) adapters = initial_adapters(model, lora, f.seed);
+    if (c.lora.empty()) return {};
+    const lora_config lora = parse_lora(c.lora, model);
+    if (data) adapters = initial_adapters(model, lora, c.seed);
     return lora;
   }
   const lora_config lora = read_adapter_config(f.adapter, model).lora;
-  if (!f.lora.empty() && !(parse_lora(f.lora, model) == lora))
-    throw config_error("--lora " + f.lora + " differs from the adapters in " + f.adapter + " (" + lora_text(lora) +
+  if (!c.lora.empty() && !(parse_lora(c.lora, model) == lora))
+    throw config_error("--lora " + c.lora + " differs from the adapters in " + f.adapter + " (" + lora_text(lora) +
                        "); drop --lora");
   if (data) adapters = read_adapter_weights(f.adapter, model, lora);
   return lora;
 }
 
-int run(const step_flags& f) {
+// --checkpoint-policy auto: the planner's fastest policy whose forward and backward (no
+// optimizer state) fits the arenas, as train chooses its own.
+checkpoint_policy auto_policy(const model_step_request& req, std::int64_t S, const run_config& c) {
+  train_options o;
+  o.model = req.model;
+  const std::int64_t unit = layout_unit(req.cp);
+  o.seq_len = (S + unit - 1) / unit * unit;  // as the step pads it
+  o.cp = req.cp;
+  o.zero = zero_stage::replicated;
+  o.tokens = token_source::random;
+  o.backend = req.backend;
+  o.step = req.options;
+  const resolved_step sized = resolve_step(sizes_of(o, c.memory_gib, c.host_memory_gib));
+  o.step = sized.step;
+  o.limits = sized.limits;
+  try {
+    const plan_point chosen = choose_checkpoint_policy(o, c.memory_gib, c.host_memory_gib);
+    std::printf("# checkpoint policy %s (auto: the fastest that fits; predicted arena high water %.2f GiB)\n",
+                chosen.policy.str().c_str(), static_cast<double>(chosen.arena_bytes) / (1 << 30));
+    return chosen.policy;
+  } catch (const config_error& e) {
+    // A measurement still runs (on meta, to see what it would take): with the default
+    // policy, said aloud.
+    std::printf("# checkpoint policy %s (the default: auto found none that fits: %s)\n",
+                checkpoint_policy{}.str().c_str(), e.what());
+    return checkpoint_policy{};
+  }
+}
+
+int run(step_flags& f) {
+  run_options& opts = *f.options;
+  opts.apply_flags_and_file();
+  const run_config& c = opts.config();
   model_step_request req;
-  req.model = load_model(f.model, f.config_path);
-  req.backend = parse_backend_kind(f.backend);
-  req.cp = f.mesh.settings();
-  const std::int64_t S = parse_scored_seq_len(f.seq_len);
-  req.options = {f.mlp_tile, f.loss_chunk, parse_checkpoint_policy(f.policy)};
-  const resolved_step resolved = resolve_step(sizes_of(req, S, f.memory_gib, f.host_memory_gib));
+  req.model = load_model(c.model, c.config, c.layers);
+  req.backend = parse_backend_kind(c.backend);
+  req.cp = cp_flags{c.attention, c.cp, c.head_chunk, c.ring, c.seq_chunks}.settings();
+  const std::int64_t S = parse_scored_seq_len(c.seq_len);
+  req.options = {c.mlp_tile, c.loss_chunk,
+                 is_auto_policy(c.checkpoint_policy) ? checkpoint_policy{} : parse_checkpoint_policy(c.checkpoint_policy)};
+  if (is_auto_policy(c.checkpoint_policy)) req.options.policy = auto_policy(req, S, c);
+  const resolved_step resolved = resolve_step(sizes_of(req, S, c.memory_gib, c.host_memory_gib));
   req.options = resolved.step;
   req.limits = resolved.limits;
   const bool data = req.backend != backend_kind::meta;
-  const std::string weights_path = f.weights_path.empty() ? default_weights(f.model, f.config_path) : f.weights_path;
+  const std::string weights_path =
+      f.weights_path.empty() ? default_weights(c.model, c.config) : resolve_checkpoint(f.weights_path);
   const host_weights weights = !data ? host_weights{}
-                               : weights_path.empty() ? random_weights(req.model, f.seed)
+                               : weights_path.empty() ? random_weights(req.model, c.seed)
                                                       : read_weights(req.model, weights_path);
   // meta reads no tokens; elsewhere the sequence's host copies (the tokens, the padded ids
   // and labels, every rank's shard of them: 24 bytes a token) must fit before any exists.
@@ -84,13 +120,13 @@ int run(const step_flags& f) {
   else
     req.shape_only = S;
   const std::vector<std::int32_t> tokens = !data                  ? std::vector<std::int32_t>{}
-                                           : f.tokens_path.empty() ? random_tokens(S, req.model.vocab_size, f.seed + 1)
+                                           : f.tokens_path.empty() ? random_tokens(S, req.model.vocab_size, c.seed + 1)
                                                                    : token_file(f.tokens_path, S, req.model.vocab_size).sequence(0);
   host_weights adapters;
   req.options.lora = choose_adapters(f, req.model, data, adapters);
   const model_step_result r = run_model_step(req, weights, tokens, adapters);
   std::printf("# upipe step  model=%s  backend=%s  attention=%s  cp=%d  S=%lld (padded %lld)  policy=%s\n",
-              req.model.name.c_str(), f.backend.c_str(), f.mesh.attention.c_str(), f.mesh.cp, static_cast<long long>(S),
+              req.model.name.c_str(), c.backend.c_str(), c.attention.c_str(), c.cp, static_cast<long long>(S),
               static_cast<long long>(r.seq_len), req.options.policy.str().c_str());
   if (data) std::printf("loss %.6f over %lld tokens\n", r.loss, static_cast<long long>(r.counted));
   std::printf("time %.1f ms (forward + backward, rank 0)\npeak memory of rank 0 by tag (MiB):\n", r.time_ms);
@@ -98,7 +134,7 @@ int run(const step_flags& f) {
     if (bytes > 0) std::printf("  %-20s %12.1f\n", tag.c_str(), static_cast<double>(bytes) / (1 << 20));
   std::printf("  %-20s %12.1f\n", "device total", static_cast<double>(r.device_peak_bytes) / (1 << 20));
   if (!f.json_path.empty()) {
-    nlohmann::json j = {{"model", req.model.name}, {"backend", f.backend}, {"attention", f.mesh.attention}, {"cp", f.mesh.cp},
+    nlohmann::json j = {{"model", req.model.name}, {"backend", c.backend}, {"attention", c.attention}, {"cp", c.cp},
                         {"seq_len", r.seq_len}, {"time_ms", r.time_ms}, {"peak_bytes", r.peak_bytes},
                         {"device_peak_bytes", r.device_peak_bytes}, {"checkpoint_policy", req.options.policy.str()}};
     j["loss"] = data ? nlohmann::json(r.loss) : nlohmann::json(nullptr);
@@ -112,20 +148,10 @@ int run(const step_flags& f) {
 
 command_runner add_step(CLI::App& app) {
   auto f = std::make_shared<step_flags>();
-  add_model_flags(app, f->model, f->config_path);
+  f->options = std::make_shared<run_options>(app, for_step);
   app.add_option("--weights", f->weights_path, "weights: a model directory (one file or shards), its index or a .safetensors file; default: "
                  "the --model directory's, else random");
   app.add_option("--tokens", f->tokens_path, "flat little-endian uint32 token file; default: random tokens");
-  app.add_option("--seq-len", f->seq_len, "tokens in the sequence (K and M suffixes)")->capture_default_str();
-  app.add_option("--backend", f->backend, "cpu, cuda (bf16, virtual ranks on one GPU) or meta")->capture_default_str();
-  add_cp_flags(app, f->mesh);
-  app.add_option("--checkpoint-policy", f->policy, "what=input|input+attention,every=K,where=device|host-pinned|host-pageable");
-  app.add_option("--mlp-tile", f->mlp_tile, mlp_tile_help);
-  app.add_option("--loss-chunk", f->loss_chunk, loss_chunk_help);
-  app.add_option("--seed", f->seed, "seed of random weights and tokens")->capture_default_str();
-  app.add_option("--memory-gib", f->memory_gib, "arena per rank (cpu or GPU memory), GiB")->capture_default_str();
-  app.add_option("--host-memory-gib", f->host_memory_gib, host_memory_gib_help);
-  app.add_option("--lora", f->lora, "a LoRA step with fresh adapters: r=N[,alpha=A][,targets=...] (base frozen)");
   app.add_option("--adapter", f->adapter,
                  "a LoRA step with this adapter directory's adapters (upipe's or PEFT's) on the base");
   app.add_option("--json", f->json_path, "write the result as JSON")->check(output_file_flag("--json"));

@@ -1,8 +1,13 @@
 // `upipe train`: training under context parallelism. With no flags: a tiny Llama learns
 // the synthetic passkey task on the CPU, 4 threaded CP ranks, UPipe.
+#include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <ctime>
+#include <filesystem>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
@@ -18,66 +23,93 @@
 #include "apps/comm_flags.hpp"
 #include "apps/model_flags.hpp"
 #include "apps/policy_flags.hpp"
+#include "apps/run_config.hpp"
 #include "apps/sizes.hpp"
 #include "core/error.hpp"
 #include "model/adapter_files.hpp"
 #include "plan/planner.hpp"
 #include "train/data.hpp"
+#include "train/data_reader.hpp"
+#include "train/mesh.hpp"
+#include "train/run_directory.hpp"
+#include "train/train_checkpoint.hpp"
 #include "train/trainer.hpp"
 
 namespace upipe::apps {
 
 namespace {
 
-struct train_flags {
-  std::string model, config_path, init_path, data_path, save_dir, resume_dir, metrics_path;
-  std::string save_dtype = "bf16", max_shard_size = "5GB", packing = "auto";
-  std::string lora, init_adapter;
-  std::int64_t min_doc_tokens = 0, eval_every = 0;
-  std::string eval_data;
-  int eval_sequences = 4;
-  rope_flags rope;
-  comm_flags comm;
-  std::string backend = "cpu", policy = "auto", seq_len = "128", offload = "none";
-  cp_flags mesh{"upipe", 4};
-  int zero = 2, layers = 0, eval_samples = 32;
-  std::int64_t batch = -1, seq_warmup = -1, seq_warmup_start = 0, steps = 3300, stop_after = 0, save_every = 0, warmup = 20, mlp_tile = 0, loss_chunk = 0;
-  double lr = 1e-3, weight_decay = 0.01, max_grad_norm = 1.0, memory_gib = 8, host_memory_gib = 0;
-  unsigned long long seed = 1;
+// The command's own switch beside the run configuration.
+struct train_command {
+  std::shared_ptr<run_options> options;
+  bool print_config = false;
 };
 
+// Exit status of a run stopped by SIGTERM, SIGINT or SIGUSR1 after saving a checkpoint
+// (sysexits' EX_TEMPFAIL: try again, with --resume). Without --save, 128 + the signal.
+constexpr int exit_stopped_and_saved = 75;
+
+// The first SIGTERM, SIGINT or SIGUSR1 asks the run to stop after the step it is in (every
+// rank agrees, then it saves); a second SIGINT ends the process at once.
+std::atomic<int> stop_requested{0};
+extern "C" void on_stop_signal(int signal) {
+  if (signal == SIGINT && stop_requested.load() != 0) ::_exit(128 + SIGINT);
+  stop_requested.store(signal);
+  const char text[] = "\nupipe: stop requested: finishing this step, then saving (a second Ctrl-C aborts)\n";
+  [[maybe_unused]] const auto n = ::write(STDERR_FILENO, text, sizeof text - 1);
+}
+
+// The signal handlers for the run, restored when it ends.
+class stop_handlers {
+ public:
+  stop_handlers() {
+    struct sigaction action {};
+    action.sa_handler = on_stop_signal;
+    sigemptyset(&action.sa_mask);
+    for (std::size_t i = 0; i < std::size(signals_); ++i) ::sigaction(signals_[i], &action, &previous_[i]);
+  }
+  ~stop_handlers() {
+    for (std::size_t i = 0; i < std::size(signals_); ++i) ::sigaction(signals_[i], &previous_[i], nullptr);
+  }
+  stop_handlers(const stop_handlers&) = delete;
+  stop_handlers& operator=(const stop_handlers&) = delete;
+
+ private:
+  static constexpr int signals_[] = {SIGTERM, SIGINT, SIGUSR1};
+  struct sigaction previous_[3];
+};
 
 // The LoRA adapter directory a run continues (--init-adapter, or a LoRA run's --resume), or "".
-std::string continued_adapter(const train_flags& f) {
+std::string continued_adapter(const run_config& f) {
   if (!f.init_adapter.empty()) return f.init_adapter;
-  return !f.resume_dir.empty() && is_adapter_directory(f.resume_dir) ? f.resume_dir : std::string();
+  return !f.resume.empty() && is_adapter_directory(f.resume) ? f.resume : std::string();
 }
 
 // The model: --model or --config as given; with neither, the base a continued adapter
 // names, the model a --resume or --init directory holds, else tiny-llama. Returns the
 // directory it came from.
-std::string choose_model(const train_flags& f, model_config& model) {
+std::string choose_model(const run_config& f, model_config& model) {
   std::string from = f.model;
-  if (from.empty() && f.config_path.empty()) {
+  if (from.empty() && f.config.empty()) {
     if (const std::string adapter = continued_adapter(f); !adapter.empty()) {
       from = adapter_base_model(adapter);
       if (from.empty())
         throw config_error(adapter + "/" + adapter_config_file + " names no base model (base_model_name_or_path): pass "
                            "the base it was trained on as --model");
-    } else if (!f.resume_dir.empty() && is_model_directory(f.resume_dir))
-      from = f.resume_dir;
-    else if (!f.init_path.empty() && is_model_directory(f.init_path))
-      from = f.init_path;
+    } else if (!f.resume.empty() && is_model_directory(f.resume))
+      from = f.resume;
+    else if (!f.init.empty() && is_model_directory(f.init))
+      from = f.init;
     else
       from = "tiny-llama";
   }
-  model = load_model(from, f.config_path, f.layers);
-  return model_directory(from, f.config_path);
+  model = load_model(from, f.config, f.layers);
+  return model_directory(from, f.config);
 }
 
 // LoRA's settings: --lora, or those of the adapter directory the run continues, which a
 // --lora given beside it must repeat.
-lora_config choose_lora(const train_flags& f, const model_config& model) {
+lora_config choose_lora(const run_config& f, const model_config& model) {
   std::optional<lora_config> flag;
   if (!f.lora.empty()) flag = parse_lora(f.lora, model);
   const std::string adapter = continued_adapter(f);
@@ -96,30 +128,139 @@ lora_config choose_lora(const train_flags& f, const model_config& model) {
   return saved.lora;
 }
 
-train_options to_options(const train_flags& f) {
+// Where the run's starting weights come from when they are pretrained (the fine-tune
+// defaults then apply), or "".
+std::string pretrained_source(const run_config& f) {
+  if (!f.init.empty()) return "--init " + f.init;
+  if (!f.init_adapter.empty()) return "--init-adapter " + f.init_adapter;
+  if (!f.config.empty() || f.model.empty() || !is_model_directory(f.model)) return "";
+  std::error_code ec;
+  const std::filesystem::path dir(f.model);
+  if (std::filesystem::exists(dir / "model.safetensors", ec) || std::filesystem::exists(dir / "model.safetensors.index.json", ec))
+    return "--model " + f.model;
+  return "";
+}
+
+// The fine-tune set, for options that no flag, file or checkpoint gave (docs: README,
+// "Fine-tuning defaults"); the rest (--seq-len, --steps) follow from the model and the data.
+void apply_fine_tune_defaults(run_options& opts) {
+  const bool lora = !opts.config().lora.empty() || !opts.config().init_adapter.empty();
+  opts.set_default("optimizer.lr", lora ? 2e-4 : 2e-5, value_source::fine_tune_default);
+  opts.set_default("optimizer.min_lr_ratio", 0.0, value_source::fine_tune_default);
+  opts.set_default("parallel.cp", 1, value_source::fine_tune_default);
+  if (!opts.set_anywhere("optimizer.warmup")) {
+    opts.set_default("optimizer.warmup_ratio", 0.03, value_source::fine_tune_default);
+    opts.set_default("optimizer.warmup", std::int64_t{0}, value_source::fine_tune_default);
+  }
+  if (!opts.set_anywhere("optimizer.steps")) opts.set_default("data.epochs", 1.0, value_source::fine_tune_default);
+}
+
+// Tokens one pass over the data holds (documents kept by --min-doc-tokens; a mixture's
+// sources together), for --epochs.
+std::int64_t data_tokens(const train_options& o) {
+  if (o.data_path.empty()) return 0;
+  std::int64_t tokens = 0;
+  for (const data_source_spec& s : parse_data_sources(o.data_path, "--data")) {
+    if (o.packing != packing_mode::stream && document_corpus::exists(s.path)) {
+      tokens += document_corpus(s.path, o.model.vocab_size, o.min_doc_tokens, o.seed).epoch_tokens();
+      continue;
+    }
+    std::error_code ec;
+    const std::string file = document_corpus::exists(s.path) ? s.path + ".tokens" : s.path;
+    const auto bytes = std::filesystem::file_size(file, ec);
+    tokens += ec ? 0 : static_cast<std::int64_t>(bytes / 4);
+  }
+  return tokens;
+}
+
+std::string number_text(double v) {
+  std::ostringstream text;
+  text << v;
+  return text.str();
+}
+
+// --steps from --epochs over the data, and the warm-up from --warmup-ratio.
+void derive_schedule(run_options& opts, train_options& o) {
+  run_config& f = opts.config();
+  const auto from_user = [&](const char* key) {
+    const value_source s = opts.source(*find_row(key));
+    return s == value_source::flag || s == value_source::file;
+  };
+  if (from_user("optimizer.steps") && from_user("data.epochs") && f.epochs > 0)
+    throw config_error("--steps " + std::to_string(f.steps) + " and --epochs " + number_text(f.epochs) +
+                       " both set the schedule's length: give one (--epochs counts passes over --data)");
+  if (!(f.epochs >= 0) || f.epochs > 1e6)
+    throw config_error("--epochs " + number_text(f.epochs) + " must lie between 0 and 1e6 (for example 1 or 0.5)");
+  const bool steps_from_epochs = f.epochs > 0 && !o.data_path.empty() &&
+                                 (from_user("data.epochs") || !opts.set_anywhere("optimizer.steps"));
+  if (steps_from_epochs) {
+    const double per_step = static_cast<double>(o.seq_len) * static_cast<double>(global_batch(o));  // every replica's
+    const double steps = std::ceil(f.epochs * static_cast<double>(data_tokens(o)) / per_step);
+    if (steps > static_cast<double>(max_train_steps))
+      throw config_error("--epochs " + number_text(f.epochs) + " over --data " + o.data_path + " is " +
+                         number_text(steps) + " steps, more than " + std::to_string(max_train_steps) + "; use fewer");
+    f.steps = std::max<std::int64_t>(1, static_cast<std::int64_t>(steps));
+    opts.set_default("optimizer.steps", f.steps, value_source::derived);  // recorded as derived when no source gave it
+  }
+  if (f.warmup_ratio != 0 && from_user("optimizer.warmup") && from_user("optimizer.warmup_ratio"))
+    throw config_error("--warmup " + std::to_string(f.warmup) + " and --warmup-ratio " + number_text(f.warmup_ratio) +
+                       " both set the warm-up: give one");
+  if (!(f.warmup_ratio >= 0 && f.warmup_ratio <= 1))
+    throw config_error("--warmup-ratio " + number_text(f.warmup_ratio) +
+                       " must lie between 0 and 1 (a fraction of --steps, e.g. 0.03)");
+  if (f.warmup < 0)
+    throw config_error("--warmup " + std::to_string(f.warmup) + " must be 0 or more steps (e.g. 100)");
+  if (!(f.min_lr_ratio >= 0 && f.min_lr_ratio <= 1))
+    throw config_error("--min-lr-ratio " + number_text(f.min_lr_ratio) + " must lie between 0 and 1 (e.g. 0.1)");
+  if (f.steps < 1 || f.steps > max_train_steps)
+    throw config_error("--steps " + std::to_string(f.steps) + " must lie between 1 and " +
+                       std::to_string(max_train_steps) + " (for example --steps 200)");
+  o.optim.total_steps = f.steps;
+  o.optim.warmup_steps = f.warmup_ratio > 0
+                             ? static_cast<std::int64_t>(std::llround(f.warmup_ratio * static_cast<double>(f.steps)))
+                             : std::min(f.warmup, f.steps);
+  o.optim.min_lr_ratio = f.min_lr_ratio;
+}
+
+// The longest of the model's context and 4K, rounded down to the layout's unit: a
+// fine-tune's sequence length when none is given.
+std::int64_t fine_tune_seq_len(const train_options& o) {
+  const std::int64_t unit = layout_unit(o.cp);
+  const std::int64_t context = o.model.max_position_embeddings > 0 ? o.model.max_position_embeddings : 4096;
+  return std::max(unit, std::min<std::int64_t>(context, 4096) / unit * unit);
+}
+
+train_options to_options(run_options& opts, bool fine_tune) {
+  run_config& f = opts.config();
   train_options o;
   // The numbers the sizing below divides by or trusts, checked first.
-  const auto num = [](double v) {
-    std::ostringstream text;
-    text << v;
-    return text.str();
-  };
   require_within(f.steps, 1, limits::steps, "--steps", "--steps 200");  // before steps * 9 / 10 below
   if (f.batch != -1 && f.batch < 1)
     throw config_error("--batch " + std::to_string(f.batch) + " must be at least 1 (sequences per optimizer step)");
   if (!(f.weight_decay >= 0) || !std::isfinite(f.weight_decay))
-    throw config_error("--weight-decay " + num(f.weight_decay) + " must be a finite number >= 0 (e.g. 0.1)");
+    throw config_error("--weight-decay " + number_text(f.weight_decay) + " must be a finite number >= 0 (e.g. 0.1)");
   if (!(f.max_grad_norm >= 0) || !std::isfinite(f.max_grad_norm))
-    throw config_error("--max-grad-norm " + num(f.max_grad_norm) +
+    throw config_error("--max-grad-norm " + number_text(f.max_grad_norm) +
                        " must be a finite number >= 0 (0 turns clipping off; e.g. 1.0)");
   if (!(f.lr > 0) || !(f.lr <= 1))
-    throw config_error("--lr " + num(f.lr) + " must be a positive number at most 1 (for example 3e-4)");
+    throw config_error("--lr " + number_text(f.lr) + " must be a positive number at most 1 (for example 3e-4)");
+  if (f.keep_last < 0)
+    throw config_error("--keep-last " + std::to_string(f.keep_last) + " must be 0 (keep all) or more (e.g. 3)");
+  if (f.keep_last > 0 && f.save.empty())
+    throw config_error("--keep-last " + std::to_string(f.keep_last) + " needs --save DIR (the run directory it rotates)");
+  if (f.keep_best && (f.save.empty() || f.eval_every == 0))
+    throw config_error("--keep-best needs --save DIR and --eval-every N (it keeps the checkpoint of the lowest "
+                       "held-out loss)");
   o.model_dir = choose_model(f, o.model);
-  if (!f.config_path.empty()) o.weights_in_model_dir = train_options::model_dir_weights::optional;
-  f.rope.apply(o.model);
+  if (!f.config.empty()) o.weights_in_model_dir = train_options::model_dir_weights::optional;
+  // The model the run chose (an adapter's base, the --init directory, tiny-llama) is recorded.
+  if (f.model.empty() && f.config.empty())
+    opts.set_default("model.model", o.model_dir.empty() ? o.model.name : o.model_dir, value_source::derived);
+  rope_flags rope{f.rope_theta, f.rope_scaling, f.max_position_embeddings};
+  for (const std::string& note : rope.apply(o.model)) std::fprintf(stderr, "upipe: note: %s\n", note.c_str());
   const lora_config lora = choose_lora(f, o.model);
   // A full run's checkpoint carries its config.json and tokenizer on; a LoRA run's base stays the base.
-  if (!f.resume_dir.empty() && !lora.enabled()) o.model_dir = f.resume_dir;
+  if (!f.resume.empty() && !lora.enabled()) o.model_dir = f.resume;
   o.init_adapter = f.init_adapter;
   if (f.save_dtype != "bf16" && f.save_dtype != "fp32")
     throw config_error("--save-dtype " + f.save_dtype + " is not supported: use bf16 (the default, as released "
@@ -128,12 +269,15 @@ train_options to_options(const train_flags& f) {
   if (f.zero != 2 && f.zero != 3)
     throw config_error("--zero " + std::to_string(f.zero) + " is not supported: use --zero 2 (sharded optimizer and "
                        "gradients) or --zero 3 (weights sharded too)");
-  o.init_path = f.init_path;
-  o.data_path = f.data_path;
+  o.init_path = f.init;
+  o.data_path = f.data;
   // PREFIX.tokens of a corpus means the corpus: its index and manifest lie beside it.
-  if (const std::string suffix = ".tokens"; o.data_path.size() > suffix.size() && o.data_path.ends_with(suffix) &&
-                                            document_corpus::exists(o.data_path.substr(0, o.data_path.size() - suffix.size())))
-    o.data_path.resize(o.data_path.size() - suffix.size());
+  std::vector<data_source_spec> sources = parse_data_sources(f.data, "--data");
+  for (data_source_spec& s : sources)
+    if (const std::string suffix = ".tokens"; s.path.size() > suffix.size() && s.path.ends_with(suffix) &&
+                                              document_corpus::exists(s.path.substr(0, s.path.size() - suffix.size())))
+      s.path.resize(s.path.size() - suffix.size());
+  o.data_path = sources.empty() ? std::string() : data_sources_text(sources);
   if (f.packing != "auto" && f.packing != "documents" && f.packing != "stream")
     throw config_error("--packing " + f.packing + " is not known: use documents (attention within each document, "
                        "the default with a document index) or stream (one token stream)");
@@ -144,27 +288,38 @@ train_options to_options(const train_flags& f) {
     throw config_error("--min-doc-tokens " + std::to_string(f.min_doc_tokens) + " must be 0 or more (e.g. 32768 keeps "
                        "only long documents)");
   o.min_doc_tokens = f.min_doc_tokens;
+  o.allow_tokenizer_mismatch = f.allow_tokenizer_mismatch;
+  const cp_flags mesh{f.attention, f.cp, f.head_chunk, f.ring, f.seq_chunks};
+  o.cp = mesh.settings();
+  o.dp = f.dp;
+  o.gpus_per_node = f.gpus_per_node;
+  if (fine_tune) {
+    opts.set_default("data.seq_len", std::to_string(fine_tune_seq_len(o)), value_source::fine_tune_default);
+  }
   o.seq_len = parse_seq_len(f.seq_len);
-  o.batch = f.batch != -1 ? f.batch : (f.data_path.empty() ? 4 : 1);
-  o.seq_warmup = f.seq_warmup >= 0 ? f.seq_warmup : (f.data_path.empty() ? f.steps * 9 / 10 : 0);
+  o.batch = f.batch != -1 ? f.batch : (f.data.empty() ? 4 : 1);
+  o.seed = f.seed;
+  derive_schedule(opts, o);
+  o.seq_warmup = f.seq_warmup >= 0 ? f.seq_warmup : (f.data.empty() ? f.steps * 9 / 10 : 0);
   o.seq_warmup_start = f.seq_warmup_start;
-  o.cp = f.mesh.settings();
   o.zero = f.zero == 3 ? zero_stage::three : zero_stage::two;
-  o.step = {f.mlp_tile, f.loss_chunk, is_auto_policy(f.policy) ? checkpoint_policy{} : parse_checkpoint_policy(f.policy)};
-  f.comm.apply(o.step);
+  o.step = {f.mlp_tile, f.loss_chunk,
+            is_auto_policy(f.checkpoint_policy) ? checkpoint_policy{} : parse_checkpoint_policy(f.checkpoint_policy)};
+  const comm_flags comm{f.comm, f.comm_timeout, f.overlap_comm, f.prefetch_weights};
+  comm.apply(o.step);
   o.step.lora = lora;
   o.optim.lr = f.lr;
   o.optim.weight_decay = f.weight_decay;
   o.optim.max_grad_norm = f.max_grad_norm;
-  o.optim.total_steps = f.steps;
-  o.optim.warmup_steps = std::min(f.warmup, f.steps);
   o.stop_after = f.stop_after;
-  o.seed = f.seed;
-  o.save_dir = f.save_dir;
+  o.save_dir = f.save;
   o.save_every = f.save_every;
-  o.resume_dir = f.resume_dir;
+  o.keep_last = f.keep_last;
+  o.keep_best = f.keep_best;
+  o.overwrite = f.overwrite;
+  o.resume_dir = f.resume;
   o.backend = parse_backend_kind(f.backend);
-  o.comm = f.comm.options();
+  o.comm = comm.options();
   const offload_options offload = parse_offload(f.offload);
   o.offload_optimizer = offload.optimizer;
   o.offload_params = offload.params;
@@ -194,19 +349,20 @@ class progress {
       : options_(o), first_(first), last_(last), tty_(::isatty(STDOUT_FILENO)) {}
   void operator()(const step_record& r) {
     done_seconds_ += r.seconds;
-    done_tokens_ += static_cast<double>(r.seq_len * options_.batch);
+    done_tokens_ += static_cast<double>(r.seq_len * global_batch(options_));
     // Steps left in the short stage at its length, the rest at the full length.
     const std::int64_t left = last_ - r.step;
     const std::int64_t short_left = std::clamp<std::int64_t>(std::min(last_, options_.seq_warmup) - r.step, 0, left);
-    const double left_tokens = static_cast<double>(options_.batch) *
+    const double left_tokens = static_cast<double>(global_batch(options_)) *
                                static_cast<double>(short_left * step_seq_len(options_, 1) +
                                                    (left - short_left) * options_.seq_len);
     const double eta = done_tokens_ > 0 ? done_seconds_ / done_tokens_ * left_tokens : 0;
     const std::int64_t every = std::max<std::int64_t>(1, (last_ - first_ + 1) / 20);
     if (!tty_ && r.step != last_ && (r.step - first_) % every != 0) return;
     const int width = 24, filled = static_cast<int>(width * (r.step - first_ + 1) / std::max<std::int64_t>(1, last_ - first_ + 1));
-    char held_out[32] = "";
+    char held_out[48] = "";
     if (r.eval_loss) std::snprintf(held_out, sizeof held_out, "  eval %.4f", *r.eval_loss);
+    if (r.skipped) std::snprintf(held_out, sizeof held_out, " (skipped: no target)");
     std::printf("%s[%s%s] step %lld/%lld  S %lld  loss %.4f%s  lr %.2e  |g| %.3f  %.0f tok/s  ETA %s%s", tty_ ? "\r" : "",
                 std::string(filled, '#').c_str(), std::string(width - filled, '.').c_str(),
                 static_cast<long long>(r.step), static_cast<long long>(last_), static_cast<long long>(r.seq_len), r.loss,
@@ -222,11 +378,24 @@ class progress {
   double done_seconds_ = 0, done_tokens_ = 0;
 };
 
-nlohmann::json record_json(const step_record& r) {
-  return {{"step", r.step}, {"seq_len", r.seq_len}, {"epoch", r.epoch}, {"loss", r.loss}, {"lr", r.lr},
-          {"grad_norm", r.grad_norm}, {"model_tflops_per_s", r.model_flops / std::max(r.seconds, 1e-9) / 1e12},
-          {"eval_loss", r.eval_loss ? nlohmann::json(*r.eval_loss) : nlohmann::json(nullptr)},
-          {"tokens_per_s", r.tokens_per_s}, {"peak_bytes", r.peak_bytes}};
+nlohmann::json record_json(const train_options& o, const step_record& r) {
+  nlohmann::json j = {{"step", r.step}, {"seq_len", r.seq_len}, {"epoch", r.epoch},
+                      {"loss", r.skipped ? nlohmann::json(nullptr) : nlohmann::json(r.loss)}, {"lr", r.lr},
+                      {"grad_norm", r.grad_norm}, {"model_tflops_per_s", r.model_flops / std::max(r.seconds, 1e-9) / 1e12},
+                      {"eval_loss", r.eval_loss ? nlohmann::json(*r.eval_loss) : nlohmann::json(nullptr)},
+                      {"tokens_per_s", r.tokens_per_s}, {"targets", r.targets}, {"empty_sequences", r.empty_sequences},
+                      {"skipped", r.skipped}, {"peak_bytes", r.peak_bytes}};
+  if (!r.eval_losses.empty()) j["eval_losses"] = r.eval_losses;
+  // Per source of --data: the step's sequences and targets, and the passes over it so far.
+  if (!r.sources.empty()) {
+    const std::vector<data_source_spec> specs = parse_data_sources(o.data_path, "--data");
+    nlohmann::json data = nlohmann::json::object();
+    for (std::size_t i = 0; i < r.sources.size() && i < specs.size(); ++i)
+      data[specs[i].path] = {{"sequences", r.sources[i].sequences}, {"targets", r.sources[i].targets},
+                             {"epoch", r.sources[i].epoch}};
+    j["data"] = data;
+  }
+  return j;
 }
 
 void print_summary(const train_options& o, const train_summary& s) {
@@ -260,27 +429,104 @@ void print_summary(const train_options& o, const train_summary& s) {
   }
 }
 
-int run(const train_flags& f) {
-  train_options o = to_options(f);
-  validate(o);
-  if (is_auto_policy(f.policy)) {
+// "2026-12-03T06:40:12.345Z": the metrics' wall-clock time, UTC.
+std::string utc_now() {
+  const auto now = std::chrono::system_clock::now();
+  const std::time_t t = std::chrono::system_clock::to_time_t(now);
+  const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(now.time_since_epoch()).count() % 1000;
+  std::tm utc{};
+  gmtime_r(&t, &utc);
+  char text[40];
+  std::snprintf(text, sizeof text, "%04d-%02d-%02dT%02d:%02d:%02d.%03dZ", utc.tm_year + 1900, utc.tm_mon + 1,
+                utc.tm_mday, utc.tm_hour, utc.tm_min, utc.tm_sec, static_cast<int>(ms));
+  return text;
+}
+
+// The configuration every source gave, resolved: the checkpoint's under a resume, then the
+// defaults of the set in force. Returns the notes a resume reports and says which set.
+struct resolved_run {
+  train_options options;
+  std::vector<std::string> resume_notes;
+  std::string defaults;  // "demo" or "fine-tune (...)"
+};
+
+resolved_run resolve_run(run_options& opts) {
+  run_config& f = opts.config();
+  opts.apply_flags_and_file();
+  resolved_run out;
+  if (!f.resume.empty()) {
+    f.resume = resolve_checkpoint(resolve_checkpoint_dir(f.resume));
+    const std::string stored = run_config_path(f.resume);
+    std::error_code ec;
+    if (std::filesystem::exists(stored, ec))
+      out.resume_notes = opts.apply_stored(read_text_file(stored, "the checkpoint's run configuration"), stored);
+    else
+      out.resume_notes.push_back(f.resume + " holds no run configuration (a checkpoint of an earlier upipe): the "
+                                 "options not given now take their defaults");
+    // The checkpoint is a model directory itself: a full run whose input directory is gone
+    // continues from the checkpoint's own config.json and tokenizer.
+    if (f.lora.empty() && !f.model.empty() && f.model.find('/') != std::string::npos &&
+        !std::filesystem::exists(f.model, ec)) {
+      out.resume_notes.push_back("the run's model directory " + f.model + " is gone; the checkpoint's own config.json "
+                                 "and tokenizer stand in for it");
+      f.model = f.resume;
+    }
+  }
+  // A run directory means its latest checkpoint, wherever a checkpoint is read.
+  f.init = resolve_checkpoint(f.init);
+  f.init_adapter = resolve_checkpoint(f.init_adapter);
+  if (f.config.empty() && !f.model.empty()) f.model = resolve_checkpoint(f.model);
+  const std::string pretrained = pretrained_source(f);
+  if (!pretrained.empty()) apply_fine_tune_defaults(opts);
+  out.defaults = pretrained.empty() ? "demo (the passkey task's; README: Fine-tuning defaults)"
+                                    : "fine-tune (the run starts from pretrained weights: " + pretrained + ")";
+  opts.resolve_paths();
+  try {
+    out.options = to_options(opts, !pretrained.empty());
+    validate(out.options);
+  } catch (const config_error& e) {
+    throw config_error(opts.explain(e.what()));
+  }
+  out.options.run_config = opts.toml(false);
+  return out;
+}
+
+int run(train_command& command) {
+  run_options& opts = *command.options;
+  run_config& f = opts.config();
+  resolved_run resolved = resolve_run(opts);
+  train_options& o = resolved.options;
+  if (is_auto_policy(f.checkpoint_policy)) {
     const plan_point chosen = choose_checkpoint_policy(o, f.memory_gib, f.host_memory_gib);
     std::printf("# checkpoint policy %s (auto: the fastest that fits; predicted arena high water %.2f GiB)\n",
                 chosen.policy.str().c_str(), static_cast<double>(chosen.arena_bytes) / (1 << 30));
   }
+  std::printf("# defaults: %s\n# resolved configuration (the source of each value not at the demo default):\n%s",
+              resolved.defaults.c_str(), opts.toml(true).c_str());
+  if (command.print_config) return 0;
+  for (const std::string& note : resolved.resume_notes)
+    std::fprintf(stderr, "upipe: note: resumed with %s\n", note.c_str());
+  if (o.seq_len > o.model.max_position_embeddings && o.model.max_position_embeddings > 0)
+    std::fprintf(stderr, "upipe: note: --seq-len %lld is past the %lld tokens the model declares; the saved "
+                 "config.json declares max_position_embeddings = %lld\n", static_cast<long long>(o.seq_len),
+                 static_cast<long long>(o.model.max_position_embeddings), static_cast<long long>(o.seq_len));
   std::ofstream metrics;
-  if (!f.metrics_path.empty()) {
-    const std::string target = checked_output_file(f.metrics_path, "--metrics-json");
+  if (!f.metrics_json.empty()) {
+    const std::string target = checked_output_file(f.metrics_json, "--metrics-json");
     if (!is_character_device(target)) remove_stale_temporaries(target);  // a killed writer's, as for every output
-    metrics.open(target, std::ios::trunc);
-    if (!metrics) throw io_error("cannot write --metrics-json " + f.metrics_path + ": check the directory");
+    // A resumed run goes on in the same file: its earlier steps stay.
+    metrics.open(target, f.resume.empty() ? std::ios::trunc : std::ios::app);
+    if (!metrics) throw io_error("cannot write --metrics-json " + f.metrics_json + ": check the directory");
   }
-  std::printf("# upipe train  model=%s (%lld parameters)  %s  S=%lld x %lld per step  cp=%d %s  zero=%d  steps=%lld  "
+  const cp_flags mesh{f.attention, f.cp, f.head_chunk, f.ring, f.seq_chunks};
+  std::printf("# upipe train  model=%s (%lld parameters)  %s  S=%lld x %lld per step  %scp=%d %s  zero=%d  steps=%lld  "
               "lr=%g  backend=%s\n",
               o.model.name.c_str(), static_cast<long long>(o.model.parameter_count()),
               o.data_path.empty() ? "passkey task" : o.data_path.c_str(), static_cast<long long>(o.seq_len),
-              static_cast<long long>(o.batch), o.cp.cp, f.mesh.describe().c_str(), f.zero,
+              static_cast<long long>(global_batch(o)), o.dp > 1 ? ("dp=" + std::to_string(o.dp) + " ").c_str() : "",
+              o.cp.cp, mesh.describe().c_str(), f.zero,
               static_cast<long long>(o.optim.total_steps), o.optim.lr, f.backend.c_str());
+  if (o.dp > 1 || o.gpus_per_node > 0) std::printf("%s", mesh_placement(o).c_str());
   if (o.step.lora.enabled())
     std::printf("# LoRA %s: %lld adapter parameters trained, the base frozen (no gradients, masters or moments)\n",
                 lora_text(o.step.lora).c_str(), static_cast<long long>(lora_parameter_count(o.model, o.step.lora)));
@@ -293,20 +539,44 @@ int run(const train_flags& f) {
                 static_cast<long long>(o.seq_warmup), static_cast<long long>(step_seq_len(o, 1)),
                 static_cast<long long>(o.seq_len));
   std::fflush(stdout);
+  const std::int64_t first = f.resume.empty() ? 1 : checkpoint_step(f.resume) + 1;
   const std::int64_t last = o.stop_after > 0 ? o.stop_after : o.optim.total_steps;
-  progress bar(o, 1, last);
-  const train_summary s = train(o, [&](const step_record& r) {
-    bar(r);
-    if (metrics.is_open()) metrics << record_json(r).dump() << "\n" << std::flush;
-  });
+  progress bar(o, first, last);
+  const auto started = std::chrono::steady_clock::now();
+  stop_requested.store(0);
+  o.stop_signal = &stop_requested;
+  train_summary s;
+  {
+    const stop_handlers handlers;
+    s = train(o, [&](const step_record& r) {
+      bar(r);
+      if (!metrics.is_open()) return;
+      nlohmann::json line = record_json(o, r);
+      line["time"] = utc_now();
+      line["elapsed_s"] = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+      metrics << line.dump() << "\n" << std::flush;
+    });
+  }
   print_summary(o, s);
   if (metrics.is_open()) {
     nlohmann::json last_record = {{"final", true}, {"steps", s.steps.size()}, {"seconds", s.seconds},
-                                  {"peak_bytes_per_rank", s.peak_bytes}, {"arena_high_water_bytes", s.arena_high_water}};
+                                  {"peak_bytes_per_rank", s.peak_bytes}, {"arena_high_water_bytes", s.arena_high_water},
+                                  {"time", utc_now()}, {"run_id", s.run_id}};
     last_record["loss"] = s.steps.empty() ? nlohmann::json(nullptr) : nlohmann::json(s.steps.back().loss);
     last_record["retrieval_accuracy"] = s.retrieval_accuracy ? nlohmann::json(*s.retrieval_accuracy) : nlohmann::json(nullptr);
+    if (s.stopped_by_signal) last_record["stopped_by_signal"] = s.stopped_by_signal;
     metrics << last_record.dump() << "\n";
-    if (!metrics) throw io_error("writing --metrics-json " + f.metrics_path + " failed");
+    if (!metrics) throw io_error("writing --metrics-json " + f.metrics_json + " failed");
+  }
+  if (s.stopped_by_signal != 0) {
+    if (s.last_checkpoint.empty()) {
+      std::fprintf(stderr, "upipe: stopped by signal %d after step %lld; nothing saved (no --save)\n",
+                   s.stopped_by_signal, s.steps.empty() ? 0LL : static_cast<long long>(s.steps.back().step));
+      return 128 + s.stopped_by_signal;
+    }
+    std::fprintf(stderr, "upipe: stopped by signal %d; saved %s; continue with: upipe train --resume %s\n",
+                 s.stopped_by_signal, s.last_checkpoint.c_str(), o.save_dir.c_str());
+    return exit_stopped_and_saved;
   }
   return 0;
 }
@@ -319,68 +589,19 @@ const CLI::Validator non_empty(
     "PATH");
 
 command_runner add_train(CLI::App& app) {
-  auto f = std::make_shared<train_flags>();
-  add_model_flags(app, f->model, f->config_path);
-  f->rope.add(app);
-  app.add_option("--init", f->init_path,
-                 "weights to start from: a model directory (one file or shards) or a .safetensors file (default: the "
-                 "--model directory's weights, else random)")->check(non_empty);
-  app.add_option("--lora", f->lora,
-                 "train LoRA adapters on a frozen base: r=N[,alpha=A][,targets=q,k,v,o,gate,up,down][,dropout=0] "
-                 "(alpha defaults to r, targets to all seven projections); saves a PEFT adapter directory");
-  app.add_option("--init-adapter", f->init_adapter,
-                 "LoRA: continue from this adapter directory (upipe's --save or PEFT's save_pretrained); its "
-                 "adapter_config.json gives --lora")->check(non_empty);
-  app.add_option("--data", f->data_path,
-                 "a corpus PREFIX from upipe prepare-data (PREFIX.tokens, .index, .json), or a flat little-endian "
-                 "uint32 token file (default: the synthetic passkey task)")->check(non_empty);
-  app.add_option("--packing", f->packing,
-                 "documents (attention masked and positions restarted at each document; the default with an index) "
-                 "or stream")
-      ->capture_default_str();
-  app.add_option("--min-doc-tokens", f->min_doc_tokens, "leave out documents shorter than this (a long-context mix)");
-  app.add_option("--seq-len", f->seq_len, "tokens per sequence (K and M suffixes)")->capture_default_str();
-  app.add_option("--batch", f->batch,
-                 "sequences per optimizer step, gradients accumulated (default: 4 on the passkey task, 1 with --data)");
-  app.add_option("--seq-warmup", f->seq_warmup,
-                 "steps trained on short sequences before --seq-len (default: 9/10 of --steps on the "
-                 "passkey task, 0 with --data)");
-  app.add_option("--seq-warmup-start", f->seq_warmup_start,
-                 "tokens per sequence during --seq-warmup (default: a quarter of --seq-len)");
-  add_cp_flags(app, f->mesh, "ranks in the CP group (threads on the cpu backend)");
-  app.add_option("--steps", f->steps, "length of the learning-rate schedule")->capture_default_str();
-  app.add_option("--stop-after", f->stop_after, "stop once this step is done (the schedule stays --steps long)");
-  app.add_option("--lr", f->lr, "peak learning rate")->capture_default_str();
-  app.add_option("--warmup", f->warmup, "linear warmup steps")->capture_default_str();
-  app.add_option("--weight-decay", f->weight_decay, "AdamW weight decay on matrices")->capture_default_str();
-  app.add_option("--max-grad-norm", f->max_grad_norm, "global-norm clipping (0: off)")->capture_default_str();
-  app.add_option("--seed", f->seed, "seed of the initialization and the data")->capture_default_str();
-  app.add_option("--save", f->save_dir,
-                 "write a checkpoint here at the end (and every --save-every steps): a Hugging Face model directory "
-                 "with the trainer state in DIR/trainer/")->check(non_empty);
-  app.add_option("--save-dtype", f->save_dtype, "dtype of the saved weights: bf16 or fp32")->capture_default_str();
-  app.add_option("--max-shard-size", f->max_shard_size, "largest weight file of a save (bytes, or KB/MB/GB)")
-      ->capture_default_str();
-  app.add_option("--save-every", f->save_every, "also save every N steps");
-  app.add_option("--resume", f->resume_dir,
-                 "continue from this checkpoint (at any --cp and --zero: the state is resharded)")->check(non_empty);
-  app.add_option("--zero", f->zero, "2: shard optimizer state and gradients; 3: shard weights too")->capture_default_str();
-  app.add_option("--checkpoint-policy", f->policy, checkpoint_policy_help())->capture_default_str();
-  app.add_option("--mlp-tile", f->mlp_tile, mlp_tile_help);
-  app.add_option("--loss-chunk", f->loss_chunk, loss_chunk_help);
-  app.add_option("--layers", f->layers, "train a slice: the first N layers only");
-  app.add_option("--backend", f->backend, "cpu, cuda (bf16, virtual ranks on one GPU) or meta")->capture_default_str();
-  add_comm_flags(app, f->comm, true);
-  app.add_option("--memory-gib", f->memory_gib, "arena per rank (cpu or GPU memory), GiB")->capture_default_str();
-  app.add_option("--host-memory-gib", f->host_memory_gib, host_memory_gib_help);
-  app.add_option("--offload", f->offload, offload_help)->capture_default_str();
-  app.add_option("--eval-samples", f->eval_samples, "held-out passkey samples for the retrieval accuracy")->capture_default_str();
-  app.add_option("--eval-every", f->eval_every, "held-out loss every N steps (and at the last), into the metrics");
-  app.add_option("--eval-data", f->eval_data, "held-out data for --eval-every: a corpus PREFIX or a token file")->check(non_empty);
-  app.add_option("--eval-sequences", f->eval_sequences, "held-out sequences per evaluation")->capture_default_str();
-  app.add_option("--metrics-json", f->metrics_path, "one JSON object per step, then a final one")
-      ->check(output_file_flag("--metrics-json"));
-  return [f] { return run(*f); };
+  auto command = std::make_shared<train_command>();
+  command->options = std::make_shared<run_options>(app, for_train);
+  for (const char* flag : {"--init", "--init-adapter", "--data", "--save", "--resume", "--eval-data", "--config-file"})
+    app.get_option(flag)->check(non_empty);
+  app.get_option("--metrics-json")->check(output_file_flag("--metrics-json"));
+  app.add_flag("--print-config", command->print_config,
+               "print the resolved configuration as TOML (a --config-file to start from) and exit");
+  app.footer("Defaults: the demo's as shown; a run that starts from pretrained weights (--model DIR with weights, "
+             "--init, --init-adapter) takes a fine-tune's: --lr 2e-5 (2e-4 with --lora), --warmup-ratio 0.03, "
+             "--min-lr-ratio 0, --epochs 1 over --data, --cp 1, --seq-len the model's context up to 4K.\n"
+             "Exit status: 0 done; 2 bad input; 3 out of memory; 75 stopped by SIGTERM, SIGINT or SIGUSR1 after "
+             "saving a checkpoint (continue with --resume DIR); 128 + the signal when stopped with nothing saved.");
+  return [command] { return run(*command); };
 }
 
 }  // namespace upipe::apps

@@ -12,6 +12,11 @@ namespace {
 
 double silu(double x) { return x / (1.0 + std::exp(-x)); }
 
+double gelu_tanh(double x) {
+  const double pi = std::acos(-1.0);
+  return 0.5 * x * (1.0 + std::tanh(std::sqrt(2.0 / pi) * (x + 0.044715 * x * x * x)));
+}
+
 }  // namespace
 
 void gemm(host_case& t, std::int64_t m, std::int64_t n, std::int64_t k, bool a_transposed, bool b_transposed,
@@ -29,7 +34,7 @@ void gemm(host_case& t, std::int64_t m, std::int64_t n, std::int64_t k, bool a_t
 }
 
 void sdpa_forward(host_case& t, std::int64_t sq, std::int64_t skv, std::int64_t hq, std::int64_t hk, std::int64_t d,
-                  bool causal, double scale) {
+                  bool causal, double scale, attention_rows rows) {
   const auto& q = t["q"];
   const auto& k = t["k"];
   const auto& v = t["v"];
@@ -38,19 +43,26 @@ void sdpa_forward(host_case& t, std::int64_t sq, std::int64_t skv, std::int64_t 
   std::vector<double> p(static_cast<std::size_t>(skv));
   for (std::int64_t i = 0; i < sq; ++i)
     for (std::int64_t h = 0; h < hq; ++h) {
-      const std::int64_t g = h / (hq / hk), keys = causal ? std::min(i + 1, skv) : skv;
+      const std::int64_t g = h / (hq / hk), at = rows.q_first + i;
+      const auto sees = [&](std::int64_t j) {
+        const std::int64_t key = rows.k_first + j;
+        return (!causal || key <= at) && (rows.window <= 0 || at - key < rows.window);
+      };
       double top = -std::numeric_limits<double>::infinity();
-      for (std::int64_t j = 0; j < keys; ++j) {
+      for (std::int64_t j = 0; j < skv; ++j) {
+        p[j] = -std::numeric_limits<double>::infinity();
+        if (!sees(j)) continue;
         double s = 0;
         for (std::int64_t x = 0; x < d; ++x) s += q[(i * hq + h) * d + x] * k[(j * hk + g) * d + x];
         p[j] = scale * s;
         top = std::max(top, p[j]);
       }
       double sum = 0;
-      for (std::int64_t j = 0; j < keys; ++j) sum += std::exp(p[j] - top);
+      for (std::int64_t j = 0; j < skv; ++j) sum += sees(j) ? std::exp(p[j] - top) : 0.0;
       for (std::int64_t x = 0; x < d; ++x) {
         double o = 0;
-        for (std::int64_t j = 0; j < keys; ++j) o += std::exp(p[j] - top) / sum * v[(j * hk + g) * d + x];
+        for (std::int64_t j = 0; j < skv; ++j)
+          if (sees(j)) o += std::exp(p[j] - top) / sum * v[(j * hk + g) * d + x];
         out[(i * hq + h) * d + x] = o;
       }
       lse[i * hq + h] = top + std::log(sum);
@@ -94,7 +106,7 @@ void rope(host_case& t, std::int64_t heads, std::int64_t dim, std::int64_t token
 }
 
 void rmsnorm_forward(host_case& t, std::int64_t rows, std::int64_t cols, std::int64_t width, std::int64_t first,
-                     double eps) {
+                     double eps, double weight_offset) {
   const auto& x = t["x"];
   const auto& w = t["weight"];
   auto& y = t["y"];
@@ -103,7 +115,7 @@ void rmsnorm_forward(host_case& t, std::int64_t rows, std::int64_t cols, std::in
     double squares = 0;
     for (std::int64_t c = 0; c < cols; ++c) squares += x[r * width + first + c] * x[r * width + first + c];
     const double inv = 1.0 / std::sqrt(squares / static_cast<double>(cols) + eps);
-    for (std::int64_t c = 0; c < cols; ++c) y[r * width + first + c] = x[r * width + first + c] * inv * w[c];
+    for (std::int64_t c = 0; c < cols; ++c) y[r * width + first + c] = x[r * width + first + c] * inv * (w[c] + weight_offset);
     rstd[r * 2] = inv;
   }
 }
@@ -121,21 +133,24 @@ void heads(host_case& t, heads_op op, std::int64_t tokens, std::int64_t heads, s
       }
 }
 
-void embedding_forward(host_case& t, std::int64_t n, std::int64_t dim) {
+void embedding_forward(host_case& t, std::int64_t n, std::int64_t dim, double scale) {
   const auto& table = t["table"];
   const auto& ids = t["ids"];
   auto& out = t["out"];
   for (std::int64_t i = 0; i < n; ++i)
-    for (std::int64_t x = 0; x < dim; ++x) out[i * dim + x] = table[static_cast<std::int64_t>(ids[i]) * dim + x];
+    for (std::int64_t x = 0; x < dim; ++x) out[i * dim + x] = table[static_cast<std::int64_t>(ids[i]) * dim + x] * scale;
 }
 
-void swiglu_forward(host_case& t, std::int64_t rows, std::int64_t cols, std::int64_t width, std::int64_t first) {
+void swiglu_forward(host_case& t, std::int64_t rows, std::int64_t cols, std::int64_t width, std::int64_t first,
+                    gate_activation activation) {
   const auto& gate = t["gate"];
   const auto& up = t["up"];
   auto& out = t["out"];
   for (std::int64_t r = 0; r < rows; ++r)
     for (std::int64_t c = first; c < first + cols; ++c)
-      out[r * width + c] = silu(gate[r * width + c]) * up[r * width + c];
+      out[r * width + c] =
+          (activation == gate_activation::silu ? silu(gate[r * width + c]) : gelu_tanh(gate[r * width + c])) *
+          up[r * width + c];
 }
 
 void cross_entropy(host_case& t, std::int64_t n, std::int64_t vocab, double grad_scale) {
@@ -181,6 +196,13 @@ void sum_squares(host_case& t, std::int64_t rows, std::int64_t cols, std::int64_
   for (std::int64_t r = 0; r < rows; ++r)
     for (std::int64_t c = 0; c < cols; ++c) sum += x[r * width + c] * x[r * width + c];
   t["sum"][0] = sum;
+}
+
+void bias_add(host_case& t, std::int64_t rows, std::int64_t cols, std::int64_t width, std::int64_t first) {
+  auto& y = t["y"];
+  const auto& bias = t["bias"];
+  for (std::int64_t r = 0; r < rows; ++r)
+    for (std::int64_t c = 0; c < cols; ++c) y[r * width + first + c] += bias[c];
 }
 
 }  // namespace upipe::f64

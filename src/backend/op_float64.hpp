@@ -21,9 +21,14 @@ using host_case = std::map<std::string, std::vector<double>>;
 void gemm(host_case& t, std::int64_t m, std::int64_t n, std::int64_t k, bool a_transposed, bool b_transposed,
           double alpha, double beta);
 // out (sq, hq, d) = softmax(scale q k^T) v per head, query head h reading kv head h / (hq / hk);
-// causal: query i sees keys [0, i]; lse (sq, hq) the natural log-sum-exp of the scaled scores.
+// lse (sq, hq) the natural log-sum-exp of the scaled scores. Query i and key j sit at global
+// positions q_first + i and k_first + j: causal, a query sees keys at or before it; a window
+// W > 0, only keys less than W positions before it.
+struct attention_rows {
+  std::int64_t q_first = 0, k_first = 0, window = 0;
+};
 void sdpa_forward(host_case& t, std::int64_t sq, std::int64_t skv, std::int64_t hq, std::int64_t hk, std::int64_t d,
-                  bool causal, double scale);
+                  bool causal, double scale, attention_rows rows = {});
 // out and lse (f32 accumulators) merged with a block's (out_part, lse_part): lse' = log(e^lse +
 // e^lse_part), out' = out e^(lse - lse') + out_part e^(lse_part - lse'); a -inf side adds nothing.
 void lse_merge(host_case& t, std::int64_t tokens, std::int64_t heads, std::int64_t dim);
@@ -31,18 +36,22 @@ void lse_merge(host_case& t, std::int64_t tokens, std::int64_t heads, std::int64
 // outside every run untouched), by the angle position x inv_freq (the inverse: the transpose).
 void rope(host_case& t, std::int64_t heads, std::int64_t dim, std::int64_t token_stride, std::int64_t head_stride,
           const std::vector<position_run>& runs, const rope_config& config, bool inverse);
-// y = x / sqrt(mean(x^2) + eps) * weight on columns [first, first + cols) of (rows, width)
-// buffers; rstd (rows, 2): column 0 the 1 / sqrt(...).
+// y = x / sqrt(mean(x^2) + eps) * (weight + weight_offset) on columns [first, first + cols)
+// of (rows, width) buffers; rstd (rows, 2): column 0 the 1 / sqrt(...).
 void rmsnorm_forward(host_case& t, std::int64_t rows, std::int64_t cols, std::int64_t width, std::int64_t first,
-                     double eps);
+                     double eps, double weight_offset = 0);
 // dst (tokens, heads + 2, dim), heads [1, 1 + heads): src's (a head-major (heads + 2, tokens,
 // dim) buffer) copied, added, or `value` (fill, without src).
 enum class heads_op { copy, add, fill };
 void heads(host_case& t, heads_op op, std::int64_t tokens, std::int64_t heads, std::int64_t dim, double value = 0);
-// out (n, dim) = table[ids] rows.
-void embedding_forward(host_case& t, std::int64_t n, std::int64_t dim);
-// out = silu(gate) up on columns [first, first + cols) of (rows, width) buffers.
-void swiglu_forward(host_case& t, std::int64_t rows, std::int64_t cols, std::int64_t width, std::int64_t first);
+// out (n, dim) = table[ids] rows x scale.
+void embedding_forward(host_case& t, std::int64_t n, std::int64_t dim, double scale = 1);
+// out = act(gate) up on columns [first, first + cols) of (rows, width) buffers; act is silu
+// (x sigmoid(x)) or gelu_tanh (0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))).
+void swiglu_forward(host_case& t, std::int64_t rows, std::int64_t cols, std::int64_t width, std::int64_t first,
+                    gate_activation activation = gate_activation::silu);
+// y (rows, width) += bias (1, cols) on columns [first, first + cols).
+void bias_add(host_case& t, std::int64_t rows, std::int64_t cols, std::int64_t width, std::int64_t first);
 // Each row of logits (n, vocab): a masked row (label < 0) becomes 0 with loss 0; else loss =
 // logsumexp - logit[label] and the row becomes (softmax - onehot) x grad_scale.
 void cross_entropy(host_case& t, std::int64_t n, std::int64_t vocab, double grad_scale);

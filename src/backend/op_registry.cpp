@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "backend/op_cases.hpp"
 #include "backend/ops.hpp"
 #include "core/error.hpp"
 
@@ -34,30 +35,7 @@ double host_dot(backend& be, const tensor& a, const tensor& b) {
 
 namespace {
 
-constexpr double bf16_tol = 2e-2;  // one bf16 rounding of the output and of its inputs
-constexpr std::int64_t hidden = 4096, q_heads = 32, kv_heads = 8, head_dim = 128, intermediate = 14336;
-
-// Columns [first, first + cols) of a tensor's matrix.
-mat_view cols_of(const tensor& t, std::int64_t cols, std::int64_t first = 0) { return t.matrix().col_block(first, cols); }
-
-// Output tensors: compared across backends.
-case_tensor out(case_tensor t, double bf16_tolerance = bf16_tol, double f32_tolerance = 1e-5) {
-  t.bf16_tolerance = bf16_tolerance;
-  t.f32_tolerance = f32_tolerance;
-  return t;
-}
-
-std::string dims_text(std::initializer_list<std::pair<const char*, std::int64_t>> dims) {
-  std::string s;
-  // Appended piece by piece, which keeps GCC 12's -Wrestrict false positive away.
-  for (const auto& [name, value] : dims) {
-    if (!s.empty()) s += ' ';
-    s += name;
-    s += ' ';
-    s += std::to_string(value);
-  }
-  return s;
-}
+using namespace op_cases;
 
 // ---------------------------------------------------------------------------------------
 // GEMM: c = alpha op(a) op(b) + beta c
@@ -97,6 +75,8 @@ op_entry gemm_entry() {
 struct attention_shape {
   std::int64_t sq, skv, hq, hk, d;
   attn_mask mask;
+  std::int64_t window = 0;            // the sliding window (0: none)
+  std::int64_t q_first = 0, k_first = 0;  // the rows' global indices, which the window reads
 };
 
 std::vector<case_tensor> attention_tensors(const attention_shape& a, bool backward) {
@@ -115,20 +95,30 @@ std::vector<case_tensor> attention_tensors(const attention_shape& a, bool backwa
 }
 
 std::string attention_text(const attention_shape& a) {
-  return dims_text({{"sq", a.sq}, {"skv", a.skv}, {"hq", a.hq}, {"hk", a.hk}, {"d", a.d}}) +
-         (a.mask == attn_mask::causal ? " causal" : " unmasked");
+  std::string text = dims_text({{"sq", a.sq}, {"skv", a.skv}, {"hq", a.hq}, {"hk", a.hk}, {"d", a.d}}) +
+                     (a.mask == attn_mask::causal ? " causal" : " unmasked");
+  if (a.window > 0)
+    text += " window " + std::to_string(a.window) + " (q at " + std::to_string(a.q_first) + ", k at " +
+            std::to_string(a.k_first) + ")";
+  return text;
 }
 
 void attention_forward(backend& be, const case_tensors& t, const attention_shape& a) {
   const float scale = 1.0f / std::sqrt(static_cast<float>(a.d));
   ops::sdpa_forward(be, {t["q"].heads(), t["k"].heads(), t["v"].heads(), t["out"].heads(), t["lse"].heads(), a.mask,
-                         scale, {}});
+                         scale, {{}, a.q_first, a.k_first}, a.window});
 }
 
-// Causal: half of the 4 s^2 h d FLOPs of the full score and value products.
+// 4 h d FLOPs per visible (query, key) pair: half the s^2 pairs under the causal mask,
+// fewer under a window.
 double attention_flops(const attention_shape& a) {
-  const double full = 4.0 * static_cast<double>(a.sq) * static_cast<double>(a.skv) * a.hq * a.d;
-  return a.mask == attn_mask::causal ? full / 2 : full;
+  double pairs = 0;
+  const document_mask rows{{}, a.q_first, a.k_first};
+  for (std::int64_t i = 0; i < a.sq; ++i) {
+    const std::int64_t end = a.mask == attn_mask::causal ? std::min(i + 1, a.skv) : a.skv;
+    pairs += static_cast<double>(std::max<std::int64_t>(0, end - std::min(end, rows.first_key(i, a.window))));
+  }
+  return 4.0 * pairs * static_cast<double>(a.hq) * static_cast<double>(a.d);
 }
 
 op_case sdpa_forward_case(const attention_shape& a) {
@@ -138,7 +128,8 @@ op_case sdpa_forward_case(const attention_shape& a) {
   c.run = [a](backend& be, const case_tensors& t) { attention_forward(be, t, a); };
   c.flops = attention_flops(a);
   c.float64 = [a](f64::host_case& h) {
-    f64::sdpa_forward(h, a.sq, a.skv, a.hq, a.hk, a.d, a.mask == attn_mask::causal, 1.0 / std::sqrt(static_cast<float>(a.d)));
+    f64::sdpa_forward(h, a.sq, a.skv, a.hq, a.hk, a.d, a.mask == attn_mask::causal,
+                      1.0 / std::sqrt(static_cast<float>(a.d)), {a.q_first, a.k_first, a.window});
   };
   return c;
 }
@@ -151,7 +142,8 @@ op_case sdpa_backward_case(const attention_shape& a) {
   c.run = [a](backend& be, const case_tensors& t) {
     const float scale = 1.0f / std::sqrt(static_cast<float>(a.d));
     ops::sdpa_backward(be, {t["q"].heads(), t["k"].heads(), t["v"].heads(), t["out"].heads(), t["d_out"].heads(),
-                            t["lse"].heads(), t["d_q"].heads(), t["d_k"].heads(), t["d_v"].heads(), a.mask, scale, {}});
+                            t["lse"].heads(), t["d_q"].heads(), t["d_k"].heads(), t["d_v"].heads(), a.mask, scale,
+                            {{}, a.q_first, a.k_first}, a.window});
   };
   c.flops = 2.5 * attention_flops(a);
   c.objective = [a](backend& be, const case_tensors& t) {
@@ -162,9 +154,14 @@ op_case sdpa_backward_case(const attention_shape& a) {
   return c;
 }
 
-// d 64 and 128 (what cuDNN runs), grouped heads, lengths that are not multiples of 64.
+// d 64 and 128 (what cuDNN runs), grouped heads, lengths that are not multiples of 64;
+// sliding windows on a causal block and on two blocks in the past (a ring's or a chunk's),
+// one whose every query reaches the first key rows and one whose window starts inside them.
 const attention_shape attention_test_shapes[] = {{40, 40, 4, 2, 64, attn_mask::causal},
-                                                 {24, 56, 4, 1, 128, attn_mask::none}};
+                                                 {24, 56, 4, 1, 128, attn_mask::none},
+                                                 {40, 40, 4, 2, 64, attn_mask::causal, 9, 80, 80},
+                                                 {24, 56, 4, 1, 128, attn_mask::none, 40, 30, 0},
+                                                 {24, 56, 4, 2, 64, attn_mask::none, 30, 50, 0}};
 attention_shape attention_perf_shape(std::int64_t tokens) {
   return {tokens, tokens, q_heads, kv_heads, head_dim, attn_mask::causal};
 }
@@ -292,10 +289,12 @@ op_entry rope_entry() {
 
 struct norm_shape {
   std::int64_t rows, cols, pad, first;  // view columns [first, first + cols) of cols + pad
+  float weight_offset = 0.0f;           // 1: Gemma's 1 + weight
 };
 
 std::string norm_text(const norm_shape& n) {
-  return dims_text({{"rows", n.rows}, {"cols", n.cols}, {"ld", n.cols + n.pad}});
+  return dims_text({{"rows", n.rows}, {"cols", n.cols}, {"ld", n.cols + n.pad}}) +
+         (n.weight_offset != 0.0f ? " offset 1" : "");
 }
 
 std::vector<case_tensor> norm_tensors(const norm_shape& n) {
@@ -308,7 +307,7 @@ std::vector<case_tensor> norm_tensors(const norm_shape& n) {
 
 void norm_forward(backend& be, const case_tensors& t, const norm_shape& n) {
   ops::rmsnorm_forward(be, {cols_of(t["x"], n.cols, n.first), t["weight"].matrix(), cols_of(t["y"], n.cols, n.first),
-                            cols_of(t["rstd"], 1), 1e-5f});
+                            cols_of(t["rstd"], 1), 1e-5f, n.weight_offset});
 }
 
 op_case rmsnorm_forward_case(const norm_shape& n, double bytes) {
@@ -316,7 +315,9 @@ op_case rmsnorm_forward_case(const norm_shape& n, double bytes) {
   c.size = norm_text(n);
   c.tensors = norm_tensors(n);
   c.run = [n](backend& be, const case_tensors& t) { norm_forward(be, t, n); };
-  c.float64 = [n](f64::host_case& h) { f64::rmsnorm_forward(h, n.rows, n.cols, n.cols + n.pad, n.first, 1e-5f); };
+  c.float64 = [n](f64::host_case& h) {
+    f64::rmsnorm_forward(h, n.rows, n.cols, n.cols + n.pad, n.first, 1e-5f, n.weight_offset);
+  };
   c.bytes = bytes;
   return c;
 }
@@ -335,7 +336,7 @@ op_case rmsnorm_backward_case(const norm_shape& n, double bytes) {
   c.run = [n](backend& be, const case_tensors& t) {
     ops::rmsnorm_backward(be, {cols_of(t["x"], n.cols, n.first), t["weight"].matrix(), cols_of(t["rstd"], 1),
                                cols_of(t["d_y"], n.cols, n.first), cols_of(t["d_x"], n.cols, n.first),
-                               t["d_weight"].matrix()});
+                               t["d_weight"].matrix(), n.weight_offset});
   };
   c.objective = [n](backend& be, const case_tensors& t) {
     norm_forward(be, t, n);
@@ -348,7 +349,8 @@ op_case rmsnorm_backward_case(const norm_shape& n, double bytes) {
 
 // Warp rows and block rows; aligned rows, odd lds and tails; a row too long for a block's
 // shared accumulator.
-const norm_shape norm_test_shapes[] = {{37, 128, 0, 0}, {37, 96, 3, 1}, {9, 3000, 5, 2}, {3, 70000, 0, 0}};
+const norm_shape norm_test_shapes[] = {{37, 128, 0, 0},      {37, 96, 3, 1},  {9, 3000, 5, 2},
+                                       {3, 70000, 0, 0},     {37, 64, 0, 0, 1.0f}, {9, 2048, 3, 1, 1.0f}};
 
 op_entry rmsnorm_forward_entry() {
   return {"rmsnorm_forward",
@@ -452,6 +454,7 @@ op_case fill_heads_case(const heads_shape& h, double bytes) {
 struct swiglu_shape {
   std::int64_t rows, cols, pad, first;
   case_dtype d_out_type;
+  gate_activation activation = gate_activation::silu;
 };
 
 std::vector<case_tensor> swiglu_tensors(const swiglu_shape& s) {
@@ -463,7 +466,7 @@ std::vector<case_tensor> swiglu_tensors(const swiglu_shape& s) {
 
 void swiglu_forward_step(backend& be, const case_tensors& t, const swiglu_shape& s) {
   ops::swiglu_forward(be, {cols_of(t["gate"], s.cols, s.first), cols_of(t["up"], s.cols, s.first),
-                           cols_of(t["out"], s.cols, s.first)});
+                           cols_of(t["out"], s.cols, s.first), s.activation});
 }
 
 op_case swiglu_forward_case(const swiglu_shape& s, double bytes) {
@@ -471,7 +474,9 @@ op_case swiglu_forward_case(const swiglu_shape& s, double bytes) {
   c.size = dims_text({{"rows", s.rows}, {"cols", s.cols}, {"ld", s.cols + s.pad}});
   c.tensors = swiglu_tensors(s);
   c.run = [s](backend& be, const case_tensors& t) { swiglu_forward_step(be, t, s); };
-  c.float64 = [s](f64::host_case& h) { f64::swiglu_forward(h, s.rows, s.cols, s.cols + s.pad, s.first); };
+  c.float64 = [s](f64::host_case& h) {
+    f64::swiglu_forward(h, s.rows, s.cols, s.cols + s.pad, s.first, s.activation);
+  };
   c.bytes = bytes;
   return c;
 }
@@ -489,7 +494,7 @@ op_case swiglu_backward_case(const swiglu_shape& s, double bytes) {
   c.run = [s](backend& be, const case_tensors& t) {
     ops::swiglu_backward(be, {cols_of(t["gate"], s.cols, s.first), cols_of(t["up"], s.cols, s.first),
                               cols_of(t["d_out"], s.cols, s.first), cols_of(t["d_gate"], s.cols, s.first),
-                              cols_of(t["d_up"], s.cols, s.first)});
+                              cols_of(t["d_up"], s.cols, s.first), s.activation});
   };
   c.objective = [s](backend& be, const case_tensors& t) {
     swiglu_forward_step(be, t, s);
@@ -502,28 +507,36 @@ op_case swiglu_backward_case(const swiglu_shape& s, double bytes) {
 
 const swiglu_shape swiglu_test_shapes[] = {{33, 200, 0, 0, case_dtype::work}, {17, 333, 5, 1, case_dtype::f32}};
 
-op_entry swiglu_forward_entry() {
-  return {"swiglu_forward",
-          [] {
+// The gated unit's entries for one activation: swiglu_* (silu) and geglu_* (gelu_tanh) are
+// one op each way, registered per activation so that each has its tests and perf row.
+op_entry gated_forward_entry(const char* name, gate_activation activation) {
+  return {name,
+          [activation] {
             std::vector<op_case> cases;
-            for (const swiglu_shape& s : swiglu_test_shapes) cases.push_back(swiglu_forward_case(s, 0.0));
+            for (swiglu_shape s : swiglu_test_shapes) {
+              s.activation = activation;
+              cases.push_back(swiglu_forward_case(s, 0.0));
+            }
             return cases;
           },
-          [](std::int64_t tokens, dtype work) {
-            return swiglu_forward_case({tokens, intermediate, 0, 0, case_dtype::work},
+          [activation](std::int64_t tokens, dtype work) {
+            return swiglu_forward_case({tokens, intermediate, 0, 0, case_dtype::work, activation},
                                        3.0 * tokens * intermediate * dtype_size(work));
           }};
 }
 
-op_entry swiglu_backward_entry() {
-  return {"swiglu_backward",
-          [] {
+op_entry gated_backward_entry(const char* name, gate_activation activation) {
+  return {name,
+          [activation] {
             std::vector<op_case> cases;
-            for (const swiglu_shape& s : swiglu_test_shapes) cases.push_back(swiglu_backward_case(s, 0.0));
+            for (swiglu_shape s : swiglu_test_shapes) {
+              s.activation = activation;
+              cases.push_back(swiglu_backward_case(s, 0.0));
+            }
             return cases;
           },
-          [](std::int64_t tokens, dtype work) {
-            return swiglu_backward_case({tokens, intermediate, 0, 0, case_dtype::work},
+          [activation](std::int64_t tokens, dtype work) {
+            return swiglu_backward_case({tokens, intermediate, 0, 0, case_dtype::work, activation},
                                         5.0 * tokens * intermediate * dtype_size(work));
           }};
 }
@@ -531,34 +544,57 @@ op_entry swiglu_backward_entry() {
 // ---------------------------------------------------------------------------------------
 // Embedding
 
-op_case embedding_forward_case(std::int64_t n, std::int64_t vocab, std::int64_t dim, double bytes) {
+// scale != 1: Gemma's scaled lookup; padding >= 0: that id's rows add no gradient.
+struct embedding_extras {
+  float scale = 1.0f;
+  std::int32_t padding = -1;
+};
+
+op_case embedding_forward_case(std::int64_t n, std::int64_t vocab, std::int64_t dim, double bytes,
+                               embedding_extras x = {}) {
   op_case c;
-  c.size = dims_text({{"tokens", n}, {"vocab", vocab}, {"dim", dim}});
+  c.size = dims_text({{"tokens", n}, {"vocab", vocab}, {"dim", dim}}) + (x.scale != 1.0f ? " scaled" : "") +
+           (x.padding >= 0 ? " padding id" : "");
   c.tensors = {{.name = "table", .dims = {vocab, dim}},
                {.name = "ids", .type = case_dtype::i32, .dims = {n, 1}, .fill = case_fill::ids, .lo = 0,
                 .hi = static_cast<float>(vocab)},
                out({.name = "out", .dims = {n, dim}})};
-  c.run = [](backend& be, const case_tensors& t) {
-    ops::embedding_forward(be, {t["table"].matrix(), t["ids"].matrix(), t["out"].matrix()});
+  c.run = [x](backend& be, const case_tensors& t) {
+    ops::embedding_forward(be, {t["table"].matrix(), t["ids"].matrix(), t["out"].matrix(), x.scale});
   };
-  c.float64 = [n, dim](f64::host_case& h) { f64::embedding_forward(h, n, dim); };
+  c.float64 = [n, dim, x](f64::host_case& h) { f64::embedding_forward(h, n, dim, x.scale); };
   c.bytes = bytes;
   return c;
 }
 
-op_case embedding_backward_case(std::int64_t n, std::int64_t vocab, std::int64_t dim, double bytes) {
-  op_case c = embedding_forward_case(n, vocab, dim, bytes);
+op_case embedding_backward_case(std::int64_t n, std::int64_t vocab, std::int64_t dim, double bytes,
+                                embedding_extras x = {}) {
+  op_case c = embedding_forward_case(n, vocab, dim, bytes, x);
   c.float64 = nullptr;  // the forward's; finite differences check this op
   c.tensors[2].bf16_tolerance = 0.0;  // the objective's forward output
   c.tensors.push_back({.name = "d_out", .dims = {n, dim}});
   // Repeated ids add up in another order on another backend.
   c.tensors.push_back(out({.name = "d_table", .type = case_dtype::f32, .dims = {vocab, dim}}, bf16_tol, 1e-6));
-  c.run = [](backend& be, const case_tensors& t) {
-    ops::embedding_backward(be, {t["d_out"].matrix(), t["ids"].matrix(), t["d_table"].matrix()});
+  c.run = [x](backend& be, const case_tensors& t) {
+    ops::embedding_backward(be, {t["d_out"].matrix(), t["ids"].matrix(), t["d_table"].matrix(), x.scale, x.padding});
   };
-  c.objective = [](backend& be, const case_tensors& t) {
-    ops::embedding_forward(be, {t["table"].matrix(), t["ids"].matrix(), t["out"].matrix()});
-    return host_dot(be, t["out"], t["d_out"]);
+  // The padding row's lookups count in the forward but train nothing: the objective leaves
+  // them out, as nn.Embedding's padding_idx does.
+  c.objective = [x](backend& be, const case_tensors& t) {
+    ops::embedding_forward(be, {t["table"].matrix(), t["ids"].matrix(), t["out"].matrix(), x.scale});
+    if (x.padding < 0) return host_dot(be, t["out"], t["d_out"]);
+    const tensor& ids = t["ids"];
+    std::vector<std::int32_t> id(static_cast<std::size_t>(ids.numel()));
+    be.download_bytes(id.data(), ids, id.size() * sizeof(std::int32_t));
+    std::vector<float> o(static_cast<std::size_t>(t["out"].numel())), d(o.size());
+    be.download_f32(o.data(), t["out"]);
+    be.download_f32(d.data(), t["d_out"]);
+    const std::size_t dim = o.size() / id.size();
+    double sum = 0.0;
+    for (std::size_t r = 0; r < id.size(); ++r)
+      if (id[r] != x.padding)
+        for (std::size_t j = 0; j < dim; ++j) sum += static_cast<double>(o[r * dim + j]) * d[r * dim + j];
+    return sum;
   };
   c.gradients = {{"table", "d_table"}};
   return c;
@@ -566,7 +602,10 @@ op_case embedding_backward_case(std::int64_t n, std::int64_t vocab, std::int64_t
 
 op_entry embedding_forward_entry() {
   return {"embedding_forward",
-          [] { return std::vector<op_case>{embedding_forward_case(30, 50, 64, 0.0), embedding_forward_case(7, 3, 37, 0.0)}; },
+          [] {
+            return std::vector<op_case>{embedding_forward_case(30, 50, 64, 0.0), embedding_forward_case(7, 3, 37, 0.0),
+                                        embedding_forward_case(30, 9, 64, 0.0, {8.0f, -1})};
+          },
           [](std::int64_t tokens, dtype work) {
             return embedding_forward_case(tokens, 32000, hidden, 2.0 * tokens * hidden * dtype_size(work));
           }};
@@ -575,7 +614,8 @@ op_entry embedding_forward_entry() {
 op_entry embedding_backward_entry() {
   return {"embedding_backward",
           [] {
-            return std::vector<op_case>{embedding_backward_case(30, 50, 64, 0.0), embedding_backward_case(7, 3, 37, 0.0)};
+            return std::vector<op_case>{embedding_backward_case(30, 50, 64, 0.0), embedding_backward_case(7, 3, 37, 0.0),
+                                        embedding_backward_case(30, 9, 64, 0.0, {8.0f, 2})};
           },
           [](std::int64_t tokens, dtype work) {
             return embedding_backward_case(tokens, 32000, hidden, tokens * hidden * (dtype_size(work) + 8.0));
@@ -687,7 +727,7 @@ op_entry sum_squares_entry() {
 }
 
 std::vector<op_entry> build_registry() {
-  return {gemm_entry(),
+  std::vector<op_entry> entries{gemm_entry(),
           sdpa_forward_entry(),
           sdpa_backward_entry(),
           rope_entry(),
@@ -699,11 +739,15 @@ std::vector<op_entry> build_registry() {
           lse_merge_entry(),
           embedding_forward_entry(),
           embedding_backward_entry(),
-          swiglu_forward_entry(),
-          swiglu_backward_entry(),
+          gated_forward_entry("swiglu_forward", gate_activation::silu),
+          gated_backward_entry("swiglu_backward", gate_activation::silu),
+          gated_forward_entry("geglu_forward", gate_activation::gelu_tanh),
+          gated_backward_entry("geglu_backward", gate_activation::gelu_tanh),
           cross_entropy_entry(),
           adamw_entry(),
           sum_squares_entry()};
+  for (op_entry& e : model_op_entries()) entries.push_back(std::move(e));
+  return entries;
 }
 
 }  // namespace

@@ -53,6 +53,11 @@ std::string fail(const char* op, const char* name, const View& v, const std::str
   return std::string("ops::") + op + ": " + name + " " + describe(v) + ": " + rule;
 }
 
+void check_finite_scalar(const char* op, const char* name, float value, const char* example) {
+  UPIPE_CHECK(std::isfinite(value), std::string("ops::") + op + ": " + name + " " + std::to_string(value) +
+                                        " must be finite (e.g. " + example + ")");
+}
+
 void check_matrix(const char* op, const char* name, const mat_view& m) {
   UPIPE_CHECK(m.rows >= 0 && m.cols >= 0, fail(op, name, m, "sizes must be non-negative"));
   UPIPE_CHECK(m.ld >= m.cols, fail(op, name, m, "leading dimension must be >= cols"));
@@ -208,7 +213,9 @@ void gemm(backend& be, const gemm_args& args) {
   be.run(args);
 }
 
-static void check_documents(const char* op, const document_mask& m) {
+static void check_documents(const char* op, const document_mask& m, std::int64_t window) {
+  UPIPE_CHECK(window >= 0, std::string("ops::") + op + ": sliding window " + std::to_string(window) +
+                               " is negative; give 0 for global attention or the number of keys a query sees");
   if (m.starts.empty()) return;
   UPIPE_CHECK(m.starts[0] == 0, std::string("ops::") + op + ": the first document starts at 0, not " +
                                     std::to_string(m.starts[0]));
@@ -222,7 +229,7 @@ static void check_documents(const char* op, const document_mask& m) {
 void sdpa_forward(backend& be, const sdpa_forward_args& args) {
   const char* op = "sdpa_forward";
   check_attention_inputs(be, op, args.q, args.k, args.v, args.mask);
-  check_documents(op, args.documents);
+  check_documents(op, args.documents, args.window);
   check_layout(op, "out", args.out);
   check_type(op, "out", args.out, be.work_dtype(), be.work_dtype());
   check_dims(op, "out", args.out, args.q.tokens, args.q.heads, args.q.dim);
@@ -235,7 +242,7 @@ void sdpa_backward(backend& be, const sdpa_backward_args& args) {
   const head_view& q = args.q;
   const head_view& k = args.k;
   check_attention_inputs(be, op, q, k, args.v, args.mask);
-  check_documents(op, args.documents);
+  check_documents(op, args.documents, args.window);
   for (const auto& [name, view] : {std::pair{"out", &args.out}, std::pair{"d_out", &args.d_out},
                                    std::pair{"d_q", &args.d_q}}) {
     check_layout(op, name, *view);
@@ -276,6 +283,7 @@ void rmsnorm_forward(backend& be, const rmsnorm_forward_args& args) {
   check_dims(op, "y", args.y, rows, cols);
   check_dims(op, "rstd", args.rstd, rows, 1);
   UPIPE_CHECK(args.eps >= 0.0f, "ops::rmsnorm_forward: eps " + std::to_string(args.eps) + " must be >= 0 (e.g. 1e-5)");
+  check_finite_scalar(op, "weight_offset", args.weight_offset, "0 (Llama) or 1 (Gemma)");
   be.run(args);
 }
 
@@ -298,6 +306,7 @@ void rmsnorm_backward(backend& be, const rmsnorm_backward_args& args) {
   check_dims(op, "d_y", args.d_y, rows, cols);
   check_dims(op, "d_x", args.d_x, rows, cols);
   check_dims(op, "rstd", args.rstd, rows, 1);
+  check_finite_scalar(op, "weight_offset", args.weight_offset, "0 (Llama) or 1 (Gemma)");
   be.run(args);
 }
 
@@ -348,6 +357,7 @@ void embedding_forward(backend& be, const embedding_forward_args& args) {
   check_index_column(op, "ids", args.ids, args.out.rows);
   UPIPE_CHECK(args.out.cols == args.table.cols,
               fail(op, "out", args.out, "cols must equal the table's (" + std::to_string(args.table.cols) + ")"));
+  check_finite_scalar(op, "scale", args.scale, "1, or sqrt(D) for Gemma");
   be.run(args);
 }
 
@@ -360,6 +370,10 @@ void embedding_backward(backend& be, const embedding_backward_args& args) {
   check_index_column(op, "ids", args.ids, args.d_out.rows);
   UPIPE_CHECK(args.d_table.cols == args.d_out.cols,
               fail(op, "d_table", args.d_table, "cols must equal d_out's (" + std::to_string(args.d_out.cols) + ")"));
+  check_finite_scalar(op, "scale", args.scale, "1, or sqrt(D) for Gemma");
+  UPIPE_CHECK(args.padding_id >= -1 && args.padding_id < args.d_table.rows,
+              "ops::embedding_backward: padding_id " + std::to_string(args.padding_id) +
+                  " must be a row of the table [0, " + std::to_string(args.d_table.rows) + ") or -1 for none");
   be.run(args);
 }
 
@@ -388,6 +402,26 @@ void swiglu_backward(backend& be, const swiglu_backward_args& args) {
                                    std::pair{"d_gate", &args.d_gate}, std::pair{"d_up", &args.d_up}})
     check_type(op, name, *view, be.work_dtype(), be.work_dtype());
   check_type(op, "d_out", args.d_out, be.work_dtype(), dtype::f32);
+  be.run(args);
+}
+
+void bias_add(backend& be, const bias_add_args& args) {
+  const char* op = "bias_add";
+  check_matrix(op, "y", args.y);
+  check_matrix(op, "bias", args.bias);
+  check_type(op, "y", args.y, be.work_dtype(), dtype::f32);
+  check_type(op, "bias", args.bias, be.work_dtype(), be.work_dtype());
+  check_dims(op, "bias", args.bias, 1, args.y.cols);
+  be.run(args);
+}
+
+void bias_grad(backend& be, const bias_grad_args& args) {
+  const char* op = "bias_grad";
+  check_matrix(op, "d_y", args.d_y);
+  check_matrix(op, "d_bias", args.d_bias);
+  check_type(op, "d_y", args.d_y, be.work_dtype(), dtype::f32);
+  check_type(op, "d_bias", args.d_bias, dtype::f32, dtype::f32);
+  check_dims(op, "d_bias", args.d_bias, 1, args.d_y.cols);
   be.run(args);
 }
 

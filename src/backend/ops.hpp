@@ -24,6 +24,8 @@ void embedding_forward(backend& be, const embedding_forward_args& args);
 void embedding_backward(backend& be, const embedding_backward_args& args);
 void swiglu_forward(backend& be, const swiglu_forward_args& args);
 void swiglu_backward(backend& be, const swiglu_backward_args& args);
+void bias_add(backend& be, const bias_add_args& args);
+void bias_grad(backend& be, const bias_grad_args& args);
 void cross_entropy(backend& be, const cross_entropy_args& args);
 void adamw(backend& be, const adamw_args& args);
 double sum_squares(backend& be, const mat_view& x);

@@ -99,6 +99,12 @@ class communicator {
   virtual void barrier() = 0;
   // Rank 0 of a group alone (make_loopback_communicator): its sub-groups are loopbacks too.
   virtual bool is_loopback() const { return false; }
+  // A communicator of its own over `members` (ranks of this group, ascending, this rank
+  // among them), where the transport can make one (NCCL's ncclCommSplit); null where it
+  // cannot, and make_subgroup (comm/subgroup.hpp) then builds the group from this one's
+  // point-to-point sends. Collective: every rank calls it at once, each with the members of
+  // its own group, the groups disjoint.
+  virtual std::unique_ptr<communicator> split_native(const std::vector<int>& /*members*/) { return nullptr; }
 
   const comm_counters& counters() const { return counters_; }
   void reset_counters() { counters_ = {}; }

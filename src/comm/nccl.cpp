@@ -25,6 +25,7 @@
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -268,7 +269,7 @@ class watchdog {
 class nccl_communicator final : public communicator {
  public:
   nccl_communicator(backend& be, guarded_comm& comm, int rank, int size, nccl_group& group, double timeout_s)
-      : be_(be), comm_(comm), rank_(rank), size_(size), group_(group),
+      : be_(be), comm_(comm), rank_(rank), size_(size), group_(group), timeout_s_(timeout_s),
         stream_(static_cast<cudaStream_t>(be.native_stream())), dog_(be.device_index(), timeout_s, group) {
     UPIPE_CHECK(stream_ != nullptr, "the NCCL communicator needs a cuda backend");
     check_cuda(cudaSetDevice(be.device_index()), "cudaSetDevice");
@@ -359,6 +360,35 @@ class nccl_communicator final : public communicator {
     });
     if (send_bytes > 0) counters_.add(collective::send, send_bytes, label);
     if (recv_bytes > 0) counters_.add(collective::recv, recv_bytes, label);
+  }
+
+  // ncclCommSplit: the colour is the group's first member, the key this rank's place in it.
+  // The new communicator joins this one's group, so an abort of either ends both, and the
+  // group destroys it at the end of the run.
+  std::unique_ptr<communicator> split_native(const std::vector<int>& members) override {
+    const auto it = std::find(members.begin(), members.end(), rank_);
+    UPIPE_CHECK(it != members.end(), "rank " + std::to_string(rank_) + " splits into a group it is not a member of");
+    const int key = static_cast<int>(it - members.begin()), size = static_cast<int>(members.size());
+    throw_if_aborted();
+    check_cuda(cudaSetDevice(be_.device_index()), "cudaSetDevice");
+    ncclComm_t child = nullptr;
+    ncclConfig_t config = nonblocking_config();
+    const ncclResult_t status =
+        comm_.issue([&](ncclComm_t parent) { return ncclCommSplit(parent, members.front(), key, &child, &config); });
+    const std::string what = "rank " + std::to_string(rank_) + ": splitting NCCL into a group of " +
+                             std::to_string(size) + " ranks from rank " + std::to_string(members.front());
+    if ((status != ncclSuccess && status != ncclInProgress) || child == nullptr) {
+      group_.abort(what + " failed: " + nccl_message(status, comm_.last_error()));
+      throw comm_aborted(what + " failed: " + nccl_message(status));
+    }
+    try {
+      wait_until_ready(child, timeout_s_, what);
+    } catch (const std::exception& e) {
+      group_.abort(e.what());  // the other ranks wait in their split for this one
+      throw;
+    }
+    guarded_comm& guarded = group_.add(child);
+    return std::make_unique<nccl_communicator>(be_, guarded, key, size, group_, timeout_s_);
   }
 
   void barrier() override {
@@ -505,6 +535,7 @@ class nccl_communicator final : public communicator {
   guarded_comm& comm_;
   const int rank_, size_;
   nccl_group& group_;
+  const double timeout_s_;                // for the communicators split from this one
   cudaStream_t stream_;                   // the rank's compute stream
   cudaStream_t comm_stream_ = nullptr;    // every collective, in issue order
   cudaEvent_t inputs_ready_ = nullptr;    // the compute stream's point an in-flight collective waits for

@@ -74,7 +74,9 @@ class subgroup_communicator final : public communicator {
   // chunk dst of `send` (all_to_all) or the whole of it (all_gather), into chunk src.
   void exchange(const void* send, void* recv, std::size_t chunk, bool by_chunk, std::string_view label) {
     const int n = size();
-    be_.copy_bytes(at(recv, rank_ * chunk), at(send, by_chunk ? rank_ * chunk : 0), chunk);
+    std::byte* mine = at(recv, rank_ * chunk);
+    const std::byte* own = at(send, by_chunk ? rank_ * chunk : 0);
+    if (mine != own) be_.copy_bytes(mine, own, chunk);  // an all-gather in place keeps its chunk
     for (int k = 1; k < n; ++k) {
       const int dst = (rank_ + k) % n, src = (rank_ - k + n) % n;
       parent_.send_recv(at(send, by_chunk ? dst * chunk : 0), chunk, member(dst), at(recv, src * chunk), chunk,
@@ -105,8 +107,11 @@ std::unique_ptr<communicator> make_subgroup(communicator& parent, backend& be, s
   const auto it = std::find(members.begin(), members.end(), parent.rank());
   if (it == members.end())
     throw config_error("rank " + std::to_string(parent.rank()) + " is not a member of the sub-group it was asked to join");
-  for (const int m : members)
-    UPIPE_CHECK(m >= 0 && m < parent.size(), "sub-group member " + std::to_string(m) + " is outside the parent group");
+  for (std::size_t j = 0; j < members.size(); ++j)
+    UPIPE_CHECK(members[j] >= 0 && members[j] < parent.size() && (j == 0 || members[j - 1] < members[j]),
+                "sub-group member " + std::to_string(members[j]) + " is outside the parent group or out of order");
+  if (parent.is_loopback()) return make_loopback_communicator(be, static_cast<int>(members.size()));
+  if (auto native = parent.split_native(members)) return native;
   const int rank = static_cast<int>(it - members.begin());
   return std::make_unique<subgroup_communicator>(parent, be, std::move(members), rank);
 }
@@ -119,11 +124,6 @@ mesh_groups split_mesh(communicator& parent, backend& be, int rings) {
                        std::to_string(C % 2 == 0 ? 2 : 1));
   const int A = C / rings, g = parent.rank() / A, a = parent.rank() % A;
   mesh_groups m;
-  if (parent.is_loopback()) {
-    m.all_to_all = make_loopback_communicator(be, A);
-    m.ring = make_loopback_communicator(be, rings);
-    return m;
-  }
   std::vector<int> group, ring;
   for (int j = 0; j < A; ++j) group.push_back(g * A + j);
   for (int j = 0; j < rings; ++j) ring.push_back(j * A + a);

@@ -1,5 +1,7 @@
-// Sub-groups of a CP group: a 2-D mesh of C = R x A ranks, the A ranks of one all-to-all
-// group consecutive (a node's GPUs), and the R groups joined by a ring (across nodes).
+// Sub-groups of a group of ranks (the groups of a data-parallel mesh, comm/replica_mesh.hpp,
+// are made of them), and hybrid's 2-D mesh of a CP group: C = R x A ranks, the A ranks of
+// one all-to-all group consecutive (a node's GPUs), and the R groups joined by a ring
+// (across nodes).
 #pragma once
 
 #include <memory>
@@ -10,11 +12,13 @@
 namespace upipe {
 
 // A communicator over some ranks of `parent` (`members`: their parent ranks, ascending,
-// this rank among them). Its collectives are rounds of the parent's point-to-point
-// send_recv (an all-to-all of n ranks is n - 1 rounds, as NCCL's own all-to-all is
-// grouped sends and receives), its own chunk a local copy on `be`; its counters count
-// its own traffic. Its barrier is the parent's: every parent rank calls it together.
-// Throws config_error when this rank is not a member.
+// this rank among them). Every parent rank calls it at once, each with its own group's
+// members. A loopback parent gives a loopback of the group's size; a parent that splits
+// natively (NCCL) gives its own communicator; otherwise the collectives are rounds of the
+// parent's point-to-point send_recv (an all-to-all of n ranks is n - 1 rounds, as NCCL's
+// own all-to-all is grouped sends and receives), its own chunk a local copy on `be`, and
+// its barrier the parent's (every parent rank calls it together). Its counters count its
+// own traffic. Throws config_error when this rank is not a member.
 std::unique_ptr<communicator> make_subgroup(communicator& parent, backend& be, std::vector<int> members);
 
 // The mesh's two groups for this rank: `all_to_all` over the A = C / R ranks of its group

@@ -4,28 +4,25 @@
 #include <sstream>
 
 #include "core/error.hpp"
+#include "cp/strategy_table.hpp"
 
 namespace upipe {
 
-std::string_view strategy_name(strategy_kind kind) {
-  switch (kind) {
-    case strategy_kind::ulysses: return "ulysses";
-    case strategy_kind::upipe: return "upipe";
-    case strategy_kind::ring: return "ring";
-    case strategy_kind::hybrid: return "hybrid";
-    case strategy_kind::fpdt: return "fpdt";
-  }
-  return "unknown";
+std::string_view strategy_name(strategy_kind kind) { return row_of(kind).name; }
+
+strategy_kind parse_strategy_kind(std::string_view name) { return row_named(name).kind; }
+
+bool attention_config::staged() const { return row_of(strategy).heads != head_stages::none; }
+
+bool attention_config::meshed() const { return row_of(strategy).mesh; }
+
+std::int64_t attention_config::layout_unit() const {
+  return row_of(strategy).layout == sequence_layout::zigzag ? 2 * std::int64_t{cp} : cp;
 }
 
-strategy_kind parse_strategy_kind(std::string_view name) {
-  if (name == "ulysses") return strategy_kind::ulysses;
-  if (name == "upipe") return strategy_kind::upipe;
-  if (name == "ring") return strategy_kind::ring;
-  if (name == "hybrid") return strategy_kind::hybrid;
-  if (name == "fpdt") return strategy_kind::fpdt;
-  throw config_error("unknown attention strategy '" + std::string(name) +
-                     "': the strategy must be one of ulysses, upipe, ring, hybrid, fpdt (for example --attention upipe)");
+double attention_pairs(std::int64_t seq_len, std::int64_t window) {
+  const double S = static_cast<double>(seq_len), W = static_cast<double>(window);
+  return window > 0 && window < seq_len ? S * W - W * (W - 1) / 2 : S * S / 2;
 }
 
 std::vector<row_chunk> sequence_chunks(std::int64_t s, int n) {
@@ -54,24 +51,39 @@ std::string join(const std::vector<int>& values) {
   return out.str();
 }
 
+// The names of the rows that `has`, "a, b and c".
+template <class Pred>
+std::string rows_that(Pred has) {
+  std::vector<std::string_view> names;
+  for (const strategy_row& r : strategy_rows())
+    if (has(r)) names.push_back(r.name);
+  std::string out;
+  for (std::size_t i = 0; i < names.size(); ++i)
+    out += (i == 0 ? "" : i + 1 == names.size() ? " and " : ", ") + std::string(names[i]);
+  return out;
+}
+
 void require_positive(std::int64_t value, const char* name) {
   if (value <= 0)
     throw config_error(std::string(name) + " = " + std::to_string(value) +
                        " is invalid: it must be a positive integer (for example 8)");
 }
 
-// The largest divisor of `heads` that is at most `cp`, as a suggestion for C.
-int suggest_cp(int heads, int kv_heads, int cp) {
-  for (int c = cp; c > 1; --c)
-    if (heads % c == 0 && (kv_heads % c == 0 || c % kv_heads == 0)) return c;
-  return 1;
+// Every group size that splits the heads evenly (it divides H, and K or K divides it), up
+// to H: the valid alternatives a refusal names.
+std::string valid_group_sizes(int heads, int kv_heads) {
+  std::string out;
+  for (int c = 1; c <= heads; ++c)
+    if (heads % c == 0 && (kv_heads % c == 0 || c % kv_heads == 0)) out += (out.empty() ? "" : ", ") + std::to_string(c);
+  return out;
 }
 
 void validate_mesh(const attention_config& c) {
-  if (c.strategy != strategy_kind::hybrid) {
+  if (!c.meshed()) {
     if (c.ring != 1)
-      throw config_error("--ring " + std::to_string(c.ring) + " applies to hybrid only (R rings of all-to-all groups); "
-                         "leave it out, or use --attention hybrid");
+      throw config_error("--ring " + std::to_string(c.ring) + " applies to " +
+                         rows_that([](const strategy_row& r) { return r.mesh; }) +
+                         " only (R rings of all-to-all groups); leave it out, or use --attention hybrid");
     return;
   }
   if (c.ring < 1 || c.cp % c.ring != 0) {
@@ -90,25 +102,27 @@ void validate_heads(const attention_config& c) {
   if (c.head_dim % 2 != 0)
     throw config_error("head dim d = " + std::to_string(c.head_dim) + " must be even (RoPE rotates pairs); for example " +
                        std::to_string(c.head_dim + 1));
-  // The heads split over the all-to-all group: all C ranks, or hybrid's A. Ring splits no
-  // heads: every rank attends all of them for its own tokens.
-  if (c.strategy == strategy_kind::ring) return;
+  // The heads split over the all-to-all group: all C ranks, or a mesh's A. A strategy
+  // without head stages (ring) splits none: every rank attends all of them for its tokens.
+  if (!c.staged()) return;
   const int group = c.all_to_all_size();
-  const std::string name = c.strategy == strategy_kind::hybrid ? "the all-to-all group A = C / R = " : "cp C = ";
-  const int alt = suggest_cp(c.heads, c.kv_heads, group);
-  const std::string letter = c.strategy == strategy_kind::hybrid ? "A" : "C";
+  const std::string name = c.meshed() ? "the all-to-all group A = C / R = " : "cp C = ";
+  const std::string letter = c.meshed() ? "A" : "C";
+  const std::string valid = "; valid " + letter + " for H = " + std::to_string(c.heads) + ", K = " +
+                            std::to_string(c.kv_heads) + ": " + valid_group_sizes(c.heads, c.kv_heads) +
+                            ", or ring attention, which runs any C";
   if (c.heads % group != 0)
     throw config_error(name + std::to_string(group) + " must divide query heads H = " + std::to_string(c.heads) +
-                       " (each rank computes H/" + letter + " heads); use " + letter + " = " + std::to_string(alt));
+                       " (each rank computes H/" + letter + " heads)" + valid);
   if (c.kv_heads % group != 0 && group % c.kv_heads != 0)
     throw config_error(name + std::to_string(group) + " and kv heads K = " + std::to_string(c.kv_heads) +
                        " are not supported: " + letter + " must divide K or K must divide " + letter +
-                       " (kv heads are split or replicated evenly); use " + letter + " = " + std::to_string(alt));
+                       " (kv heads are split or replicated evenly)" + valid);
 }
 
 void validate_sequence(const attention_config& c) {
   const std::int64_t unit = c.layout_unit();
-  const bool zigzag = unit != c.cp;
+  const bool zigzag = row_of(c.strategy).layout == sequence_layout::zigzag;
   if (c.seq_len % unit != 0) {
     const std::int64_t fixed = (c.seq_len / unit + 1) * unit;
     throw config_error("sequence length S = " + std::to_string(c.seq_len) + " must be divisible by " +
@@ -119,59 +133,58 @@ void validate_sequence(const attention_config& c) {
 }
 
 void validate_head_chunk(attention_config& c) {
-  switch (c.strategy) {
-    case strategy_kind::ulysses:
-    case strategy_kind::fpdt:
+  const strategy_row& row = row_of(c.strategy);
+  const std::string name(row.name);
+  switch (row.heads) {
+    case head_stages::none:
+      if (c.head_chunk != 0)
+        throw config_error("head chunk U = " + std::to_string(c.head_chunk) + " is not allowed for " + name +
+                           ", which has no head stages; leave it out, or use --attention upipe");
+      return;
+    case head_stages::all:
       if (c.head_chunk == 0) c.head_chunk = c.heads;
       if (c.head_chunk != c.heads)
-        throw config_error("head chunk U = " + std::to_string(c.head_chunk) + " is not allowed for " +
-                           std::string(strategy_name(c.strategy)) + ", which runs all H = " + std::to_string(c.heads) +
+        throw config_error("head chunk U = " + std::to_string(c.head_chunk) + " is not allowed for " + name +
+                           ", which runs all H = " + std::to_string(c.heads) +
                            " heads in one stage; leave it out, or use --attention upipe");
       return;
-    case strategy_kind::ring:
-      if (c.head_chunk != 0)
-        throw config_error("head chunk U = " + std::to_string(c.head_chunk) +
-                           " is not allowed for ring, which has no head stages; leave it out, or use --attention upipe");
-      return;
-    case strategy_kind::hybrid: {
+    case head_stages::chosen: {
       const int A = c.all_to_all_size();
-      if (c.head_chunk == 0) c.head_chunk = c.heads;  // USP: Ulysses inside the groups
-      if (c.head_chunk <= 0 || c.head_chunk % A != 0 || c.heads % c.head_chunk != 0)
-        throw config_error("head chunk U = " + std::to_string(c.head_chunk) + " is invalid for hybrid with H = " +
-                           std::to_string(c.heads) + " and all-to-all groups of A = " + std::to_string(A) +
-                           ": U must be a multiple of A and divide H; valid: " + join(valid_head_chunks(c.heads, A)));
+      if (c.head_chunk == 0) c.head_chunk = row.head_default == head_chunk_default::group ? A : c.heads;
+      if (c.head_chunk <= 0 || c.head_chunk % A != 0 || c.heads % c.head_chunk != 0) {
+        const std::string letter = c.meshed() ? "A" : "C";
+        throw config_error("head chunk U = " + std::to_string(c.head_chunk) + " is invalid for " +
+                           (c.meshed() ? name + " with " : std::string()) + "H = " + std::to_string(c.heads) +
+                           (c.meshed() ? " and all-to-all groups of A = " : ", C = ") + std::to_string(A) +
+                           ": U must be a multiple of " + letter + " and divide H; valid: " +
+                           join(valid_head_chunks(c.heads, A)));
+      }
       return;
     }
-    case strategy_kind::upipe:
-      if (c.head_chunk == 0) c.head_chunk = c.cp;
-      if (c.head_chunk <= 0 || c.head_chunk % c.cp != 0 || c.heads % c.head_chunk != 0)
-        throw config_error("head chunk U = " + std::to_string(c.head_chunk) + " is invalid for H = " +
-                           std::to_string(c.heads) + ", C = " + std::to_string(c.cp) +
-                           ": U must be a multiple of C and divide H; valid: " +
-                           join(valid_head_chunks(c.heads, c.cp)));
-      return;
   }
 }
 
-// Sequence chunks: ulysses, upipe and fpdt (at least 2 for fpdt, whose point they are), at
-// most one per local row, and without the overlapped output exchange.
+// Sequence chunks where the row takes them (at least 2 where it requires them), at most
+// one per local row, and without the overlapped output exchange.
 void validate_chunks(attention_config& c) {
+  const strategy_row& row = row_of(c.strategy);
   const std::int64_t s = c.local_tokens();
-  const bool can_chunk = c.strategy == strategy_kind::ulysses || c.strategy == strategy_kind::upipe ||
-                         c.strategy == strategy_kind::fpdt;
   if (c.seq_chunks == 0) {
     const std::int64_t n = (c.seq_len + fpdt_default_chunk_tokens - 1) / fpdt_default_chunk_tokens;
-    c.seq_chunks = c.strategy == strategy_kind::fpdt ? static_cast<int>(std::clamp<std::int64_t>(n, 2, std::max<std::int64_t>(s, 2))) : 1;
+    c.seq_chunks = row.chunks == sequence_chunking::required
+                       ? static_cast<int>(std::clamp<std::int64_t>(n, 2, std::max<std::int64_t>(s, 2)))
+                       : 1;
   }
   if (c.seq_chunks < 1)
     throw config_error("sequence chunks N = " + std::to_string(c.seq_chunks) +
                        " is invalid: it must be a positive integer (for example --seq-chunks 4)");
-  if (c.seq_chunks > 1 && !can_chunk)
-    throw config_error("sequence chunks N = " + std::to_string(c.seq_chunks) + " apply to ulysses, upipe and fpdt, not " +
-                       std::string(strategy_name(c.strategy)) + "; leave --seq-chunks out, or use --attention upipe");
-  if (c.strategy == strategy_kind::fpdt && c.seq_chunks < 2)
-    throw config_error("fpdt with N = " + std::to_string(c.seq_chunks) + " sequence chunk is Ulysses: give --seq-chunks 2 "
-                       "or more, or use --attention ulysses");
+  if (c.seq_chunks > 1 && row.chunks == sequence_chunking::none)
+    throw config_error("sequence chunks N = " + std::to_string(c.seq_chunks) + " apply to " +
+                       rows_that([](const strategy_row& r) { return r.chunks != sequence_chunking::none; }) +
+                       ", not " + std::string(row.name) + "; leave --seq-chunks out, or use --attention upipe");
+  if (row.chunks == sequence_chunking::required && c.seq_chunks < 2)
+    throw config_error(std::string(row.name) + " with N = " + std::to_string(c.seq_chunks) +
+                       " sequence chunk is Ulysses: give --seq-chunks 2 or more, or use --attention ulysses");
   if (c.seq_chunks > s)
     throw config_error("sequence chunks N = " + std::to_string(c.seq_chunks) + " is more than the " + std::to_string(s) +
                        " tokens of a rank's shard (S / C = " + std::to_string(c.seq_len) + " / " + std::to_string(c.cp) +
@@ -194,6 +207,9 @@ void validate(attention_config& c) {
   require_positive(c.model_dim, "model dim D");
   require_positive(c.cp, "cp C");
   if (c.head_chunk < 0) require_positive(c.head_chunk, "head chunk U");
+  if (c.window < 0)
+    throw config_error("sliding window W = " + std::to_string(c.window) + " is invalid: it must be 0 (global "
+                       "attention) or the number of keys a token attends to (for example --window 4096)");
   validate_mesh(c);
   validate_heads(c);
   validate_sequence(c);

@@ -1,6 +1,7 @@
 // The attention layer's shape under context parallelism, and its validation.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <string>
 #include <string_view>
@@ -10,13 +11,15 @@
 
 namespace upipe {
 
-// hybrid: a 2-D mesh of C = R x A ranks, Ulysses or UPipe inside each group of A ranks
-// (a node's GPUs) and zigzag ring attention across the R groups (USP). fpdt: Ulysses over
-// N sequence chunks, earlier chunks' K/V in host memory (DeepSpeed's FPDT); upipe with
-// seq_chunks > 1 is the same with U heads a stage.
+// The CP strategies; what each is (its layout, which of U, N and R it takes, its executor
+// and stage plan) is its row in cp/strategy_table.hpp. hybrid: a 2-D mesh of C = R x A
+// ranks, Ulysses or UPipe inside each group of A ranks (a node's GPUs) and zigzag ring
+// attention across the R groups (USP). fpdt: Ulysses over N sequence chunks, earlier
+// chunks' K/V in host memory (DeepSpeed's FPDT); upipe with seq_chunks > 1 is the same
+// with U heads a stage.
 enum class strategy_kind : std::uint8_t { ulysses, upipe, ring, hybrid, fpdt };
 std::string_view strategy_name(strategy_kind kind);
-// Parses "ulysses", "upipe", "ring", "hybrid" or "fpdt"; throws config_error naming the valid values.
+// Parses a row's name; throws config_error naming the valid values.
 strategy_kind parse_strategy_kind(std::string_view name);
 
 // The longest sequence anything here is asked to size or run (the planner searches up to it).
@@ -46,9 +49,16 @@ struct attention_config {
   // memory. 0: 1, or for fpdt chunks of fpdt_default_chunk_tokens (at least 2).
   int seq_chunks = 0;
   strategy_kind strategy = strategy_kind::upipe;
+  // W, a sliding window (0: global attention): a token at global position i attends to the
+  // keys j with i - W < j <= i (W keys, itself included), as transformers' sliding-window
+  // causal mask; with packed documents both must allow a pair.
+  std::int64_t window = 0;
   rope_config rope;
-  bool qk_norm = false;     // Qwen3: RMSNorm over d on every q and k head, before RoPE
+  bool qk_norm = false;     // Qwen3, Gemma 3: RMSNorm over d on every q and k head, before RoPE
   float norm_eps = 1e-6f;   // epsilon of that RMSNorm
+  float norm_offset = 0.0f;  // that RMSNorm scales by (norm_offset + weight): Gemma 3's 1
+  // The softmax scale of the scores: 0 for 1/sqrt(d); Gemma 3 gives 1/sqrt(query_pre_attn_scalar).
+  double score_scale = 0.0;
   // Ulysses/UPipe: a stage's output all-to-all stays in flight while the next stage
   // projects its K/V and Q (holding one more stage buffer meanwhile).
   bool overlap_comm = false;
@@ -60,16 +70,31 @@ struct attention_config {
   bool frozen_q = false, frozen_k = false, frozen_v = false;
 
   std::int64_t local_tokens() const { return seq_len / cp; }  // s
+  float softmax_scale() const {
+    return static_cast<float>(score_scale > 0 ? score_scale : 1.0 / std::sqrt(static_cast<double>(head_dim)));
+  }
+  // The q/k norm's epsilon and offset (cp/head_norm.hpp).
+  struct head_norm_params {
+    float eps = 1e-6f, weight_offset = 0.0f;
+  };
+  head_norm_params head_norm() const { return {norm_eps, norm_offset}; }
   int all_to_all_size() const { return cp / ring; }            // A: the ranks of one all-to-all group
   bool chunked() const { return seq_chunks > 1; }
-  bool staged() const { return strategy != strategy_kind::ring; }  // all-to-all stages (and hybrid's)
+  // Does the window limit any query (W > 0 and shorter than the sequence)?
+  bool windowed() const { return window > 0 && window < seq_len; }
+  bool staged() const;  // all-to-all stages (the row has head stages)
+  bool meshed() const;  // a ring of all-to-all groups (hybrid)
   // Does the backward norm its input in tiles (a shard longer than input_tile)?
   bool tiled_backward() const { return input_tile > 0 && local_tokens() > input_tile; }
-  // The sequence's unit: C for ulysses and upipe, 2C for ring's and hybrid's zigzag halves.
-  std::int64_t layout_unit() const {
-    return strategy == strategy_kind::ring || strategy == strategy_kind::hybrid ? 2 * std::int64_t{cp} : cp;
-  }
+  // The sequence's unit: C for contiguous shards (ulysses, upipe), 2C for zigzag halves
+  // (ring, hybrid).
+  std::int64_t layout_unit() const;
 };
+
+// The (query, key) pairs causal attention scores over S tokens: S^2 / 2 (the model-FLOPs
+// convention of docs/design.md section 7), or under a window W < S, S W - W (W - 1) / 2
+// (each query sees at most W keys).
+double attention_pairs(std::int64_t seq_len, std::int64_t window);
 
 // Throws config_error naming the offending value, the rule and a valid alternative.
 // Fills in head_chunk when it is 0 (C for upipe, H for ulysses and fpdt) and seq_chunks.

@@ -23,6 +23,7 @@ projection_forward::projection_forward(backend& be, const projection& w, const m
 
 void projection_forward::rows(std::int64_t first, std::int64_t count, const mat_view& y, float beta) const {
   ops::gemm(be_, {x_, transpose::none, w_.weight.row_block(first, count), transpose::yes, y, 1.0f, beta});
+  if (w_.bias.rows > 0) ops::bias_add(be_, {y, w_.bias.col_block(first, count)});
   if (w_.adapted())
     ops::gemm(be_, {xa_.matrix(), transpose::none, w_.lora_b.row_block(first, count), transpose::yes, y,
                     w_.lora_scale, 1.0f});
@@ -64,6 +65,7 @@ void projection_backward::start_tile(std::int64_t t0, const mat_view& x) {
 void projection_backward::weight_grad(const mat_view& dy, std::int64_t first) {
   if (g_.weight.rows > 0)
     ops::gemm(be_, {dy, transpose::yes, tile_, transpose::none, g_.weight.row_block(first, dy.cols), 1.0f, 1.0f});
+  if (g_.bias.rows > 0) ops::bias_grad(be_, {dy, g_.bias.col_block(first, dy.cols)});
   if (w_.adapted())
     ops::gemm(be_, {dy, transpose::yes, tile_xa_.matrix(), transpose::none, g_.lora_b.row_block(first, dy.cols),
                     w_.lora_scale, 1.0f});
@@ -80,6 +82,7 @@ void linear_backward(backend& be, const mat_view& x, const mat_view& dy, const p
                      const projection_grads& g, const mat_view& d_x, float beta) {
   ops::gemm(be, {dy, transpose::none, w.weight, transpose::none, d_x, 1.0f, beta});
   if (g.weight.rows > 0) ops::gemm(be, {dy, transpose::yes, x, transpose::none, g.weight, 1.0f, 1.0f});
+  if (g.bias.rows > 0) ops::bias_grad(be, {dy, g.bias});
   if (!w.adapted()) return;
   UPIPE_CHECK(g.lora_a.rows == w.lora_a.rows && g.lora_b.rows == w.lora_b.rows,
               "an adapted projection's backward needs its adapter's gradients");

@@ -1,5 +1,6 @@
-// A linear projection y = x W^T (Hugging Face layout) with an optional LoRA adapter,
-// y = x W^T + s (x A^T) B^T with s = alpha / r, forward and backward. The attention
+// A linear projection y = x W^T (Hugging Face layout) with an optional bias b and an
+// optional LoRA adapter, y = x W^T + b + s (x A^T) B^T with s = alpha / r, forward and
+// backward. The attention
 // strategies, the output projection and the MLP run their weight GEMMs through here, so
 // that an adapter follows its weight wherever the weight's rows go (a UPipe stage takes
 // the rows of its heads from W and from B alike) and a frozen weight's gradient GEMM is
@@ -14,6 +15,7 @@ namespace upipe {
 
 struct projection {
   mat_view weight;          // (out, in), working dtype
+  mat_view bias;            // (1, out), working dtype; no rows without a bias
   mat_view lora_a, lora_b;  // (r, in) and (out, r), working dtype; no rows without an adapter
   float lora_scale = 0.0f;  // alpha / r
 
@@ -26,6 +28,7 @@ struct projection {
 // its weight-gradient GEMM is not run.
 struct projection_grads {
   mat_view weight;          // (out, in)
+  mat_view bias;            // (1, out) with a trained bias
   mat_view lora_a, lora_b;  // (r, in), (out, r) with an adapter
 
   projection_grads() = default;
@@ -38,7 +41,8 @@ class projection_forward {
  public:
   projection_forward(backend& be, const projection& w, const mat_view& x);
 
-  // y (x.rows, count) = beta y + x W[first, first + count)^T (+ s (x A^T) B[first, first + count)^T).
+  // y (x.rows, count) = beta y + x W[first, first + count)^T (+ b[first, first + count))
+  // (+ s (x A^T) B[first, first + count)^T).
   void rows(std::int64_t first, std::int64_t count, const mat_view& y, float beta = 0.0f) const;
   void all(const mat_view& y, float beta = 0.0f) const { rows(0, w_.weight.rows, y, beta); }
 
@@ -63,11 +67,12 @@ class projection_backward {
   // After the last input_grad: d_x += s (dy B) A.
   void finish_input_grad(const mat_view& d_x);
   // Whether any weight gradient is wanted: when not, the tiles of x need not be made.
-  bool trains() const { return g_.weight.rows > 0 || w_.adapted(); }
+  bool trains() const { return g_.weight.rows > 0 || g_.bias.rows > 0 || w_.adapted(); }
   // Input rows [t0, t0 + x.rows): dA += s (dy B)[rows]^T x, and x A^T for weight_grad.
   void start_tile(std::int64_t t0, const mat_view& x);
   // For the current tile, dy its rows of output columns [first, first + dy.cols):
-  // dW[first, ...) += dy^T x unless the weight is frozen, dB[first, ...) += s dy^T (x A^T).
+  // dW[first, ...) += dy^T x unless the weight is frozen, db[first, ...) += dy's column
+  // sums with a trained bias, dB[first, ...) += s dy^T (x A^T).
   void weight_grad(const mat_view& dy, std::int64_t first);
 
  private:
@@ -80,11 +85,11 @@ class projection_backward {
   tensor tile_xa_;  // (tile rows, r) working dtype
 };
 
-// y = beta y + x W^T (+ adapter).
+// y = beta y + x W^T (+ bias) (+ adapter).
 void linear_forward(backend& be, const mat_view& x, const projection& w, const mat_view& y, float beta = 0.0f);
 
 // The whole backward for an input x held whole: d_x = beta d_x + dy W (+ s (dy B) A), and
-// the weight gradients.
+// the weight (and bias) gradients.
 void linear_backward(backend& be, const mat_view& x, const mat_view& dy, const projection& w,
                      const projection_grads& g, const mat_view& d_x, float beta);
 

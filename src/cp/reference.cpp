@@ -67,30 +67,30 @@ struct norm_rows {
   matrix pre;
   std::vector<double> rstd;
 };
-norm_rows head_norm(matrix& t, const std::vector<float>& w, std::int64_t d, double eps) {
+norm_rows head_norm(matrix& t, const std::vector<float>& w, std::int64_t d, double eps, double offset) {
   norm_rows saved{t, {}};
   for (std::size_t r = 0; r * d < t.size(); ++r) {
     double ss = 0;
     for (std::int64_t e = 0; e < d; ++e) ss += t[r * d + e] * t[r * d + e];
     const double rstd = 1.0 / std::sqrt(ss / static_cast<double>(d) + eps);
     saved.rstd.push_back(rstd);
-    for (std::int64_t e = 0; e < d; ++e) t[r * d + e] = t[r * d + e] * rstd * w[e];
+    for (std::int64_t e = 0; e < d; ++e) t[r * d + e] = t[r * d + e] * rstd * (offset + w[e]);
   }
   return saved;
 }
 
 // grad: d(normalized) -> d(pre-norm) in place; returns d(weight).
 std::vector<double> head_norm_backward(matrix& grad, const norm_rows& saved, const std::vector<float>& w,
-                                       std::int64_t d) {
+                                       std::int64_t d, double offset) {
   std::vector<double> d_w(static_cast<std::size_t>(d), 0.0);
   for (std::size_t r = 0; r < saved.rstd.size(); ++r) {
     const double rstd = saved.rstd[r];
     double dot = 0;
-    for (std::int64_t e = 0; e < d; ++e) dot += grad[r * d + e] * w[e] * saved.pre[r * d + e];
+    for (std::int64_t e = 0; e < d; ++e) dot += grad[r * d + e] * (offset + w[e]) * saved.pre[r * d + e];
     for (std::int64_t e = 0; e < d; ++e) {
       const double x = saved.pre[r * d + e], g = grad[r * d + e];
       d_w[e] += g * x * rstd;
-      grad[r * d + e] = rstd * (g * w[e] - x * rstd * rstd * dot / static_cast<double>(d));
+      grad[r * d + e] = rstd * (g * (offset + w[e]) - x * rstd * rstd * dot / static_cast<double>(d));
     }
   }
   return d_w;
@@ -127,18 +127,20 @@ attention_outputs reference_attention_layer(const attention_config& c, const att
                                             std::span<const std::int64_t> documents) {
   const std::int64_t S = c.seq_len, D = c.model_dim, H = c.heads, K = c.kv_heads, d = c.head_dim;
   std::vector<std::int64_t> start(static_cast<std::size_t>(S), 0);  // each row's document start
+  std::vector<std::int64_t> first(static_cast<std::size_t>(S), 0);  // each row's first key: document and window
   for (std::int64_t s = 0, doc = 0; s < S; ++s) {
     while (doc + 1 < static_cast<std::int64_t>(documents.size()) && documents[doc + 1] <= s) ++doc;
     start[s] = documents.empty() ? 0 : documents[doc];
+    first[s] = c.window > 0 ? std::max(start[s], s - c.window + 1) : start[s];
   }
   const std::int64_t G = H / K, hd = H * d, kd = K * d;
-  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  const double scale = c.score_scale > 0 ? c.score_scale : 1.0 / std::sqrt(static_cast<double>(d));
   const matrix x = widen(in.x), d_y = widen(in.d_y);
   matrix q = linear(x, in.wq, S, D, hd), k = linear(x, in.wk, S, D, kd), v = linear(x, in.wv, S, D, kd);
   norm_rows q_saved, k_saved;
   if (c.qk_norm) {
-    q_saved = head_norm(q, in.q_norm, d, c.norm_eps);
-    k_saved = head_norm(k, in.k_norm, d, c.norm_eps);
+    q_saved = head_norm(q, in.q_norm, d, c.norm_eps, c.norm_offset);
+    k_saved = head_norm(k, in.k_norm, d, c.norm_eps, c.norm_offset);
   }
   rotate(q, c, static_cast<int>(H), 1.0, start);
   rotate(k, c, static_cast<int>(K), 1.0, start);
@@ -157,15 +159,15 @@ attention_outputs reference_attention_layer(const attention_config& c, const att
     for (std::int64_t i = 0; i < S; ++i) {
       const double* qi = &q[(i * H + h) * d];
       double mx = -INFINITY, sum = 0;
-      for (std::int64_t j = start[i]; j <= i; ++j) {
+      for (std::int64_t j = first[i]; j <= i; ++j) {
         double dot = 0;
         for (std::int64_t e = 0; e < d; ++e) dot += qi[e] * k[(j * K + g) * d + e];
         p[j] = dot * scale;
         mx = std::max(mx, p[j]);
       }
-      for (std::int64_t j = start[i]; j <= i; ++j) sum += (p[j] = std::exp(p[j] - mx));
+      for (std::int64_t j = first[i]; j <= i; ++j) sum += (p[j] = std::exp(p[j] - mx));
       double* oi = &r.attn_out[(i * H + h) * d];
-      for (std::int64_t j = start[i]; j <= i; ++j) {
+      for (std::int64_t j = first[i]; j <= i; ++j) {
         p[j] /= sum;
         for (std::int64_t e = 0; e < d; ++e) oi[e] += p[j] * v[(j * K + g) * d + e];
       }
@@ -173,7 +175,7 @@ attention_outputs reference_attention_layer(const attention_config& c, const att
       const double* doi = &d_o[(i * H + h) * d];
       double delta = 0;
       for (std::int64_t e = 0; e < d; ++e) delta += doi[e] * oi[e];
-      for (std::int64_t j = start[i]; j <= i; ++j) {
+      for (std::int64_t j = first[i]; j <= i; ++j) {
         double dp = 0;
         for (std::int64_t e = 0; e < d; ++e) dp += doi[e] * v[(j * K + g) * d + e];
         const double ds = p[j] * (dp - delta) * scale;
@@ -190,8 +192,8 @@ attention_outputs reference_attention_layer(const attention_config& c, const att
   rotate(d_q, c, static_cast<int>(H), -1.0, start);
   rotate(d_k, c, static_cast<int>(K), -1.0, start);
   if (c.qk_norm) {
-    r.d_q_norm = head_norm_backward(d_q, q_saved, in.q_norm, d);
-    r.d_k_norm = head_norm_backward(d_k, k_saved, in.k_norm, d);
+    r.d_q_norm = head_norm_backward(d_q, q_saved, in.q_norm, d, c.norm_offset);
+    r.d_k_norm = head_norm_backward(d_k, k_saved, in.k_norm, d, c.norm_offset);
   }
   r.d_x.assign(static_cast<std::size_t>(S * D), 0.0);
   linear_input_grad(r.d_x, d_q, in.wq, S, hd, D);

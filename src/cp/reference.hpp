@@ -33,7 +33,7 @@ attention_inputs random_attention_inputs(const attention_config& config, unsigne
 
 // With `documents` (the indices where packed documents begin, the first 0), a token
 // attends only to earlier tokens of its own document and its RoPE position counts from
-// the document's start.
+// the document's start; with config.window W > 0 only to the last W of them.
 attention_outputs reference_attention_layer(const attention_config& config, const attention_inputs& in,
                                             std::span<const std::int64_t> documents = {});
 

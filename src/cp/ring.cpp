@@ -34,59 +34,76 @@ struct block_pair {
 };
 
 // Global chunk c attends to chunk b fully when b < c, causally when b == c, never after;
-// with packed documents a block none of whose pairs shares a document is skipped.
-std::vector<block_pair> pairs(const ring_shape& shape, int kv_owner) {
-  static const std::vector<std::int64_t> none;
-  const std::vector<std::int64_t>& docs = shape.documents != nullptr ? *shape.documents : none;
-  const int c2 = 2 * shape.size, r = shape.rank;
-  const int q_chunks[2] = {r, c2 - 1 - r}, kv_chunks[2] = {kv_owner, c2 - 1 - kv_owner};
+// a block wholly outside the window, or (with packed documents) none of whose pairs shares
+// a document, is skipped.
+std::vector<block_pair> pairs(const ring_shape& shape, int q_rank, int kv_owner,
+                              const std::vector<std::int64_t>& docs) {
+  const int c2 = 2 * shape.size;
+  const int q_chunks[2] = {q_rank, c2 - 1 - q_rank}, kv_chunks[2] = {kv_owner, c2 - 1 - kv_owner};
   std::vector<block_pair> result;
   for (int a = 0; a < 2; ++a)
     for (int b = 0; b < 2; ++b) {
       if (kv_chunks[b] > q_chunks[a]) continue;
       const document_mask m{docs, q_chunks[a] * shape.chunk, kv_chunks[b] * shape.chunk};
-      if (!m.shares_document(shape.chunk, shape.chunk)) continue;
+      if (!m.shares_document(shape.chunk, shape.chunk, shape.window)) continue;
       result.push_back({a, b, kv_chunks[b] == q_chunks[a] ? attn_mask::causal : attn_mask::none, m});
     }
   return result;
 }
 
-// One ring step: this rank's buffer goes to the next rank, the previous rank's arrives.
-tensor pass_on(backend& be, communicator& ring, const ring_shape& shape, tensor& t, const char* label) {
-  tensor next = be.allocate(mem_tag::attention, t.type(), t.dims(), label);
-  const int R = shape.size, r = shape.rank;
-  ring.send_recv(t.data(), t.bytes(), (r + 1) % R, next.data(), next.bytes(), (r - 1 + R) % R, label);
-  return next;
+std::vector<block_pair> pairs(const ring_shape& shape, int kv_owner) {
+  static const std::vector<std::int64_t> none;
+  return pairs(shape, shape.rank, kv_owner, shape.documents != nullptr ? *shape.documents : none);
 }
+
+// Either side of an exchange may be skipped.
+const void* sent(bool send, const tensor& t) { return send ? t.data() : nullptr; }
+std::size_t bytes_if(bool yes, const tensor& t) { return yes ? t.bytes() : 0; }
 
 }  // namespace
 
+bool ring_reaches(const ring_shape& shape, int q_rank, int kv_owner) {
+  static const std::vector<std::int64_t> none;
+  return !pairs(shape, q_rank, kv_owner, none).empty();
+}
+
+ring_step ring_step_at(const ring_shape& shape, int s) {
+  const int R = shape.size, r = shape.rank;
+  const int to = (r + s) % R, from = (r - s + R) % R;
+  return {to, from, ring_reaches(shape, to, r), ring_reaches(shape, r, from)};
+}
+
 void ring_core_forward(backend& be, communicator& ring, const ring_shape& shape, const head_view& q, tensor kv,
                        const head_view& out, const head_view& lse) {
-  const int R = shape.size, r = shape.rank;
   const std::int64_t n = q.heads, d = q.dim;
   tensor out_acc = be.allocate(mem_tag::attention, dtype::f32, {2 * shape.chunk, n, d}, "ring_out_accum");
   ops::fill_heads(be, out_acc.heads(), 0.0f);
   ops::fill_heads(be, lse, -std::numeric_limits<float>::infinity());
   tensor part = be.allocate(mem_tag::attention, be.work_dtype(), {shape.chunk, n, d}, "ring_out_part");
   tensor part_lse = be.allocate(mem_tag::attention, dtype::f32, {n, shape.chunk}, "ring_lse_part");
-  for (int step = 0; step < R; ++step) {
-    const int owner = (r - step + R) % R;
+  const auto attend = [&](const tensor& block, int owner) {
     for (const block_pair& p : pairs(shape, owner)) {
-      ops::sdpa_forward(be, {half(shape, q, p.q_half), half(shape, kv_part(kv, 0), p.kv_half),
-                             half(shape, kv_part(kv, 1), p.kv_half), part.heads(), lse_view(part_lse), p.mask,
-                             shape.scale, p.documents});
+      ops::sdpa_forward(be, {half(shape, q, p.q_half), half(shape, kv_part(block, 0), p.kv_half),
+                             half(shape, kv_part(block, 1), p.kv_half), part.heads(), lse_view(part_lse), p.mask,
+                             shape.scale, p.documents, shape.window});
       ops::lse_merge(be, {half(shape, out_acc.heads(), p.q_half), half(shape, lse, p.q_half), part.heads(),
                           lse_view(part_lse)});
     }
-    if (step + 1 < R) kv = pass_on(be, ring, shape, kv, "ring_kv");
+  };
+  attend(kv, shape.rank);
+  for (int s = 1; s < shape.size; ++s) {
+    const ring_step step = ring_step_at(shape, s);
+    if (!step.send && !step.receive) continue;
+    tensor visiting = step.receive ? be.allocate(mem_tag::attention, kv.type(), kv.dims(), "ring_kv") : tensor();
+    ring.send_recv(sent(step.send, kv), bytes_if(step.send, kv), step.to, visiting.data(),
+                   bytes_if(step.receive, kv), step.from, "ring_kv");
+    if (step.receive) attend(visiting, step.from);
   }
   ops::copy_heads(be, out, out_acc.heads());
 }
 
 ring_core_grads ring_core_backward(backend& be, communicator& ring, const ring_shape& shape, const head_view& q,
                                    tensor kv, const head_view& o, const head_view& d_o, const head_view& lse) {
-  const int R = shape.size, r = shape.rank;
   const std::int64_t n = q.heads, d = q.dim, n_kv = kv.dims()[2];
   ring_core_grads g;
   g.dq = be.allocate_zeroed(mem_tag::attention, dtype::f32, {2 * shape.chunk, n, d}, "ring_dq_accum");
@@ -94,20 +111,41 @@ ring_core_grads ring_core_backward(backend& be, communicator& ring, const ring_s
   tensor dq_part = be.allocate(mem_tag::attention, be.work_dtype(), {shape.chunk, n, d}, "ring_dq_part");
   tensor dkv_part = be.allocate(mem_tag::attention, be.work_dtype(), {2, shape.chunk, n_kv, d}, "ring_dkv_part");
   const head_view dk_part = kv_part(dkv_part, 0), dv_part = kv_part(dkv_part, 1);
-  for (int step = 0; step < R; ++step) {
-    const int owner = (r - step + R) % R;
+  // The pairs with `owner`'s K/V in `block`: dQ here, dK/dV into `grads` (f32, as block).
+  const auto attend = [&](const tensor& block, int owner, const tensor& grads) {
     for (const block_pair& p : pairs(shape, owner)) {
-      ops::sdpa_backward(be, {half(shape, q, p.q_half), half(shape, kv_part(kv, 0), p.kv_half),
-                              half(shape, kv_part(kv, 1), p.kv_half), half(shape, o, p.q_half),
+      ops::sdpa_backward(be, {half(shape, q, p.q_half), half(shape, kv_part(block, 0), p.kv_half),
+                              half(shape, kv_part(block, 1), p.kv_half), half(shape, o, p.q_half),
                               half(shape, d_o, p.q_half), half(shape, lse, p.q_half), dq_part.heads(), dk_part,
-                              dv_part, p.mask, shape.scale, p.documents});
+                              dv_part, p.mask, shape.scale, p.documents, shape.window});
       ops::add_heads(be, half(shape, g.dq.heads(), p.q_half), dq_part.heads());
-      ops::add_heads(be, half(shape, kv_part(g.dkv, 0), p.kv_half), dk_part);
-      ops::add_heads(be, half(shape, kv_part(g.dkv, 1), p.kv_half), dv_part);
+      ops::add_heads(be, half(shape, kv_part(grads, 0), p.kv_half), dk_part);
+      ops::add_heads(be, half(shape, kv_part(grads, 1), p.kv_half), dv_part);
     }
-    // dK/dV travel with their K/V; after the last step they reach their owner.
-    g.dkv = pass_on(be, ring, shape, g.dkv, "ring_dkv");
-    if (step + 1 < R) kv = pass_on(be, ring, shape, kv, "ring_kv");
+  };
+  attend(kv, shape.rank, g.dkv);
+  // Step s: the K/V of the rank s places back arrive and their dK/dV (f32) go back to it;
+  // those of this rank's K/V come home from the rank s places on and add up in fp32.
+  for (int s = 1; s < shape.size; ++s) {
+    const ring_step step = ring_step_at(shape, s);
+    if (!step.send && !step.receive) continue;
+    tensor visiting = step.receive ? be.allocate(mem_tag::attention, kv.type(), kv.dims(), "ring_kv") : tensor();
+    ring.send_recv(sent(step.send, kv), bytes_if(step.send, kv), step.to, visiting.data(),
+                   bytes_if(step.receive, kv), step.from, "ring_kv");
+    tensor visit_grads;
+    if (step.receive) {
+      visit_grads = be.allocate_zeroed(mem_tag::attention, dtype::f32, kv.dims(), "ring_dkv_visit");
+      attend(visiting, step.from, visit_grads);
+      visiting.reset();
+    }
+    tensor home = step.send ? be.allocate(mem_tag::attention, dtype::f32, kv.dims(), "ring_dkv") : tensor();
+    ring.send_recv(sent(step.receive, visit_grads), bytes_if(step.receive, visit_grads), step.from, home.data(),
+                   bytes_if(step.send, home), step.to, "ring_dkv");
+    visit_grads.reset();
+    if (step.send) {
+      ops::add_heads(be, kv_part(g.dkv, 0), kv_part(home, 0));
+      ops::add_heads(be, kv_part(g.dkv, 1), kv_part(home, 1));
+    }
   }
   return g;
 }
@@ -115,7 +153,7 @@ ring_core_grads ring_core_backward(backend& be, communicator& ring, const ring_s
 ring_attention::ring_attention(const attention_config& config, backend& be, communicator& comm)
     : config_(config), be_(be), comm_(comm), plan_(make_stage_plan(config, comm.rank())), tokens_(config.local_tokens()),
       chunk_(config.seq_len / (2 * config.cp)),
-      dim_(config.head_dim), scale_(1.0f / std::sqrt(static_cast<float>(config.head_dim))) {
+      dim_(config.head_dim), scale_(config.softmax_scale()) {
   UPIPE_CHECK(comm.size() == config.cp, "communicator size must equal cp");
   positions_ = local_positions(comm.rank());
   rope_positions_ = positions_;
@@ -131,7 +169,7 @@ tensor ring_attention::project_q(const normed_input& x, const attention_weights&
   for_each_input_tile(be_, x, [&](std::int64_t first, const mat_view& rows) {
     linear_forward(be_, rows, w.wq, q.matrix().row_block(first, rows.rows));
   });
-  if (config_.qk_norm) saved = head_norm_forward(be_, head_rows(q, dim_), w.q_norm, config_.norm_eps, keep);
+  if (config_.qk_norm) saved = head_norm_forward(be_, head_rows(q, dim_), w.q_norm, config_.head_norm(), keep);
   ops::rope(be_, {q.heads(), rope_positions_, config_.rope, rope_direction::forward});
   return q;
 }
@@ -149,7 +187,7 @@ tensor ring_attention::project_kv(const normed_input& x, const attention_weights
   });
   const head_view k = kv_part(kv, 0);
   if (config_.qk_norm)
-    saved = head_norm_forward(be_, head_rows(k.data, k.type, tokens_ * kd, dim_), w.k_norm, config_.norm_eps, keep);
+    saved = head_norm_forward(be_, head_rows(k.data, k.type, tokens_ * kd, dim_), w.k_norm, config_.head_norm(), keep);
   ops::rope(be_, {k, rope_positions_, config_.rope, rope_direction::forward});
   return kv;
 }

@@ -106,6 +106,9 @@ struct stage_plan {
   std::optional<head_schedule> schedule;  // staged strategies: over the all-to-all group
   std::vector<stage_step> stages;  // staged strategies (one for ulysses and fpdt); none for ring
   std::vector<row_chunk> chunks;   // the sequence chunks of a rank's shard (one: the whole shard)
+  // Per chunk i: the first kv part query part i's window reaches (0 without a window); the
+  // chunked executors skip the parts before it.
+  std::vector<std::size_t> first_part;
   pass_plan forward, backward;
 
   // The attention phase's working set: the peaks of the device tag `attention` in each pass
@@ -117,6 +120,10 @@ struct stage_plan {
   // Forward and backward together.
   std::map<std::string, std::uint64_t> bytes_by_label(dtype work) const;
   std::map<plan_link, std::uint64_t> bytes_by_link(dtype work) const;
+  // What the sliding window saved, forward and backward together: by label, the bytes the
+  // same plan without the window sends (or copies) beyond this one's (empty without one).
+  std::map<std::string, std::uint64_t> saved_bytes_by_label(dtype work) const;
+  std::uint64_t saved_bytes(dtype work) const;
 };
 
 // The plan of `config` (validated here) on `rank` of the CP group.

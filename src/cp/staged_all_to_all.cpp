@@ -6,6 +6,7 @@
 #include "cp/staged_all_to_all.hpp"
 
 #include <algorithm>
+#include <limits>
 #include <cmath>
 #include <string>
 
@@ -27,7 +28,7 @@ struct staged_all_to_all::resident_block {
 staged_all_to_all::staged_all_to_all(const attention_config& config, backend& be, communicator& comm)
     : config_(config), be_(be), comm_(comm), ring_(nullptr), world_rank_(comm.rank()), group_(config.cp),
       plan_(make_stage_plan(config, comm.rank())), tokens_(config.local_tokens()), gathered_(config.seq_len),
-      dim_(config.head_dim), scale_(1.0f / std::sqrt(static_cast<float>(config.head_dim))) {
+      dim_(config.head_dim), scale_(config.softmax_scale()) {
   UPIPE_CHECK(comm.size() == config.cp, "communicator size must equal cp");
   UPIPE_CHECK(config.ring == 1, "a ring of all-to-all groups needs the mesh's groups");
   config_ = plan_.config;
@@ -41,7 +42,7 @@ staged_all_to_all::staged_all_to_all(const attention_config& config, backend& be
     : config_(config), be_(be), mesh_(std::move(mesh)), comm_(*mesh_.all_to_all), ring_(mesh_.ring.get()),
       world_rank_(world_rank), group_(config.all_to_all_size()), plan_(make_stage_plan(config, world_rank)),
       tokens_(config.local_tokens()), gathered_(config.local_tokens() * group_), dim_(config.head_dim),
-      scale_(1.0f / std::sqrt(static_cast<float>(config.head_dim))) {
+      scale_(config.softmax_scale()) {
   UPIPE_CHECK(comm_.size() == group_ && ring_ != nullptr && ring_->size() == config.ring,
               "hybrid's groups must be A = C / R ranks and a ring of R");
   config_ = plan_.config;
@@ -68,7 +69,7 @@ staged_all_to_all::~staged_all_to_all() = default;
 // holds zigzag halves g and 2R - 1 - g (ring attention's layout over the R groups), and
 // its A ranks split those S / R tokens in order.
 std::vector<position_run> staged_all_to_all::local_positions(int rank) const {
-  if (config_.ring == 1 && config_.strategy != strategy_kind::hybrid) {
+  if (!config_.meshed()) {
     std::vector<position_run> runs;
     for (const row_chunk& c : plan_.chunks) runs.push_back({c.first, config_.cp * c.first + rank * c.count, c.count});
     return runs;
@@ -172,7 +173,7 @@ staged_all_to_all::resident_block staged_all_to_all::receive_kv(const normed_inp
   tensor k_send = project_to_send(x, w.wk, lists, "attn_k_send");
   block.k = exchange(k_send, fwd ? "a2a_k" : "bwd_a2a_k");
   if (config_.qk_norm)
-    block.k_norm = head_norm_forward(be_, head_rows(block.k, dim_), w.k_norm, config_.norm_eps,
+    block.k_norm = head_norm_forward(be_, head_rows(block.k, dim_), w.k_norm, config_.head_norm(),
                                      fwd ? norm_keep::nothing : norm_keep::for_backward);
   rope(sequence_heads(block.k), rope_positions_, rope_direction::forward);
   tensor v_send = project_to_send(x, w.wv, lists, "attn_v_send");
@@ -199,7 +200,7 @@ tensor staged_all_to_all::ring_kv(const resident_block& b, const sdpa_call& c) {
 }
 
 ring_shape staged_all_to_all::ring_geometry() const {
-  return {config_.ring, ring_->rank(), gathered_ / 2, scale_, &documents()};
+  return {config_.ring, ring_->rank(), gathered_ / 2, scale_, &documents(), config_.window};
 }
 
 void staged_all_to_all::release_finished(std::vector<resident_block>& resident, int stage) {
@@ -236,7 +237,7 @@ attention_saved staged_all_to_all::forward(const mat_view& x, const attention_we
     tensor q_send = project_to_send(x, w.wq, stage_lists(t), "attn_q_send");
     finish_previous();
     tensor q = exchange(q_send, "a2a_q");
-    if (config_.qk_norm) head_norm_forward(be_, head_rows(q, dim_), w.q_norm, config_.norm_eps, norm_keep::nothing);
+    if (config_.qk_norm) head_norm_forward(be_, head_rows(q, dim_), w.q_norm, config_.head_norm(), norm_keep::nothing);
     rope(sequence_heads(q), rope_positions_, rope_direction::forward);
     tensor o = be_.allocate(mem_tag::attention, be_.work_dtype(), q.dims(), "attn_o_stage");
     {
@@ -252,7 +253,7 @@ attention_saved staged_all_to_all::forward(const mat_view& x, const attention_we
         ops::sdpa_forward(be_, {qh.head_block(c.q_slot, c.n_q), sequence_heads(b.k).head_block(c.kv_slot, c.n_kv),
                                 sequence_heads(b.v).head_block(c.kv_slot, c.n_kv), oh.head_block(c.q_slot, c.n_q),
                                 lse_heads(saved.lse, t * u + c.q_slot, c.n_q), attn_mask::causal, scale_,
-                                document_rows(0, 0)});
+                                document_rows(0, 0), config_.window});
       }
     }
     q.reset();
@@ -301,7 +302,7 @@ void staged_all_to_all::backward_stage(int t, std::vector<resident_block>& resid
   tensor q = exchange(q_send, "bwd_a2a_q");
   head_norm_saved q_norm;
   if (config_.qk_norm)
-    q_norm = head_norm_forward(be_, head_rows(q, dim_), w.q_norm, config_.norm_eps, norm_keep::for_backward);
+    q_norm = head_norm_forward(be_, head_rows(q, dim_), w.q_norm, config_.head_norm(), norm_keep::for_backward);
   rope(sequence_heads(q), rope_positions_, rope_direction::forward);
   tensor o_send = pack_heads(out, t, "attn_o_send");
   tensor o = exchange(o_send, "bwd_a2a_o");
@@ -343,7 +344,7 @@ void staged_all_to_all::backward_stage(int t, std::vector<resident_block>& resid
           be_, {sequence_heads(q).head_block(c.q_slot, c.n_q), k, sequence_heads(b.v).head_block(c.kv_slot, c.n_kv),
                 sequence_heads(o).head_block(c.q_slot, c.n_q), sequence_heads(d_o).head_block(c.q_slot, c.n_q),
                 lse_heads(saved.lse, t * u + c.q_slot, c.n_q), sequence_heads(dq).head_block(c.q_slot, c.n_q), dk, dv,
-                attn_mask::causal, scale_, document_rows(0, 0)});
+                attn_mask::causal, scale_, document_rows(0, 0), config_.window});
       if (spans) {
         ops::add_heads(be_, sequence_heads(b.dk).head_block(c.kv_slot, c.n_kv), dk);
         ops::add_heads(be_, sequence_heads(b.dv).head_block(c.kv_slot, c.n_kv), dv);
@@ -384,9 +385,38 @@ void staged_all_to_all::send_back_kv(resident_block& block, const normed_input& 
   accumulate_input_grads(dv_back, lists, w.wv, grads.wv, x, d_x);
 }
 
+namespace {
+
+// The heads of a stage's lists as one block of W's rows [first, first + count): every head
+// once and no gap (count 0 otherwise: kv heads replicated over ranks appear more than once).
+head_run one_block(const std::vector<std::span<const int>>& lists) {
+  int lo = std::numeric_limits<int>::max(), hi = -1;
+  std::size_t total = 0;
+  for (const auto& list : lists)
+    for (const int h : list) {
+      lo = std::min(lo, h);
+      hi = std::max(hi, h);
+      ++total;
+    }
+  if (hi < lo || static_cast<std::size_t>(hi - lo + 1) != total) return {};
+  std::vector<bool> seen(static_cast<std::size_t>(hi - lo + 1), false);
+  for (const auto& list : lists)
+    for (const int h : list) {
+      if (seen[static_cast<std::size_t>(h - lo)]) return {};
+      seen[static_cast<std::size_t>(h - lo)] = true;
+    }
+  return {lo, 0, hi - lo + 1};
+}
+
+}  // namespace
+
 // For each chunk j of a received gradient (A, rows, n, d), whose heads are lists[j]:
 // d_x += g W_rows and dW_rows += g^T x (x a tile of rows at a time), both accumulated in
-// f32; an adapter's B rows are those of the same heads (cp/projection.hpp).
+// f32; an adapter's B rows are those of the same heads (cp/projection.hpp). Where a stage's
+// heads are one block of W's rows (UPipe's stages), the chunks' columns are first gathered in
+// W's order, so that d_x takes one GEMM of the stage's width instead of one per chunk, each
+// of which reads and writes the whole f32 d_x (issue #35: UPipe's d_x cost 12.3 ms against
+// Ulysses' 6.6 at 128K); the gathered copy is one stage's gradient, U/H of Ulysses'.
 void staged_all_to_all::accumulate_input_grads(const tensor& recv, const head_lists& lists, const projection& weight,
                                                const projection_grads& d_weight, const normed_input& x,
                                                const mat_view& d_x) {
@@ -397,17 +427,34 @@ void staged_all_to_all::accumulate_input_grads(const tensor& recv, const head_li
     const head_view chunk = chunk_heads(recv, j);
     return mat_view{chunk.data, chunk.type, count, n * d, chunk.token_stride};
   };
+  const head_run block = schedule().stages() > 1 && group_ > 1 ? one_block(lists) : head_run{};
+  tensor gathered;
+  if (block.count > 0) {
+    gathered = be_.allocate(mem_tag::activations, be_.work_dtype(), {count, block.count * d}, "attn_grad_gathered");
+    for (int j = 0; j < group_; ++j)
+      for (const head_run& run : consecutive_runs(lists[j]))
+        ops::copy_heads(be_, ops::as_heads(gathered.matrix().col_block((run.first - block.first) * d, run.count * d)),
+                        ops::as_heads(grad_rows(j).col_block(run.slot * d, run.count * d)));
+  }
+  // Calls f(gradient columns, first row of W) for each block of the stage's gradient.
+  const auto for_each_block = [&](const auto& f) {
+    if (block.count > 0) {
+      f(gathered.matrix(), std::int64_t{block.first} * d);
+      return;
+    }
+    for (int j = 0; j < group_; ++j)
+      for (const head_run& run : consecutive_runs(lists[j]))
+        f(grad_rows(j).col_block(run.slot * d, run.count * d), std::int64_t{run.first} * d);
+  };
   projection_backward pass(be_, weight, d_weight, count);
-  for (int j = 0; j < group_; ++j)
-    for (const head_run& run : consecutive_runs(lists[j]))
-      pass.input_grad(grad_rows(j).col_block(run.slot * d, run.count * d), run.first * d, d_x);
+  for_each_block([&](const mat_view& g, std::int64_t first) { pass.input_grad(g, first, d_x); });
   pass.finish_input_grad(d_x);
   if (!pass.trains()) return;
   for_each_input_tile(be_, x, [&](std::int64_t first, const mat_view& rows) {
     pass.start_tile(first, rows);
-    for (int j = 0; j < group_; ++j)
-      for (const head_run& run : consecutive_runs(lists[j]))
-        pass.weight_grad(grad_rows(j).row_block(first, rows.rows).col_block(run.slot * d, run.count * d), run.first * d);
+    for_each_block([&](const mat_view& g, std::int64_t w_first) {
+      pass.weight_grad(g.row_block(first, rows.rows), w_first);
+    });
   });
 }
 

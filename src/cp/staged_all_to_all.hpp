@@ -69,7 +69,9 @@ class staged_all_to_all final : public attention_strategy {
   attention_saved chunked_forward(const mat_view& x, const attention_weights& w, const mat_view& out);
   void chunked_backward(const attention_saved& saved, const normed_input& x, const attention_weights& w,
                         const mat_view& out, const mat_view& d_out, const mat_view& d_x, const attention_grads& grads);
-  host_block store_kv_chunks(const normed_input& x, const attention_weights& w, int stage, pass which);
+  // The block arriving at `stage`, none of its parts stored yet.
+  host_block arriving_block(int stage) const;
+  void store_kv_part(host_block& h, const normed_input& x, const attention_weights& w, std::size_t j, pass which);
   // Device buffers for one part of the blocks a stage reads, sized for the longest part.
   chunk_set part_buffers(const std::vector<host_block>& resident, const stage_step& step, pass which);
   // Part j into them on the copy stream (its gradients too in backward: zero when none yet).

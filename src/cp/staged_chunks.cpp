@@ -11,6 +11,7 @@
 // query parts i and later read it): each goes home as soon as it is complete. Between
 // passes a part's dK/dV accumulate in fp32 in host memory. The device holds U heads of
 // S / N tokens at a time.
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -64,44 +65,55 @@ std::size_t used_index(const stage_step& step, std::size_t b) {
 
 }  // namespace
 
-staged_all_to_all::host_block staged_all_to_all::store_kv_chunks(const normed_input& x, const attention_weights& w,
-                                                                 int stage, pass which) {
-  const bool fwd = which == pass::forward;
-  const head_lists lists = arriving_lists(stage);
+staged_all_to_all::host_block staged_all_to_all::arriving_block(int stage) const {
   host_block h;
   h.block = plan_.stages[stage].arriving;
   h.plan = schedule().arriving(comm_.rank(), stage);
-  for (std::size_t j = 0; j < plan_.chunks.size(); ++j) {
-    const row_chunk& c = plan_.chunks[j];
-    const normed_input rows = x.rows(c.first, c.count);
-    tensor k_send = project_to_send(rows, w.wk, lists, "attn_k_send");
-    tensor k = exchange(k_send, fwd ? "a2a_k" : "bwd_a2a_k");
-    head_norm_saved k_norm;
-    if (config_.qk_norm) {
-      k_norm = head_norm_forward(be_, head_rows(k, dim_), w.k_norm, config_.norm_eps,
-                                 fwd ? norm_keep::nothing : norm_keep::for_backward);
-      if (!fwd) {
-        h.k_pre.push_back(to_host(be_, k_norm.pre, "attn_k_pre_host"));
-        h.k_rstd.push_back(to_host(be_, k_norm.rstd, "attn_k_rstd_host"));
-      }
-    }
-    rope(sequence_heads(k), chunk_rope_positions_[j], rope_direction::forward);
-    h.k.push_back(to_host(be_, k, "attn_k_host"));
-    tensor v_send = project_to_send(rows, w.wv, lists, "attn_v_send");
-    tensor v = exchange(v_send, fwd ? "a2a_v" : "bwd_a2a_v");
-    h.v.push_back(to_host(be_, v, "attn_v_host"));
-    be_.join_side_copies();  // the device copies may go once the host has them
+  const std::size_t n = plan_.chunks.size();
+  h.k.resize(n);
+  h.v.resize(n);
+  h.dk.resize(n);
+  h.dv.resize(n);
+  if (config_.qk_norm) {
+    h.k_pre.resize(n);
+    h.k_rstd.resize(n);
   }
-  h.dk.resize(plan_.chunks.size());
-  h.dv.resize(plan_.chunks.size());
   return h;
+}
+
+// Part j of a block: its rows of K and V projected, exchanged, normed and rotated, and kept
+// in host memory (with what the k norm's backward needs).
+void staged_all_to_all::store_kv_part(host_block& h, const normed_input& x, const attention_weights& w,
+                                      std::size_t j, pass which) {
+  const bool fwd = which == pass::forward;
+  const head_lists lists = arriving_lists(h.plan->first_stage);
+  const row_chunk& c = plan_.chunks[j];
+  const normed_input rows = x.rows(c.first, c.count);
+  tensor k_send = project_to_send(rows, w.wk, lists, "attn_k_send");
+  tensor k = exchange(k_send, fwd ? "a2a_k" : "bwd_a2a_k");
+  head_norm_saved k_norm;
+  if (config_.qk_norm) {
+    k_norm = head_norm_forward(be_, head_rows(k, dim_), w.k_norm, config_.head_norm(),
+                               fwd ? norm_keep::nothing : norm_keep::for_backward);
+    if (!fwd) {
+      h.k_pre[j] = to_host(be_, k_norm.pre, "attn_k_pre_host");
+      h.k_rstd[j] = to_host(be_, k_norm.rstd, "attn_k_rstd_host");
+    }
+  }
+  rope(sequence_heads(k), chunk_rope_positions_[j], rope_direction::forward);
+  h.k[j] = to_host(be_, k, "attn_k_host");
+  tensor v_send = project_to_send(rows, w.wv, lists, "attn_v_send");
+  tensor v = exchange(v_send, fwd ? "a2a_v" : "bwd_a2a_v");
+  h.v[j] = to_host(be_, v, "attn_v_host");
+  be_.join_side_copies();  // the device copies may go once the host has them
 }
 
 staged_all_to_all::chunk_set staged_all_to_all::part_buffers(const std::vector<host_block>& resident,
                                                              const stage_step& step, pass which) {
   chunk_set set;
   for (const std::size_t b : step.used_blocks) {
-    const shape dims = resident[b].k.front().dims();  // part 0 is the longest
+    const std::int64_t n_kv = static_cast<std::int64_t>(resident[b].plan->kv_heads.size());
+    const shape dims = {group_, plan_.chunks.front().count, n_kv, dim_};  // part 0 is the longest
     set.k.push_back(be_.allocate(mem_tag::attention, be_.work_dtype(), dims, "attn_k_chunk"));
     set.v.push_back(be_.allocate(mem_tag::attention, be_.work_dtype(), dims, "attn_v_chunk"));
     if (which == pass::forward) continue;
@@ -146,14 +158,15 @@ void staged_all_to_all::attend_chunk(int stage, std::size_t i, const std::vector
     const tensor& t = (which == 0 ? set.k : set.v)[used_index(step, c.block)];
     return sequence_heads(t).token_block(0, k_rows).head_block(c.kv_slot, c.n_kv);
   };
-  if (i == 0) {  // one part: its own, written directly
+  const std::size_t first = plan_.first_part[i];  // the window's first part (0 without one)
+  if (first == i) {  // one part: its own, written directly
     chunk_set set = part_buffers(resident, step, pass::forward);
-    fetch_part(resident, step, 0, set);
+    fetch_part(resident, step, i, set);
     be_.join_side_copies();
     for (const sdpa_call& c : step.calls)
       ops::sdpa_forward(be_, {qh.head_block(c.q_slot, c.n_q), kv_of(set, c, 0, q_rows), kv_of(set, c, 1, q_rows),
                               oh.head_block(c.q_slot, c.n_q), lse_of(c), attn_mask::causal, scale_,
-                              document_rows(q_first, q_first)});
+                              document_rows(q_first, q_first), config_.window});
     return;
   }
   tensor acc = be_.allocate(mem_tag::attention, dtype::f32, q.dims(), "attn_o_accum");
@@ -163,19 +176,19 @@ void staged_all_to_all::attend_chunk(int stage, std::size_t i, const std::vector
   tensor part_lse = be_.allocate(mem_tag::attention, dtype::f32, {u, q_rows}, "attn_lse_part");
   const head_view ah = sequence_heads(acc), ph = sequence_heads(part);
   chunk_set sets[2] = {part_buffers(resident, step, pass::forward), part_buffers(resident, step, pass::forward)};
-  fetch_part(resident, step, 0, sets[0]);
-  for (std::size_t j = 0; j <= i; ++j) {
+  fetch_part(resident, step, first, sets[first % 2]);
+  for (std::size_t j = first; j <= i; ++j) {
     const chunk_set& cur = sets[j % 2];
     be_.join_side_copies();  // part j is here; the other buffer is free
     if (j < i) fetch_part(resident, step, j + 1, sets[(j + 1) % 2]);
     const std::int64_t k_first = group_ * plan_.chunks[j].first, k_rows = group_ * plan_.chunks[j].count;
     const document_mask mask = document_rows(q_first, k_first);
     // Without data (meta) the N^2 / 2 calls would only check shapes the runs with data check.
-    if (!be_.has_data() || !mask.shares_document(q_rows, k_rows)) continue;
+    if (!be_.has_data() || !mask.shares_document(q_rows, k_rows, config_.window)) continue;
     for (const sdpa_call& c : step.calls) {
       ops::sdpa_forward(be_, {qh.head_block(c.q_slot, c.n_q), kv_of(cur, c, 0, k_rows), kv_of(cur, c, 1, k_rows),
                               ph.head_block(c.q_slot, c.n_q), lse_heads(part_lse, c.q_slot, c.n_q),
-                              j == i ? attn_mask::causal : attn_mask::none, scale_, mask});
+                              j == i ? attn_mask::causal : attn_mask::none, scale_, mask, config_.window});
       ops::lse_merge(be_, {ah.head_block(c.q_slot, c.n_q), lse_of(c), ph.head_block(c.q_slot, c.n_q),
                            lse_heads(part_lse, c.q_slot, c.n_q)});
     }
@@ -183,37 +196,61 @@ void staged_all_to_all::attend_chunk(int stage, std::size_t i, const std::vector
   ops::copy_heads(be_, oh, ah);
 }
 
+// A stage's query parts in order. A block's part i is projected when query part i first
+// needs it (at the block's first stage), and at its last stage a part leaves host memory as
+// soon as no later query part's window reaches it: with a window the host keeps the
+// window's parts, not the sequence's.
 attention_saved staged_all_to_all::chunked_forward(const mat_view& x, const attention_weights& w,
                                                    const mat_view& out) {
   attention_saved saved;
   saved.lse = be_.allocate(mem_tag::activations, dtype::f32, {config_.heads / group_, gathered_}, "attn_lse");
   std::vector<host_block> resident;
+  const std::size_t n = plan_.chunks.size();
   for (int t = 0; t < schedule().stages(); ++t) {
-    if (plan_.stages[t].arriving >= 0) resident.push_back(store_kv_chunks(x, w, t, pass::forward));
-    for (std::size_t i = 0; i < plan_.chunks.size(); ++i) {
+    if (plan_.stages[t].arriving >= 0) resident.push_back(arriving_block(t));
+    for (std::size_t i = 0; i < n; ++i) {
+      for (host_block& h : resident)
+        if (h.plan->first_stage == t) store_kv_part(h, x, w, i, pass::forward);
       const row_chunk& c = plan_.chunks[i];
       tensor q_send = project_to_send(normed_input(x).rows(c.first, c.count), w.wq, stage_lists(t), "attn_q_send");
       tensor q = exchange(q_send, "a2a_q");
-      if (config_.qk_norm) head_norm_forward(be_, head_rows(q, dim_), w.q_norm, config_.norm_eps, norm_keep::nothing);
+      if (config_.qk_norm) head_norm_forward(be_, head_rows(q, dim_), w.q_norm, config_.head_norm(), norm_keep::nothing);
       rope(sequence_heads(q), chunk_rope_positions_[i], rope_direction::forward);
       tensor o = be_.allocate(mem_tag::attention, be_.work_dtype(), q.dims(), "attn_o_stage");
       attend_chunk(t, i, resident, q, o, saved.lse);
       q.reset();
       tensor o_back = exchange(o, "a2a_o");
       unpack_heads(o_back, t, out.row_block(c.first, c.count));
+      const std::size_t reached = i + 1 < n ? plan_.first_part[i + 1] : n;  // parts before it are done with
+      for (host_block& h : resident)
+        if (h.plan->last_stage == t)
+          for (std::size_t j = 0; j < reached; ++j) {
+            h.k[j].reset();
+            h.v[j].reset();
+          }
     }
     std::erase_if(resident, [t](const host_block& h) { return h.plan->last_stage == t; });
   }
   return saved;
 }
 
+// Query parts from the last to the first. At a block's first stage its parts are projected
+// as the window reaches down to them, so that part i's dK/dV are complete after query part
+// i (only it and later parts read part i) and, at the block's last stage, go home then.
 void staged_all_to_all::chunked_backward(const attention_saved& saved, const normed_input& x,
                                          const attention_weights& w, const mat_view& out, const mat_view& d_out,
                                          const mat_view& d_x, const attention_grads& grads) {
   std::vector<host_block> resident;
+  const std::size_t n = plan_.chunks.size();
   for (int t = 0; t < schedule().stages(); ++t) {
-    if (plan_.stages[t].arriving >= 0) resident.push_back(store_kv_chunks(x, w, t, pass::backward));
-    for (std::size_t i = plan_.chunks.size(); i-- > 0;) {
+    if (plan_.stages[t].arriving >= 0) resident.push_back(arriving_block(t));
+    std::size_t stored = n;  // the lowest part projected at this stage
+    for (std::size_t i = n; i-- > 0;) {
+      const std::size_t low = plan_.first_part[i];
+      for (std::size_t j = low; j < stored; ++j)
+        for (host_block& h : resident)
+          if (h.plan->first_stage == t) store_kv_part(h, x, w, j, pass::backward);
+      stored = std::min(stored, low);
       backward_chunk(t, i, resident, saved, x, w, out, d_out, d_x, grads);
       for (host_block& h : resident)
         if (h.plan->last_stage == t) send_back_chunk(h, i, x, w, d_x, grads);
@@ -235,7 +272,7 @@ void staged_all_to_all::backward_chunk(int t, std::size_t i, std::vector<host_bl
   tensor q = exchange(q_send, "bwd_a2a_q");
   head_norm_saved q_norm;
   if (config_.qk_norm)
-    q_norm = head_norm_forward(be_, head_rows(q, dim_), w.q_norm, config_.norm_eps, norm_keep::for_backward);
+    q_norm = head_norm_forward(be_, head_rows(q, dim_), w.q_norm, config_.head_norm(), norm_keep::for_backward);
   rope(sequence_heads(q), chunk_rope_positions_[i], rope_direction::forward);
   tensor o_send = pack_heads(out.row_block(rc.first, rc.count), t, "attn_o_send");
   tensor o = exchange(o_send, "bwd_a2a_o");
@@ -255,14 +292,15 @@ void staged_all_to_all::backward_chunk(int t, std::size_t i, std::vector<host_bl
       dv_parts.push_back(be_.allocate(mem_tag::attention, be_.work_dtype(), {longest, c.n_kv, dim_}, "attn_dv_part"));
     }
     chunk_set sets[2] = {part_buffers(resident, step, pass::backward), part_buffers(resident, step, pass::backward)};
-    fetch_part(resident, step, 0, sets[0]);
-    for (std::size_t j = 0; j <= i; ++j) {
+    const std::size_t first = plan_.first_part[i];  // the window's first part (0 without one)
+    fetch_part(resident, step, first, sets[first % 2]);
+    for (std::size_t j = first; j <= i; ++j) {
       chunk_set& cur = sets[j % 2];
       be_.join_side_copies();  // part j is here, and part j - 1's gradients have left the other buffer
       if (j < i) fetch_part(resident, step, j + 1, sets[(j + 1) % 2]);
       const std::int64_t k_first = group_ * plan_.chunks[j].first, k_rows = group_ * plan_.chunks[j].count;
       const document_mask mask = document_rows(q_first, k_first);
-      if (be_.has_data() && mask.shares_document(q_rows, k_rows))  // meta: as in attend_chunk
+      if (be_.has_data() && mask.shares_document(q_rows, k_rows, config_.window))  // meta: as in attend_chunk
         for (std::size_t n = 0; n < step.calls.size(); ++n) {
           const sdpa_call& c = step.calls[n];
           const std::size_t b = used_index(step, c.block);
@@ -274,7 +312,7 @@ void staged_all_to_all::backward_chunk(int t, std::size_t i, std::vector<host_bl
                                    oh.head_block(c.q_slot, c.n_q), doh.head_block(c.q_slot, c.n_q),
                                    lse_rows(saved.lse, t * u + c.q_slot, c.n_q, q_first, q_rows),
                                    part.head_block(c.q_slot, c.n_q), dk, dv,
-                                   j == i ? attn_mask::causal : attn_mask::none, scale_, mask});
+                                   j == i ? attn_mask::causal : attn_mask::none, scale_, mask, config_.window});
           ops::add_heads(be_, acc.head_block(c.q_slot, c.n_q), part.head_block(c.q_slot, c.n_q));
           ops::add_heads(be_, part_of(cur.dk), dk);
           ops::add_heads(be_, part_of(cur.dv), dv);
@@ -321,6 +359,7 @@ void staged_all_to_all::send_back_chunk(host_block& h, std::size_t i, const norm
       rope(sequence_heads(grad), chunk_rope_positions_[i], rope_direction::inverse);
       if (config_.qk_norm) {
         head_norm_saved k_norm;
+        k_norm.weight_offset = config_.norm_offset;
         k_norm.pre = to_device(be_, h.k_pre[i], "head_norm_pre");
         k_norm.rstd = to_device(be_, h.k_rstd[i], "head_norm_rstd");
         be_.join_side_copies();

@@ -2,8 +2,7 @@
 
 #include "backend/ops.hpp"
 #include "core/error.hpp"
-#include "cp/ring.hpp"
-#include "cp/staged_all_to_all.hpp"
+#include "cp/strategy_table.hpp"
 
 namespace upipe {
 
@@ -37,20 +36,21 @@ std::vector<position_run> document_positions(const std::vector<position_run>& la
 }
 
 normed_input normed_input::of_tiles(const mat_view& residual, const mat_view& norm_weight, float eps,
-                                    std::int64_t tile) {
+                                    std::int64_t tile, float weight_offset) {
   UPIPE_CHECK(tile > 0, "normed input tiles need a positive row count");
   normed_input x(mat_view{});
   x.tiled = true;
   x.residual = residual;
   x.norm_weight = norm_weight;
   x.eps = eps;
+  x.weight_offset = weight_offset;
   x.tile = tile;
   return x;
 }
 
 normed_input normed_input::rows(std::int64_t first, std::int64_t count) const {
   if (!tiled) return normed_input(whole.row_block(first, count));
-  return of_tiles(residual.row_block(first, count), norm_weight, eps, tile);
+  return of_tiles(residual.row_block(first, count), norm_weight, eps, tile, weight_offset);
 }
 
 void for_each_input_tile(backend& be, const normed_input& x, const input_tile_fn& fn, const mat_view& rstd) {
@@ -67,31 +67,14 @@ void for_each_input_tile(backend& be, const normed_input& x, const input_tile_fn
     const std::int64_t count = std::min(n, s - first);
     const mat_view out = rows.matrix().row_block(0, count);
     const mat_view tile_rstd = keep_rstd ? rstd.row_block(first, count) : scratch.matrix().row_block(0, count);
-    ops::rmsnorm_forward(be, {x.residual.row_block(first, count), x.norm_weight, out, tile_rstd, x.eps});
+    ops::rmsnorm_forward(be, {x.residual.row_block(first, count), x.norm_weight, out, tile_rstd, x.eps, x.weight_offset});
     fn(first, out);
   }
 }
 
 std::unique_ptr<attention_strategy> make_strategy(attention_config config, backend& be, const cp_groups& groups) {
   validate(config);
-  switch (config.strategy) {
-    case strategy_kind::ulysses:
-    case strategy_kind::upipe:
-    case strategy_kind::fpdt:
-      UPIPE_CHECK(groups.all_to_all != nullptr, "ulysses, upipe and fpdt need an all-to-all group");
-      return std::make_unique<staged_all_to_all>(config, be, *groups.all_to_all);
-    case strategy_kind::ring:
-      UPIPE_CHECK(groups.ring != nullptr, "ring needs a ring group");
-      return std::make_unique<ring_attention>(config, be, *groups.ring);
-    case strategy_kind::hybrid: {
-      // The CP group splits into the mesh: all-to-all inside each group of A, a ring of R.
-      UPIPE_CHECK(groups.all_to_all != nullptr && groups.all_to_all->size() == config.cp,
-                  "hybrid needs the whole CP group to split");
-      communicator& world = *groups.all_to_all;
-      return std::make_unique<staged_all_to_all>(config, be, split_mesh(world, be, config.ring), world.rank());
-    }
-  }
-  throw internal_error("unknown strategy");
+  return row_of(config.strategy).make(config, be, groups);
 }
 
 }  // namespace upipe

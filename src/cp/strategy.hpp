@@ -48,12 +48,13 @@ struct cp_groups {
 struct normed_input {
   mat_view whole;  // x itself, unless tiled
   bool tiled = false;
-  mat_view residual, norm_weight;  // tiled: x = rmsnorm(residual) * norm_weight
-  float eps = 0.0f;
+  mat_view residual, norm_weight;  // tiled: x = rmsnorm(residual) * (weight_offset + norm_weight)
+  float eps = 0.0f, weight_offset = 0.0f;
   std::int64_t tile = 0;  // rows per tile
 
   normed_input(const mat_view& x) : whole(x) {}  // NOLINT(google-explicit-constructor): a whole input
-  static normed_input of_tiles(const mat_view& residual, const mat_view& norm_weight, float eps, std::int64_t tile);
+  static normed_input of_tiles(const mat_view& residual, const mat_view& norm_weight, float eps, std::int64_t tile,
+                               float weight_offset = 0.0f);
   std::int64_t row_count() const { return tiled ? residual.rows : whole.rows; }
   // Rows [first, first + count) of the input (a sequence chunk), whole or tiled as this one.
   normed_input rows(std::int64_t first, std::int64_t count) const;

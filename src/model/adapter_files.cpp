@@ -1,6 +1,7 @@
 #include "model/adapter_files.hpp"
 
 #include <cmath>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -34,7 +35,37 @@ bool non_empty(const nlohmann::json& j, const char* key) {
   return it != j.end() && !it->is_null() && !(it->is_object() && it->empty()) && !(it->is_array() && it->empty());
 }
 
-std::vector<std::string> target_names(const nlohmann::json& t, const std::string& file) {
+// PEFT writes target_modules as module names (q_proj) or, having resolved all-linear, as
+// module paths (model.layers.3.self_attn.q_proj). Paths are taken as their module's name
+// when they name it in every layer; a module adapted in some layers only is refused.
+std::vector<std::string> module_names(const std::vector<std::string>& names, const std::string& file, int layers) {
+  std::vector<std::string> out;
+  std::map<std::string, std::set<int>> layers_of;  // module name -> the layers its paths name
+  const std::string layer_prefix = "model.layers.";
+  for (std::string name : names) {
+    if (name.find('.') == std::string::npos) {
+      out.push_back(name);
+      continue;
+    }
+    if (name.rfind("base_model.model.", 0) == 0) name = name.substr(std::string("base_model.model.").size());
+    const std::size_t dot = name.find('.', layer_prefix.size());
+    if (name.rfind(layer_prefix, 0) != 0 || dot == std::string::npos)
+      throw config_error(file + " names the module " + name + ": upipe adapts the layers' projections "
+                         "(model.layers.N.self_attn.q_proj, ..., or their names q_proj, ...)");
+    const int layer = std::atoi(name.c_str() + layer_prefix.size());
+    layers_of[name.substr(name.rfind('.') + 1)].insert(layer);
+  }
+  for (const auto& [module, seen] : layers_of) {
+    for (int l = 0; l < layers; ++l)
+      if (!seen.count(l))
+        throw config_error(file + " adapts " + module + " in some layers but not in layer " + std::to_string(l) +
+                           ": upipe adapts a module in every layer; adapt it everywhere or nowhere");
+    out.push_back(module);
+  }
+  return out;
+}
+
+std::vector<std::string> target_names(const nlohmann::json& t, const std::string& file, int layers) {
   if (t.is_string()) {
     const std::string s = t.get<std::string>();
     if (s.find_first_of("*.()[]|\\^$+?") != std::string::npos)
@@ -43,7 +74,7 @@ std::vector<std::string> target_names(const nlohmann::json& t, const std::string
     return {s};
   }
   if (!t.is_array()) throw io_error(file + ": target_modules must be a list of module names or a string");
-  return t.get<std::vector<std::string>>();
+  return module_names(t.get<std::vector<std::string>>(), file, layers);
 }
 
 // r as written: a whole number (nlohmann's get<int> would read 4.9 as 4 and 4294967300 as 4).
@@ -86,8 +117,8 @@ adapter_settings read_adapter_config(const std::string& dir, const model_config&
     refuse_if(j.value("use_rslora", false), file, "use_rslora", "rank-stabilized scaling (alpha / sqrt r) is not "
               "implemented; the scale here is alpha / r");
     refuse_if(j.value("fan_in_fan_out", false), file, "fan_in_fan_out", "the adapted weights are (out, in) linears");
-    refuse_if(j.contains("bias") && j.at("bias") != "none", file, "bias", "the projections have no biases to train; "
-              "use bias \"none\"");
+    refuse_if(j.contains("bias") && j.at("bias") != "none", file, "bias", "the base's biases stay frozen under "
+              "LoRA here; use bias \"none\"");
     for (const char* key : {"rank_pattern", "alpha_pattern", "modules_to_save", "layers_to_transform",
                             "exclude_modules", "trainable_token_indices", "target_parameters"})
       refuse_if(non_empty(j, key), file, key, "every layer's targets share one r and alpha here, and only the "
@@ -97,7 +128,8 @@ adapter_settings read_adapter_config(const std::string& dir, const model_config&
       throw io_error(file + ": lora_alpha = " + j.at("lora_alpha").dump().substr(0, 40) + " is not a number");
     s.lora.alpha = j.at("lora_alpha").get<double>();
     s.dropout = j.value("lora_dropout", 0.0);
-    s.lora.targets = parse_lora_targets(target_names(j.at("target_modules"), file), model, file + " target_modules");
+    s.lora.targets = parse_lora_targets(target_names(j.at("target_modules"), file, model.num_layers), model,
+                                        file + " target_modules");
     if (j.contains("base_model_name_or_path") && j.at("base_model_name_or_path").is_string())
       s.base_model = j.at("base_model_name_or_path").get<std::string>();
   } catch (const nlohmann::json::exception& e) {
@@ -107,9 +139,9 @@ adapter_settings read_adapter_config(const std::string& dir, const model_config&
   return s;
 }
 
-void write_adapter_config(const std::string& dir, const lora_config& lora, const std::string& base_model) {
-  std::vector<std::string> targets;
-  for (lora_target t : lora.target_list()) targets.emplace_back(lora_module_name(t));
+void write_adapter_config(const std::string& dir, const model_config& model, const lora_config& lora,
+                          const std::string& base_model) {
+  const std::vector<std::string> targets = lora_module_names(model, lora);
   nlohmann::ordered_json j;
   j["peft_type"] = "LORA";
   j["task_type"] = "CAUSAL_LM";

@@ -36,9 +36,11 @@ std::string adapter_base_model(const std::string& dir);
 // and config_error for what upipe does not run, naming the field, the rule and a way out.
 adapter_settings read_adapter_config(const std::string& dir, const model_config& model);
 
-// Writes DIR/adapter_config.json (PEFT's LoraConfig fields) for a run of `lora` on the base
+// Writes DIR/adapter_config.json (PEFT's LoraConfig fields; target_modules the modules of
+// `model` that hold the targets) for a run of `lora` on the base
 // `base_model` (a directory or a preset's name).
-void write_adapter_config(const std::string& dir, const lora_config& lora, const std::string& base_model);
+void write_adapter_config(const std::string& dir, const model_config& model, const lora_config& lora,
+                          const std::string& base_model);
 
 // DIR/adapter_model.safetensors mapped, under upipe's names (lora_parameter_specs), every
 // tensor checked: present, with its shape and a supported dtype, every value read finite.

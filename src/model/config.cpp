@@ -42,11 +42,30 @@ rope_config plain_rope(double theta) {
   return rope;
 }
 
+// Gemma 3's text models: five sliding-window layers (local RoPE base 10000) to one global
+// layer (base 1e6, linear scaling by 8), q/k norms, GeGLU, a tied and scaled embedding.
+model_config gemma3_preset(std::string name, std::int64_t vocab, int hidden, int intermediate, int layers, int heads,
+                           int kv_heads, int head_dim, double query_pre_attn_scalar, std::int64_t window) {
+  rope_config global = plain_rope(1000000.0);
+  global.scaling = {.kind = rope_kind::linear, .factor = 8.0};
+  model_config c{.name = std::move(name), .family = model_family::gemma3, .vocab_size = vocab, .hidden_size = hidden,
+                 .intermediate_size = intermediate, .num_layers = layers, .num_heads = heads, .num_kv_heads = kv_heads,
+                 .head_dim = head_dim, .rms_norm_eps = 1e-6, .rope = global, .tie_embeddings = true, .qk_norm = true};
+  c.activation = gate_activation::gelu_tanh;
+  c.sliding_window = window;
+  for (int l = 0; l < layers; ++l) c.windowed_layers.push_back((l + 1) % 6 != 0);
+  c.local_rope = plain_rope(10000.0);
+  c.query_pre_attn_scalar = query_pre_attn_scalar;
+  c.padding_id = 0;
+  return c;
+}
+
 // The published Hugging Face configs (meta-llama/Llama-3.1-*, meta-llama/Llama-3.2-*,
-// Qwen/Qwen3-*) and two small models for tests.
+// Qwen/Qwen3-*, Qwen/Qwen2.5-7B, mistralai/Mistral-7B-v0.1, google/gemma-3-*-it's text
+// models) and small models for tests.
 std::vector<model_config> all_presets() {
   using enum model_family;
-  return {
+  std::vector<model_config> presets = {
       {.name = "llama3-8b", .family = llama, .vocab_size = 128256, .hidden_size = 4096,
        .intermediate_size = 14336, .num_layers = 32, .num_heads = 32, .num_kv_heads = 8,
        .head_dim = 128, .rms_norm_eps = 1e-5, .rope = llama3_rope(500000.0, 8.0, 8192),
@@ -71,6 +90,20 @@ std::vector<model_config> all_presets() {
        .intermediate_size = 25600, .num_layers = 64, .num_heads = 64, .num_kv_heads = 8,
        .head_dim = 128, .rms_norm_eps = 1e-6, .rope = plain_rope(1000000.0),
        .tie_embeddings = false, .qk_norm = true},
+      // Qwen2.5-7B: biases on q, k and v; its sliding window is off (use_sliding_window false).
+      {.name = "qwen2.5-7b", .family = qwen2, .vocab_size = 152064, .hidden_size = 3584,
+       .intermediate_size = 18944, .num_layers = 28, .num_heads = 28, .num_kv_heads = 4,
+       .head_dim = 128, .rms_norm_eps = 1e-6, .rope = plain_rope(1000000.0),
+       .tie_embeddings = false, .qk_norm = false, .max_position_embeddings = 131072, .biases = qkv_projections},
+      // Mistral 7B v0.1: a 4096-token sliding window on every layer.
+      {.name = "mistral-7b", .family = mistral, .vocab_size = 32000, .hidden_size = 4096,
+       .intermediate_size = 14336, .num_layers = 32, .num_heads = 32, .num_kv_heads = 8,
+       .head_dim = 128, .rms_norm_eps = 1e-5, .rope = plain_rope(10000.0),
+       .tie_embeddings = false, .qk_norm = false, .sliding_window = 4096,
+       .windowed_layers = std::vector<bool>(32, true)},
+      gemma3_preset("gemma3-4b", 262208, 2560, 10240, 34, 8, 4, 256, 256, 1024),
+      gemma3_preset("gemma3-12b", 262208, 3840, 15360, 48, 16, 8, 256, 256, 1024),
+      gemma3_preset("gemma3-27b", 262208, 5376, 21504, 62, 32, 16, 128, 168, 1024),
       // Scaled RoPE with a short original context, so that tests reach all three bands.
       {.name = "tiny-llama", .family = llama, .vocab_size = 256, .hidden_size = 64,
        .intermediate_size = 160, .num_layers = 2, .num_heads = 4, .num_kv_heads = 2,
@@ -82,6 +115,12 @@ std::vector<model_config> all_presets() {
        .head_dim = 32, .rms_norm_eps = 1e-6, .rope = plain_rope(10000.0),
        .tie_embeddings = true, .qk_norm = true},
   };
+  // Three layers, windows of 5 tokens on the first two, a global third.
+  model_config tiny_gemma3 = gemma3_preset("tiny-gemma3", 256, 64, 96, 3, 4, 2, 16, 24, 5);
+  tiny_gemma3.windowed_layers = {true, true, false};
+  tiny_gemma3.max_position_embeddings = 128;
+  presets.push_back(std::move(tiny_gemma3));
+  return presets;
 }
 
 std::string join(const std::vector<std::string>& items) {
@@ -122,13 +161,14 @@ int suggest_kv_heads(int heads, int kv_heads) {
   return 1;
 }
 
-void validate_rope(const model_config& c) {
-  require_positive_real(c, c.rope.theta, "rope_theta", "500000");
+// `which`: "rope_theta", or "the windowed layers' rope_theta" for a second RoPE.
+void validate_rope(const model_config& c, const rope_config& rope, const std::string& which) {
+  require_positive_real(c, rope.theta, which.c_str(), "500000");
   // theta^(-2i/d) must fall from 1 and stay a normal double over every head dimension.
-  if (!(c.rope.theta > 1 && c.rope.theta <= 1e12))
-    throw config_error("model '" + c.name + "': rope_theta = " + format_number(c.rope.theta) +
+  if (!(rope.theta > 1 && rope.theta <= 1e12))
+    throw config_error("model '" + c.name + "': " + which + " = " + format_number(rope.theta) +
                        " must lie in (1, 1e12] (RoPE's wavelengths grow from 2 pi to 2 pi theta); for example 500000");
-  const rope_scaling& s = c.rope.scaling;
+  const rope_scaling& s = rope.scaling;
   if (!s.enabled()) return;
   require_positive_real(c, s.factor, "rope_scaling factor", "8");
   if (!(s.factor <= 65536))
@@ -158,140 +198,30 @@ void validate_rope(const model_config& c) {
                        " (the llama3 bands need low < high); for example low 1, high 4");
 }
 
-// ---------------------------------------------------------------------------------------
-// Reading config.json
-// ---------------------------------------------------------------------------------------
-
-// Typed access to the fields of one JSON object; a missing required field or a value of the
-// wrong type is a format problem of the file (io_error naming the file and the field).
-class field_reader {
- public:
-  field_reader(const json& object, const std::string& path, std::string prefix = "")
-      : object_(object), path_(path), prefix_(std::move(prefix)) {}
-
-  // The field, or nullptr when it is absent or null.
-  const json* find(const char* key) const {
-    auto it = object_.find(key);
-    if (it == object_.end() || it->is_null()) return nullptr;
-    return &*it;
-  }
-
-  const json& required(const char* key) const {
-    const json* value = find(key);
-    if (!value)
-      throw io_error("model config '" + path_ + "': missing required field \"" + prefix_ + key +
-                     "\"");
-    return *value;
-  }
-
-  std::int64_t integer(const char* key, const json& value) const {
-    if (value.is_number_integer()) {
-      if (value.is_number_unsigned() &&
-          value.get<std::uint64_t>() > std::uint64_t(std::numeric_limits<std::int64_t>::max()))
-        throw config_error("model config '" + path_ + "': field \"" + prefix_ + key +
-                           "\" = " + value.dump() + " is out of range");
-      return value.get<std::int64_t>();
-    }
-    // Some exporters write integral sizes as floats (4096.0).
-    if (value.is_number_float()) {
-      double d = value.get<double>();
-      if (std::isfinite(d) && d == std::floor(d) && std::abs(d) < 9.0e15)
-        return static_cast<std::int64_t>(d);
-    }
-    throw type_error(key, "an integer", value);
-  }
-
-  int int32(const char* key, const json& value) const {
-    std::int64_t v = integer(key, value);
-    if (v < std::numeric_limits<int>::min() || v > std::numeric_limits<int>::max())
-      throw config_error("model config '" + path_ + "': field \"" + prefix_ + key + "\" = " +
-                         std::to_string(v) + " is out of range (at most " +
-                         std::to_string(std::numeric_limits<int>::max()) + ")");
-    return static_cast<int>(v);
-  }
-
-  double number(const char* key, const json& value) const {
-    if (!value.is_number()) throw type_error(key, "a number", value);
-    return value.get<double>();
-  }
-
-  std::string string(const char* key, const json& value) const {
-    if (!value.is_string()) throw type_error(key, "a string", value);
-    return value.get<std::string>();
-  }
-
-  bool boolean(const char* key, const json& value) const {
-    if (!value.is_boolean()) throw type_error(key, "true or false", value);
-    return value.get<bool>();
-  }
-
-  // An object field, or nullptr when absent or null.
-  const json* object(const char* key) const {
-    const json* value = find(key);
-    if (value && !value->is_object()) throw type_error(key, "an object or null", *value);
-    return value;
-  }
-
-  int required_int(const char* key) const { return int32(key, required(key)); }
-  double required_number(const char* key) const { return number(key, required(key)); }
-  std::string required_string(const char* key) const { return string(key, required(key)); }
-
- private:
-  io_error type_error(const char* key, const char* expected, const json& value) const {
-    return io_error("model config '" + path_ + "': field \"" + prefix_ + key + "\" must be " +
-                    expected + ", found " + value.type_name() + " " + value.dump());
-  }
-
-  const json& object_;
-  const std::string& path_;
-  std::string prefix_;
-};
-
-json parse_json_file(const std::string& path) {
-  std::string text;
-  try {
-    text = read_text_file(path, "model config");
-  } catch (const io_error& e) {
-    throw io_error(std::string(e.what()) + " (pass a model directory holding config.json, or the config.json itself)");
-  }
-  json root;
-  try {
-    root = json::parse(text);
-  } catch (const json::exception& e) {
-    throw io_error("model config '" + path + "' is not valid JSON: " + e.what());
-  }
-  if (!root.is_object())
-    throw io_error("model config '" + path + "' must hold a JSON object, found " +
-                   std::string(root.type_name()));
-  return root;
-}
-
-model_family parse_family(const field_reader& fields, const std::string& path) {
-  std::string type = fields.required_string("model_type");
-  if (type == "llama") return model_family::llama;
-  if (type == "qwen3") return model_family::qwen3;
-  throw config_error("model config '" + path + "': model_type '" + type +
-                     "' is not supported: the supported model types are llama and qwen3 "
-                     "(Llama 3 / 3.1 / 3.2 and Qwen3 dense models)");
-}
-
-// Features of the Hugging Face architectures that upipe's layers do not implement; refused
-// rather than silently trained as something else.
-void refuse_unsupported_features(const field_reader& fields, const std::string& path) {
-  auto refuse_true = [&](const char* key, const char* why) {
-    if (const json* v = fields.find(key); v && fields.boolean(key, *v))
-      throw config_error("model config '" + path + "': " + key + " = true is not supported (" +
-                         why + "); use " + key + " = false");
-  };
-  refuse_true("attention_bias", "the projections have no bias");
-  refuse_true("mlp_bias", "the MLP has no bias");
-  refuse_true("use_sliding_window", "attention is always full and causal");
-  if (const json* act = fields.find("hidden_act")) {
-    std::string name = fields.string("hidden_act", *act);
-    if (name != "silu")
-      throw config_error("model config '" + path + "': hidden_act '" + name +
-                         "' is not supported: the MLP is SwiGLU, use hidden_act \"silu\"");
-  }
+// What the family fixes, and the windows and scales config.json gave.
+void validate_family_traits(const model_config& c) {
+  const family_row& row = c.traits();
+  const std::string model = "model '" + c.name + "': ";
+  if (c.qk_norm != row.qk_norm)
+    throw config_error(model + "qk_norm = " + (c.qk_norm ? "true" : "false") + " does not match the " +
+                       std::string(row.model_type) + " family (" + std::string(row.models) +
+                       (row.qk_norm ? " normalizes" : " does not normalize") + " q and k per head); set qk_norm = " +
+                       (row.qk_norm ? "true" : "false"));
+  if ((c.biases & row.biases) != row.biases || (!row.config_biases && c.biases != row.biases))
+    throw config_error(model + "the projections' biases do not match the " + std::string(row.model_type) +
+                       " family's: " + std::string(row.models) +
+                       (row.biases != 0 ? " has biases on q, k and v" : " has none") + (row.config_biases ? " unless attention_bias or mlp_bias says so" : ""));
+  require_within(c.sliding_window, 0, limits::context, model + "sliding_window", "4096");
+  if (!c.windowed_layers.empty() && static_cast<int>(c.windowed_layers.size()) != c.num_layers)
+    throw config_error(model + "layer_types lists " + std::to_string(c.windowed_layers.size()) +
+                       " layers but num_hidden_layers is " + std::to_string(c.num_layers) + ": give one per layer");
+  if (!(c.query_pre_attn_scalar >= 0 && c.query_pre_attn_scalar <= 1e9))
+    throw config_error(model + "query_pre_attn_scalar = " + format_number(c.query_pre_attn_scalar) +
+                       " must be a positive number (the scores are scaled by its inverse square root); for example " +
+                       std::to_string(c.head_dim));
+  if (c.padding_id < -1 || c.padding_id >= c.vocab_size)
+    throw config_error(model + "pad_token_id = " + std::to_string(c.padding_id) + " must be a token of the vocabulary [0, " +
+                       std::to_string(c.vocab_size) + ") or null");
 }
 
 }  // namespace
@@ -306,275 +236,77 @@ const char* rope_kind_name(rope_kind kind) {
   return "default";
 }
 
-namespace {
-
-// Reads rope_theta and the scaling from the legacy keys (rope_theta, rope_scaling) or from
-// the rope_parameters object of newer transformers, the legacy keys taking precedence.
-rope_config parse_rope(const field_reader& fields, const std::string& path) {
-  const json* scaling = fields.object("rope_scaling");
-  const json* parameters = fields.object("rope_parameters");
-
-  rope_config rope;
-  rope.theta = 10000.0;  // the transformers default when no config names it
-  if (const json* theta = fields.find("rope_theta")) {
-    rope.theta = fields.number("rope_theta", *theta);
-  } else {
-    for (auto [object, name] : {std::pair{parameters, "rope_parameters."},
-                                std::pair{scaling, "rope_scaling."}}) {
-      if (!object) continue;
-      field_reader nested(*object, path, name);
-      if (const json* theta = nested.find("rope_theta")) {
-        rope.theta = nested.number("rope_theta", *theta);
-        break;
-      }
-    }
-  }
-
-  rope.scaling.kind = rope_kind::none;
-  const json* source = scaling ? scaling : parameters;
-  if (!source) return rope;
-  std::string source_name = scaling ? "rope_scaling." : "rope_parameters.";
-  field_reader nested(*source, path, source_name);
-  std::string type = "default";
-  if (const json* t = nested.find("rope_type")) {
-    type = nested.string("rope_type", *t);
-  } else if (const json* t = nested.find("type")) {
-    type = nested.string("type", *t);
-  } else if (source->contains("rope_type") || source->contains("type")) {
-    // null is no scaling's name: read as "default" it would drop the scaling the other keys describe
-    throw config_error("model config '" + path + "': " + source_name + (source->contains("rope_type") ? "rope_type" : "type") +
-                       " is null: name the scaling as transformers does (default, linear, llama3 or yarn), for "
-                       "example \"rope_type\": \"yarn\"");
-  } else if (scaling) {
-    nested.required("rope_type");  // a scaling object must say which scaling it is
-  }
-  rope.scaling.kind = parse_rope_kind(type, "model config '" + path + "': rope_type");
-  rope_scaling& s = rope.scaling;
-  if (s.kind == rope_kind::none) return rope;
-  // 0 where absent: yarn derives the factor, and both take the model's context, as
-  // transformers does (read_hf_config fills them in).
-  s.factor = 0;
-  if (s.kind == rope_kind::yarn) {
-    if (const json* f = nested.find("factor")) s.factor = nested.number("factor", *f);
-  } else {
-    s.factor = nested.required_number("factor");
-  }
-  if (s.kind == rope_kind::linear) return rope;
-  s.original_max_position = 0;
-  if (const json* top = fields.find("original_max_position_embeddings"))  // Phi-3's place wins
-    s.original_max_position = fields.integer("original_max_position_embeddings", *top);
-  else if (const json* v = nested.find("original_max_position_embeddings"))
-    s.original_max_position = nested.integer("original_max_position_embeddings", *v);
-  if (s.kind == rope_kind::llama3) {
-    s.low_freq_factor = nested.required_number("low_freq_factor");
-    s.high_freq_factor = nested.required_number("high_freq_factor");
-  } else if (s.kind == rope_kind::yarn) {
-    const auto optional_number = [&](const char* key, double& target) {
-      if (const json* v = nested.find(key)) target = nested.number(key, *v);
-    };
-    optional_number("beta_fast", s.beta_fast);
-    optional_number("beta_slow", s.beta_slow);
-    optional_number("mscale", s.mscale);
-    optional_number("mscale_all_dim", s.mscale_all_dim);
-    optional_number("attention_factor", s.attention_factor);
-    if (const json* v = nested.find("truncate")) s.truncate = nested.boolean("truncate", *v);
-  }
-  return rope;
-}
-
-// ---------------------------------------------------------------------------------------
-// Writing config.json
-// ---------------------------------------------------------------------------------------
-
-// The context the published checkpoints declare when a preset says nothing: Llama 3.1 /
-// 3.2 (scaled) 131072, Llama 3 (unscaled) 8192, Qwen3 40960; never below the scaling's
-// original context.
-std::int64_t default_max_position_embeddings(const model_config& c) {
-  std::int64_t context = 0;
-  if (c.family == model_family::qwen3)
-    context = 40960;
-  else
-    context = c.rope.scaling.enabled() ? 131072 : 8192;
-  if (c.rope.scaling.enabled()) context = std::max(context, c.rope.scaling.original_max_position);
-  return context;
-}
-
-// The scaling object as transformers reads it (rope_scaling or rope_parameters).
-nlohmann::ordered_json rope_json(const rope_config& rope, bool with_theta) {
-  const rope_scaling& s = rope.scaling;
-  nlohmann::ordered_json j;
-  j["rope_type"] = rope_kind_name(s.kind);
-  if (with_theta) j["rope_theta"] = rope.theta;
-  if (s.kind == rope_kind::none) return j;
-  j["factor"] = s.factor;
-  if (s.kind == rope_kind::llama3) {
-    j["low_freq_factor"] = s.low_freq_factor;
-    j["high_freq_factor"] = s.high_freq_factor;
-  }
-  if (s.kind != rope_kind::linear) j["original_max_position_embeddings"] = s.original_max_position;
-  if (s.kind == rope_kind::yarn) {
-    j["beta_fast"] = s.beta_fast;
-    j["beta_slow"] = s.beta_slow;
-    if (s.mscale > 0) j["mscale"] = s.mscale;
-    if (s.mscale_all_dim > 0) j["mscale_all_dim"] = s.mscale_all_dim;
-    if (s.attention_factor > 0) j["attention_factor"] = s.attention_factor;
-    if (!s.truncate) j["truncate"] = false;
-  }
-  return j;
-}
-
-nlohmann::ordered_json to_hf_json(const model_config& c) {
-  const bool qwen = c.family == model_family::qwen3;
-  nlohmann::ordered_json j;
-  j["architectures"] = {qwen ? "Qwen3ForCausalLM" : "LlamaForCausalLM"};
-  j["model_type"] = qwen ? "qwen3" : "llama";
-  j["vocab_size"] = c.vocab_size;
-  j["hidden_size"] = c.hidden_size;
-  j["intermediate_size"] = c.intermediate_size;
-  j["num_hidden_layers"] = c.num_layers;
-  j["num_attention_heads"] = c.num_heads;
-  j["num_key_value_heads"] = c.num_kv_heads;
-  j["head_dim"] = c.head_dim;
-  j["hidden_act"] = "silu";
-  j["rms_norm_eps"] = c.rms_norm_eps;
-  j["rope_theta"] = c.rope.theta;
-  if (c.rope.scaling.enabled())
-    j["rope_scaling"] = rope_json(c.rope, false);
-  else
-    j["rope_scaling"] = nullptr;
-  j["max_position_embeddings"] = c.max_position_embeddings > 0 ? c.max_position_embeddings : default_max_position_embeddings(c);
-  j["tie_word_embeddings"] = c.tie_embeddings;
-  j["attention_bias"] = false;
-  j["attention_dropout"] = 0.0;
-  if (qwen) {
-    j["use_sliding_window"] = false;
-    j["sliding_window"] = nullptr;
-    j["max_window_layers"] = c.num_layers;
-  } else {
-    j["mlp_bias"] = false;
-    j["pretraining_tp"] = 1;
-  }
-  j["initializer_range"] = 0.02;
-  j["use_cache"] = true;
-  j["torch_dtype"] = "float32";
-  return j;
-}
-
-bool same_rope(const rope_config& a, const rope_config& b) {
-  const rope_scaling &x = a.scaling, &y = b.scaling;
-  if (a.theta != b.theta || x.kind != y.kind) return false;
-  if (x.kind == rope_kind::none) return true;
-  return x.factor == y.factor && x.low_freq_factor == y.low_freq_factor && x.high_freq_factor == y.high_freq_factor &&
-         x.original_max_position == y.original_max_position && x.beta_fast == y.beta_fast &&
-         x.beta_slow == y.beta_slow && x.mscale == y.mscale && x.mscale_all_dim == y.mscale_all_dim &&
-         x.attention_factor == y.attention_factor && x.truncate == y.truncate;
-}
-
-// The input's config.json with what training changed: the RoPE settings (in the style the
-// input used: rope_parameters, or rope_theta and rope_scaling), max_position_embeddings and
-// the stored dtype. Every other field is kept as it was.
-nlohmann::ordered_json updated_hf_json(const model_config& c, const std::string& base_path, const std::string& dtype) {
-  const std::string text = read_text_file(base_path, "model config");
-  nlohmann::ordered_json j;
-  try {
-    j = nlohmann::ordered_json::parse(text);
-  } catch (const nlohmann::ordered_json::exception& e) {
-    throw io_error("model config '" + base_path + "' is not valid JSON: " + e.what());
-  }
-  const model_config base = read_hf_config(base_path);
-  // A scaling whose original context the base left to max_position_embeddings would change
-  // with it: then the RoPE object is written out in full.
-  const bool context_changes = c.max_position_embeddings > 0 && c.max_position_embeddings != base.max_position_embeddings;
-  const bool uses_original = c.rope.scaling.kind == rope_kind::llama3 || c.rope.scaling.kind == rope_kind::yarn;
-  if (!same_rope(base.rope, c.rope) || (context_changes && uses_original)) {
-    if (j.contains("rope_parameters") && !j["rope_parameters"].is_null()) {
-      j["rope_parameters"] = rope_json(c.rope, true);
-      j.erase("rope_scaling");
-      j.erase("rope_theta");
-    } else {
-      j["rope_theta"] = c.rope.theta;
-      j["rope_scaling"] = c.rope.scaling.enabled() ? rope_json(c.rope, false) : nlohmann::ordered_json(nullptr);
-    }
-  }
-  if (c.max_position_embeddings > 0) j["max_position_embeddings"] = c.max_position_embeddings;
-  if (j.contains("dtype") || !j.contains("torch_dtype"))
-    j["dtype"] = dtype;
-  else
-    j["torch_dtype"] = dtype;
-  return j;
-}
-
-}  // namespace
 
 // ---------------------------------------------------------------------------------------
 // Public entries
 // ---------------------------------------------------------------------------------------
 
-std::int64_t model_config::parameter_count() const {
-  const std::int64_t D = hidden_size, F = intermediate_size, V = vocab_size;
-  const std::int64_t q = std::int64_t(num_heads) * head_dim;
-  const std::int64_t kv = std::int64_t(num_kv_heads) * head_dim;
-  const std::int64_t per_layer = D                          // input_layernorm
-                                 + q * D + 2 * kv * D       // q, k, v projections
-                                 + D * q                    // o projection
-                                 + (qk_norm ? 2 * head_dim : 0)  // q_norm, k_norm
-                                 + D                        // post_attention_layernorm
-                                 + 3 * F * D;               // gate, up, down
-  return V * D + num_layers * per_layer + D + (tie_embeddings ? 0 : V * D);
+std::int64_t model_config::layer_window(int layer) const {
+  return layer >= 0 && layer < static_cast<int>(windowed_layers.size()) && windowed_layers[layer] ? sliding_window : 0;
 }
 
-std::int64_t model_config::matmul_parameter_count() const {
-  const std::int64_t D = hidden_size, F = intermediate_size, V = vocab_size;
-  const std::int64_t q = std::int64_t(num_heads) * head_dim;
-  const std::int64_t kv = std::int64_t(num_kv_heads) * head_dim;
-  return num_layers * (2 * q * D + 2 * kv * D + 3 * F * D) + V * D;
+const rope_config& model_config::layer_rope(int layer) const {
+  return local_rope && layer_window(layer) > 0 ? *local_rope : rope;
 }
+
+float model_config::attention_scale() const {
+  const double base = query_pre_attn_scalar > 0 ? query_pre_attn_scalar : static_cast<double>(head_dim);
+  return static_cast<float>(1.0 / std::sqrt(base));
+}
+
+std::int64_t model_config::parameter_count() const {
+  std::int64_t n = 0;
+  for (const parameter_spec& p : parameter_specs(*this)) {
+    std::int64_t size = 1;
+    for (std::int64_t d : p.shape) size *= d;
+    n += size;
+  }
+  return n;
+}
+
+// Every matrix of a layer and the lm head (whether tied or not).
+std::int64_t model_config::matmul_parameter_count() const {
+  std::int64_t n = 0;
+  for (const parameter_spec& p : parameter_specs(*this))
+    if (p.kind == param_kind::matrix) n += p.shape[0] * p.shape[1];
+  return n + (tie_embeddings ? vocab_size * hidden_size : 0);
+}
+
+namespace {
+
+// The attention's pairs of a document of n tokens in a layer of window w, as the square
+// the causal count 6 L H d S^2 takes (n^2 for a global layer): a window keeps w keys a
+// query past the first w, so n^2 - (n - w)^2 = 2 n w - w^2 when n > w.
+double attended_square(double n, std::int64_t window) {
+  const auto w = static_cast<double>(window);
+  return window <= 0 || n <= w ? n * n : 2.0 * n * w - w * w;
+}
+
+}  // namespace
 
 double model_config::model_flops(std::int64_t seq_len) const {
-  const auto s = static_cast<double>(seq_len);
-  return 6.0 * static_cast<double>(matmul_parameter_count()) * s +
-         6.0 * num_layers * num_heads * static_cast<double>(head_dim) * s * s;
+  const std::int64_t start = 0;
+  return model_flops(seq_len, std::span<const std::int64_t>(&start, 1));
 }
 
 double model_config::model_flops(std::int64_t seq_len, std::span<const std::int64_t> documents) const {
-  if (documents.size() <= 1) return model_flops(seq_len);
-  double pairs = 0;  // sum of squared document lengths
-  for (std::size_t i = 0; i < documents.size(); ++i) {
-    const auto length = static_cast<double>((i + 1 < documents.size() ? documents[i + 1] : seq_len) - documents[i]);
-    pairs += length * length;
+  double squares = 0;  // over the layers and documents
+  for (int l = 0; l < num_layers; ++l) {
+    if (documents.empty()) squares += attended_square(static_cast<double>(seq_len), layer_window(l));
+    for (std::size_t i = 0; i < documents.size(); ++i) {
+      const auto length = static_cast<double>((i + 1 < documents.size() ? documents[i + 1] : seq_len) - documents[i]);
+      squares += attended_square(length, layer_window(l));
+    }
   }
   return 6.0 * static_cast<double>(matmul_parameter_count()) * static_cast<double>(seq_len) +
-         6.0 * num_layers * num_heads * static_cast<double>(head_dim) * pairs;
+         6.0 * num_heads * static_cast<double>(head_dim) * squares;
 }
 
-std::vector<parameter_spec> parameter_specs(const model_config& config) {
-  const std::int64_t D = config.hidden_size, F = config.intermediate_size, V = config.vocab_size;
-  const std::int64_t d = config.head_dim;
-  const std::int64_t q = config.num_heads * d;
-  const std::int64_t kv = config.num_kv_heads * d;
-
-  std::vector<parameter_spec> specs;
-  specs.reserve(3 + std::size_t(std::max(config.num_layers, 0)) * 11);
-  specs.push_back({"model.embed_tokens.weight", {V, D}});
-  for (int i = 0; i < config.num_layers; ++i) {
-    const std::string layer = "model.layers." + std::to_string(i) + ".";
-    specs.push_back({layer + "input_layernorm.weight", {D}});
-    specs.push_back({layer + "self_attn.q_proj.weight", {q, D}});
-    specs.push_back({layer + "self_attn.k_proj.weight", {kv, D}});
-    specs.push_back({layer + "self_attn.v_proj.weight", {kv, D}});
-    specs.push_back({layer + "self_attn.o_proj.weight", {D, q}});
-    if (config.qk_norm) {
-      specs.push_back({layer + "self_attn.q_norm.weight", {d}});
-      specs.push_back({layer + "self_attn.k_norm.weight", {d}});
-    }
-    specs.push_back({layer + "post_attention_layernorm.weight", {D}});
-    specs.push_back({layer + "mlp.gate_proj.weight", {F, D}});
-    specs.push_back({layer + "mlp.up_proj.weight", {F, D}});
-    specs.push_back({layer + "mlp.down_proj.weight", {D, F}});
-  }
-  specs.push_back({"model.norm.weight", {D}});
-  if (!config.tie_embeddings) specs.push_back({"lm_head.weight", {V, D}});
-  return specs;
+std::int64_t default_max_position_embeddings(const model_config& c) {
+  std::int64_t context = c.traits().default_context;
+  if (context == 0) context = c.rope.scaling.enabled() ? 131072 : 8192;
+  if (c.rope.scaling.enabled()) context = std::max(context, c.rope.scaling.original_max_position);
+  return context;
 }
 
 std::vector<std::string> preset_names() {
@@ -586,90 +318,12 @@ std::vector<std::string> preset_names() {
 model_config preset(std::string_view name) {
   for (model_config& c : all_presets())
     if (c.name == name) {
-      c.max_position_embeddings = default_max_position_embeddings(c);
+      if (c.max_position_embeddings == 0) c.max_position_embeddings = default_max_position_embeddings(c);
       return std::move(c);
     }
   throw config_error("unknown model preset '" + std::string(name) + "': the known presets are " +
                      join(preset_names()) +
                      "; for another model pass --config with a Hugging Face config.json");
-}
-
-std::string hf_config_file(const std::string& path) {
-  std::error_code ec;
-  if (std::filesystem::is_directory(path, ec)) return (std::filesystem::path(path) / "config.json").string();
-  return path;
-}
-
-bool is_model_directory(const std::string& path) {
-  std::error_code ec;
-  // Present in any form: a FIFO or a link loop in its place is then refused by name when read.
-  return std::filesystem::is_directory(path, ec) &&
-         std::filesystem::exists(std::filesystem::symlink_status(std::filesystem::path(path) / "config.json", ec));
-}
-
-model_config read_hf_config(const std::string& given) {
-  const std::string path = hf_config_file(given);
-  const json root = parse_json_file(path);
-  const field_reader fields(root, path);
-
-  model_config c;
-  c.name = path;
-  c.family = parse_family(fields, path);
-  refuse_unsupported_features(fields, path);
-  c.vocab_size = fields.integer("vocab_size", fields.required("vocab_size"));
-  c.hidden_size = fields.required_int("hidden_size");
-  c.intermediate_size = fields.required_int("intermediate_size");
-  c.num_layers = fields.required_int("num_hidden_layers");
-  c.num_heads = fields.required_int("num_attention_heads");
-  c.rms_norm_eps = fields.required_number("rms_norm_eps");
-
-  // Absent fields take the defaults of transformers' LlamaConfig / Qwen3Config so that the
-  // file means the same model here and there: Qwen3Config declares head_dim = 128 and
-  // num_key_value_heads = 32, LlamaConfig derives D / H and H. An explicit null derives
-  // (D / H, H) in both.
-  const bool qwen = c.family == model_family::qwen3;
-  if (const json* k = fields.find("num_key_value_heads"))
-    c.num_kv_heads = fields.int32("num_key_value_heads", *k);
-  else
-    c.num_kv_heads = qwen && !root.contains("num_key_value_heads") ? 32 : c.num_heads;
-  if (const json* d = fields.find("head_dim"))
-    c.head_dim = fields.int32("head_dim", *d);
-  else if (qwen && !root.contains("head_dim"))
-    c.head_dim = 128;
-  else
-    c.head_dim = c.num_heads > 0 ? c.hidden_size / c.num_heads : 0;
-
-  c.rope = parse_rope(fields, path);
-  if (const json* m = fields.find("max_position_embeddings"))
-    c.max_position_embeddings = fields.integer("max_position_embeddings", *m);
-  // As transformers reads them: without an original context the model's own is taken, and
-  // a yarn factor given as null is the stretch from the original context to the model's.
-  rope_scaling& scaling = c.rope.scaling;
-  if ((scaling.kind == rope_kind::llama3 || scaling.kind == rope_kind::yarn) && scaling.original_max_position == 0)
-    scaling.original_max_position = c.max_position_embeddings;
-  if (scaling.kind == rope_kind::yarn && scaling.factor == 0 && scaling.original_max_position > 0)
-    scaling.factor =
-        static_cast<double>(c.max_position_embeddings) / static_cast<double>(scaling.original_max_position);
-  for (const char* key : {"dtype", "torch_dtype"})
-    if (const json* d = fields.find(key); d && d->is_string()) c.stored_dtype = d->get<std::string>();
-  if (const json* tie = fields.find("tie_word_embeddings"))
-    c.tie_embeddings = fields.boolean("tie_word_embeddings", *tie);
-  c.qk_norm = qwen;
-  validate(c);
-  return c;
-}
-
-void write_hf_config(const model_config& config, const std::string& path, const std::string& base_path,
-                     const std::string& dtype) {
-  validate(config);
-  nlohmann::ordered_json j;
-  if (base_path.empty()) {
-    j = to_hf_json(config);
-    j["torch_dtype"] = dtype;
-  } else {
-    j = updated_hf_json(config, hf_config_file(base_path), dtype);
-  }
-  write_file_atomically(path, j.dump(2) + "\n", "model config");
 }
 
 rope_kind parse_rope_kind(std::string_view name, const std::string& what) {
@@ -713,13 +367,9 @@ void validate(const model_config& c) {
     throw config_error(model + "rms_norm_eps = " + format_number(c.rms_norm_eps) +
                        " must be at most 1 (a variance floor above the activations' own would flatten every "
                        "layer); for example 1e-05");
-  validate_rope(c);
-  const bool qwen = c.family == model_family::qwen3;
-  if (c.qk_norm != qwen)
-    throw config_error("model '" + c.name + "': qk_norm = " + (c.qk_norm ? "true" : "false") +
-                       " does not match the " + (qwen ? "qwen3" : "llama") +
-                       " family (Qwen3 normalizes q and k per head, Llama does not); set qk_norm = " +
-                       (qwen ? "true" : "false"));
+  validate_rope(c, c.rope, "rope_theta");
+  if (c.local_rope) validate_rope(c, *c.local_rope, "the windowed layers' rope_theta");
+  validate_family_traits(c);
 }
 
 }  // namespace upipe

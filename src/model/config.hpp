@@ -1,19 +1,19 @@
-// Model configurations: Llama 3 / 3.1 / 3.2 and Qwen3 (per-head RMSNorm on q and k), as
-// presets or read from a Hugging Face config.json, and the parameters they imply under
-// Hugging Face tensor names.
+// Model configurations of the families in model/family.hpp (Llama, Qwen2, Qwen3, Mistral,
+// Phi-3, Gemma 3), as presets or read from a Hugging Face config.json, and the parameters
+// they imply under Hugging Face tensor names.
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
 #include <vector>
 
+#include "model/family.hpp"
 #include "ops/op_args.hpp"
 
 namespace upipe {
-
-enum class model_family : std::uint8_t { llama, qwen3 };
 
 struct model_config {
   std::string name;  // preset name, or the config file's path
@@ -28,9 +28,25 @@ struct model_config {
   double rms_norm_eps = 1e-5;
   rope_config rope;
   bool tie_embeddings = false;  // lm head = embedding matrix
-  bool qk_norm = false;         // Qwen3: RMSNorm over d on each q and k head
+  bool qk_norm = false;         // Qwen3, Gemma 3: RMSNorm over d on each q and k head
   std::int64_t max_position_embeddings = 0;  // the context the model declares (0: unknown)
   std::string stored_dtype{};   // config.json's dtype ("bfloat16"), empty for presets
+  // What the family's row (model/family.hpp) and config.json make of the rest.
+  std::uint8_t biases = 0;  // projections with a bias (projection_bit): Qwen2's q, k, v
+  gate_activation activation = gate_activation::silu;
+  std::int64_t sliding_window = 0;    // W of the windowed layers (0: none)
+  std::vector<bool> windowed_layers{};  // layer l attends through the window where set (empty: none)
+  std::optional<rope_config> local_rope{};  // the windowed layers' RoPE where it differs (Gemma 3's local base)
+  double query_pre_attn_scalar = 0;   // > 0: scores scaled by its inverse square root (Gemma 3), else 1/sqrt(d)
+  std::int32_t padding_id = -1;       // pad_token_id: its embedding row is not trained by lookups (-1: none)
+
+  const family_row& traits() const { return family_traits(family); }
+  bool has_bias(layer_projection p) const { return (biases & projection_bit(p)) != 0; }
+  // Layer l's window (0: global attention) and RoPE.
+  std::int64_t layer_window(int layer) const;
+  const rope_config& layer_rope(int layer) const;
+  // The softmax scale of the attention scores.
+  float attention_scale() const;
 
   std::int64_t parameter_count() const;
   // Weights used in a matmul (every projection and the lm head; not the embedding
@@ -44,27 +60,34 @@ struct model_config {
   double model_flops(std::int64_t seq_len, std::span<const std::int64_t> documents) const;
 };
 
-// One parameter: its Hugging Face name and shape (row-major, y = x W^T for linears).
+// One parameter: its Hugging Face name, shape (row-major, y = x W^T for linears) and kind.
 struct parameter_spec {
   std::string name;  // e.g. "model.layers.3.self_attn.q_proj.weight"
   std::vector<std::int64_t> shape;
+  param_kind kind = param_kind::matrix;
 };
 
-// Every parameter of the model in a fixed order: embedding, then per layer
-// input_layernorm, q/k/v/o projections, (q_norm, k_norm), post_attention_layernorm,
-// gate/up/down projections, then the final norm, then lm_head unless tied.
+// Every parameter of the model in a fixed order, as the family's directories name them
+// (model/parameters.cpp): the embedding, then per layer its norms, projections (and
+// biases, q/k norms) in the family's order, then the final norm, then lm_head unless tied.
 std::vector<parameter_spec> parameter_specs(const model_config& config);
 
 // Names of the presets: llama3-8b, llama3-70b, llama3.2-1b, llama3.2-3b, qwen3-8b,
-// qwen3-32b, tiny-llama, tiny-qwen3.
+// qwen3-32b, qwen2.5-7b, mistral-7b, gemma3-4b, gemma3-12b, gemma3-27b, and the tiny
+// models of the tests: tiny-llama, tiny-qwen3, tiny-qwen2, tiny-mistral, tiny-phi3,
+// tiny-gemma3.
 std::vector<std::string> preset_names();
 // Throws config_error naming the unknown preset and listing the known ones.
 model_config preset(std::string_view name);
-// Reads a Hugging Face config.json (model_type "llama" or "qwen3"), given as the file or the
-// model directory holding it; absent fields take the defaults of transformers' LlamaConfig
-// / Qwen3Config. Throws io_error for an unreadable or malformed file (missing field, wrong
-// JSON type) and config_error for an unsupported configuration (other model_type or
-// rope_type, biases, sliding window).
+// The context a preset declares when it names none: the family's (Qwen3 40960, Gemma 3
+// 131072, ...), else Llama 3.1 / 3.2's 131072 when the RoPE is scaled and 8192 when not;
+// never below the scaling's original context.
+std::int64_t default_max_position_embeddings(const model_config& c);
+// Reads a Hugging Face config.json (a model_type of family_table()), given as the file or
+// the model directory holding it; absent fields take the defaults of the family's
+// transformers config class. Throws io_error for an unreadable or malformed file (missing
+// field, wrong JSON type) and config_error for an unsupported configuration (another
+// model_type or rope_type, an activation or feature upipe does not run).
 model_config read_hf_config(const std::string& path);
 // DIR/config.json for a directory, else the path itself.
 std::string hf_config_file(const std::string& path);
@@ -79,8 +102,9 @@ void write_hf_config(const model_config& config, const std::string& path, const 
 rope_kind parse_rope_kind(std::string_view name, const std::string& what);
 // transformers' name of a RoPE type: "default", "llama3", "linear" or "yarn".
 const char* rope_kind_name(rope_kind kind);
-// Checks the configuration's own consistency (positive sizes, H divisible by K, even d);
-// throws config_error naming the value, the rule and a valid alternative.
+// Checks the configuration's own consistency (positive sizes, H divisible by K, even d, the
+// family's fixed traits, the windows); throws config_error naming the value, the rule and a
+// valid alternative.
 void validate(const model_config& config);
 
 }  // namespace upipe

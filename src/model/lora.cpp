@@ -22,29 +22,28 @@ const char* short_name(lora_target t) {
   return names[static_cast<int>(t)];
 }
 
-// (out, in) of a target's weight.
-std::pair<std::int64_t, std::int64_t> target_shape(const model_config& m, lora_target t) {
-  const std::int64_t D = m.hidden_size, F = m.intermediate_size;
-  const std::int64_t q = std::int64_t{m.num_heads} * m.head_dim, kv = std::int64_t{m.num_kv_heads} * m.head_dim;
-  switch (t) {
-    case lora_target::q: return {q, D};
-    case lora_target::k:
-    case lora_target::v: return {kv, D};
-    case lora_target::o: return {D, q};
-    case lora_target::gate:
-    case lora_target::up: return {F, D};
-    case lora_target::down: return {D, F};
-  }
-  return {0, 0};
+// "self_attn.qkv_proj" -> "qkv_proj".
+std::string leaf(const std::string& module) { return module.substr(module.rfind('.') + 1); }
+
+// The targets stored in the same module as t (t alone unless the family fuses it).
+std::uint8_t module_targets(const model_config& m, lora_target t) {
+  const std::string module = projection_rows(m, t).module;
+  std::uint8_t bits = 0;
+  for (lora_target other : all_targets)
+    if (projection_rows(m, other).module == module) bits |= projection_bit(other);
+  return bits;
 }
 
-std::string weight_name(int layer, lora_target t) {
-  const bool attention = t == lora_target::q || t == lora_target::k || t == lora_target::v || t == lora_target::o;
-  return "model.layers." + std::to_string(layer) + (attention ? ".self_attn." : ".mlp.") + lora_module_name(t);
+// (out, in) of a target's module: a fused module's rows are its projections' together.
+std::pair<std::int64_t, std::int64_t> module_shape(const model_config& m, lora_target t) {
+  std::int64_t out = 0;
+  for (lora_target other : all_targets)
+    if (module_targets(m, t) & projection_bit(other)) out += projection_shape(m, other).first;
+  return {out, projection_shape(m, t).second};
 }
 
-std::string adapter_name(int layer, lora_target t, char which) {
-  return weight_name(layer, t) + ".lora_" + which + ".weight";
+std::string adapter_name(const model_config& m, int layer, lora_target t, char which) {
+  return layer_prefix(layer) + projection_rows(m, t).module + ".lora_" + which + ".weight";
 }
 
 std::string number_text(double v) {
@@ -54,22 +53,37 @@ std::string number_text(double v) {
 }
 
 // The projections of any layer of this model, for messages.
-const char* valid_targets_text = "q, k, v, o, gate, up, down (or q_proj, ..., down_proj, or all)";
+std::string valid_targets_text(const model_config& m) {
+  std::string modules;
+  for (lora_target t : all_targets) {
+    if (projection_rows(m, t).first > 0) continue;  // named by its module's first projection
+    modules += (modules.empty() ? "" : ", ") + leaf(projection_rows(m, t).module);
+  }
+  const bool fused = m.traits().qkv_fused != nullptr || m.traits().gate_up_fused != nullptr;
+  return (fused ? modules : "q, k, v, o, gate, up, down (or " + modules + ")") + ", or all";
+}
 
 // Modules of other architectures, or of this family that this model lacks: named as such.
 bool names_another_architecture(const std::string& name, const model_config& model) {
   static const char* others[] = {"qkv_proj", "gate_up_proj", "c_attn", "c_proj", "c_fc", "query_key_value",
                                  "dense", "dense_h_to_4h", "dense_4h_to_h", "fc1", "fc2", "w1", "w2", "w3",
-                                 "wqkv", "Wqkv", "out_proj", "in_proj"};
+                                 "wqkv", "Wqkv", "out_proj", "in_proj", "q_proj", "k_proj", "v_proj", "gate_proj",
+                                 "up_proj"};
   if (std::find(std::begin(others), std::end(others), name) != std::end(others)) return true;
   return !model.qk_norm && (name == "q_norm" || name == "k_norm");
 }
 
 }  // namespace
 
-const char* lora_module_name(lora_target t) {
-  static const char* names[] = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
-  return names[static_cast<int>(t)];
+std::string lora_module_name(const model_config& model, lora_target t) { return leaf(projection_rows(model, t).module); }
+
+std::vector<std::string> lora_module_names(const model_config& model, const lora_config& lora) {
+  std::vector<std::string> out;
+  for (lora_target t : lora.target_list()) {
+    const std::string name = lora_module_name(model, t);
+    if (std::find(out.begin(), out.end(), name) == out.end()) out.push_back(name);
+  }
+  return out;
 }
 
 std::vector<lora_target> lora_config::target_list() const {
@@ -83,7 +97,8 @@ std::string lora_text(const lora_config& lora) {
   std::string text = "r=" + std::to_string(lora.rank) + ",alpha=" + number_text(lora.alpha) + ",targets=";
   bool first = true;
   for (lora_target t : lora.target_list()) {
-    text += (first ? "" : ",") + std::string(short_name(t));
+    if (!first) text += ',';  // appended piece by piece: GCC 12's -Wrestrict false positive
+    text += short_name(t);
     first = false;
   }
   return text;
@@ -92,29 +107,33 @@ std::string lora_text(const lora_config& lora) {
 std::uint8_t parse_lora_targets(const std::vector<std::string>& names, const model_config& model,
                                 const std::string& what) {
   std::uint8_t bits = 0;
+  const std::string valid = valid_targets_text(model);
   for (const std::string& name : names) {
     if (name == "all" || name == "all-linear") {
       bits = every_target;
       continue;
     }
+    // A projection's short name, or the module holding it (a fused one stands for all of its
+    // projections: PEFT adapts the module whole).
     const auto it = std::find_if(std::begin(all_targets), std::end(all_targets), [&](lora_target t) {
-      return name == short_name(t) || name == lora_module_name(t);
+      return name == short_name(t) || name == lora_module_name(model, t) ||
+             (name + "_proj" == lora_module_name(model, t) && projection_rows(model, t).first == 0);
     });
     if (it != std::end(all_targets)) {
-      bits |= static_cast<std::uint8_t>(1u << static_cast<int>(*it));
+      bits |= name == short_name(*it) ? projection_bit(*it) : module_targets(model, *it);
       continue;
     }
-    const std::string family = model.family == model_family::qwen3 ? "qwen3" : "llama";
+    const std::string family(model.traits().model_type);
     if (names_another_architecture(name, model))
       throw config_error(what + " names '" + name + "', a module " + model.name + " (" + family +
-                         ") does not have: its adaptable projections are " + valid_targets_text);
+                         ") does not have: its adaptable projections are " + valid);
     if (name == "embed_tokens" || name == "lm_head" || name == "q_norm" || name == "k_norm" || name == "norm" ||
-        name == "input_layernorm" || name == "post_attention_layernorm")
+        name.find("layernorm") != std::string::npos)
       throw config_error(what + " names '" + name + "', which is not a linear projection of a layer: LoRA here "
-                         "adapts " + valid_targets_text);
-    throw config_error(what + " names an unknown target '" + name + "': the targets are " + valid_targets_text);
+                         "adapts " + valid);
+    throw config_error(what + " names an unknown target '" + name + "': the targets are " + valid);
   }
-  if (bits == 0) throw config_error(what + " is empty: name at least one of " + std::string(valid_targets_text));
+  if (bits == 0) throw config_error(what + " is empty: name at least one of " + valid);
   return bits;
 }
 
@@ -132,12 +151,17 @@ void validate(const lora_config& lora, const model_config& model, const std::str
                        ", beyond " + number_text(max_lora_scale) + ": the adapters would swamp the frozen weights "
                        "(recipes use alpha / r of 0.5 to 32); for example alpha=" + std::to_string(2 * lora.rank));
   if (lora.targets == 0 || (lora.targets & ~every_target) != 0)
-    throw config_error(what + " needs targets among " + std::string(valid_targets_text));
+    throw config_error(what + " needs targets among " + valid_targets_text(model));
   for (lora_target t : lora.target_list()) {
-    const auto [out, in] = target_shape(model, t);
+    const std::uint8_t together = module_targets(model, t);
+    if ((lora.targets & together) != together)
+      throw config_error(what + " adapts " + short_name(t) + " alone, but " + model.name + " stores it in " +
+                         lora_module_name(model, t) + " with other projections, which PEFT adapts whole: target " +
+                         lora_module_name(model, t) + " (all of its projections) or none of them");
+    const auto [out, in] = module_shape(model, t);
     const std::int64_t widest = std::min(out, in);
     if (lora.rank > widest)
-      throw config_error(what + " r=" + std::to_string(lora.rank) + " exceeds " + lora_module_name(t) + "'s " +
+      throw config_error(what + " r=" + std::to_string(lora.rank) + " exceeds " + lora_module_name(model, t) + "'s " +
                          std::to_string(out) + " x " + std::to_string(in) + " of " + model.name +
                          ": a rank above min(out, in) adds nothing; use r <= " + std::to_string(widest));
   }
@@ -159,7 +183,7 @@ lora_config parse_lora(std::string_view text, const model_config& model) {
                        "dropout=0");
   const std::optional<std::string> targets = items.find("targets");
   if (targets && targets->empty())
-    throw config_error("--lora targets= names no projection: name some of " + std::string(valid_targets_text) +
+    throw config_error("--lora targets= names no projection: name some of " + valid_targets_text(model) +
                        ", or leave targets out for all seven");
   std::vector<std::string> names;
   for (std::size_t start = 0; targets && start <= targets->size();) {
@@ -176,9 +200,10 @@ std::vector<parameter_spec> lora_parameter_specs(const model_config& model, cons
   std::vector<parameter_spec> specs;
   for (int l = 0; l < model.num_layers; ++l)
     for (lora_target t : lora.target_list()) {
-      const auto [out, in] = target_shape(model, t);
-      specs.push_back({adapter_name(l, t, 'A'), {lora.rank, in}});
-      specs.push_back({adapter_name(l, t, 'B'), {out, lora.rank}});
+      if (projection_rows(model, t).first > 0) continue;  // a fused module's later block: one adapter
+      const auto [out, in] = module_shape(model, t);
+      specs.push_back({adapter_name(model, l, t, 'A'), {lora.rank, in}});
+      specs.push_back({adapter_name(model, l, t, 'B'), {out, lora.rank}});
     }
   return specs;
 }
@@ -186,7 +211,8 @@ std::vector<parameter_spec> lora_parameter_specs(const model_config& model, cons
 std::int64_t lora_parameter_count(const model_config& model, const lora_config& lora) {
   std::int64_t n = 0;
   for (lora_target t : lora.target_list()) {
-    const auto [out, in] = target_shape(model, t);
+    if (projection_rows(model, t).first > 0) continue;
+    const auto [out, in] = module_shape(model, t);
     n += lora.rank * (in + out);
   }
   return n * model.num_layers;
@@ -250,20 +276,26 @@ projection_grads& target_of(layer_gradients& g, lora_target t) {
 
 }  // namespace
 
-void attach_adapters(layer_params& p, const lora_config& lora, int layer, const named_view& view) {
+// A fused module's projections share its A (their gradients add into it) and take their
+// rows of its B.
+void attach_adapters(layer_params& p, const model_config& model, const lora_config& lora, int layer,
+                     const named_view& view) {
   for (lora_target t : lora.target_list()) {
     projection& w = target_of(p, t);
-    w.lora_a = view(adapter_name(layer, t, 'A'));
-    w.lora_b = view(adapter_name(layer, t, 'B'));
+    const stored_rows rows = projection_rows(model, t);
+    w.lora_a = view(adapter_name(model, layer, t, 'A'));
+    w.lora_b = view(adapter_name(model, layer, t, 'B')).row_block(rows.first, rows.count);
     w.lora_scale = lora.scale();
   }
 }
 
-void attach_adapter_grads(layer_gradients& g, const lora_config& lora, int layer, const named_view& view) {
+void attach_adapter_grads(layer_gradients& g, const model_config& model, const lora_config& lora, int layer,
+                          const named_view& view) {
   for (lora_target t : lora.target_list()) {
     projection_grads& w = target_of(g, t);
-    w.lora_a = view(adapter_name(layer, t, 'A'));
-    w.lora_b = view(adapter_name(layer, t, 'B'));
+    const stored_rows rows = projection_rows(model, t);
+    w.lora_a = view(adapter_name(model, layer, t, 'A'));
+    w.lora_b = view(adapter_name(model, layer, t, 'B')).row_block(rows.first, rows.count);
   }
 }
 

@@ -18,10 +18,13 @@
 
 namespace upipe {
 
-// The linear projections of a decoder layer an adapter may target, in PEFT's module names
-// q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj.
-enum class lora_target : std::uint8_t { q, k, v, o, gate, up, down };
-inline constexpr int lora_target_count = 7;
+// The linear projections of a decoder layer an adapter may target (model/family.hpp), in
+// PEFT's module names q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj. Where
+// the family stores some fused (Phi-3's qkv_proj, gate_up_proj), PEFT adapts the fused
+// module with one adapter: its projections are targeted together, share its A and take
+// their rows of its B.
+using lora_target = layer_projection;
+inline constexpr int lora_target_count = layer_projection_count;
 // The largest rank read (a rank above min(out, in) of every target is refused anyway).
 inline constexpr int max_lora_rank = 1 << 20;
 // The largest alpha / r: beyond it the adapters' output swamps the frozen weights' and the
@@ -40,8 +43,10 @@ struct lora_config {
   bool operator==(const lora_config&) const = default;
 };
 
-// PEFT's module name of a target ("q_proj", ...).
-const char* lora_module_name(lora_target t);
+// PEFT's name of the module holding a target in `model` ("q_proj", or Phi-3's "qkv_proj").
+std::string lora_module_name(const model_config& model, lora_target t);
+// The modules the targets of `lora` adapt, each once, in target order.
+std::vector<std::string> lora_module_names(const model_config& model, const lora_config& lora);
 // "r=16,alpha=32,targets=q,k,v,o,gate,up,down": the flag's own form.
 std::string lora_text(const lora_config& lora);
 
@@ -56,8 +61,9 @@ void validate(const lora_config& lora, const model_config& model, const std::str
 std::uint8_t parse_lora_targets(const std::vector<std::string>& names, const model_config& model,
                                 const std::string& what = "--lora targets");
 
-// The adapters' parameters: for each layer and each target in order, lora_A (r, in) then
-// lora_B (out, r), named as PEFT names them without its "base_model.model." prefix
+// The adapters' parameters: for each layer and each adapted module in target order,
+// lora_A (r, in) then lora_B (out, r) (a fused module's out is its projections' together),
+// named as PEFT names them without its "base_model.model." prefix
 // ("model.layers.0.self_attn.q_proj.lora_A.weight").
 std::vector<parameter_spec> lora_parameter_specs(const model_config& model, const lora_config& lora);
 // PEFT's prefix of every tensor name in adapter_model.safetensors.
@@ -83,7 +89,9 @@ host_weights initial_adapters(const model_config& model, const lora_config& lora
 // Puts layer `layer`'s adapters, looked up by name in `view`, beside the weights they adapt
 // (or, for gradients, beside the weights' gradients).
 using named_view = std::function<mat_view(const std::string&)>;
-void attach_adapters(layer_params& p, const lora_config& lora, int layer, const named_view& view);
-void attach_adapter_grads(layer_gradients& g, const lora_config& lora, int layer, const named_view& view);
+void attach_adapters(layer_params& p, const model_config& model, const lora_config& lora, int layer,
+                     const named_view& view);
+void attach_adapter_grads(layer_gradients& g, const model_config& model, const lora_config& lora, int layer,
+                          const named_view& view);
 
 }  // namespace upipe

@@ -13,8 +13,11 @@
 namespace upipe {
 
 prepared_sequence prepare_sequence(std::span<const std::int32_t> tokens, std::int64_t unit,
-                                   std::span<const std::int64_t> documents) {
+                                   std::span<const std::int64_t> documents, std::span<const std::uint8_t> targets) {
   const auto n = static_cast<std::int64_t>(tokens.size());
+  if (!targets.empty() && static_cast<std::int64_t>(targets.size()) != n)
+    throw config_error("the loss mask holds " + std::to_string(targets.size()) + " bytes for a sequence of " +
+                       std::to_string(n) + " tokens; it needs one per token");
   const std::int64_t padded = (n + unit - 1) / unit * unit;
   for (std::size_t i = 0; i < documents.size(); ++i)
     if ((i == 0 && documents[0] != 0) || (i > 0 && documents[i] <= documents[i - 1]) || documents[i] >= std::max<std::int64_t>(n, 1))
@@ -29,7 +32,7 @@ prepared_sequence prepare_sequence(std::span<const std::int32_t> tokens, std::in
     p.ids[i] = tokens[i];
     while (next_doc < documents.size() && documents[next_doc] <= i) ++next_doc;
     const bool crosses = next_doc < documents.size() && documents[next_doc] == i + 1;
-    if (i + 1 < n && !crosses) {
+    if (i + 1 < n && !crosses && (targets.empty() || targets[i + 1] != 0)) {
       p.labels[i] = tokens[i + 1];
       ++p.counted;
     }
@@ -117,7 +120,7 @@ model_step_result run_model_step(const model_step_request& req, const host_weigh
     seq.counted = req.shape_only - 1;
     result.seq_len = (req.shape_only + unit - 1) / unit * unit;
   } else {
-    seq = prepare_sequence(tokens, unit, req.documents);
+    seq = prepare_sequence(tokens, unit, req.documents, req.targets);
     result.seq_len = static_cast<std::int64_t>(seq.ids.size());
   }
   result.counted = seq.counted;
@@ -206,7 +209,7 @@ eval_result evaluate(const model_step_request& req, const weight_source& weights
   if (sequences.front().tokens.empty() && sequences.front().shape_only > 0)
     return evaluate_shapes(req, (sequences.front().shape_only + unit - 1) / unit * unit);
   std::vector<prepared_sequence> seqs;
-  for (const eval_sequence& s : sequences) seqs.push_back(prepare_sequence(s.tokens, unit, s.documents));
+  for (const eval_sequence& s : sequences) seqs.push_back(prepare_sequence(s.tokens, unit, s.documents, s.targets));
   const auto seq_len = static_cast<std::int64_t>(seqs.front().ids.size());
   for (std::size_t i = 0; i < seqs.size(); ++i) {
     UPIPE_CHECK(static_cast<std::int64_t>(seqs[i].ids.size()) == seq_len, "evaluate takes sequences of one length");

@@ -21,7 +21,9 @@ namespace upipe {
 // A sequence prepared for CP: labels shifted before sharding (label i = token i+1; the
 // last is masked), padded with masked positions to a multiple of `unit`. With packed
 // documents (`documents`: where each begins, the first 0) the label that would predict
-// a document's first token from the previous document's end is masked too.
+// a document's first token from the previous document's end is masked too. With a loss
+// mask (`targets`, a byte per token, 1 for a target; empty: every token) label i is
+// masked where token i + 1 is not a target, as transformers' labels of -100.
 struct prepared_sequence {
   std::vector<std::int32_t> ids, labels;  // padded length
   std::int64_t counted = 0;               // unmasked labels
@@ -29,7 +31,8 @@ struct prepared_sequence {
 };
 constexpr std::int32_t masked_label = -100;
 prepared_sequence prepare_sequence(std::span<const std::int32_t> tokens, std::int64_t unit,
-                                   std::span<const std::int64_t> documents = {});
+                                   std::span<const std::int64_t> documents = {},
+                                   std::span<const std::uint8_t> targets = {});
 // The layout unit of a strategy: C for ulysses and upipe, 2C for the zigzag halves of ring and hybrid.
 std::int64_t layout_unit(const cp_settings& cp);
 
@@ -42,6 +45,7 @@ struct model_step_request {
   bool record_timeline = false;  // keep rank 0's ledger timeline in the result
   comm_options comm;             // how the ranks talk (threads in one process unless told)
   std::vector<std::int64_t> documents;  // packed documents: where each begins (empty: one)
+  std::vector<std::uint8_t> targets;    // the loss mask, a byte per token (empty: every token a target)
   // meta: a sequence of this many tokens, with no host copy (run_model_step's tokens empty),
   // so that a step at 2^30 tokens costs the host nothing.
   std::int64_t shape_only = 0;
@@ -78,13 +82,14 @@ sequence_scores score_sequence(transformer& model, parameter_store& params, comm
 // Forward-only evaluation of sequences of one length (a store of weights alone: no
 // checkpoints, gradients or optimizer state). target_loss[i][t] is sequence i's
 // cross-entropy of token t + 1 given tokens 0..t, NaN where the target is not counted (it
-// crosses a document boundary); argmax[i][j] is the model's prediction at position
+// crosses a document boundary, or the loss mask leaves it out); argmax[i][j] is the model's prediction at position
 // argmax_at[j] (for token argmax_at[j] + 1).
 struct eval_sequence {
   std::vector<std::int32_t> tokens;
   std::vector<std::int64_t> documents;  // where each begins (empty: one document)
   std::vector<std::int64_t> argmax_at;  // positions whose argmax prediction is wanted
   std::int64_t shape_only = 0;          // meta: no tokens, this length only (the planner's probe)
+  std::vector<std::uint8_t> targets = {};  // the loss mask (empty: every token a target); NaN where masked
 };
 struct eval_result {
   std::vector<std::vector<float>> target_loss;

@@ -29,6 +29,10 @@ int unit_of(const std::string& name, int layers) {
   return name == "model.embed_tokens.weight" ? 0 : layers + 1;
 }
 
+// AdamW's weight decay applies to matrices and embeddings, not to norms and biases (as
+// transformers' Trainer excludes biases and norm weights).
+bool decays(param_kind kind) { return kind == param_kind::matrix || kind == param_kind::embedding; }
+
 // A (1, count) view at element `offset` of a (1, n) tensor.
 mat_view slice(const tensor& t, std::int64_t offset, std::int64_t count) {
   return t.matrix().col_block(offset, count);
@@ -396,7 +400,7 @@ std::vector<parameter_store::adamw_piece> parameter_store::adamw_pieces(std::int
       const std::int64_t b = std::min(hi, u.offsets[k] + numel_of(specs_[u.params[k]].shape));
       for (std::int64_t x = a; x < b;) {
         const std::int64_t end = b - x > max_elements ? x + max_elements : b;
-        pieces.push_back({&u, x, end, specs_[u.params[k]].shape.size() == 2});
+        pieces.push_back({&u, x, end, decays(specs_[u.params[k]].kind)});
         x = end;
       }
     }

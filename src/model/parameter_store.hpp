@@ -180,7 +180,7 @@ class parameter_store {
   struct adamw_piece {
     unit* u;
     std::int64_t a, b;  // elements of the unit's padded vector
-    bool matrix;
+    bool matrix;  // weight decay applies (a matrix or embedding, not a norm or bias)
   };
   std::vector<adamw_piece> adamw_pieces(std::int64_t max_elements) const;
   adamw_args adamw_of(const adamw_piece& p, const mat_view& weights, const adamw_config& config, std::int64_t step,

@@ -1,6 +1,10 @@
 #include "model/parameters.hpp"
 
+#include <algorithm>
 #include <charconv>
+#include <span>
+#include <utility>
+#include <vector>
 
 namespace upipe {
 
@@ -16,34 +20,140 @@ std::optional<std::int64_t> layer_of(std::string_view name) {
   return layer;
 }
 
+namespace {
+
+// Rows [first, first + count) of a view, or no rows of an empty one (a frozen gradient).
+mat_view rows_of(const mat_view& m, std::int64_t first, std::int64_t count) {
+  return m.rows == 0 ? mat_view{} : m.row_block(first, count);
+}
+
+const char* module_name(layer_projection p) {
+  static const char* names[] = {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                                "mlp.gate_proj",    "mlp.up_proj",      "mlp.down_proj"};
+  return names[static_cast<int>(p)];
+}
+
+constexpr layer_projection attention_projections[] = {layer_projection::q, layer_projection::k, layer_projection::v,
+                                                       layer_projection::o};
+constexpr layer_projection mlp_projections[] = {layer_projection::gate, layer_projection::up, layer_projection::down};
+
+// Appends the weights of `group`, one tensor per stored module (a fused module once, at
+// its first projection), each followed by its projection's bias where it has one.
+void add_projections(const model_config& c, const std::string& layer, std::span<const layer_projection> group,
+                     std::vector<parameter_spec>& specs) {
+  for (layer_projection p : group) {
+    const stored_rows rows = projection_rows(c, p);
+    if (rows.first == 0) {  // not a later block of a fused module
+      std::int64_t total = 0;
+      for (layer_projection other : group)
+        if (projection_rows(c, other).module == rows.module) total += projection_shape(c, other).first;
+      specs.push_back({layer + rows.module + ".weight", {total, projection_shape(c, p).second}, param_kind::matrix});
+    }
+    if (c.has_bias(p)) specs.push_back({layer + module_name(p) + ".bias", {projection_shape(c, p).first}, param_kind::bias});
+  }
+}
+
+}  // namespace
+
+std::pair<std::int64_t, std::int64_t> projection_shape(const model_config& c, layer_projection p) {
+  const std::int64_t D = c.hidden_size, F = c.intermediate_size;
+  const std::int64_t q = std::int64_t{c.num_heads} * c.head_dim, kv = std::int64_t{c.num_kv_heads} * c.head_dim;
+  switch (p) {
+    case layer_projection::q: return {q, D};
+    case layer_projection::k:
+    case layer_projection::v: return {kv, D};
+    case layer_projection::o: return {D, q};
+    case layer_projection::gate:
+    case layer_projection::up: return {F, D};
+    case layer_projection::down: break;
+  }
+  return {D, F};
+}
+
+std::string layer_prefix(int layer) { return "model.layers." + std::to_string(layer) + "."; }
+
+stored_rows projection_rows(const model_config& c, layer_projection p) {
+  const family_row& row = c.traits();
+  const std::int64_t q = std::int64_t{c.num_heads} * c.head_dim, kv = std::int64_t{c.num_kv_heads} * c.head_dim;
+  const std::int64_t out = projection_shape(c, p).first;
+  if (row.qkv_fused != nullptr && (p == layer_projection::q || p == layer_projection::k || p == layer_projection::v)) {
+    const std::int64_t first = p == layer_projection::q ? 0 : p == layer_projection::k ? q : q + kv;
+    return {row.qkv_fused, first, out};
+  }
+  if (row.gate_up_fused != nullptr && (p == layer_projection::gate || p == layer_projection::up))
+    return {row.gate_up_fused, p == layer_projection::gate ? 0 : c.intermediate_size, out};
+  return {module_name(p), 0, out};
+}
+
+std::vector<parameter_spec> parameter_specs(const model_config& config) {
+  const family_row& row = config.traits();
+  const std::int64_t D = config.hidden_size, V = config.vocab_size, d = config.head_dim;
+  std::vector<parameter_spec> specs;
+  specs.reserve(3 + static_cast<std::size_t>(std::max(config.num_layers, 0)) * 16);
+  specs.push_back({"model.embed_tokens.weight", {V, D}, param_kind::embedding});
+  for (int i = 0; i < config.num_layers; ++i) {
+    const std::string layer = layer_prefix(i);
+    specs.push_back({layer + "input_layernorm.weight", {D}, param_kind::norm});
+    add_projections(config, layer, attention_projections, specs);
+    if (config.qk_norm) {
+      specs.push_back({layer + "self_attn.q_norm.weight", {d}, param_kind::norm});
+      specs.push_back({layer + "self_attn.k_norm.weight", {d}, param_kind::norm});
+    }
+    if (row.attention_post_norm != nullptr)
+      specs.push_back({layer + row.attention_post_norm + ".weight", {D}, param_kind::norm});
+    specs.push_back({layer + row.mlp_norm + ".weight", {D}, param_kind::norm});
+    if (row.mlp_post_norm != nullptr) specs.push_back({layer + row.mlp_post_norm + ".weight", {D}, param_kind::norm});
+    add_projections(config, layer, mlp_projections, specs);
+  }
+  specs.push_back({"model.norm.weight", {D}, param_kind::norm});
+  if (!config.tie_embeddings) specs.push_back({"lm_head.weight", {V, D}, param_kind::matrix});
+  return specs;
+}
+
 layer_params make_layer_params(const model_config& config, int index,
                                const std::function<mat_view(const std::string&)>& view) {
-  const std::string p = "model.layers." + std::to_string(index) + ".";
+  const family_row& row = config.traits();
+  const std::string p = layer_prefix(index);
+  const auto weight = [&](layer_projection which) {
+    const stored_rows rows = projection_rows(config, which);
+    projection w(rows_of(view(p + rows.module + ".weight"), rows.first, rows.count));
+    if (config.has_bias(which)) w.bias = view(p + module_name(which) + ".bias");
+    return w;
+  };
   layer_params l;
   l.input_norm = view(p + "input_layernorm.weight");
-  l.attention.wq = view(p + "self_attn.q_proj.weight");
-  l.attention.wk = view(p + "self_attn.k_proj.weight");
-  l.attention.wv = view(p + "self_attn.v_proj.weight");
-  l.attention.wo = view(p + "self_attn.o_proj.weight");
+  l.attention.wq = weight(layer_projection::q);
+  l.attention.wk = weight(layer_projection::k);
+  l.attention.wv = weight(layer_projection::v);
+  l.attention.wo = weight(layer_projection::o);
   if (config.qk_norm) {
     l.attention.q_norm = view(p + "self_attn.q_norm.weight");
     l.attention.k_norm = view(p + "self_attn.k_norm.weight");
   }
-  l.post_norm = view(p + "post_attention_layernorm.weight");
-  l.gate = view(p + "mlp.gate_proj.weight");
-  l.up = view(p + "mlp.up_proj.weight");
-  l.down = view(p + "mlp.down_proj.weight");
+  if (row.attention_post_norm != nullptr) l.attention_post_norm = view(p + row.attention_post_norm + ".weight");
+  l.mlp_norm = view(p + row.mlp_norm + ".weight");
+  if (row.mlp_post_norm != nullptr) l.mlp_post_norm = view(p + row.mlp_post_norm + ".weight");
+  l.gate = weight(layer_projection::gate);
+  l.up = weight(layer_projection::up);
+  l.down = weight(layer_projection::down);
   return l;
 }
 
 layer_gradients as_gradients(const layer_params& g) {
   const attention_weights& a = g.attention;
+  const auto grads = [](const projection& w) {
+    projection_grads out(w.weight);
+    out.bias = w.bias;
+    return out;
+  };
   return {g.input_norm,
-          {a.wq.weight, a.wk.weight, a.wv.weight, a.wo.weight, a.q_norm, a.k_norm},
-          g.post_norm,
-          g.gate.weight,
-          g.up.weight,
-          g.down.weight};
+          {grads(a.wq), grads(a.wk), grads(a.wv), grads(a.wo), a.q_norm, a.k_norm},
+          g.attention_post_norm,
+          g.mlp_norm,
+          g.mlp_post_norm,
+          grads(g.gate),
+          grads(g.up),
+          grads(g.down)};
 }
 
 }  // namespace upipe

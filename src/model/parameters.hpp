@@ -1,4 +1,7 @@
-// Views of one decoder layer's parameters (or gradients) under Hugging Face names.
+// The family's name mapping (model/family.hpp): every parameter under the name its
+// directories give it, and views of one decoder layer's parameters (or gradients) by role.
+// A fused tensor (Phi-3's qkv_proj, gate_up_proj) is held as it is stored, and each of its
+// projections is a block of its rows, so that loading and saving copy it unchanged.
 #pragma once
 
 #include <cstdint>
@@ -6,6 +9,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
 
 #include "cp/strategy.hpp"
 #include "model/config.hpp"
@@ -13,18 +17,20 @@
 namespace upipe {
 
 struct layer_params {
-  mat_view input_norm;          // (1, D)
-  attention_weights attention;  // q/k/v/o projections (+ q_norm, k_norm for Qwen3)
-  mat_view post_norm;           // (1, D)
-  projection gate, up;          // (F, D)
-  projection down;              // (D, F)
+  mat_view input_norm;            // (1, D): before attention
+  attention_weights attention;    // q/k/v/o projections (+ their biases, q_norm, k_norm)
+  mat_view attention_post_norm;   // (1, D): on attention's output (Gemma 3), else no rows
+  mat_view mlp_norm;              // (1, D): before the MLP (Llama's post_attention_layernorm)
+  mat_view mlp_post_norm;         // (1, D): on the MLP's output (Gemma 3), else no rows
+  projection gate, up;            // (F, D)
+  projection down;                // (D, F)
 };
 
 // A layer's gradients, f32, accumulated; a frozen weight's are empty (no rows).
 struct layer_gradients {
   mat_view input_norm;
   attention_grads attention;
-  mat_view post_norm;
+  mat_view attention_post_norm, mlp_norm, mlp_post_norm;
   projection_grads gate, up, down;
 };
 
@@ -34,11 +40,24 @@ struct layer_gradients {
 // outside the layers.
 std::optional<std::int64_t> layer_of(std::string_view name);
 
-// Layer `index`'s views, each looked up by its Hugging Face name.
+// Layer `index`'s views, each looked up by its name in `view` (which gives a 1-D tensor as
+// one row); the blocks of a fused tensor are its rows.
 layer_params make_layer_params(const model_config& config, int index,
                                const std::function<mat_view(const std::string&)>& view);
 
 // The gradients of a layer whose views make_layer_params looked up in a store's gradients.
 layer_gradients as_gradients(const layer_params& g);
+
+// (out, in) of a projection's weight.
+std::pair<std::int64_t, std::int64_t> projection_shape(const model_config& config, layer_projection p);
+
+// "model.layers.3." and the name of a layer projection's weight as the family stores it
+// (the fused tensor's for Phi-3's q, k, v, gate and up), with the first of its rows.
+std::string layer_prefix(int layer);
+struct stored_rows {
+  std::string module;  // "self_attn.qkv_proj": the module as PEFT names it too
+  std::int64_t first = 0, count = 0;
+};
+stored_rows projection_rows(const model_config& config, layer_projection p);
 
 }  // namespace upipe

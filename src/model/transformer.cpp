@@ -1,6 +1,7 @@
 #include "model/transformer.hpp"
 
 #include <algorithm>
+#include <cmath>
 
 #include "backend/ops.hpp"
 #include "core/error.hpp"
@@ -24,7 +25,8 @@ tensor working_copy(backend& be, const mat_view& src, const char* label) {
 
 }  // namespace
 
-attention_config attention_config_for(const model_config& model, const cp_settings& cp, std::int64_t seq_len) {
+attention_config attention_config_for(const model_config& model, const cp_settings& cp, std::int64_t seq_len,
+                                      int layer) {
   attention_config c;
   c.seq_len = seq_len;
   c.heads = model.num_heads;
@@ -36,9 +38,12 @@ attention_config attention_config_for(const model_config& model, const cp_settin
   c.ring = cp.ring;
   c.seq_chunks = cp.seq_chunks;
   c.strategy = cp.strategy;
-  c.rope = model.rope;
+  c.rope = model.layer_rope(layer);
+  c.window = model.layer_window(layer);
   c.qk_norm = model.qk_norm;
   c.norm_eps = static_cast<float>(model.rms_norm_eps);
+  c.norm_offset = model.traits().norm_offset;
+  if (model.query_pre_attn_scalar > 0) c.score_scale = 1.0 / std::sqrt(model.query_pre_attn_scalar);
   validate(c);
   return c;
 }
@@ -46,6 +51,11 @@ attention_config attention_config_for(const model_config& model, const cp_settin
 namespace {
 // The layer's step options: the overlapped output exchange, the backward's input tiles, and
 // under LoRA the q/k/v projections that train nothing (a frozen weight without an adapter).
+// Do two layers attend alike (the same window and RoPE; every other setting is the model's)?
+bool same_pattern(const attention_config& a, const attention_config& b) {
+  return a.window == b.window && a.rope == b.rope;
+}
+
 attention_config with_step_options(attention_config c, const step_options& options) {
   c.overlap_comm = options.overlap_comm;
   c.input_tile = options.attention_input_tile;
@@ -60,13 +70,24 @@ attention_config with_step_options(attention_config c, const step_options& optio
 
 transformer::transformer(const model_config& model, const cp_settings& cp, std::int64_t seq_len, backend& be,
                          const cp_groups& groups, const step_options& options)
-    : model_(model), be_(be), attention_(with_step_options(attention_config_for(model, cp, seq_len), options), be, groups),
-      store_(be, options.policy, model.num_layers), tokens_(seq_len / cp.cp),
+    : model_(model), be_(be), store_(be, options.policy, model.num_layers), tokens_(seq_len / cp.cp),
       prefetch_weights_(options.prefetch_weights), lora_(options.lora),
       attention_input_tile_(options.attention_input_tile), meta_tiles_(options.meta_tiles) {
   if (attention_input_tile_ <= 0)
     throw config_error("attention_input_tile " + std::to_string(attention_input_tile_) +
                        " must be a positive row count");
+  // Layers of one window and RoPE share an attention layer (its strategy and stage plans).
+  std::vector<attention_config> configs;
+  for (int l = 0; l < model.num_layers; ++l) {
+    const attention_config c = with_step_options(attention_config_for(model, cp, seq_len, l), options);
+    std::size_t i = 0;
+    while (i < configs.size() && !same_pattern(configs[i], c)) ++i;
+    if (i == configs.size()) {
+      configs.push_back(c);
+      attentions_.push_back(std::make_unique<attention_layer>(c, be, groups));
+    }
+    layer_attention_.push_back(static_cast<int>(i));
+  }
   const step_options sized = with_default_sizes(options, model, be.device_arena().capacity());
   mlp_tile_ = std::min(sized.mlp_tile, tokens_);
   loss_chunk_ = std::min(sized.loss_chunk, tokens_);
@@ -108,17 +129,31 @@ mem_tag transformer::input_tag(int layer) const {
              : mem_tag::activations;
 }
 
+void transformer::set_documents(std::span<const std::int64_t> documents) {
+  for (auto& a : attentions_) a->strategy().set_documents({documents.begin(), documents.end()});
+}
+
+namespace {
+// The embedding's scale: Gemma's sqrt(D), kept by transformers as an fp32 tensor and cast to
+// the weights' dtype, which is the working dtype here.
+float embedding_multiplier(const model_config& model, dtype work) {
+  if (model.traits().embedding == embedding_scaling::none) return 1.0f;
+  const auto scale = static_cast<float>(std::sqrt(static_cast<double>(model.hidden_size)));
+  return work == dtype::bf16 ? round_to_bf16(scale) : scale;
+}
+}  // namespace
+
 tensor transformer::embed(parameter_store& params, const tensor& ids) {
   tensor x = be_.allocate(input_tag(0), be_.work_dtype(), {tokens_, model_.hidden_size}, "layer_input");
   params.acquire(params.embedding_unit());
-  ops::embedding_forward(be_, {params.embedding(), ids.matrix(), x.matrix()});
+  ops::embedding_forward(be_, {params.embedding(), ids.matrix(), x.matrix(), embedding_multiplier(model_, be_.work_dtype())});
   params.release(params.embedding_unit());
   return x;
 }
 
 double transformer::forward_backward(parameter_store& params, const local_batch& batch, parameter_store* adapters) {
   UPIPE_CHECK(lora_.enabled() == (adapters != nullptr), "a LoRA step needs its adapters' store, and only it does");
-  attention_.strategy().set_documents({batch.documents.begin(), batch.documents.end()});
+  set_documents(batch.documents);
   tensor ids = upload_ids(batch.ids, "token_ids");
   tensor labels = upload_ids(batch.labels, "labels");
   forward_layers(params, adapters, embed(params, ids), &store_);
@@ -130,7 +165,8 @@ double transformer::forward_backward(parameter_store& params, const local_batch&
   if (params.role() == weight_role::frozen) return loss;  // no gradient for the embedding
   const int embedding = params.embedding_unit();
   if (!params.grads_open(embedding)) params.open_grads(embedding);
-  ops::embedding_backward(be_, {d.matrix(), ids.matrix(), params.embedding_grad()});
+  ops::embedding_backward(be_, {d.matrix(), ids.matrix(), params.embedding_grad(),
+                                embedding_multiplier(model_, be_.work_dtype()), model_.padding_id});
   params.close_grads(embedding);
   return loss;
 }
@@ -139,7 +175,7 @@ layer_params transformer::layer_weights(const parameter_store& params, const par
                                         int layer) const {
   layer_params p = params.layer(layer);
   if (adapters != nullptr)
-    attach_adapters(p, lora_, layer, [adapters](const std::string& name) { return adapters->weight(name); });
+    attach_adapters(p, model_, lora_, layer, [adapters](const std::string& name) { return adapters->weight(name); });
   return p;
 }
 
@@ -147,7 +183,7 @@ layer_gradients transformer::layer_grads(const parameter_store& params, const pa
                                          int layer) const {
   layer_gradients g = as_gradients(params.layer_grads(layer));
   if (adapters != nullptr)
-    attach_adapter_grads(g, lora_, layer, [adapters](const std::string& name) { return adapters->grad(name); });
+    attach_adapter_grads(g, model_, lora_, layer, [adapters](const std::string& name) { return adapters->grad(name); });
   return g;
 }
 
@@ -172,7 +208,7 @@ void transformer::forward_layers(parameter_store& params, parameter_store* adapt
     if (keep_input) store->start_offload(l, checkpoint_store::item::input, x);
     acquire_layer(params, adapters, l);
     if (l + 1 < model_.num_layers) prefetch_layer(params, l + 1);
-    tensor y = layer_forward(layer_weights(params, adapters, l), x, out_tag, keep_attention ? &ctx : nullptr);
+    tensor y = layer_forward(l, layer_weights(params, adapters, l), x, out_tag, keep_attention ? &ctx : nullptr);
     release_layer(params, adapters, l);
     if (keep_input) store->save(l, checkpoint_store::item::input, std::move(x));
     if (keep_attention) {
@@ -190,7 +226,7 @@ transformer::head_rows transformer::head_forward(parameter_store& params, const 
   head_rows out{be_.allocate(mem_tag::activations, be_.work_dtype(), {n, model_.hidden_size}, "final_norm_out"),
                 be_.allocate(mem_tag::activations, dtype::f32, {n, 1}, "final_norm_rstd"), tensor()};
   ops::rmsnorm_forward(be_, {x, params.final_norm(), out.normed.matrix(), out.rstd.matrix(),
-                             static_cast<float>(model_.rms_norm_eps)});
+                             norm_eps(), norm_offset()});
   out.logits = be_.allocate(mem_tag::workspace, dtype::f32, {n, model_.vocab_size}, "logits");
   ops::gemm(be_, {out.normed.matrix(), transpose::none, params.lm_head(), transpose::yes, out.logits.matrix()});
   return out;
@@ -209,7 +245,7 @@ void transformer::release_head(parameter_store& params) {
 transformer::scores transformer::forward_scores(parameter_store& params, const local_batch& batch,
                                                 std::span<const std::int64_t> argmax_rows, parameter_store* adapters) {
   UPIPE_CHECK(lora_.enabled() == (adapters != nullptr), "a LoRA model scores with its adapters' store, and only it does");
-  attention_.strategy().set_documents({batch.documents.begin(), batch.documents.end()});
+  set_documents(batch.documents);
   tensor ids = upload_ids(batch.ids, "token_ids");
   tensor labels = upload_ids(batch.labels, "labels");
   forward_layers(params, adapters, embed(params, ids), nullptr);
@@ -243,7 +279,7 @@ transformer::scores transformer::forward_scores(parameter_store& params, const l
   return out;
 }
 
-tensor transformer::layer_forward(const layer_params& p, const tensor& x, mem_tag out_tag,
+tensor transformer::layer_forward(int layer, const layer_params& p, const tensor& x, mem_tag out_tag,
                                   attention_layer::context* keep) {
   const std::int64_t D = model_.hidden_size;
   tensor out = be_.allocate(out_tag, be_.work_dtype(), {tokens_, D}, "layer_output");
@@ -251,14 +287,41 @@ tensor transformer::layer_forward(const layer_params& p, const tensor& x, mem_ta
   {
     tensor h = be_.allocate(mem_tag::activations, be_.work_dtype(), {tokens_, D}, "attn_norm_out");
     tensor rstd = be_.allocate(mem_tag::activations, dtype::f32, {tokens_, 1}, "attn_norm_rstd");
-    ops::rmsnorm_forward(be_, {x.matrix(), p.input_norm, h.matrix(), rstd.matrix(),
-                               static_cast<float>(model_.rms_norm_eps)});
+    ops::rmsnorm_forward(be_, {x.matrix(), p.input_norm, h.matrix(), rstd.matrix(), norm_eps(), norm_offset()});
     rstd.reset();
-    attention_layer::context ctx = attention_.forward(h.matrix(), p.attention, out.matrix(), projection_mode::accumulate);
+    attention_layer::context ctx = attention_into_residual(layer, p, h.matrix(), out, nullptr, nullptr, nullptr);
     if (keep != nullptr) *keep = std::move(ctx);
   }
   mlp_forward(p, out);
   return out;
+}
+
+attention_layer::context transformer::attention_into_residual(int layer, const layer_params& p, const mat_view& h,
+                                                              const tensor& residual,
+                                                              const attention_layer::context* kept,
+                                                              tensor* projection_out, tensor* rstd) {
+  attention_layer& attention = this->attention(layer);
+  attention_layer::context ctx;
+  if (!post_norms()) {
+    if (kept != nullptr)
+      attention.project_output(*kept, p.attention, residual.matrix(), projection_mode::accumulate);
+    else
+      ctx = attention.forward(h, p.attention, residual.matrix(), projection_mode::accumulate);
+    return ctx;
+  }
+  // Gemma 3: residual += RMSNorm(attention's projection).
+  tensor a = be_.allocate(mem_tag::activations, be_.work_dtype(), residual.dims(), "attn_proj_out");
+  if (kept != nullptr)
+    attention.project_output(*kept, p.attention, a.matrix(), projection_mode::overwrite);
+  else
+    ctx = attention.forward(h, p.attention, a.matrix(), projection_mode::overwrite);
+  tensor normed = be_.allocate(mem_tag::activations, be_.work_dtype(), residual.dims(), "attn_post_norm_out");
+  tensor a_rstd = be_.allocate(mem_tag::activations, dtype::f32, {tokens_, 1}, "attn_post_norm_rstd");
+  ops::rmsnorm_forward(be_, {a.matrix(), p.attention_post_norm, normed.matrix(), a_rstd.matrix(), norm_eps(), norm_offset()});
+  ops::add_heads(be_, ops::as_heads(residual.matrix()), ops::as_heads(normed.matrix()));
+  if (projection_out != nullptr) *projection_out = std::move(a);
+  if (rstd != nullptr) *rstd = std::move(a_rstd);
+  return ctx;
 }
 
 std::int64_t transformer::next_tile(std::int64_t t0, std::int64_t tile) const {
@@ -273,7 +336,7 @@ transformer::mlp_tile_buffers transformer::mlp_tile_inputs(const layer_params& p
   mlp_tile_buffers t;
   t.h = be_.allocate(mem_tag::activations, be_.work_dtype(), {n, D}, "mlp_norm_out");
   t.rstd = be_.allocate(mem_tag::activations, dtype::f32, {n, 1}, "mlp_norm_rstd");
-  ops::rmsnorm_forward(be_, {xt, p.post_norm, t.h.matrix(), t.rstd.matrix(), static_cast<float>(model_.rms_norm_eps)});
+  ops::rmsnorm_forward(be_, {xt, p.mlp_norm, t.h.matrix(), t.rstd.matrix(), norm_eps(), norm_offset()});
   t.gate = be_.allocate(mem_tag::activations, be_.work_dtype(), {n, F}, "mlp_gate");
   t.up = be_.allocate(mem_tag::activations, be_.work_dtype(), {n, F}, "mlp_up");
   linear_forward(be_, t.h.matrix(), p.gate, t.gate.matrix());
@@ -281,8 +344,21 @@ transformer::mlp_tile_buffers transformer::mlp_tile_inputs(const layer_params& p
   return t;
 }
 
-// x += down(silu(gate(norm(x))) * up(norm(x))), one tile of tokens at a time, so the
-// MLP's working set is a tile whatever the sequence length.
+void transformer::mlp_output(const layer_params& p, const mat_view& act, const mat_view& y) {
+  if (!post_norms()) {
+    linear_forward(be_, act, p.down, y, 1.0f);
+    return;
+  }
+  // Gemma 3: y += RMSNorm(down(act)), normed in place.
+  tensor m = be_.allocate(mem_tag::activations, be_.work_dtype(), {y.rows, y.cols}, "mlp_down_out");
+  tensor rstd = be_.allocate(mem_tag::activations, dtype::f32, {y.rows, 1}, "mlp_post_norm_rstd");
+  linear_forward(be_, act, p.down, m.matrix());
+  ops::rmsnorm_forward(be_, {m.matrix(), p.mlp_post_norm, m.matrix(), rstd.matrix(), norm_eps(), norm_offset()});
+  ops::add_heads(be_, ops::as_heads(y), ops::as_heads(m.matrix()));
+}
+
+// x += down(act(gate(norm(x))) * up(norm(x))), one tile of tokens at a time, so the MLP's
+// working set is a tile whatever the sequence length.
 void transformer::mlp_forward(const layer_params& p, const tensor& x) {
   const phase_scope phase(be_, "mlp");
   for (std::int64_t t0 = 0; t0 < tokens_; t0 = next_tile(t0, mlp_tile_)) {
@@ -291,9 +367,9 @@ void transformer::mlp_forward(const layer_params& p, const tensor& x) {
     t.h.reset();
     t.rstd.reset();
     tensor act = be_.allocate(mem_tag::activations, be_.work_dtype(), t.gate.dims(), "mlp_act");
-    ops::swiglu_forward(be_, {t.gate.matrix(), t.up.matrix(), act.matrix()});
+    ops::swiglu_forward(be_, {t.gate.matrix(), t.up.matrix(), act.matrix(), model_.activation});
     t = {};
-    linear_forward(be_, act.matrix(), p.down, xt, 1.0f);
+    mlp_output(p, act.matrix(), xt);
   }
 }
 
@@ -310,19 +386,34 @@ void transformer::mlp_backward(const layer_params& p, const layer_gradients& g, 
     tensor d_act = be_.allocate(mem_tag::activations, be_.work_dtype(), {n, F}, "mlp_d_act");
     {
       tensor act = be_.allocate(mem_tag::activations, be_.work_dtype(), {n, F}, "mlp_act");
-      ops::swiglu_forward(be_, {gate.matrix(), up.matrix(), act.matrix()});
-      tensor d_out = working_copy(be_, dt, "mlp_d_out");
+      ops::swiglu_forward(be_, {gate.matrix(), up.matrix(), act.matrix(), model_.activation});
+      tensor d_out;
+      if (post_norms()) {
+        // Through the norm after the MLP: its input, down(act), is recomputed here.
+        tensor m = be_.allocate(mem_tag::activations, be_.work_dtype(), {n, D}, "mlp_down_out");
+        tensor m_rstd = be_.allocate(mem_tag::activations, dtype::f32, {n, 1}, "mlp_post_norm_rstd");
+        linear_forward(be_, act.matrix(), p.down, m.matrix());
+        tensor normed = be_.allocate(mem_tag::activations, be_.work_dtype(), {n, D}, "mlp_post_norm_out");
+        ops::rmsnorm_forward(be_, {m.matrix(), p.mlp_post_norm, normed.matrix(), m_rstd.matrix(), norm_eps(),
+                                   norm_offset()});
+        normed.reset();
+        d_out = be_.allocate(mem_tag::activations, be_.work_dtype(), {n, D}, "mlp_d_out");
+        ops::rmsnorm_backward(be_, {m.matrix(), p.mlp_post_norm, m_rstd.matrix(), dt, d_out.matrix(), g.mlp_post_norm,
+                                    norm_offset()});
+      } else {
+        d_out = working_copy(be_, dt, "mlp_d_out");
+      }
       linear_backward(be_, act.matrix(), d_out.matrix(), p.down, g.down, d_act.matrix(), 0.0f);
     }
     // In place: gate and up become their gradients.
-    ops::swiglu_backward(be_, {gate.matrix(), up.matrix(), d_act.matrix(), gate.matrix(), up.matrix()});
+    ops::swiglu_backward(be_, {gate.matrix(), up.matrix(), d_act.matrix(), gate.matrix(), up.matrix(), model_.activation});
     d_act.reset();
     // d_h (f32) is held beside h here: less than the tile's peak above whenever D < 2F.
     tensor d_h = be_.allocate(mem_tag::activations, dtype::f32, {n, D}, "mlp_d_norm_out");
     linear_backward(be_, h.matrix(), gate.matrix(), p.gate, g.gate, d_h.matrix(), 0.0f);
     linear_backward(be_, h.matrix(), up.matrix(), p.up, g.up, d_h.matrix(), 1.0f);
     h.reset();
-    ops::rmsnorm_backward(be_, {xt, p.post_norm, rstd.matrix(), d_h.matrix(), d_h.matrix(), g.post_norm});
+    ops::rmsnorm_backward(be_, {xt, p.mlp_norm, rstd.matrix(), d_h.matrix(), d_h.matrix(), g.mlp_norm, norm_offset()});
     ops::add_heads(be_, ops::as_heads(dt), ops::as_heads(d_h.matrix()));
   }
 }
@@ -330,43 +421,54 @@ void transformer::mlp_backward(const layer_params& p, const layer_gradients& g, 
 void transformer::layer_backward(int layer, const layer_params& p, const layer_gradients& g, const tensor& x,
                                  const tensor& d, int checkpoint_ahead) {
   const std::int64_t D = model_.hidden_size;
-  const float eps = static_cast<float>(model_.rms_norm_eps);
+  const float eps = norm_eps();
   // A long shard's attention backward reads its normed input a tile at a time: the whole
   // would be one more (s, D) tensor at the layer's peak. The whole is made only for a
   // rerun of the attention forward, or for a short shard.
   const bool kept = store_.has(layer, checkpoint_store::item::attention_out);
   const bool tiled = tokens_ > attention_input_tile_;
-  const normed_input tiles = normed_input::of_tiles(x.matrix(), p.input_norm, eps, attention_input_tile_);
+  const normed_input tiles = normed_input::of_tiles(x.matrix(), p.input_norm, eps, attention_input_tile_, norm_offset());
   tensor rstd = be_.allocate(mem_tag::activations, dtype::f32, {tokens_, 1}, "attn_norm_rstd");
   tensor h;
   if (kept && tiled) {
     for_each_input_tile(be_, tiles, [](std::int64_t, const mat_view&) {}, rstd.matrix());  // its 1/rms alone
   } else {
     h = be_.allocate(mem_tag::activations, be_.work_dtype(), {tokens_, D}, "attn_norm_out");
-    ops::rmsnorm_forward(be_, {x.matrix(), p.input_norm, h.matrix(), rstd.matrix(), eps});
+    ops::rmsnorm_forward(be_, {x.matrix(), p.input_norm, h.matrix(), rstd.matrix(), eps, norm_offset()});
   }
   tensor x2 = be_.allocate(mem_tag::activations, be_.work_dtype(), {tokens_, D}, "attn_residual");
   copy_matrix(be_, x2.matrix(), x.matrix());
   attention_layer::context ctx;
+  tensor projected, projected_rstd;  // with a norm after attention: its input, for its backward
   if (kept) {
     // The checkpoint kept the attention output: only the output projection reruns.
     ctx.out = store_.take(layer, checkpoint_store::item::attention_out, mem_tag::activations);
     ctx.saved.lse = store_.take(layer, checkpoint_store::item::attention_lse, mem_tag::activations);
-    attention_.project_output(ctx, p.attention, x2.matrix(), projection_mode::accumulate);
+    attention_into_residual(layer, p, {}, x2, &ctx, &projected, &projected_rstd);
   } else {
-    ctx = attention_.forward(h.matrix(), p.attention, x2.matrix(), projection_mode::accumulate);
+    ctx = attention_into_residual(layer, p, h.matrix(), x2, nullptr, &projected, &projected_rstd);
   }
   const normed_input attention_input = tiled ? tiles : normed_input(h.matrix());
   if (tiled) h.reset();
   mlp_backward(p, g, x2, d);
   x2.reset();
-  tensor d_y = working_copy(be_, d.matrix(), "attn_d_y");
+  tensor d_y;
+  if (post_norms()) {
+    d_y = be_.allocate(mem_tag::activations, be_.work_dtype(), {tokens_, D}, "attn_d_y");
+    ops::rmsnorm_backward(be_, {projected.matrix(), p.attention_post_norm, projected_rstd.matrix(), d.matrix(),
+                                d_y.matrix(), g.attention_post_norm, norm_offset()});
+    projected.reset();
+    projected_rstd.reset();
+  } else {
+    d_y = working_copy(be_, d.matrix(), "attn_d_y");
+  }
   tensor d_h = be_.allocate_zeroed(mem_tag::activations, dtype::f32, {tokens_, D}, "attn_d_norm_out");
-  attention_.backward(ctx, attention_input, p.attention, std::move(d_y), d_h.matrix(), g.attention);
+  attention(layer).backward(ctx, attention_input, p.attention, std::move(d_y), d_h.matrix(), g.attention);
   ctx = {};
   // Past the layer's peak (the attention backward), so the early copy costs no memory at it.
   if (checkpoint_ahead > 0) store_.prefetch(checkpoint_ahead, checkpoint_store::item::input, mem_tag::activations);
-  ops::rmsnorm_backward(be_, {x.matrix(), p.input_norm, rstd.matrix(), d_h.matrix(), d_h.matrix(), g.input_norm});
+  ops::rmsnorm_backward(be_, {x.matrix(), p.input_norm, rstd.matrix(), d_h.matrix(), d_h.matrix(), g.input_norm,
+                              norm_offset()});
   ops::add_heads(be_, ops::as_heads(d.matrix()), ops::as_heads(d_h.matrix()));
 }
 
@@ -391,7 +493,8 @@ void transformer::backward_layers(parameter_store& params, parameter_store* adap
         set_current_layer(j);
         acquire_layer(params, adapters, j);
         prefetch_layer(params, j + 1);  // the next to be acquired: j + 1 <= l
-        inputs.push_back(layer_forward(layer_weights(params, adapters, j), inputs.back(), mem_tag::activations, nullptr));
+        inputs.push_back(
+            layer_forward(j, layer_weights(params, adapters, j), inputs.back(), mem_tag::activations, nullptr));
         release_layer(params, adapters, j);
       }
     }
@@ -441,7 +544,7 @@ double transformer::loss_forward_backward(parameter_store& params, const tensor&
     if (const mat_view d_head = params.lm_head_grad(); d_head.rows > 0)  // none when frozen
       ops::gemm(be_, {d_logits.matrix(), transpose::yes, rows.normed.matrix(), transpose::none, d_head, 1.0f, 1.0f});
     ops::rmsnorm_backward(be_, {xt, params.final_norm(), rows.rstd.matrix(), d_h.matrix(),
-                                d_x.matrix().row_block(t0, n), params.final_norm_grad()});
+                                d_x.matrix().row_block(t0, n), params.final_norm_grad(), norm_offset()});
   }
   if (model_.tie_embeddings) params.release(embedding);
   params.close_grads(head);

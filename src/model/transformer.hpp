@@ -1,11 +1,15 @@
 // One rank's forward and backward of a whole decoder model under context parallelism
 // (docs/design.md section 2): embedding, L layers of RMSNorm -> attention (a CP strategy) ->
-// residual -> tiled RMSNorm + SwiGLU MLP -> residual, final RMSNorm and the fused
-// chunked linear + cross-entropy. Between forward and backward only checkpoints are
-// kept; backward recomputes each layer (or block of layers) from them.
+// residual -> tiled RMSNorm + gated MLP -> residual, final RMSNorm and the fused
+// chunked linear + cross-entropy. What the family's row says (model/family.hpp) shapes the
+// layer: biases, q/k norms, norms after attention and the MLP, the activation, the
+// embedding's scale, and each layer's window and RoPE (one attention layer per distinct
+// pattern). Between forward and backward only checkpoints are kept; backward recomputes
+// each layer (or block of layers) from them.
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <vector>
 
@@ -70,8 +74,10 @@ struct local_batch {
   std::span<const std::int64_t> documents;
 };
 
-// The attention configuration a model run implies at global length seq_len.
-attention_config attention_config_for(const model_config& model, const cp_settings& cp, std::int64_t seq_len);
+// The attention configuration a model run implies at global length seq_len, for layer
+// `layer` (its window and RoPE).
+attention_config attention_config_for(const model_config& model, const cp_settings& cp, std::int64_t seq_len,
+                                      int layer = 0);
 
 class transformer {
  public:
@@ -80,7 +86,7 @@ class transformer {
 
   std::int64_t local_tokens() const { return tokens_; }
   // Global positions of rank r's local tokens (the strategy's sequence layout).
-  std::vector<position_run> local_positions(int rank) const { return attention_.strategy().local_positions(rank); }
+  std::vector<position_run> local_positions(int rank) const { return attentions_[0]->strategy().local_positions(rank); }
   std::int64_t mlp_tile() const { return mlp_tile_; }
   std::int64_t loss_chunk() const { return loss_chunk_; }
 
@@ -109,8 +115,22 @@ class transformer {
   // step_options::meta_tiles says.
   std::int64_t next_tile(std::int64_t t0, std::int64_t tile) const;
   tensor upload_ids(std::span<const std::int32_t> values, const char* label);
-  tensor layer_forward(const layer_params& p, const tensor& x, mem_tag out_tag, attention_layer::context* keep);
+  attention_layer& attention(int layer) { return *attentions_[static_cast<std::size_t>(layer_attention_[layer])]; }
+  void set_documents(std::span<const std::int64_t> documents);
+  float norm_eps() const { return static_cast<float>(model_.rms_norm_eps); }
+  float norm_offset() const { return model_.traits().norm_offset; }
+  bool post_norms() const { return model_.traits().norms == block_norms::pre_and_post; }
+  tensor layer_forward(int layer, const layer_params& p, const tensor& x, mem_tag out_tag,
+                       attention_layer::context* keep);
+  // The layer's attention (its output projection included) added to `residual`, through the
+  // norm after attention where the family has one; with `keep_projection` the projection
+  // before that norm is returned (and its 1/rms in *rstd) for the backward.
+  attention_layer::context attention_into_residual(int layer, const layer_params& p, const mat_view& h,
+                                                   const tensor& residual, const attention_layer::context* kept,
+                                                   tensor* projection_out, tensor* rstd);
   void mlp_forward(const layer_params& p, const tensor& x);
+  // y (+)= a tile's down projection, through the norm after the MLP where the family has one.
+  void mlp_output(const layer_params& p, const mat_view& act, const mat_view& y);
   void mlp_backward(const layer_params& p, const layer_gradients& g, const tensor& x, const tensor& d);
   // checkpoint_ahead > 0: prefetch that layer's input checkpoint once past the peak.
   void layer_backward(int layer, const layer_params& p, const layer_gradients& g, const tensor& x, const tensor& d,
@@ -139,7 +159,10 @@ class transformer {
 
   model_config model_;
   backend& be_;
-  attention_layer attention_;
+  // One attention layer per distinct (window, RoPE) of the model's layers; layer l runs
+  // attentions_[layer_attention_[l]].
+  std::vector<std::unique_ptr<attention_layer>> attentions_;
+  std::vector<int> layer_attention_;
   checkpoint_store store_;
   std::int64_t tokens_;  // s
   bool prefetch_weights_ = false;

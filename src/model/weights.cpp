@@ -42,14 +42,25 @@ host_weights random_weights(const model_config& config, unsigned long long seed)
   require_host_memory(static_cast<std::size_t>(config.parameter_count()) * sizeof(float),
                       "random weights of " + std::to_string(config.parameter_count()) + " parameters (" + config.name +
                           ")");
+  // A norm's effective scale is offset + weight (Gemma stores weight - 1).
+  const float norm_center = 1.0f - config.traits().norm_offset;
   host_weights weights;
   std::uint64_t stream = 0;  // one per tensor
   for (const parameter_spec& spec : parameter_specs(config)) {
     std::vector<float> v(static_cast<std::size_t>(numel(spec.shape)));
-    const bool norm = spec.shape.size() == 1;
-    fill_normal(v, seed, ++stream, norm ? 0.1f : 0.02f);
-    if (norm)
-      for (float& e : v) e += 1.0f;
+    switch (spec.kind) {
+      case param_kind::matrix:
+      case param_kind::embedding:
+        fill_normal(v, seed, ++stream, 0.02f);
+        break;
+      case param_kind::norm:
+        fill_normal(v, seed, ++stream, 0.1f);
+        for (float& e : v) e += norm_center;
+        break;
+      case param_kind::bias:
+        fill_normal(v, seed, ++stream, 0.1f);
+        break;
+    }
     weights.emplace(spec.name, std::move(v));
   }
   return weights;

@@ -23,8 +23,10 @@ host_weights read_weights(const model_config& config, const std::string& path);
 // Writes the parameters of `config` as a safetensors file (atomically), in `type`.
 void write_weights(const model_config& config, const host_weights& weights, const std::string& path, dtype type);
 
-// Random initialization: matrices N(0, 0.02); norm weights 1 + N(0, 0.1), so that a
-// test cannot pass with a norm weight ignored or misplaced. Counter-based draws on all
+// Random initialization by the parameters' kinds: matrices and embeddings N(0, 0.02); norm
+// weights scaling by 1 + N(0, 0.1) (a Gemma norm's stored weight is that minus its offset
+// 1) and biases N(0, 0.1), so that a test cannot pass with a norm or a bias ignored or
+// misplaced. Counter-based draws on all
 // cores (core/random.hpp), so models of billions of parameters start in seconds.
 host_weights random_weights(const model_config& config, unsigned long long seed);
 

@@ -41,8 +41,13 @@ struct document_mask {
   // The start of the document that holds global index g.
   std::int64_t start_of(std::int64_t g) const;
   // Does any pair of q rows [q_first, q_first + sq) and k rows [k_first, k_first + skv)
-  // with the key not after the query share a document?
-  bool shares_document(std::int64_t sq, std::int64_t skv) const;
+  // with the key not after the query share a document, and lie within `window` (0: any
+  // distance; see sdpa_forward_args::window)?
+  bool shares_document(std::int64_t sq, std::int64_t skv, std::int64_t window = 0) const;
+  // The first key row that query row i may see under the documents and the window: the
+  // later of its document's start and i's global index - window + 1, as a row of k (at
+  // least 0; the caller caps it by the mask's last key).
+  std::int64_t first_key(std::int64_t i, std::int64_t window) const;
 };
 
 // Grouped-query attention: query head h reads kv head h / (q.heads / k.heads).
@@ -53,6 +58,11 @@ struct sdpa_forward_args {
   attn_mask mask = attn_mask::causal;
   float scale = 1.0f;
   document_mask documents;
+  // Sliding window (0: global attention): a query at global index i sees key j only when
+  // i - window < j <= i (window keys, itself included), transformers' sliding-window causal
+  // mask. Global indices are documents.q_first + row and documents.k_first + row; it
+  // composes with the documents (both must allow a pair).
+  std::int64_t window = 0;
 };
 
 struct sdpa_backward_args {
@@ -63,6 +73,7 @@ struct sdpa_backward_args {
   attn_mask mask = attn_mask::causal;
   float scale = 1.0f;
   document_mask documents;
+  std::int64_t window = 0;        // as in forward
 };
 
 // How RoPE's frequencies are stretched for a longer context, as Hugging Face's
@@ -109,16 +120,20 @@ struct rope_args {
   rope_direction direction = rope_direction::forward;
 };
 
-// y = x / rms(x) * weight, per row; rstd (rows x 1, f32) is saved for backward.
+// y = x / rms(x) * (weight_offset + weight), per row; rstd (rows x 1, f32) is saved for
+// backward. weight_offset is 0 (Llama's convention) or 1 (Gemma's, whose norm weights
+// start at 0).
 struct rmsnorm_forward_args {
   mat_view x, weight, y, rstd;
   float eps = 1e-5f;
+  float weight_offset = 0.0f;
 };
 
 // d_x written; d_weight (1 x cols, f32) accumulated, or not computed when it has no rows
-// (a frozen weight's).
+// (a frozen weight's). The gradient by the stored weight is the same whatever the offset.
 struct rmsnorm_backward_args {
   mat_view x, weight, rstd, d_y, d_x, d_weight;
+  float weight_offset = 0.0f;
 };
 
 // dst = src elementwise (pack/unpack of the all-to-all layouts, dtype conversion).
@@ -143,29 +158,54 @@ struct lse_merge_args {
   head_view out_part, lse_part;  // a block's result
 };
 
-// out (n, D) = table rows at ids; ids (n x 1, i32) live in backend memory.
+// out (n, D) = table rows at ids, times `scale` (Gemma multiplies by sqrt(D) rounded to
+// the working dtype); ids (n x 1, i32) live in backend memory.
 struct embedding_forward_args {
   mat_view table;  // (V, D)
   mat_view ids;    // (n, 1) i32
   mat_view out;    // (n, D)
+  float scale = 1.0f;
 };
 
-// d_table (V, D, f32) += d_out rows scattered to their ids (repeated ids add up).
+// d_table (V, D, f32) += scale * d_out rows scattered to their ids (repeated ids add up).
+// Rows whose id is padding_id add nothing (nn.Embedding's padding_idx: that row is never
+// trained by the lookup); -1: none.
 struct embedding_backward_args {
   mat_view d_out;    // (n, D)
   mat_view ids;      // (n, 1) i32
   mat_view d_table;  // (V, D) f32
+  float scale = 1.0f;
+  std::int32_t padding_id = -1;
 };
 
-// SwiGLU: out = silu(gate) * up, silu(x) = x / (1 + exp(-x)). All (n, F).
+// The activation of a gated MLP unit, out = act(gate) * up: silu(x) = x / (1 + exp(-x))
+// (SwiGLU: Llama, Qwen, Mistral, Phi-3) or GELU's tanh approximation
+// gelu(x) = x / 2 (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))) (GeGLU: Gemma's
+// gelu_pytorch_tanh).
+enum class gate_activation : std::uint8_t { silu, gelu_tanh };
+
+// A gated linear unit: out = act(gate) * up. All (n, F).
 struct swiglu_forward_args {
   mat_view gate, up, out;
+  gate_activation activation = gate_activation::silu;
 };
 
 // d_gate and d_up written (they may alias gate and up: each element is read before it
 // is written).
 struct swiglu_backward_args {
   mat_view gate, up, d_out, d_gate, d_up;
+  gate_activation activation = gate_activation::silu;
+};
+
+// y (n, m) += bias (1, m), the bias broadcast over the rows (a projection's bias: Qwen2's
+// q, k and v). y is f32 or the working dtype, bias the working dtype.
+struct bias_add_args {
+  mat_view y, bias;
+};
+
+// d_bias (1, m, f32) += the column sums of d_y (n, m): a bias's gradient.
+struct bias_grad_args {
+  mat_view d_y, d_bias;
 };
 
 // Fused softmax cross-entropy on one chunk of f32 logits, in place: each row with a
@@ -202,6 +242,18 @@ struct sum_squares_args {
 using op = std::variant<gemm_args, sdpa_forward_args, sdpa_backward_args, rope_args, rmsnorm_forward_args,
                         rmsnorm_backward_args, copy_heads_args, add_heads_args, fill_heads_args, lse_merge_args,
                         embedding_forward_args, embedding_backward_args, swiglu_forward_args, swiglu_backward_args,
-                        cross_entropy_args, adamw_args, sum_squares_args>;
+                        bias_add_args, bias_grad_args, cross_entropy_args, adamw_args, sum_squares_args>;
+
+// Does the CUDA implementation of an op hold device memory of its own beside its
+// arguments (a library's workspace)? The meta backend must then model that memory: an op
+// marked here without a model there does not compile (backend/meta/meta_backend.cpp).
+template <class args_type>
+inline constexpr bool holds_device_workspace = false;
+template <>
+inline constexpr bool holds_device_workspace<gemm_args> = true;  // cuBLASLt's, reserved with the backend
+template <>
+inline constexpr bool holds_device_workspace<sdpa_forward_args> = true;  // cuDNN's, grown per plan
+template <>
+inline constexpr bool holds_device_workspace<sdpa_backward_args> = true;
 
 }  // namespace upipe

@@ -7,6 +7,7 @@
 
 #include "core/error.hpp"
 #include "core/limits.hpp"
+#include "cp/strategy_table.hpp"
 #include "model/hf_model.hpp"
 #include "model/model_step.hpp"
 #include "train/step_sizes.hpp"
@@ -27,8 +28,10 @@ train_options probe_options(const plan_request& r, const cp_settings& cp, std::i
                             const checkpoint_policy& policy) {
   train_options o;
   o.model = r.model;
+  o.tokens = token_source::random;
   o.seq_len = seq_len;
   o.cp = cp;
+  o.dp = r.dp;
   o.zero = r.zero;
   o.offload_optimizer = r.offload_optimizer;
   o.offload_params = r.offload_params;
@@ -88,40 +91,52 @@ std::int64_t longest_fit_near(const cp_settings& cp, const std::function<bool(st
   return hint >= g && fits_at(hint) ? longest_fit(cp, fits_at, hint) : longest_fit(cp, fits_at);
 }
 
-// The configurations: ulysses (U = H), upipe at every valid U and N, fpdt at every N, ring,
-// and hybrid (one all-to-all group per node, a ring over the nodes) with Ulysses and every
-// UPipe U inside.
-std::vector<cp_settings> configurations(const plan_request& r) {
+}  // namespace
+
+// The configurations, row by row of the strategy table, over a CP group of C = gpus / dp:
+// every U a row takes over its all-to-all group (one all-to-all group per node for a mesh,
+// whose ring runs over the nodes of a CP group: planned only where the group spans whole
+// nodes), and its sequence chunks: every N >= 2 for a row that requires them (fpdt), every
+// N at the smallest U for a row that chooses U (upipe), none for the rest (a row with all
+// heads and optional chunks, Ulysses, is the chunked row's N = 1).
+std::vector<cp_settings> plan_configurations(const plan_request& r) {
+  const int C = r.gpus / r.dp, G = r.gpus / r.nodes;
+  // A chunked row with all heads (fpdt) plans U = H over chunks once: the U = H of a row
+  // that chooses U is left to it.
+  const bool chunked_all_heads = std::any_of(r.strategies.begin(), r.strategies.end(), [](strategy_kind k) {
+    return row_of(k).chunks == sequence_chunking::required && row_of(k).heads == head_stages::all;
+  });
   std::vector<cp_settings> out;
   for (strategy_kind kind : r.strategies) {
-    if (kind == strategy_kind::upipe) {
-      // Sequence chunks at the smallest U only: U heads x S/N tokens is the attention's
-      // working set and the chunks' K/V in host memory do not depend on U, so for every N
-      // the smallest U reaches at least as far as any larger one (each (U, N) is a search of
-      // its own, dozens of meta steps of H/U x N attention calls per layer). UPipe with
-      // U = H over chunks is fpdt: planned once, as fpdt, when fpdt is planned.
-      const bool fpdt = std::find(r.strategies.begin(), r.strategies.end(), strategy_kind::fpdt) != r.strategies.end();
-      const std::vector<int> us = valid_head_chunks(r.model.num_heads, r.gpus);
-      for (int u : us)
-        for (int n : r.seq_chunks)
-          if (n == 1 || (u == us.front() && !(fpdt && u == r.model.num_heads))) out.push_back({kind, r.gpus, u, 1, n});
-    } else if (kind == strategy_kind::fpdt) {
-      for (int n : r.seq_chunks)
-        if (n >= 2) out.push_back({kind, r.gpus, r.model.num_heads, 1, n});
-    } else if (kind == strategy_kind::hybrid) {
-      for (int u : valid_head_chunks(r.model.num_heads, r.gpus / r.nodes)) out.push_back({kind, r.gpus, u, r.nodes, 1});
-    } else {
-      out.push_back({kind, r.gpus, kind == strategy_kind::ulysses ? r.model.num_heads : 0, 1, 1});
+    const strategy_row& row = row_of(kind);
+    if (row.mesh && (C <= G || C % G != 0)) continue;
+    const int rings = row.mesh ? C / G : 1;
+    const std::vector<int> us = head_chunk_choices(row, r.model.num_heads, C / rings);
+    if (row.chunks == sequence_chunking::none ||
+        (row.chunks == sequence_chunking::optional && row.heads != head_stages::chosen)) {
+      for (int u : us) out.push_back({kind, C, u, rings, 1});
+      continue;
     }
+    for (int u : us)
+      for (int n : r.seq_chunks) {
+        // Sequence chunks at the smallest U only: U heads x S/N tokens is the attention's
+        // working set and the chunks' K/V in host memory do not depend on U, so for every N
+        // the smallest U reaches at least as far as any larger one (each (U, N) is a search
+        // of its own, dozens of meta steps of H/U x N attention calls per layer).
+        const bool planned = row.chunks == sequence_chunking::required
+                                 ? n >= 2
+                                 : n == 1 || (u == us.front() && !(chunked_all_heads && u == r.model.num_heads));
+        if (planned) out.push_back({kind, C, u, rings, n});
+      }
   }
   return out;
 }
 
-// The step-time model at one point (plan/step_time.hpp).
 step_time model_step_time(const plan_request& r, const cp_settings& cp, const plan_point& p) {
   step_time_request t;
   t.model = r.model;
   t.cp = cp;
+  t.dp = r.dp;
   t.gpus_per_node = r.gpus / r.nodes;
   t.seq_len = p.seq_len;
   t.policy = p.policy;
@@ -131,6 +146,8 @@ step_time model_step_time(const plan_request& r, const cp_settings& cp, const pl
   t.lora = r.lora.enabled();
   return estimate_step_time(t, r.rates);
 }
+
+namespace {
 
 // One configuration; `hint` is a neighbour's plan (the same strategy and U with fewer
 // chunks), whose lengths start the searches.
@@ -244,6 +261,13 @@ void validate(const plan_request& r) {
   if (r.nodes < 1 || r.gpus % r.nodes != 0)
     throw config_error("--nodes " + std::to_string(r.nodes) + " must divide the " + std::to_string(r.gpus) +
                        " GPUs into equal nodes (for example --gpus-per-node 8 --nodes 2)");
+  if (r.dp < 1 || r.gpus % r.dp != 0)
+    throw config_error("--dp " + std::to_string(r.dp) + " must divide the " + std::to_string(r.gpus) +
+                       " GPUs into replicas of equal CP groups (for example --dp 1)");
+  for (const int d : r.dps)
+    if (d < 1 || r.gpus % d != 0)
+      throw config_error("--dp " + std::to_string(d) + " must divide the " + std::to_string(r.gpus) +
+                         " GPUs into replicas of equal CP groups (for example --dp 1,2,4)");
   if (r.gpu_memory == 0) throw config_error("--gpu-memory must be positive (for example --gpu-memory 80GiB)");
   if (static_cast<double>(r.gpu_memory) > limits::max_memory_gib * (1 << 30))
     throw config_error("--gpu-memory " + std::to_string(r.gpu_memory) +
@@ -251,31 +275,37 @@ void validate(const plan_request& r) {
   if (r.host_memory == 0) throw config_error("--host-memory must be positive (for example --host-memory 1.9TiB)");
   if (!(r.margin >= 0 && r.margin < 1))
     throw config_error("--margin " + real_text(r.margin) + " must lie in [0, 1) (for example 0.05)");
-  if (r.strategies.empty()) throw config_error("--attention needs at least one of ulysses, upipe, ring, hybrid, fpdt");
+  if (r.strategies.empty()) throw config_error("--attention needs at least one of " + strategy_names());
   if (r.seq_chunks.empty()) throw config_error("--seq-chunks needs at least one N (for example --seq-chunks 1,4,16)");
   for (const int n : r.seq_chunks)
     if (n < 1 || n > 4096)
       throw config_error("--seq-chunks " + std::to_string(n) + " must lie in [1, 4096] (for example --seq-chunks 1,4,16)");
+  const int C = r.gpus / r.dp, G = r.gpus / r.nodes;  // a CP group, a node
   for (strategy_kind kind : r.strategies) {
-    if (kind == strategy_kind::fpdt && std::none_of(r.seq_chunks.begin(), r.seq_chunks.end(), [](int n) { return n >= 2; }))
-      throw config_error("fpdt needs N >= 2 sequence chunks among --seq-chunks (for example --seq-chunks 4,16)");
-    if (kind == strategy_kind::hybrid && r.nodes == 1)
-      throw config_error("hybrid needs more than one node (its ring runs across the nodes): give --gpus-per-node G "
-                         "--nodes M with M >= 2, or plan ulysses, upipe and ring on one node");
-    const cp_settings cp{kind, r.gpus, kind == strategy_kind::ulysses || kind == strategy_kind::fpdt ? r.model.num_heads : 0,
-                         kind == strategy_kind::hybrid ? r.nodes : 1, kind == strategy_kind::fpdt ? 2 : 1};
-    if (kind == strategy_kind::upipe && valid_head_chunks(r.model.num_heads, r.gpus).empty())
-      throw config_error("upipe has no valid head chunk for " + std::to_string(r.model.num_heads) + " heads on " +
-                         std::to_string(r.gpus) + " GPUs; use --gpus dividing the heads");
+    const strategy_row& row = row_of(kind);
+    const std::string name(row.name);
+    if (row.chunks == sequence_chunking::required &&
+        std::none_of(r.seq_chunks.begin(), r.seq_chunks.end(), [](int n) { return n >= 2; }))
+      throw config_error(name + " needs N >= 2 sequence chunks among --seq-chunks (for example --seq-chunks 4,16)");
+    if (row.mesh && (C <= G || C % G != 0))
+      throw config_error(name + " needs a CP group over more than one node (its ring runs across the nodes): give "
+                         "--gpus-per-node G --nodes M with M >= 2, or plan ulysses, upipe and ring on one node");
+    const int rings = row.mesh ? C / G : 1;
+    const std::vector<int> us = head_chunk_choices(row, r.model.num_heads, C / rings);
+    if (us.empty())
+      throw config_error(name + " has no valid head chunk for " + std::to_string(r.model.num_heads) + " heads on " +
+                         std::to_string(C / rings) + " GPUs; use --gpus dividing the heads");
+    const cp_settings cp{kind, C, row.heads == head_stages::all ? r.model.num_heads : 0, rings,
+                         row.chunks == sequence_chunking::required ? 2 : 1};
     attention_config_for(r.model, cp, granule(cp));  // throws for a group size the model cannot use
     if (r.seq_len && *r.seq_len < layout_unit(cp))
       throw config_error("--seq-len " + std::to_string(*r.seq_len) + " must be at least " +
                          std::to_string(layout_unit(cp)) + " for " + std::string(strategy_name(kind)) + " on " +
-                         std::to_string(r.gpus) + " GPUs (for example --seq-len 128K)");
+                         std::to_string(C) + " GPUs (for example --seq-len 128K)");
     if (r.seq_len && *r.seq_len % layout_unit(cp) != 0) {
       const std::int64_t unit = layout_unit(cp);
       throw config_error("--seq-len " + std::to_string(*r.seq_len) + " must be a multiple of " + std::to_string(unit) +
-                         " for " + std::string(strategy_name(kind)) + " on " + std::to_string(r.gpus) +
+                         " for " + std::string(strategy_name(kind)) + " on " + std::to_string(C) +
                          " GPUs; use --seq-len " + std::to_string((*r.seq_len / unit + 1) * unit));
     }
   }
@@ -289,7 +319,7 @@ plan_result make_plan(const plan_request& r) {
   // further than the one before (more chunks only cost host traffic from there on: the
   // attention no longer bounds the length).
   std::vector<std::vector<cp_settings>> groups;
-  for (const cp_settings& cp : configurations(r)) {
+  for (const cp_settings& cp : plan_configurations(r)) {
     const auto same = [&](const std::vector<cp_settings>& g) {
       return g.front().strategy == cp.strategy && g.front().head_chunk == cp.head_chunk && g.front().ring == cp.ring;
     };
@@ -336,6 +366,10 @@ plan_result make_plan(const plan_request& r) {
       out.recommended_head_chunk = e.head_chunk;
       out.recommended_seq_chunks = e.seq_chunks;
     }
+  }
+  if (out.planned_seq_len > 0 && !r.dps.empty()) {
+    out.meshes = plan_meshes(r, out.planned_seq_len, &out.entries);
+    recommend_mesh(out);
   }
   return out;
 }

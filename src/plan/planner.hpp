@@ -22,8 +22,12 @@ namespace upipe {
 
 struct plan_request {
   model_config model;
-  int gpus = 8;                        // C, the CP group: gpus / nodes per node
+  int gpus = 8;                        // every GPU: gpus / nodes per node
   int nodes = 1;                       // M; hybrid's ring is one all-to-all group per node
+  int dp = 1;                          // replicas: each a CP group of C = gpus / dp GPUs, ZeRO over all
+  // The replica counts D the mesh sweep tries at the planned length (plan_meshes); empty:
+  // no sweep (`upipe plan` asks for every divisor of gpus unless --dp says otherwise).
+  std::vector<int> dps;
   std::size_t gpu_memory = 0;          // bytes per GPU
   std::size_t host_memory = 0;         // bytes per node, shared by its gpus / nodes ranks
   double margin = 0.05;                // fraction of gpu_memory kept free
@@ -90,8 +94,25 @@ struct plan_entry {
                                          // smallest footprint when none does
 };
 
+// One data-parallel mesh at the planned length (plan_meshes): D replicas of a CP group of
+// C = gpus / D ranks running `cp`, at the fastest checkpoint policy that fits (else the
+// closest), with the fewest sequence chunks that fit.
+struct mesh_entry {
+  int dp = 1;
+  cp_settings cp;
+  bool offload_optimizer = false, offload_params = false;
+  plan_point point;  // its time is the step-time model's (one sequence per replica)
+  // Every replica trains a sequence of S tokens on its C GPUs in a step.
+  double tokens_per_s_per_gpu() const {
+    return point.time ? static_cast<double>(point.seq_len) / point.time->total() / cp.cp : 0.0;
+  }
+};
+
 struct plan_result {
-  std::vector<plan_entry> entries;
+  std::vector<plan_entry> entries;  // CP over every GPU (D = 1)
+  std::vector<mesh_entry> meshes;   // every D of the sweep at planned_seq_len, each strategy's fastest
+  std::optional<std::size_t> recommended_mesh;  // index into meshes: the fastest that fits
+  std::optional<std::size_t> best_cp_only;      // the fastest that fits with D = 1 (CP over every GPU)
   std::optional<int> recommended_head_chunk;  // the largest U that fits at the planned length
   int recommended_seq_chunks = 1;             // and the fewest sequence chunks it needs there
   std::int64_t planned_seq_len = 0;           // the requested length, or UPipe's longest
@@ -114,6 +135,26 @@ eval_point evaluate_forward(const plan_request& request, const cp_settings& cp, 
 void validate(const plan_request& request);
 
 plan_result make_plan(const plan_request& request);
+
+// The configurations a request plans on its CP groups of gpus / dp ranks: ulysses, upipe
+// at every valid U (sequence chunks at the smallest), fpdt, ring, and hybrid where a CP
+// group spans nodes (its ring over them).
+std::vector<cp_settings> plan_configurations(const plan_request& request);
+
+// The step-time model at one point of a configuration (plan/step_time.hpp).
+step_time model_step_time(const plan_request& request, const cp_settings& cp, const plan_point& point);
+
+// Every mesh of the request's sweep (each D of its dps, ascending, whose CP group of
+// C = gpus / D sits inside a node or over whole nodes) at `seq_len`: per D and strategy (and
+// U, ring and offload), the fewest sequence chunks that fit and the policy with the
+// shortest modelled step (plan/mesh_plan.cpp). The sweep stops after a D where nothing
+// fits (more replicas hold more per GPU). `cp_only`, the plan of the request's own D, leaves
+// out at that D the configurations whose longest length falls short of seq_len.
+std::vector<mesh_entry> plan_meshes(const plan_request& request, std::int64_t seq_len,
+                                    const std::vector<plan_entry>* cp_only = nullptr);
+
+// The fastest mesh that fits, and the fastest that fits with D = 1.
+void recommend_mesh(plan_result& result);
 
 // The fastest of the request's policies (request.policy, else candidate_policies())
 // whose step at `seq_len` fits the request's budgets; when none does, the one closest to

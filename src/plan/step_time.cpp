@@ -2,8 +2,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <map>
 
 #include "cp/stage_plan.hpp"
+#include "cp/strategy_table.hpp"
 
 namespace upipe {
 
@@ -33,7 +35,7 @@ struct pass_bytes {
 
 pass_bytes bytes_of(const pass_plan& pass, const step_time_request& r) {
   const int C = r.cp.cp, G = std::min(r.gpus_per_node, C);
-  const bool hybrid = r.cp.strategy == strategy_kind::hybrid;
+  const bool hybrid = row_of(r.cp.strategy).mesh;
   pass_bytes b;
   for (const plan_message& m : pass.messages()) {
     const double bytes = static_cast<double>(m.bytes(dtype::bf16));
@@ -57,11 +59,29 @@ pass_bytes bytes_of(const pass_plan& pass, const step_time_request& r) {
 
 }  // namespace
 
+step_time layer_attention_time(const attention_config& layer, const step_time_request& r,
+                               const throughput_rates& rates, double passes_forward) {
+  step_time t;
+  // 4 H d FLOPs a scored pair forward, twice that backward (docs/design.md section 7).
+  const double forward = 4 * attention_pairs(layer.seq_len, layer.window) * layer.heads * layer.head_dim / layer.cp;
+  t.attention = forward * (2 + passes_forward) / (rates.attention_tflops * tera);
+  const stage_plan plan = make_stage_plan(layer, 0);
+  const pass_bytes fwd = bytes_of(plan.forward, r), bwd = bytes_of(plan.backward, r);
+  const double network = rates.network_gbits / 8 * giga, nvlink = rates.nvlink_gbytes * giga,
+               pcie = rates.pcie_gbytes * giga;
+  const auto a2a = [&](const pass_bytes& b) { return std::max(b.nvlink / nvlink, b.network_a2a / network); };
+  t.all_to_all = passes_forward * a2a(fwd) + a2a(bwd);
+  // A ring step is as slow as its slowest hop: across nodes when the ring spans them.
+  t.ring = (passes_forward * fwd.ring + bwd.ring) / (r.cp.cp > r.gpus_per_node ? network : nvlink);
+  t.host = (passes_forward * fwd.host + bwd.host) / pcie;
+  return t;
+}
+
 step_time estimate_step_time(const step_time_request& r, const throughput_rates& rates) {
   const model_config& m = r.model;
   const int C = r.cp.cp;
   const bool multi_node = C > r.gpus_per_node;
-  const double s = static_cast<double>(r.seq_len) / C, S = static_cast<double>(r.seq_len), L = m.num_layers;
+  const double s = static_cast<double>(r.seq_len) / C, L = m.num_layers;
   const matmul_params p = params_of(m);
   // Recompute from the checkpoints: every layer's forward again, but for the attention of
   // the layers whose attention output is kept (the first of each block of `every`).
@@ -74,41 +94,50 @@ step_time estimate_step_time(const step_time_request& r, const throughput_rates&
   // not run), and the recompute's forward.
   const double passes = r.lora ? 4 : 6;
   t.gemm = (passes * (L * p.layer + p.head) * s + 2 * recompute_gemm * s) / (rates.gemm_tflops * tera);
-  // Causal attention: 2 S^2 H d a layer forward, twice that backward (docs/design.md section 7).
-  const double attention_forward = 2 * S * S * m.num_heads * m.head_dim / C;
-  t.attention = L * attention_forward * (3 + recompute_attention) / (rates.attention_tflops * tera);
-
-  const stage_plan plan = make_stage_plan(attention_config_for(m, r.cp, r.seq_len), 0);
-  const pass_bytes fwd = bytes_of(plan.forward, r), bwd = bytes_of(plan.backward, r);
-  const double passes_fwd = 1 + recompute_attention;  // the forward and its recompute
+  // The attention, its collectives and its host copies, layer by layer: a family's layers
+  // may differ in their window (Gemma 3's local and global layers), and layers alike cost
+  // alike, so each distinct window is timed once.
+  std::map<std::int64_t, step_time> by_window;
+  double attention_host = 0;  // seconds: the attention's chunks to and from the host, every layer
+  for (int l = 0; l < m.num_layers; ++l) {
+    const attention_config layer = attention_config_for(m, r.cp, r.seq_len, l);
+    auto it = by_window.find(layer.window);
+    if (it == by_window.end())
+      it = by_window.emplace(layer.window, layer_attention_time(layer, r, rates, 1 + recompute_attention)).first;
+    t.attention += it->second.attention;
+    t.all_to_all += it->second.all_to_all;
+    t.ring += it->second.ring;
+    attention_host += it->second.host;
+  }
   const double network = rates.network_gbits / 8 * giga, nvlink = rates.nvlink_gbytes * giga,
                pcie = rates.pcie_gbytes * giga;
-  const auto a2a = [&](const pass_bytes& b) { return std::max(b.nvlink / nvlink, b.network_a2a / network); };
-  t.all_to_all = L * (passes_fwd * a2a(fwd) + a2a(bwd));
-  // A ring step is as slow as its slowest hop: across nodes when the ring spans them.
-  t.ring = L * (passes_fwd * fwd.ring + bwd.ring) / (multi_node ? network : nvlink);
 
-  // ZeRO over the CP group: the bf16 weights gathered (twice under ZeRO-3: forward and
-  // backward), the f32 gradients reduce-scattered; a ring collective across nodes runs at
-  // the network's pace.
+  // ZeRO over every rank of the mesh (comm/replica_mesh.hpp): the bf16 weights gathered
+  // (twice under ZeRO-3: forward and backward), the f32 gradients reduce-scattered, each in
+  // two levels: over the CP group (its ring across nodes at the network's pace), then the
+  // group's 1/C of the unit across the D replicas (data parallelism: across nodes unless the
+  // whole mesh shares one).
+  const int D = r.dp, W = D * C;
   const double weights = L * p.layer + p.head * (m.tie_embeddings ? 1 : 2);  // with the embedding
-  const double share = C > 1 ? static_cast<double>(C - 1) / C : 0.0;
   const double gathers = r.zero == zero_stage::three ? 2 : (r.zero == zero_stage::two ? 1 : 0);
   const bool reduces = r.zero != zero_stage::replicated && !r.lora;  // a LoRA base has no gradients
-  const double zero_bytes = (gathers * 2 + (reduces ? 4 : 0)) * weights * share;
-  t.zero = zero_bytes / (multi_node ? network : nvlink);
+  const double zero_bytes = (gathers * 2 + (reduces ? 4 : 0)) * weights;
+  const double in_group = C > 1 ? static_cast<double>(C - 1) / C : 0.0;
+  const double across = D > 1 ? static_cast<double>(D - 1) / D / C : 0.0;
+  t.zero = zero_bytes * in_group / (multi_node ? network : nvlink);
+  t.data_parallel = zero_bytes * across / (W > r.gpus_per_node ? network : nvlink);
 
-  // Host copies: the attention's chunks, the checkpoints (out and back) and the offloaded
-  // optimizer's gradients and weights.
-  double host = L * (passes_fwd * fwd.host + bwd.host);
+  // Host copies: the attention's chunks (above), the checkpoints (out and back) and the
+  // offloaded optimizer's gradients and weights.
+  double host = attention_host * pcie;
   if (r.policy.where != checkpoint_location::device) {
     const double kept_layers = std::max(0.0, std::ceil(L / r.policy.every) - 1);  // layer 0's input is not kept
     double per_layer = s * m.hidden_size * 2;
     if (keeps_attention) per_layer += s * m.num_heads * m.head_dim * 2 + s * m.num_heads * 4;
     host += 2 * kept_layers * per_layer;
   }
-  if (r.offload_optimizer && !r.lora) host += weights / C * (4 + 2);  // f32 gradients out, bf16 weights back
-  if (r.offload_params) host += weights / C * 2 * (r.zero == zero_stage::three ? 2 : 1);
+  if (r.offload_optimizer && !r.lora) host += weights / W * (4 + 2);  // f32 gradients out, bf16 weights back
+  if (r.offload_params) host += weights / W * 2 * (r.zero == zero_stage::three ? 2 : 1);
   t.host = host / pcie;
   return t;
 }

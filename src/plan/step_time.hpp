@@ -1,5 +1,5 @@
 // The planner's step-time model: how long one training step of a configuration takes on C
-// GPUs over M nodes, from the model's FLOPs at measured compute rates and the bytes the
+// GPUs over M nodes (each of D replicas running one sequence at once), from the model's FLOPs at measured compute rates and the bytes the
 // step moves (the attention's stage plan, ZeRO's gathers and reduce-scatters, the host
 // copies) at stated link bandwidths. Every rate is a parameter the planner prints; the
 // defaults are the H200 measurements in docs/benchmarks.md and the paper's 400 Gb/s per
@@ -28,14 +28,16 @@ struct throughput_rates {
 struct step_time {
   double gemm = 0, attention = 0;         // compute: the projections, MLP and head; the fused attention
   double all_to_all = 0, ring = 0;        // the attention's collectives
-  double zero = 0;                        // ZeRO's weight gathers and gradient reduce-scatters
+  double zero = 0;                        // ZeRO's weight gathers and gradient reduce-scatters in the CP group
+  double data_parallel = 0;               // the same collectives' second level, across the replicas
   double host = 0;                        // copies between device and host memory
-  double total() const { return gemm + attention + all_to_all + ring + zero + host; }
+  double total() const { return gemm + attention + all_to_all + ring + zero + data_parallel + host; }
 };
 
 struct step_time_request {
   model_config model;
   cp_settings cp;
+  int dp = 1;             // replicas of the CP group: ZeRO's collectives span dp x cp.cp ranks
   int gpus_per_node = 8;  // the CP group spans cp.cp / gpus_per_node nodes
   std::int64_t seq_len = 0;
   checkpoint_policy policy;
@@ -45,5 +47,13 @@ struct step_time_request {
 };
 
 step_time estimate_step_time(const step_time_request& request, const throughput_rates& rates);
+
+// One layer's attention in that step: its fused attention's compute (the pairs of its
+// causal, possibly windowed mask: a window W caps a query's keys, so the work grows as S W
+// rather than S^2 / 2), and the messages and host copies of its stage plan (a window
+// skips ring steps and chunk parts). `passes_forward` counts the forward and its
+// recompute (1 + the share of layers recomputed).
+step_time layer_attention_time(const attention_config& layer, const step_time_request& request,
+                               const throughput_rates& rates, double passes_forward);
 
 }  // namespace upipe

@@ -118,6 +118,7 @@ void run_rank(const attention_config& c, backend& be, communicator& comm, const 
     result->plan_backward_peak = plan.backward_peak(work);
     result->plan_host_peak = plan.host_peak(work);
     result->plan_bytes_by_label = plan.bytes_by_label(work);
+    result->plan_saved_bytes_by_label = plan.saved_bytes_by_label(work);
     for (const auto& [link, bytes] : plan.bytes_by_link(work)) result->plan_bytes_by_link[std::string(link_name(link))] = bytes;
     result->peak_bytes = be.ledger().peaks_by_name();
     result->device_peak_bytes = be.ledger().device_peak();
@@ -210,7 +211,7 @@ void dump(const std::string& dir, const attention_config& c, const attention_inp
                          {"rope_low_freq_factor", c.rope.scaling.low_freq_factor},
                          {"rope_high_freq_factor", c.rope.scaling.high_freq_factor},
                          {"rope_original_max_position", c.rope.scaling.original_max_position},
-                         {"qk_norm", c.qk_norm}, {"norm_eps", c.norm_eps}};
+                         {"qk_norm", c.qk_norm}, {"norm_eps", c.norm_eps}, {"window", c.window}};
   std::ofstream f(dir + "/config.json");
   f << meta.dump(2) << "\n";
   if (!f) throw io_error("writing " + dir + "/config.json failed");

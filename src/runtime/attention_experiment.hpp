@@ -42,6 +42,8 @@ struct experiment_result {
   std::size_t plan_forward_peak = 0, plan_backward_peak = 0, plan_host_peak = 0;
   std::map<std::string, std::uint64_t> plan_bytes_by_label;
   std::map<std::string, std::uint64_t> plan_bytes_by_link;
+  // What the sliding window saved: the bytes the plan without it sends or copies beyond this one's.
+  std::map<std::string, std::uint64_t> plan_saved_bytes_by_label;
   std::map<std::string, std::uint64_t> bytes_sent;           // collective -> bytes, rank 0
   std::map<std::string, std::uint64_t> bytes_sent_by_label;  // label -> bytes, rank 0
   std::map<std::string, double> rel_error;          // tensor -> max|a-b|/max|b|

@@ -7,6 +7,7 @@
 #include "comm/communicator.hpp"
 #include "comm/launch.hpp"
 #include "comm/nccl.hpp"
+#include "comm/replica_mesh.hpp"
 #include "core/error.hpp"
 #include "core/machine.hpp"
 
@@ -94,6 +95,30 @@ std::vector<std::unique_ptr<backend>> run_cp_group(backend_kind kind, const memo
                               " MiB, its share of the memory this machine has available)");
   }
   return backends;
+}
+
+std::vector<std::unique_ptr<backend>> run_mesh(backend_kind kind, const memory_limits& limits, mesh_shape mesh,
+                                               const mesh_rank_fn& fn, group_run ranks, const comm_options& comm) {
+  if (mesh.dp < 1 || mesh.cp < 1)
+    throw config_error("--dp " + std::to_string(mesh.dp) + " and --cp " + std::to_string(mesh.cp) +
+                       " must be at least 1 (replicas, and ranks in each replica's CP group; for example --dp 2 --cp 4)");
+  if (mesh.dp > 1 && ranks == group_run::every_rank && kind != backend_kind::meta && comm.kind != comm_kind::threads) {
+    const std::optional<launch_env> env = launcher_environment();
+    if (env && env->size != mesh.ranks())
+      throw config_error(env->launcher + " started " + std::to_string(env->size) + " processes but --dp " +
+                         std::to_string(mesh.dp) + " x --cp " + std::to_string(mesh.cp) + " makes " +
+                         std::to_string(mesh.ranks()) + " ranks: start one process per rank (mpirun -np " +
+                         std::to_string(mesh.ranks()) + "), or choose --dp and --cp whose product is " +
+                         std::to_string(env->size));
+  }
+  return run_cp_group(
+      kind, limits, mesh.ranks(),
+      [&](int rank, backend& be, communicator& world) {
+        const replica_groups groups = split_replicas(world, be, mesh.cp);
+        communicator& cp = groups.cp ? *groups.cp : world;
+        fn(rank, be, {world, cp, groups.shards ? *groups.shards : world});
+      },
+      ranks, comm);
 }
 
 }  // namespace upipe

@@ -25,4 +25,28 @@ std::vector<std::unique_ptr<backend>> run_cp_group(backend_kind kind, const memo
                                                    const std::function<void(int rank, backend& be, communicator& comm)>& fn,
                                                    group_run ranks = group_run::every_rank, const comm_options& comm = {});
 
+// A data-parallel mesh: `dp` replicas, each a CP group of `cp` consecutive ranks
+// (docs/design.md section 11).
+struct mesh_shape {
+  int dp = 1, cp = 1;
+  int ranks() const { return dp * cp; }
+};
+
+// What a rank of a mesh talks through: the world (D x C ranks), its replica's CP group
+// (the world when D = 1) and ZeRO's group over every rank (comm/replica_mesh.hpp; the world
+// when D = 1 or C = 1).
+struct mesh_comms {
+  communicator& world;
+  communicator& cp;
+  communicator& shards;
+};
+using mesh_rank_fn = std::function<void(int rank, backend& be, const mesh_comms& comms)>;
+
+// run_cp_group over the mesh's D x C ranks, each rank given its groups. Emulated or on
+// meta, rank 0 of the world alone over a loopback of D x C, its groups loopbacks. Under a
+// launcher the job must have D x C processes (config_error naming both otherwise).
+std::vector<std::unique_ptr<backend>> run_mesh(backend_kind kind, const memory_limits& limits, mesh_shape mesh,
+                                               const mesh_rank_fn& fn, group_run ranks = group_run::every_rank,
+                                               const comm_options& comm = {});
+
 }  // namespace upipe

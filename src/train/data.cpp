@@ -110,6 +110,25 @@ std::int64_t doc_length(const std::uint64_t* offsets, std::int64_t d) {
   return static_cast<std::int64_t>(offsets[d + 1] - offsets[d]);
 }
 
+// The loss mask a manifest names ("loss_mask"), mapped and its size checked (its bytes are
+// checked with the ids, once before training): one byte per token, 0 or 1. Null where the
+// manifest names none (every token is a target).
+std::unique_ptr<mapped_file> open_loss_mask(const std::string& prefix, const std::string& manifest_path,
+                                             const nlohmann::json& m, std::uint64_t tokens) {
+  if (!m.contains("loss_mask") || m["loss_mask"].is_null()) return nullptr;
+  const nlohmann::json& mask = m["loss_mask"];
+  const auto is = [&](const char* key, const nlohmann::json& want) { return mask.contains(key) && mask[key] == want; };
+  if (!mask.is_object() || !is("format", "upipe-loss-mask") || !is("version", 1) || !is("dtype", "uint8"))
+    throw io_error(manifest_path + ": loss_mask " + mask.dump().substr(0, 120) + " is not a loss mask this upipe reads "
+                   "(format upipe-loss-mask, version 1, dtype uint8); prepare the data again with this upipe");
+  auto file = std::make_unique<mapped_file>(prefix + ".mask", "loss mask");
+  if (file->size() != tokens)
+    throw io_error(prefix + ".mask holds " + std::to_string(file->size()) + " bytes, but the corpus has " +
+                   std::to_string(tokens) + " tokens, one mask byte each: the files are of different runs or "
+                   "truncated; prepare the data again");
+  return file;
+}
+
 }  // namespace
 
 bool document_corpus::exists(const std::string& prefix) {
@@ -144,7 +163,7 @@ corpus_manifest read_corpus_manifest(const std::string& prefix, std::int64_t voc
     if (!field(key).is_number_unsigned())
       throw io_error(manifest_path + ": " + key + " = " + field(key).dump().substr(0, 40) +
                      " is not a whole number of 0 or more; prepare the data again");
-  return {field("documents").get<std::uint64_t>(), field("tokens").get<std::uint64_t>()};
+  return {field("documents").get<std::uint64_t>(), field("tokens").get<std::uint64_t>(), manifest_path, m};
 }
 
 std::unique_ptr<token_file> open_token_stream(const std::string& data, std::int64_t seq_len, std::int64_t vocab_size) {
@@ -177,6 +196,8 @@ document_corpus::document_corpus(const std::string& prefix, std::int64_t vocab_s
                    "prepare the data again");
   ids_ = static_cast<const std::uint32_t*>(tokens_->data());
   offsets_ = static_cast<const std::uint64_t*>(index_->data());
+  mask_ = open_loss_mask(prefix, manifest.path, manifest.fields, tokens);
+  if (mask_) target_bytes_ = static_cast<const std::uint8_t*>(mask_->data());
   if (offsets_[0] != 0 || offsets_[documents] != tokens)
     throw io_error(prefix + ".index runs from " + std::to_string(offsets_[0]) + " to " +
                    std::to_string(offsets_[documents]) + ", not from 0 to the " + std::to_string(tokens) +
@@ -231,6 +252,11 @@ packed_sequence document_corpus::window(std::int64_t position, std::int64_t leng
     const std::int64_t take =
         std::min(doc_length(offsets_, doc) - into, length - static_cast<std::int64_t>(out.tokens.size()));
     out.documents.push_back(static_cast<std::int64_t>(out.tokens.size()));
+    out.sources.push_back(doc);
+    if (target_bytes_ != nullptr) {
+      const std::uint8_t* mask = target_bytes_ + offsets_[doc] + into;
+      out.targets.insert(out.targets.end(), mask, mask + take);
+    }
     const std::uint32_t* first = ids_ + offsets_[doc] + into;
     for (std::int64_t t = 0; t < take; ++t) {
       if (static_cast<std::int64_t>(first[t]) >= vocab_)
@@ -262,6 +288,10 @@ void document_corpus::check_ids() const {
       throw io_error("token " + std::to_string(ids_[at]) + " at index " + std::to_string(at) + " of " + prefix_ +
                      ".tokens is not below the vocabulary size " + std::to_string(vocab_) +
                      ": prepare the data with this model's tokenizer");
+  for (std::uint64_t at = 0; target_bytes_ != nullptr && at < n; ++at)
+    if (target_bytes_[at] > 1)
+      throw io_error(prefix_ + ".mask: byte " + std::to_string(at) + " is " + std::to_string(target_bytes_[at]) +
+                     ", not 0 (masked) or 1 (a target); prepare the data again");
 }
 
 // ---------------------------------------------------------------------------------------

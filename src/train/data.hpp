@@ -8,6 +8,8 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "core/files.hpp"
 
 namespace upipe {
@@ -43,15 +45,21 @@ class token_file {
 };
 
 // A tokenized corpus of documents as `upipe prepare-data` writes it (README, "Your
-// documents"): PREFIX.tokens (uint32 ids), PREFIX.index (uint64 offsets, documents + 1)
-// and PREFIX.json (the manifest). Sequences are consecutive windows of S tokens over the
-// documents in a shuffled order, epoch after epoch: short documents are concatenated and
-// long ones continue into the next sequence. A window is a pure function of its position
-// in that stream (the tokens before it), which is all a resume needs.
+// documents"): PREFIX.tokens (uint32 ids), PREFIX.index (uint64 offsets, documents + 1),
+// PREFIX.json (the manifest) and, where its examples mask tokens out of the loss,
+// PREFIX.mask (a byte per token, 1 for a target). Sequences are consecutive windows of S
+// tokens over the documents in a shuffled order, epoch after epoch: short documents are
+// concatenated and long ones continue into the next sequence. A window is a pure function
+// of its position in that stream (the tokens before it), which is all a resume needs.
 struct packed_sequence {
   std::vector<std::int32_t> tokens;
   std::vector<std::int64_t> documents;  // where each document (or continued part) begins; the first 0
+  std::vector<std::int64_t> sources;    // each part's document in its corpus (messages name them)
+  // Per token, 1 where it is a target of the loss (its prediction from the tokens before it
+  // counts), 0 where masked (a prompt, a user turn); empty: every token is a target.
+  std::vector<std::uint8_t> targets;
   std::int64_t epoch = 0;               // of the window's first token
+  int source = 0;                       // which of a mixture's sources it comes from
   // The meta backend's sequences hold no tokens, only their length (the planner probes
   // lengths up to 2^30 without a host copy of them).
   std::int64_t shape_only = 0;
@@ -66,6 +74,8 @@ inline constexpr const char* corpus_format = "upipe-tokens";
 inline constexpr int corpus_version = 1;
 struct corpus_manifest {
   std::uint64_t documents = 0, tokens = 0;
+  std::string path;       // PREFIX.json
+  nlohmann::json fields;  // as read (the loss mask's entry among them)
 };
 corpus_manifest read_corpus_manifest(const std::string& prefix, std::int64_t vocab_size);
 
@@ -76,21 +86,25 @@ std::unique_ptr<token_file> open_token_stream(const std::string& data, std::int6
 class document_corpus {
  public:
   // Throws io_error for missing or inconsistent files (a size that is not the manifest's,
-  // an index that does not end at the token count, a dtype other than uint32) and
-  // config_error for a corpus of another vocabulary (larger than the model's) or none of
-  // whose documents has min_doc_tokens tokens.
+  // an index that does not end at the token count, a dtype other than uint32, a mask of
+  // another format, size or values than 0 and 1) and config_error for a corpus of another
+  // vocabulary (larger than the model's) or none of whose documents has min_doc_tokens
+  // tokens.
   document_corpus(const std::string& prefix, std::int64_t vocab_size, std::int64_t min_doc_tokens, std::uint64_t seed);
   ~document_corpus();
 
   // Is there a corpus at PREFIX (PREFIX.index beside PREFIX.tokens)?
   static bool exists(const std::string& prefix);
   const std::string& prefix() const { return prefix_; }
+  // Whether the corpus has a loss mask (PREFIX.mask, named by the manifest's "loss_mask").
+  bool masked() const { return mask_ != nullptr; }
   std::int64_t documents() const { return static_cast<std::int64_t>(kept_.size()); }
   std::int64_t epoch_tokens() const { return epoch_tokens_; }
   std::string tokens_path() const { return prefix_ + ".tokens"; }
   // The window of `length` tokens at stream position `position`.
   packed_sequence window(std::int64_t position, std::int64_t length) const;
-  // Every id below the vocabulary (io_error naming the first that is not).
+  // Every id below the vocabulary and every mask byte 0 or 1 (io_error naming the first that
+  // is not); reads the whole corpus, once before training.
   void check_ids() const;
   // Some kept document has two tokens or more, so that sequences packed as documents have
   // targets (config_error otherwise).
@@ -103,8 +117,9 @@ class document_corpus {
   std::string prefix_;
   std::int64_t vocab_;
   std::uint64_t seed_;
-  std::unique_ptr<mapped_file> tokens_, index_;
+  std::unique_ptr<mapped_file> tokens_, index_, mask_;
   const std::uint32_t* ids_ = nullptr;
+  const std::uint8_t* target_bytes_ = nullptr;  // PREFIX.mask's bytes, where there is one
   const std::uint64_t* offsets_ = nullptr;
   std::vector<std::int64_t> kept_;  // documents with at least min_doc_tokens tokens
   std::int64_t epoch_tokens_ = 0;

@@ -3,6 +3,7 @@
 #include "core/error.hpp"
 #include "core/limits.hpp"
 #include "cp/stage_plan.hpp"
+#include "cp/strategy_table.hpp"
 
 namespace upipe {
 namespace {
@@ -21,8 +22,9 @@ constexpr std::size_t host_margin = std::size_t{64} << 20;
 std::size_t offload_host_bytes(const step_request& r) {
   if (!r.offload.optimizer) return 0;
   const dtype work = working_dtype(r.backend);
-  return (r.step.lora.enabled() ? lora_offloaded_optimizer_bytes(r.model, r.step.lora, r.cp.cp, work)
-                           : offloaded_bytes(r.model, r.cp.cp, work, r.zero, r.offload, r.batch)) +
+  const int ranks = r.dp * r.cp.cp;  // ZeRO's shards span every replica
+  return (r.step.lora.enabled() ? lora_offloaded_optimizer_bytes(r.model, r.step.lora, ranks, work)
+                           : offloaded_bytes(r.model, ranks, work, r.zero, r.offload, r.batch)) +
          host_margin;
 }
 
@@ -30,7 +32,7 @@ std::size_t offload_host_bytes(const step_request& r) {
 // longest length (the earlier chunks' K/V and their gradients).
 std::size_t chunk_host_bytes(const step_request& r) {
   if (r.backend == backend_kind::meta) return 0;
-  if (r.cp.strategy != strategy_kind::fpdt && r.cp.seq_chunks <= 1) return 0;
+  if (row_of(r.cp.strategy).chunks != sequence_chunking::required && r.cp.seq_chunks <= 1) return 0;
   const std::int64_t unit = layout_unit(r.cp);
   const attention_config c = attention_config_for(r.model, r.cp, (r.seq_len + unit - 1) / unit * unit);
   if (!c.chunked()) return 0;
@@ -64,6 +66,7 @@ step_request sizes_of(const train_options& o, double memory_gib, double host_mem
   r.cp = o.cp;
   r.seq_len = o.seq_len;
   r.batch = o.batch;
+  r.dp = o.dp;
   r.zero = o.zero;
   r.offload = {o.offload_optimizer, o.offload_params};
   r.backend = o.backend;

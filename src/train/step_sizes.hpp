@@ -22,6 +22,7 @@ struct step_request {
   cp_settings cp;
   std::int64_t seq_len = 0;  // the longest sequence the run takes (rounded up to the layout's unit)
   std::int64_t batch = 1;    // sequences a step accumulates (the offloaded gradients' size)
+  int dp = 1;                // data-parallel replicas: the optimizer state shards over dp x cp ranks
   zero_stage zero = zero_stage::two;
   offload_options offload;
   backend_kind backend = backend_kind::cpu;

@@ -24,6 +24,7 @@
 #include "ops/cpu/cpu_ops.hpp"
 #include "core/files.hpp"
 #include "formats/safetensors.hpp"
+#include "train/run_directory.hpp"
 
 namespace upipe {
 
@@ -33,6 +34,7 @@ namespace {
 
 constexpr const char* trainer_dir = "trainer";
 constexpr const char* manifest_file = "manifest.json";
+constexpr const char* run_config_file = "run.toml";
 constexpr const char* manifest_format = "upipe-trainer-state";
 constexpr int manifest_version = 2;
 constexpr const char* tmp_suffix = ".tmp-upipe";
@@ -145,6 +147,13 @@ nlohmann::ordered_json manifest_json(const checkpoint_request& r, const paramete
   j["warmup_seq_len"] = r.state.warmup_seq_len;
   j["shape_step"] = r.state.shape_step;
   j["shape_position"] = r.state.shape_position;
+  if (!r.state.mixture.empty()) {
+    j["mixture"] = nlohmann::ordered_json::array();
+    for (const trainer_state::source_state& m : r.state.mixture)
+      j["mixture"].push_back({{"data", m.data}, {"weight", m.weight}, {"data_bytes", m.data_bytes},
+                              {"sequences", m.sequences}, {"position", m.position},
+                              {"shape_sequences", m.shape_sequences}, {"shape_position", m.shape_position}});
+  }
   j["ranks"] = ranks;
   j["zero"] = zero;
   j["strategy"] = r.strategy;
@@ -155,6 +164,8 @@ nlohmann::ordered_json manifest_json(const checkpoint_request& r, const paramete
     j["lora"] = lora_text(r.lora);
     j["base_model"] = r.base_model;
   }
+  if (!r.run_id.empty()) j["run_id"] = r.run_id;
+  if (r.eval_loss) j["eval_loss"] = *r.eval_loss;
   j["units"] = units;
   j["files"] = files;
   return j;
@@ -207,12 +218,16 @@ std::vector<std::string> write_adapters(const fs::path& tmp, const checkpoint_re
   }
   if (!writes) return {};
   file->commit();
-  write_adapter_config(tmp.string(), r.lora, r.base_model);
+  write_adapter_config(tmp.string(), r.config, r.lora, r.base_model);
   fsync_path(tmp / adapter_config_file, false);
   return {adapter_weights_file, adapter_config_file};
 }
 
 }  // namespace
+
+std::string run_config_path(const std::string& checkpoint_dir) {
+  return (fs::path(checkpoint_dir) / trainer_dir / run_config_file).string();
+}
 
 std::string resolve_checkpoint_dir(const std::string& text) {
   if (text.empty()) throw config_error("an empty checkpoint directory was given: name a directory, e.g. --save run1");
@@ -290,6 +305,7 @@ void save_checkpoint(const std::string& dir_text, const checkpoint_request& r, p
         for (const std::string& f : copy_companion_files(r.source_dir, tmp.string())) files.push_back(f);
       else
         for (const std::string& f : copy_companion_files(dir.string(), tmp.string())) files.push_back(f);
+      if (!r.run_config.empty()) write_text(tmp / trainer_dir / run_config_file, r.run_config);
       write_text(tmp / trainer_dir / manifest_file, manifest_json(r, params, C, files).dump(2) + "\n");
       fsync_path(tmp / trainer_dir, true);
       carry_user_files(dir, tmp);
@@ -353,6 +369,7 @@ saved_state::saved_state(const std::string& text) : impl_(std::make_unique<impl>
     const std::int64_t ranks = whole("ranks");
     ranks_ = ranks < 1 || ranks > (1 << 20) ? -1 : static_cast<int>(ranks);
     zero_ = j.at("zero").get<std::string>();
+    if (j.contains("run_id") && j["run_id"].is_string()) run_id_ = j["run_id"].get<std::string>();
     for (const auto& n : j.at("units")) {
       if (!n.is_number_integer()) throw io_error(manifest.string() + " is damaged: units holds " + n.dump().substr(0, 40));
       impl_->units.push_back(n.is_number_unsigned() && n.get<std::uint64_t>() > INT64_MAX ? -1 : n.get<std::int64_t>());
@@ -365,6 +382,7 @@ saved_state::saved_state(const std::string& text) : impl_(std::make_unique<impl>
     state_.warmup_seq_len = whole("warmup_seq_len", true);
     state_.shape_step = whole("shape_step", true);
     state_.shape_position = whole("shape_position", true);
+    read_mixture(j, manifest.string());
   } catch (const nlohmann::json::exception& e) {
     throw io_error("cannot read " + manifest.string() + ": " + e.what());
   }
@@ -404,6 +422,29 @@ void saved_state::check_shard_rank(const safetensors_view& shard, const std::str
     throw io_error(file + " was written by rank " + written_rank.value_or("?") + " of " + written_ranks.value_or("?") +
                    " (its metadata), not by rank " + std::to_string(rank) + " of " + std::to_string(ranks_) +
                    " as its name says: the shards were renamed or mixed; restore the checkpoint's trainer/ directory");
+}
+
+// A mixture's sources as the manifest lists them, every number checked as the others are.
+void saved_state::read_mixture(const nlohmann::json& j, const std::string& manifest) {
+  if (!j.contains("mixture")) return;
+  const auto& list = j.at("mixture");
+  if (!list.is_array() || list.size() < 2 || list.size() > max_saved_sources)
+    throw io_error(manifest + " is damaged: mixture must list 2 to " + std::to_string(max_saved_sources) + " sources");
+  for (const auto& m : list) {
+    const auto count = [&](const char* key) -> std::int64_t {
+      const auto& v = m.at(key);
+      if (!v.is_number_integer() || v.get<std::int64_t>() < 0 || (v.is_number_unsigned() && v.get<std::uint64_t>() > INT64_MAX))
+        throw io_error(manifest + " is damaged: mixture's " + key + " = " + v.dump().substr(0, 40) +
+                       " is not a whole number of 0 or more");
+      return v.get<std::int64_t>();
+    };
+    const auto& weight = m.at("weight");
+    if (!weight.is_number() || !(weight.get<double>() > 0) || !std::isfinite(weight.get<double>()))
+      throw io_error(manifest + " is damaged: a mixture weight of " + weight.dump().substr(0, 40) + " is not positive");
+    state_.mixture.push_back({m.at("data").get<std::string>(), weight.get<double>(),
+                              static_cast<std::uint64_t>(count("data_bytes")), count("sequences"), count("position"),
+                              count("shape_sequences"), count("shape_position")});
+  }
 }
 
 // Every number of the manifest within what a save writes, before any is used to size or
@@ -490,7 +531,7 @@ void check_same_model(const model_config& s, const model_config& c, const std::s
   const bool same = s.family == c.family && s.vocab_size == c.vocab_size && s.hidden_size == c.hidden_size &&
                     s.intermediate_size == c.intermediate_size && s.num_layers == c.num_layers &&
                     s.num_heads == c.num_heads && s.num_kv_heads == c.num_kv_heads && s.head_dim == c.head_dim &&
-                    s.tie_embeddings == c.tie_embeddings;
+                    s.tie_embeddings == c.tie_embeddings && s.biases == c.biases;
   if (!same)
     throw config_error("cannot resume " + c.name + " from " + dir + ": that checkpoint is of another model (L=" +
                        std::to_string(s.num_layers) + " D=" + std::to_string(s.hidden_size) + " H=" +
@@ -526,7 +567,8 @@ void write_export(const std::string& out_text, const std::function<void(const fs
 
 }  // namespace
 
-void export_checkpoint(const std::string& checkpoint_dir, const std::string& out_text, const hf_save_options& options) {
+void export_checkpoint(const std::string& given, const std::string& out_text, const hf_save_options& options) {
+  const std::string checkpoint_dir = resolve_checkpoint(given);  // a run directory: its latest
   if (is_adapter_directory(checkpoint_dir))
     throw config_error(checkpoint_dir + " is a LoRA adapter directory, not a model: merge it into the base it was "
                        "trained on with upipe export BASE " + out_text + " --merge-adapter " + checkpoint_dir);
@@ -548,8 +590,9 @@ void export_checkpoint(const std::string& checkpoint_dir, const std::string& out
   });
 }
 
-void merge_adapter(const std::string& base_dir, const std::string& adapter_dir, const std::string& out_text,
+void merge_adapter(const std::string& base_dir, const std::string& given_adapter, const std::string& out_text,
                    const hf_save_options& options) {
+  const std::string adapter_dir = resolve_checkpoint(given_adapter);  // a LoRA run directory: its latest
   if (!is_model_directory(base_dir))
     throw io_error("cannot merge into " + base_dir + ": it is not a model directory (config.json and weights); pass "
                    "the base model directory the adapter was trained on");
@@ -569,7 +612,8 @@ void merge_adapter(const std::string& base_dir, const std::string& adapter_dir, 
       std::vector<float> w(static_cast<std::size_t>(numel));
       base.read(spec.name, 0, numel, w.data());
       const std::string stem = spec.name.substr(0, spec.name.size() - std::string(".weight").size());
-      if (const auto a = adapters.find(stem + ".lora_A.weight"); a != adapters.end()) {
+      const auto a = spec.kind == param_kind::matrix ? adapters.find(stem + ".lora_A.weight") : adapters.end();
+      if (a != adapters.end()) {
         // W (out, in) += s B (out, r) A (r, in), in fp32 with the cpu backend's GEMM.
         std::vector<float>& b = adapters.at(stem + ".lora_B.weight");
         const std::int64_t out = spec.shape[0], in = spec.shape[1], r = settings.lora.rank;

@@ -4,7 +4,8 @@
 //   model.safetensors           the weights (bf16 by default), or model-0000N-of-0000M shards
 //   model.safetensors.index.json   with shards
 //   tokenizer files, generation_config.json   copied from the input model directory
-//   trainer/manifest.json       the run: step, data position, seed, ranks, ZeRO stage, strategy
+//   trainer/manifest.json       the run: step, data position, seed, ranks, ZeRO stage, strategy, run id
+//   trainer/run.toml            the run's resolved configuration (train --resume DIR needs nothing else)
 //   trainer/rank-0000R-of-0000C.safetensors   rank R's fp32 master shard and AdamW moments
 // A LoRA run's checkpoint is a PEFT adapter directory instead of a model directory
 // (adapter_config.json, adapter_model.safetensors in fp32: what PeftModel.from_pretrained
@@ -17,8 +18,11 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
+
+#include <nlohmann/json_fwd.hpp>
 
 #include "comm/communicator.hpp"
 #include "model/config.hpp"
@@ -42,6 +46,16 @@ struct trainer_state {
   // (batch 0: a save of an earlier upipe, which did not record them).
   std::int64_t batch = 0, seq_len = 0, seq_warmup = 0, warmup_seq_len = 0;
   std::int64_t shape_step = 0, shape_position = 0;
+  // A mixture of several sources (--data A:0.7,B:0.3; empty for one): each one's path and
+  // weight as given, its token file's size, and its sequences and position now and at
+  // shape_step. data is then the mixture's text, data_position and shape_position the sums.
+  struct source_state {
+    std::string data;
+    double weight = 1;
+    std::uint64_t data_bytes = 0;
+    std::int64_t sequences = 0, position = 0, shape_sequences = 0, shape_position = 0;
+  };
+  std::vector<source_state> mixture = {};
 };
 
 struct checkpoint_request {
@@ -54,7 +68,13 @@ struct checkpoint_request {
   std::int64_t seq_len = 0;
   lora_config lora;        // enabled: the store saved holds the adapters (an adapter directory)
   std::string base_model;  // LoRA: the base's directory or preset, for adapter_config.json
+  std::string run_id;      // the run this checkpoint belongs to (run_directory.hpp)
+  std::optional<double> eval_loss;  // the held-out loss at this step, when one was measured
+  std::string run_config;  // the resolved run configuration (TOML), written as trainer/run.toml
 };
+
+// The run configuration file inside a checkpoint: CHECKPOINT/trainer/run.toml.
+std::string run_config_path(const std::string& checkpoint_dir);
 
 // Resolves a --save or --resume path as a user means it: a trailing slash is dropped and a
 // symbolic link is followed (the link stays; its target is written).
@@ -92,6 +112,7 @@ class saved_state {
   bool shape_recorded() const { return shape_recorded_; }
   // A LoRA run's --lora as saved (lora_text), empty for a full run's state.
   const std::string& lora() const { return lora_; }
+  const std::string& run_id() const { return run_id_; }  // "" for a checkpoint before run ids
   // Checks the units against the run's model, or its adapters (config_error naming both
   // otherwise), and keeps a full model's parameter names for read()'s messages.
   void check_units(const model_config& config, const lora_config& lora = {}) const;
@@ -103,8 +124,10 @@ class saved_state {
  private:
   static constexpr std::int64_t max_saved_seq_len = std::int64_t{1} << 30, max_saved_batch = std::int64_t{1} << 16,
                                 max_saved_unit = std::int64_t{1} << 40;
+  static constexpr std::size_t max_saved_sources = 1024;
   void check_manifest_ranges(const std::string& manifest) const;
   void check_shard_rank(const safetensors_view& shard, const std::string& file, int rank) const;
+  void read_mixture(const nlohmann::json& manifest, const std::string& path);
   [[noreturn]] void non_finite(int unit, shard_state which, std::int64_t rank, std::int64_t element, float value) const;
 
   struct impl;
@@ -113,6 +136,7 @@ class saved_state {
   trainer_state state_;
   int ranks_ = 0;
   std::string zero_, lora_;
+  std::string run_id_;
   bool shape_recorded_ = false;
 };
 

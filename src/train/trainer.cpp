@@ -7,14 +7,24 @@
 #include <filesystem>
 #include <memory>
 
+#include <nlohmann/json.hpp>
+#include <optional>
+
+#include <unistd.h>
+
 #include "comm/communicator.hpp"
+#include "core/digest.hpp"
 #include "core/error.hpp"
 #include "core/limits.hpp"
+#include "core/files.hpp"
 #include "model/adapter_files.hpp"
 #include "model/model_step.hpp"
 #include "runtime/cp_group.hpp"
 #include "train/data.hpp"
+#include "train/mesh.hpp"
+#include "train/run_directory.hpp"
 #include "train/train_checkpoint.hpp"
+#include "train/trainer_data.hpp"
 
 namespace upipe {
 
@@ -23,57 +33,6 @@ namespace {
 constexpr std::uint64_t held_out_stream = 0x9e3779b97f4a7c15ull;  // eval samples never seen in training
 
 using clock_type = std::chrono::steady_clock;
-
-bool uses_documents(const std::string& data, packing_mode packing) {
-  return !data.empty() && packing != packing_mode::stream && document_corpus::exists(data);
-}
-bool uses_documents(const train_options& o) { return uses_documents(o.data_path, o.packing); }
-
-// Where the sequences come from: the passkey task (sample = step), a corpus of documents
-// (packed, shuffled per epoch) or a token file (one stream).
-class data_source {
- public:
-  data_source(const train_options& o) : data_source(o, o.data_path, o.min_doc_tokens) {}
-  // Another file of the run's model and packing (the held-out data).
-  data_source(const train_options& o, const std::string& data, std::int64_t min_doc_tokens)
-      : seed_(o.seed), task_(data.empty() ? std::make_unique<passkey_task>(o.seq_len) : nullptr) {
-    if (uses_documents(data, o.packing))
-      corpus_ = std::make_unique<document_corpus>(data, o.model.vocab_size, min_doc_tokens, o.seed);
-    else if (!data.empty())
-      file_ = open_token_stream(data, o.seq_len, o.model.vocab_size);
-  }
-  // Sequence `index` (counted from 1 over the whole run) of the passkey task, or the data's
-  // sequence at `position` (tokens consumed before it), which then moves on. A shorter
-  // `length` (the short-sequence stage) takes a passkey sample of that length, or the first
-  // `length` tokens of the data's window.
-  packed_sequence next(std::int64_t index, std::int64_t& position, std::int64_t length) {
-    packed_sequence out;
-    if (task_) {
-      out.tokens = length == task_->seq_len() ? task_->sample(seed_, static_cast<std::uint64_t>(index)).tokens
-                                              : passkey_task(length).sample(seed_, static_cast<std::uint64_t>(index)).tokens;
-      return out;
-    }
-    if (corpus_) {
-      out = corpus_->window(position, length);
-      position += length;
-      return out;
-    }
-    out.tokens = file_->sequence(position);
-    out.tokens.resize(static_cast<std::size_t>(length));
-    position = file_->next_position(position);
-    return out;
-  }
-  const passkey_task* task() const { return task_.get(); }
-  double epoch(std::int64_t position) const {
-    return corpus_ ? static_cast<double>(position) / static_cast<double>(corpus_->epoch_tokens()) : 0.0;
-  }
-
- private:
-  std::uint64_t seed_;
-  std::unique_ptr<passkey_task> task_;
-  std::unique_ptr<document_corpus> corpus_;
-  std::unique_ptr<token_file> file_;
-};
 
 bool uses_lora(const train_options& o) { return o.step.lora.enabled(); }
 
@@ -90,43 +49,55 @@ zero_stage adapter_stage(const train_options& o) {
 }
 
 // Everything one rank holds for the run: one transformer per sequence length (more
-// than one only under sequence-length warmup).
+// than one only under sequence-length warmup). The stores are sharded over the world (every
+// replica's ranks), the attention runs over the rank's CP group.
 struct rank_context {
   const train_options& options;
   backend& be;
-  communicator& comm;
+  communicator& comm;  // the world: D x C ranks
+  communicator& cp;    // this rank's replica: C ranks (the world when D = 1)
+  communicator& shards;  // ZeRO's: the stores' shards and saved files are numbered by it
   parameter_store params;                     // the model; frozen under LoRA
   std::unique_ptr<parameter_store> adapters;  // LoRA's adapters, the trained store then
   std::map<std::int64_t, std::unique_ptr<transformer>> models;
 
-  rank_context(const train_options& o, backend& b, communicator& c)
-      : options(o), be(b), comm(c),
-        params(o.model, parameter_specs(o.model), b, c, o.zero,
+  rank_context(const train_options& o, backend& b, const mesh_comms& mesh)
+      : options(o), be(b), comm(mesh.world), cp(mesh.cp), shards(mesh.shards),
+        params(o.model, parameter_specs(o.model), b, mesh.shards, o.zero,
                uses_lora(o) ? offload_options{} : offload_options{o.offload_optimizer, o.offload_params},
                uses_lora(o) ? weight_role::frozen : weight_role::trained) {
     if (uses_lora(o))
-      adapters = std::make_unique<parameter_store>(o.model, lora_parameter_specs(o.model, o.step.lora), b, c,
+      adapters = std::make_unique<parameter_store>(o.model, lora_parameter_specs(o.model, o.step.lora), b, mesh.shards,
                                                    adapter_stage(o), offload_options{o.offload_optimizer, false},
                                                    weight_role::trained);
   }
+
+  // This rank's replica, 0 .. D - 1.
+  int replica() const { return comm.rank() / cp.size(); }
 
   // The store whose gradients and optimizer state the run keeps.
   parameter_store& trained() { return adapters ? *adapters : params; }
 
   transformer& model(std::int64_t seq_len) {
     auto& m = models[seq_len];
-    if (!m) m = std::make_unique<transformer>(options.model, options.cp, seq_len, be, cp_groups{&comm, &comm}, options.step);
+    if (!m) m = std::make_unique<transformer>(options.model, options.cp, seq_len, be, cp_groups{&cp, &cp}, options.step);
     return *m;
   }
 };
 
-// One optimizer step over the step's sequences: gradients of every sequence accumulate
-// in the shards, and the loss is the mean over all counted tokens of the step.
+// One optimizer step over the step's sequences (this replica's): gradients of every
+// sequence accumulate in the shards, and the loss is the mean over all counted targets of
+// the step, every replica's (the gradient scale 1 / targets, as transformers' mean over
+// labels that are not -100; ZeRO's reduce-scatter sums the replicas' gradients). A sequence
+// with no target adds nothing and is not run, except beside other replicas, which run as
+// many micro-batches as it does; a step with none anywhere is skipped (no update, the data
+// moves on).
 double run_step(rank_context& rc, const std::vector<packed_sequence>& batch, std::int64_t step, step_record& record) {
   const train_options& o = rc.options;
   std::vector<prepared_sequence> seqs;
   std::int64_t counted = 0;
   record.model_flops = 0;
+  record.empty_sequences = 0;
   for (const auto& s : batch) {
     record.model_flops += uses_lora(o) ? lora_model_flops(o.model, o.step.lora, s.length(), s.documents)
                                        : o.model.model_flops(s.length(), s.documents);
@@ -134,22 +105,36 @@ double run_step(rank_context& rc, const std::vector<packed_sequence>& batch, std
       counted += s.length() - 1;
       continue;
     }
-    seqs.push_back(prepare_sequence(s.tokens, layout_unit(o.cp), s.documents));
-    counted += seqs.back().counted;
+    prepared_sequence p = prepare_sequence(s.tokens, layout_unit(o.cp), s.documents, s.targets);
+    if (s.source < static_cast<int>(record.sources.size())) record.sources[s.source].targets += p.counted;
+    counted += p.counted;
+    if (p.counted == 0) ++record.empty_sequences;
+    // Beside other replicas a sequence without targets still runs (adding nothing): every
+    // replica takes part in ZeRO's collectives of each micro-batch.
+    if (p.counted > 0 || o.dp > 1) seqs.push_back(std::move(p));
   }
-  if (counted == 0)  // only documents of one token (corpora of none of two are refused at the start)
-    throw config_error("step " + std::to_string(step) + "'s sequences of " + o.data_path + " hold no token to predict "
-                       "(documents of one token each, and attention stays within a document): leave such documents "
-                       "out with --min-doc-tokens 2, or use --packing stream");
+  // Every replica's count, each given once (by its CP group's rank 0), exact in fp64; a
+  // loopback world emulates replicas that all count as rank 0's does.
+  if (o.dp > 1 && rc.comm.is_loopback()) counted *= o.dp;
+  else if (o.dp > 1)
+    counted = static_cast<std::int64_t>(
+        sum_over_ranks(rc.comm, rc.cp.rank() == 0 ? static_cast<double>(counted) : 0.0, "counted"));
+  record.targets = counted;
   transformer& model = rc.model(batch.front().length());
-  const auto runs = model.local_positions(rc.comm.rank());
+  const auto runs = model.local_positions(rc.cp.rank());
   parameter_store& trained = rc.trained();
-  trained.zero_grads();
   const bool update = trained.stage() != zero_stage::replicated;  // else forward and backward only (planner)
   if (update) record.lr = scheduled_lr(o.optim, step);
+  if (counted == 0) {  // every target masked: nothing to learn from (run_rank names the documents)
+    record.skipped = true;
+    record.loss = std::nan("");
+    return record.loss;
+  }
+  trained.zero_grads();
+  const std::size_t micro_batches = seqs.empty() ? batch.size() : seqs.size();
   // Offloaded, the host starts on each unit's final gradients as they land.
   const auto last_micro_batch = [&](std::size_t i) {
-    if (update && i + 1 == batch.size()) trained.announce_update(o.optim, step, record.lr);
+    if (update && i + 1 == micro_batches) trained.announce_update(o.optim, step, record.lr);
   };
   double local = 0;
   if (seqs.empty()) {
@@ -180,15 +165,22 @@ double run_step(rank_context& rc, const std::vector<packed_sequence>& batch, std
   return record.loss;
 }
 
-// The file the data's tokens are in: a corpus's PREFIX.tokens, or the token file.
-std::string data_tokens_file(const train_options& o) {
-  return document_corpus::exists(o.data_path) ? o.data_path + ".tokens" : o.data_path;
-}
-
-std::uint64_t file_bytes(const std::string& path) {
-  std::error_code ec;
-  const auto n = std::filesystem::file_size(path, ec);
-  return ec ? 0 : static_cast<std::uint64_t>(n);
+// The documents of a step's sequences, for the message that skips a step without targets.
+std::string describe_documents(const std::vector<packed_sequence>& batch, const data_reader* reader) {
+  std::string out;
+  for (std::size_t i = 0; i < batch.size(); ++i) {
+    const packed_sequence& s = batch[i];
+    out += (i ? "; " : "") + std::string("sequence ") + std::to_string(i + 1) + ": ";
+    if (s.sources.empty()) {
+      out += "a window of " + (reader ? reader->spec(static_cast<std::size_t>(s.source)).path : std::string("the data"));
+      continue;
+    }
+    out += "document";
+    for (std::size_t d = 0; d < s.sources.size() && d < 8; ++d) out += (d ? ", " : s.sources.size() > 1 ? "s " : " ") + std::to_string(s.sources[d]);
+    if (s.sources.size() > 8) out += ", ...";
+    if (reader) out += " of " + reader->spec(static_cast<std::size_t>(s.source)).path;
+  }
+  return out;
 }
 
 // The model as trained, for its saved config.json: the context it declares covers the
@@ -199,68 +191,104 @@ model_config trained_config(const train_options& o) {
   return c;
 }
 
-// Where the steps of this run's shape began: step 0 at position 0; for a resume of the
-// saved shape, where that shape began; for a resume of another shape, the saved step.
-std::pair<std::int64_t, std::int64_t> shape_begin(const train_options& o, const saved_state* resume) {
-  if (resume == nullptr) return {0, 0};
+// Where the steps of this run's shape began: step 0 at the data's start; for a resume of
+// the saved shape, where that shape began; for a resume of another shape, the saved step.
+std::pair<std::int64_t, data_position> shape_begin(const train_options& o, const run_data& data,
+                                                   const saved_state* resume) {
+  if (resume == nullptr) return {0, data.start()};
   const trainer_state& st = resume->state();
-  const bool same = st.batch == o.batch && st.seq_len == o.seq_len && st.seq_warmup == o.seq_warmup &&
+  const bool same = st.batch == global_batch(o) && st.seq_len == o.seq_len && st.seq_warmup == o.seq_warmup &&
                     st.warmup_seq_len == (o.seq_warmup > 0 ? step_seq_len(o, 1) : 0);
-  return same ? std::pair{st.shape_step, st.shape_position} : std::pair{st.step, st.data_position};
+  return same ? std::pair{st.shape_step, saved_position(st, true)} : std::pair{st.step, saved_position(st, false)};
 }
 
-void save(rank_context& rc, const std::string& dir, std::int64_t step, std::int64_t position,
-          std::pair<std::int64_t, std::int64_t> shape) {
-  if (!rc.be.has_data()) return;
+// Saves checkpoint-`step` into the run directory, then (rank 0) points latest at it and
+// rotates the older ones. Returns the checkpoint's path.
+std::string save(rank_context& rc, const run_data& data, std::int64_t step, const data_position& position,
+                 const std::pair<std::int64_t, data_position>& shape, std::optional<double> eval_loss) {
   const train_options& o = rc.options;
+  const std::string path = (std::filesystem::path(o.save_dir) / checkpoint_name(step)).string();
+  if (!rc.be.has_data()) return path;
   checkpoint_request r;
   r.config = trained_config(o);
   r.source_dir = o.model_dir;
   r.model = o.save_model;
-  r.state = {step,
-             position,
-             o.seed,
-             o.optim.total_steps,
-             o.data_path.empty() ? "passkey" : o.data_path,
-             o.data_path.empty() ? 0 : file_bytes(data_tokens_file(o)),
-             uses_documents(o) ? "documents" : "stream",
-             o.min_doc_tokens,
-             o.batch,
-             o.seq_len,
-             o.seq_warmup,
-             o.seq_warmup > 0 ? step_seq_len(o, 1) : 0,
-             shape.first,
-             shape.second};
+  r.state.step = step;
+  r.state.seed = o.seed;
+  r.state.total_steps = o.optim.total_steps;
+  record_data(o, data, position, shape.second, r.state);
+  r.state.batch = global_batch(o);  // every replica's
+  r.state.seq_len = o.seq_len;
+  r.state.seq_warmup = o.seq_warmup;
+  r.state.warmup_seq_len = o.seq_warmup > 0 ? step_seq_len(o, 1) : 0;
+  r.state.shape_step = shape.first;
   r.strategy = std::string(strategy_name(o.cp.strategy));
   r.head_chunk = o.cp.head_chunk;
   r.seq_len = o.seq_len;
   r.lora = o.step.lora;
   r.base_model = base_model_name(o);
-  save_checkpoint(dir, r, rc.trained(), rc.comm);
+  r.run_id = o.run_id;
+  r.eval_loss = eval_loss;
+  r.run_config = o.run_config;
+  if (rc.comm.rank() == 0) {
+    std::error_code ec;
+    std::filesystem::create_directories(o.save_dir, ec);
+    if (ec) throw io_error("cannot create the run directory " + o.save_dir + ": " + ec.message());
+  }
+  save_checkpoint(path, r, rc.trained(), rc.shards);
+  if (rc.comm.rank() == 0) {
+    const auto removed = publish_checkpoint(o.save_dir, step, o.run_id, {o.keep_last, o.keep_best, o.overwrite});
+    std::string text;
+    for (const std::string& name : removed) text += (text.empty() ? " (removed " : ", ") + name;
+    std::printf("%ssaved %s%s%s\n", ::isatty(STDOUT_FILENO) ? "\n" : "", path.c_str(), text.c_str(),
+                text.empty() ? "" : ")");
+    std::fflush(stdout);
+  }
+  rc.comm.barrier();
+  return path;
 }
 
-// The mean held-out loss over eval_sequences windows of `length` tokens, forward only: the
-// training state (weights, moments, data position) is untouched.
-double held_out_loss(rank_context& rc, data_source& held_out, std::int64_t length) {
+// Has any rank been asked to stop (SIGTERM, SIGINT, SIGUSR1)? Every rank gets the same
+// answer, so the group stops after the same step.
+bool group_stop(rank_context& rc) {
+  if (rc.options.stop_signal == nullptr) return false;
+  const bool asked = rc.options.stop_signal->load() != 0;
+  return sum_over_ranks(rc.comm, asked ? 1.0 : 0.0, "stop_requested") > 0;
+}
+
+// The held-out loss over eval_sequences windows of `length` tokens of each --eval-data
+// source (from its start), forward only: the training state (weights, moments, data
+// position) is untouched. Every replica scores the same windows (the sharded weights are
+// gathered over the world, so all take part). Per source, and over the targets of all of them together.
+std::map<std::string, double> held_out_loss(rank_context& rc, const data_reader& held_out, std::int64_t length,
+                                            double& overall) {
   const train_options& o = rc.options;
   transformer& model = rc.model(length);
-  const auto runs = model.local_positions(rc.comm.rank());
-  double local = 0;
-  std::int64_t counted = 0;
-  std::int64_t position = 0;
-  for (int i = 0; i < o.eval_sequences; ++i) {
-    const packed_sequence s = held_out.next(i + 1, position, length);
-    const prepared_sequence seq = prepare_sequence(s.tokens, layout_unit(o.cp), s.documents);
-    const auto ids = shard_rows(seq.ids, 1, runs, model.local_tokens());
-    const auto labels = shard_rows(seq.labels, 1, runs, model.local_tokens());
-    for (const float loss : model.forward_scores(rc.params, {ids, labels, 1.0, seq.documents}, {}, rc.adapters.get()).losses)
-      local += loss;
-    counted += seq.counted;
+  const auto runs = model.local_positions(rc.cp.rank());
+  std::map<std::string, double> out;
+  double all_sum = 0;
+  std::int64_t all_counted = 0;
+  for (std::size_t d = 0; d < held_out.size(); ++d) {
+    double local = 0;
+    std::int64_t counted = 0;
+    data_position at = held_out.layout().start();
+    for (int i = 0; i < o.eval_sequences; ++i) {
+      const packed_sequence s = held_out.read(d, at.tokens[d], length);
+      held_out.layout().advance(at, d, length);
+      const prepared_sequence seq = prepare_sequence(s.tokens, layout_unit(o.cp), s.documents, s.targets);
+      const auto ids = shard_rows(seq.ids, 1, runs, model.local_tokens());
+      const auto labels = shard_rows(seq.labels, 1, runs, model.local_tokens());
+      for (const float loss : model.forward_scores(rc.params, {ids, labels, 1.0, seq.documents}, {}, rc.adapters.get()).losses)
+        local += loss;
+      counted += seq.counted;
+    }
+    const double sum = sum_over_ranks(rc.cp, local, "eval_loss_sum");
+    out[held_out.spec(d).path] = sum / static_cast<double>(std::max<std::int64_t>(counted, 1));
+    all_sum += sum;
+    all_counted += counted;
   }
-  if (counted == 0)
-    throw config_error("the held-out sequences of " + o.eval_data + " hold no token to predict (documents of one token "
-                       "each): hold out documents of several tokens, or use --packing stream");
-  return sum_over_ranks(rc.comm, local, "eval_loss_sum") / static_cast<double>(counted);
+  overall = all_sum / static_cast<double>(std::max<std::int64_t>(all_counted, 1));
+  return out;
 }
 
 // Teacher-forced retrieval on held-out samples: the argmax at the position before each
@@ -274,7 +302,7 @@ double evaluate(rank_context& rc, const passkey_task& task) {
     std::vector<std::int64_t> before_digits;
     for (std::int64_t k = 0; k < passkey_task::key_digits; ++k) before_digits.push_back(sample.answer_start + k - 1);
     right += passkey_task::digits_right(
-        sample, score_sequence(model, rc.params, rc.comm, seq, before_digits, rc.adapters.get()).argmax);
+        sample, score_sequence(model, rc.params, rc.cp, seq, before_digits, rc.adapters.get()).argmax);
   }
   return rc.options.eval_samples > 0 ? right / rc.options.eval_samples : 0.0;
 }
@@ -287,51 +315,97 @@ struct weight_sources {
   const weight_source* adapters = nullptr;
 };
 
-void run_rank(const train_options& o, backend& be, communicator& comm, const weight_sources& from,
+// This replica's sequences of a step: the global batch is dp x batch sequences in data
+// order, replica r taking the r-th run of `batch`; `position` moves past all of them, and
+// `record` counts every replica's sequences by source.
+std::vector<packed_sequence> replica_batch(const train_options& o, const run_data& data, int replica,
+                                           std::int64_t step, data_position& position, step_record& record) {
+  std::vector<packed_sequence> batch;
+  const std::int64_t global = global_batch(o), mine = replica * o.batch;
+  for (std::int64_t j = 0; j < global; ++j) {
+    int source = 0;
+    if (j >= mine && j < mine + o.batch) {
+      batch.push_back(data.next((step - 1) * global + j + 1, position, record.seq_len));
+      source = batch.back().source;
+    } else {
+      source = data.skip(position, record.seq_len);
+    }
+    if (data.reader() != nullptr) ++record.sources[static_cast<std::size_t>(source)].sequences;
+  }
+  return batch;
+}
+
+void run_rank(const train_options& o, backend& be, const mesh_comms& mesh, const weight_sources& from,
               train_summary& summary, const std::function<void(const step_record&)>& on_step,
               clock_type::time_point start) {
-  rank_context rc(o, be, comm);
-  std::int64_t first = 1, position = 0;
+  rank_context rc(o, be, mesh);
+  communicator& comm = mesh.world;
+  const run_data data(o);
+  std::int64_t first = 1;
+  data_position position = data.start();
   if (from.init != nullptr && (from.resume == nullptr || rc.adapters)) rc.params.load(*from.init);
   if (from.resume != nullptr) {
     rc.trained().load_state([resume = from.resume](int u, shard_state which, std::int64_t begin, std::int64_t count,
                                                    float* out) { resume->read(u, which, begin, count, out); });
     first = from.resume->state().step + 1;
-    position = from.resume->state().data_position;
+    if (data.reader() != nullptr) position = saved_position(from.resume->state(), false);
   } else if (from.adapters != nullptr && rc.adapters) {
     rc.adapters->load(*from.adapters);
   }
   be.synchronize();
   comm.barrier();
   if (comm.rank() == 0) summary.load_seconds = std::chrono::duration<double>(clock_type::now() - start).count();
-  data_source data(o);
-  std::unique_ptr<data_source> held_out;
-  if (o.eval_every > 0) held_out = std::make_unique<data_source>(o, o.eval_data, 0);
+  std::unique_ptr<data_reader> held_out;
+  if (o.eval_every > 0)
+    held_out = std::make_unique<data_reader>(parse_data_sources(o.eval_data, "--eval-data"), reader_options(o, 0));
+  const data_reader* reader = data.reader();
   const std::int64_t last = o.stop_after > 0 ? o.stop_after : o.optim.total_steps;
+  std::int64_t saved_step = -1, done = first - 1;
+  std::optional<double> eval_loss;
+  const auto save_now = [&](std::int64_t step) {
+    const std::string path = save(rc, data, step, position, shape_begin(o, data, from.resume), eval_loss);
+    if (comm.rank() == 0) summary.last_checkpoint = path;
+    saved_step = step;
+  };
   for (std::int64_t step = first; step <= last; ++step) {
     const auto start = clock_type::now();
     step_record record;
     record.step = step;
     record.seq_len = step_seq_len(o, step);
-    record.epoch = data.epoch(position);
-    std::vector<packed_sequence> batch;
-    for (std::int64_t i = 0; i < o.batch; ++i)
-      batch.push_back(data.next((step - 1) * o.batch + i + 1, position, record.seq_len));
+    record.sources.resize(reader ? reader->size() : 0);
+    for (std::size_t i = 0; i < record.sources.size(); ++i) {
+      record.sources[i].epoch = reader->epoch(position, i);
+      record.epoch = std::max(record.epoch, record.sources[i].epoch);
+    }
+    const std::vector<packed_sequence> batch = replica_batch(o, data, rc.replica(), step, position, record);
     run_step(rc, batch, step, record);
+    if (record.skipped && comm.rank() == 0)
+      std::fprintf(stderr, "upipe: note: step %lld has no target (the loss mask leaves out every token of its %s); "
+                   "skipped: no update, the data moves on\n", static_cast<long long>(step),
+                   describe_documents(batch, reader).c_str());
     record.seconds = std::chrono::duration<double>(clock_type::now() - start).count();
-    record.tokens_per_s = static_cast<double>(record.seq_len * o.batch) / record.seconds;
-    if (held_out && be.has_data() && (step % o.eval_every == 0 || step == last))
-      record.eval_loss = held_out_loss(rc, *held_out, record.seq_len);
+    record.tokens_per_s = static_cast<double>(record.seq_len * global_batch(o)) / record.seconds;
+    eval_loss.reset();
+    if (held_out && be.has_data() && (step % o.eval_every == 0 || step == last)) {
+      double overall = 0;
+      record.eval_losses = held_out_loss(rc, *held_out, record.seq_len, overall);
+      eval_loss = record.eval_loss = overall;
+    }
     if (comm.rank() == 0) {
       record.peak_bytes = be.ledger().peaks_by_name();
       summary.steps.push_back(record);
       if (on_step) on_step(record);
     }
-    if (!o.save_dir.empty() && o.save_every > 0 && step % o.save_every == 0 && step != last)
-      save(rc, o.save_dir, step, position, shape_begin(o, from.resume));
+    done = step;
+    if (!o.save_dir.empty() && o.save_every > 0 && step % o.save_every == 0 && step != last) save_now(step);
+    if (step != last && group_stop(rc)) {
+      if (comm.rank() == 0) summary.stopped_by_signal = o.stop_signal->load();
+      break;
+    }
   }
-  if (!o.save_dir.empty()) save(rc, o.save_dir, last, position, shape_begin(o, from.resume));
-  if (data.task() != nullptr && be.has_data() && o.eval_samples > 0) {
+  if (!o.save_dir.empty() && saved_step != done && done >= first) save_now(done);
+  const bool stopped = done < last;
+  if (!stopped && data.task() != nullptr && be.has_data() && o.eval_samples > 0) {
     const double accuracy = evaluate(rc, *data.task());
     if (comm.rank() == 0) summary.retrieval_accuracy = accuracy;
   }
@@ -349,7 +423,9 @@ step_memory memory_of(const backend& be) {
   return m;
 }
 
-std::int64_t shortest_sequence(const train_options& o) { return o.data_path.empty() ? passkey_task::min_seq_len() : 2; }
+std::int64_t shortest_sequence(const train_options& o) {
+  return o.data_path.empty() && o.tokens == token_source::data ? passkey_task::min_seq_len() : 2;
+}
 
 // The warmup's first length: as given, or a quarter of seq_len rounded up to the
 // layout's unit (at least the passkey task's minimum, at most seq_len).
@@ -385,7 +461,10 @@ std::int64_t step_seq_len(const train_options& o, std::int64_t step) {
 
 void validate(const train_options& o) {
   validate(o.model);
-  require_within(o.optim.total_steps, 1, limits::steps, "--steps", "--steps 200");
+  validate_mesh(o);
+  if (o.optim.total_steps < 1 || o.optim.total_steps > max_train_steps)
+    throw config_error("--steps " + std::to_string(o.optim.total_steps) + " must lie between 1 and " +
+                       std::to_string(max_train_steps) + " (for example --steps 200)");
   if (o.stop_after < 0 || o.stop_after > o.optim.total_steps)
     throw config_error("--stop-after " + std::to_string(o.stop_after) + " must lie between 1 and --steps " +
                        std::to_string(o.optim.total_steps) + " (it stops a run early; --steps is the schedule's length)");
@@ -425,10 +504,11 @@ void validate(const train_options& o) {
     require_host_memory(static_cast<std::size_t>(o.batch) * static_cast<std::size_t>(o.seq_len) * 24,
                         "the host copies of a step's --batch " + std::to_string(o.batch) + " sequences of --seq-len " +
                             std::to_string(o.seq_len) + " tokens");
-  if (o.data_path.empty() && o.model.vocab_size < passkey_task::vocab_needed)
+  const bool passkey = o.data_path.empty() && o.tokens == token_source::data;
+  if (passkey && o.model.vocab_size < passkey_task::vocab_needed)
     throw config_error("the passkey task needs a vocabulary of at least " + std::to_string(passkey_task::vocab_needed) +
                        " tokens and " + o.model.name + " has " + std::to_string(o.model.vocab_size) + "; use --data FILE");
-  if (o.data_path.empty() && o.seq_len < passkey_task::min_seq_len())
+  if (passkey && o.seq_len < passkey_task::min_seq_len())
     passkey_task check(o.seq_len);  // throws with the minimum
   if (o.seq_len < 2) throw config_error("--seq-len must be at least 2");
   if (o.eval_every < 0 || (o.eval_every > 0 && o.eval_data.empty()))
@@ -437,6 +517,12 @@ void validate(const train_options& o) {
   if (o.eval_every == 0 && !o.eval_data.empty())
     throw config_error("--eval-data " + o.eval_data + " is given without --eval-every N, so it would never be read; "
                        "add --eval-every 100 (held-out loss every 100 steps), or drop --eval-data");
+  parse_data_sources(o.data_path, "--data");  // a mixture's weights, before anything opens a file
+  for (const data_source_spec& s : parse_data_sources(o.eval_data, "--eval-data"))
+    if (s.weight != 1.0)
+      throw config_error("--eval-data " + o.eval_data + ": each held-out source is evaluated on its own, so a weight (" +
+                         s.path + ":" + std::to_string(s.weight) + ") means nothing; list them without weights, e.g. "
+                         "--eval-data chat-heldout,books-heldout");
   if (o.eval_every > 0 && o.eval_sequences < 1)
     throw config_error("--eval-sequences " + std::to_string(o.eval_sequences) + " must be at least 1 (e.g. 4)");
   if (o.seq_len % layout_unit(o.cp) != 0) {
@@ -454,10 +540,13 @@ step_memory measure_step_memory(const train_options& o) {
   return time_steps(o, 0, 1, group_run::every_rank).memory;
 }
 
-step_timing time_steps(const train_options& o, std::int64_t warmup_len, int repeats, group_run ranks,
-                       phase_timing phases) {
+step_timing time_steps(const train_options& options, std::int64_t warmup_len, int repeats, group_run ranks, phase_timing phases,
+                       double target_fraction) {
+  train_options o = options;
+  o.tokens = token_source::random;
   validate(o);
   UPIPE_CHECK(repeats >= 1, "time_steps needs at least one timed step");
+  UPIPE_CHECK(target_fraction > 0 && target_fraction <= 1, "time_steps' target fraction lies in (0, 1]");
   // Random ids where there is data; zeros on meta, which never reads them.
   const auto tokens = [&](const backend& be, std::int64_t n, std::uint64_t stream) {
     packed_sequence s;
@@ -471,6 +560,11 @@ step_timing time_steps(const train_options& o, std::int64_t warmup_len, int repe
       x = x * 6364136223846793005ull + 1442695040888963407ull;
       id = static_cast<std::int32_t>((x >> 33) % static_cast<std::uint64_t>(o.model.vocab_size));
     }
+    if (target_fraction < 1) {  // a prompt, then the answer: its last ceil(f n) tokens
+      const auto answer = static_cast<std::int64_t>(std::ceil(target_fraction * static_cast<double>(n)));
+      s.targets.assign(static_cast<std::size_t>(n), 0);
+      std::fill(s.targets.end() - answer, s.targets.end(), std::uint8_t{1});
+    }
     return s;
   };
   step_timing out;
@@ -480,16 +574,22 @@ step_timing time_steps(const train_options& o, std::int64_t warmup_len, int repe
   const host_weights adapters = o.backend == backend_kind::meta || !uses_lora(o)
                                     ? host_weights{}
                                     : initial_adapters(o.model, o.step.lora, o.seed);
-  run_cp_group(
-      o.backend, o.limits, o.cp.cp,
-      [&](int rank, backend& be, communicator& comm) {
-        rank_context rc(o, be, comm);
+  run_mesh(
+      o.backend, o.limits, {o.dp, o.cp.cp},
+      [&](int rank, backend& be, const mesh_comms& mesh) {
+        rank_context rc(o, be, mesh);
+        communicator& comm = mesh.world;
         rc.params.load(init);
         if (rc.adapters) rc.adapters->load(adapters);
         step_record record;
         if (warmup_len > 0) run_step(rc, {tokens(be, warmup_len, 0)}, 1, record);
         for (int i = 0; i < repeats; ++i) {
-          const std::vector<packed_sequence> batch{tokens(be, o.seq_len, 1 + static_cast<std::uint64_t>(i))};
+          // Step i's global batch is sequences i G .. i G + G - 1 of the stream (G = dp x batch),
+          // replica r taking its run of `batch`: one rank with dp x batch reads the same.
+          std::vector<packed_sequence> batch;
+          for (std::int64_t k = 0; k < o.batch; ++k)
+            batch.push_back(tokens(be, o.seq_len,
+                                   1 + static_cast<std::uint64_t>(i * global_batch(o) + rc.replica() * o.batch + k)));
           be.synchronize();
           comm.barrier();
           be.set_phase_timing(phases == phase_timing::by_phase);
@@ -518,35 +618,6 @@ step_timing time_steps(const train_options& o, std::int64_t warmup_len, int repe
 }
 
 namespace {
-
-// The data position a save records follows from the steps before it (their batch and
-// lengths); one that does not is a damaged or edited state. A run of another shape
-// continues from the saved position, and says so.
-void check_resumed_position(const train_options& o, const saved_state& saved) {
-  const trainer_state& st = saved.state();
-  if (!saved.shape_recorded()) return;  // a save of an earlier upipe
-  if (st.batch != o.batch || st.seq_len != o.seq_len)
-    std::fprintf(stderr, "upipe: note: the checkpoint trained --batch %lld --seq-len %lld; this run takes --batch %lld "
-                 "--seq-len %lld, continuing from its data position %lld\n", static_cast<long long>(st.batch),
-                 static_cast<long long>(st.seq_len), static_cast<long long>(o.batch),
-                 static_cast<long long>(o.seq_len), static_cast<long long>(st.data_position));
-  // The tokens the steps since the shape began consumed; each sequence moves a token file on
-  // by a whole seq_len, and a corpus by the sequence's length.
-  const __int128 steps = st.step - st.shape_step;
-  const __int128 warm = std::clamp<std::int64_t>(st.seq_warmup - st.shape_step, 0, st.step - st.shape_step);
-  __int128 expected = 0;
-  if (st.data == "passkey")
-    expected = 0;
-  else if (st.packing == "documents")
-    expected = st.shape_position + __int128{st.batch} * (warm * st.warmup_seq_len + (steps - warm) * st.seq_len);
-  else if (st.data_bytes >= 4)
-    expected = (st.shape_position + __int128{st.batch} * steps * st.seq_len) % static_cast<__int128>(st.data_bytes / 4);
-  if (expected != st.data_position)
-    throw io_error("the trainer state in " + saved.dir() + " is damaged: its data position " +
-                   std::to_string(st.data_position) + " does not follow from its " +
-                   std::to_string(st.step - st.shape_step) + " steps of " + std::to_string(st.batch) + " x " + std::to_string(st.seq_len) +
-                   " tokens; restore the checkpoint, or start a new run from its weights with --init " + saved.dir());
-}
 
 // A LoRA run resumes a LoRA run's adapters of the same shape and settings (the base is the
 // run's --model, frozen: not part of the trainer state).
@@ -612,26 +683,46 @@ void check_resume(const train_options& o, const saved_state& saved) {
   if (st.step >= (o.stop_after > 0 ? o.stop_after : o.optim.total_steps))
     throw config_error("the checkpoint in " + o.resume_dir + " is at step " + std::to_string(st.step) +
                        ", past the last step asked for; raise --steps or --stop-after");
-  const std::string data = o.data_path.empty() ? "passkey" : o.data_path;
-  if ((st.data == "passkey") != (data == "passkey") ||
-      (data != "passkey" && std::filesystem::weakly_canonical(st.data) != std::filesystem::weakly_canonical(data)))
-    throw config_error("cannot resume from " + o.resume_dir + ": it was trained on " +
-                       (st.data == "passkey" ? std::string("the passkey task") : "--data " + st.data) + ", not " +
-                       (data == "passkey" ? std::string("the passkey task") : "--data " + data) + "; pass " +
-                       (st.data == "passkey" ? std::string("no --data") : "--data " + st.data));
-  const std::uint64_t bytes = data == "passkey" ? 0 : file_bytes(data_tokens_file(o));
-  if (data != "passkey" && st.data_bytes != 0 && bytes != st.data_bytes)
-    throw config_error("cannot resume from " + o.resume_dir + ": the data file " + data_tokens_file(o) + " holds " +
-                       std::to_string(bytes) + " bytes but held " + std::to_string(st.data_bytes) +
-                       " when the checkpoint was saved; resume on the same data, or start a new run with --init " +
-                       o.resume_dir);
-  const std::string packing = uses_documents(o) ? "documents" : "stream";
-  if (data != "passkey" && (st.packing != packing || st.min_doc_tokens != o.min_doc_tokens))
-    throw config_error("cannot resume from " + o.resume_dir + ": it packed the data as --packing " + st.packing +
-                       " --min-doc-tokens " + std::to_string(st.min_doc_tokens) + ", not --packing " + packing +
-                       " --min-doc-tokens " + std::to_string(o.min_doc_tokens) +
-                       " (another order of sequences); pass those");
-  check_resumed_position(o, saved);
+  check_resumed_data(o, saved);
+}
+
+// The data must have been tokenized by the model's tokenizer: a corpus's manifest records
+// the SHA-256 of the tokenizer.json that made it, compared with the model directory's.
+void check_data_tokenizer(const train_options& o, const std::string& prefix, const char* flag) {
+  std::error_code ec;
+  const std::string model_tokenizer = (std::filesystem::path(o.model_dir) / "tokenizer.json").string();
+  if (o.model_dir.empty() || !document_corpus::exists(prefix) || !std::filesystem::exists(model_tokenizer, ec)) return;
+  nlohmann::json manifest;
+  try {
+    manifest = nlohmann::json::parse(read_text_file(prefix + ".json", "the corpus manifest"));
+  } catch (const nlohmann::json::exception&) {
+    return;  // the corpus's own reader names a damaged manifest
+  }
+  if (!manifest.is_object() || !manifest.contains("tokenizer_sha256") || !manifest["tokenizer_sha256"].is_string())
+    return;
+  const std::string made_by = manifest["tokenizer_sha256"].get<std::string>();
+  if (made_by == file_sha256(model_tokenizer, "the model's tokenizer")) return;
+  const std::string source = manifest.contains("tokenizer") && manifest["tokenizer"].is_string()
+                                 ? manifest["tokenizer"].get<std::string>()
+                                 : std::string("another tokenizer");
+  const std::string text = std::string(flag) + " " + prefix + " was tokenized with " + source +
+                           ", whose tokenizer.json differs from " + model_tokenizer + " (SHA-256 " +
+                           made_by.substr(0, 12) + "... against the model's)";
+  if (o.allow_tokenizer_mismatch) {
+    std::fprintf(stderr, "upipe: warning: %s; training on it as --allow-tokenizer-mismatch says\n", text.c_str());
+    return;
+  }
+  throw config_error(text + ": prepare the data with this model's tokenizer (upipe prepare-data --tokenizer " +
+                     o.model_dir + "), or pass --allow-tokenizer-mismatch if the ids mean the same");
+}
+
+// One pass over the data must hold at least one sequence: a shorter corpus would be
+// repeated within the sequence.
+void check_data_length(std::int64_t tokens, std::int64_t seq_len, const std::string& data, const char* flag) {
+  if (tokens >= seq_len) return;
+  throw config_error(std::string(flag) + " " + data + " holds " + std::to_string(tokens) +
+                     " tokens (in the documents kept), fewer than one sequence of --seq-len " + std::to_string(seq_len) +
+                     ": give more data, or a --seq-len of at most " + std::to_string(std::max<std::int64_t>(tokens, 2)));
 }
 
 // Where the first step's weights come from: --init, else the --model directory, else random.
@@ -656,12 +747,17 @@ std::unique_ptr<weight_source> initial_weights(const train_options& o, host_weig
 
 }  // namespace
 
-train_summary train(const train_options& o, const std::function<void(const step_record&)>& on_step) {
-  validate(o);
+train_summary train(const train_options& options, const std::function<void(const step_record&)>& on_step) {
+  validate(options);
   // Everything that can be checked before the first step is: the save directory, the
   // checkpoint or the weights against the model, the data file's ids.
   const auto start = clock_type::now();
-  if (!o.save_dir.empty()) check_save_dir(o.save_dir);
+  train_options o = options;
+  // A run directory means its latest checkpoint, wherever a checkpoint is read.
+  o.resume_dir = resolve_checkpoint(o.resume_dir);
+  if (!o.save_dir.empty()) o.save_dir = resolve_checkpoint_dir(o.save_dir);  // a trailing slash, a symbolic link
+  o.init_path = resolve_checkpoint(o.init_path);
+  o.init_adapter = resolve_checkpoint(o.init_adapter);
   std::unique_ptr<saved_state> resume;
   std::unique_ptr<weight_source> init, adapter_init;
   host_weights random, random_adapters;
@@ -669,6 +765,12 @@ train_summary train(const train_options& o, const std::function<void(const step_
     resume = std::make_unique<saved_state>(o.resume_dir);
     check_resume(o, *resume);
   }
+  // A resumed run keeps its id, so that it saves into its own run directory.
+  if (o.run_id.empty()) o.run_id = resume && !resume->run_id().empty() ? resume->run_id() : new_run_id();
+  if (!o.save_dir.empty())
+    for (const std::string& note :
+         check_run_directory(o.save_dir, o.run_id, o.overwrite, resume ? resume->state().step : 0))
+      std::fprintf(stderr, "upipe: note: %s\n", note.c_str());
   // The frozen base of a LoRA run is never in its trainer state.
   if (o.backend != backend_kind::meta && (!resume || uses_lora(o))) init = initial_weights(o, random);
   if (o.backend != backend_kind::meta && !resume && uses_lora(o)) {
@@ -679,40 +781,28 @@ train_summary train(const train_options& o, const std::function<void(const step_
       adapter_init = std::make_unique<host_weight_source>(random_adapters);
     }
   }
-  if (o.eval_every > 0) {
-    if (uses_documents(o.eval_data, o.packing)) {
-      const document_corpus held_out(o.eval_data, o.model.vocab_size, 0, o.seed);
-      held_out.check_ids();
-      held_out.check_documents_predict();
-    }
-    else
-      open_token_stream(o.eval_data, o.seq_len, o.model.vocab_size)->check_ids();
-  }
-  if (!o.data_path.empty()) {
-    if (o.packing == packing_mode::documents && !document_corpus::exists(o.data_path))
-      throw config_error("--packing documents needs a document index: " + o.data_path +
-                         ".index is missing (upipe prepare-data writes PREFIX.tokens, PREFIX.index and PREFIX.json; "
-                         "pass --data PREFIX), or use --packing stream for a flat token file");
-    if (uses_documents(o)) {
-      const document_corpus corpus(o.data_path, o.model.vocab_size, o.min_doc_tokens, o.seed);
-      corpus.check_ids();
-      corpus.check_documents_predict();
-    }
-    else
-      open_token_stream(o.data_path, o.seq_len, o.model.vocab_size)->check_ids();
+  if (o.eval_every > 0) data_reader(parse_data_sources(o.eval_data, "--eval-data"), reader_options(o, 0)).check_ids();
+  for (const data_source_spec& source : parse_data_sources(o.data_path, "--data"))
+    check_data_tokenizer(o, source.path, "--data");
+  if (const run_data data(o); data.reader() != nullptr) {
+    const data_reader& reader = *data.reader();
+    reader.check_ids();
+    for (std::size_t i = 0; i < reader.size(); ++i)
+      check_data_length(reader.epoch_tokens(i), o.seq_len, reader.spec(i).path, "--data");
   }
   train_summary summary;
   summary.seq_len = o.seq_len;
-  summary.peak_bytes.resize(static_cast<std::size_t>(o.cp.cp));
+  summary.run_id = o.run_id;
+  summary.peak_bytes.resize(static_cast<std::size_t>(o.dp * o.cp.cp));
   try {
-    run_cp_group(
-        o.backend, o.limits, o.cp.cp,
-        [&](int, backend& be, communicator& comm) {
-          run_rank(o, be, comm, {resume.get(), init.get(), adapter_init.get()}, summary, on_step, start);
+    run_mesh(
+        o.backend, o.limits, {o.dp, o.cp.cp},
+        [&](int, backend& be, const mesh_comms& mesh) {
+          run_rank(o, be, mesh, {resume.get(), init.get(), adapter_init.get()}, summary, on_step, start);
         },
         group_run::every_rank, o.comm);
   } catch (...) {
-    if (!o.save_dir.empty()) remove_save_temporary(o.save_dir);
+    if (!o.save_dir.empty()) remove_unfinished_saves(o.save_dir);
     throw;
   }
   summary.seconds = std::chrono::duration<double>(clock_type::now() - start).count();

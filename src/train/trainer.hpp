@@ -2,6 +2,7 @@
 // AdamW, checkpoints and resume, metrics and the retrieval evaluation.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -14,16 +15,18 @@
 #include "model/transformer.hpp"
 #include "optim/optimizer.hpp"
 #include "runtime/cp_group.hpp"
+#include "train/data_reader.hpp"
 
 namespace upipe {
 
-// How a corpus of documents becomes sequences: documents (attention masked and positions
-// restarted at each document, the target across a boundary dropped), stream (one token
-// stream, as a flat file), automatic (documents when there is an index).
-enum class packing_mode : std::uint8_t { automatic, documents, stream };
+// Where a run's tokens come from: its data (a corpus, a token file, or the passkey task when
+// none is given), or random ids (benchmarks and the planner's probes, time_steps).
+enum class token_source : std::uint8_t { data, random };
 
 // The most sequences one optimizer step accumulates.
 constexpr std::int64_t max_batch = std::int64_t{1} << 16;
+// The longest schedule: a billion steps (years at a step a second); beyond it a typo.
+constexpr std::int64_t max_train_steps = 1'000'000'000;
 
 struct train_options {
   model_config model;
@@ -38,11 +41,23 @@ struct train_options {
   enum class model_dir_weights { required, optional };
   model_dir_weights weights_in_model_dir = model_dir_weights::required;
   hf_save_options save_model;  // the saved weights' dtype and shard size
-  std::string data_path;    // a prepared corpus (PREFIX) or a flat uint32 token file; empty: the passkey task
+  // --data: a prepared corpus (PREFIX), a flat uint32 token file, or a mixture of them by
+  // weight ("A:0.7,B:0.3", parse_data_sources); empty: the passkey task.
+  std::string data_path;
+  token_source tokens = token_source::data;  // random: time_steps' ids, no task to satisfy
   packing_mode packing = packing_mode::automatic;
   std::int64_t min_doc_tokens = 0;  // documents shorter than this are left out of a corpus
+  // Data tokenized with another tokenizer than the model directory's is refused unless set.
+  bool allow_tokenizer_mismatch = false;
   std::int64_t seq_len = 128;
-  std::int64_t batch = 1;   // sequences per optimizer step (gradients accumulated)
+  std::int64_t batch = 1;   // sequences per optimizer step and replica (gradients accumulated)
+  // Data parallelism (docs/design.md section 11): dp replicas, each a CP group of cp.cp
+  // ranks reading its own sequences; ZeRO shards over all dp x cp ranks. A step takes
+  // dp x batch sequences (global_batch).
+  int dp = 1;
+  // GPUs per node, for the mesh's placement check (a CP group inside a node, or whole
+  // nodes); 0: every rank on one node.
+  int gpus_per_node = 0;
   // Short-sequence stage: steps 1..seq_warmup train on sequences of seq_warmup_start
   // tokens (0: a quarter of seq_len), the rest on seq_len; seq_warmup 0: every step at
   // seq_len.
@@ -55,15 +70,24 @@ struct train_options {
   adamw_config optim;            // optim.total_steps is --steps
   std::int64_t stop_after = 0;   // stop once this step is done; 0: at total_steps
   std::uint64_t seed = 1;
-  std::string save_dir;
+  std::string save_dir;          // the run directory: DIR/checkpoint-STEP, DIR/latest (train/run_directory.hpp)
   std::int64_t save_every = 0;
-  std::string resume_dir;
+  std::int64_t keep_last = 0;    // keep the newest N of the run's checkpoints (0: all)
+  bool keep_best = false;        // and the one of the lowest held-out loss
+  bool overwrite = false;        // remove another run's checkpoints in save_dir after the first save
+  std::string resume_dir;        // a checkpoint (a run directory's latest already resolved)
+  std::string run_config;        // the resolved configuration (TOML), written into every checkpoint
+  std::string run_id;            // empty: the resumed checkpoint's, or a new one
+  // Set by a signal handler to the signal's number: every rank finishes the step it is in,
+  // the group agrees, the run saves (with save_dir) and stops.
+  const std::atomic<int>* stop_signal = nullptr;
   backend_kind backend = backend_kind::cpu;
   memory_limits limits;
   comm_options comm;      // how real ranks talk (threads, NCCL)
   int eval_samples = 32;  // held-out passkey samples for the retrieval accuracy
   // Held-out loss during training: every eval_every steps, eval_sequences windows of the
-  // step's length from eval_data (a corpus or token file), forward only.
+  // step's length from each source of eval_data (corpora or token files, comma-separated),
+  // forward only.
   std::int64_t eval_every = 0;
   std::string eval_data;
   int eval_sequences = 4;
@@ -71,9 +95,20 @@ struct train_options {
 
 struct step_record {
   std::int64_t step = 0, seq_len = 0;
-  double epoch = 0;  // corpora: how many passes over the documents, at the step's first sequence
+  double epoch = 0;  // corpora: how many passes over the documents (a mixture: its most-read source's)
   double model_flops = 0;  // of the step's sequences, attention counted over the attended pairs only
-  std::optional<double> eval_loss;  // held-out loss after this step (--eval-every)
+  std::optional<double> eval_loss;  // held-out loss after this step (--eval-every), over every eval source
+  std::map<std::string, double> eval_losses;  // ... and per --eval-data source
+  std::int64_t targets = 0;          // the step's counted targets (its loss is their mean)
+  std::int64_t empty_sequences = 0;  // sequences whose every target is masked: they add nothing and are not run
+  bool skipped = false;              // no target in the whole step: no update (loss NaN), the data moves on
+  // Per source of --data, in its order: this step's sequences and targets, and the passes
+  // over its documents at the step's start.
+  struct source_counts {
+    std::int64_t sequences = 0, targets = 0;
+    double epoch = 0;
+  };
+  std::vector<source_counts> sources;
   double loss = 0, lr = 0, grad_norm = 0, tokens_per_s = 0, seconds = 0;
   std::map<std::string, std::size_t> peak_bytes;  // rank 0
 };
@@ -86,6 +121,9 @@ struct train_summary {
   double seconds = 0;
   double load_seconds = 0;                    // from the start until every rank holds its weights
   std::size_t arena_high_water = 0;           // rank 0's device arena, bytes
+  int stopped_by_signal = 0;                  // the signal that stopped the run early, or 0
+  std::string last_checkpoint;                // the newest checkpoint saved (empty: none)
+  std::string run_id;                         // the run's id, kept across resumes
 };
 
 // One optimizer step's memory on rank 0 of the meta backend (zero tokens, no data).
@@ -96,6 +134,9 @@ struct step_memory {
   std::size_t host_high_water = 0;   // the host arena's (checkpoints offloaded to the host)
   std::size_t workspace_at_end = 0;  // workspace tag live after the step: the libraries' cached workspaces
 };
+
+// Sequences per optimizer step over every replica: dp x batch.
+inline std::int64_t global_batch(const train_options& o) { return o.dp * o.batch; }
 
 // Checks the options as a whole (throws config_error naming the flag, the rule and a
 // valid alternative) before anything runs.
@@ -110,9 +151,9 @@ std::int64_t step_seq_len(const train_options& options, std::int64_t step);
 step_memory measure_step_memory(const train_options& options);
 
 // Timed steps for benchmarks: one warm-up step at warmup_len tokens (0: none), then
-// `repeats` steps at options.seq_len on random tokens, each timed on rank 0 between device
-// synchronizations. With `emulate`, rank 0 alone over a loopback communicator (one GPU
-// measures rank 0 of a group of options.cp.cp).
+// `repeats` steps at options.seq_len on random tokens (one sequence per replica), each timed
+// on rank 0 between device synchronizations. With `emulate`, rank 0 alone over loopback
+// communicators (one GPU measures rank 0 of a mesh of options.dp x options.cp.cp).
 struct step_timing {
   std::vector<double> seconds;  // per timed step
   std::vector<double> losses;
@@ -123,10 +164,12 @@ struct step_timing {
 };
 // Times `repeats` steps after one warm-up step of warmup_len tokens (0: none), on every rank
 // or on rank 0 alone (emulated); by_phase: also the fastest step's time by phase
-// (backend::take_phase_ms).
+// (backend::take_phase_ms). With target_fraction < 1 only the last part of each sequence
+// is a target of the loss (the shape of a fine-tuning example: a long prompt, a short
+// answer), the rest masked.
 enum class phase_timing { off, by_phase };
 step_timing time_steps(const train_options& options, std::int64_t warmup_len, int repeats, group_run ranks,
-                       phase_timing phases = phase_timing::off);
+                       phase_timing phases = phase_timing::off, double target_fraction = 1.0);
 
 // Runs training; on_step is called on rank 0 after every step (progress, metrics).
 train_summary train(const train_options& options, const std::function<void(const step_record&)>& on_step);

@@ -61,3 +61,27 @@ TEST(report_cli, bad_inputs_are_refused) {
 }
 
 }  // namespace
+
+namespace {
+
+// train --metrics-json: the loss curve, a curve per run, the held-out loss where measured.
+TEST(report_cli, plots_the_loss_curve_of_a_training_run) {
+  const auto dir = temp_dir("report_metrics");
+  const std::string metrics = (dir / "m.jsonl").string();
+  ASSERT_EQ(run_upipe("train --seq-len 64 --seq-warmup 0 --steps 6 --eval-samples 0 --cp 2 --metrics-json " + metrics)
+                .exit_code,
+            0);
+  const run_result r = run_upipe("report --out " + (dir / "plots").string() + " " + metrics);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const std::string svg = read(dir / "plots" / "loss_curve.svg");
+  EXPECT_NE(svg.find("<svg"), std::string::npos);
+  EXPECT_NE(svg.find("learning rate"), std::string::npos);
+  // A line cut short by a killed writer is named.
+  std::ofstream(metrics, std::ios::app) << "{\"step\": 7, \"lo";
+  const run_result cut = run_upipe("report --out " + (dir / "plots").string() + " " + metrics);
+  EXPECT_NE(cut.exit_code, 0);
+  EXPECT_NE(cut.output.find("line 8 is not JSON"), std::string::npos) << cut.output;
+  std::filesystem::remove_all(dir);
+}
+
+}  // namespace

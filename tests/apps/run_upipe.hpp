@@ -8,7 +8,11 @@
 #include <array>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
 #include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
 
 namespace upipe::testing {
 
@@ -43,5 +47,14 @@ inline std::filesystem::path temp_dir(const std::string& name) {
 }
 
 inline std::string source_path(const std::string& relative) { return std::string(UPIPE_SOURCE_DIR) + "/" + relative; }
+
+// A JSON-lines file (train --metrics-json): one object per non-empty line.
+inline std::vector<nlohmann::json> read_lines(const std::filesystem::path& path) {
+  std::ifstream in(path);
+  std::vector<nlohmann::json> rows;
+  for (std::string line; std::getline(in, line);)
+    if (!line.empty()) rows.push_back(nlohmann::json::parse(line));
+  return rows;
+}
 
 }  // namespace upipe::testing

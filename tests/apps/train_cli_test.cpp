@@ -14,6 +14,7 @@
 
 namespace {
 
+using upipe::testing::read_lines;
 using upipe::testing::run_result;
 using upipe::testing::run_upipe;
 using upipe::testing::run_upipe_env;
@@ -23,21 +24,14 @@ namespace fs = std::filesystem;
 
 const std::string quick = "train --seq-len 64 --steps 6 --eval-samples 2 ";
 
-std::vector<nlohmann::json> read_lines(const fs::path& path) {
-  std::ifstream in(path);
-  std::vector<nlohmann::json> rows;
-  for (std::string line; std::getline(in, line);) rows.push_back(nlohmann::json::parse(line));
-  return rows;
-}
-
 TEST(train_cli, metrics_checkpoint_and_resume) {
   const auto dir = temp_dir("train_cli");
   const run_result first = run_upipe(quick + "--stop-after 3 --save " + (dir / "ckpt").string() + " --metrics-json " +
                                      (dir / "a.jsonl").string());
   ASSERT_EQ(first.exit_code, 0) << first.output;
-  for (const char* f : {"config.json", "model.safetensors", "trainer/manifest.json", "trainer/rank-00000-of-00004.safetensors",
-                        "trainer/rank-00003-of-00004.safetensors"})
-    EXPECT_TRUE(fs::exists(dir / "ckpt" / f)) << f;
+  for (const char* f : {"config.json", "model.safetensors", "trainer/manifest.json", "trainer/run.toml",
+                        "trainer/rank-00000-of-00004.safetensors", "trainer/rank-00003-of-00004.safetensors"})
+    EXPECT_TRUE(fs::exists(dir / "ckpt" / "checkpoint-3" / f)) << f;
   const run_result second = run_upipe(quick + "--resume " + (dir / "ckpt").string() + " --metrics-json " +
                                       (dir / "b.jsonl").string());
   ASSERT_EQ(second.exit_code, 0) << second.output;
@@ -88,7 +82,7 @@ TEST(train_cli, a_data_position_that_does_not_follow_from_the_steps_is_refused) 
   const std::string data = "--data " + (dir / "tokens.bin").string() + " --batch 2 ";
   const std::string ckpt = (dir / "ckpt").string();
   ASSERT_EQ(run_upipe(quick + data + "--stop-after 3 --save " + ckpt).exit_code, 0);
-  const fs::path manifest_path = dir / "ckpt" / "trainer" / "manifest.json";
+  const fs::path manifest_path = dir / "ckpt" / "checkpoint-3" / "trainer" / "manifest.json";
   nlohmann::json manifest = nlohmann::json::parse(std::ifstream(manifest_path));
   EXPECT_EQ(manifest["data_position"], 3 * 2 * 64);  // steps x batch x tokens
   EXPECT_EQ(manifest["batch"], 2);
@@ -98,7 +92,8 @@ TEST(train_cli, a_data_position_that_does_not_follow_from_the_steps_is_refused) 
   EXPECT_EQ(other_batch.exit_code, 0) << other_batch.output;
   EXPECT_NE(other_batch.output.find("this run takes --batch 1 --seq-len 64, continuing from its data position 384"),
             std::string::npos) << other_batch.output;
-  EXPECT_EQ(nlohmann::json::parse(std::ifstream(dir / "ckpt2" / "trainer" / "manifest.json"))["data_position"], 448);
+  EXPECT_EQ(nlohmann::json::parse(std::ifstream(dir / "ckpt2" / "checkpoint-4" / "trainer" / "manifest.json"))["data_position"],
+            448);
   const run_result chained = run_upipe(one + "--stop-after 5 --resume " + ckpt + "2");
   EXPECT_EQ(chained.exit_code, 0) << chained.output;
   manifest["data_position"] = 128;
@@ -115,7 +110,7 @@ TEST(train_cli, bad_input_is_refused_and_a_saved_checkpoint_survives) {
   const fs::path ckpt = dir / "ckpt";
   ASSERT_EQ(run_upipe(quick + "--save " + ckpt.string()).exit_code, 0);
   const std::string before = [&] {
-    std::ifstream in(ckpt / "model.safetensors", std::ios::binary);
+    std::ifstream in(ckpt / "checkpoint-6" / "model.safetensors", std::ios::binary);
     return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   }();
   {
@@ -136,13 +131,14 @@ TEST(train_cli, bad_input_is_refused_and_a_saved_checkpoint_survives) {
       {"--stop-after 9", "--stop-after 9 must lie between 1 and --steps 6"},
       {"--save-every 2", "needs --save DIR"},
       {"--resume " + ckpt.string() + " --init " + ckpt.string(), "contradict each other"},
-      {"--model tiny-qwen3 --resume " + ckpt.string(), "that checkpoint is of another model"},
+      {"--model tiny-qwen3 --resume " + ckpt.string(), "differs from the run in"},
       {"--resume " + (dir / "nothing").string(), "holds no trainer/manifest.json"},
       {"--zero 1", "--zero 1 is not supported"},
       {"--attention ring --cp 4 --seq-len 60", "use --seq-len 64"},
       {"--seq-len 12", "too short for the passkey task"},
       {"--lr -1", "must be a positive number"},
-      {"--save " + (dir / "other").string(), "is not an upipe checkpoint"},
+      {"--save " + (dir / "other").string(), "is neither empty nor a run directory"},
+      {"--save " + ckpt.string(), "holds another run's checkpoints"},
       {"--save /proc/no/such/dir", "does not exist; create it first"},
       {"--comm nccl", "--comm nccl needs --backend cuda"},
       {"--comm carrier-pigeon", "unknown communicator 'carrier-pigeon'"},
@@ -166,7 +162,8 @@ TEST(train_cli, bad_input_is_refused_and_a_saved_checkpoint_survives) {
   // A full disk while saving (a 64 KiB file-size limit): a clear error, the earlier
   // checkpoint untouched and no temporary directory left behind.
   const std::string limited = "sh -c 'ulimit -f 64; exec " + std::string(UPIPE_BINARY) +
-                              " train --seq-len 64 --steps 2 --eval-samples 0 --save " + ckpt.string() + "' 2>&1";
+                              " train --seq-len 64 --steps 2 --eval-samples 0 --overwrite --save " + ckpt.string() +
+                              "' 2>&1";
   FILE* pipe = popen(limited.c_str(), "r");
   std::string output;
   char buffer[4096];
@@ -174,10 +171,11 @@ TEST(train_cli, bad_input_is_refused_and_a_saved_checkpoint_survives) {
   const int status = pclose(pipe);
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) != 0) << output;
   EXPECT_NE(output.find("File too large"), std::string::npos) << output;
-  std::ifstream after(ckpt / "model.safetensors", std::ios::binary);
+  std::ifstream after(ckpt / "checkpoint-6" / "model.safetensors", std::ios::binary);
   EXPECT_EQ(std::string((std::istreambuf_iterator<char>(after)), std::istreambuf_iterator<char>()), before);
-  for (const auto& entry : fs::directory_iterator(dir))
-    EXPECT_EQ(entry.path().filename().string().find(".tmp-"), std::string::npos) << entry.path();
+  for (const fs::path& where : {dir, ckpt})
+    for (const auto& entry : fs::directory_iterator(where))
+      EXPECT_EQ(entry.path().filename().string().find(".tmp-"), std::string::npos) << entry.path();
   fs::remove_all(dir);
 }
 
@@ -248,29 +246,30 @@ TEST(train_cli, a_model_directory_in_and_out) {
   const run_result first = run_upipe(common + "--model " + hf_fixture("llama-yarn-shards") + " --stop-after 2 --save " +
                                      out.string());
   ASSERT_EQ(first.exit_code, 0) << first.output;
+  const fs::path saved = out / "checkpoint-2";
   for (const char* f : {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
                         "generation_config.json", "trainer/manifest.json", "trainer/rank-00000-of-00002.safetensors",
                         "trainer/rank-00001-of-00002.safetensors"})
-    EXPECT_TRUE(fs::exists(out / f)) << f;
-  EXPECT_FALSE(fs::exists(out / "optimizer.safetensors"));
-  const auto config = read_json(out / "config.json");
+    EXPECT_TRUE(fs::exists(saved / f)) << f;
+  EXPECT_FALSE(fs::exists(saved / "optimizer.safetensors"));
+  const auto config = read_json(saved / "config.json");
   EXPECT_EQ(config["fixture_note"], "kept");
   EXPECT_EQ(config["bos_token_id"], 1);
   EXPECT_EQ(config["dtype"], "bfloat16");
   EXPECT_EQ(config["rope_parameters"]["rope_type"], "yarn");
-  const auto manifest = read_json(out / "trainer" / "manifest.json");
+  const auto manifest = read_json(saved / "trainer" / "manifest.json");
   EXPECT_EQ(manifest["ranks"], 2);
   EXPECT_EQ(manifest["step"], 2);
   // The weights are bf16, like the input's.
-  EXPECT_EQ(upipe::safetensors_view((out / "model.safetensors").string()).find("model.norm.weight")->dtype, "BF16");
+  EXPECT_EQ(upipe::safetensors_view((saved / "model.safetensors").string()).find("model.norm.weight")->dtype, "BF16");
   // A user's file survives the resumed run's save; the resume needs no --model.
   std::ofstream(out / "NOTES.md") << "mine";
   const run_result second = run_upipe(data + "--cp 4 --zero 3 --resume " + out.string() + " --save " + out.string());
   ASSERT_EQ(second.exit_code, 0) << second.output;
   EXPECT_TRUE(fs::exists(out / "NOTES.md"));
-  EXPECT_EQ(read_json(out / "trainer" / "manifest.json")["step"], 4);
-  EXPECT_EQ(read_json(out / "trainer" / "manifest.json")["ranks"], 4);
-  EXPECT_EQ(read_json(out / "config.json")["fixture_note"], "kept");
+  EXPECT_EQ(read_json(out / "checkpoint-4" / "trainer" / "manifest.json")["step"], 4);
+  EXPECT_EQ(read_json(out / "checkpoint-4" / "trainer" / "manifest.json")["ranks"], 4);
+  EXPECT_EQ(read_json(out / "checkpoint-4" / "config.json")["fixture_note"], "kept");
   // Export: fp32, no trainer state.
   const run_result exported = run_upipe("export " + out.string() + " " + (dir / "exported").string());
   ASSERT_EQ(exported.exit_code, 0) << exported.output;
@@ -283,8 +282,8 @@ TEST(train_cli, a_model_directory_in_and_out) {
   const run_result init = run_upipe(common + "--init " + hf_fixture("qwen3-tied") + " --save " + (dir / "q").string() +
                                     " --max-shard-size 100KB");
   ASSERT_EQ(init.exit_code, 0) << init.output;
-  EXPECT_TRUE(fs::exists(dir / "q" / "model.safetensors.index.json"));
-  EXPECT_EQ(read_json(dir / "q" / "config.json")["model_type"], "qwen3");
+  EXPECT_TRUE(fs::exists(dir / "q" / "checkpoint-4" / "model.safetensors.index.json"));
+  EXPECT_EQ(read_json(dir / "q" / "checkpoint-4" / "config.json")["model_type"], "qwen3");
   EXPECT_EQ(run_upipe(common + "--config " + hf_fixture("llama-fp16-linear") + " --init " +
                       hf_fixture("llama-fp16-linear")).exit_code, 0);
   fs::remove_all(dir);
@@ -319,7 +318,7 @@ TEST(train_cli, bad_model_directories_and_flags_are_refused_before_step_one) {
       {"--rope-scaling type=yarn,factor=x", "is not a number"},
       {"--rope-theta -5", "--rope-theta"},
       {"--save " + (dir / "data.bin").string(), "is not a directory"},
-      {"--resume " + (dir / "ckpt").string() + " --data " + (dir / "other.bin").string(), "it was trained on --data"},
+      {"--resume " + (dir / "ckpt").string() + " --data " + (dir / "other.bin").string(), "differs from the run in"},
   };
   for (const auto& [args, message] : cases) {
     const run_result r = run_upipe(common + (args.find("--data") == std::string::npos ? data : "") + args);
@@ -333,7 +332,7 @@ TEST(train_cli, bad_model_directories_and_flags_are_refused_before_step_one) {
   const run_result wide = run_upipe("train --seq-len 64 --steps 4 --eval-samples 0 --data " + (dir / "int64.bin").string());
   EXPECT_EQ(wide.exit_code, 2) << wide.output;
   // The checkpoint the refused resume named is untouched.
-  EXPECT_EQ(read_json(dir / "ckpt" / "trainer" / "manifest.json")["step"], 2);
+  EXPECT_EQ(read_json(dir / "ckpt" / "checkpoint-2" / "trainer" / "manifest.json")["step"], 2);
   fs::remove_all(dir);
 }
 
@@ -427,9 +426,10 @@ TEST(eval_cli, bad_needle_requests_are_refused_before_any_length_runs) {
 // lengths finished so far in the JSON, marked interrupted.
 TEST(eval_cli, ctrl_c_keeps_what_was_scored) {
   const auto dir = temp_dir("eval_interrupt");
-  write_tokens(dir / "data.bin", 4096, 256);
+  // 1024 windows of 1K tokens, each scored once: minutes of work, interrupted after seconds.
+  write_tokens(dir / "data.bin", 1 << 20, 256);
   const std::string eval = std::string(UPIPE_BINARY) + " eval --model " + hf_fixture("llama-yarn-shards") + " --data " +
-                           (dir / "data.bin").string() + " --seq-len 1K --samples 100000 --json " +
+                           (dir / "data.bin").string() + " --seq-len 1K --samples 1024 --json " +
                            (dir / "e.json").string();
   const std::string script = eval + " >" + (dir / "out.txt").string() + " 2>&1 & p=$!; sleep 3; kill -INT $p; wait $p; "
                              "echo $? >" + (dir / "rc.txt").string();

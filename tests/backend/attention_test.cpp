@@ -11,6 +11,7 @@
 #include <functional>
 #include <limits>
 #include <random>
+#include <span>
 #include <vector>
 
 #include "backend/backend.hpp"
@@ -276,6 +277,47 @@ TEST(sdpa_backward, matches_reference_gradients) {
     }
 }
 
+// A sliding window at the rows' global indices, alone and with packed documents, under
+// both masks: each query sees only the keys its window and its document allow.
+TEST(sdpa, a_sliding_window_keeps_the_last_w_keys_of_each_query) {
+  auto be = make_test_backend();
+  struct windowed {
+    attn_mask mask;
+    std::int64_t sq, skv, q_first, k_first, window;
+    std::vector<std::int64_t> starts;
+  };
+  const windowed cases[] = {{attn_mask::causal, 33, 33, 20, 20, 7, {}},
+                            {attn_mask::causal, 33, 33, 20, 20, 7, {0, 25, 40}},
+                            {attn_mask::causal, 33, 33, 0, 0, 2, {}},
+                            {attn_mask::none, 17, 23, 40, 10, 35, {}},
+                            {attn_mask::none, 17, 23, 40, 10, 35, {0, 12, 60}},
+                            {attn_mask::none, 17, 23, 30, 10, 64, {}}};
+  std::uint32_t seed = 600;
+  for (const windowed& w : cases) {
+    const document_mask rows{w.starts, w.q_first, w.k_first};
+    const visibility vis = [&](std::int64_t i, std::int64_t j) {
+      const std::int64_t gq = w.q_first + i, gk = w.k_first + j;
+      const bool masked = w.mask == attn_mask::causal ? j <= i : true;
+      return masked && gk > gq - w.window && gk >= rows.start_of(gq);
+    };
+    attention_problem p = make_problem(*be, w.sq, w.skv, 4, 2, 16, seed++);
+    ops::sdpa_forward(*be, {p.q.view, p.k.view, p.v.view, p.out.view, p.lse.view, w.mask, p.scale, rows, w.window});
+    const reference r = reference_forward(to_array(p.q.view), to_array(p.k.view), to_array(p.v.view), p.scale, vis);
+    EXPECT_LT(rel_error(p.out.view, r.out), 1e-5) << "case " << seed;
+    EXPECT_LT(rel_error(p.lse.view, r.lse), 1e-5) << "case " << seed;
+    backward_buffers b = make_backward_buffers(*be, p, seed + 50);
+    sdpa_backward_args args = backward_args(p, b, p.k.view, p.v.view, b.d_k.view, b.d_v.view, w.mask);
+    args.documents = rows;
+    args.window = w.window;
+    ops::sdpa_backward(*be, args);
+    const reference_grads g = reference_backward(to_array(p.q.view), to_array(p.k.view), to_array(p.v.view),
+                                                 to_array(b.d_out.view), p.scale, vis);
+    EXPECT_LT(rel_error(b.d_q.view, g.d_q), 1e-5) << "case " << seed;
+    EXPECT_LT(rel_error(b.d_k.view, g.d_k), 1e-5) << "case " << seed;
+    EXPECT_LT(rel_error(b.d_v.view, g.d_v), 1e-5) << "case " << seed;
+  }
+}
+
 // loss = sum(w * out) in fp64, out recomputed by the reference from (possibly nudged) inputs.
 double loss(const array3& q, const array3& k, const array3& v, const array3& w, double scale) {
   const reference r = reference_forward(q, k, v, scale, causal_visible);
@@ -438,6 +480,36 @@ TEST(document_mask, blocks_share_a_document_only_where_a_pair_does) {
   EXPECT_TRUE(mask(8, 8).shares_document(8, 8));     // the causal diagonal always does
   const document_mask one_document{{}, 40, 0};
   EXPECT_TRUE(one_document.shares_document(8, 8));  // one document: every past block
+}
+
+// With a window, a block is skipped exactly when no (query, key) pair of it lies within the
+// window and a document: shares_document and first_key against every pair, brute force.
+TEST(document_mask, a_window_reaches_exactly_the_pairs_it_allows) {
+  const std::vector<std::int64_t> starts = {0, 10, 12, 30};
+  for (const bool documents : {false, true})
+    for (const std::int64_t window : {1, 3, 8, 20, 100})
+      for (std::int64_t q_first = 0; q_first < 40; q_first += 4)
+        for (std::int64_t k_first = 0; k_first <= q_first; k_first += 4) {
+          const document_mask m{documents ? std::span<const std::int64_t>(starts) : std::span<const std::int64_t>(),
+                                q_first, k_first};
+          const std::int64_t sq = 8, skv = 8;
+          bool any = false;
+          for (std::int64_t i = 0; i < sq; ++i) {
+            const std::int64_t gq = q_first + i;
+            std::int64_t first = skv;
+            for (std::int64_t j = skv - 1; j >= 0; --j) {
+              const std::int64_t gk = k_first + j;
+              if (gk <= gq && gk > gq - window && gk >= m.start_of(gq)) first = j;
+            }
+            const std::int64_t last = std::min(skv, gq - k_first + 1);  // keys not after the query
+            if (first < last) {
+              any = true;
+              EXPECT_EQ(m.first_key(i, window), first) << "q " << gq << " W " << window;
+            }
+          }
+          EXPECT_EQ(m.shares_document(sq, skv, window), any)
+              << "q " << q_first << " k " << k_first << " W " << window << " documents " << documents;
+        }
 }
 
 }  // namespace

@@ -114,6 +114,18 @@ TEST(attention_config, sequence_chunk_refusals_name_rule_and_alternative) {
   expect_refused(c, "--overlap-comm applies to unchunked stages; leave it out with --seq-chunks 2");
 }
 
+TEST(attention_config, a_window_is_zero_or_a_key_count) {
+  attention_config c = base();
+  c.window = -1;
+  expect_refused(c, "sliding window W = -1 is invalid");
+  expect_refused(c, "--window 4096");
+  for (const std::int64_t w : {0, 1, 63, 64, 1000}) {
+    c.window = w;
+    validate(c);
+    EXPECT_EQ(c.windowed(), w > 0 && w < c.seq_len) << w;
+  }
+}
+
 TEST(attention_config, parse_names) {
   EXPECT_EQ(parse_strategy_kind("ring"), strategy_kind::ring);
   EXPECT_THROW(parse_strategy_kind("zigzag"), config_error);

@@ -43,12 +43,19 @@ struct attention_case {
   attn_mask mask;
   bool strided;          // head blocks of buffers with spare heads on both sides
   bool head_major_lse;   // lse stored (heads, tokens) rather than (tokens, heads)
+  std::int64_t window = 0;                // a sliding window (0: none)
+  std::int64_t q_first = 0, k_first = 0;  // the rows' global indices, which the window reads
+  std::vector<std::int64_t> documents;    // packed documents' starts (empty: one)
 };
 
 std::string name_of(const attention_case& c) {
   return "sq " + std::to_string(c.sq) + " skv " + std::to_string(c.skv) + " hq " + std::to_string(c.hq) + " hk " +
          std::to_string(c.hk) + " d " + std::to_string(c.d) + (c.mask == attn_mask::causal ? " causal" : " unmasked") +
-         (c.strided ? " strided" : " dense") + (c.head_major_lse ? " head-major lse" : " token-major lse");
+         (c.strided ? " strided" : " dense") + (c.head_major_lse ? " head-major lse" : " token-major lse") +
+         (c.window > 0 ? " window " + std::to_string(c.window) + " q at " + std::to_string(c.q_first) + " k at " +
+                             std::to_string(c.k_first)
+                       : std::string()) +
+         (c.documents.empty() ? std::string() : " " + std::to_string(c.documents.size()) + " documents");
 }
 
 // A (tokens, heads, dim) view inside its buffer: heads [1, 1 + heads) of heads + 3 when
@@ -128,7 +135,8 @@ host_inputs make_inputs(const attention_case& c, std::uint32_t seed) {
 // Forward, then backward from this backend's own out and lse, as training runs them.
 void run_attention(backend& be, const attention_run& r, const attention_case& c) {
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(c.d)));
-  ops::sdpa_forward(be, {r.q.view, r.k.view, r.v.view, r.out.view, r.lse.view, c.mask, scale});
+  const document_mask rows{c.documents, c.q_first, c.k_first};
+  ops::sdpa_forward(be, {r.q.view, r.k.view, r.v.view, r.out.view, r.lse.view, c.mask, scale, rows, c.window});
   sdpa_backward_args b;
   b.q = r.q.view;
   b.k = r.k.view;
@@ -141,6 +149,8 @@ void run_attention(backend& be, const attention_run& r, const attention_case& c)
   b.d_v = r.d_v.view;
   b.mask = c.mask;
   b.scale = scale;
+  b.documents = rows;
+  b.window = c.window;
   ops::sdpa_backward(be, b);
   be.synchronize();
 }
@@ -176,7 +186,8 @@ comparison compare(backend& gpu, const heads_buffer& got, backend& cpu, const he
         const auto i = static_cast<std::size_t>(index_of(got, t, h, x));
         const auto j = static_cast<std::size_t>(index_of(want, t, h, x));
         in_view[i] = true;
-        const double diff = std::abs(static_cast<double>(a[i]) - b[j]);
+        // Equal values (a row that sees no key: lse -inf on both) differ by nothing.
+        const double diff = a[i] == b[j] ? 0.0 : std::abs(static_cast<double>(a[i]) - b[j]);
         c.max_abs = std::isnan(diff) ? std::numeric_limits<double>::infinity() : std::max(c.max_abs, diff);
         c.max_ref = std::max(c.max_ref, std::abs(static_cast<double>(b[j])));
       }
@@ -229,6 +240,29 @@ TEST(gpu_sdpa, matches_the_cpu_backend) {
       {1000, 1000, 4, 4, 128, attn_mask::none, true, true},
   };
   std::uint32_t seed = 1;
+  for (const attention_case& c : cases) check_case(*gpu, *cpu, c, seed++);
+}
+
+// Sliding windows through cuDNN's diagonal band: a causal band, a window longer than the
+// rows (no band), blocks of the past whose band starts inside the keys, whose first keys
+// no query reaches (cut) and whose later queries reach none (zeroed), one with more queries
+// than keys (split, as cuDNN wants s_q <= s_kv under a band), beyond 1024 keys (cuDNN
+// 9.14.0 refuses a left bound without a right one there), and a window over packed
+// documents.
+TEST(gpu_sdpa, sliding_windows_match_the_cpu_backend) {
+  if (!have_gpu()) GTEST_SKIP() << "no GPU";
+  auto gpu = make_backend(backend_kind::cuda, gpu_limits());
+  auto cpu = make_cpu_backend(cpu_limits());
+  const attention_case cases[] = {
+      {1000, 1000, 8, 2, 128, attn_mask::causal, true, false, 300, 0, 0, {}},
+      {512, 512, 4, 4, 64, attn_mask::causal, false, true, 4096, 512, 512, {}},
+      {1000, 1500, 8, 2, 128, attn_mask::none, true, false, 2000, 3000, 1500, {}},
+      {1000, 1000, 8, 1, 64, attn_mask::none, false, false, 1500, 2000, 0, {}},
+      {1200, 800, 4, 2, 128, attn_mask::none, false, true, 1500, 1000, 0, {}},
+      {1000, 1000, 8, 2, 64, attn_mask::causal, true, false, 200, 0, 0, {0, 100, 101, 650}},
+      {600, 600, 4, 2, 64, attn_mask::none, false, false, 450, 1200, 600, {0, 900, 1500}},
+  };
+  std::uint32_t seed = 40;
   for (const attention_case& c : cases) check_case(*gpu, *cpu, c, seed++);
 }
 

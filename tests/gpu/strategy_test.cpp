@@ -110,6 +110,37 @@ TEST(gpu_strategies, packed_documents_match_the_reference) {
     }
 }
 
+// A sliding window under every strategy on virtual ranks: cuDNN's diagonal band after
+// Ulysses' and UPipe's all-to-all, ring's and hybrid's skipped steps with their banded past
+// blocks, the chunked strategies' skipped parts; W shorter than a ring chunk and longer
+// than a shard, packed documents on one; against the float64 reference.
+TEST(gpu_strategies, sliding_windows_match_the_reference) {
+  if (!have_gpu()) GTEST_SKIP() << "no GPU";
+  struct windowed {
+    strategy_kind kind;
+    int cp, ring, seq_chunks;
+  };
+  const windowed cases[] = {{strategy_kind::ulysses, 4, 1, 0}, {strategy_kind::upipe, 4, 1, 0},
+                            {strategy_kind::ring, 4, 1, 0},    {strategy_kind::hybrid, 4, 2, 0},
+                            {strategy_kind::fpdt, 2, 1, 3},    {strategy_kind::upipe, 2, 1, 4}};
+  for (const windowed& w : cases)
+    for (const std::int64_t window : {40, 100, 300}) {
+      attention_config c{.seq_len = 512, .heads = 8, .kv_heads = 2, .head_dim = 64, .model_dim = 256, .cp = w.cp,
+                         .head_chunk = 0, .ring = w.ring, .seq_chunks = w.seq_chunks, .strategy = w.kind};
+      c.window = window;
+      experiment_options o;
+      o.backend = backend_kind::cuda;
+      o.limits = {std::size_t{1} << 30, std::size_t{64} << 20};
+      if (window == 100) o.documents = {0, 1, 64, 200, 201, 333, 384};
+      const experiment_result r = run_attention_experiment(c, o);
+      ASSERT_TRUE(r.max_rel_error.has_value());
+      for (const auto& [name, e] : r.rel_error)
+        EXPECT_LT(e, bf16_tolerance) << strategy_name(w.kind) << " C=" << w.cp << " W=" << window << " " << name;
+      EXPECT_EQ(r.attention_forward_peak, r.plan_forward_peak);
+      EXPECT_EQ(r.attention_backward_peak, r.plan_backward_peak);
+    }
+}
+
 // Checkpoints on the device, and in pinned or pageable host memory through the copy
 // stream (offload while the layer runs, prefetch during the previous layer's backward;
 // pageable through the bounce buffers).

@@ -112,8 +112,14 @@ const expected_preset expected_presets[] = {
     {"llama3.2-3b", model_family::llama, 128256, 3072, 8192, 28, 24, 8, 128, 1e-5, 500000, 32, 8192, true},
     {"qwen3-8b", model_family::qwen3, 151936, 4096, 12288, 36, 32, 8, 128, 1e-6, 1000000, 0, 0, false},
     {"qwen3-32b", model_family::qwen3, 151936, 5120, 25600, 64, 64, 8, 128, 1e-6, 1000000, 0, 0, false},
+    {"qwen2.5-7b", model_family::qwen2, 152064, 3584, 18944, 28, 28, 4, 128, 1e-6, 1000000, 0, 0, false},
+    {"mistral-7b", model_family::mistral, 32000, 4096, 14336, 32, 32, 8, 128, 1e-5, 10000, 0, 0, false},
+    {"gemma3-4b", model_family::gemma3, 262208, 2560, 10240, 34, 8, 4, 256, 1e-6, 1000000, 8, 0, true},
+    {"gemma3-12b", model_family::gemma3, 262208, 3840, 15360, 48, 16, 8, 256, 1e-6, 1000000, 8, 0, true},
+    {"gemma3-27b", model_family::gemma3, 262208, 5376, 21504, 62, 32, 16, 128, 1e-6, 1000000, 8, 0, true},
     {"tiny-llama", model_family::llama, 256, 64, 160, 2, 4, 2, 16, 1e-5, 10000, 8, 32, false},
     {"tiny-qwen3", model_family::qwen3, 256, 64, 96, 2, 4, 2, 32, 1e-6, 10000, 0, 0, true},
+    {"tiny-gemma3", model_family::gemma3, 256, 64, 96, 3, 4, 2, 16, 1e-6, 1000000, 8, 0, true},
 };
 
 TEST(model_config, preset_names_are_the_documented_ones) {
@@ -139,14 +145,14 @@ TEST(model_config, every_preset_validates_with_the_published_shapes) {
     EXPECT_EQ(c.rms_norm_eps, e.eps);
     EXPECT_EQ(c.rope.theta, e.theta);
     EXPECT_EQ(c.rope.scaling.enabled(), e.factor > 0);
-    if (e.factor > 0) {
-      EXPECT_EQ(c.rope.scaling.factor, e.factor);
+    if (e.factor > 0) EXPECT_EQ(c.rope.scaling.factor, e.factor);
+    if (c.rope.scaling.kind == rope_kind::llama3) {
       EXPECT_EQ(c.rope.scaling.low_freq_factor, 1.0);
       EXPECT_EQ(c.rope.scaling.high_freq_factor, 4.0);
       EXPECT_EQ(c.rope.scaling.original_max_position, e.original_max_position);
     }
     EXPECT_EQ(c.tie_embeddings, e.tied);
-    EXPECT_EQ(c.qk_norm, e.family == model_family::qwen3);
+    EXPECT_EQ(c.qk_norm, e.family == model_family::qwen3 || e.family == model_family::gemma3);
     EXPECT_EQ(c.parameter_count(), sum_of_specs(c));
   }
 }
@@ -160,6 +166,9 @@ TEST(model_config, parameter_totals_match_the_published_models) {
   EXPECT_EQ(preset("llama3-70b").parameter_count(), 70'553'706'496);
   EXPECT_EQ(preset("llama3.2-3b").parameter_count(), 3'212'749'824);
   EXPECT_EQ(preset("qwen3-32b").parameter_count(), 32'762'123'264);
+  // Qwen2.5-7B with its q/k/v biases and Mistral-7B-v0.1, as their safetensors indexes total.
+  EXPECT_EQ(preset("qwen2.5-7b").parameter_count(), 7'615'616'512);
+  EXPECT_EQ(preset("mistral-7b").parameter_count(), 7'241'732'096);
   for (const std::string& name : preset_names()) {
     SCOPED_TRACE(name);
     const model_config c = preset(name);
@@ -506,8 +515,10 @@ TEST_F(model_config_files, missing_or_mistyped_fields_are_named) {
 }
 
 TEST_F(model_config_files, unsupported_configurations_are_config_errors) {
-  std::string file = write_file("mistral.json", small_config("mistral", {}));
-  expect_error<config_error>([&] { read_hf_config(file); }, {"mistral", "llama", "qwen3"});
+  std::string file = write_file("gemma2.json", small_config("gemma2", {}));
+  expect_error<config_error>([&] { read_hf_config(file); }, {"gemma2", "llama", "qwen3", "mistral", "gemma3_text"});
+  file = write_file("gemma3.json", small_config("gemma3", {}));
+  expect_error<config_error>([&] { read_hf_config(file); }, {"gemma3", "gemma3_text", "Gemma3ForCausalLM"});
   file = write_file("longrope.json", small_config("qwen3", {{"rope_scaling",
                                                              {{"rope_type", "longrope"},
                                                               {"factor", 4.0},
@@ -517,10 +528,17 @@ TEST_F(model_config_files, unsupported_configurations_are_config_errors) {
   expect_error<config_error>([&] { read_hf_config(file); }, {"num_hidden_layers", "-2", "positive"});
   file = write_file("gqa.json", small_config("llama", {{"num_key_value_heads", 3}}));
   expect_error<config_error>([&] { read_hf_config(file); }, {"K = 3", "H = 4", "for example K = 2"});
-  file = write_file("bias.json", small_config("llama", {{"attention_bias", true}}));
+  file = write_file("bias.json", small_config("mistral", {{"attention_bias", true}}));
   expect_error<config_error>([&] { read_hf_config(file); }, {"attention_bias"});
   file = write_file("gelu.json", small_config("llama", {{"hidden_act", "gelu"}}));
-  expect_error<config_error>([&] { read_hf_config(file); }, {"gelu", "silu"});
+  expect_error<config_error>([&] { read_hf_config(file); }, {"gelu", "silu", "gelu_pytorch_tanh"});
+  file = write_file("softcap.json", small_config("gemma3_text", {{"final_logit_softcapping", 30.0}}));
+  expect_error<config_error>([&] { read_hf_config(file); }, {"final_logit_softcapping", "null"});
+  file = write_file("partial.json", small_config("phi3", {{"partial_rotary_factor", 0.75}}));
+  expect_error<config_error>([&] { read_hf_config(file); }, {"partial_rotary_factor", "1.0"});
+  file = write_file("types.json", small_config("qwen2", {{"use_sliding_window", true}, {"sliding_window", 8},
+                                                         {"layer_types", {"full_attention", "chunked_attention"}}}));
+  expect_error<config_error>([&] { read_hf_config(file); }, {"chunked_attention", "sliding_attention"});
 }
 
 TEST(model_config, validate_names_value_rule_and_alternative) {

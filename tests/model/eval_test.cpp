@@ -79,6 +79,30 @@ INSTANTIATE_TEST_SUITE_P(models, eval_positions,
                            return name;
                          });
 
+// A chat corpus's loss mask in evaluation: the loss of each target the mask keeps equals
+// transformers' on its row alone, and every other is not scored (tests/golden/hf/llama-chat).
+TEST(eval_masked, only_the_targets_of_the_loss_mask_are_scored) {
+  const std::string dir = std::string(UPIPE_SOURCE_DIR) + "/tests/golden/hf/llama-chat";
+  const model_config config = read_hf_config(dir);
+  const hf_model_files files(dir, config);
+  const auto chat = read_json(dir + "/chat.json");
+  eval_sequence packed{chat["tokens"].get<std::vector<std::int32_t>>(), chat["starts"].get<std::vector<std::int64_t>>(),
+                       {}};
+  packed.targets = chat["mask"].get<std::vector<std::uint8_t>>();
+  for (auto [kind, cp] : {std::pair{strategy_kind::upipe, 2}, std::pair{strategy_kind::ring, 4}}) {
+    SCOPED_TRACE(std::string(strategy_name(kind)) + " C=" + std::to_string(cp));
+    model_step_request req;
+    req.model = config;
+    req.cp = {kind, cp, 0};
+    req.options.loss_chunk = 7;
+    req.limits = {std::size_t{256} << 20, std::size_t{64} << 20};
+    const eval_result r = evaluate(req, files, {packed});
+    EXPECT_LT(per_target_error(r.target_loss.at(0), chat["per_target_loss"]), 1e-5);
+    std::int64_t scored = 0;
+    for (const float loss : r.target_loss[0]) scored += std::isnan(loss) ? 0 : 1;
+    EXPECT_EQ(scored, chat["targets"].get<std::int64_t>());
+  }
+}
 
 model_step_request tiny_request(const model_config& config, strategy_kind kind, int cp, int u) {
   model_step_request req;

@@ -1,10 +1,13 @@
 // LoRA against PEFT: the loss and every adapter gradient of upipe's LoRA step equal those
-// of PEFT on transformers (fp32, CPU) for a tiny Llama (Llama 3 RoPE, untied head) and a
-// tiny Qwen3 (q/k norm, tied head), r = 4 and alpha = 7 on all seven projections, with a
-// non-zero B, under cp = 1, 2 and 4 and every strategy: Ulysses, UPipe at every valid U
-// (whose stages take B's rows of their own heads), ring and hybrid 2 x 2 (and 4 x 1). The
-// reference files come from scripts/make_lora_fixtures.py (tests/golden/lora/); the base
-// weights are those of tests/golden/<model>/. A frozen base has no gradient buffer and
+// of PEFT on transformers (CPU) for a tiny Llama (Llama 3 RoPE, untied head), a tiny Qwen3
+// (q/k norm, tied head) and each family of scripts/make_family_fixtures.py (Qwen2's biases
+// and windows, Mistral's window, Phi-3's fused qkv_proj and gate_up_proj adapted whole,
+// Gemma 3), r = 4 and alpha = 7 on every projection, with a non-zero B, under cp = 1, 2 and
+// 4 and every strategy: Ulysses, UPipe at every valid U (whose stages take B's rows of
+// their own heads), ring and hybrid 2 x 2 (and 4 x 1). The reference files come from
+// scripts/make_lora_fixtures.py and scripts/make_family_fixtures.py (tests/golden/lora/);
+// the base weights are those of tests/golden/<model>/ (tests/golden/hf/<model>/ for the
+// families). A frozen base has no gradient buffer and
 // runs no weight-gradient GEMM: counted on the meta backend.
 #include <gtest/gtest.h>
 
@@ -33,7 +36,8 @@ struct lora_case {
 
 lora_case load(const std::string& name) {
   const std::string dir = std::string(UPIPE_SOURCE_DIR) + "/tests/golden/lora/" + name;
-  const std::string base = std::string(UPIPE_SOURCE_DIR) + "/tests/golden/" + name;
+  const bool tiny = name.rfind("tiny-", 0) == 0;  // a preset's fixture; the families' bases are HF directories
+  const std::string base = std::string(UPIPE_SOURCE_DIR) + "/tests/golden/" + (tiny ? "" : "hf/") + name;
   lora_case c;
   c.config = read_hf_config(base + "/config.json");
   c.weights = read_weights(c.config, base);
@@ -128,10 +132,13 @@ TEST_P(lora_golden, sequence_chunks_keep_the_adapters) {
 // tiles (the stage plans know it); every strategy gives the single device's gradients.
 TEST_P(lora_golden, a_projection_that_trains_nothing_skips_its_input_tiles) {
   lora_case c = load(GetParam());
-  c.lora = parse_lora("r=4,alpha=7,targets=q,v", c.config);
+  // Where q, k and v are one module (Phi-3) they train together: o and down only there.
+  const bool fused = c.config.traits().qkv_fused != nullptr;
+  c.lora = parse_lora(fused ? "r=4,alpha=7,targets=o,down" : "r=4,alpha=7,targets=q,v", c.config);
+  const std::string kept[2] = {fused ? "o_proj" : "q_proj", fused ? "down_proj" : "v_proj"};
   host_weights adapters;
   for (const auto& [name, values] : c.adapters)
-    if (name.find("q_proj") != std::string::npos || name.find("v_proj") != std::string::npos) adapters[name] = values;
+    if (name.find(kept[0]) != std::string::npos || name.find(kept[1]) != std::string::npos) adapters[name] = values;
   c.adapters = adapters;
   const model_step_result one = run_model_step(request(c, strategy_kind::ulysses, 1, 0), c.weights, c.tokens, c.adapters);
   ASSERT_FALSE(one.grads.empty());
@@ -158,7 +165,10 @@ TEST_P(lora_golden, checkpoint_policies_keep_the_adapters) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(models, lora_golden, ::testing::Values("tiny-llama", "tiny-qwen3"), [](const auto& info) {
+INSTANTIATE_TEST_SUITE_P(models, lora_golden,
+                         ::testing::Values("tiny-llama", "tiny-qwen3", "qwen2-bias", "qwen2-window", "mistral-window",
+                                           "phi3-fused", "gemma3-text"),
+                         [](const auto& info) {
   std::string name = info.param;
   for (char& ch : name)
     if (ch == '-') ch = '_';

@@ -71,6 +71,35 @@ TEST(step_time, the_collectives_take_the_links_of_the_mesh) {
   EXPECT_GT(across.zero, inside.zero);
 }
 
+TEST(step_time, data_parallel_collectives_take_the_link_they_cross) {
+  throughput_rates rates;
+  // ZeRO-3 over D x C ranks in two levels: the CP group's share (C - 1) / C of every
+  // gather and reduce-scatter, then its 1/C of the unit across the D replicas.
+  step_time_request r = request("llama3-8b", strategy_kind::upipe, 4, 8, 128 << 10);
+  r.zero = zero_stage::three;
+  const model_config& m = r.model;
+  const double D = m.hidden_size, d = m.head_dim;
+  const double layer = D * d * (2 * m.num_heads + 2 * m.num_kv_heads) + 3 * D * m.intermediate_size;
+  const double weights = m.num_layers * layer + 2 * D * static_cast<double>(m.vocab_size);
+  const double bytes = (2 * 2 + 4) * weights;  // bf16 gathered twice, f32 reduced once
+  const double nvlink = rates.nvlink_gbytes * 1e9, network = rates.network_gbits / 8 * 1e9;
+  const step_time alone = estimate_step_time(r, rates);
+  EXPECT_NEAR(alone.zero, bytes * 3 / 4 / nvlink, 1e-9 * alone.zero);
+  EXPECT_EQ(alone.data_parallel, 0);
+  // Two replicas in one node of 8: the second level over NVLink; the CP group's unchanged.
+  r.dp = 2;
+  const step_time two = estimate_step_time(r, rates);
+  EXPECT_DOUBLE_EQ(two.zero, alone.zero);
+  EXPECT_NEAR(two.data_parallel, bytes / 2 / 4 / nvlink, 1e-9 * two.data_parallel);
+  // Four replicas over two nodes: across them at the network's pace.
+  r.dp = 4;
+  const step_time four = estimate_step_time(r, rates);
+  EXPECT_NEAR(four.data_parallel, bytes * 3 / 4 / 4 / network, 1e-9 * four.data_parallel);
+  // The compute is a replica's whatever D.
+  EXPECT_DOUBLE_EQ(four.gemm, alone.gemm);
+  EXPECT_DOUBLE_EQ(four.attention, alone.attention);
+}
+
 TEST(step_time, host_copies_count_the_chunks_and_the_checkpoints) {
   throughput_rates rates;
   step_time_request r = request("llama3-8b", strategy_kind::upipe, 8, 8, 1 << 20);
@@ -84,6 +113,37 @@ TEST(step_time, host_copies_count_the_chunks_and_the_checkpoints) {
   const double s = (1 << 20) / 8.0;
   EXPECT_NEAR(with_checkpoints - chunks, 2 * 31 * s * r.model.hidden_size * 2 / (rates.pcie_gbytes * 1e9),
               1e-9 * with_checkpoints);
+}
+
+}  // namespace
+}  // namespace upipe
+
+namespace upipe {
+namespace {
+
+// A sliding window caps the attention: its compute is the window's pairs (S W - W (W - 1)
+// / 2 rather than S^2 / 2), ring skips the steps no query reaches, and the chunked
+// strategies the parts; a window of S or more changes nothing.
+TEST(step_time, a_window_caps_the_attention_and_its_messages) {
+  throughput_rates rates;
+  for (const strategy_kind kind : {strategy_kind::ring, strategy_kind::upipe, strategy_kind::fpdt}) {
+    step_time_request r = request("llama3-8b", kind, 8, 8, 1 << 20);
+    if (kind == strategy_kind::fpdt) r.cp = {kind, 8, r.model.num_heads, 1, 16};
+    const attention_config global = attention_config_for(r.model, r.cp, r.seq_len);
+    attention_config windowed = global;
+    windowed.window = 4096;
+    const step_time g = layer_attention_time(global, r, rates, 2), w = layer_attention_time(windowed, r, rates, 2);
+    const double S = 1 << 20, W = 4096;
+    EXPECT_NEAR(w.attention / g.attention, (S * W - W * (W - 1) / 2) / (S * S / 2), 1e-12) << strategy_name(kind);
+    if (kind == strategy_kind::ring) EXPECT_LT(w.ring, g.ring / 3);  // 2 of the 7 other ranks' steps are reached
+    if (kind == strategy_kind::upipe) EXPECT_EQ(w.all_to_all, g.all_to_all);  // every head still crosses once
+    if (kind == strategy_kind::fpdt) EXPECT_LT(w.host, g.host / 2);           // two parts a query part, not i + 1
+    windowed.window = 1 << 20;
+    const step_time whole = layer_attention_time(windowed, r, rates, 2);
+    EXPECT_EQ(whole.attention, g.attention);
+    EXPECT_EQ(whole.ring, g.ring);
+    EXPECT_EQ(whole.host, g.host);
+  }
 }
 
 }  // namespace

@@ -154,7 +154,8 @@ def test_every_document_matches_the_tokenizer(corpus, qwen_run):
     out, p = qwen_run
     manifest, tokens, offsets, docs = read_output(out)
     tok = tokenizer(QWEN)
-    expected = [[1] + tok.encode(t, add_special_tokens=False).ids for t in corpus["docs"]]
+    # BOS as the post-processor adds it, and EOS to separate packed documents
+    expected = [[1] + tok.encode(t, add_special_tokens=False).ids + [2] for t in corpus["docs"]]
     assert len(docs) == len(expected)  # BOS is added, so empty documents are kept
     for i, (got, want) in enumerate(zip(docs, expected)):
         assert got == want, f"document {i}"
@@ -164,14 +165,15 @@ def test_every_document_matches_the_tokenizer(corpus, qwen_run):
     assert manifest == {
         "format": "upipe-tokens", "version": 1, "dtype": "uint32", "vocab_size": 256,
         "tokenizer_sha256": hashlib.sha256((QWEN / "tokenizer.json").read_bytes()).hexdigest(),
-        "tokenizer": str(QWEN), "bos_id": 1, "eos_id": 2, "add_bos": True, "add_eos": False,
+        "tokenizer": str(QWEN), "bos_id": 1, "eos_id": 2, "add_bos": True, "add_eos": True,
         "heldout_fraction": 0.0, "seed": 1, "sources": [str(x) for x in corpus["inputs"]],
         "documents": len(texts), "tokens": sum(lengths),
         "empty_documents": sum(1 for t in texts if t == ""),
         "text_bytes": sum(len(t.encode("utf-8")) for t in texts),
         "length_histogram": histogram(lengths),
-        "min_length": 1, "max_length": max(lengths), "mean_length": sum(lengths) / len(lengths),
-        "split": "train",
+        "min_length": 2, "max_length": max(lengths), "mean_length": sum(lengths) / len(lengths),
+        "split": "train", "rows": {"text": len(texts), "messages": 0, "prompt_completion": 0}, "skipped_rows": {},
+        "loss_mask_rule": "assistant turns of conversations, completions of prompt/completion rows, every token of text",
     }
     assert max(lengths) > 100_000  # the 200 KB line
     assert not Path(str(out) + "-heldout.json").exists()
@@ -228,17 +230,18 @@ def resolve(d, bos="auto", eos="auto"):
 
 def test_bos_eos_decisions(tmp_path):
     # The fixtures: ids from tokenizer_config.json, no add_*_token keys, so the post-processor
-    # (TemplateProcessing "<s> $A") decides: BOS added, EOS not.
+    # (TemplateProcessing "<s> $A") decides BOS: added; EOS separates packed documents: added.
     for d in (QWEN, LLAMA):
-        assert resolve(d) == {"bos_id": 1, "eos_id": 2, "add_bos": True, "add_eos": False}
+        assert resolve(d) == {"bos_id": 1, "eos_id": 2, "add_bos": True, "add_eos": True}
     # tokenizer.json alone: the BOS id comes from the post-processor, there is no EOS.
     bare = copy_tokenizer(tmp_path, "bare")
     assert resolve(bare) == {"bos_id": 1, "eos_id": None, "add_bos": True, "add_eos": False}
     with pytest.raises(pd.PrepareError, match="--eos no"):
         resolve(bare, eos="yes")
-    # explicit keys win over the post-processor; token objects are understood
+    # explicit keys win over the post-processor; token objects are understood; EOS is added
+    # wherever there is one, even where the tokenizer's config says it adds none itself
     cfg = copy_tokenizer(tmp_path, "cfg", tokenizer_config={
-        "add_bos_token": False, "add_eos_token": True,
+        "add_bos_token": False, "add_eos_token": False,
         "bos_token": {"content": "<s>", "special": True}, "eos_token": {"content": "</s>"}})
     assert resolve(cfg) == {"bos_id": 1, "eos_id": 2, "add_bos": False, "add_eos": True}
     assert resolve(cfg, bos="yes", eos="no") == {"bos_id": 1, "eos_id": 2, "add_bos": True, "add_eos": False}
@@ -266,7 +269,7 @@ def test_heldout_split(tmp_path):
     jl = tmp_path / "d.jsonl"
     jl.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts), encoding="utf-8")
     tok = tokenizer(QWEN)
-    encoded = [[1] + tok.encode(t, add_special_tokens=False).ids for t in texts]
+    encoded = [[1] + tok.encode(t, add_special_tokens=False).ids + [2] for t in texts]
     fraction = 0.3  # not a multiple of 2^-53: the comparison is exact all the same
 
     def split(name, seed, workers):
@@ -340,14 +343,14 @@ BAD = [
     (["{d}/ok.txt"], "no tokenizer.json", "notok"),
     (["{d}/missing.txt"], "does not exist", None),
     (["{d}/broken.jsonl"], "broken.jsonl:2: not a valid JSON line", None),
-    (["{d}/nofield.jsonl"], "nofield.jsonl:3: no field 'text' (the line has: 'content', 'id')", None),
+    (["{d}/nofield.jsonl"], "nofield.jsonl:3: no field 'text' (the line has: 'content', 'id'), nor 'messages'", None),
     (["--text-field", "body", "{d}/ok.txt", "{d}/nofield.jsonl"], "nofield.jsonl:1: no field 'body'", None),
     (["{d}/number.jsonl"], "number.jsonl:1: field 'text' is a number", None),
     (["{d}/array.jsonl"], "array.jsonl:1: the line is an array", None),
     (["{d}/data.json"], "give JSON Lines", None),
     (["{d}/latin1.txt"], "not UTF-8 text (bad byte at offset 3)", None),
     (["{d}/empty_dir"], "holds no files", None),
-    (["{d}/nofield.parquet"], "no column 'text' (its columns: 'content', 'id')", None),
+    (["{d}/nofield.parquet"], "no column 'text' (its columns: 'content', 'id'), nor 'messages'", None),
     (["{d}/ints.parquet"], "column 'text' holds int64", None),
     (["{d}/fake.parquet"], "not a readable Parquet file", None),
     (["--heldout-fraction", "1.5", "{d}/ok.txt"], "--heldout-fraction 1.5 is outside [0, 1)", None),

@@ -77,10 +77,11 @@ TEST(counters, ring_circulates_kv_and_fp32_gradients) {
     const std::uint64_t kv = 2 * s * K * d * 4;  // k and v of the local tokens, f32 on the cpu backend
     const experiment_result r = run(strategy_kind::ring, H, K, C, 0, S, static_cast<int>(d));
     expect_counters_follow_the_plan(r);
-    // Forward and backward each pass K/V C-1 times; dK/dV (f32) travel C times.
+    // Forward and backward each send this rank's K/V to the C - 1 others; backward sends
+    // the dK/dV (f32) of each visiting block back to its owner.
     EXPECT_EQ(label(r, "ring_kv"), 2 * (C - 1) * kv);
-    EXPECT_EQ(label(r, "ring_dkv"), C * kv);
-    EXPECT_EQ(r.bytes_sent.at("send"), 2 * (C - 1) * kv + C * kv);
+    EXPECT_EQ(label(r, "ring_dkv"), (C - 1) * kv);
+    EXPECT_EQ(r.bytes_sent.at("send"), 3 * (C - 1) * kv);
     EXPECT_EQ(r.bytes_sent.count("all_to_all"), 0u);
   }
 }
@@ -120,7 +121,81 @@ TEST(counters, hybrid_matches_the_volume_of_each_mesh_dimension) {
       }
       const std::uint64_t ring_kv = 2 * G * kv_heads * d * f32;
       EXPECT_EQ(label(r, "ring_kv"), 2 * (R - 1) * ring_kv);
-      EXPECT_EQ(label(r, "ring_dkv"), R * ring_kv);
+      EXPECT_EQ(label(r, "ring_dkv"), (R - 1) * ring_kv);
+    }
+}
+
+// A sliding window: ring and hybrid skip the steps whose K/V no query reaches, and their
+// dK/dV; what each rank sends plus what its plan says the window saved is the volume
+// without the window, label by label; a window of S or more saves nothing.
+TEST(counters, a_window_saves_the_ring_steps_it_does_not_reach) {
+  const std::int64_t S = 96, d = 8;
+  for (auto [kind, H, K, C, R] : {std::tuple{strategy_kind::ring, 8, 2, 4, 4}, {strategy_kind::ring, 4, 4, 6, 6},
+                                  {strategy_kind::hybrid, 8, 2, 8, 4}})
+    for (const std::int64_t window : {std::int64_t{5}, S / (2 * R) + 3, S}) {
+      attention_config c = {.seq_len = S, .heads = H, .kv_heads = K, .head_dim = static_cast<int>(d), .model_dim = 16,
+                            .cp = C, .ring = kind == strategy_kind::hybrid ? R : 1, .strategy = kind};
+      experiment_options o;
+      o.limits = {std::size_t{64} << 20, std::size_t{1} << 20};
+      const experiment_result global = run_attention_experiment(c, o);
+      c.window = window;
+      const experiment_result r = run_attention_experiment(c, o);
+      SCOPED_TRACE(std::string(strategy_name(kind)) + " C" + std::to_string(C) + " W" + std::to_string(window));
+      expect_counters_follow_the_plan(r);
+      const auto saved = make_stage_plan(c, 0).saved_bytes_by_label(dtype::f32);
+      for (const char* name : {"ring_kv", "ring_dkv"}) {
+        const std::uint64_t skipped = saved.count(name) != 0 ? saved.at(name) : 0;
+        EXPECT_EQ(label(r, name) + skipped, label(global, name)) << name;
+        if (window == S) EXPECT_EQ(skipped, 0u) << name;
+        if (window == 5) EXPECT_GT(skipped, 0u) << name;
+      }
+    }
+}
+
+// Sequence chunks under a window: the parts no query part reaches are neither fetched
+// nor kept, so the host copies fall and the host holds the window's parts (a kv block
+// that later stages read again keeps its parts until its last stage); the all-to-alls
+// are unchanged (every head still crosses once). Host copies plus what the plan says the
+// window saved are the copies without it.
+TEST(counters, a_window_keeps_only_the_parts_it_reaches_on_the_host) {
+  const std::int64_t S = 96, d = 8;
+  struct chunked {
+    strategy_kind kind;
+    int K, U, N;
+    bool blocks_span_stages;
+  };
+  for (const chunked& k : {chunked{strategy_kind::fpdt, 2, 0, 6, false}, chunked{strategy_kind::upipe, 8, 2, 4, false},
+                           chunked{strategy_kind::upipe, 2, 2, 4, true}})
+    for (const std::int64_t window : {std::int64_t{7}, std::int64_t{30}}) {
+      const strategy_kind kind = k.kind;
+      const int N = k.N;
+      attention_config c = {.seq_len = S, .heads = 8, .kv_heads = k.K, .head_dim = static_cast<int>(d),
+                            .model_dim = 16, .cp = 2, .head_chunk = k.U, .seq_chunks = N, .strategy = kind};
+      experiment_options o;
+      o.limits = {std::size_t{64} << 20, std::size_t{1} << 20};
+      const experiment_result global = run_attention_experiment(c, o);
+      c.window = window;
+      const experiment_result r = run_attention_experiment(c, o);
+      SCOPED_TRACE(std::string(strategy_name(kind)) + " N" + std::to_string(N) + " W" + std::to_string(window));
+      expect_counters_follow_the_plan(r);
+      EXPECT_EQ(r.bytes_sent_by_label, global.bytes_sent_by_label);
+      const stage_plan windowed = make_stage_plan(c, 0);
+      c.window = 0;
+      const stage_plan plain = make_stage_plan(c, 0);
+      const auto saved = windowed.saved_bytes_by_label(dtype::f32);
+      EXPECT_GT(saved.at("attn_k_chunk"), 0u);
+      const auto sent_by_label = windowed.bytes_by_label(dtype::f32);
+      for (const auto& [label, bytes] : plain.bytes_by_label(dtype::f32)) {
+        const auto it = sent_by_label.find(label);
+        const std::uint64_t sent = it == sent_by_label.end() ? 0 : it->second;
+        EXPECT_EQ(sent + (saved.count(label) != 0 ? saved.at(label) : 0), bytes) << label;
+      }
+      // The host holds the window's parts: less than the sequence's, as the ledger measured.
+      if (k.blocks_span_stages)
+        EXPECT_LE(r.attention_host_peak, global.attention_host_peak);
+      else
+        EXPECT_LT(r.attention_host_peak, global.attention_host_peak);
+      EXPECT_EQ(r.attention_host_peak, r.plan_host_peak);
     }
 }
 

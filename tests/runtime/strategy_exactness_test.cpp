@@ -1,5 +1,6 @@
-// Every strategy equals the float64 single-device reference on every supported shape of
-// the sweep (H, K, C, U, d, S), with random asymmetric weights.
+// Every strategy of the strategy table equals the float64 single-device reference on every
+// supported shape of the sweep (H, K, C, U, N, d, S), with random asymmetric weights: the
+// cases come from the table's rows, so a new row is swept the day it is added.
 #include <gtest/gtest.h>
 
 #include <string>
@@ -7,6 +8,7 @@
 #include <vector>
 
 #include "core/error.hpp"
+#include "cp/strategy_table.hpp"
 #include "runtime/attention_experiment.hpp"
 
 namespace upipe {
@@ -44,6 +46,38 @@ attention_config sweep_config(const group_shape& g, strategy_kind kind, int chun
   return c;
 }
 
+// A row of the table at one U and N (N 0: the row's default).
+struct sweep_case {
+  strategy_kind kind;
+  int head_chunk, seq_chunks;
+};
+
+// Every row but the meshes (hybrid_sweep below) at every U it takes over C ranks, with
+// its default N, or with each N of `chunks` it accepts (a row that requires chunks takes
+// those of 2 or more).
+std::vector<sweep_case> table_cases(const group_shape& g, const std::vector<int>& chunks = {0}) {
+  std::vector<sweep_case> cases;
+  for (const strategy_row& row : strategy_rows()) {
+    if (row.mesh) continue;
+    for (int u : head_chunk_choices(row, g.heads, g.cp))
+      for (int n : chunks) {
+        if (n > 1 && row.chunks == sequence_chunking::none) continue;
+        if (n == 1 && row.chunks == sequence_chunking::required) continue;
+        cases.push_back({row.kind, row.heads == head_stages::chosen ? u : 0, n});
+      }
+  }
+  return cases;
+}
+
+// Does S divide into the row's layout (C, or 2C for zigzag halves) and its N chunks?
+bool fits(const group_shape& g, const sweep_case& k, std::int64_t S) {
+  attention_config c;
+  c.cp = g.cp;
+  c.strategy = k.kind;
+  const std::int64_t unit = c.layout_unit();
+  return S % unit == 0 && k.seq_chunks <= S / g.cp;
+}
+
 experiment_result run(const attention_config& c) {
   experiment_options o;
   o.seed = 1000 + c.heads * 100 + c.kv_heads * 10 + c.cp;
@@ -55,25 +89,22 @@ TEST_P(strategy_sweep, matches_reference) {
   const group_shape g = GetParam();
   int runs = 0;
   for (int d : {8, 16})
-    for (std::int64_t S : {24, 36, 48}) {
-      std::vector<std::pair<strategy_kind, int>> cases = {{strategy_kind::ulysses, 0}, {strategy_kind::ring, 0}};
-      for (int u : valid_head_chunks(g.heads, g.cp)) cases.push_back({strategy_kind::upipe, u});
-      for (auto [kind, chunk] : cases) {
-        const std::int64_t unit = kind == strategy_kind::ring ? 2 * g.cp : g.cp;
-        if (S % unit != 0) continue;
-        attention_config c = sweep_config(g, kind, chunk, d, S);
+    for (std::int64_t S : {24, 36, 48})
+      for (const sweep_case& k : table_cases(g)) {
+        if (!fits(g, k, S)) continue;
+        attention_config c = sweep_config(g, k.kind, k.head_chunk, d, S);
+        c.seq_chunks = k.seq_chunks;
         c.rope.scaling.kind = S == 36 ? rope_kind::llama3 : rope_kind::none;  // Llama 3 scaling on one length
         c.rope.scaling.original_max_position = 16;
         c.qk_norm = (S == 48 && d == 16);  // Qwen3's per-head q/k norm on one configuration
-        c.overlap_comm = (d == 16);         // the output exchange in flight during the next stage
+        c.overlap_comm = d == 16 && !c.chunked() && row_of(k.kind).chunks != sequence_chunking::required;
         const experiment_result r = run(c);
         ASSERT_TRUE(r.max_rel_error.has_value());
         for (const auto& [name, e] : r.rel_error)
-          EXPECT_LT(e, 1e-5) << strategy_name(kind) << " U=" << c.head_chunk << " d=" << d << " S=" << S << " tensor "
-                             << name;
+          EXPECT_LT(e, 1e-5) << strategy_name(k.kind) << " U=" << c.head_chunk << " d=" << d << " S=" << S
+                             << " tensor " << name;
         ++runs;
       }
-    }
   EXPECT_GT(runs, 0);
 }
 
@@ -97,13 +128,11 @@ std::vector<std::int64_t> random_documents(std::int64_t S, std::uint64_t seed) {
 TEST_P(strategy_sweep, packed_documents_match_reference) {
   const group_shape g = GetParam();
   int runs = 0;
-  for (std::int64_t S : {24, 48}) {
-    std::vector<std::pair<strategy_kind, int>> cases = {{strategy_kind::ulysses, 0}, {strategy_kind::ring, 0}};
-    for (int u : valid_head_chunks(g.heads, g.cp)) cases.push_back({strategy_kind::upipe, u});
-    for (auto [kind, chunk] : cases) {
-      const std::int64_t unit = kind == strategy_kind::ring ? 2 * g.cp : g.cp;
-      if (S % unit != 0) continue;
-      attention_config c = sweep_config(g, kind, chunk, 8, S);
+  for (std::int64_t S : {24, 48})
+    for (const sweep_case& k : table_cases(g)) {
+      if (!fits(g, k, S)) continue;
+      attention_config c = sweep_config(g, k.kind, k.head_chunk, 8, S);
+      c.seq_chunks = k.seq_chunks;
       c.qk_norm = S == 48;
       experiment_options o;
       o.seed = 7000 + c.heads * 100 + c.kv_heads * 10 + c.cp;
@@ -112,10 +141,9 @@ TEST_P(strategy_sweep, packed_documents_match_reference) {
       const experiment_result r = run_attention_experiment(c, o);
       ASSERT_TRUE(r.max_rel_error.has_value());
       for (const auto& [name, e] : r.rel_error)
-        EXPECT_LT(e, 1e-5) << strategy_name(kind) << " U=" << c.head_chunk << " S=" << S << " tensor " << name;
+        EXPECT_LT(e, 1e-5) << strategy_name(k.kind) << " U=" << c.head_chunk << " S=" << S << " tensor " << name;
       ++runs;
     }
-  }
   EXPECT_GT(runs, 0);
 }
 
@@ -126,30 +154,55 @@ TEST_P(strategy_sweep, packed_documents_match_reference) {
 TEST_P(strategy_sweep, sequence_chunks_match_reference) {
   const group_shape g = GetParam();
   int runs = 0;
-  for (std::int64_t S : {24, 36, 48}) {
-    if (S % g.cp != 0) continue;
-    for (int n = 1; n <= 4; ++n) {
-      if (n > S / g.cp) continue;
-      std::vector<std::pair<strategy_kind, int>> cases;
-      if (n > 1) cases.push_back({strategy_kind::fpdt, 0});
-      for (int u : valid_head_chunks(g.heads, g.cp)) cases.push_back({strategy_kind::upipe, u});
-      for (auto [kind, chunk] : cases) {
-        attention_config c = sweep_config(g, kind, chunk, 8, S);
-        c.seq_chunks = n;
-        c.qk_norm = S == 48;
-        experiment_options o;
-        o.seed = 11000 + c.heads * 100 + c.kv_heads * 10 + c.cp + n;
-        o.limits = {std::size_t{64} << 20, std::size_t{1} << 20};
-        if (S != 36) o.documents = random_documents(S, o.seed + static_cast<std::uint64_t>(S));
-        const experiment_result r = run_attention_experiment(c, o);
-        ASSERT_TRUE(r.max_rel_error.has_value());
-        for (const auto& [name, e] : r.rel_error)
-          EXPECT_LT(e, 1e-5) << strategy_name(kind) << " U=" << c.head_chunk << " N=" << n << " S=" << S << " tensor "
-                             << name;
-        ++runs;
-      }
+  for (std::int64_t S : {24, 36, 48})
+    for (const sweep_case& k : table_cases(g, {2, 3, 4})) {
+      if (!fits(g, k, S)) continue;
+      attention_config c = sweep_config(g, k.kind, k.head_chunk, 8, S);
+      c.seq_chunks = k.seq_chunks;
+      c.qk_norm = S == 48;
+      experiment_options o;
+      o.seed = 11000 + c.heads * 100 + c.kv_heads * 10 + c.cp + k.seq_chunks;
+      o.limits = {std::size_t{64} << 20, std::size_t{1} << 20};
+      if (S != 36) o.documents = random_documents(S, o.seed + static_cast<std::uint64_t>(S));
+      const experiment_result r = run_attention_experiment(c, o);
+      ASSERT_TRUE(r.max_rel_error.has_value());
+      for (const auto& [name, e] : r.rel_error)
+        EXPECT_LT(e, 1e-5) << strategy_name(k.kind) << " U=" << c.head_chunk << " N=" << k.seq_chunks << " S=" << S
+                           << " tensor " << name;
+      ++runs;
     }
-  }
+  EXPECT_GT(runs, 0);
+}
+
+// A sliding window under every strategy: W of one key (the token itself), W shorter than
+// a rank's shard and a multiple of nothing, W longer than a shard, W = S and W > S (global
+// attention), packed documents on one. Ring and hybrid skip the blocks wholly outside the
+// window, the chunked strategies the parts; each equals the float64 reference.
+TEST_P(strategy_sweep, sliding_window_matches_reference) {
+  const group_shape g = GetParam();
+  const std::int64_t S = 48;  // a multiple of 2C for every C of the sweep
+  std::vector<sweep_case> cases = table_cases(g);
+  for (const sweep_case& k : table_cases(g, {3}))
+    if (k.head_chunk == 0 || k.head_chunk == g.cp) cases.push_back(k);  // chunked: the smallest U
+  int runs = 0;
+  for (const std::int64_t window : {1, 5, 13, 48, 100})
+    for (const sweep_case& k : cases) {
+      if (!fits(g, k, S)) continue;
+      attention_config c = sweep_config(g, k.kind, k.head_chunk, 8, S);
+      c.seq_chunks = k.seq_chunks;
+      c.window = window;
+      c.qk_norm = window == 13;
+      experiment_options o;
+      o.seed = 13000 + c.heads * 100 + c.kv_heads * 10 + c.cp + static_cast<unsigned long long>(window);
+      o.limits = {std::size_t{64} << 20, std::size_t{1} << 20};
+      if (window == 13) o.documents = random_documents(S, o.seed);
+      const experiment_result r = run_attention_experiment(c, o);
+      ASSERT_TRUE(r.max_rel_error.has_value());
+      for (const auto& [name, e] : r.rel_error)
+        EXPECT_LT(e, 1e-5) << strategy_name(k.kind) << " U=" << c.head_chunk << " N=" << c.seq_chunks
+                           << " W=" << window << " tensor " << name;
+      ++runs;
+    }
   EXPECT_GT(runs, 0);
 }
 
@@ -180,26 +233,62 @@ std::vector<mesh_shape> mesh_shapes() {
 
 class hybrid_sweep : public ::testing::TestWithParam<mesh_shape> {};
 
+// The table's mesh rows (hybrid).
+std::vector<const strategy_row*> mesh_rows() {
+  std::vector<const strategy_row*> rows;
+  for (const strategy_row& row : strategy_rows())
+    if (row.mesh) rows.push_back(&row);
+  return rows;
+}
+
 TEST_P(hybrid_sweep, matches_reference) {
   const mesh_shape m = GetParam();
   const int A = m.cp / m.ring;
   int runs = 0;
-  for (int u : valid_head_chunks(m.heads, A))
-    for (const bool documents : {false, true}) {
-      const std::int64_t S = 48;  // a multiple of 2C for every C of the sweep
-      attention_config c = sweep_config({m.heads, m.kv_heads, m.cp}, strategy_kind::hybrid, u, 8, S);
-      c.ring = m.ring;
-      c.qk_norm = documents;
-      experiment_options o;
-      o.seed = 9000 + m.heads * 100 + m.kv_heads * 10 + m.cp + u;
-      o.limits = {std::size_t{64} << 20, std::size_t{1} << 20};
-      if (documents) o.documents = random_documents(S, o.seed);
-      const experiment_result r = run_attention_experiment(c, o);
-      ASSERT_TRUE(r.max_rel_error.has_value());
-      for (const auto& [name, e] : r.rel_error)
-        EXPECT_LT(e, 1e-5) << "U=" << u << (documents ? " documents" : "") << " tensor " << name;
-      ++runs;
-    }
+  for (const strategy_row* row : mesh_rows())
+    for (int u : head_chunk_choices(*row, m.heads, A))
+      for (const bool documents : {false, true}) {
+        const std::int64_t S = 48;  // a multiple of 2C for every C of the sweep
+        attention_config c = sweep_config({m.heads, m.kv_heads, m.cp}, row->kind, u, 8, S);
+        c.ring = m.ring;
+        c.qk_norm = documents;
+        experiment_options o;
+        o.seed = 9000 + m.heads * 100 + m.kv_heads * 10 + m.cp + u;
+        o.limits = {std::size_t{64} << 20, std::size_t{1} << 20};
+        if (documents) o.documents = random_documents(S, o.seed);
+        const experiment_result r = run_attention_experiment(c, o);
+        ASSERT_TRUE(r.max_rel_error.has_value());
+        for (const auto& [name, e] : r.rel_error)
+          EXPECT_LT(e, 1e-5) << "U=" << u << (documents ? " documents" : "") << " tensor " << name;
+        ++runs;
+      }
+  EXPECT_GT(runs, 0);
+}
+
+// Windows across the mesh: W shorter than a zigzag half and longer, with Ulysses and the
+// smallest UPipe U inside the groups, packed documents on one.
+TEST_P(hybrid_sweep, sliding_window_matches_reference) {
+  const mesh_shape m = GetParam();
+  int runs = 0;
+  for (const strategy_row* row : mesh_rows()) {
+    const std::vector<int> chunks = head_chunk_choices(*row, m.heads, m.cp / m.ring);
+    for (const int u : {chunks.front(), chunks.back()})
+      for (const std::int64_t window : {5, 11}) {
+        const std::int64_t S = 48;
+        attention_config c = sweep_config({m.heads, m.kv_heads, m.cp}, row->kind, u, 8, S);
+        c.ring = m.ring;
+        c.window = window;
+        experiment_options o;
+        o.seed = 15000 + m.heads * 100 + m.kv_heads * 10 + m.cp + u;
+        o.limits = {std::size_t{64} << 20, std::size_t{1} << 20};
+        if (window == 5) o.documents = random_documents(S, o.seed);
+        const experiment_result r = run_attention_experiment(c, o);
+        ASSERT_TRUE(r.max_rel_error.has_value());
+        for (const auto& [name, e] : r.rel_error)
+          EXPECT_LT(e, 1e-5) << "U=" << u << " W=" << window << " tensor " << name;
+        ++runs;
+      }
+  }
   EXPECT_GT(runs, 0);
 }
 

@@ -67,12 +67,14 @@ TEST(lora_train, save_is_a_peft_adapter_and_resume_is_bit_identical) {
   first.stop_after = 5;
   first.save_dir = dir.string();
   losses(first);
-  EXPECT_TRUE(is_adapter_directory(dir.string()));
-  EXPECT_FALSE(std::filesystem::exists(dir / "config.json")) << "an adapter directory holds no model";
-  const adapter_settings saved = read_adapter_config(dir.string(), whole.model);
+  const auto saved_dir = dir / "checkpoint-5";
+  EXPECT_TRUE(is_adapter_directory(saved_dir.string()));
+  EXPECT_FALSE(std::filesystem::exists(saved_dir / "config.json")) << "an adapter directory holds no model";
+  const adapter_settings saved = read_adapter_config(saved_dir.string(), whole.model);
   EXPECT_EQ(saved.lora, whole.step.lora);
   EXPECT_EQ(saved.base_model, "tiny-llama");
-  EXPECT_EQ(read_adapter_weights(dir.string(), whole.model, whole.step.lora).size(), 2u * 7 * whole.model.num_layers);
+  EXPECT_EQ(read_adapter_weights(saved_dir.string(), whole.model, whole.step.lora).size(),
+            2u * 7 * whole.model.num_layers);
   train_options second = whole;
   second.resume_dir = dir.string();
   const std::vector<double> resumed = losses(second);

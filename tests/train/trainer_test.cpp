@@ -2,12 +2,14 @@
 // and a stopped-and-resumed run that is bit-identical to an uninterrupted one.
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
 
 #include "core/error.hpp"
 #include "model/parameter_store.hpp"
+#include "train/run_directory.hpp"
 #include "train/trainer.hpp"
 #include "train_support.hpp"
 
@@ -105,7 +107,8 @@ TEST(trainer, save_at_four_ranks_zero3_resumes_at_two_ranks_zero2) {
   first.save_dir = dir.string();
   const std::vector<double> before = losses(first);
   for (int r = 0; r < 4; ++r)
-    EXPECT_TRUE(std::filesystem::exists(dir / "trainer" / ("rank-0000" + std::to_string(r) + "-of-00004.safetensors")));
+    EXPECT_TRUE(std::filesystem::exists(dir / "checkpoint-10" / "trainer" /
+                                        ("rank-0000" + std::to_string(r) + "-of-00004.safetensors")));
   train_options second = base(strategy_kind::upipe, 2, 0, zero_stage::two);
   second.resume_dir = dir.string();
   const std::vector<double> resumed = losses(second);
@@ -134,16 +137,58 @@ TEST(trainer, a_save_keeps_user_files_and_clears_a_killed_save) {
   o.save_dir = dir.string() + "/";  // a trailing slash means the same directory
   losses(o);
   std::ofstream(dir / "README.md") << "my notes";
-  std::filesystem::create_directories(dir.string() + ".tmp-upipe/trainer");  // what a killed save leaves
-  o.stop_after = 4;
-  losses(o);
+  std::ofstream(dir / "checkpoint-2" / "NOTES.md") << "about step 2";
+  std::filesystem::create_directories(dir / "checkpoint-4.tmp-upipe" / "trainer");  // what a killed save leaves
+  // The run goes on in the same directory; a checkpoint saved again keeps the files a user added.
+  train_options resumed = o;
+  resumed.resume_dir = dir.string();
+  resumed.stop_after = 4;
+  losses(resumed);
   std::ifstream notes(dir / "README.md");
   std::string text;
   std::getline(notes, text);
   EXPECT_EQ(text, "my notes");
-  EXPECT_FALSE(std::filesystem::exists(dir.string() + ".tmp-upipe"));
-  std::ifstream manifest(dir / "trainer" / "manifest.json");
+  EXPECT_FALSE(std::filesystem::exists(dir / "checkpoint-4.tmp-upipe"));
+  std::ifstream manifest(dir / "checkpoint-4" / "trainer" / "manifest.json");
   EXPECT_NE(std::string(std::istreambuf_iterator<char>(manifest), {}).find("\"step\": 4"), std::string::npos);
+  std::ifstream latest(dir / "latest");
+  std::getline(latest, text);
+  EXPECT_EQ(text, "checkpoint-4");
+  train_options again = o;  // the same run from step 1 saves step 2 again
+  again.resume_dir.clear();
+  again.run_id = checkpoint_run_id((dir / "checkpoint-2").string());
+  losses(again);
+  std::ifstream kept(dir / "checkpoint-2" / "NOTES.md");
+  std::getline(kept, text);
+  EXPECT_EQ(text, "about step 2");
+  // Another run is refused: its save would mix with this run's checkpoints.
+  EXPECT_THROW(losses(o), io_error);
+  std::filesystem::remove_all(dir);
+}
+
+// A stop asked for mid-run (the train command's signal handlers set the flag) ends every
+// rank after the same step with a checkpoint; the resume from the run directory continues
+// as the run that never stopped, bit for bit.
+TEST(trainer, a_stop_saves_after_the_step_and_the_resume_is_bit_identical) {
+  const auto dir = std::filesystem::temp_directory_path() / ("upipe_stop_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  const std::vector<double> whole = losses(base(strategy_kind::ring, 4, 0, zero_stage::three));
+  std::atomic<int> stop{0};
+  train_options first = base(strategy_kind::ring, 4, 0, zero_stage::three);
+  first.save_dir = dir.string();
+  first.stop_signal = &stop;
+  const train_summary stopped = train(first, [&](const step_record& r) {
+    if (r.step == 7) stop.store(15);
+  });
+  EXPECT_EQ(stopped.stopped_by_signal, 15);
+  ASSERT_EQ(stopped.steps.size(), 7u);
+  EXPECT_FALSE(stopped.retrieval_accuracy.has_value());
+  EXPECT_EQ(stopped.last_checkpoint, (dir / "checkpoint-7").string());
+  train_options second = base(strategy_kind::ring, 4, 0, zero_stage::three);
+  second.resume_dir = dir.string();
+  const std::vector<double> resumed = losses(second);
+  ASSERT_EQ(resumed.size(), 13u);
+  for (std::size_t i = 0; i < 13; ++i) EXPECT_EQ(resumed[i], whole[7 + i]) << "step " << 8 + i;
   std::filesystem::remove_all(dir);
 }
 

@@ -36,9 +36,14 @@ class meta_backend final : public backend {
 
  private:
   // What an op does on meta: nothing, unless the CUDA backend's implementation of it holds
-  // a workspace, whose reservation is modelled here.
+  // a workspace (holds_device_workspace, ops/op_args.hpp), whose reservation is modelled
+  // here. An op marked so that has no overload below matches no overload and fails to
+  // compile, rather than being given no memory.
   template <class args_type>
+    requires(!holds_device_workspace<args_type>)
   void model(const args_type&) {}
+  // cuBLASLt's workspace is one fixed reservation, made with the backend (constructor).
+  void model(const gemm_args&) {}
   // As the CUDA engine, no plan (and no workspace) for a call where nothing attends.
   void model(const sdpa_forward_args& a) {
     if (gpu_workspaces_ && attends(a.q, a.k))

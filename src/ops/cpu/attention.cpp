@@ -1,5 +1,5 @@
 // Reference attention: scaled dot-product attention forward and backward (GQA, causal
-// or unmasked) and the fp32 log-sum-exp merge of ring attention. fp32 data, fp64 sums.
+// or unmasked, packed documents, a sliding window) and the fp32 log-sum-exp merge of ring attention. fp32 data, fp64 sums.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -26,21 +26,16 @@ double dot(const float* a, const float* b, std::int64_t n) {
 }
 
 // Keys visible to query i: [first, end) with end = all of them, or i + 1 under the causal
-// mask, and first the start of query i's document (0 with one document).
+// mask, and first the later of the start of query i's document and the window's reach.
 std::int64_t visible_keys(attn_mask mask, std::int64_t i, std::int64_t keys) {
   return mask == attn_mask::causal ? std::min(i + 1, keys) : keys;
-}
-
-std::int64_t first_visible_key(const document_mask& m, std::int64_t i) {
-  if (!m.active()) return 0;
-  return std::max<std::int64_t>(0, m.start_of(m.q_first + i) - m.k_first);
 }
 
 // One query row: scores, a max-shifted softmax, out = P v and the log-sum-exp.
 void forward_row(const sdpa_forward_args& args, std::int64_t i, std::int64_t h, std::int64_t g,
                  std::vector<double>& scores, std::vector<double>& acc) {
   const std::int64_t d = args.q.dim, keys = visible_keys(args.mask, i, args.k.tokens);
-  const std::int64_t first = first_visible_key(args.documents, i);
+  const std::int64_t first = args.documents.first_key(i, args.window);
   const float* q = at(args.q, i, h);
   double max_score = neg_inf;
   for (std::int64_t j = first; j < keys; ++j) {
@@ -72,7 +67,7 @@ struct kv_grads {
 void backward_row(const sdpa_backward_args& args, std::int64_t i, std::int64_t h, std::int64_t g,
                   std::vector<double>& d_q, kv_grads& kv) {
   const std::int64_t d = args.q.dim, keys = visible_keys(args.mask, i, args.k.tokens);
-  const std::int64_t first = first_visible_key(args.documents, i);
+  const std::int64_t first = args.documents.first_key(i, args.window);
   const float* q = at(args.q, i, h);
   const float* d_out = at(args.d_out, i, h);
   const double lse = *at(args.lse, i, h);

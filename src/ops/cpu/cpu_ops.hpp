@@ -24,6 +24,8 @@ void run(const embedding_forward_args& args);
 void run(const embedding_backward_args& args);
 void run(const swiglu_forward_args& args);
 void run(const swiglu_backward_args& args);
+void run(const bias_add_args& args);
+void run(const bias_grad_args& args);
 void run(const cross_entropy_args& args);
 void run(const adamw_args& args);
 void run(const sum_squares_args& args);

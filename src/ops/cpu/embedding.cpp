@@ -1,5 +1,5 @@
-// Reference embedding: a row gather in forward and a scatter-add into the fp32 table
-// gradient in backward. Every id is checked before anything is written, so an id
+// Reference embedding: a row gather (times a scale) in forward and a scatter-add into the
+// fp32 table gradient in backward. Every id is checked before anything is written, so an id
 // outside the vocabulary leaves the outputs as they were.
 #include <algorithm>
 #include <cstdint>
@@ -36,7 +36,8 @@ void run(const embedding_forward_args& args) {
   const std::int64_t dim = args.table.cols;
   for (std::int64_t r = 0; r < args.ids.rows; ++r) {
     const float* src = row_of(args.table, id_at(args.ids, r));
-    std::copy(src, src + dim, mutable_row_of(args.out, r));
+    float* dst = mutable_row_of(args.out, r);
+    for (std::int64_t j = 0; j < dim; ++j) dst[j] = src[j] * args.scale;
   }
 }
 
@@ -45,9 +46,11 @@ void run(const embedding_backward_args& args) {
   check_ids("embedding_backward", args.ids, args.d_table.rows);
   const std::int64_t dim = args.d_table.cols;
   for (std::int64_t r = 0; r < args.ids.rows; ++r) {
+    const std::int32_t id = id_at(args.ids, r);
+    if (id == args.padding_id) continue;
     const float* src = row_of(args.d_out, r);
-    float* dst = mutable_row_of(args.d_table, id_at(args.ids, r));
-    for (std::int64_t j = 0; j < dim; ++j) dst[j] += src[j];
+    float* dst = mutable_row_of(args.d_table, id);
+    for (std::int64_t j = 0; j < dim; ++j) dst[j] += src[j] * args.scale;
   }
 }
 

@@ -1,7 +1,9 @@
-// Reference RMSNorm (the Hugging Face Llama convention: y = x * rstd * weight), with the
-// per-row rstd saved for the backward. fp32 data, fp64 sums.
+// Reference RMSNorm (the Hugging Face Llama convention: y = x * rstd * weight; Gemma's
+// y = x * rstd * (1 + weight) with weight_offset 1), with the per-row rstd saved for the
+// backward. fp32 data, fp64 sums.
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 #include "ops/cpu/cpu_ops.hpp"
 
@@ -25,14 +27,16 @@ void run(const rmsnorm_forward_args& args) {
     const auto rstd = static_cast<float>(1.0 / std::sqrt(mean_sq + static_cast<double>(args.eps)));
     *mutable_row_of(args.rstd, r) = rstd;
     float* y = mutable_row_of(args.y, r);
-    for (std::int64_t j = 0; j < cols; ++j) y[j] = x[j] * rstd * weight[j];
+    for (std::int64_t j = 0; j < cols; ++j) y[j] = x[j] * rstd * (args.weight_offset + weight[j]);
   }
 }
 
-// With g = d_y * weight: d_x = rstd * (g - x * rstd^2 * mean(g * x)); d_weight += d_y * x * rstd.
+// With g = d_y * (offset + weight): d_x = rstd * (g - x * rstd^2 * mean(g * x)); d_weight += d_y * x * rstd.
 void run(const rmsnorm_backward_args& args) {
   const std::int64_t cols = args.x.cols;
-  const float* weight = row_of(args.weight, 0);
+  const float* stored = row_of(args.weight, 0);
+  std::vector<float> weight(stored, stored + cols);
+  for (float& w : weight) w += args.weight_offset;
   float* d_weight = args.d_weight.rows > 0 ? mutable_row_of(args.d_weight, 0) : nullptr;  // none: frozen
   for (std::int64_t r = 0; r < args.x.rows; ++r) {
     const float* x = row_of(args.x, r);

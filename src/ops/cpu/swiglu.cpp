@@ -1,8 +1,10 @@
-// Reference SwiGLU: out = silu(gate) * up, elementwise, in fp64. The backward may run in
-// place (d_gate over gate, d_up over up): each element's inputs are read before either
-// of its outputs is written.
+// Reference gated linear units: out = act(gate) * up, elementwise, in fp64, with act
+// silu (SwiGLU) or GELU's tanh approximation (GeGLU). The backward may run in place
+// (d_gate over gate, d_up over up): each element's inputs are read before either of its
+// outputs is written.
 #include <cmath>
 #include <cstdint>
+#include <utility>
 
 #include "ops/cpu/cpu_ops.hpp"
 
@@ -20,6 +22,19 @@ double sigmoid(double x) {
   return e / (1.0 + e);
 }
 
+constexpr double gelu_k = 0.7978845608028654;  // sqrt(2 / pi)
+constexpr double gelu_c = 0.044715;
+
+// act(g) and act'(g).
+std::pair<double, double> activation(gate_activation kind, double g) {
+  if (kind == gate_activation::silu) {
+    const double s = sigmoid(g);
+    return {g * s, s * (1.0 + g * (1.0 - s))};
+  }
+  const double t = std::tanh(gelu_k * (g + gelu_c * g * g * g));
+  return {0.5 * g * (1.0 + t), 0.5 * (1.0 + t) + 0.5 * g * (1.0 - t * t) * gelu_k * (1.0 + 3.0 * gelu_c * g * g)};
+}
+
 }  // namespace
 
 void run(const swiglu_forward_args& args) {
@@ -29,13 +44,12 @@ void run(const swiglu_forward_args& args) {
     const float* up = row_of(args.up, r);
     float* out = mutable_row_of(args.out, r);
     for (std::int64_t j = 0; j < cols; ++j) {
-      const double g = gate[j];
-      out[j] = static_cast<float>(g * sigmoid(g) * up[j]);
+      out[j] = static_cast<float>(activation(args.activation, gate[j]).first * up[j]);
     }
   }
 }
 
-// d_gate = d_out * up * silu'(gate), silu'(x) = s (1 + x (1 - s)); d_up = d_out * silu(gate).
+// d_gate = d_out * up * act'(gate); d_up = d_out * act(gate); silu'(x) = s (1 + x (1 - s)).
 void run(const swiglu_backward_args& args) {
   const std::int64_t cols = args.gate.cols;
   for (std::int64_t r = 0; r < args.gate.rows; ++r) {
@@ -45,10 +59,10 @@ void run(const swiglu_backward_args& args) {
     float* d_gate = mutable_row_of(args.d_gate, r);
     float* d_up = mutable_row_of(args.d_up, r);
     for (std::int64_t j = 0; j < cols; ++j) {
-      const double g = gate[j], u = up[j], d = d_out[j];
-      const double s = sigmoid(g);
-      d_gate[j] = static_cast<float>(d * u * s * (1.0 + g * (1.0 - s)));
-      d_up[j] = static_cast<float>(d * g * s);
+      const double u = up[j], d = d_out[j];
+      const auto [act, slope] = activation(args.activation, gate[j]);
+      d_gate[j] = static_cast<float>(d * u * slope);
+      d_up[j] = static_cast<float>(d * act);
     }
   }
 }

@@ -44,6 +44,8 @@ void run(const embedding_forward_args& args, const context& ctx);
 void run(const embedding_backward_args& args, const context& ctx);
 void run(const swiglu_forward_args& args, const context& ctx);
 void run(const swiglu_backward_args& args, const context& ctx);
+void run(const bias_add_args& args, const context& ctx);
+void run(const bias_grad_args& args, const context& ctx);
 void run(const cross_entropy_args& args, const context& ctx);
 void run(const adamw_args& args, const context& ctx);
 void run(const sum_squares_args& args, const context& ctx);

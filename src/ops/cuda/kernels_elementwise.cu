@@ -1,5 +1,5 @@
-// Elementwise kernels: SwiGLU forward and backward on bf16 (n, F) matrices (d_out bf16 or
-// f32), as ops/cpu/swiglu.cpp but in fp32, the fp32 add of the communicators, and the
+// Elementwise kernels: the gated linear units (SwiGLU, GeGLU) forward and backward on bf16
+// (n, F) matrices (d_out bf16 or f32), as ops/cpu/swiglu.cpp but in fp32, the fp32 add of the communicators, and the
 // GEMM's launcher (cuBLASLt, or a scale of c where k == 0).
 // Grid-stride over 16-byte chunks when every row is 16-byte aligned, element by element
 // otherwise; matrices without row padding are walked as one long row.
@@ -39,11 +39,30 @@ __device__ __forceinline__ float sigmoid(float x) {
   return e / (1.0f + e);
 }
 
+constexpr float gelu_k = 0.7978845608f;  // sqrt(2 / pi)
+constexpr float gelu_c = 0.044715f;
+
+// act(g) and, with Slope, act'(g): silu, or GELU's tanh approximation.
+template <gate_activation Act>
+__device__ __forceinline__ float activation(float g, float* slope) {
+  if constexpr (Act == gate_activation::silu) {
+    const float s = sigmoid(g);
+    if (slope != nullptr) *slope = s * (1.0f + g * (1.0f - s));
+    return g * s;
+  } else {
+    const float t = tanhf(gelu_k * (g + gelu_c * g * g * g));
+    if (slope != nullptr)
+      *slope = 0.5f * (1.0f + t) + 0.5f * g * (1.0f - t * t) * gelu_k * (1.0f + 3.0f * gelu_c * g * g);
+    return 0.5f * g * (1.0f + t);
+  }
+}
+
 template <class T>
 __device__ __forceinline__ T* row_of(const operand& m, std::int64_t row) {
   return static_cast<T*>(m.data) + row * m.ld;
 }
 
+template <gate_activation Act>
 __global__ void __launch_bounds__(elementwise_config.threads) swiglu_forward_kernel(swiglu_params p) {
   for_each_matrix_chunk<vec_width>(p.rows, p.cols, p.vec, [&](std::int64_t row, std::int64_t j, auto width) {
     constexpr int w = decltype(width)::value;
@@ -51,14 +70,14 @@ __global__ void __launch_bounds__(elementwise_config.threads) swiglu_forward_ker
     load_vec<w>(row_of<const bf16>(p.gate, row) + j, g);
     load_vec<w>(row_of<const bf16>(p.up, row) + j, u);
 #pragma unroll
-    for (int e = 0; e < w; ++e) g[e] = g[e] * sigmoid(g[e]) * u[e];
+    for (int e = 0; e < w; ++e) g[e] = activation<Act>(g[e], nullptr) * u[e];
     store_vec<w>(row_of<bf16>(p.out_or_d_gate, row) + j, g);
   });
 }
 
-// d_gate = d_out * up * silu'(gate), silu'(x) = s (1 + x (1 - s)); d_up = d_out * silu(gate).
+// d_gate = d_out * up * act'(gate); d_up = d_out * act(gate).
 // d_gate and d_up may be gate and up: a thread loads its chunk before storing it.
-template <class DOut>
+template <class DOut, gate_activation Act>
 __global__ void __launch_bounds__(elementwise_config.threads) swiglu_backward_kernel(swiglu_params p) {
   for_each_matrix_chunk<vec_width>(p.rows, p.cols, p.vec, [&](std::int64_t row, std::int64_t j, auto width) {
     constexpr int w = decltype(width)::value;
@@ -68,9 +87,10 @@ __global__ void __launch_bounds__(elementwise_config.threads) swiglu_backward_ke
     load_vec<w>(row_of<const DOut>(p.d_out, row) + j, d);
 #pragma unroll
     for (int e = 0; e < w; ++e) {
-      const float s = sigmoid(g[e]);
-      const float d_gate = d[e] * u[e] * s * (1.0f + g[e] * (1.0f - s));
-      u[e] = d[e] * g[e] * s;
+      float slope = 0.0f;
+      const float act = activation<Act>(g[e], &slope);
+      const float d_gate = d[e] * u[e] * slope;
+      u[e] = d[e] * act;
       g[e] = d_gate;
     }
     store_vec<w>(row_of<bf16>(p.out_or_d_gate, row) + j, g);
@@ -151,8 +171,13 @@ void run(const swiglu_forward_args& args, const context& ctx) {
   const swiglu_params params{walk.rows,           walk.cols, operand_of(args.gate), operand_of(args.up), {nullptr, 0},
                              operand_of(args.out), {nullptr, 0}, walk.vec};
   const std::int64_t units = walk.rows * (walk.vec ? ceil_div(walk.cols, vec_width) : walk.cols);
-  launch("swiglu_forward_kernel", swiglu_forward_kernel, grid_for_units(elementwise_config, units), elementwise_config,
-         0, stream, params);
+  const int grid = grid_for_units(elementwise_config, units);
+  if (args.activation == gate_activation::silu)
+    launch("swiglu_forward_kernel<silu>", swiglu_forward_kernel<gate_activation::silu>, grid, elementwise_config, 0,
+           stream, params);
+  else
+    launch("swiglu_forward_kernel<gelu_tanh>", swiglu_forward_kernel<gate_activation::gelu_tanh>, grid,
+           elementwise_config, 0, stream, params);
 }
 
 void run(const swiglu_backward_args& args, const context& ctx) {
@@ -169,10 +194,19 @@ void run(const swiglu_backward_args& args, const context& ctx) {
                              walk.vec};
   const std::int64_t units = walk.rows * (walk.vec ? ceil_div(walk.cols, vec_width) : walk.cols);
   const int grid = grid_for_units(elementwise_config, units);
-  if (args.d_out.type == dtype::bf16)
-    launch("swiglu_backward_kernel<bf16>", swiglu_backward_kernel<bf16>, grid, elementwise_config, 0, stream, params);
+  const bool silu = args.activation == gate_activation::silu;
+  if (args.d_out.type == dtype::bf16 && silu)
+    launch("swiglu_backward_kernel<bf16, silu>", swiglu_backward_kernel<bf16, gate_activation::silu>, grid,
+           elementwise_config, 0, stream, params);
+  else if (args.d_out.type == dtype::bf16)
+    launch("swiglu_backward_kernel<bf16, gelu_tanh>", swiglu_backward_kernel<bf16, gate_activation::gelu_tanh>, grid,
+           elementwise_config, 0, stream, params);
+  else if (silu)
+    launch("swiglu_backward_kernel<f32, silu>", swiglu_backward_kernel<float, gate_activation::silu>, grid,
+           elementwise_config, 0, stream, params);
   else
-    launch("swiglu_backward_kernel<f32>", swiglu_backward_kernel<float>, grid, elementwise_config, 0, stream, params);
+    launch("swiglu_backward_kernel<f32, gelu_tanh>", swiglu_backward_kernel<float, gate_activation::gelu_tanh>, grid,
+           elementwise_config, 0, stream, params);
 }
 
 void add_f32(float* dst, const float* src, std::size_t count, cudaStream_t stream) {

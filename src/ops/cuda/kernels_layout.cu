@@ -149,6 +149,7 @@ struct embedding_forward_params {
   std::int64_t n, dim, vocab, ld_table, ld_ids, ld_out;
   int group;
   bool vec;
+  float scale;
 };
 
 __global__ void __launch_bounds__(layout_config.threads) embedding_forward_kernel(embedding_forward_params p) {
@@ -159,11 +160,13 @@ __global__ void __launch_bounds__(layout_config.threads) embedding_forward_kerne
     if (id < 0 || id >= p.vocab) trap_out_of_range("embedding_forward", "id", id, row, p.vocab);
     const bf16* src = p.table + id * p.ld_table;
     bf16* dst = p.out + row * p.ld_out;
-    // A bf16 copy through fp32 is exact.
+    // A bf16 copy through fp32 is exact; a scale rounds once, as bf16 * bf16 does.
     for_each_chunk<vec_width>(p.dim, p.vec, lane, p.group, [&](std::int64_t j, auto width) {
       constexpr int k = decltype(width)::value;
       float v[k];
       load_vec<k>(src + j, v);
+#pragma unroll
+      for (int e = 0; e < k; ++e) v[e] *= p.scale;
       store_vec<k>(dst + j, v);
     });
   });
@@ -176,6 +179,8 @@ struct embedding_backward_params {
   std::int64_t n, dim, vocab, ld_d_out, ld_ids, ld_d_table;
   int group;
   bool vec;
+  float scale;
+  std::int32_t padding_id;  // rows of this id add nothing; -1: none
 };
 
 // Repeated ids meet in atomics, so the order of their additions (and the last bits of
@@ -187,12 +192,15 @@ __global__ void __launch_bounds__(layout_config.threads) embedding_backward_kern
     if (!active) return;
     const std::int32_t id = p.ids[row * p.ld_ids];
     if (id < 0 || id >= p.vocab) trap_out_of_range("embedding_backward", "id", id, row, p.vocab);
+    if (id == p.padding_id) return;
     const G* src = static_cast<const G*>(p.d_out) + row * p.ld_d_out;
     float* dst = p.d_table + id * p.ld_d_table;
     for_each_chunk<embedding_grad_width>(p.dim, p.vec, lane, p.group, [&](std::int64_t j, auto width) {
       constexpr int k = decltype(width)::value;
       float v[k];
       load_vec<k>(src + j, v);
+#pragma unroll
+      for (int e = 0; e < k; ++e) v[e] *= p.scale;
       if constexpr (k == 4)
         atomicAdd(reinterpret_cast<float4*>(dst + j), make_float4(v[0], v[1], v[2], v[3]));
       else
@@ -323,7 +331,8 @@ void run(const embedding_forward_args& args, const context& ctx) {
                                         args.ids.ld,
                                         args.out.ld,
                                         group,
-                                        vec};
+                                        vec,
+                                        args.scale};
   launch("embedding_forward_kernel", embedding_forward_kernel,
          grid_size(layout_config, ceil_div(n, layout_config.threads / group)), layout_config, 0, stream, params);
 }
@@ -345,7 +354,9 @@ void run(const embedding_backward_args& args, const context& ctx) {
                                          args.ids.ld,
                                          args.d_table.ld,
                                          group,
-                                         vec};
+                                         vec,
+                                         args.scale,
+                                         args.padding_id};
   const int grid = grid_size(layout_config, ceil_div(n, layout_config.threads / group));
   with_types(
       [&](auto g) {

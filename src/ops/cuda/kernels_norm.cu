@@ -1,4 +1,5 @@
-// RMSNorm forward and backward (the Hugging Face Llama convention, as ops/cpu/rmsnorm.cpp):
+// RMSNorm forward and backward (the Hugging Face Llama convention, or Gemma's 1 + weight
+// with weight_offset 1, as ops/cpu/rmsnorm.cpp):
 // a warp per row for short rows (per-head norms), a block per row otherwise; fp32 sums;
 // x, weight, y, d_y and d_x each bf16 or f32. The backward accumulates d_weight per block
 // in shared memory and adds it to the f32 d_weight with one atomic per column and block.
@@ -29,6 +30,7 @@ struct rmsnorm_forward_params {
   float* rstd;         // (rows), ld_rstd
   std::int64_t rows, cols, ld_x, ld_y, ld_rstd;
   float eps;
+  float weight_offset;  // the scale is weight_offset + weight
 };
 
 struct rmsnorm_backward_params {
@@ -40,6 +42,7 @@ struct rmsnorm_backward_params {
   float* d_weight;     // (cols) f32, accumulated
   std::int64_t rows, cols, ld_x, ld_rstd, ld_d_y, ld_d_x;
   bool shared_accumulator;  // d_weight partials in dynamic shared memory (cols floats)
+  float weight_offset;      // the scale is weight_offset + weight
 };
 
 template <class X, class W, class Y, int Group>
@@ -71,7 +74,7 @@ __global__ void __launch_bounds__(norm_config.threads) rmsnorm_forward_kernel(rm
       load_vec<w>(x + j, v);
       load_vec<w>(weight + j, g);
 #pragma unroll
-      for (int e = 0; e < w; ++e) v[e] = v[e] * rstd * g[e];
+      for (int e = 0; e < w; ++e) v[e] = v[e] * rstd * (p.weight_offset + g[e]);
       store_vec<w>(y + j, v);
     });
   });
@@ -110,7 +113,7 @@ __global__ void __launch_bounds__(norm_config.threads) rmsnorm_forward_cached_ke
         float g[vec_width];
         load_vec<vec_width>(weight + j, g);
 #pragma unroll
-        for (int e = 0; e < vec_width; ++e) v[c][e] = v[c][e] * rstd * g[e];
+        for (int e = 0; e < vec_width; ++e) v[c][e] = v[c][e] * rstd * (p.weight_offset + g[e]);
         store_vec<vec_width>(y + j, v[c]);
       }
     }
@@ -144,7 +147,7 @@ __global__ void __launch_bounds__(norm_config.threads) rmsnorm_backward_kernel(r
       load_vec<w>(d_y + j, dy);
       load_vec<w>(weight + j, g);
 #pragma unroll
-      for (int e = 0; e < w; ++e) g_dot_x = fmaf(dy[e] * g[e], xv[e], g_dot_x);
+      for (int e = 0; e < w; ++e) g_dot_x = fmaf(dy[e] * (p.weight_offset + g[e]), xv[e], g_dot_x);
     });
     g_dot_x = group_sum<Group, norm_config.threads>(g_dot_x, scratch);
     const float correction = rstd * rstd * g_dot_x * inv_cols;
@@ -165,7 +168,7 @@ __global__ void __launch_bounds__(norm_config.threads) rmsnorm_backward_kernel(r
         } else {
           atomicAdd(d_weight_partial + j + e, contribution);  // warps on different rows share it
         }
-        dy[e] = rstd * (dy[e] * g[e] - xv[e] * correction);
+        dy[e] = rstd * (dy[e] * (p.weight_offset + g[e]) - xv[e] * correction);
       }
       store_vec<w>(d_x + j, dy);
     });
@@ -193,7 +196,7 @@ void run(const rmsnorm_forward_args& args, const context& ctx) {
   const std::int64_t rows = args.x.rows, cols = args.x.cols;
   if (rows == 0) return;
   const rmsnorm_forward_params params{args.x.data, args.weight.data, args.y.data, static_cast<float*>(args.rstd.data),
-                                      rows, cols, args.x.ld, args.y.ld, args.rstd.ld, args.eps};
+                                      rows, cols, args.x.ld, args.y.ld, args.rstd.ld, args.eps, args.weight_offset};
   const bool warp_rows = use_warp_rows(cols);
   const int rows_per_block = warp_rows ? norm_config.threads / 32 : 1;
   const int grid = grid_size(norm_config, ceil_div(rows, rows_per_block));
@@ -244,7 +247,8 @@ void run(const rmsnorm_backward_args& args, const context& ctx) {
                                        args.rstd.ld,
                                        args.d_y.ld,
                                        args.d_x.ld,
-                                       shared_accumulator};
+                                       shared_accumulator,
+                                       args.weight_offset};
   const bool warp_rows = use_warp_rows(cols);
   const int rows_per_block = warp_rows ? norm_config.threads / 32 : 1;
   const int grid = grid_size(norm_config, ceil_div(rows, rows_per_block * backward_min_rows_per_group));

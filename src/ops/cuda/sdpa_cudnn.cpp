@@ -96,9 +96,18 @@ bool stats_bindable(const head_view& lse, bool strided_supported) {
 }
 
 // Everything a built plan depends on. Pointers are not part of it: they are bound per call.
+// A sliding window's diagonal band on the call's rows (top-left aligned): query row i keeps
+// key row j iff i - left < j (left > 0; 0: no left bound) and j <= i + right (right >= 0;
+// the causal mask is right 0, an unmasked block's band a right bound past its last key).
+struct band {
+  std::int64_t left = 0, right = 0;
+  bool operator==(const band&) const = default;
+};
+
 struct plan_key {
   pass direction = pass::forward;
   attn_mask mask = attn_mask::causal;
+  band bounds;                    // mask causal: right 0; mask none: used only when left > 0
   std::uint32_t scale_bits = 0;
   bool stage_stats = false;       // Stats live in the workspace, packed, and are copied
   bhsd q, k, v, o, stats;         // stats as cuDNN sees them (packed when staged)
@@ -114,6 +123,8 @@ struct plan_key_hash {
     };
     mix(static_cast<std::int64_t>(key.direction));
     mix(static_cast<std::int64_t>(key.mask));
+    mix(key.bounds.left);
+    mix(key.bounds.right);
     mix(key.scale_bits);
     mix(key.stage_stats);
     for (const bhsd* l : {&key.q, &key.k, &key.v, &key.o, &key.stats, &key.d_o, &key.d_q, &key.d_k, &key.d_v})
@@ -127,7 +138,11 @@ std::string describe(const plan_key& key) {
   s += key.direction == pass::forward ? "forward" : "backward";
   s += " (sq " + std::to_string(key.q.tokens) + ", skv " + std::to_string(key.k.tokens) + ", hq " +
        std::to_string(key.q.heads) + ", hk " + std::to_string(key.k.heads) + ", d " + std::to_string(key.q.dim) +
-       ", " + (key.mask == attn_mask::causal ? "causal" : "unmasked") + ", scale " +
+       ", " + (key.mask == attn_mask::causal ? "causal" : "unmasked") +
+       (key.bounds.left > 0 ? ", window band (" + std::to_string(key.bounds.left) + ", " +
+                                  std::to_string(key.bounds.right) + ")"
+                            : std::string()) +
+       ", scale " +
        std::to_string(std::bit_cast<float>(key.scale_bits)) + ")";
   return s;
 }
@@ -183,6 +198,18 @@ void output(const tensor_ptr& t, const char* name, std::int64_t uid, const bhsd&
   shape_tensor(*t, name, uid, l, type).set_output(true);
 }
 
+// Top-left diagonal with right bound 0: query i sees key j iff j <= i; a window adds the
+// left bound, j > i - left. An unmasked block under a window keeps its right bound past
+// its last key, which also marks the graph causal-like (cuDNN 9.14.0 refuses a left bound
+// without a right one beyond 1024 keys).
+template <class Attributes>
+void set_band(Attributes& attributes, const plan_key& key) {
+  if (key.mask == attn_mask::none && key.bounds.left == 0) return;
+  attributes.set_diagonal_alignment(fe::DiagonalAlignment_t::TOP_LEFT)
+      .set_diagonal_band_right_bound(static_cast<int>(key.bounds.right));
+  if (key.bounds.left > 0) attributes.set_diagonal_band_left_bound(static_cast<int>(key.bounds.left));
+}
+
 // The composite graph (matmuls, a generated-index mask, softmax) is the one cuDNN fuses
 // into its Hopper flash-attention kernels (shared/reference/cudnn_sdpa_graphs.txt), and the
 // only one with a causal mask before cuDNN 9.21; both masks use it, so they share numerics.
@@ -196,9 +223,7 @@ void add_forward(fe::graph::Graph& g, const plan_key& key) {
                         .set_generate_stats(true)
                         .set_attn_scale(std::bit_cast<float>(key.scale_bits))
                         .set_implementation(fe::AttentionImplementation_t::COMPOSITE);
-  // Top-left diagonal with right bound 0: query i sees key j iff j <= i.
-  if (key.mask == attn_mask::causal)
-    attributes.set_diagonal_alignment(fe::DiagonalAlignment_t::TOP_LEFT).set_diagonal_band_right_bound(0);
+  set_band(attributes, key);
   const auto [o, stats] = g.sdpa(q, k, v, attributes);
   output(o, "out", uid_o, key.o, bf16);
   output(stats, "lse", uid_stats, key.stats, fe::DataType_t::FLOAT);
@@ -217,8 +242,7 @@ void add_backward(fe::graph::Graph& g, const plan_key& key) {
   auto attributes = fe::graph::SDPA_backward_attributes()
                         .set_name("sdpa_backward")
                         .set_attn_scale(std::bit_cast<float>(key.scale_bits));
-  if (key.mask == attn_mask::causal)
-    attributes.set_diagonal_alignment(fe::DiagonalAlignment_t::TOP_LEFT).set_diagonal_band_right_bound(0);
+  set_band(attributes, key);
   const auto [d_q, d_k, d_v] = g.sdpa_backward(q, k, v, o, d_o, stats, attributes);
   output(d_q, "d_q", uid_d_q, key.d_q, bf16);
   output(d_k, "d_k", uid_d_k, key.d_k, bf16);
@@ -263,10 +287,11 @@ std::unique_ptr<sdpa_plan> build_plan(const plan_key& key, cudnnHandle_t handle)
 // The parts both directions share: mask, scale, q, k, v, o and the statistics (bound in
 // place when cuDNN can address the caller's layout, else staged packed).
 template <class Args>
-plan_key common_key(pass direction, const Args& a, bool strided_stats_supported) {
+plan_key common_key(pass direction, const Args& a, const band& bounds, bool strided_stats_supported) {
   plan_key key;
   key.direction = direction;
   key.mask = a.mask;
+  key.bounds = bounds;
   key.scale_bits = std::bit_cast<std::uint32_t>(a.scale);
   key.q = layout_of(a.q);
   key.k = layout_of(a.k);
@@ -277,12 +302,12 @@ plan_key common_key(pass direction, const Args& a, bool strided_stats_supported)
   return key;
 }
 
-plan_key forward_key(const sdpa_forward_args& a, std::size_t version) {
-  return common_key(pass::forward, a, version >= strided_stats_write_version);
+plan_key forward_key(const sdpa_forward_args& a, const band& bounds, std::size_t version) {
+  return common_key(pass::forward, a, bounds, version >= strided_stats_write_version);
 }
 
-plan_key backward_key(const sdpa_backward_args& a, std::size_t version) {
-  plan_key key = common_key(pass::backward, a, version >= strided_stats_read_version);
+plan_key backward_key(const sdpa_backward_args& a, const band& bounds, std::size_t version) {
+  plan_key key = common_key(pass::backward, a, bounds, version >= strided_stats_read_version);
   key.d_o = layout_of(a.d_out);
   key.d_q = layout_of(a.d_q);
   key.d_k = layout_of(a.d_k);
@@ -357,7 +382,45 @@ struct sdpa_engine::impl {
     if (status.is_bad())
       fail("cuDNN", "cudnn_frontend Graph::execute", status.get_message().c_str(), __FILE__, __LINE__);
   }
+
+  // One fused call on the whole of a's rows (no documents, no window left), with `bounds`.
+  void forward(const sdpa_forward_args& a, const band& bounds);
+  void backward(const sdpa_backward_args& a, const band& bounds);
 };
+
+void sdpa_engine::impl::forward(const sdpa_forward_args& a, const band& bounds) {
+  const plan_key key = forward_key(a, bounds, version);
+  for (const auto& [name, view] : {std::pair{"q", &a.q}, std::pair{"k", &a.k}, std::pair{"v", &a.v},
+                                   std::pair{"out", &a.out}})
+    check_pointer(key, name, *view);
+  sdpa_plan& plan = plan_for(key);
+  void* stats = key.stage_stats ? staged_stats(plan) : a.lse.data;
+  std::unordered_map<std::int64_t, void*> pack{
+      {uid_q, a.q.data}, {uid_k, a.k.data}, {uid_v, a.v.data}, {uid_o, a.out.data}, {uid_stats, stats}};
+  execute(plan, pack);
+  if (key.stage_stats) run(copy_heads_args{a.lse, packed_stats_view(stats, a.lse)}, context{.stream = stream});
+}
+
+// The frontend keeps its fp32 dQ accumulator and row sums in the plan's workspace, laid out
+// as its kernels want them.
+void sdpa_engine::impl::backward(const sdpa_backward_args& a, const band& bounds) {
+  const plan_key key = backward_key(a, bounds, version);
+  for (const auto& [name, view] :
+       {std::pair{"q", &a.q}, std::pair{"k", &a.k}, std::pair{"v", &a.v}, std::pair{"out", &a.out},
+        std::pair{"d_out", &a.d_out}, std::pair{"d_q", &a.d_q}, std::pair{"d_k", &a.d_k}, std::pair{"d_v", &a.d_v}})
+    check_pointer(key, name, *view);
+  sdpa_plan& plan = plan_for(key);
+  void* stats = a.lse.data;
+  if (key.stage_stats) {
+    stats = staged_stats(plan);
+    run(copy_heads_args{packed_stats_view(stats, a.lse), a.lse}, context{.stream = stream});
+  }
+  std::unordered_map<std::int64_t, void*> pack{
+      {uid_q, a.q.data},     {uid_k, a.k.data},         {uid_v, a.v.data},
+      {uid_o, a.out.data},   {uid_d_o, a.d_out.data},   {uid_stats, stats},
+      {uid_d_q, a.d_q.data}, {uid_d_k, a.d_k.data},     {uid_d_v, a.d_v.data}};
+  execute(plan, pack);
+}
 
 sdpa_engine::sdpa_engine(cudaStream_t stream, const scratch_fn& scratch)
     : impl_(std::make_unique<impl>(stream, scratch)) {}
@@ -378,6 +441,10 @@ struct row_range {
 };
 template <class Fn>
 void for_each_document_call(const document_mask& m, attn_mask mask, std::int64_t sq, std::int64_t skv, Fn&& fn) {
+  if (!m.active()) {
+    fn(row_range{0, sq}, row_range{0, skv}, mask);
+    return;
+  }
   if (mask == attn_mask::causal) {
     UPIPE_CHECK(m.q_first == m.k_first && sq == skv, "sdpa: documents under the causal mask need q and k on the same rows");
     std::int64_t row = 0;
@@ -398,16 +465,73 @@ void for_each_document_call(const document_mask& m, attn_mask mask, std::int64_t
   fn(row_range{0, q_end}, row_range{k_begin, skv - k_begin}, attn_mask::none);
 }
 
+// One call cuDNN runs: rows of q and k, the mask and, under a window, its band.
+struct sdpa_piece {
+  row_range q, k;
+  attn_mask mask = attn_mask::causal;
+  band bounds;
+};
+
+// A call's rows under a window W, whose rows start at global indices gq and gk, as the
+// pieces cuDNN's band can express (a positive left bound, s_q <= s_kv): causal rows keep the
+// band (W, 0) unless W reaches back past their first row; in a block of the past query row
+// i sees key rows from i + c on (c = gq - gk - W + 1), so the key rows before c are cut
+// (band (1, last key)), or the band starts at 1 - c; query rows that reach no key are left
+// out (the caller has zeroed them), and more query rows than keys split.
+template <class Fn>
+void for_each_window_piece(std::int64_t window, std::int64_t gq, std::int64_t gk, row_range q, row_range k,
+                           attn_mask mask, Fn&& fn) {
+  if (q.count == 0 || k.count == 0) return;
+  if (mask == attn_mask::causal) {
+    fn(sdpa_piece{q, k, mask, window > 0 && window < q.count ? band{window, 0} : band{}});
+    return;
+  }
+  const std::int64_t c = gq - gk - window + 1;
+  if (window == 0 || c + q.count - 1 <= 0) {  // every query reaches every key
+    fn(sdpa_piece{q, k, mask, {}});
+    return;
+  }
+  if (c >= k.count) return;  // no query reaches a key
+  const std::int64_t cut = std::max<std::int64_t>(c, 0);
+  const row_range keys{k.first + cut, k.count - cut};
+  const row_range queries{q.first, std::min(q.count, k.count - c)};
+  if (queries.count > keys.count) {  // s_q <= s_kv: split the query rows
+    for (std::int64_t i = 0; i < queries.count; i += keys.count) {
+      const std::int64_t n = std::min(keys.count, queries.count - i);
+      for_each_window_piece(window, gq + i, gk, row_range{q.first + i, n}, k, mask, fn);
+    }
+    return;
+  }
+  fn(sdpa_piece{queries, keys, mask, band{1 - (c - cut), keys.count - 1}});
+}
+
+// Every piece of a call: its documents' calls, each cut by the window.
+template <class Args, class Fn>
+void for_each_piece(const Args& a, Fn&& fn) {
+  const document_mask& m = a.documents;
+  for_each_document_call(m, a.mask, a.q.tokens, a.k.tokens, [&](row_range q, row_range k, attn_mask mask) {
+    for_each_window_piece(a.window, m.q_first + q.first, m.k_first + k.first, q, k, mask, fn);
+  });
+}
+
+// Does the call run as pieces (packed documents or a window), some of whose rows may be
+// left out?
 template <class Args>
-Args rows_of(const Args& a, row_range q, row_range k, attn_mask mask) {
+bool in_pieces(const Args& a) {
+  return a.documents.active() || a.window > 0;
+}
+
+template <class Args>
+Args rows_of(const Args& a, const sdpa_piece& p) {
   Args sub = a;
-  sub.q = a.q.token_block(q.first, q.count);
-  sub.k = a.k.token_block(k.first, k.count);
-  sub.v = a.v.token_block(k.first, k.count);
-  sub.out = a.out.token_block(q.first, q.count);
-  sub.lse = a.lse.token_block(q.first, q.count);
-  sub.mask = mask;
+  sub.q = a.q.token_block(p.q.first, p.q.count);
+  sub.k = a.k.token_block(p.k.first, p.k.count);
+  sub.v = a.v.token_block(p.k.first, p.k.count);
+  sub.out = a.out.token_block(p.q.first, p.q.count);
+  sub.lse = a.lse.token_block(p.q.first, p.q.count);
+  sub.mask = p.mask;
   sub.documents = {};
+  sub.window = 0;
   return sub;
 }
 
@@ -419,81 +543,49 @@ void run(const sdpa_backward_args& args, const context& ctx) { ctx.sdpa->backwar
 
 void sdpa_engine::forward(const sdpa_forward_args& a) {
   if (empty(a.q)) return;
-  if (a.documents.active()) {
-    if (a.mask == attn_mask::none) {  // rows of later documents see no key
-      zero(a.out, impl_->stream);
-      run(fill_heads_args{a.lse, -std::numeric_limits<float>::infinity()}, context{.stream = impl_->stream});
-    }
-    for_each_document_call(a.documents, a.mask, a.q.tokens, a.k.tokens, [&](row_range q, row_range k, attn_mask mask) {
-      if (q.count == 1 && k.count == 1)
-        single_key_attention_forward(rows_of(a, q, k, mask), impl_->stream);
-      else
-        forward(rows_of(a, q, k, mask));
-    });
-    return;
-  }
-  if (a.k.tokens == 0) {  // no keys: out 0 and lse -inf, which lse_merge ignores
+  if (a.k.tokens == 0 || (in_pieces(a) && a.mask == attn_mask::none)) {
+    // No keys, or rows of a past block that may reach none: out 0 and lse -inf, which
+    // lse_merge ignores, then the pieces overwrite their rows.
     zero(a.out, impl_->stream);
     run(fill_heads_args{a.lse, -std::numeric_limits<float>::infinity()}, context{.stream = impl_->stream});
+    if (a.k.tokens == 0) return;
+  }
+  if (!in_pieces(a)) {
+    impl_->forward(a, band{});
     return;
   }
-  const plan_key key = forward_key(a, impl_->version);
-  for (const auto& [name, view] : {std::pair{"q", &a.q}, std::pair{"k", &a.k}, std::pair{"v", &a.v},
-                                   std::pair{"out", &a.out}})
-    check_pointer(key, name, *view);
-  sdpa_plan& plan = impl_->plan_for(key);
-  void* stats = key.stage_stats ? impl_->staged_stats(plan) : a.lse.data;
-  std::unordered_map<std::int64_t, void*> pack{
-      {uid_q, a.q.data}, {uid_k, a.k.data}, {uid_v, a.v.data}, {uid_o, a.out.data}, {uid_stats, stats}};
-  impl_->execute(plan, pack);
-  if (key.stage_stats)
-    run(copy_heads_args{a.lse, packed_stats_view(stats, a.lse)}, context{.stream = impl_->stream});
+  for_each_piece(a, [&](const sdpa_piece& p) {
+    const sdpa_forward_args sub = rows_of(a, p);
+    if (p.q.count == 1 && p.k.count == 1)
+      single_key_attention_forward(sub, impl_->stream);
+    else
+      impl_->forward(sub, p.bounds);
+  });
 }
 
-// The frontend keeps its fp32 dQ accumulator and row sums in the plan's workspace, laid out
-// as its kernels want them.
 void sdpa_engine::backward(const sdpa_backward_args& a) {
-  if (a.documents.active() && !empty(a.q)) {
-    if (a.mask == attn_mask::none) {  // keys and queries outside the one call get no gradient
-      zero(a.d_q, impl_->stream);
-      zero(a.d_k, impl_->stream);
-      zero(a.d_v, impl_->stream);
-    }
-    for_each_document_call(a.documents, a.mask, a.q.tokens, a.k.tokens, [&](row_range q, row_range k, attn_mask mask) {
-      sdpa_backward_args sub = rows_of(a, q, k, mask);
-      sub.d_out = a.d_out.token_block(q.first, q.count);
-      sub.d_q = a.d_q.token_block(q.first, q.count);
-      sub.d_k = a.d_k.token_block(k.first, k.count);
-      sub.d_v = a.d_v.token_block(k.first, k.count);
-      if (q.count == 1 && k.count == 1)
-        single_key_attention_backward(sub, impl_->stream);
-      else
-        backward(sub);
-    });
-    return;
-  }
-  if (empty(a.q) || a.k.tokens == 0) {  // nothing attends: every gradient is zero
+  if (empty(a.q) || a.k.tokens == 0 || (in_pieces(a) && a.mask == attn_mask::none)) {
+    // Nothing attends, or keys and queries outside every piece: their gradients are zero.
     zero(a.d_q, impl_->stream);
     zero(a.d_k, impl_->stream);
     zero(a.d_v, impl_->stream);
+    if (empty(a.q) || a.k.tokens == 0) return;
+  }
+  if (!in_pieces(a)) {
+    impl_->backward(a, band{});
     return;
   }
-  const plan_key key = backward_key(a, impl_->version);
-  for (const auto& [name, view] :
-       {std::pair{"q", &a.q}, std::pair{"k", &a.k}, std::pair{"v", &a.v}, std::pair{"out", &a.out},
-        std::pair{"d_out", &a.d_out}, std::pair{"d_q", &a.d_q}, std::pair{"d_k", &a.d_k}, std::pair{"d_v", &a.d_v}})
-    check_pointer(key, name, *view);
-  sdpa_plan& plan = impl_->plan_for(key);
-  void* stats = a.lse.data;
-  if (key.stage_stats) {
-    stats = impl_->staged_stats(plan);
-    run(copy_heads_args{packed_stats_view(stats, a.lse), a.lse}, context{.stream = impl_->stream});
-  }
-  std::unordered_map<std::int64_t, void*> pack{
-      {uid_q, a.q.data},     {uid_k, a.k.data},         {uid_v, a.v.data},
-      {uid_o, a.out.data},   {uid_d_o, a.d_out.data},   {uid_stats, stats},
-      {uid_d_q, a.d_q.data}, {uid_d_k, a.d_k.data},     {uid_d_v, a.d_v.data}};
-  impl_->execute(plan, pack);
+  for_each_piece(a, [&](const sdpa_piece& p) {
+    sdpa_backward_args sub = rows_of(a, p);
+    sub.d_out = a.d_out.token_block(p.q.first, p.q.count);
+    sub.d_q = a.d_q.token_block(p.q.first, p.q.count);
+    sub.d_k = a.d_k.token_block(p.k.first, p.k.count);
+    sub.d_v = a.d_v.token_block(p.k.first, p.k.count);
+    if (p.q.count == 1 && p.k.count == 1)
+      single_key_attention_backward(sub, impl_->stream);
+    else
+      impl_->backward(sub, p.bounds);
+  });
 }
 
 }  // namespace upipe::cuda

@@ -1,0 +1,48 @@
+// What the registry's files share when they build op cases (backend/op_registry.cpp and
+// backend/op_registry_model.cpp): the perf shapes, the output helper and the labels.
+#pragma once
+
+#include <cstdint>
+#include <initializer_list>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "backend/op_registry.hpp"
+
+namespace upipe::op_cases {
+
+inline constexpr double bf16_tol = 2e-2;  // one bf16 rounding of the output and of its inputs
+// One Llama3-8B layer's shapes, for the perf cases.
+inline constexpr std::int64_t hidden = 4096, q_heads = 32, kv_heads = 8, head_dim = 128, intermediate = 14336;
+
+// Columns [first, first + cols) of a tensor's matrix.
+inline mat_view cols_of(const tensor& t, std::int64_t cols, std::int64_t first = 0) {
+  return t.matrix().col_block(first, cols);
+}
+
+// Output tensors: compared across backends.
+inline case_tensor out(case_tensor t, double bf16_tolerance = bf16_tol, double f32_tolerance = 1e-5) {
+  t.bf16_tolerance = bf16_tolerance;
+  t.f32_tolerance = f32_tolerance;
+  return t;
+}
+
+// "rows 37 cols 96": a case's size label.
+inline std::string dims_text(std::initializer_list<std::pair<const char*, std::int64_t>> dims) {
+  std::string s;
+  // Appended piece by piece, which keeps GCC 12's -Wrestrict false positive away.
+  for (const auto& [name, value] : dims) {
+    if (!s.empty()) s += ' ';
+    s += name;
+    s += ' ';
+    s += std::to_string(value);
+  }
+  return s;
+}
+
+// The entries of the ops the model families brought (op_registry_model.cpp): the bias's
+// add and gradient, GeGLU.
+std::vector<op_entry> model_op_entries();
+
+}  // namespace upipe::op_cases

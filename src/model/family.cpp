@@ -1,0 +1,84 @@
+#include "model/family.hpp"
+
+#include "core/error.hpp"
+
+namespace upipe {
+
+namespace {
+
+// Each row against transformers' configuration and modeling classes of the family
+// (LlamaConfig, Qwen2Config, Qwen3Config, MistralConfig, Phi3Config, Gemma3TextConfig).
+std::vector<family_row> make_table() {
+  using enum model_family;
+  return {
+      {.family = llama, .model_type = "llama", .architecture = "LlamaForCausalLM", .models = "Llama 3 / 3.1 / 3.2",
+       .config_biases = true},
+      {.family = qwen2, .model_type = "qwen2", .architecture = "Qwen2ForCausalLM", .models = "Qwen2 / Qwen2.5",
+       .biases = qkv_projections, .windows = window_rule::qwen_layers, .default_kv_heads = 32,
+       .default_context = 32768},
+      {.family = qwen3, .model_type = "qwen3", .architecture = "Qwen3ForCausalLM", .models = "Qwen3 dense",
+       .qk_norm = true, .config_biases = true, .windows = window_rule::qwen_layers, .default_kv_heads = 32,
+       .default_head_dim = 128, .default_context = 40960},
+      {.family = mistral, .model_type = "mistral", .architecture = "MistralForCausalLM", .models = "Mistral",
+       .windows = window_rule::every_layer, .default_kv_heads = 8, .default_context = 32768},
+      {.family = phi3, .model_type = "phi3", .architecture = "Phi3ForCausalLM", .models = "Phi-3 / Phi-4 mini",
+       .windows = window_rule::every_layer, .default_context = 4096, .qkv_fused = "self_attn.qkv_proj",
+       .gate_up_fused = "mlp.gate_up_proj"},
+      {.family = gemma3, .model_type = "gemma3_text", .architecture = "Gemma3ForCausalLM", .models = "Gemma 3 (text)",
+       .qk_norm = true, .config_biases = true, .norms = block_norms::pre_and_post, .norm_offset = 1.0f,
+       .embedding = embedding_scaling::sqrt_hidden, .windows = window_rule::pattern_layers,
+       .query_pre_attn_scalar = true, .final_logit_softcapping = true, .default_kv_heads = 4, .default_head_dim = 256,
+       .default_theta = 1000000.0, .default_local_theta = 10000.0, .default_tied = true, .default_context = 131072,
+       .activation_key = "hidden_activation", .default_activation = gate_activation::gelu_tanh,
+       .mlp_norm = "pre_feedforward_layernorm", .attention_post_norm = "post_attention_layernorm",
+       .mlp_post_norm = "post_feedforward_layernorm"},
+  };
+}
+
+}  // namespace
+
+const std::vector<family_row>& family_table() {
+  static const std::vector<family_row> table = make_table();
+  return table;
+}
+
+const family_row& family_traits(model_family family) {
+  for (const family_row& row : family_table())
+    if (row.family == family) return row;
+  throw internal_error("model family " + std::to_string(static_cast<int>(family)) + " has no row in the table");
+}
+
+const family_row* find_family(std::string_view model_type) {
+  for (const family_row& row : family_table())
+    if (row.model_type == model_type) return &row;
+  return nullptr;
+}
+
+std::string family_names() {
+  const auto& table = family_table();
+  std::string out;
+  for (std::size_t i = 0; i < table.size(); ++i) {
+    if (i > 0) out += i + 1 == table.size() ? " and " : ", ";
+    out += table[i].model_type;
+  }
+  return out;
+}
+
+const char* activation_name(gate_activation activation) {
+  return activation == gate_activation::silu ? "silu" : "gelu_pytorch_tanh";
+}
+
+bool parse_activation(std::string_view name, gate_activation& out) {
+  if (name == "silu" || name == "swish") {
+    out = gate_activation::silu;
+    return true;
+  }
+  // transformers' gelu_pytorch_tanh and gelu_new are both GELU's tanh approximation.
+  if (name == "gelu_pytorch_tanh" || name == "gelu_new") {
+    out = gate_activation::gelu_tanh;
+    return true;
+  }
+  return false;
+}
+
+}  // namespace upipe

@@ -1,0 +1,57 @@
+"""scripts/tensorboard_follow.py: a metrics file of upipe train as TensorBoard scalars."""
+import json
+import os
+import struct
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPT = os.path.join(ROOT, "scripts", "tensorboard_follow.py")
+
+tensorboardX = pytest.importorskip("tensorboardX")
+
+
+def scalars(logdir):
+    """Every (tag, step, value) of the event files in logdir (TFRecord framing: length,
+    its CRC, the event, its CRC)."""
+    from tensorboardX.proto import event_pb2
+    out = []
+    for name in os.listdir(logdir):
+        with open(os.path.join(logdir, name), "rb") as f:
+            data = f.read()
+        i = 0
+        while i < len(data):
+            (length,) = struct.unpack("<Q", data[i:i + 8])
+            event = event_pb2.Event()
+            event.ParseFromString(data[i + 12:i + 12 + length])
+            i += 12 + length + 4
+            for v in event.summary.value:
+                out.append((v.tag, event.step, v.simple_value))
+    return out
+
+
+def test_steps_become_scalars(tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    rows = [{"step": 1, "loss": 5.5, "lr": 1e-4, "grad_norm": 2.0, "time": "2026-12-03T06:40:12.345Z"},
+            {"step": 2, "loss": 5.0, "lr": 2e-4, "grad_norm": 1.5, "eval_loss": 5.2},
+            {"final": True, "steps": 2}]
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    r = subprocess.run([sys.executable, SCRIPT, str(metrics), "--logdir", str(tmp_path / "tb")],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    got = scalars(tmp_path / "tb")
+    assert ("train/loss", 1, 5.5) in got
+    assert ("train/loss", 2, 5.0) in got
+    assert any(t == "eval/loss" and s == 2 and abs(v - 5.2) < 1e-6 for t, s, v in got)
+    assert not any(t == "eval/loss" and s == 1 for t, s, v in got)
+
+
+def test_a_broken_line_is_named(tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    metrics.write_text('{"step": 1, "loss": 1.0, "lr": 0.1}\n{"step": 2, "lo\n')
+    r = subprocess.run([sys.executable, SCRIPT, str(metrics), "--logdir", str(tmp_path / "tb")],
+                       capture_output=True, text=True)
+    assert r.returncode != 0
+    assert "line 2 is not JSON" in r.stderr
