@@ -18,6 +18,7 @@
 #include "apps/comm_flags.hpp"
 #include "apps/model_flags.hpp"
 #include "apps/policy_flags.hpp"
+#include "apps/run_config.hpp"
 #include "apps/sizes.hpp"
 #include "core/error.hpp"
 #include "core/limits.hpp"
@@ -30,16 +31,21 @@ namespace upipe::apps {
 
 namespace {
 
+// The options bench shares with train (model, slice, comm, ZeRO, policy, sizes, seed,
+// LoRA) are rows of the run configuration; the sweep's lists and the timing are bench's own.
 struct bench_flags {
-  std::string model = "tiny-llama", config_path, backend = "cpu", optimizer = "adamw", policy, json_path, lora;
-  comm_flags comm;
+  std::shared_ptr<run_options> options;
+  std::string optimizer = "adamw", json_path;
   std::string single_pass_from = "1M", warmup_len;
   std::vector<std::string> attention{"ulysses", "upipe"}, head_chunks, seq_lens{"512"};
-  int cp = 0, emulate_cp = 0, dp = 1, layers = 0, zero = 3, repeats = 3;
-  std::int64_t mlp_tile = 0, loss_chunk = 0;
-  double memory_gib = 8, host_memory_gib = 0, peak_tflops = 778, datasheet_tflops = 989, targets = 1;
+  int cp = 0, emulate_cp = 0, dp = 1, repeats = 3;
+  double peak_tflops = 778, datasheet_tflops = 989, targets = 1;
   bool no_check = false, phases = false;
-  unsigned long long seed = 1;
+  const run_config& cfg() const { return options->config(); }
+  comm_flags comm() const {
+    const run_config& c = cfg();
+    return {c.comm, c.comm_timeout, c.overlap_comm, c.prefetch_weights};
+  }
 };
 
 struct row {
@@ -174,23 +180,23 @@ int run(const bench_flags& f) {
                        " contradict each other: --cp C runs every rank, --emulate-cp C runs rank 0 of C alone; give one");
   const bool emulate = f.emulate_cp > 0;
   const int C = emulate ? f.emulate_cp : (f.cp > 0 ? f.cp : 4);
-  const model_config whole = load_model(f.model, f.config_path);
-  const model_config m = slice_layers(whole, f.layers);
+  const model_config whole = load_model(f.cfg().model, f.cfg().config);
+  const model_config m = slice_layers(whole, f.cfg().layers);
   const int model_layers = whole.num_layers;
   require_within(f.repeats, 1, limits::repeats, "--repeats", "3");
   if (!(f.targets > 0 && f.targets <= 1))
     throw config_error("--targets " + std::to_string(f.targets) + " must lie in (0, 1]: the fraction of each sequence "
                        "that is a target of the loss (e.g. 0.0625: an answer after a prompt 15 times longer)");
-  if (f.zero != 2 && f.zero != 3) throw config_error("--zero " + std::to_string(f.zero) + ": use 2 or 3");
+  if (f.cfg().zero != 2 && f.cfg().zero != 3) throw config_error("--zero " + std::to_string(f.cfg().zero) + ": use 2 or 3");
   if (f.optimizer != "adamw" && f.optimizer != "none")
     throw config_error("--optimizer " + f.optimizer + " is not known: use adamw or none (forward and backward only)");
-  const backend_kind kind = parse_backend_kind(f.backend);
-  const bool auto_policy = is_auto_policy(f.policy);
-  const checkpoint_policy fixed_policy = auto_policy ? checkpoint_policy{} : parse_checkpoint_policy(f.policy);
+  const backend_kind kind = parse_backend_kind(f.cfg().backend);
+  const bool auto_policy = is_auto_policy(f.cfg().checkpoint_policy);
+  const checkpoint_policy fixed_policy = auto_policy ? checkpoint_policy{} : parse_checkpoint_policy(f.cfg().checkpoint_policy);
   const std::int64_t single_from = parse_seq_len(f.single_pass_from, "--single-pass-from");
   std::vector<std::int64_t> lengths;
   for (const std::string& t : f.seq_lens) lengths.push_back(parse_seq_len(t, "--seq-len"));
-  const lora_config lora = f.lora.empty() ? lora_config{} : parse_lora(f.lora, m);
+  const lora_config lora = f.cfg().lora.empty() ? lora_config{} : parse_lora(f.cfg().lora, m);
 
   std::vector<row> rows;
   // Rewritten after every row, so a run cut short (a time limit, a crash) keeps its rows.
@@ -204,7 +210,7 @@ int run(const bench_flags& f) {
                      {"cp", r.cp},
                      {"dp", f.dp},
                      {"emulated", emulate},
-                     {"backend", f.backend},
+                     {"backend", f.cfg().backend},
                      {"model", m.name},
                      {"layers", r.layers},
                      {"seq_len", r.seq_len},
@@ -237,8 +243,8 @@ int run(const bench_flags& f) {
   std::printf("# upipe bench  model=%s  layers=%d of %d (a slice: per-layer time and working set)  backend=%s  %s "
               "D=%d x C=%d  %s  repeats=%d (1 pass from S=%s)\n",
               m.name.c_str(), m.num_layers, model_layers,
-              f.backend.c_str(), emulate ? "emulated (rank 0 alone, loopback)" : "every rank", f.dp, C,
-              f.optimizer == "none" ? "forward+backward" : ("training step, zero=" + std::to_string(f.zero)).c_str(),
+              f.cfg().backend.c_str(), emulate ? "emulated (rank 0 alone, loopback)" : "every rank", f.dp, C,
+              f.optimizer == "none" ? "forward+backward" : ("training step, zero=" + std::to_string(f.cfg().zero)).c_str(),
               f.repeats, f.single_pass_from.c_str());
   std::printf("# MFU against %.0f TFLOP/s (measured bf16 GEMM peak) and, in the JSON, %.0f (datasheet)\n",
               f.peak_tflops, f.datasheet_tflops);
@@ -261,23 +267,29 @@ int run(const bench_flags& f) {
         o.seq_len = s;
         o.cp = {strategy, C, u};
         o.dp = f.dp;
-        o.zero = f.optimizer == "none" ? zero_stage::replicated : (f.zero == 3 ? zero_stage::three : zero_stage::two);
-        o.step = {f.mlp_tile, f.loss_chunk, fixed_policy};
-        f.comm.apply(o.step);
+        o.zero = f.optimizer == "none" ? zero_stage::replicated : (f.cfg().zero == 3 ? zero_stage::three : zero_stage::two);
+        o.step = {f.cfg().mlp_tile, f.cfg().loss_chunk, fixed_policy};
+        f.comm().apply(o.step);
         o.step.lora = lora;
         o.optim.total_steps = 1 + f.repeats;
         o.optim.warmup_steps = 0;
-        o.seed = f.seed;
+        o.seed = f.cfg().seed;
         o.eval_samples = 0;
         o.backend = kind;
-        o.comm = f.comm.options();
-        const resolved_step resolved = resolve_step(sizes_of(o, f.memory_gib, f.host_memory_gib));
+        o.comm = f.comm().options();
+        const resolved_step resolved = resolve_step(sizes_of(o, f.cfg().memory_gib, f.cfg().host_memory_gib));
         o.step = resolved.step;
         o.limits = resolved.limits;
         if (auto_policy) {
-          const plan_point chosen = choose_checkpoint_policy(o, f.memory_gib, f.host_memory_gib);
-          std::printf("# %s U=%d S=%lld: checkpoint policy %s (auto: the fastest that fits)\n", name.c_str(), u,
-                      static_cast<long long>(s), chosen.policy.str().c_str());
+          try {
+            const plan_point chosen = choose_checkpoint_policy(o, f.cfg().memory_gib, f.cfg().host_memory_gib);
+            std::printf("# %s U=%d S=%lld: checkpoint policy %s (auto: the fastest that fits)\n", name.c_str(), u,
+                        static_cast<long long>(s), chosen.policy.str().c_str());
+          } catch (const config_error& e) {
+            // Measured anyway with the default policy, said aloud: the device has the last word.
+            std::printf("# %s U=%d S=%lld: checkpoint policy %s (the default: auto found none that fits: %s)\n",
+                        name.c_str(), u, static_cast<long long>(s), o.step.policy.str().c_str(), e.what());
+          }
         }
         const std::int64_t unit = layout_unit(o.cp);
         const std::int64_t warmup =
@@ -354,10 +366,7 @@ int run(const bench_flags& f) {
 
 command_runner add_bench(CLI::App& app) {
   auto f = std::make_shared<bench_flags>();
-  add_model_flags(app, f->model, f->config_path);
-  app.add_option("--layers", f->layers, "a slice: the first N layers at full width and length");
-  app.add_option("--backend", f->backend, "cpu, cuda or meta")->capture_default_str();
-  add_comm_flags(app, f->comm, true);
+  f->options = std::make_shared<run_options>(app, for_bench);
   app.add_option("--cp", f->cp, "ranks in the CP group, every one run (default 4)");
   app.add_option("--emulate-cp", f->emulate_cp, "run rank 0 of a group of C alone (loopback), as on one GPU");
   app.add_option("--dp", f->dp,
@@ -370,29 +379,23 @@ command_runner add_bench(CLI::App& app) {
   app.add_option("--head-chunk", f->head_chunks, "U values for the strategies that choose U (default C; 'all' for every valid U)")
       ->delimiter(',');
   app.add_option("--seq-len", f->seq_lens, "lengths (K and M suffixes)")->delimiter(',')->capture_default_str();
-  app.add_option("--zero", f->zero, "2 or 3 (training step)")->capture_default_str();
   app.add_option("--optimizer", f->optimizer, "adamw (training step) or none (forward and backward only)")
       ->capture_default_str();
-  app.add_option("--checkpoint-policy", f->policy,
-                 std::string(checkpoint_policy_help()) + " (default what=input,every=1,where=device)");
-  app.add_option("--mlp-tile", f->mlp_tile, mlp_tile_help);
-  app.add_option("--loss-chunk", f->loss_chunk, loss_chunk_help);
   app.add_option("--repeats", f->repeats, "timed steps per configuration (the fastest is reported)")->capture_default_str();
   app.add_option("--single-pass-from", f->single_pass_from, "one timed step from this length on")->capture_default_str();
   app.add_option("--warmup-seq-len", f->warmup_len, "length of the warm-up step (default 256 layout units)");
   app.add_flag("--no-check", f->no_check, "skip the correctness check after timing");
   app.add_flag("--phases", f->phases, "also time each phase of the fastest step (attention parts, MLP, loss)");
-  app.add_option("--memory-gib", f->memory_gib, "arena per rank, GiB")->capture_default_str();
-  app.add_option("--host-memory-gib", f->host_memory_gib, host_memory_gib_help);
   app.add_option("--peak-tflops", f->peak_tflops, "the card's measured bf16 GEMM peak, for MFU")->capture_default_str();
-  app.add_option("--seed", f->seed, "seed of the weights and tokens")->capture_default_str();
-  app.add_option("--lora", f->lora, "LoRA steps: r=N[,alpha=A][,targets=...] (base frozen; FLOPs counted as such)");
   app.add_option("--targets", f->targets,
                  "the fraction of each sequence that is a target of the loss, its last tokens (fine-tuning's shape: a "
                  "prompt, then the answer); the rest masked")
       ->capture_default_str();
   app.add_option("--json", f->json_path, "write one object per configuration")->check(output_file_flag("--json"));
-  return [f] { return run(*f); };
+  return [f] {
+    f->options->apply_flags_and_file();
+    return run(*f);
+  };
 }
 
 }  // namespace upipe::apps

@@ -28,6 +28,7 @@
 #include "apps/commands.hpp"
 #include "apps/flag_checks.hpp"
 #include "apps/cp_flags.hpp"
+#include "apps/run_config.hpp"
 #include "apps/json_file.hpp"
 #include "apps/model_flags.hpp"
 #include "apps/niah_text_script.hpp"
@@ -46,15 +47,18 @@ namespace upipe::apps {
 
 namespace {
 
+// The options eval shares with train (model, data, CP group, sizes, seed) are rows of the
+// run configuration; the rest are eval's own.
 struct eval_flags {
-  std::string model, config_path, weights_path, data_path, json_path, backend = "cpu", seq_lens = "1K", packing = "auto",
-                                                                      depths = "0,0.25,0.5,0.75,1", niah_vocab = "auto";
+  std::shared_ptr<run_options> options;
+  std::string weights_path, json_path, seq_lens = "1K", depths = "0,0.25,0.5,0.75,1", niah_vocab = "auto";
   bool niah = false;
-  cp_flags mesh;
   int samples = 4;
-  std::int64_t mlp_tile = 0, loss_chunk = 0;
-  double memory_gib = 8;
-  unsigned long long seed = 1;
+  const run_config& cfg() const { return options->config(); }
+  cp_flags mesh() const {
+    const run_config& c = cfg();
+    return {c.attention, c.cp, c.head_chunk, c.ring, c.seq_chunks};
+  }
 };
 
 // Ctrl-C: the first asks the ranks to stop at the next sequence; a second ends the process.
@@ -130,22 +134,22 @@ struct eval_setup {
 
 eval_setup setup(const eval_flags& f) {
   eval_setup s;
-  s.req.model = load_model(f.model.empty() ? "tiny-llama" : f.model, f.config_path);
-  s.req.backend = parse_backend_kind(f.backend);
-  s.req.cp = f.mesh.settings();
+  s.req.model = load_model(f.cfg().model.empty() ? "tiny-llama" : f.cfg().model, f.cfg().config, f.cfg().layers);
+  s.req.backend = parse_backend_kind(f.cfg().backend);
+  s.req.cp = f.mesh().settings();
   require_within(f.samples, 1, limits::samples, "--samples", "8");
   std::int64_t longest = 0;
   for (const std::int64_t L : parse_lengths(f.seq_lens, f.samples)) longest = std::max(longest, L);
   // Forward only: checkpoints on the device, the default host pool.
-  s.req.options = {f.mlp_tile, f.loss_chunk, checkpoint_policy{}};
-  const resolved_step resolved = resolve_step(sizes_of(s.req, longest, f.memory_gib, 0));
+  s.req.options = {f.cfg().mlp_tile, f.cfg().loss_chunk, checkpoint_policy{}};
+  const resolved_step resolved = resolve_step(sizes_of(s.req, longest, f.cfg().memory_gib, 0));
   s.req.options = resolved.step;
   s.req.limits = resolved.limits;
-  s.directory = model_directory(f.model, f.config_path);
+  s.directory = model_directory(f.cfg().model, f.cfg().config);
   const std::string weights_path =
-      f.weights_path.empty() ? default_weights(f.model, f.config_path) : resolve_checkpoint(f.weights_path);
+      f.weights_path.empty() ? default_weights(f.cfg().model, f.cfg().config) : resolve_checkpoint(f.weights_path);
   if (weights_path.empty()) {
-    s.random = random_weights(s.req.model, f.seed);
+    s.random = random_weights(s.req.model, f.cfg().seed);
     s.weights = std::make_unique<host_weight_source>(s.random);
   } else {
     s.weights = std::make_unique<hf_model_files>(weights_path, s.req.model);
@@ -238,31 +242,31 @@ nlohmann::json score_windows(const std::vector<eval_sequence>& seqs, const eval_
 }
 
 int held_out_loss(const eval_flags& f, const eval_setup& s) {
-  if (f.data_path.empty())
+  if (f.cfg().data.empty())
     throw config_error("upipe eval needs --data PREFIX (a corpus from upipe prepare-data) or FILE, or --niah");
-  if (f.packing != "auto" && f.packing != "documents" && f.packing != "stream")
-    throw config_error("--packing " + f.packing + " is not known: use documents or stream");
-  const std::vector<data_source_spec> specs = parse_data_sources(f.data_path, "--data");
+  if (f.cfg().packing != "auto" && f.cfg().packing != "documents" && f.cfg().packing != "stream")
+    throw config_error("--packing " + f.cfg().packing + " is not known: use documents or stream");
+  const std::vector<data_source_spec> specs = parse_data_sources(f.cfg().data, "--data");
   for (const data_source_spec& d : specs)
     if (d.weight != 1.0)
-      throw config_error("--data " + f.data_path + ": each source is evaluated on its own, so a weight (" + d.path +
+      throw config_error("--data " + f.cfg().data + ": each source is evaluated on its own, so a weight (" + d.path +
                          ") means nothing; list them without weights, e.g. --data chat-heldout,books-heldout");
   const std::vector<std::int64_t> lengths = parse_lengths(f.seq_lens, f.samples);
-  const packing_mode packing = f.packing == "documents" ? packing_mode::documents
-                               : f.packing == "stream"  ? packing_mode::stream
+  const packing_mode packing = f.cfg().packing == "documents" ? packing_mode::documents
+                               : f.cfg().packing == "stream"  ? packing_mode::stream
                                                         : packing_mode::automatic;
   // One reader per length (a token file's sequences are of one length), every one opened
   // before any length runs.
   std::vector<data_reader> readers;
-  for (const std::int64_t S : lengths) readers.emplace_back(specs, data_reader::options{s.req.model.vocab_size, S, 0, packing, f.seed});
+  for (const std::int64_t S : lengths) readers.emplace_back(specs, data_reader::options{s.req.model.vocab_size, S, 0, packing, f.cfg().seed});
   const data_reader& first = readers.front();
   std::string packed;
   for (std::size_t d = 0; d < first.size(); ++d) packed += (d ? "," : "") + std::string(first.documents(d) ? "documents" : "stream");
-  nlohmann::json out = {{"model", s.req.model.name}, {"data", f.data_path}, {"packing", packed},
-                        {"strategy", f.mesh.attention}, {"cp", f.mesh.cp}, {"lengths", nlohmann::json::array()}};
+  nlohmann::json out = {{"model", s.req.model.name}, {"data", f.cfg().data}, {"packing", packed},
+                        {"strategy", f.mesh().attention}, {"cp", f.mesh().cp}, {"lengths", nlohmann::json::array()}};
   std::printf("# upipe eval  model=%s  data=%s (%s)  %s cp=%d  backend=%s  %d sequences per length, forward only\n",
-              s.req.model.name.c_str(), f.data_path.c_str(), packed.c_str(), f.mesh.attention.c_str(), f.mesh.cp,
-              f.backend.c_str(), f.samples);
+              s.req.model.name.c_str(), f.cfg().data.c_str(), packed.c_str(), f.mesh().attention.c_str(), f.mesh().cp,
+              f.cfg().backend.c_str(), f.samples);
   for (std::size_t d = 0; d < first.size(); ++d) {
     if (first.size() > 1) std::printf("\n## %s%s\n", specs[d].path.c_str(), first.masked(d) ? " (loss mask)" : "");
     for (std::size_t l = 0; l < lengths.size(); ++l) {
@@ -328,7 +332,7 @@ int needle_in_a_haystack(const eval_flags& f, const eval_setup& s) {
   if (passkey && s.req.model.vocab_size < passkey_task::vocab_needed)
     throw config_error("the passkey needle needs a vocabulary of at least " + std::to_string(passkey_task::vocab_needed) +
                        " ids; the model has " + std::to_string(s.req.model.vocab_size));
-  if (passkey && !f.data_path.empty())
+  if (passkey && !f.cfg().data.empty())
     throw config_error("--data is the haystack of text needles; the passkey needle's haystack is the task's own filler "
                        "(drop --data, or use --niah-vocab text)");
   const std::vector<std::int64_t> lengths = parse_lengths(f.seq_lens, f.samples);
@@ -348,19 +352,19 @@ int needle_in_a_haystack(const eval_flags& f, const eval_setup& s) {
     std::vector<std::string> keys;
     for (std::size_t i = 0; i < lengths.size(); ++i)
       for (std::size_t k = 0; k < depths.size(); ++k)
-        for (int j = 0; j < f.samples; ++j) keys.push_back(needle_key(f.seed, index(i, k, j)));
-    if (!f.data_path.empty()) {
-      if (document_corpus::exists(f.data_path))
-        corpus = std::make_unique<document_corpus>(f.data_path, s.req.model.vocab_size, 0, f.seed);
+        for (int j = 0; j < f.samples; ++j) keys.push_back(needle_key(f.cfg().seed, index(i, k, j)));
+    if (!f.cfg().data.empty()) {
+      if (document_corpus::exists(f.cfg().data))
+        corpus = std::make_unique<document_corpus>(f.cfg().data, s.req.model.vocab_size, 0, f.cfg().seed);
       else
-        for (const std::int64_t L : lengths) token_file check(f.data_path, L, s.req.model.vocab_size);
+        for (const std::int64_t L : lengths) token_file check(f.cfg().data, L, s.req.model.vocab_size);
     }
-    text = tokenize_needles(s.directory, keys, f.data_path.empty());
+    text = tokenize_needles(s.directory, keys, f.cfg().data.empty());
   }
   std::printf("# upipe eval --niah  model=%s  needle=%s  haystack=%s  %s cp=%d  backend=%s  %d samples per cell\n",
               s.req.model.name.c_str(), passkey ? "passkey" : "text",
-              passkey ? "the passkey filler" : f.data_path.empty() ? "built-in text" : f.data_path.c_str(),
-              f.mesh.attention.c_str(), f.mesh.cp, f.backend.c_str(), f.samples);
+              passkey ? "the passkey filler" : f.cfg().data.empty() ? "built-in text" : f.cfg().data.c_str(),
+              f.mesh().attention.c_str(), f.mesh().cp, f.cfg().backend.c_str(), f.samples);
   struct cell {
     int samples = 0;
     double exact = 0, right = 0, log_prob = 0;  // sums over the samples
@@ -370,14 +374,14 @@ int needle_in_a_haystack(const eval_flags& f, const eval_setup& s) {
   for (std::size_t i = 0; i < lengths.size() && whole; ++i) {
     const std::int64_t L = lengths[i];
     std::unique_ptr<token_file> stream;
-    if (!passkey && !f.data_path.empty() && !corpus) stream = std::make_unique<token_file>(f.data_path, L, s.req.model.vocab_size);
+    if (!passkey && !f.cfg().data.empty() && !corpus) stream = std::make_unique<token_file>(f.cfg().data, L, s.req.model.vocab_size);
     std::vector<needle_case> cases;
     std::vector<eval_sequence> seqs;
     for (std::size_t k = 0; k < depths.size(); ++k)
       for (int j = 0; j < f.samples; ++j) {
         const auto from = static_cast<std::int64_t>(j) * L;  // sample j's haystack: the data's j-th window
         if (passkey)
-          cases.push_back(passkey_needle(L, depths[k], f.seed, index(i, k, j)));
+          cases.push_back(passkey_needle(L, depths[k], f.cfg().seed, index(i, k, j)));
         else
           cases.push_back(text_needle(text.prefix, corpus ? corpus->window(from, L).tokens  // documents joined: one context
                                                    : stream ? stream->sequence(from) : text.haystack,
@@ -430,8 +434,8 @@ int needle_in_a_haystack(const eval_flags& f, const eval_setup& s) {
   const double n = std::max(scored, 1);
   std::printf("\nkey tokens right over %d needles %.3f, mean log-probability %.3f\n", scored, right / n, log_prob / n);
   nlohmann::json out = {{"model", s.req.model.name}, {"needle", passkey ? "passkey" : "text"},
-                        {"haystack", passkey ? "passkey" : f.data_path.empty() ? "built-in" : f.data_path},
-                        {"strategy", f.mesh.attention}, {"cp", f.mesh.cp}, {"samples", f.samples}, {"seed", f.seed},
+                        {"haystack", passkey ? "passkey" : f.cfg().data.empty() ? "built-in" : f.cfg().data},
+                        {"strategy", f.mesh().attention}, {"cp", f.mesh().cp}, {"samples", f.samples}, {"seed", f.cfg().seed},
                         {"token_accuracy", right / n}, {"mean_log_prob", log_prob / n}, {"cells", rows}};
   if (!whole) out["interrupted"] = true;
   write_json(f.json_path, {{"niah", out}});
@@ -452,17 +456,12 @@ int run(const eval_flags& f) {
 
 command_runner add_eval(CLI::App& app) {
   auto f = std::make_shared<eval_flags>();
-  add_model_flags(app, f->model, f->config_path);
+  f->options = std::make_shared<run_options>(app, for_eval);
   app.add_option("--weights", f->weights_path, "weights (a model directory or checkpoint; default the --model directory's)");
-  app.add_option("--data", f->data_path,
-                 "held-out data: corpus PREFIXes from upipe prepare-data or uint32 token files, comma-separated, each "
-                 "scored on its own targets (a loss mask's where it has one); with --niah: the haystack, default a "
-                 "built-in text");
   app.add_option("--seq-len,--lengths", f->seq_lens, "lengths, comma-separated (K and M suffixes), e.g. 4K,32K,128K")
       ->capture_default_str();
   app.add_option("--samples", f->samples, "sequences per length (with --niah: per depth and length)")
       ->capture_default_str();
-  app.add_option("--packing", f->packing, "documents (positions and attention per document) or stream")->capture_default_str();
   app.add_flag("--niah", f->niah, "needle in a haystack: a key planted at each of --depths, asked for at the end");
   app.add_option("--depths", f->depths, "with --niah: where the needle goes, fractions of the context")
       ->capture_default_str();
@@ -470,15 +469,11 @@ command_runner add_eval(CLI::App& app) {
                  "with --niah: text (the model's tokenizer) or passkey (the passkey task's ids); auto: text where the "
                  "model directory has tokenizer.json")
       ->capture_default_str();
-  add_cp_flags(app, f->mesh);
-  app.add_option("--backend", f->backend, "cpu or cuda")->capture_default_str();
-  app.add_option("--mlp-tile", f->mlp_tile, mlp_tile_help);
-  app.add_option("--loss-chunk", f->loss_chunk, loss_chunk_help);
-  app.add_option("--memory-gib", f->memory_gib, "arena per rank, GiB")->capture_default_str();
-  app.add_option("--seed", f->seed, "seed of random weights (without --model DIR) and of the needles' keys")
-      ->capture_default_str();
   app.add_option("--json", f->json_path, "write the results as JSON")->check(output_file_flag("--json"));
-  return [f] { return run(*f); };
+  return [f] {
+    f->options->apply_flags_and_file();
+    return run(*f);
+  };
 }
 
 }  // namespace upipe::apps

@@ -16,6 +16,7 @@
 #include "apps/json_file.hpp"
 #include "apps/model_flags.hpp"
 #include "apps/sizes.hpp"
+#include "apps/state_flags.hpp"
 #include "core/error.hpp"
 #include "cp/strategy_table.hpp"
 #include "model/config.hpp"
@@ -27,7 +28,8 @@ namespace {
 
 struct plan_flags {
   std::string model = "llama3-8b", config_path, gpu_memory = "80GiB", host_memory, seq_len, json_path,
-      optimizer = "adamw", policy, offload = "none", lora;
+      optimizer = "adamw", policy, offload, lora, moments, master = "fp32", grads = "fp32";
+  double max_grad_norm = 1.0;
   std::vector<std::string> attention;  // default: ulysses, upipe, ring, fpdt (and hybrid on several nodes)
   std::vector<int> seq_chunks;          // default: the planner's
   std::vector<int> dps;                 // the mesh sweep's replica counts (default: every divisor of the GPUs)
@@ -96,7 +98,8 @@ std::vector<const plan_entry*> table_rows(const std::vector<plan_entry>& entries
   for (const plan_entry& e : entries) {
     const auto same = [&](const plan_entry* r) {
       return r->strategy == e.strategy && r->head_chunk == e.head_chunk && r->ring == e.ring &&
-             r->offload_optimizer == e.offload_optimizer && r->offload_params == e.offload_params;
+             r->offload_optimizer == e.offload_optimizer && r->offload_params == e.offload_params &&
+             r->offload_master == e.offload_master;
     };
     auto it = std::find_if(rows.begin(), rows.end(), same);
     if (it == rows.end()) {
@@ -118,11 +121,26 @@ std::vector<const plan_entry*> table_rows(const std::vector<plan_entry>& entries
 }
 
 // "upipe", or "hybrid 2x8" (R x A: a ring of R nodes, all-to-all among A GPUs in each);
-// "+host" where AdamW's state is in host memory, "+host+w" where the weights are too.
+// "+host" where AdamW's state is in host memory, "+master" where its master weights alone
+// are, "+w" where the weights are too.
 std::string strategy_text(const plan_entry& e, int gpus) {
   std::string name(strategy_name(e.strategy));
   if (row_of(e.strategy).mesh) name += " " + std::to_string(e.ring) + "x" + std::to_string(gpus / e.ring);
-  return e.offload_params ? name + " +host+w" : e.offload_optimizer ? name + " +host" : name;
+  if (e.offload_optimizer) name += " +host";
+  else if (e.offload_master) name += " +master";
+  return e.offload_params ? name + "+w" : name;
+}
+
+// The --offload words of an entry's placement.
+std::string offload_text(const plan_entry& e) {
+  const std::string where = e.offload_optimizer ? "optimizer" : e.offload_master ? "master" : "none";
+  return e.offload_params ? where + ",params" : where;
+}
+
+// An entry's state format as flags ("--optimizer-state 8bit --master-weights bf16-kahan --grad-dtype bf16").
+std::string state_text(const optimizer_state_options& s) {
+  return std::string("--optimizer-state ") + moments_flag(s.format.moments) + " --master-weights " +
+         master_flag(s.format.master) + " --grad-dtype " + (s.grad_type == dtype::bf16 ? "bf16" : "fp32");
 }
 
 nlohmann::json point_json(const plan_point& p) {
@@ -237,6 +255,49 @@ nlohmann::json meshes_json(const plan_flags& f, const plan_request& r, const pla
   return rows;
 }
 
+// The train command of the recommended state format and placement.
+std::string command_text(const plan_request& r, const plan_result& plan, const plan_flags& f) {
+  const plan_entry& e = plan.state_entries[*plan.recommended_state];
+  const plan_point& p = *e.longest;
+  const std::int64_t s = r.seq_len ? *r.seq_len : p.seq_len;
+  std::string cmd = "upipe train --model " + f.model + " --backend cuda --cp " + std::to_string(r.gpus) +
+                    " --attention upipe --head-chunk " + std::to_string(e.head_chunk);
+  if (e.seq_chunks > 1) cmd += " --seq-chunks " + std::to_string(e.seq_chunks);
+  cmd += " --zero " + std::to_string(f.zero) + " --seq-len " + std::to_string(s) + " --offload " + offload_text(e) +
+         " " + state_text(e.state) + " --max-grad-norm " + real_text(r.max_grad_norm) + " --checkpoint-policy " +
+         p.policy.str();
+  return cmd;
+}
+
+// The state formats at the recommended configuration, and the command to run.
+void print_states(const plan_request& r, const plan_result& plan, const plan_flags& f) {
+  if (plan.state_entries.empty()) return;
+  const plan_entry& first = plan.state_entries.front();
+  std::printf("\nAdamW's state at upipe U = %d, N = %d, each format in each placement (--optimizer-state auto):\n",
+              first.head_chunk, first.seq_chunks);
+  std::printf("%-76s %-18s %10s %8s %8s %10s  %s\n", "state", "--offload", "longest S", "GPU GiB", "host GiB",
+              "step s", "checkpoint policy");
+  for (const plan_entry& e : plan.state_entries) {
+    if (!e.longest) {
+      std::printf("%-76s %-18s %10s %8s %8s %10s  %s\n", state_text(e.state).c_str(), offload_text(e).c_str(), "none",
+                  "-", "-", "-", "does not fit even the shortest length");
+      continue;
+    }
+    const plan_point& p = *e.longest;
+    std::printf("%-76s %-18s %10s %8.1f %8.1f %10.1f  %s\n", state_text(e.state).c_str(), offload_text(e).c_str(),
+                tokens_text(p.seq_len).c_str(), gib(p.gpu_bytes), gib(p.host_bytes), p.time->total(),
+                p.policy.str().c_str());
+  }
+  if (!plan.recommended_state) {
+    std::printf("recommended state: none reaches S = %s\n", tokens_text(*r.seq_len).c_str());
+    return;
+  }
+  std::printf("recommended (the most precise format that reaches %s, in the placement moving the least to the "
+              "host):\n  %s\n",
+              r.seq_len ? ("S = " + tokens_text(*r.seq_len)).c_str() : "the longest S",
+              command_text(r, plan, f).c_str());
+}
+
 int run(const plan_flags& f) {
   const auto start = std::chrono::steady_clock::now();
   plan_request r;
@@ -262,10 +323,20 @@ int run(const plan_flags& f) {
     throw config_error("--optimizer " + f.optimizer + " is not known: use adamw (a training step, sharded per --zero) "
                        "or none (forward and backward only: full weights and f32 gradients)");
   if (!f.policy.empty()) r.policy = parse_checkpoint_policy(f.policy);
-  r.try_offload = f.offload == "auto";
-  const offload_options offload = r.try_offload ? offload_options{} : parse_offload(f.offload);
-  r.offload_optimizer = offload.optimizer;
-  r.offload_params = offload.params;
+  // One GPU: every placement and state format is tried unless one is named (the machines
+  // where a full fine-tune fits only with them).
+  const bool one_gpu = r.gpus == 1 && r.zero != zero_stage::replicated && f.lora.empty();
+  const std::string offload = f.offload.empty() ? (one_gpu ? "auto" : "none") : f.offload;
+  const std::string moments = f.moments.empty() ? (one_gpu ? "auto" : "fp32") : f.moments;
+  r.try_offload = offload == "auto";
+  const offload_options placement = r.try_offload ? offload_options{} : parse_offload(offload);
+  r.offload_optimizer = placement.optimizer;
+  r.offload_params = placement.params;
+  r.offload_master = placement.master;
+  r.try_state = moments == "auto";
+  if (!r.try_state) r.state.format = {parse_moments(moments), parse_master(f.master)};
+  r.state.grad_type = parse_grad_dtype(f.grads);
+  r.max_grad_norm = f.max_grad_norm;
   r.mlp_tile = f.mlp_tile;
   r.loss_chunk = f.loss_chunk;
   if (!f.seq_chunks.empty()) r.seq_chunks = f.seq_chunks;
@@ -306,9 +377,13 @@ int run(const plan_flags& f) {
   const std::string step_kind = (r.zero == zero_stage::replicated
                                      ? "forward+backward, no optimizer"
                                      : "training step, zero=" + std::to_string(f.zero) +
-                                           (r.offload_params      ? ", optimizer and weights in host memory"
+                                           (r.try_offload        ? ", every placement"
+                                            : r.offload_params   ? ", master and weights in host memory"
                                             : r.offload_optimizer ? ", optimizer in host memory"
-                                                                  : "")) +
+                                            : r.offload_master   ? ", master in host memory"
+                                                                 : "") +
+                                           (r.try_state ? ", every state format" : ", " + state_text(r.state)) +
+                                           (r.max_grad_norm > 0 ? "" : ", no clipping")) +
                                 lora_text_or_none;
   std::printf("# upipe plan  model=%s (%d layers)  gpus=%d (%d node%s of %d)  %s  gpu-memory=%.1f GiB (margin %.0f%%: "
               "%.1f GiB usable)\n",
@@ -350,9 +425,9 @@ int run(const plan_flags& f) {
   }
   std::printf("(N: sequence chunks, the one of --seq-chunks that reaches the longest S; the JSON holds every N)\n");
   std::printf("(eval S: the longest length upipe eval fits, forward only with the weights alone%s)\n",
-              r.try_offload || r.offload_optimizer
-                  ? "; +host: AdamW's state in host memory, --offload optimizer; +host+w: the weights too, --offload "
-                    "optimizer,params"
+              r.try_offload || r.offload_optimizer || r.offload_master
+                  ? "; +host: AdamW's state in host memory, --offload optimizer; +master: its master weights alone, "
+                    "--offload master; +w: the weights too, --offload ...,params"
                   : "");
   if (r.seq_len) {
     std::printf("\nat S = %s:\n%-15s %4s %4s %6s %8s %8s %10s %10s  %s\n", tokens_text(*r.seq_len).c_str(), "strategy",
@@ -379,6 +454,7 @@ int run(const plan_flags& f) {
     std::printf("\nrecommended: none, upipe fits no U at S = %s; shorten --seq-len or add GPUs\n",
                 tokens_text(plan.planned_seq_len).c_str());
   print_meshes(f, r, plan);
+  print_states(r, plan, f);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   std::printf("# planned in %.1f s\n", seconds);
 
@@ -390,6 +466,8 @@ int run(const plan_flags& f) {
                           {"seq_chunks", e.seq_chunks},
                           {"offload_optimizer", e.offload_optimizer},
                           {"offload_params", e.offload_params},
+                          {"offload_master", e.offload_master},
+                          {"optimizer_state", state_text(e.state)},
                           {"head_chunk", row_of(e.strategy).heads == head_stages::none ? nlohmann::json(nullptr)
                                                                                         : nlohmann::json(e.head_chunk)},
                           {"max_seq_len", e.longest ? e.longest->seq_len : 0}};
@@ -406,7 +484,7 @@ int run(const plan_flags& f) {
                      {"gpu_bytes", e.longest_eval->gpu_bytes}};
       entries.push_back(j);
     }
-    const nlohmann::json doc = {
+    nlohmann::json doc = {
         {"model", r.model.name},
         {"layers", r.model.num_layers},
         {"gpus", r.gpus},
@@ -424,6 +502,17 @@ int run(const plan_flags& f) {
         {"recommended_seq_chunks", plan.recommended_seq_chunks},
         {"entries", entries},
         {"meshes", meshes_json(f, r, plan)}};
+    if (!plan.state_entries.empty()) {
+      nlohmann::json states = nlohmann::json::array();
+      for (const plan_entry& e : plan.state_entries)
+        states.push_back({{"optimizer_state", state_text(e.state)},
+                          {"offload", offload_text(e)},
+                          {"max_seq_len", e.longest ? e.longest->seq_len : 0},
+                          {"longest", e.longest ? point_json(*e.longest) : nlohmann::json(nullptr)}});
+      doc["states"] = states;
+      doc["recommended_command"] =
+          plan.recommended_state ? nlohmann::json(command_text(r, plan, f)) : nlohmann::json(nullptr);
+    }
     write_json_file(f.json_path, doc, 1);
   }
   return 0;
@@ -461,7 +550,19 @@ command_runner add_plan(CLI::App& app) {
   app.add_option("--margin", f->margin, "fraction of GPU and host memory kept free")->capture_default_str();
   app.add_option("--layers", f->layers, "plan a slice: the first N layers only");
   app.add_option("--offload", f->offload,
-                 std::string(offload_help) + "; auto: each configuration all three ways")->capture_default_str();
+                 std::string(offload_help) + "; auto: each configuration in each placement (the default on one GPU, "
+                 "else none)");
+  app.add_option("--optimizer-state", f->moments,
+                 "AdamW's moments: fp32, bf16, 8bit, or auto: after the sweep, every state format in every placement "
+                 "at the recommended U, and the command of the most precise that reaches the length (the default "
+                 "on one GPU, else fp32)");
+  app.add_option("--master-weights", f->master, "fp32 or bf16-kahan (with a named --optimizer-state)")
+      ->capture_default_str();
+  app.add_option("--grad-dtype", f->grads, "the kept gradient shards: fp32 or bf16 (with a named --optimizer-state)")
+      ->capture_default_str();
+  app.add_option("--max-grad-norm", f->max_grad_norm,
+                 "as train's: 0 (no clipping) keeps no gradient shard, each unit updated as it arrives")
+      ->capture_default_str();
   app.add_option("--checkpoint-policy", f->policy,
                  "plan only this policy (what=input|input+attention,every=K,where=device|host-pinned|host-pageable)");
   app.add_option("--mlp-tile", f->mlp_tile, mlp_tile_help);

@@ -33,6 +33,9 @@ inline plan_point choose_checkpoint_policy(train_options& o, double memory_gib, 
   r.offload_optimizer = o.offload_optimizer;
   r.lora = o.step.lora;
   r.offload_params = o.offload_params;
+  r.offload_master = o.offload_master;
+  r.state = state_options_of(o);
+  r.max_grad_norm = o.optim.max_grad_norm;
   r.mlp_tile = o.step.mlp_tile;
   r.loss_chunk = o.step.loss_chunk;
   r.margin = 0.02;

@@ -100,7 +100,7 @@ std::vector<option_row> make_rows() {
        for_train | for_step | for_eval, r::changes},
       {"--cp", "parallel.cp", UPIPE_FIELD(cp),
        "ranks in the CP group (threads on the cpu backend, virtual ranks on one GPU)",
-       run_commands, r::changes},
+       run_commands & ~for_bench, r::changes},
       {"--head-chunk", "parallel.head_chunk", UPIPE_FIELD(head_chunk),
        "U, query heads per stage: upipe (default C), hybrid (a multiple of C / R; default H, Ulysses inside)",
        for_train | for_step | for_eval, r::changes},
@@ -150,6 +150,22 @@ std::vector<option_row> make_rows() {
        for_train, r::changes},
       {"--seed", "optimizer.seed", UPIPE_FIELD(seed), "seed of the initialization and the data",
        model_commands & ~for_plan, r::kept},
+      {"--optimizer-state", "optimizer.state", UPIPE_FIELD(optimizer_state),
+       "AdamW's moments: fp32, bf16 (round to nearest even), or 8bit (block-wise quantized, 256 a block with an f32 "
+       "absmax each, bitsandbytes' AdamW8bit); a resume in another format needs --convert-optimizer-state",
+       for_train, r::changes},
+      {"--master-weights", "optimizer.master_weights", UPIPE_FIELD(master_weights),
+       "fp32, or bf16-kahan: the bf16 weights are the master, a bf16 compensation keeps what rounding lost (4 bytes a "
+       "parameter instead of 6 on the GPU)",
+       for_train, r::changes},
+      {"--grad-dtype", "optimizer.grad_dtype", UPIPE_FIELD(grad_dtype),
+       "the gradient shards kept for the norm or a later micro-batch: fp32 or bf16 (none are kept without clipping "
+       "at --batch 1)",
+       for_train, r::changes},
+      {"--convert-optimizer-state", "optimizer.convert_state", UPIPE_FIELD(convert_optimizer_state),
+       "--resume from a checkpoint of another state format: decode it to fp32 and encode it in this run's (else "
+       "refused)",
+       for_train, r::fresh, false, true},
       // [checkpoint]
       {"--save", "checkpoint.save", UPIPE_FIELD(save),
        "the run directory: checkpoints DIR/checkpoint-STEP (Hugging Face model directories with the trainer state in "

@@ -43,6 +43,8 @@ struct run_config {
   std::int64_t steps = 3300, stop_after = 0, warmup = 20;
   double lr = 1e-3, warmup_ratio = 0, min_lr_ratio = 0.1, weight_decay = 0.01, max_grad_norm = 1.0;
   std::uint64_t seed = 1;
+  std::string optimizer_state = "fp32", master_weights = "fp32", grad_dtype = "fp32";
+  bool convert_optimizer_state = false;
   // [checkpoint]
   std::string save, save_dtype = "bf16", max_shard_size = "5GB", resume;
   std::int64_t save_every = 0, keep_last = 0;

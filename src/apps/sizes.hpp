@@ -101,20 +101,24 @@ inline constexpr const char* host_memory_gib_help =
     "host pool per rank, GiB: pinned, or pageable with where=host-pageable (0: 16 MiB, or --memory-gib when "
     "checkpoints go to the host)";
 
-// --offload none|optimizer|optimizer,params: what of the sharded training state lives in
+// --offload none|optimizer|master[,params]: what of the sharded training state lives in
 // host memory.
 inline constexpr const char* offload_help =
-    "none; optimizer: the fp32 master weights, AdamW's moments and the gradient shards in host memory (pinned), "
-    "AdamW on the host's cores; optimizer,params: the working-dtype weights there too, each unit brought to the GPU "
-    "ahead of its use";
+    "none; optimizer: the master weights, AdamW's moments and the gradient shards in host memory (pinned), AdamW "
+    "on the host's cores; master: the master weights alone (the moments on the GPU, which sends each step to the "
+    "host); ,params (optimizer,params or master,params): the working-dtype weights there too, each unit brought to "
+    "the GPU ahead of its use";
 inline offload_options parse_offload(const std::string& text) {
   if (text == "none") return {};
   if (text == "optimizer") return {true, false};
   if (text == "optimizer,params" || text == "params,optimizer") return {true, true};
+  if (text == "master") return {false, false, true};
+  if (text == "master,params" || text == "params,master") return {false, true, true};
   if (text == "params")
-    throw config_error("--offload params: the weights go to host memory only with the optimizer (AdamW writes them "
-                       "there); use --offload optimizer,params");
-  throw config_error("--offload " + text + " is not known: use none, optimizer or optimizer,params");
+    throw config_error("--offload params: the weights go to host memory only with the master weights (AdamW writes "
+                       "them there); use --offload optimizer,params or master,params");
+  throw config_error("--offload " + text + " is not known: use none, optimizer, optimizer,params, master or "
+                     "master,params");
 }
 
 }  // namespace upipe::apps

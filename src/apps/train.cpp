@@ -25,6 +25,7 @@
 #include "apps/policy_flags.hpp"
 #include "apps/run_config.hpp"
 #include "apps/sizes.hpp"
+#include "apps/state_flags.hpp"
 #include "core/error.hpp"
 #include "model/adapter_files.hpp"
 #include "plan/planner.hpp"
@@ -323,6 +324,10 @@ train_options to_options(run_options& opts, bool fine_tune) {
   const offload_options offload = parse_offload(f.offload);
   o.offload_optimizer = offload.optimizer;
   o.offload_params = offload.params;
+  o.offload_master = offload.master;
+  o.state_format = {parse_moments(f.optimizer_state), parse_master(f.master_weights)};
+  o.grad_type = parse_grad_dtype(f.grad_dtype);
+  o.convert_state = f.convert_optimizer_state;
   const resolved_step resolved = resolve_step(sizes_of(o, f.memory_gib, f.host_memory_gib));
   o.step = resolved.step;
   o.limits = resolved.limits;
@@ -534,6 +539,14 @@ int run(train_command& command) {
     std::printf("# in host memory: %s; AdamW on the host's cores %s\n",
                 o.offload_params ? "AdamW's state and the weights" : "AdamW's state",
                 o.optim.max_grad_norm > 0 ? "after the norm, beside the next forward" : "beside the backward");
+  if (o.offload_master)
+    std::printf("# in host memory: the master weights%s; the GPU runs the moments' half of AdamW, the host the "
+                "master's\n", o.offload_params ? " and the working weights" : "");
+  if (!(o.state_format == adamw_state_format{}) || o.grad_type != dtype::f32)
+    std::printf("# AdamW state: moments %s, master %s, gradient shards %s\n", moments_flag(o.state_format.moments),
+                master_flag(o.state_format.master),
+                state_options_of(o).grads == grad_keeping::streamed ? "none (each unit updated as they arrive)"
+                                                                    : (o.grad_type == dtype::bf16 ? "bf16" : "fp32"));
   if (o.seq_warmup > 0)
     std::printf("# steps 1-%lld on sequences of %lld tokens, then %lld (--seq-warmup, --seq-warmup-start)\n",
                 static_cast<long long>(o.seq_warmup), static_cast<long long>(step_seq_len(o, 1)),

@@ -1,5 +1,5 @@
-// What the registry's files share when they build op cases (backend/op_registry.cpp and
-// backend/op_registry_model.cpp): the perf shapes, the output helper and the labels.
+// What the registry's files share when they build op cases (backend/op_registry.cpp,
+// backend/op_registry_model.cpp and backend/op_registry_optim.cpp): the perf shapes, the output helper and the labels.
 #pragma once
 
 #include <cstdint>
@@ -44,5 +44,7 @@ inline std::string dims_text(std::initializer_list<std::pair<const char*, std::i
 // The entries of the ops the model families brought (op_registry_model.cpp): the bias's
 // add and gradient, GeGLU.
 std::vector<op_entry> model_op_entries();
+// The optimizer's (op_registry_optim.cpp): AdamW in every state format, the sum of squares.
+std::vector<op_entry> optimizer_op_entries();
 
 }  // namespace upipe::op_cases

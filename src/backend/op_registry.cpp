@@ -669,63 +669,6 @@ op_entry cross_entropy_entry() {
           }};
 }
 
-// ---------------------------------------------------------------------------------------
-// AdamW and the gradient norm
-
-op_case adamw_case(std::int64_t n, bool with_weights, std::int64_t step, dtype work) {
-  op_case c;
-  c.size = dims_text({{"n", n}, {"step", step}}) + (with_weights ? "" : " no weights");
-  c.tensors = {out({.name = "master", .type = case_dtype::f32, .dims = {1, n}}),
-               out({.name = "exp_avg", .type = case_dtype::f32, .dims = {1, n}, .lo = -0.1f, .hi = 0.1f}),
-               out({.name = "exp_avg_sq", .type = case_dtype::f32, .dims = {1, n}, .lo = 0, .hi = 0.01f}),
-               {.name = "grad", .type = case_dtype::f32, .dims = {1, n}},
-               out({.name = "weights", .dims = {1, with_weights ? n : 1}})};
-  const auto scalars = [step](adamw_args a) {
-    a.lr = 1e-3f;
-    a.weight_decay = 0.1f;
-    a.grad_scale = 0.8f;
-    a.step = step;
-    return a;
-  };
-  c.run = [=](backend& be, const case_tensors& t) {
-    ops::adamw(be, scalars({t["master"].matrix(), t["exp_avg"].matrix(), t["exp_avg_sq"].matrix(), t["grad"].matrix(),
-                            with_weights ? t["weights"].matrix() : mat_view{}}));
-  };
-  c.float64 = [=](f64::host_case& h) { f64::adamw(h, scalars({}), n); };
-  c.bytes = static_cast<double>(n) * (7 * 4 + (with_weights ? dtype_size(work) : 0));
-  return c;
-}
-
-op_entry adamw_entry() {
-  return {"adamw",
-          [] {
-            return std::vector<op_case>{adamw_case(1000, true, 1, dtype::f32), adamw_case(37, true, 3, dtype::f32),
-                                        adamw_case(515, false, 2, dtype::f32)};
-          },
-          [](std::int64_t tokens, dtype work) { return adamw_case(tokens * 1024, true, 1, work); }};
-}
-
-// The fp64 result goes into a (1 x 1) f32 tensor to be compared like any output.
-op_case sum_squares_case(std::int64_t rows, std::int64_t cols, std::int64_t pad) {
-  op_case c;
-  c.size = dims_text({{"rows", rows}, {"cols", cols}, {"ld", cols + pad}});
-  c.tensors = {{.name = "x", .type = case_dtype::f32, .dims = {rows, cols + pad}},
-               out({.name = "sum", .type = case_dtype::f32, .dims = {1, 1}})};
-  c.run = [cols](backend& be, const case_tensors& t) {
-    const auto sum = static_cast<float>(ops::sum_squares(be, cols_of(t["x"], cols)));
-    be.upload_f32(t["sum"], &sum);
-  };
-  c.bytes = 4.0 * static_cast<double>(rows) * static_cast<double>(cols);
-  c.float64 = [=](f64::host_case& h) { f64::sum_squares(h, rows, cols, cols + pad); };
-  return c;
-}
-
-op_entry sum_squares_entry() {
-  return {"sum_squares",
-          [] { return std::vector<op_case>{sum_squares_case(1, 100000, 0), sum_squares_case(37, 300, 5)}; },
-          [](std::int64_t tokens, dtype) { return sum_squares_case(1, tokens * 1024, 0); }};
-}
-
 std::vector<op_entry> build_registry() {
   std::vector<op_entry> entries{gemm_entry(),
           sdpa_forward_entry(),
@@ -743,10 +686,9 @@ std::vector<op_entry> build_registry() {
           gated_backward_entry("swiglu_backward", gate_activation::silu),
           gated_forward_entry("geglu_forward", gate_activation::gelu_tanh),
           gated_backward_entry("geglu_backward", gate_activation::gelu_tanh),
-          cross_entropy_entry(),
-          adamw_entry(),
-          sum_squares_entry()};
+          cross_entropy_entry()};
   for (op_entry& e : model_op_entries()) entries.push_back(std::move(e));
+  for (op_entry& e : optimizer_op_entries()) entries.push_back(std::move(e));
   return entries;
 }
 

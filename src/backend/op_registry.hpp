@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <initializer_list>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -18,10 +19,12 @@
 namespace upipe {
 
 // The element type of a case's tensor, resolved on each backend: `work` is the backend's
-// working dtype (f32 on cpu, bf16 on cuda and meta).
-enum class case_dtype : std::uint8_t { work, f32, i32 };
+// working dtype (f32 on cpu, bf16 on cuda and meta); bf16 and u8 (8-bit codes) are those
+// on every backend.
+enum class case_dtype : std::uint8_t { work, f32, i32, bf16, u8 };
 // random: uniform in [lo, hi); zero; constant: every element lo (-inf for an empty
-// log-sum-exp); ids: integers uniform in [lo, hi) (i32 only; negative labels are masked).
+// log-sum-exp); ids: integers uniform in [lo, hi) (i32 and u8 only; negative labels are
+// masked).
 enum class case_fill : std::uint8_t { random, zero, constant, ids };
 
 struct case_tensor {
@@ -32,7 +35,8 @@ struct case_tensor {
   float lo = -1.0f, hi = 1.0f;
   // > 0: an output compared against the reference backend, the normalized error (max
   // |got - want| / max |want|, over the whole allocation) at most this where the tested
-  // backend stores this tensor in bf16; f32_tolerance where it stores f32.
+  // backend stores a working-dtype tensor in bf16; f32_tolerance where it stores it as the
+  // reference does (f32, or a bf16 or u8 tensor on every backend).
   double bf16_tolerance = 0.0;
   double f32_tolerance = 1e-5;
 };
@@ -65,8 +69,11 @@ struct op_case {
   std::function<double(backend&, const case_tensors&)> objective;
   std::vector<std::pair<const char*, const char*>> gradients;
   // Every other op: the op in float64 on the host (backend/op_float64.hpp), which the cpu
-  // backend's outputs are compared with. Each case has this or gradients.
+  // backend's outputs are compared with. Each case has this or gradients, or else
+  // reference_test: the test that holds this mode of the op to its definition (AdamW's
+  // low-precision modes: tests/optim/adamw_modes_test.cpp).
   std::function<void(f64::host_case&)> float64;
+  std::string reference_test;
 };
 
 struct op_entry {

@@ -169,11 +169,68 @@ void check_position_runs(const rope_args& args) {
                     "; each token must be covered at most once");
 }
 
-// A flat fp32 shard of the optimizer: (1 x n).
-void check_shard(const char* op, const char* name, const mat_view& m, std::int64_t n) {
+// A flat shard of the optimizer: (1 x n) of one of two dtypes.
+void check_shard(const char* op, const char* name, const mat_view& m, std::int64_t n, dtype want = dtype::f32,
+                 dtype alt = dtype::f32) {
   check_matrix(op, name, m);
-  check_type(op, name, m, dtype::f32, dtype::f32);
+  check_type(op, name, m, want, alt);
   check_dims(op, name, m, 1, n);
+}
+
+bool view_empty(const mat_view& m) { return m.data == nullptr && m.cols == 0; }
+
+void check_empty(const char* op, const char* name, const mat_view& m, const char* why) {
+  UPIPE_CHECK(view_empty(m), fail(op, name, m, std::string("must be empty: ") + why));
+}
+
+// The moments' side of an AdamW call: both moments of one format, the gradient, and for
+// q8 whole blocks with their absmax.
+void check_adamw_moments(const adamw_args& a, std::int64_t n) {
+  const char* op = "adamw";
+  check_shard(op, "exp_avg", a.exp_avg, n, a.exp_avg.type, a.exp_avg.type);
+  UPIPE_CHECK(a.exp_avg.type != dtype::i32, fail(op, "exp_avg", a.exp_avg, "dtype must be f32, bf16 or u8 (q8)"));
+  check_shard(op, "exp_avg_sq", a.exp_avg_sq, n, a.exp_avg.type, a.exp_avg.type);
+  check_shard(op, "grad", a.grad, n, dtype::f32, dtype::bf16);
+  if (a.exp_avg.type != dtype::u8) {
+    check_empty(op, "exp_avg_absmax", a.exp_avg_absmax, "only q8 (u8) moments have block absmaxes");
+    check_empty(op, "exp_avg_sq_absmax", a.exp_avg_sq_absmax, "only q8 (u8) moments have block absmaxes");
+    return;
+  }
+  UPIPE_CHECK(n % q8_block == 0, fail(op, "exp_avg", a.exp_avg,
+                                      "q8 moments go in whole blocks: n must be a multiple of " +
+                                          std::to_string(q8_block) + " (pad the shard)"));
+  check_shard(op, "exp_avg_absmax", a.exp_avg_absmax, n / q8_block);
+  check_shard(op, "exp_avg_sq_absmax", a.exp_avg_sq_absmax, n / q8_block);
+}
+
+// The master's side: f32, or bf16 with its bf16 compensation (Kahan), and the working copy.
+void check_adamw_master(const backend& be, const adamw_args& a, std::int64_t n) {
+  const char* op = "adamw";
+  check_shard(op, "master", a.master, n, dtype::f32, dtype::bf16);
+  if (a.master.type == dtype::bf16)
+    check_shard(op, "master_comp", a.master_comp, n, dtype::bf16, dtype::bf16);
+  else
+    check_empty(op, "master_comp", a.master_comp, "an f32 master has no compensation (bf16-kahan's)");
+  if (view_empty(a.weights)) return;
+  check_matrix(op, "weights", a.weights);
+  check_type(op, "weights", a.weights, be.work_dtype(), be.work_dtype());
+  check_dims(op, "weights", a.weights, 1, n);
+}
+
+// Runs cover [0, n) in increasing order, at most adamw_max_runs of them.
+void check_adamw_runs(const adamw_args& a, std::int64_t n) {
+  if (a.runs.empty()) return;
+  UPIPE_CHECK(a.runs.size() <= adamw_max_runs, "ops::adamw: " + std::to_string(a.runs.size()) +
+                                                   " weight-decay runs; a call takes at most " +
+                                                   std::to_string(adamw_max_runs) + " (split it at a block)");
+  std::int64_t begin = 0;
+  for (const adamw_run& r : a.runs) {
+    UPIPE_CHECK(r.end > begin, "ops::adamw: the weight-decay runs must increase (a run ends at " +
+                                   std::to_string(r.end) + " after " + std::to_string(begin) + ")");
+    begin = r.end;
+  }
+  UPIPE_CHECK(begin == n, "ops::adamw: the weight-decay runs end at " + std::to_string(begin) +
+                              ", not at the call's " + std::to_string(n) + " elements");
 }
 
 void check_adamw_scalars(const adamw_args& args) {
@@ -322,8 +379,9 @@ void copy_heads(backend& be, const head_view& dst, const head_view& src) {
 void add_heads(backend& be, const head_view& dst, const head_view& src) {
   check_layout("add_heads", "dst", dst);
   check_layout("add_heads", "src", src);
-  // f32 for cross-stage accumulators; the working dtype for residual adds.
-  check_work_or_f32(be, "add_heads", "dst", dst);
+  // f32 for cross-stage accumulators; the working dtype for residual adds; bf16 for a
+  // kept bf16 gradient shard taking a later micro-batch, on any backend.
+  check_arithmetic("add_heads", "dst", dst);
   check_arithmetic("add_heads", "src", src);
   check_dims("add_heads", "dst", dst, src.tokens, src.heads, src.dim);
   be.run(add_heads_args{dst, src});
@@ -444,23 +502,31 @@ void cross_entropy(backend& be, const cross_entropy_args& args) {
 // copy written from the updated master, or empty (data nullptr, 0 cols) to skip it.
 void adamw(backend& be, const adamw_args& args) {
   const char* op = "adamw";
-  const std::int64_t n = args.master.cols;
-  for (const auto& [name, view] : {std::pair{"master", &args.master}, std::pair{"exp_avg", &args.exp_avg},
-                                   std::pair{"exp_avg_sq", &args.exp_avg_sq}, std::pair{"grad", &args.grad}})
-    check_shard(op, name, *view, n);
-  const bool no_weights = args.weights.data == nullptr && args.weights.cols == 0;
-  if (!no_weights) {
-    check_matrix(op, "weights", args.weights);
-    check_type(op, "weights", args.weights, be.work_dtype(), be.work_dtype());
-    check_dims(op, "weights", args.weights, 1, n);
+  const bool master_half = args.part == adamw_part::master;
+  const std::int64_t n = args.part == adamw_part::moments ? args.grad.cols : args.master.cols;
+  if (args.part != adamw_part::master) check_adamw_moments(args, n);
+  if (args.part != adamw_part::moments) check_adamw_master(be, args, n);
+  if (args.part == adamw_part::whole) {
+    check_empty(op, "direction", args.direction, "the whole update keeps its step inside");
+  } else {
+    check_shard(op, "direction", args.direction, n);
   }
+  if (args.part == adamw_part::moments) {
+    check_empty(op, "master", args.master, "the moments half writes the step to direction");
+    check_empty(op, "weights", args.weights, "the moments half writes the step to direction");
+  }
+  if (master_half) {
+    check_empty(op, "exp_avg", args.exp_avg, "the master half reads its step from direction");
+    check_empty(op, "grad", args.grad, "the master half reads its step from direction");
+  }
+  check_adamw_runs(args, n);
   check_adamw_scalars(args);
   be.run(args);
 }
 
 double sum_squares(backend& be, const mat_view& x) {
   check_matrix("sum_squares", "x", x);
-  check_type("sum_squares", "x", x, dtype::f32, dtype::f32);
+  check_type("sum_squares", "x", x, dtype::f32, dtype::bf16);
   double result = 0.0;  // meta leaves it
   be.run(sum_squares_args{x, &result});
   return result;

@@ -17,8 +17,9 @@ namespace upipe {
 class host_adamw_bench {
  public:
   // `params` elements in `tensors` equal shards (the last takes the rest), random normal
-  // master weights and gradients, on `threads` host threads (0: every core).
-  host_adamw_bench(backend& be, std::int64_t params, int tensors, int threads);
+  // master weights and gradients, on `threads` host threads (0: every core), the state in
+  // `format` (lean formats: --optimizer-state, --master-weights).
+  host_adamw_bench(backend& be, std::int64_t params, int tensors, int threads, adamw_state_format format = {});
   // One AdamW step over every shard; with `working_copy`, also the working-dtype weights
   // (what the offload writes for the device); returns the seconds it took.
   double step(bool working_copy);
@@ -26,7 +27,7 @@ class host_adamw_bench {
   std::int64_t params() const { return params_; }
   int threads() const { return pool_->threads(); }
   // The host memory the bench holds (master, moments, gradients, working copy).
-  static std::size_t host_bytes(std::int64_t params, dtype work);
+  static std::size_t host_bytes(std::int64_t params, dtype work, adamw_state_format format = {});
 
  private:
   backend& be_;

@@ -9,12 +9,13 @@
 
 namespace upipe {
 
-// i32 holds token ids and labels; only f32 and bf16 are arithmetic types.
-enum class dtype : std::uint8_t { f32, bf16, i32 };
+// i32 holds token ids and labels; u8 the codes of 8-bit quantized optimizer moments; only
+// f32 and bf16 are arithmetic types.
+enum class dtype : std::uint8_t { f32, bf16, i32, u8 };
 
-constexpr std::size_t dtype_size(dtype t) { return t == dtype::bf16 ? 2 : 4; }
+constexpr std::size_t dtype_size(dtype t) { return t == dtype::bf16 ? 2 : t == dtype::u8 ? 1 : 4; }
 constexpr std::string_view dtype_name(dtype t) {
-  return t == dtype::f32 ? "f32" : t == dtype::bf16 ? "bf16" : "i32";
+  return t == dtype::f32 ? "f32" : t == dtype::bf16 ? "bf16" : t == dtype::i32 ? "i32" : "u8";
 }
 
 // fp32 -> bf16 bits, round to nearest, ties to even; NaN stays a quiet NaN.

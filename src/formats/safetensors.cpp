@@ -58,7 +58,7 @@ struct stored_dtype {
   std::uint64_t size;
 };
 
-constexpr stored_dtype supported_dtypes[] = {{"F32", 4}, {"BF16", 2}, {"F16", 2}};
+constexpr stored_dtype supported_dtypes[] = {{"F32", 4}, {"BF16", 2}, {"F16", 2}, {"U8", 1}};
 
 // Where one tensor's bytes lie in the data section, validated against the header.
 struct tensor_location {
@@ -123,7 +123,7 @@ const stored_dtype& parse_dtype(const std::string& path, const std::string& name
   const auto& text = field->get_ref<const std::string&>();
   for (const auto& candidate : supported_dtypes)
     if (candidate.name == text) return candidate;
-  tensor_failure(path, name, "has dtype " + text + ", which upipe cannot read; supported dtypes are F32, BF16, F16");
+  tensor_failure(path, name, "has dtype " + text + ", which upipe cannot read; supported dtypes are F32, BF16, F16, U8");
 }
 
 void parse_shape(const std::string& path, tensor_location& tensor, const json& entry) {
@@ -208,6 +208,10 @@ void convert_to_f32(const std::string& dtype, const std::uint8_t* bytes, std::ui
                     float* out) {
   if (dtype == "F32") {
     if (count > 0) std::memcpy(out, bytes + 4 * offset, count * sizeof(float));
+    return;
+  }
+  if (dtype == "U8") {  // 8-bit codes (the q8 optimizer moments), each an exact float
+    for (std::uint64_t i = 0; i < count; ++i) out[i] = static_cast<float>(bytes[offset + i]);
     return;
   }
   const bool is_bf16 = dtype == "BF16";
@@ -346,7 +350,8 @@ std::span<const safetensors_tensor* const> checked(const std::string& path,
     const std::string where = "write_safetensors(" + path + "): tensor '" + t->name + "' ";
     if (t->name.empty()) throw internal_error("write_safetensors(" + path + "): a tensor has an empty name");
     if (t->name == "__metadata__") throw internal_error(where + "uses the name reserved for metadata");
-    if (t->type != dtype::f32 && t->type != dtype::bf16) throw internal_error(where + "has a type other than f32 or bf16");
+    if (t->type != dtype::f32 && t->type != dtype::bf16 && t->type != dtype::u8)
+      throw internal_error(where + "has a type other than f32, bf16 or u8");
     std::uint64_t numel = 1;
     for (auto d : t->shape) {
       if (d < 0) throw internal_error(where + "has a negative dimension in " + shape_string(t->shape));
@@ -370,7 +375,7 @@ std::string build_header(const std::string& path, std::span<const safetensors_te
   std::uint64_t offset = 0;
   for (const auto* t : order) {
     const std::uint64_t bytes = numel_of(*t) * dtype_size(t->type);
-    header[t->name] = {{"dtype", t->type == dtype::f32 ? "F32" : "BF16"},
+    header[t->name] = {{"dtype", t->type == dtype::f32 ? "F32" : t->type == dtype::u8 ? "U8" : "BF16"},
                        {"shape", t->shape},
                        {"data_offsets", {offset, offset + bytes}}};
     offset += bytes;
@@ -393,6 +398,16 @@ void write_values(temp_file& file, std::span<const float> values, dtype type) {
   }
   // Converts in bounded chunks so that a multi-GB tensor needs no full-size bf16 copy.
   constexpr std::size_t chunk = std::size_t{1} << 20;
+  if (type == dtype::u8) {  // codes 0..255 held as floats
+    std::vector<std::uint8_t> codes(std::min(chunk, values.size()));
+    for (std::size_t start = 0; start < values.size(); start += chunk) {
+      const std::size_t count = std::min(chunk, values.size() - start);
+      for (std::size_t i = 0; i < count; ++i)
+        codes[i] = static_cast<std::uint8_t>(std::clamp(values[start + i], 0.0f, 255.0f));
+      file.write(codes.data(), count);
+    }
+    return;
+  }
   std::vector<std::uint16_t> bits(std::min(chunk, values.size()));
   for (std::size_t start = 0; start < values.size(); start += chunk) {
     const std::size_t count = std::min(chunk, values.size() - start);

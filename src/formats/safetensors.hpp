@@ -1,8 +1,9 @@
 // safetensors files (the Hugging Face weight format): an 8-byte little-endian header
 // length, a JSON header {name: {dtype, shape, data_offsets}, "__metadata__": {...}} and
-// the raw little-endian data. upipe reads F32, BF16 and F16 into f32 and writes F32 or
-// BF16, atomically (temporary file, fsync, rename), so a failed write never leaves a
-// half-written file in place of a good one.
+// the raw little-endian data. upipe reads F32, BF16, F16 and U8 into f32 and writes F32,
+// BF16 or U8 (the 8-bit codes of quantized optimizer moments), atomically (temporary
+// file, fsync, rename), so a failed write never leaves a half-written file in place of a
+// good one.
 #pragma once
 
 #include <cstdint>
@@ -17,7 +18,7 @@
 namespace upipe {
 
 struct safetensors_entry {
-  std::string dtype;  // "F32", "BF16" or "F16" (as stored)
+  std::string dtype;  // "F32", "BF16", "F16" or "U8" (as stored)
   std::vector<std::int64_t> shape;
   std::vector<float> values;  // converted to f32
 };
@@ -64,7 +65,8 @@ class safetensors_view {
 // overlapping or not matching dtype x shape, a truncated data section.
 safetensors_file read_safetensors(const std::string& path);
 
-// One tensor to write: f32 values stored as `type` (f32 or bf16, rounded to nearest even).
+// One tensor to write: f32 values stored as `type` (f32; bf16, rounded to nearest even; u8,
+// codes 0..255 held as floats).
 struct safetensors_tensor {
   std::string name;
   std::vector<std::int64_t> shape;

@@ -29,10 +29,6 @@ int unit_of(const std::string& name, int layers) {
   return name == "model.embed_tokens.weight" ? 0 : layers + 1;
 }
 
-// AdamW's weight decay applies to matrices and embeddings, not to norms and biases (as
-// transformers' Trainer excludes biases and norm weights).
-bool decays(param_kind kind) { return kind == param_kind::matrix || kind == param_kind::embedding; }
-
 // A (1, count) view at element `offset` of a (1, n) tensor.
 mat_view slice(const tensor& t, std::int64_t offset, std::int64_t count) {
   return t.matrix().col_block(offset, count);
@@ -63,32 +59,46 @@ std::size_t offloaded_optimizer_bytes(const model_config& config, int ranks, dty
 }
 
 std::size_t offloaded_bytes(const model_config& config, int ranks, dtype work, zero_stage stage,
-                            offload_options offload, std::int64_t micro_batches) {
-  if (!offload.optimizer) return 0;
-  std::size_t bytes = 0, largest = 0;
+                            offload_options offload, std::int64_t micro_batches, const optimizer_state_options& state) {
+  if (!offload.master_on_host()) return 0;
+  const state_element_bytes per = state_bytes_per_element(state, work);
+  double bytes = 0;
+  std::size_t largest = 0;
   for (const auto& unit : parameter_units(config)) {
     std::int64_t numel = 0;
     for (const unit_parameter& p : unit) numel += p.numel;
-    const auto shard = static_cast<std::size_t>((numel + ranks - 1) / ranks);
-    bytes += shard * 4 * sizeof(float);
-    if (!offload.params) bytes += shard * dtype_size(work);
-    else bytes += (stage == zero_stage::three ? shard : shard * static_cast<std::size_t>(ranks)) * dtype_size(work);
-    largest = std::max(largest, shard);
+    const auto shard = static_cast<double>(padded_unit(numel, ranks, state) / ranks);
+    bytes += shard * per.master;
+    if (offload.moments_on_host()) bytes += shard * (per.moments + per.grad);
+    // The working copy: on its way to the device (the master itself when aliased), or all
+    // of the weights with the parameters.
+    if (!offload.params) bytes += shard * static_cast<double>(dtype_size(work));
+    else bytes += (stage == zero_stage::three ? shard : shard * ranks) * static_cast<double>(dtype_size(work));
+    largest = std::max(largest, static_cast<std::size_t>(shard));
   }
-  if (micro_batches > 1) bytes += 2 * largest * sizeof(float);
-  return bytes;
+  // f32 buffers of two units on their way: a later micro-batch's or streamed gradients
+  // (the moments on the host), or the steps of the master's half (the moments on the device).
+  const bool in_flight = offload.moments_on_host() ? micro_batches > 1 || state.grads == grad_keeping::streamed : true;
+  if (in_flight) bytes += static_cast<double>(2 * largest * sizeof(float));
+  return static_cast<std::size_t>(bytes);
 }
 
 parameter_store::parameter_store(const model_config& config, backend& be, communicator& comm, zero_stage stage,
-                                 offload_options offload)
-    : parameter_store(config, parameter_specs(config), be, comm, stage, offload, weight_role::trained) {}
+                                 offload_options offload, const optimizer_state_options& state)
+    : parameter_store(config, parameter_specs(config), be, comm, stage, offload, weight_role::trained, state) {}
 
 parameter_store::parameter_store(const model_config& config, std::vector<parameter_spec> specs, backend& be,
-                                 communicator& comm, zero_stage stage, offload_options offload, weight_role role)
-    : config_(config), be_(be), comm_(comm), stage_(stage), offload_(offload), role_(role), specs_(std::move(specs)) {
-  UPIPE_CHECK(!offload.optimizer || stage == zero_stage::two || stage == zero_stage::three,
+                                 communicator& comm, zero_stage stage, offload_options offload, weight_role role,
+                                 const optimizer_state_options& state)
+    : config_(config), be_(be), comm_(comm), stage_(stage), offload_(offload), state_(state), role_(role),
+      specs_(std::move(specs)) {
+  UPIPE_CHECK(!offload.master_on_host() || stage == zero_stage::two || stage == zero_stage::three,
               "the optimizer is offloaded only when it is sharded (ZeRO-2 or ZeRO-3)");
-  UPIPE_CHECK(!offload.params || offload.optimizer, "the parameters are offloaded only with the optimizer");
+  UPIPE_CHECK(!offload.params || offload.master_on_host(), "the parameters are offloaded only with the master weights");
+  UPIPE_CHECK(state.grad_type == dtype::f32 || state.grad_type == dtype::bf16,
+              "gradient shards are kept in f32 or bf16");
+  const bool trains = role == weight_role::trained && (stage == zero_stage::two || stage == zero_stage::three);
+  if (!trains) state_ = {};  // no optimizer state: the format has nothing to hold
   for (int u = 0; u < config.num_layers + 2; ++u) units_.push_back(std::make_unique<unit>());
   for (std::size_t i = 0; i < specs_.size(); ++i) {
     unit& u = *units_[unit_of(specs_[i].name, config.num_layers)];
@@ -99,7 +109,7 @@ parameter_store::parameter_store(const model_config& config, std::vector<paramet
   const int C = comm.size();
   for (auto& up : units_) {
     unit& u = *up;
-    u.padded = (u.numel + C - 1) / C * C;
+    u.padded = padded_unit(u.numel, C, state_);
     u.shard = u.padded / C;
     const mem_tag weights = offload.params ? mem_tag::weights_host : mem_tag::weights;
     if (stage == zero_stage::three) {
@@ -114,14 +124,7 @@ parameter_store::parameter_store(const model_config& config, std::vector<paramet
       u.grads = be.allocate_zeroed(mem_tag::grads, dtype::f32, {1, u.padded}, "grads");
       continue;
     }
-    const mem_tag grads = offload.optimizer ? mem_tag::optimizer_host : mem_tag::grads;
-    const mem_tag state = offload.optimizer ? mem_tag::optimizer_host : mem_tag::optimizer;
-    u.grad_shard = be.allocate_zeroed(grads, dtype::f32, {1, u.shard}, "grad_shard");
-    u.master = be.allocate_zeroed(state, dtype::f32, {1, u.shard}, "master_shard");
-    u.exp_avg = be.allocate_zeroed(state, dtype::f32, {1, u.shard}, "exp_avg_shard");
-    u.exp_avg_sq = be.allocate_zeroed(state, dtype::f32, {1, u.shard}, "exp_avg_sq_shard");
-    if (offload.optimizer && !offload.params)
-      u.host_weights = be.allocate_zeroed(state, be.work_dtype(), {1, u.shard}, "host_weight_shard");
+    allocate_state(u);
   }
 }
 
@@ -134,7 +137,7 @@ parameter_store::unit& parameter_store::at(int u) const {
 
 void parameter_store::acquire(int index) {
   unit& u = at(index);
-  if (offload_.optimizer) return acquire_offloaded(u);
+  if (offload_.master_on_host()) return acquire_offloaded(u);
   gather_on_first_acquire(u);
 }
 
@@ -150,7 +153,7 @@ void parameter_store::gather_on_first_acquire(unit& u) {
 
 void parameter_store::prefetch(int index) {
   unit& u = at(index);
-  if (offload_.optimizer) return prefetch_offloaded(u);
+  if (offload_.master_on_host()) return prefetch_offloaded(u);
   if (stage_ != zero_stage::three || u.acquired > 0 || !u.weights.empty()) return;
   u.weights = be_.allocate(mem_tag::weights, be_.work_dtype(), {1, u.padded}, "gathered_weights");
   u.gathering =
@@ -174,31 +177,14 @@ void parameter_store::open_grads(int index) {
 }
 
 // Each unit's gradients are complete once its backward is done: reduce-scatter them in
-// fp32 straight into this rank's shard and free the full copy.
+// fp32 into this rank's shard (kept, on the device or the host) or into an update
+// (streamed), and free the full copy.
 void parameter_store::close_grads(int index) {
   unit& u = at(index);
   if (stage_ == zero_stage::replicated || role_ == weight_role::frozen) return;
   UPIPE_CHECK(!u.grads.empty(), "close of gradients that are not open");
-  if (offload_.optimizer) return close_offloaded(index);
-  if (!u.reduced) {
-    comm_.reduce_scatter_sum(u.grads.as<float>(), u.grad_shard.as<float>(), static_cast<std::size_t>(u.shard),
-                             "zero_reduce_scatter");
-  } else {
-    // A later micro-batch of the same step: reduce into a scratch shard and add.
-    tensor part = be_.allocate(mem_tag::grads, dtype::f32, {1, u.shard}, "micro_batch_grad_shard");
-    comm_.reduce_scatter_sum(u.grads.as<float>(), part.as<float>(), static_cast<std::size_t>(u.shard),
-                             "zero_reduce_scatter");
-    // As rows of up to 1024 elements, so that a device walks them in parallel.
-    std::int64_t row = 1024;
-    while (u.shard % row != 0) row /= 2;
-    const head_view flat = {nullptr, dtype::f32, u.shard / row, 1, row, row, row};
-    head_view dst = flat, src = flat;
-    dst.data = u.grad_shard.data();
-    src.data = part.data();
-    ops::add_heads(be_, dst, src);
-  }
-  u.grads.reset();
-  u.reduced = true;
+  if (offload_.moments_on_host()) return close_offloaded(index);
+  close_on_device(index);
 }
 
 bool parameter_store::grads_open(int index) const {
@@ -288,73 +274,26 @@ void parameter_store::load(const weight_source& source) {
       check_finite(u, mine, r * u.shard, "the weights");
       be_.upload_f32(u.weight_shard, mine.data());
       if (!u.master.empty()) be_.upload_f32(u.master, mine.data());
+      if (!u.host_weights.empty() && master_aliased()) be_.upload_f32(u.host_weights, mine.data());
       continue;
     }
     const std::vector<float> flat = unit_range(u, source, 0, u.padded);
     check_finite(u, flat, 0, "the weights");
     be_.upload_f32(offload_.params ? u.host_copy : u.weights, flat.data());
     if (!u.master.empty()) be_.upload_f32(u.master, flat.data() + r * u.shard);
+    // bf16-kahan with the master on the host: the working copy there is the master.
+    if (!u.host_weights.empty() && master_aliased()) be_.upload_f32(u.host_weights, flat.data() + r * u.shard);
   }
 }
 
 std::int64_t parameter_store::unit_numel(int u) const { return at(u).numel; }
 std::int64_t parameter_store::unit_shard(int u) const { return at(u).shard; }
 
-std::vector<float> parameter_store::shard_values(int u, shard_state which) const {
-  UPIPE_CHECK(stage_ != zero_stage::replicated, "no optimizer state when replicated");
-  unit& x = at(u);
-  wait_host(x);  // AdamW's last update is in
-  const tensor& t = which == shard_state::master ? x.master : which == shard_state::exp_avg ? x.exp_avg : x.exp_avg_sq;
-  std::vector<float> out(static_cast<std::size_t>(x.shard));
-  if (be_.has_data()) be_.download_f32(out.data(), t);
-  return out;
-}
-
 std::vector<std::pair<std::string, std::int64_t>> parameter_store::unit_parameters(int u) const {
   const unit& x = at(u);
   std::vector<std::pair<std::string, std::int64_t>> out;
   for (std::size_t k = 0; k < x.params.size(); ++k) out.emplace_back(specs_[x.params[k]].name, x.offsets[k]);
   return out;
-}
-
-void parameter_store::load_state(const state_reader& read) {
-  UPIPE_CHECK(stage_ != zero_stage::replicated, "no optimizer state when replicated");
-  wait_all_host();
-  for (auto& up : units_) up->stale = false;
-  if (!be_.has_data()) return;
-  const std::int64_t r = comm_.rank();
-  for (int i = 0; i < unit_count(); ++i) {
-    unit& u = *units_[i];
-    // [lo, hi) of the padded vector, the part past numel left zero.
-    const auto range = [&](shard_state which, std::int64_t lo, std::int64_t hi) {
-      std::vector<float> out(static_cast<std::size_t>(hi - lo), 0.0f);
-      const std::int64_t end = std::min(hi, u.numel);
-      if (lo < end) read(i, which, lo, end - lo, out.data());
-      return out;
-    };
-    const std::vector<float> master = range(shard_state::master, r * u.shard, (r + 1) * u.shard);
-    const std::vector<float> exp_avg = range(shard_state::exp_avg, r * u.shard, (r + 1) * u.shard);
-    const std::vector<float> exp_avg_sq = range(shard_state::exp_avg_sq, r * u.shard, (r + 1) * u.shard);
-    check_finite(u, master, r * u.shard, "the saved master weights");
-    check_finite(u, exp_avg, r * u.shard, "AdamW's saved first moment");
-    check_finite(u, exp_avg_sq, r * u.shard, "AdamW's saved second moment");
-    be_.upload_f32(u.master, master.data());
-    be_.upload_f32(u.exp_avg, exp_avg.data());
-    be_.upload_f32(u.exp_avg_sq, exp_avg_sq.data());
-    if (stage_ == zero_stage::three)
-      be_.upload_f32(u.weight_shard, master.data());
-    else
-      be_.upload_f32(offload_.params ? u.host_copy : u.weights, range(shard_state::master, 0, u.padded).data());
-  }
-}
-
-std::vector<float> parameter_store::gather_unit(int u) {
-  unit& x = at(u);
-  wait_host(x);
-  if (stage_ != zero_stage::replicated) return gather_flat(x, x.master);
-  std::vector<float> flat(static_cast<std::size_t>(x.padded));
-  if (be_.has_data()) be_.download_f32(flat.data(), x.weights);
-  return flat;
 }
 
 std::vector<float> parameter_store::gather_flat(const unit& u, const tensor& shard) {
@@ -380,42 +319,17 @@ host_weights parameter_store::local_grads() {
 double parameter_store::grad_norm() {
   UPIPE_CHECK(stage_ != zero_stage::replicated, "grad_norm needs sharded gradients");
   double local = 0;
-  if (offload_.optimizer) {
+  if (offload_.moments_on_host()) {
     local = offloaded_grad_norm();
+  } else if (state_.grads == grad_keeping::streamed) {
+    for (auto& up : units_) {  // summed as they arrived
+      UPIPE_CHECK(up->numel == 0 || up->reduced, "grad_norm before every unit's gradients were closed");
+      local += up->grad_squares;
+    }
   } else {
     for (auto& up : units_) local += ops::sum_squares(be_, up->grad_shard.matrix());
   }
   return std::sqrt(sum_over_ranks(comm_, local, "grad_norm"));
-}
-
-// This rank's part of each parameter, in pieces of at most max_elements.
-std::vector<parameter_store::adamw_piece> parameter_store::adamw_pieces(std::int64_t max_elements) const {
-  const std::int64_t r = comm_.rank();
-  std::vector<adamw_piece> pieces;
-  for (const auto& up : units_) {
-    unit& u = *up;
-    const std::int64_t lo = r * u.shard, hi = std::min(lo + u.shard, u.numel);
-    for (std::size_t k = 0; k < u.params.size(); ++k) {
-      const std::int64_t a = std::max(lo, u.offsets[k]);
-      const std::int64_t b = std::min(hi, u.offsets[k] + numel_of(specs_[u.params[k]].shape));
-      for (std::int64_t x = a; x < b;) {
-        const std::int64_t end = b - x > max_elements ? x + max_elements : b;
-        pieces.push_back({&u, x, end, decays(specs_[u.params[k]].kind)});
-        x = end;
-      }
-    }
-  }
-  return pieces;
-}
-
-adamw_args parameter_store::adamw_of(const adamw_piece& p, const mat_view& weights, const adamw_config& config,
-                                     std::int64_t step, double lr, double grad_scale) const {
-  const unit& u = *p.u;
-  const std::int64_t at = p.a - comm_.rank() * u.shard, n = p.b - p.a;
-  return {slice(u.master, at, n), slice(u.exp_avg, at, n), slice(u.exp_avg_sq, at, n), slice(u.grad_shard, at, n),
-          weights, static_cast<float>(lr), static_cast<float>(config.beta1), static_cast<float>(config.beta2),
-          static_cast<float>(config.eps), static_cast<float>(p.matrix ? config.weight_decay : 0.0),
-          static_cast<float>(grad_scale), step};
 }
 
 void parameter_store::share_weight_slice(unit& u) {
@@ -426,16 +340,23 @@ void parameter_store::share_weight_slice(unit& u) {
 
 void parameter_store::adamw_step(const adamw_config& config, std::int64_t step, double lr, double grad_scale) {
   UPIPE_CHECK(stage_ != zero_stage::replicated, "the optimizer needs sharded state");
-  if (offload_.optimizer) return offloaded_adamw_step(config, step, lr, grad_scale);
-  const std::int64_t r = comm_.rank();
-  // One call per parameter overlapping this rank's slice.
-  for (const adamw_piece& p : adamw_pieces(std::numeric_limits<std::int64_t>::max())) {
-    const unit& u = *p.u;
-    const mat_view weights = stage_ == zero_stage::three ? slice(u.weight_shard, p.a - r * u.shard, p.b - p.a)
-                                                         : slice(u.weights, p.a, p.b - p.a);
-    ops::adamw(be_, adamw_of(p, weights, config, step, lr, grad_scale));
+  if (offload_.moments_on_host()) return offloaded_adamw_step(config, step, lr, grad_scale);
+  const host_adamw update{config, step, lr, grad_scale};
+  for (auto& up : units_) {
+    unit& u = *up;
+    if (u.numel == 0) continue;  // a unit with no parameters (LoRA's embedding and head units)
+    UPIPE_CHECK(u.reduced, "adamw_step before every unit's gradients were closed");
+    if (u.updated) {  // streamed: updated as its gradients arrived
+      UPIPE_CHECK(announced_ && announced_->step == step && announced_->lr == lr && grad_scale == 1.0,
+                  "an early update ran with another step, learning rate or scale than adamw_step's");
+    } else {
+      update_on_device(u, u.grad_shard.matrix(), update);
+    }
+    u.updated = false;
+    if (offload_.master_on_host()) u.stale = true;  // the host writes the working copy
   }
-  if (stage_ == zero_stage::two)
+  announced_.reset();
+  if (stage_ == zero_stage::two && !offload_.master_on_host())
     for (auto& up : units_) share_weight_slice(*up);
 }
 
@@ -443,9 +364,9 @@ void parameter_store::zero_grads() {
   for (auto& up : units_) {
     up->reduced = false;
     // Offloaded: the first micro-batch's gradients overwrite the host shard (close_grads).
-    if (offload_.optimizer) continue;
+    if (offload_.moments_on_host()) continue;
     tensor& g = stage_ == zero_stage::replicated ? up->grads : up->grad_shard;
-    if (be_.has_data()) be_.fill_bytes(g.data(), 0, g.bytes());
+    if (be_.has_data() && !g.empty()) be_.fill_bytes(g.data(), 0, g.bytes());
   }
 }
 

@@ -14,15 +14,23 @@
 // A frozen store (LoRA's base) holds the working weights alone, whole or (ZeRO-3) sharded and
 // gathered just in time: no gradients, no master weights, no moments; its gradient views
 // are empty, so that no weight-gradient GEMM runs for it.
-// With the optimizer offloaded (ZeRO-2/3), the fp32 master weights, AdamW's moments and
-// the fp32 gradient shards live in host memory (tag optimizer_host, the backend's host
-// pool: pinned on the GPU): each unit's gradients leave the device as soon as they are
-// reduce-scattered, and the host's cores (core/host_pool) add, sum and update them with
-// the cpu backend's arithmetic beside the device's work (parameter_store_offload.cpp),
-// writing the working-dtype weights that go back to the device when it next needs them.
-// With the parameters offloaded too, those working-dtype weights live in host memory
-// (tag weights_host): each unit comes to the device (ZeRO-3: its shard, then gathered)
-// on the copy stream ahead of its use and leaves it when released.
+// AdamW's state takes a format (docs/design.md section 5, "Lean optimizer state"): f32,
+// bf16 or q8 moments, an f32 master or bf16 weights with a Kahan compensation (on a bf16
+// device the working shard itself is then the master), gradient shards kept in f32 or bf16
+// until the update, or none kept at all (streamed: each unit is updated as its gradients
+// arrive, when nothing waits for the global norm).
+// With the optimizer offloaded (ZeRO-2/3), the master weights, AdamW's moments and the
+// gradient shards live in host memory (tag optimizer_host, the backend's host pool: pinned
+// on the GPU): each unit's gradients leave the device as soon as they are reduce-scattered,
+// and the host's cores (core/host_pool) add, sum and update them with the cpu backend's
+// arithmetic beside the device's work (parameter_store_offload.cpp), writing the
+// working-dtype weights that go back to the device when it next needs them. With the
+// master alone in host memory, the moments and gradients stay on the device, which runs
+// the moments' half of AdamW and sends each element's step to the host, where the
+// master's half runs (parameter_store_state.cpp). With the parameters offloaded too, the
+// working-dtype weights live in host memory (tag weights_host): each unit comes to the
+// device (ZeRO-3: its shard, then gathered) on the copy stream ahead of its use and leaves
+// it when released.
 #pragma once
 
 #include <cstdint>
@@ -39,6 +47,7 @@
 #include "model/hf_model.hpp"
 #include "model/parameters.hpp"
 #include "model/weights.hpp"
+#include "ops/op_args.hpp"
 #include "optim/host_optimizer.hpp"
 #include "optim/optimizer.hpp"
 
@@ -57,24 +66,60 @@ std::vector<std::vector<unit_parameter>> parameter_units(const model_config& con
 
 // What of a sharded store lives in host memory (--offload).
 struct offload_options {
-  bool optimizer = false;  // fp32 master weights, AdamW's moments, gradient shards; AdamW on the host
-  bool params = false;     // the working-dtype weights too (with the optimizer)
+  bool optimizer = false;  // master weights, AdamW's moments, gradient shards; AdamW on the host
+  bool params = false;     // the working-dtype weights too (with the master)
+  bool master = false;     // the master weights alone (the moments and gradients stay on the device)
+  bool master_on_host() const { return optimizer || master; }
+  bool moments_on_host() const { return optimizer; }
 };
 
-// The host memory one rank's offloaded optimizer holds: per unit, its shard of the fp32
-// master weights, the two moments and the gradients, and the working-dtype weights on
-// their way to the device.
-std::size_t offloaded_optimizer_bytes(const model_config& config, int ranks, dtype work);
-// All the host memory one rank's offload holds: the optimizer's as above (without the
-// working copy on its way when the parameters live on the host anyway); the working-dtype
-// weights, this rank's shard (ZeRO-3) or whole (ZeRO-2), with `offload.params`; and with
-// more than one micro-batch a step, the gradient shards of the two largest units on their
-// way to being added.
-std::size_t offloaded_bytes(const model_config& config, int ranks, dtype work, zero_stage stage,
-                            offload_options offload, std::int64_t micro_batches);
+// Whether a step keeps its gradient shards until the update (for the global norm of
+// clipping, or to add a later micro-batch), or streams them: each unit updated as its
+// gradients arrive, nothing kept (no clipping, one micro-batch a step).
+enum class grad_keeping : std::uint8_t { kept, streamed };
 
-// The sharded optimizer state of a unit: the fp32 master weights and AdamW's moments.
-enum class shard_state : std::uint8_t { master, exp_avg, exp_avg_sq };
+// How a trained store holds AdamW's state (--optimizer-state, --master-weights, --grad-dtype).
+struct optimizer_state_options {
+  adamw_state_format format;
+  dtype grad_type = dtype::f32;  // the kept gradient shards: f32 or bf16
+  grad_keeping grads = grad_keeping::kept;
+  bool operator==(const optimizer_state_options&) const = default;
+};
+
+// The bytes of one element of a shard's state on each side: the master's (the master and
+// its compensation, less what the working copy is), the moments' (with q8's absmax), the
+// kept gradient's. What the store allocates, per element.
+struct state_element_bytes {
+  double master = 0, moments = 0, grad = 0;
+};
+state_element_bytes state_bytes_per_element(const optimizer_state_options& state, dtype work);
+
+// The host memory one rank's fully offloaded fp32 optimizer holds: per unit, its shard of
+// the fp32 master weights, the two moments and the gradients, and the working-dtype
+// weights on their way to the device.
+std::size_t offloaded_optimizer_bytes(const model_config& config, int ranks, dtype work);
+// All the host memory one rank's offload holds: the state the offload puts there (the
+// master side's and, with the optimizer, the moments' and kept gradients', in `state`'s
+// format), the working copy on its way to the device (unless the parameters live on the
+// host anyway, or it is the master); the working-dtype weights, this rank's shard (ZeRO-3)
+// or whole (ZeRO-2), with `offload.params`; the gradient shards or steps of the two
+// largest units on their way (a later micro-batch's, streamed gradients, the master's
+// half's steps).
+std::size_t offloaded_bytes(const model_config& config, int ranks, dtype work, zero_stage stage,
+                            offload_options offload, std::int64_t micro_batches,
+                            const optimizer_state_options& state = {});
+// A unit's padded length: a multiple of the ranks (and of q8_block ranks with q8 moments,
+// so that every rank's shard is whole blocks).
+std::int64_t padded_unit(std::int64_t numel, int ranks, const optimizer_state_options& state);
+
+// The sharded optimizer state of a unit: the master weights and AdamW's moments, and what
+// the lean formats add: bf16-kahan's compensation and q8's absmax per block (its
+// elements are blocks).
+enum class shard_state : std::uint8_t { master, exp_avg, exp_avg_sq, master_comp, exp_avg_absmax, exp_avg_sq_absmax };
+// The state tensors a format has, and how each is stored (f32, bf16, u8).
+std::vector<shard_state> state_tensors(const adamw_state_format& format);
+dtype state_dtype(const adamw_state_format& format, shard_state which);
+const char* state_name(shard_state which);
 
 // Whether a store's weights are trained (gradients and, sharded, optimizer state) or frozen.
 enum class weight_role : std::uint8_t { trained, frozen };
@@ -82,16 +127,18 @@ enum class weight_role : std::uint8_t { trained, frozen };
 class parameter_store {
  public:
   parameter_store(const model_config& config, backend& be, communicator& comm, zero_stage stage,
-                  offload_options offload = {});
+                  offload_options offload = {}, const optimizer_state_options& state = {});
   // A store of the parameters `specs` (units by layer as above: the embedding's and the
   // head's units hold those of their names, possibly none), e.g. LoRA's adapters.
   parameter_store(const model_config& config, std::vector<parameter_spec> specs, backend& be, communicator& comm,
-                  zero_stage stage, offload_options offload, weight_role role);
+                  zero_stage stage, offload_options offload, weight_role role,
+                  const optimizer_state_options& state = {});
   ~parameter_store();  // waits for the host's work on the shards
 
   zero_stage stage() const { return stage_; }
   weight_role role() const { return role_; }
   bool params_offloaded() const { return offload_.params; }
+  const optimizer_state_options& state_options() const { return state_; }
   int embedding_unit() const { return 0; }
   int layer_unit(int layer) const { return 1 + layer; }
   int head_unit() const { return config_.num_layers + 1; }
@@ -136,14 +183,20 @@ class parameter_store {
   int unit_count() const { return static_cast<int>(units_.size()); }
   std::int64_t unit_numel(int u) const;
   std::int64_t unit_shard(int u) const;
-  std::vector<float> shard_values(int u, shard_state which) const;  // offloaded: after the host's update
+  // One state tensor of this rank's shard as stored (codes and bf16 values as floats; the
+  // absmax by block); offloaded: after the host's update.
+  std::vector<float> shard_values(int u, shard_state which) const;
   std::vector<std::pair<std::string, std::int64_t>> unit_parameters(int u) const;
   // Loads the optimizer state and the weights from a saved state of any rank count:
   // read(unit, which, begin, count, out) gives elements [begin, begin + count) of the
-  // unit's unpadded flat vector.
+  // unit's unpadded flat state as saved (for q8's absmax, blocks of the unit's vector).
+  // Saved in this store's format, the values are taken as they are; saved in another,
+  // they are decoded to f32 and encoded in this store's format (an explicit conversion:
+  // the caller asks for it).
   using state_reader = std::function<void(int, shard_state, std::int64_t, std::int64_t, float*)>;
-  void load_state(const state_reader& read);
-  // Collective: the unit's fp32 master (the weights when replicated), padded, on every rank.
+  void load_state(const state_reader& read, const adamw_state_format& saved = {});
+  // Collective: the unit's master (the weights when replicated) in f32, padded, on every
+  // rank (bf16-kahan: the weights plus their compensation).
   std::vector<float> gather_unit(int u);
   host_weights local_grads();  // replicated only: this rank's full gradients
 
@@ -153,11 +206,12 @@ class parameter_store {
   void adamw_step(const adamw_config& config, std::int64_t step, double lr, double grad_scale);
   void zero_grads();
 
-  // Offloaded, optional: the step's last micro-batch comes next and its update is AdamW at
-  // (step, lr). The host then sums each unit's gradient squares as soon as they land and,
+  // The step's last micro-batch comes next and its update is AdamW at (step, lr).
+  // Offloaded, the host then sums each unit's gradient squares as soon as they land and,
   // without clipping (max_grad_norm <= 0, so nothing waits for the global norm), updates
-  // the unit there and then, beside the rest of the backward. adamw_step() must follow
-  // with the same step and lr. A no-op when the optimizer is on the device.
+  // the unit there and then, beside the rest of the backward. With streamed gradients
+  // (required there) every unit is updated as its gradients arrive, wherever its state
+  // is. adamw_step() must follow with the same step and lr.
   void announce_update(const adamw_config& config, std::int64_t step, double lr);
   // Offloaded: AdamW runs on the host after adamw_step() returns, each unit's weights
   // going back when the device next asks for them; this waits until the host is done
@@ -175,19 +229,26 @@ class parameter_store {
   void check_finite(const unit& u, const std::vector<float>& values, std::int64_t lo, const char* what) const;
   host_weights split(const unit& u, const std::vector<float>& flat) const;
   std::vector<float> gather_flat(const unit& u, const tensor& shard);
-  // This rank's part of each parameter, in pieces of at most `max_elements`: AdamW runs one
-  // call per piece (weight decay only on matrices).
-  struct adamw_piece {
-    unit* u;
-    std::int64_t a, b;  // elements of the unit's padded vector
-    bool matrix;  // weight decay applies (a matrix or embedding, not a norm or bias)
-  };
-  std::vector<adamw_piece> adamw_pieces(std::int64_t max_elements) const;
-  adamw_args adamw_of(const adamw_piece& p, const mat_view& weights, const adamw_config& config, std::int64_t step,
-                      double lr, double grad_scale) const;
   // ZeRO-2: this rank's slice of a unit's updated weights, in place, to every rank.
   void share_weight_slice(unit& u);
 
+  // The state (parameter_store_state.cpp).
+  void allocate_state(unit& u);
+  std::vector<adamw_run> decay_runs(const unit& u) const;
+  mat_view working_shard(unit& u) const;  // the shard of working weights AdamW writes (the master when aliased)
+  mat_view master_view(unit& u) const;    // the master: its own tensor, or the working shard
+  bool master_aliased() const;
+  tensor& state_tensor(unit& u, shard_state which) const;
+  // AdamW on a unit on the device, from `grad` (the kept shard or a streamed staging):
+  // whole, or (master on the host) the moments' half with the steps sent to the host.
+  void update_on_device(unit& u, const mat_view& grad, const host_adamw& update);
+  void put_values(const tensor& t, const std::vector<float>& values);
+  std::vector<float> get_values(const tensor& t) const;
+  void load_converted(unit& u, int index, const state_reader& read, const adamw_state_format& saved);
+
+  // The gradients on the device (parameter_store_state.cpp): kept, or streamed into an
+  // update as they arrive.
+  void close_on_device(int index);
   // The offload (parameter_store_offload.cpp).
   void close_offloaded(int index);
   void acquire_offloaded(unit& u);
@@ -201,6 +262,9 @@ class parameter_store {
   void wait_host(unit& u) const;  // the host's work on the unit done, its incoming gradients freed
   void start_host_work(unit& u, const host_work& work, bool after_device);
   host_shard host_shard_of(unit& u) const;
+  // Master on the host, moments on the device: the master's half on the host from the steps
+  // in u.direction_host, once they have landed.
+  void start_master_half(unit& u, const host_adamw& update);
   double offloaded_grad_norm();
   void offloaded_adamw_step(const adamw_config& config, std::int64_t step, double lr, double grad_scale);
   void wait_all_host() noexcept;
@@ -210,9 +274,10 @@ class parameter_store {
   communicator& comm_;
   zero_stage stage_;
   offload_options offload_;
+  optimizer_state_options state_;
   weight_role role_ = weight_role::trained;
   std::optional<host_adamw> announced_;  // announce_update's, until adamw_step
-  std::deque<int> incoming_units_;  // units whose later micro-batch gradients wait to be added, oldest first
+  std::deque<int> incoming_units_;  // units whose host buffers (gradients, steps) are in flight, oldest first
   std::vector<parameter_spec> specs_;
   std::vector<std::unique_ptr<unit>> units_;
 };

@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cstdio>
 
+#include "backend/ops.hpp"
 #include "core/error.hpp"
 #include "model/parameter_unit.hpp"
 
@@ -27,27 +28,34 @@ constexpr std::size_t incoming_in_flight = 2;
 
 host_shard parameter_store::host_shard_of(unit& u) const {
   host_shard s;
-  s.grad = u.grad_shard.as<float>();
-  s.master = u.master.as<float>();
-  s.exp_avg = u.exp_avg.as<float>();
-  s.exp_avg_sq = u.exp_avg_sq.as<float>();
   s.n = u.shard;
+  s.runs = u.runs;
+  const auto view = [](const tensor& t) { return t.empty() ? nullptr : t.data(); };
+  // The master's side (always on the host here).
+  const mat_view master = master_view(u);
+  s.master = master.data;
+  s.master_type = master.type;
+  s.master_comp = static_cast<std::uint16_t*>(view(u.master_comp));
+  s.weights = master_aliased() ? nullptr : working_shard(u).data;
   s.weights_type = be_.work_dtype();
-  const std::int64_t r = comm_.rank(), lo = r * u.shard, hi = std::min(lo + u.shard, u.numel);
-  if (!offload_.params)
-    s.weights = u.host_weights.data();
-  else if (stage_ == zero_stage::three)
-    s.weights = u.weight_shard.data();
-  else
-    s.weights = static_cast<char*>(u.host_copy.data()) + lo * static_cast<std::int64_t>(dtype_size(be_.work_dtype()));
-  for (std::size_t k = 0; k < u.params.size(); ++k) {
-    const parameter_spec& spec = specs_[u.params[k]];
-    std::int64_t numel = 1;
-    for (auto d : spec.shape) numel *= d;
-    const std::int64_t a = std::max(lo, u.offsets[k]), b = std::min(hi, u.offsets[k] + numel);
-    if (a < b) s.ranges.push_back({a - lo, b - lo, spec.shape.size() == 2});  // weight decay on matrices only
-  }
+  s.direction = static_cast<const float*>(view(u.direction_host));
+  if (!offload_.moments_on_host()) return s;
+  // The moments' side; streamed gradients arrive in `incoming`.
+  s.grad = state_.grads == grad_keeping::streamed ? view(u.incoming) : view(u.grad_shard);
+  s.grad_type = state_.grads == grad_keeping::streamed ? dtype::f32 : state_.grad_type;
+  s.exp_avg = view(u.exp_avg);
+  s.exp_avg_sq = view(u.exp_avg_sq);
+  s.moment_type = u.exp_avg.type();
+  s.exp_avg_absmax = static_cast<float*>(view(u.exp_avg_absmax));
+  s.exp_avg_sq_absmax = static_cast<float*>(view(u.exp_avg_sq_absmax));
   return s;
+}
+
+void parameter_store::start_master_half(unit& u, const host_adamw& update) {
+  host_work work;
+  work.adamw = update;
+  work.part = adamw_part::master;
+  if (be_.has_data()) start_host_work(u, work, true);
 }
 
 void parameter_store::wait_host(unit& u) const {
@@ -56,6 +64,7 @@ void parameter_store::wait_host(unit& u) const {
     u.task.reset();
   }
   u.incoming.reset();
+  u.direction_host.reset();
 }
 
 void parameter_store::wait_all_host() noexcept {
@@ -90,20 +99,30 @@ void parameter_store::start_host_work(unit& u, const host_work& work, bool after
 }
 
 // The gradients are reduced on the device into a staging shard, which goes to the host
-// in stream order (the device holds one unit's shard only while it travels); the first
-// micro-batch of a step lands in the host shard itself, a later one beside it and is
-// added there by the host.
+// in stream order (the device holds one unit's shard only while it travels). Kept, the
+// first micro-batch of a step lands in the host shard itself (bf16 shards converted on
+// the device first), a later one beside it and is added there by the host; streamed, it
+// lands beside the state and the host updates the unit from it at once.
 void parameter_store::close_offloaded(int index) {
   unit& u = at(index);
+  const bool streamed = state_.grads == grad_keeping::streamed;
   tensor staging = be_.allocate(mem_tag::grads, dtype::f32, {1, u.shard}, "grad_shard_staging");
   comm_.reduce_scatter_sum(u.grads.as<float>(), staging.as<float>(), static_cast<std::size_t>(u.shard),
                            "zero_reduce_scatter");
   u.grads.reset();
   wait_host(u);  // the host no longer reads this shard (the last update, the last add)
   host_work work;
-  if (!u.reduced) {
-    be_.copy_bytes(u.grad_shard.data(), staging.data(), staging.bytes());
+  if (!u.reduced && !streamed) {
+    if (state_.grad_type == dtype::f32) {
+      be_.copy_bytes(u.grad_shard.data(), staging.data(), staging.bytes());
+    } else {
+      tensor half = be_.allocate(mem_tag::grads, dtype::bf16, {1, u.shard}, "grad_shard_bf16");
+      ops::copy_heads(be_, ops::as_heads(half.matrix()), ops::as_heads(staging.matrix()));
+      be_.copy_bytes(u.grad_shard.data(), half.data(), half.bytes());
+    }
   } else {
+    UPIPE_CHECK(!streamed || (announced_ && !u.reduced),
+                "streamed gradients take one micro-batch a step, announced first (announce_update)");
     while (incoming_units_.size() >= incoming_in_flight) {
       wait_host(*units_[incoming_units_.front()]);
       incoming_units_.pop_front();
@@ -111,7 +130,7 @@ void parameter_store::close_offloaded(int index) {
     u.incoming = be_.allocate(mem_tag::optimizer_host, dtype::f32, {1, u.shard}, "grad_shard_incoming");
     incoming_units_.push_back(index);
     be_.copy_bytes(u.incoming.data(), staging.data(), staging.bytes());
-    work.incoming = u.incoming.as<float>();
+    if (!streamed) work.incoming = u.incoming.as<float>();
   }
   staging.reset();
   u.reduced = true;
@@ -120,7 +139,7 @@ void parameter_store::close_offloaded(int index) {
     u.block_sums.assign(static_cast<std::size_t>(sum_blocks(u.shard)), 0.0);
     work.block_sums = u.block_sums.data();
     u.summed = true;
-    if (announced_->config.max_grad_norm <= 0) {
+    if (announced_->config.max_grad_norm <= 0 || streamed) {
       work.adamw = *announced_;
       u.updated = true;
     }
@@ -154,7 +173,6 @@ double parameter_store::offloaded_grad_norm() {
 }
 
 void parameter_store::announce_update(const adamw_config& config, std::int64_t step, double lr) {
-  if (!offload_.optimizer) return;
   announced_ = host_adamw{config, step, lr, 1.0};
 }
 
@@ -169,6 +187,7 @@ void parameter_store::offloaded_adamw_step(const adamw_config& config, std::int6
       UPIPE_CHECK(announced_ && announced_->step == step && announced_->lr == lr && grad_scale == 1.0,
                   "an early update ran with another step, learning rate or scale than adamw_step's");
     } else {
+      UPIPE_CHECK(state_.grads == grad_keeping::kept, "streamed gradients update each unit as they arrive");
       wait_host(u);
       host_work work;
       work.adamw = update;

@@ -20,12 +20,20 @@ struct parameter_store::unit {
   comm_request gathering;  // ZeRO-3: the prefetched gather in flight
   tensor grads;         // (1, padded) f32: persistent when replicated, else while open
   bool reduced = false;  // ZeRO: a micro-batch of this step was reduced into grad_shard
-  tensor grad_shard, master, exp_avg, exp_avg_sq;  // ZeRO: (1, shard) f32 (in host memory when offloaded)
+  // ZeRO, each (1, shard) on its side (in host memory where offloaded):
+  tensor grad_shard;   // kept gradients, f32 or bf16, beside the moments; none when streamed
+  tensor master;       // f32, or bf16 (bf16-kahan); none where the working shard is the master
+  tensor master_comp;  // bf16-kahan: bf16, beside the master
+  tensor exp_avg, exp_avg_sq;                // f32, bf16 or u8 (q8)
+  tensor exp_avg_absmax, exp_avg_sq_absmax;  // q8: (1, shard / q8_block) f32
+  std::vector<adamw_run> runs;  // the shard's weight-decay runs (a parameter's part each; the padding none)
+  double grad_squares = 0;      // streamed on the device: this step's gradient squares, summed
 
   // Offloaded.
   tensor host_weights;  // optimizer alone: (1, shard) working dtype, AdamW's output on its way to the device
   tensor host_copy;     // parameters, ZeRO-2: (1, padded) working dtype, the weights whole in host memory
-  tensor incoming;      // a later micro-batch's gradient shard, until the host has added it
+  tensor incoming;      // gradients on their way into the host's work (a later micro-batch's, or streamed)
+  tensor direction_host;  // master on the host, moments on the device: the steps for the master's half
   std::unique_ptr<host_batch> task;  // the host's work on this unit's shard in flight (one at a time)
   std::vector<double> block_sums;    // the gradient's squares by block (cpu::sum_squares_block)
   bool summed = false;        // block_sums hold this step's final gradients

@@ -219,15 +219,58 @@ struct cross_entropy_args {
   float grad_scale = 1.0f;
 };
 
-// One AdamW step on a flat shard, all f32 except `weights` (the working-dtype copy that
-// forward reads, written from the updated master):
+// AdamW's state formats (docs/design.md section 5, "Lean optimizer state"). The moments:
+// f32; bf16 (each value rounded to nearest even when stored); q8, 8-bit block-wise
+// quantized (bitsandbytes' AdamW8bit: a code per element into the dynamic map of
+// Dettmers et al., the signed map for exp_avg and the unsigned one for exp_avg_sq, and an
+// f32 absmax per block of q8_block elements). The master weights: f32, or bf16 with a
+// bf16 compensation carrying what rounding to bf16 lost (Kahan summation), so that the
+// working bf16 weights themselves serve as the master.
+enum class moment_format : std::uint8_t { f32, bf16, q8 };
+enum class master_format : std::uint8_t { f32, bf16_kahan };
+struct adamw_state_format {
+  moment_format moments = moment_format::f32;
+  master_format master = master_format::f32;
+  bool operator==(const adamw_state_format&) const = default;
+};
+inline constexpr std::int64_t q8_block = 256;
+
+// What one AdamW call updates: the whole element (moments and master), or one half of it.
+// `moments` updates the moments from the gradient and writes each element's step
+// (lr / (1 - b1^t) * m / denom, f32) to `direction`; `master` applies a direction to the
+// master weights (the decay, then the step). The halves of one element give the bits of
+// the whole, wherever each runs, so the moments and the master may live apart (one on the
+// GPU, the other in host memory) with the direction crossing between them.
+enum class adamw_part : std::uint8_t { whole, moments, master };
+
+// Consecutive runs of a call's elements and whether weight decay applies to each (a
+// parameter's part of a shard: matrices decay, norms do not). A call with q8 moments
+// covers whole blocks, which may span parameters, so it says where each run ends.
+struct adamw_run {
+  std::int64_t end = 0;  // one past the run's last element; runs start where the previous ended
+  bool decay = true;
+};
+inline constexpr std::size_t adamw_max_runs = 32;
+
+// One AdamW step on a flat shard (PyTorch's order, ops/adamw_formula.hpp):
 //   g = grad * grad_scale (clipping); m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g^2;
-//   master -= lr * (m / (1 - b1^t) / (sqrt(v / (1 - b2^t)) + eps) + weight_decay * master)
+//   master = master (1 - lr wd) - lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
+// `weights` is the working-dtype copy that forward reads, written from the updated
+// master (bf16-kahan on a bf16 backend: the master is the working copy and weights is
+// empty). Every view is (1, n); q8 calls cover whole blocks (n a multiple of q8_block,
+// the absmax views (1, n / q8_block)).
 struct adamw_args {
-  mat_view master, exp_avg, exp_avg_sq, grad;  // (1, n) f32 each
-  mat_view weights;                            // (1, n) working dtype; may be empty (data nullptr, n 0)
+  mat_view master;               // f32 or bf16 (bf16-kahan)
+  mat_view exp_avg, exp_avg_sq;  // f32, bf16 or u8 (q8), both alike
+  mat_view grad;                 // f32 or bf16
+  mat_view weights;              // working dtype; may be empty (data nullptr, n 0)
   float lr = 0, beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f, weight_decay = 0, grad_scale = 1;
   std::int64_t step = 1;  // t, from 1, for the bias corrections
+  adamw_part part = adamw_part::whole;
+  mat_view master_comp;                        // bf16-kahan: the compensation, bf16
+  mat_view exp_avg_absmax, exp_avg_sq_absmax;  // q8: f32 per block
+  mat_view direction;                          // the halves: f32, written by moments, read by master
+  std::span<const adamw_run> runs;             // empty: weight_decay on every element
 };
 
 // *result (host memory) = the sum of squares of an f32 matrix, accumulated in fp64

@@ -1,6 +1,7 @@
 #include "plan/planner.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <functional>
 #include <future>
 #include <string>
@@ -35,6 +36,10 @@ train_options probe_options(const plan_request& r, const cp_settings& cp, std::i
   o.zero = r.zero;
   o.offload_optimizer = r.offload_optimizer;
   o.offload_params = r.offload_params;
+  o.offload_master = r.offload_master;
+  o.state_format = r.state.format;
+  o.grad_type = r.state.grad_type;
+  o.optim.max_grad_norm = r.max_grad_norm;
   o.optim.total_steps = 1;
   o.optim.warmup_steps = 0;
   o.eval_samples = 0;
@@ -83,12 +88,30 @@ std::int64_t longest_fit(const cp_settings& cp, const std::function<bool(std::in
 }
 
 // longest_fit from a length that may fit (a neighbouring configuration's answer): from it
-// when it fits, else from nothing.
+// when it fits; else down from it in steps of 1, 2, 4, ... granules to one that fits, then
+// bisection between, so that an answer near the hint costs few probes either way.
 std::int64_t longest_fit_near(const cp_settings& cp, const std::function<bool(std::int64_t seq_len)>& fits_at,
                               std::int64_t hint) {
   const std::int64_t g = granule(cp);
   hint = hint / g * g;
-  return hint >= g && fits_at(hint) ? longest_fit(cp, fits_at, hint) : longest_fit(cp, fits_at);
+  if (hint < g) return longest_fit(cp, fits_at);
+  if (fits_at(hint)) return longest_fit(cp, fits_at, hint);
+  std::int64_t bad = hint / g, good = 0;
+  for (std::int64_t step = 1; good == 0; step *= 2) {
+    if (bad - step < 1) {
+      if (!fits_at(g)) return 0;
+      good = 1;
+    } else if (fits_at((bad - step) * g)) {
+      good = bad - step;
+    } else {
+      bad -= step;
+    }
+  }
+  while (bad - good > 1) {
+    const std::int64_t mid = good + (bad - good) / 2;
+    (fits_at(mid * g) ? good : bad) = mid;
+  }
+  return good * g;
 }
 
 }  // namespace
@@ -143,6 +166,8 @@ step_time model_step_time(const plan_request& r, const cp_settings& cp, const pl
   t.zero = r.zero;
   t.offload_optimizer = r.offload_optimizer;
   t.offload_params = r.offload_params;
+  t.offload_master = r.offload_master;
+  t.grad_bytes = r.max_grad_norm > 0 && r.state.grad_type == dtype::bf16 ? 2 : 4;
   t.lora = r.lora.enabled();
   return estimate_step_time(t, r.rates);
 }
@@ -159,6 +184,8 @@ plan_entry plan_configuration(const plan_request& r, const cp_settings& cp, cons
   e.seq_chunks = cp.seq_chunks;
   e.offload_optimizer = r.offload_optimizer;
   e.offload_params = r.offload_params;
+  e.offload_master = r.offload_master;
+  e.state = r.state;
   const std::vector<checkpoint_policy> policies =
       r.policy ? std::vector<checkpoint_policy>{*r.policy} : candidate_policies();
   std::int64_t best = 0;
@@ -201,6 +228,17 @@ std::vector<checkpoint_policy> candidate_policies() {
           {c::layer_input_and_attention, 1, l::host_pinned}, {c::layer_input, 1, l::host_pinned},
           {c::layer_input, 2, l::host_pinned}, {c::layer_input, 3, l::host_pinned}, {c::layer_input, 4, l::host_pinned},
           {c::layer_input, 2, l::device}, {c::layer_input, 4, l::device}};
+}
+
+std::vector<optimizer_state_options> state_ladder() {
+  const adamw_state_format fp32{}, bf16{moment_format::bf16, master_format::f32}, q8{moment_format::q8, master_format::f32},
+      q8_kahan{moment_format::q8, master_format::bf16_kahan};
+  return {{fp32, dtype::f32}, {fp32, dtype::bf16}, {bf16, dtype::bf16}, {q8, dtype::bf16}, {q8_kahan, dtype::bf16}};
+}
+
+std::vector<offload_options> placements(bool lora) {
+  if (lora) return {{false, false}, {true, false}};  // a LoRA base stays on the GPU, its adapters' state in f32
+  return {{false, false}, {false, false, true}, {true, false}, {false, true, true}, {true, true}};
 }
 
 gpu_overheads estimate_overheads(const step_memory& memory) {
@@ -251,11 +289,21 @@ void validate(const plan_request& r) {
   if (r.lora.enabled()) validate(r.lora, r.model);
   if ((r.offload_optimizer || r.offload_params || r.try_offload) && r.zero == zero_stage::replicated)
     throw config_error("--offload needs an optimizer (it moves AdamW's state): drop --optimizer none");
-  if (r.offload_params && !r.offload_optimizer)
-    throw config_error("the weights go to host memory only with the optimizer: use --offload optimizer,params");
+  if (r.offload_params && !r.offload_optimizer && !r.offload_master)
+    throw config_error("the weights go to host memory only with the master weights: use --offload optimizer,params "
+                       "or master,params");
   if (r.offload_params && r.lora.enabled())
     throw config_error("--offload optimizer,params with --lora: a LoRA run's frozen base stays in GPU memory; use "
                        "--offload optimizer");
+  if (r.lora.enabled() && (r.offload_master || r.try_state || !(r.state == optimizer_state_options{})))
+    throw config_error("--lora keeps its adapters' AdamW state in f32: drop --optimizer-state, --master-weights, "
+                       "--grad-dtype and --offload master");
+  if ((r.try_state || r.offload_master || !(r.state == optimizer_state_options{})) && r.zero == zero_stage::replicated)
+    throw config_error("--optimizer none plans no optimizer state: drop --optimizer-state, --master-weights, "
+                       "--grad-dtype and --offload");
+  if (!(r.max_grad_norm >= 0) || !std::isfinite(r.max_grad_norm))
+    throw config_error("--max-grad-norm " + real_text(r.max_grad_norm) + " must be 0 (no clipping: no gradient shard "
+                       "kept) or more (for example 1.0)");
   if (r.gpus < 1)
     throw config_error("--gpus " + std::to_string(r.gpus) + " must be at least 1 (for example --gpus 8)");
   if (r.nodes < 1 || r.gpus % r.nodes != 0)
@@ -311,13 +359,21 @@ void validate(const plan_request& r) {
   }
 }
 
-plan_result make_plan(const plan_request& r) {
-  validate(r);
-  plan_result out;
-  // Configurations are independent meta runs: a thread for each strategy, U and mesh, which
-  // tries its sequence chunks N in ascending order and stops at the first N that reaches no
-  // further than the one before (more chunks only cost host traffic from there on: the
-  // attention no longer bounds the length).
+namespace {
+
+plan_request with_placement(plan_request r, const offload_options& offload) {
+  r.offload_optimizer = offload.optimizer;
+  r.offload_params = offload.params;
+  r.offload_master = offload.master;
+  return r;
+}
+
+// Every configuration in every placement asked for. Configurations are independent meta
+// runs: a thread for each strategy, U, mesh and placement, which tries its sequence chunks
+// N in ascending order and stops at the first N that reaches no further than the one
+// before (more chunks only cost host traffic from there on: the attention no longer
+// bounds the length).
+std::vector<plan_entry> sweep(const plan_request& r) {
   std::vector<std::vector<cp_settings>> groups;
   for (const cp_settings& cp : plan_configurations(r)) {
     const auto same = [&](const std::vector<cp_settings>& g) {
@@ -328,18 +384,15 @@ plan_result make_plan(const plan_request& r) {
     else it->push_back(cp);
   }
   std::vector<std::future<std::vector<plan_entry>>> work;
-  std::vector<offload_options> offloads = {{r.offload_optimizer, r.offload_params}};
-  if (r.try_offload && r.zero != zero_stage::replicated) {
-    offloads = {{false, false}, {true, false}};
-    if (!r.lora.enabled()) offloads.push_back({true, true});  // a LoRA base stays on the GPU
-  }
+  std::vector<offload_options> offloads = {{r.offload_optimizer, r.offload_params, r.offload_master}};
+  if (r.try_offload && r.zero != zero_stage::replicated) offloads = placements(r.lora.enabled());
+  // With the state formats tried afterwards (every placement among them), the sweep takes
+  // the placement that leaves the GPU the most: the configuration is chosen for the GPU.
+  if (r.try_offload && r.try_state) offloads = {placements(r.lora.enabled()).back()};
   for (std::vector<cp_settings>& group : groups) {
     std::sort(group.begin(), group.end(), [](const cp_settings& a, const cp_settings& b) { return a.seq_chunks < b.seq_chunks; });
-    for (const offload_options offload : offloads) {
-      plan_request with = r;
-      with.offload_optimizer = offload.optimizer;
-      with.offload_params = offload.params;
-      work.push_back(std::async(std::launch::async, [with, group] {
+    for (const offload_options& offload : offloads) {
+      work.push_back(std::async(std::launch::async, [with = with_placement(r, offload), group] {
         std::vector<plan_entry> entries;
         for (const cp_settings& cp : group) {
           entries.push_back(plan_configuration(with, cp, entries.empty() ? nullptr : &entries.back()));
@@ -352,25 +405,81 @@ plan_result make_plan(const plan_request& r) {
       }));
     }
   }
+  std::vector<plan_entry> entries;
   for (auto& w : work)
-    for (plan_entry& e : w.get()) out.entries.push_back(std::move(e));
+    for (plan_entry& e : w.get()) entries.push_back(std::move(e));
+  return entries;
+}
+
+// Every state format in every placement at one configuration: a thread per placement,
+// which runs the formats from the most precise to the leanest, each search starting from
+// the previous format's answer (a leaner format holds no more, so it fits there too).
+std::vector<plan_entry> sweep_states(const plan_request& r, const cp_settings& cp, const plan_entry* hint) {
+  const std::vector<optimizer_state_options> ladder = state_ladder();
+  const std::vector<offload_options> where = placements(r.lora.enabled());
+  std::vector<std::future<std::vector<plan_entry>>> work;
+  for (const offload_options& offload : where) {
+    plan_request with = with_placement(r, offload);
+    with.eval = false;  // the same weights whatever the optimizer: the sweep's eval S stands
+    work.push_back(std::async(std::launch::async, [with, cp, hint, ladder]() mutable {
+      std::vector<plan_entry> entries;
+      for (const optimizer_state_options& state : ladder) {
+        with.state = state;
+        const plan_entry* from = entries.empty() || !entries.back().longest ? hint : &entries.back();
+        entries.push_back(plan_configuration(with, cp, from));
+      }
+      return entries;
+    }));
+  }
+  std::vector<std::vector<plan_entry>> by_placement;
+  for (auto& w : work) by_placement.push_back(w.get());
+  std::vector<plan_entry> entries;  // the ladder's order, each format in every placement
+  for (std::size_t f = 0; f < ladder.size(); ++f)
+    for (std::size_t p = 0; p < where.size(); ++p) entries.push_back(std::move(by_placement[p][f]));
+  return entries;
+}
+
+// The most precise format that reaches `target` (the ladder's order), in the first
+// placement that does (placements' order: the fewest bytes to the host first).
+std::optional<std::size_t> recommend_state(const std::vector<plan_entry>& entries, std::int64_t target) {
+  for (std::size_t i = 0; i < entries.size(); ++i)
+    if (entries[i].longest && entries[i].longest->seq_len >= target) return i;
+  return std::nullopt;
+}
+
+}  // namespace
+
+plan_result make_plan(const plan_request& request) {
+  validate(request);
+  plan_request r = request;
+  if (r.try_state) r.state = state_ladder().back();  // the sweep at the leanest format
+  plan_result out;
+  out.entries = sweep(r);
   std::int64_t upipe_longest = 0;
   for (const plan_entry& e : out.entries)
     if (e.strategy == strategy_kind::upipe && e.longest) upipe_longest = std::max(upipe_longest, e.longest->seq_len);
   out.planned_seq_len = r.seq_len ? *r.seq_len : upipe_longest;
   // The largest U that reaches the planned length, with the fewest chunks it needs there.
+  const plan_entry* chosen = nullptr;
   for (const plan_entry& e : out.entries) {
     if (e.strategy != strategy_kind::upipe || !e.longest || e.longest->seq_len < out.planned_seq_len) continue;
     if (!out.recommended_head_chunk || e.head_chunk > *out.recommended_head_chunk ||
         (e.head_chunk == *out.recommended_head_chunk && e.seq_chunks < out.recommended_seq_chunks)) {
       out.recommended_head_chunk = e.head_chunk;
       out.recommended_seq_chunks = e.seq_chunks;
+      chosen = &e;
     }
   }
   if (out.planned_seq_len > 0 && !r.dps.empty()) {
     out.meshes = plan_meshes(r, out.planned_seq_len, &out.entries);
     recommend_mesh(out);
   }
+  if (!r.try_state || chosen == nullptr) return out;
+  const cp_settings cp{strategy_kind::upipe, r.gpus / r.dp, chosen->head_chunk, 1, chosen->seq_chunks};
+  out.state_entries = sweep_states(r, cp, chosen);
+  std::int64_t longest = 0;
+  for (const plan_entry& e : out.state_entries) longest = std::max(longest, e.longest ? e.longest->seq_len : 0);
+  out.recommended_state = recommend_state(out.state_entries, r.seq_len ? *r.seq_len : longest);
   return out;
 }
 

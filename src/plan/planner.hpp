@@ -42,8 +42,15 @@ struct plan_request {
   bool offload_optimizer = false;      // --offload optimizer: its state in the node's host memory
   lora_config lora;                    // LoRA: the base frozen, only these adapters trained
   bool offload_params = false;         // --offload optimizer,params: the working weights there too
-  bool try_offload = false;            // --offload auto: every configuration with nothing, the optimizer, and
-                                       // the optimizer and the weights in host memory
+  bool try_offload = false;            // --offload auto: every configuration with nothing, the master, the
+                                       // optimizer, and each of the last two with the weights in host memory
+  bool offload_master = false;         // --offload master: the master weights alone in host memory
+  optimizer_state_options state;       // AdamW's state format and kept gradients' dtype (grads from max_grad_norm)
+  double max_grad_norm = 1.0;          // as train's: 0 keeps no gradient shard (each unit updated as it arrives)
+  // --optimizer-state auto: after the sweep (at the leanest format; with try_offload, in
+  // the placement that leaves the GPU the most), every format of state_ladder() in every
+  // placement at the recommended configuration.
+  bool try_state = false;
   std::int64_t mlp_tile = 0, loss_chunk = 0;  // as for training (0: defaults)
   std::optional<checkpoint_policy> policy;    // only this policy (default: candidate_policies())
   bool eval = true;                           // also the longest length `upipe eval` fits
@@ -88,6 +95,8 @@ struct plan_entry {
   int seq_chunks = 1;                 // N
   bool offload_optimizer = false;     // AdamW's state in host memory
   bool offload_params = false;        // the working weights too
+  bool offload_master = false;        // the master weights alone in host memory
+  optimizer_state_options state;      // AdamW's state format
   std::optional<plan_point> longest;  // at the longest length that fits (none: nothing fits)
   std::optional<eval_point> longest_eval;  // the longest evaluable length (with plan_request::eval)
   std::optional<plan_point> at_request;  // at the requested length: the fastest policy that fits, or the
@@ -113,6 +122,12 @@ struct plan_result {
   std::vector<mesh_entry> meshes;   // every D of the sweep at planned_seq_len, each strategy's fastest
   std::optional<std::size_t> recommended_mesh;  // index into meshes: the fastest that fits
   std::optional<std::size_t> best_cp_only;      // the fastest that fits with D = 1 (CP over every GPU)
+  // --optimizer-state auto: every format and placement at the recommended configuration,
+  // and the one recommended there: the most precise format (state_ladder's order) that
+  // reaches the requested length (else the longest any reaches), the fewest bytes moved
+  // to the host among its placements that do.
+  std::vector<plan_entry> state_entries;
+  std::optional<std::size_t> recommended_state;
   std::optional<int> recommended_head_chunk;  // the largest U that fits at the planned length
   int recommended_seq_chunks = 1;             // and the fewest sequence chunks it needs there
   std::int64_t planned_seq_len = 0;           // the requested length, or UPipe's longest
@@ -120,6 +135,14 @@ struct plan_result {
 
 // The checkpoint policies the planner tries, fastest first.
 std::vector<checkpoint_policy> candidate_policies();
+
+// AdamW's state formats the planner tries, the most precise first: fp32; fp32 with bf16
+// gradient shards; bf16 moments; 8-bit moments; 8-bit moments and bf16-kahan master (the
+// last three with bf16 gradient shards).
+std::vector<optimizer_state_options> state_ladder();
+// The placements (--offload) the planner tries: none, master, optimizer, master,params,
+// optimizer,params (without the weights' under LoRA, whose base stays on the GPU).
+std::vector<offload_options> placements(bool lora);
 
 // The libraries' share of a probe's memory, and the context.
 gpu_overheads estimate_overheads(const step_memory& memory);

@@ -136,7 +136,10 @@ step_time estimate_step_time(const step_time_request& r, const throughput_rates&
     if (keeps_attention) per_layer += s * m.num_heads * m.head_dim * 2 + s * m.num_heads * 4;
     host += 2 * kept_layers * per_layer;
   }
-  if (r.offload_optimizer && !r.lora) host += weights / W * (4 + 2);  // f32 gradients out, bf16 weights back
+  // The offloaded optimizer's gradients out (f32, or bf16 kept shards) and bf16 weights
+  // back; the master alone: the moments' f32 steps out, the weights back.
+  if (r.offload_optimizer && !r.lora) host += weights / W * (r.grad_bytes + 2);
+  if (r.offload_master && !r.offload_optimizer && !r.lora) host += weights / W * (4 + 2);
   if (r.offload_params) host += weights / W * 2 * (r.zero == zero_stage::three ? 2 : 1);
   t.host = host / pcie;
   return t;

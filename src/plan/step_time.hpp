@@ -43,6 +43,8 @@ struct step_time_request {
   checkpoint_policy policy;
   zero_stage zero = zero_stage::three;
   bool offload_optimizer = false, offload_params = false;
+  bool offload_master = false;  // the master alone on the host: each step's f32 direction goes out
+  double grad_bytes = 4;        // a gradient element on its way to the host: f32, or a kept bf16 shard's 2
   bool lora = false;  // a frozen base: no weight gradients, no gradient reduce-scatter to speak of
 };
 

@@ -20,11 +20,11 @@ constexpr std::size_t host_margin = std::size_t{64} << 20;
 // of the pool is for. Under LoRA the optimizer is the adapters' (a micro-batch's gradients
 // fit in the margin).
 std::size_t offload_host_bytes(const step_request& r) {
-  if (!r.offload.optimizer) return 0;
+  if (!r.offload.master_on_host()) return 0;
   const dtype work = working_dtype(r.backend);
   const int ranks = r.dp * r.cp.cp;  // ZeRO's shards span every replica
   return (r.step.lora.enabled() ? lora_offloaded_optimizer_bytes(r.model, r.step.lora, ranks, work)
-                           : offloaded_bytes(r.model, ranks, work, r.zero, r.offload, r.batch)) +
+                                : offloaded_bytes(r.model, ranks, work, r.zero, r.offload, r.batch, r.state)) +
          host_margin;
 }
 
@@ -68,7 +68,8 @@ step_request sizes_of(const train_options& o, double memory_gib, double host_mem
   r.batch = o.batch;
   r.dp = o.dp;
   r.zero = o.zero;
-  r.offload = {o.offload_optimizer, o.offload_params};
+  r.offload = offload_of(o);
+  r.state = state_options_of(o);
   r.backend = o.backend;
   r.memory_gib = memory_gib;
   r.host_memory_gib = host_memory_gib;

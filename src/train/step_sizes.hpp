@@ -25,6 +25,7 @@ struct step_request {
   int dp = 1;                // data-parallel replicas: the optimizer state shards over dp x cp ranks
   zero_stage zero = zero_stage::two;
   offload_options offload;
+  optimizer_state_options state;  // the trained store's format and kept gradients (the offload's host bytes)
   backend_kind backend = backend_kind::cpu;
   // The GPU arena per rank, GiB: the tile and chunk are sized for it whatever the backend,
   // so that a meta or cpu run takes the sizes the GPU run would.

@@ -63,12 +63,15 @@ std::string rank_file(int rank, int ranks) {
   return name;
 }
 
-std::string state_name(int unit, shard_state which) {
-  static const char* suffix[] = {"master", "exp_avg", "exp_avg_sq"};
-  return "unit." + std::to_string(unit) + "." + suffix[static_cast<int>(which)];
+std::string tensor_name(int unit, shard_state which) { return "unit." + std::to_string(unit) + "." + state_name(which); }
+
+bool is_absmax(shard_state which) {
+  return which == shard_state::exp_avg_absmax || which == shard_state::exp_avg_sq_absmax;
 }
 
-constexpr shard_state all_states[] = {shard_state::master, shard_state::exp_avg, shard_state::exp_avg_sq};
+// The manifest's words for the state formats.
+const char* moments_word(moment_format f) { return f == moment_format::f32 ? "f32" : f == moment_format::bf16 ? "bf16" : "q8"; }
+const char* master_word(master_format f) { return f == master_format::f32 ? "f32" : "bf16-kahan"; }
 
 bool is_checkpoint(const fs::path& dir) {
   std::error_code ec;
@@ -168,6 +171,8 @@ nlohmann::ordered_json manifest_json(const checkpoint_request& r, const paramete
   if (r.eval_loss) j["eval_loss"] = *r.eval_loss;
   j["units"] = units;
   j["files"] = files;
+  const adamw_state_format& f = params.state_options().format;
+  j["optimizer_state"] = {{"moments", moments_word(f.moments)}, {"master", master_word(f.master)}};
   return j;
 }
 
@@ -289,13 +294,16 @@ void save_checkpoint(const std::string& dir_text, const checkpoint_request& r, p
     // Every rank its own shard of the optimizer state, in parallel, streamed a unit at a
     // time: a rank never holds more than one unit's state on the host.
     std::vector<safetensors_tensor> declared;
+    const adamw_state_format& format = params.state_options().format;
     for (int u = 0; u < params.unit_count(); ++u)
-      for (shard_state which : all_states) declared.push_back({state_name(u, which), {params.unit_shard(u)}, {}, dtype::f32});
+      for (shard_state which : state_tensors(format))
+        declared.push_back({tensor_name(u, which), {is_absmax(which) ? params.unit_shard(u) / q8_block : params.unit_shard(u)},
+                            {}, state_dtype(format, which)});
     safetensors_writer shard_file(
         (tmp / trainer_dir / rank_file(comm.rank(), C)).string(), std::move(declared),
         {{"format", "upipe-zero-shard"}, {"rank", std::to_string(comm.rank())}, {"ranks", std::to_string(C)}});
     for (int u = 0; u < params.unit_count(); ++u)
-      for (shard_state which : all_states) shard_file.write(state_name(u, which), params.shard_values(u, which));
+      for (shard_state which : state_tensors(format)) shard_file.write(tensor_name(u, which), params.shard_values(u, which));
     shard_file.commit();
     std::vector<std::string> files =
         r.lora.enabled() ? write_adapters(tmp, r, params, comm) : write_model(tmp, r, params, comm);
@@ -382,12 +390,21 @@ saved_state::saved_state(const std::string& text) : impl_(std::make_unique<impl>
     state_.warmup_seq_len = whole("warmup_seq_len", true);
     state_.shape_step = whole("shape_step", true);
     state_.shape_position = whole("shape_position", true);
+    if (j.contains("optimizer_state")) {  // absent: a save of an upipe without lean formats (f32)
+      const auto& f = j.at("optimizer_state");
+      const std::string moments = f.at("moments").get<std::string>(), master = f.at("master").get<std::string>();
+      if ((moments != "f32" && moments != "bf16" && moments != "q8") || (master != "f32" && master != "bf16-kahan"))
+        throw io_error(manifest.string() + " is damaged: optimizer_state names moments '" + moments + "' and master '" +
+                       master + "' (upipe writes f32, bf16 or q8, and f32 or bf16-kahan)");
+      format_.moments = moments == "f32" ? moment_format::f32 : moments == "bf16" ? moment_format::bf16 : moment_format::q8;
+      format_.master = master == "f32" ? master_format::f32 : master_format::bf16_kahan;
+    }
     read_mixture(j, manifest.string());
   } catch (const nlohmann::json::exception& e) {
     throw io_error("cannot read " + manifest.string() + ": " + e.what());
   }
   check_manifest_ranges(manifest.string());
-  for (std::int64_t n : impl_->units) impl_->shards.push_back((n + ranks_ - 1) / ranks_);
+  for (std::int64_t n : impl_->units) impl_->shards.push_back(padded_unit(n, ranks_, {format_}) / ranks_);
   for (int r = 0; r < ranks_; ++r) {
     const fs::path file = dir / trainer_dir / rank_file(r, ranks_);
     if (!fs::exists(file, ec))
@@ -396,11 +413,12 @@ saved_state::saved_state(const std::string& text) : impl_(std::make_unique<impl>
     impl_->ranks.emplace_back(file.string());
     check_shard_rank(impl_->ranks.back(), file.string(), r);
     for (std::size_t u = 0; u < impl_->units.size(); ++u)
-      for (shard_state which : all_states) {
-        const safetensors_info* info = impl_->ranks.back().find(state_name(static_cast<int>(u), which));
-        if (!info || info->numel != static_cast<std::uint64_t>(impl_->shards[u]))
-          throw io_error(file.string() + " lacks " + state_name(static_cast<int>(u), which) + " of " +
-                         std::to_string(impl_->shards[u]) + " elements: the trainer state is damaged");
+      for (shard_state which : state_tensors(format_)) {
+        const std::int64_t want = is_absmax(which) ? impl_->shards[u] / q8_block : impl_->shards[u];
+        const safetensors_info* info = impl_->ranks.back().find(tensor_name(static_cast<int>(u), which));
+        if (!info || info->numel != static_cast<std::uint64_t>(want))
+          throw io_error(file.string() + " lacks " + tensor_name(static_cast<int>(u), which) + " of " +
+                         std::to_string(want) + " elements: the trainer state is damaged");
       }
   }
 }
@@ -497,13 +515,15 @@ void saved_state::check_units(const model_config& config, const lora_config& lor
 }
 
 void saved_state::non_finite(int unit, shard_state which, std::int64_t rank, std::int64_t element, float value) const {
-  static const char* kind[] = {"the master weights", "AdamW's first moment", "AdamW's second moment"};
-  std::string where = state_name(unit, which) + " (element " + std::to_string(element) + ")";
-  if (static_cast<std::size_t>(unit) < impl_->layout.size())
+  static const char* kind[] = {"the master weights",           "AdamW's first moment",
+                               "AdamW's second moment",        "the master weights' compensation",
+                               "the first moment's block absmax", "the second moment's block absmax"};
+  std::string where = tensor_name(unit, which) + " (element " + std::to_string(element) + ")";
+  if (static_cast<std::size_t>(unit) < impl_->layout.size() && !is_absmax(which))
     for (const unit_parameter& p : impl_->layout[static_cast<std::size_t>(unit)])
       if (element >= p.offset && element < p.offset + p.numel)
         where = std::string(kind[static_cast<int>(which)]) + " of " + p.name + " (element " +
-                std::to_string(element - p.offset) + ", tensor " + state_name(unit, which) + ")";
+                std::to_string(element - p.offset) + ", tensor " + tensor_name(unit, which) + ")";
   throw io_error((fs::path(dir_) / trainer_dir / rank_file(static_cast<int>(rank), ranks_)).string() + " holds " +
                  (std::isnan(value) ? std::string("NaN") : std::string(value > 0 ? "+Inf" : "-Inf")) + " in " + where +
                  ": the trainer state is damaged or the run that wrote it diverged; restore the checkpoint, or "
@@ -511,11 +531,15 @@ void saved_state::non_finite(int unit, shard_state which, std::int64_t rank, std
 }
 
 void saved_state::read(int unit, shard_state which, std::int64_t begin, std::int64_t count, float* out) const {
-  UPIPE_CHECK(unit >= 0 && unit < static_cast<int>(impl_->units.size()) && begin >= 0 &&
-                  begin + count <= impl_->units[unit],
-              "saved_state::read outside unit " + std::to_string(unit));
-  const std::int64_t shard = impl_->shards[unit];
-  const std::string name = state_name(unit, which);
+  const bool blocks = is_absmax(which);
+  UPIPE_CHECK(unit >= 0 && unit < static_cast<int>(impl_->units.size()) && begin >= 0, "saved_state::read outside unit");
+  const std::int64_t length = blocks ? (impl_->units[unit] + q8_block - 1) / q8_block : impl_->units[unit];
+  UPIPE_CHECK(begin + count <= length, "saved_state::read outside unit " + std::to_string(unit));
+  const auto present = state_tensors(format_);
+  UPIPE_CHECK(std::find(present.begin(), present.end(), which) != present.end(),
+              std::string("saved_state::read of ") + state_name(which) + ", which this format has not");
+  const std::int64_t shard = blocks ? impl_->shards[unit] / q8_block : impl_->shards[unit];
+  const std::string name = tensor_name(unit, which);
   while (count > 0) {
     const std::int64_t r = begin / shard, offset = begin % shard, n = std::min(count, shard - offset);
     impl_->ranks[r].read(name, offset, n, out);
@@ -582,6 +606,11 @@ void export_checkpoint(const std::string& given, const std::string& out_text, co
       for (const unit_parameter& p : units[u]) {
         std::vector<float> values(static_cast<std::size_t>(p.numel));
         saved.read(static_cast<int>(u), shard_state::master, p.offset, p.numel, values.data());  // checks finiteness
+        if (saved.state_format().master == master_format::bf16_kahan) {  // the weights plus their compensation
+          std::vector<float> comp(values.size());
+          saved.read(static_cast<int>(u), shard_state::master_comp, p.offset, p.numel, comp.data());
+          for (std::size_t i = 0; i < values.size(); ++i) values[i] += comp[i];
+        }
         writer.write(p.name, values);
       }
     writer.commit();

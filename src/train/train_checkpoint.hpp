@@ -6,7 +6,8 @@
 //   tokenizer files, generation_config.json   copied from the input model directory
 //   trainer/manifest.json       the run: step, data position, seed, ranks, ZeRO stage, strategy, run id
 //   trainer/run.toml            the run's resolved configuration (train --resume DIR needs nothing else)
-//   trainer/rank-0000R-of-0000C.safetensors   rank R's fp32 master shard and AdamW moments
+//   trainer/rank-0000R-of-0000C.safetensors   rank R's shard of the master weights and AdamW's moments,
+//                               in the run's state format (the manifest's optimizer_state)
 // A LoRA run's checkpoint is a PEFT adapter directory instead of a model directory
 // (adapter_config.json, adapter_model.safetensors in fp32: what PeftModel.from_pretrained
 // loads on the base), its trainer/ holding the adapters' masters and moments.
@@ -112,13 +113,16 @@ class saved_state {
   bool shape_recorded() const { return shape_recorded_; }
   // A LoRA run's --lora as saved (lora_text), empty for a full run's state.
   const std::string& lora() const { return lora_; }
+  // The format the optimizer state was saved in (f32 for a manifest that names none).
+  const adamw_state_format& state_format() const { return format_; }
   const std::string& run_id() const { return run_id_; }  // "" for a checkpoint before run ids
   // Checks the units against the run's model, or its adapters (config_error naming both
   // otherwise), and keeps a full model's parameter names for read()'s messages.
   void check_units(const model_config& config, const lora_config& lora = {}) const;
-  // Elements [begin, begin + count) of a unit's unpadded flat state, from whichever of the
-  // saved ranks hold them (parameter_store::state_reader). A NaN or an Inf is an io_error
-  // naming the rank file, the parameter (once check_units has run) and the element.
+  // Elements [begin, begin + count) of a unit's unpadded flat state as saved (for q8's
+  // absmax, blocks of the unit), from whichever of the saved ranks hold them
+  // (parameter_store::state_reader). A NaN or an Inf is an io_error naming the rank file,
+  // the parameter (once check_units has run) and the element.
   void read(int unit, shard_state which, std::int64_t begin, std::int64_t count, float* out) const;
 
  private:
@@ -136,6 +140,7 @@ class saved_state {
   trainer_state state_;
   int ranks_ = 0;
   std::string zero_, lora_;
+  adamw_state_format format_;
   std::string run_id_;
   bool shape_recorded_ = false;
 };

@@ -63,9 +63,8 @@ struct rank_context {
 
   rank_context(const train_options& o, backend& b, const mesh_comms& mesh)
       : options(o), be(b), comm(mesh.world), cp(mesh.cp), shards(mesh.shards),
-        params(o.model, parameter_specs(o.model), b, mesh.shards, o.zero,
-               uses_lora(o) ? offload_options{} : offload_options{o.offload_optimizer, o.offload_params},
-               uses_lora(o) ? weight_role::frozen : weight_role::trained) {
+        params(o.model, parameter_specs(o.model), b, mesh.shards, o.zero, uses_lora(o) ? offload_options{} : offload_of(o),
+               uses_lora(o) ? weight_role::frozen : weight_role::trained, state_options_of(o)) {
     if (uses_lora(o))
       adapters = std::make_unique<parameter_store>(o.model, lora_parameter_specs(o.model, o.step.lora), b, mesh.shards,
                                                    adapter_stage(o), offload_options{o.offload_optimizer, false},
@@ -346,7 +345,8 @@ void run_rank(const train_options& o, backend& be, const mesh_comms& mesh, const
   if (from.init != nullptr && (from.resume == nullptr || rc.adapters)) rc.params.load(*from.init);
   if (from.resume != nullptr) {
     rc.trained().load_state([resume = from.resume](int u, shard_state which, std::int64_t begin, std::int64_t count,
-                                                   float* out) { resume->read(u, which, begin, count, out); });
+                                                   float* out) { resume->read(u, which, begin, count, out); },
+                            from.resume->state_format());
     first = from.resume->state().step + 1;
     if (data.reader() != nullptr) position = saved_position(from.resume->state(), false);
   } else if (from.adapters != nullptr && rc.adapters) {
@@ -459,6 +459,20 @@ std::int64_t step_seq_len(const train_options& o, std::int64_t step) {
   return step <= o.seq_warmup ? warmup_start(o) : o.seq_len;
 }
 
+offload_options offload_of(const train_options& o) {
+  return {o.offload_optimizer, o.offload_params, o.offload_master && !o.offload_optimizer};
+}
+
+optimizer_state_options state_options_of(const train_options& o) {
+  optimizer_state_options s;
+  s.format = o.state_format;
+  s.grad_type = o.grad_type;
+  // Nothing waits for the norm and no later micro-batch adds in: each unit's update runs
+  // as its gradients arrive, from the reduced shard itself.
+  if (o.optim.max_grad_norm <= 0 && o.batch == 1) s.grads = grad_keeping::streamed;
+  return s;
+}
+
 void validate(const train_options& o) {
   validate(o.model);
   validate_mesh(o);
@@ -468,9 +482,12 @@ void validate(const train_options& o) {
   if (o.stop_after < 0 || o.stop_after > o.optim.total_steps)
     throw config_error("--stop-after " + std::to_string(o.stop_after) + " must lie between 1 and --steps " +
                        std::to_string(o.optim.total_steps) + " (it stops a run early; --steps is the schedule's length)");
-  if (o.offload_params && !o.offload_optimizer)
-    throw config_error("the weights go to host memory only with the optimizer (AdamW writes them there): use "
-                       "--offload optimizer,params");
+  if (o.offload_params && !o.offload_optimizer && !o.offload_master)
+    throw config_error("the weights go to host memory only with the master weights (AdamW writes them there): use "
+                       "--offload optimizer,params or --offload master,params");
+  if (uses_lora(o) && (o.offload_master || !(o.state_format == adamw_state_format{}) || o.grad_type != dtype::f32))
+    throw config_error("--lora keeps its adapters' AdamW state in f32 (a few MiB): drop --optimizer-state, "
+                       "--master-weights, --grad-dtype and --offload master (use --offload optimizer)");
   if (o.offload_params && o.step.lora.enabled())
     throw config_error("--offload optimizer,params with --lora: a LoRA run's frozen base stays in GPU memory (under "
                        "ZeRO-3 sharded over the CP group) and its adapters' state may go to the host; use --offload "
@@ -664,12 +681,33 @@ void check_resumed_model(const train_options& o, const saved_state& saved) {
                  saved_model.rms_norm_eps);
 }
 
+// The flags that name a state format, for messages.
+std::string format_flags(const adamw_state_format& f) {
+  return std::string("--optimizer-state ") +
+         (f.moments == moment_format::f32 ? "fp32" : f.moments == moment_format::bf16 ? "bf16" : "8bit") +
+         " --master-weights " + (f.master == master_format::f32 ? "fp32" : "bf16-kahan");
+}
+
+// AdamW's state resumes in the format it was saved in; another format only when asked
+// (decoded to f32 and encoded again: q8 and bf16 lose what their format cannot hold).
+void check_resumed_format(const train_options& o, const saved_state& saved) {
+  if (saved.state_format() == o.state_format) return;
+  if (!o.convert_state)
+    throw config_error("cannot resume from " + o.resume_dir + ": its optimizer state was saved with " +
+                       format_flags(saved.state_format()) + ", this run asks for " + format_flags(o.state_format) +
+                       "; pass " + format_flags(saved.state_format()) +
+                       ", or add --convert-optimizer-state to convert it (decoded to fp32, encoded in the new format)");
+  std::fprintf(stderr, "upipe: note: converting the optimizer state of %s from %s to %s\n", o.resume_dir.c_str(),
+               format_flags(saved.state_format()).c_str(), format_flags(o.state_format).c_str());
+}
+
 // A resumed run must continue the saved one: the same model and the same data.
 void check_resume(const train_options& o, const saved_state& saved) {
   if (uses_lora(o))
     check_resumed_adapters(o, saved);
   else
     check_resumed_model(o, saved);
+  check_resumed_format(o, saved);
   const trainer_state& st = saved.state();
   if (st.seed != o.seed)
     throw config_error("cannot resume from " + o.resume_dir + ": it was trained with --seed " + std::to_string(st.seed) +

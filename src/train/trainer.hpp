@@ -65,7 +65,14 @@ struct train_options {
   cp_settings cp{strategy_kind::upipe, 4, 0};
   zero_stage zero = zero_stage::two;
   bool offload_optimizer = false;  // master weights, moments and gradient shards in host memory; AdamW on the host
-  bool offload_params = false;     // the working-dtype weights in host memory too (with offload_optimizer)
+  bool offload_params = false;     // the working-dtype weights in host memory too (with the master there)
+  bool offload_master = false;     // the master weights alone in host memory (the moments on the GPU)
+  // AdamW's state (docs/design.md section 5, "Lean optimizer state"): the moments' and the
+  // master's formats, and the kept gradient shards' dtype. Without clipping and with one
+  // sequence a step no gradient shard is kept: each unit is updated as its gradients arrive.
+  adamw_state_format state_format;
+  dtype grad_type = dtype::f32;
+  bool convert_state = false;  // a resume from a checkpoint of another state format converts it
   step_options step;
   adamw_config optim;            // optim.total_steps is --steps
   std::int64_t stop_after = 0;   // stop once this step is done; 0: at total_steps
@@ -141,6 +148,11 @@ inline std::int64_t global_batch(const train_options& o) { return o.dp * o.batch
 // Checks the options as a whole (throws config_error naming the flag, the rule and a
 // valid alternative) before anything runs.
 void validate(const train_options& options);
+
+// Where the trained store's state lives, and how it is held (streamed gradients when
+// nothing waits for the global norm and a step is one sequence).
+offload_options offload_of(const train_options& options);
+optimizer_state_options state_options_of(const train_options& options);
 
 // The sequence length of a step under the options' sequence-length warmup.
 std::int64_t step_seq_len(const train_options& options, std::int64_t step);

@@ -31,8 +31,9 @@ TEST(dp_cli, train_on_two_replicas_prints_the_mesh_and_saves_every_rank) {
   EXPECT_NE(r.output.find("global batch = dp 2 x batch 2 = 4 sequences of 64 tokens per step"), std::string::npos)
       << r.output;
   for (int rank = 0; rank < 4; ++rank)
-    EXPECT_TRUE(fs::exists(dir / "ckpt" / "trainer" / ("rank-0000" + std::to_string(rank) + "-of-00004.safetensors")));
-  std::ifstream manifest(dir / "ckpt" / "trainer" / "manifest.json");
+    EXPECT_TRUE(fs::exists(dir / "ckpt" / "checkpoint-3" / "trainer" /
+                           ("rank-0000" + std::to_string(rank) + "-of-00004.safetensors")));
+  std::ifstream manifest(dir / "ckpt" / "checkpoint-3" / "trainer" / "manifest.json");
   EXPECT_EQ(nlohmann::json::parse(manifest)["batch"], 4);  // the step's sequences over every replica
   fs::remove_all(dir);
 }

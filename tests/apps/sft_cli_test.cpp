@@ -79,7 +79,7 @@ TEST(sft_cli, prepare_train_on_a_mixture_resume_and_evaluate_each_source) {
   r = run_upipe(run + "--resume " + (dir / "ck").string() + " --data " + (dir / "chat").string() + ":0.5," +
                 (dir / "book").string() + ":0.5");
   EXPECT_EQ(r.exit_code, 2);
-  EXPECT_NE(r.output.find("--data " + mixture), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("which has data.data = '" + mixture + "'"), std::string::npos) << r.output;
   // Each held-out source on its own; the chat's loss over the assistant turns alone.
   r = run_upipe("eval --model " + model + " --data " + (dir / "chat-heldout").string() + "," + (dir / "book").string() +
                 " --seq-len 64 --samples 2 --cp 2 --json " + (dir / "e.json").string());

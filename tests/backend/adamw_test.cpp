@@ -291,11 +291,21 @@ TEST_F(adamw_entry, rejects_mismatched_lengths) {
 
 TEST_F(adamw_entry, rejects_wrong_dtypes) {
   adamw_args a = good();
-  a.exp_avg = matrix(1, 8, dtype::bf16);
-  EXPECT_TRUE(mentions(error_of(a), {"exp_avg", "dtype must be f32"})) << error_of(a);
+  a.exp_avg = matrix(1, 8, dtype::bf16);  // the two moments in one format
+  EXPECT_TRUE(mentions(error_of(a), {"exp_avg_sq", "dtype must be bf16"})) << error_of(a);
   a = good();
-  a.grad = matrix(1, 8, dtype::bf16);
-  EXPECT_TRUE(mentions(error_of(a), {"grad", "dtype must be f32"})) << error_of(a);
+  a.grad = matrix(1, 8, dtype::i32);
+  EXPECT_TRUE(mentions(error_of(a), {"grad", "dtype must be f32 or bf16"})) << error_of(a);
+  a = good();
+  a.exp_avg = matrix(1, 8, dtype::u8);  // q8 needs whole blocks and their absmax
+  a.exp_avg_sq = matrix(1, 8, dtype::u8);
+  EXPECT_TRUE(mentions(error_of(a), {"exp_avg", "multiple of 256"})) << error_of(a);
+  a = good();
+  a.master = matrix(1, 8, dtype::bf16);  // bf16-kahan needs its compensation
+  EXPECT_TRUE(mentions(error_of(a), {"master_comp", "expected 1 x 8"})) << error_of(a);
+  a = good();
+  a.part = adamw_part::moments;  // the halves carry their step in direction
+  EXPECT_TRUE(mentions(error_of(a), {"direction", "expected 1 x 8"})) << error_of(a);
   a = good();
   a.weights = matrix(1, 8, dtype::bf16);  // the cpu's working dtype is f32
   EXPECT_TRUE(mentions(error_of(a), {"weights", "dtype must be f32"})) << error_of(a);
@@ -383,9 +393,9 @@ TEST(sum_squares, blocks_added_in_order_are_the_whole) {
 TEST(sum_squares, empty_and_wrong_dtype) {
   auto be = make_test_backend();
   EXPECT_EQ(ops::sum_squares(*be, mat_view{}), 0.0);
-  tensor t = be->allocate_zeroed(mem_tag::activations, dtype::bf16, shape{2, 3}, "x");
+  tensor t = be->allocate_zeroed(mem_tag::activations, dtype::i32, shape{2, 3}, "x");
   const std::string what = internal_error_message([&] { ops::sum_squares(*be, t.matrix()); });
-  EXPECT_TRUE(mentions(what, {"ops::sum_squares", "dtype must be f32"})) << what;
+  EXPECT_TRUE(mentions(what, {"ops::sum_squares", "dtype must be f32 or bf16"})) << what;
 }
 
 }  // namespace

@@ -189,15 +189,22 @@ TEST(planner, the_optimizer_in_host_memory_fits_llama3_8b_on_one_gpu) {
   // No more host memory at ZeRO-3 on one GPU: AdamW writes the weights in place of the
   // bf16 copy it wrote on its way to the device.
   EXPECT_EQ(w.host_bytes, p.host_bytes);
-  // --offload auto: each configuration all three ways; only the offloaded ones fit here.
+  // --offload auto: each configuration in all five placements (placements(): none,
+  // master, optimizer, master,params, optimizer,params). With nothing offloaded nothing
+  // fits; the master alone in host memory leaves the f32 moments and gradients (12 bytes a
+  // parameter) on the GPU, so it reaches less than the whole optimizer there.
   r.offload_optimizer = r.offload_params = false;
   r.try_offload = true;
   r.strategies = {strategy_kind::ring};
   const plan_result plan = make_plan(r);
-  ASSERT_EQ(plan.entries.size(), 3u);
-  for (const plan_entry& e : plan.entries) EXPECT_EQ(e.longest.has_value(), e.offload_optimizer);
-  EXPECT_TRUE(plan.entries[2].offload_params);
-  EXPECT_GT(plan.entries[2].longest->seq_len, plan.entries[1].longest->seq_len);
+  ASSERT_EQ(plan.entries.size(), 5u);
+  const auto longest = [&](std::size_t i) { return plan.entries[i].longest ? plan.entries[i].longest->seq_len : 0; };
+  EXPECT_EQ(longest(0), 0);
+  EXPECT_TRUE(plan.entries[1].offload_master && plan.entries[3].offload_master && plan.entries[3].offload_params);
+  EXPECT_TRUE(plan.entries[4].offload_params && plan.entries[4].offload_optimizer);
+  EXPECT_LT(longest(1), longest(2));
+  EXPECT_LT(longest(3), longest(4));
+  EXPECT_GT(longest(4), longest(2));
 }
 
 TEST(planner, host_memory_limits_offloaded_checkpoints) {

@@ -47,6 +47,9 @@ class cpu_backend final : public backend {
   void synchronize() override {}
   void upload_f32(const tensor& dst, const float* host) override {
     const std::int64_t n = dst.numel();
+    UPIPE_CHECK(dst.type() == dtype::f32 || dst.type() == dtype::bf16,
+                std::string("upload_f32 into the ") + std::string(dtype_name(dst.type())) + " tensor " + dst.label() +
+                    ": ids and codes go through upload_bytes");
     if (dst.type() == dtype::f32) {
       std::memcpy(dst.data(), host, static_cast<std::size_t>(n) * sizeof(float));
       return;
@@ -64,6 +67,9 @@ class cpu_backend final : public backend {
   }
   void download_f32(float* host, const tensor& src) override {
     const std::int64_t n = src.numel();
+    UPIPE_CHECK(src.type() == dtype::f32 || src.type() == dtype::bf16,
+                std::string("download_f32 from the ") + std::string(dtype_name(src.type())) + " tensor " +
+                    src.label() + ": ids and codes go through download_bytes");
     if (src.type() == dtype::f32) {
       std::memcpy(host, src.data(), static_cast<std::size_t>(n) * sizeof(float));
       return;

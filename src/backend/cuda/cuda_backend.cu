@@ -509,8 +509,9 @@ void* cuda_backend::engine_scratch(std::size_t bytes, const char* label) {
 
 void cuda_backend::upload_f32(const tensor& dst, const float* host) {
   const std::int64_t n = dst.numel();
-  UPIPE_CHECK(dst.type() != dtype::i32,
-              std::string("upload_f32 into the i32 tensor ") + dst.label() + ": ids go through upload_bytes");
+  UPIPE_CHECK(dst.type() != dtype::i32 && dst.type() != dtype::u8,
+              std::string("upload_f32 into the ") + std::string(dtype_name(dst.type())) + " tensor " + dst.label() +
+                  ": ids and codes go through upload_bytes");
   if (dst.type() == dtype::f32) {
     upload_bytes(dst, host, static_cast<std::size_t>(n) * sizeof(float));
     return;
@@ -534,8 +535,9 @@ void cuda_backend::upload_f32(const tensor& dst, const float* host) {
 
 void cuda_backend::download_f32(float* host, const tensor& src) {
   const std::int64_t n = src.numel();
-  UPIPE_CHECK(src.type() != dtype::i32,
-              std::string("download_f32 from the i32 tensor ") + src.label() + ": ids go through download_bytes");
+  UPIPE_CHECK(src.type() != dtype::i32 && src.type() != dtype::u8,
+              std::string("download_f32 from the ") + std::string(dtype_name(src.type())) + " tensor " + src.label() +
+                  ": ids and codes go through download_bytes");
   if (src.type() == dtype::f32) {
     download_bytes(host, src, static_cast<std::size_t>(n) * sizeof(float));
     return;

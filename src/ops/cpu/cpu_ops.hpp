@@ -34,7 +34,10 @@ void run(const sum_squares_args& args);
 // cores and added afterwards to the same value.
 inline constexpr std::int64_t sum_squares_block = std::int64_t{1} << 16;
 void sum_squares_blocks(const float* x, std::int64_t n, double* block_sums);
-// dst[i] += src[i] (f32, vectorized; the buffers do not overlap).
+void sum_squares_blocks(const std::uint16_t* x, std::int64_t n, double* block_sums);  // bf16 bits
+// dst[i] += src[i] (vectorized; the buffers do not overlap); a bf16 dst (its bits) takes
+// the f32 sum rounded to nearest even.
 void accumulate(float* dst, const float* src, std::int64_t n);
+void accumulate(std::uint16_t* dst, const float* src, std::int64_t n);
 
 }  // namespace upipe::cpu
