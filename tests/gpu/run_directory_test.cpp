@@ -38,6 +38,7 @@ TEST(gpu_run_directory, a_stop_saves_and_the_resume_follows_the_uninterrupted_ru
   if (!have_gpu()) GTEST_SKIP() << "no GPU";
   const auto dir = std::filesystem::temp_directory_path() / ("upipe_gpu_stop_" + std::to_string(::getpid()));
   std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);  // --save refuses a run directory whose parent is missing
   const train_summary whole = train(run_on_gpu((dir / "whole").string()), nullptr);
   ASSERT_EQ(whole.steps.size(), 12u);
   std::atomic<int> stop{0};

@@ -377,6 +377,18 @@ struct sdpa_engine::impl {
 
   void* staged_stats(const sdpa_plan& plan) const { return workspace + plan.stats_offset; }
 
+  // Scratch for a piece's d_k and d_v whose key rows an earlier piece wrote (a window's
+  // query rows split over one band of keys): grown, never shrunk, as the workspace.
+  std::byte* grad_scratch = nullptr;
+  std::size_t grad_scratch_bytes = 0;
+  std::byte* gradients(std::size_t bytes) {
+    if (bytes > grad_scratch_bytes) {
+      grad_scratch = static_cast<std::byte*>(scratch(bytes));
+      grad_scratch_bytes = bytes;
+    }
+    return grad_scratch;
+  }
+
   void execute(sdpa_plan& plan, std::unordered_map<std::int64_t, void*>& pack) {
     fe::error_t status = plan.graph.execute(handle, pack, workspace);
     if (status.is_bad())
@@ -575,16 +587,42 @@ void sdpa_engine::backward(const sdpa_backward_args& a) {
     impl_->backward(a, band{});
     return;
   }
+  // Pieces come in ascending key rows: documents' are disjoint, but a window's query rows
+  // split over one band of keys share some, and cuDNN writes d_k and d_v, never adds. A
+  // piece whose keys begin below `written` runs into scratch; its rows past `written` are
+  // copied, the shared ones added.
+  std::int64_t written = 0;
   for_each_piece(a, [&](const sdpa_piece& p) {
     sdpa_backward_args sub = rows_of(a, p);
     sub.d_out = a.d_out.token_block(p.q.first, p.q.count);
     sub.d_q = a.d_q.token_block(p.q.first, p.q.count);
-    sub.d_k = a.d_k.token_block(p.k.first, p.k.count);
-    sub.d_v = a.d_v.token_block(p.k.first, p.k.count);
+    const head_view d_k = a.d_k.token_block(p.k.first, p.k.count), d_v = a.d_v.token_block(p.k.first, p.k.count);
+    const std::int64_t shared = std::clamp<std::int64_t>(written - p.k.first, 0, p.k.count);
+    sub.d_k = d_k;
+    sub.d_v = d_v;
+    if (shared > 0) {
+      const auto packed = [&](const head_view& like, std::byte* at) {
+        return head_view{at, like.type, like.tokens, like.heads, like.dim, like.heads * like.dim, like.dim};
+      };
+      const std::size_t bytes = static_cast<std::size_t>(d_k.tokens * d_k.heads * d_k.dim) * dtype_size(d_k.type);
+      std::byte* at = impl_->gradients(2 * bytes);
+      sub.d_k = packed(d_k, at);
+      sub.d_v = packed(d_v, at + bytes);
+    }
     if (p.q.count == 1 && p.k.count == 1)
       single_key_attention_backward(sub, impl_->stream);
     else
       impl_->backward(sub, p.bounds);
+    if (shared > 0) {
+      const context ctx{.stream = impl_->stream};
+      for (const auto& [dst, src] : {std::pair{d_k, sub.d_k}, std::pair{d_v, sub.d_v}}) {
+        run(add_heads_args{dst.token_block(0, shared), src.token_block(0, shared)}, ctx);
+        if (shared < p.k.count)
+          run(copy_heads_args{dst.token_block(shared, p.k.count - shared), src.token_block(shared, p.k.count - shared)},
+              ctx);
+      }
+    }
+    written = std::max(written, p.k.first + p.k.count);
   });
 }
 
