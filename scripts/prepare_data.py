@@ -85,9 +85,10 @@ thread each; the main process reads, hands out batches and writes results in inp
 order. A tqdm progress bar (input bytes, text MB, documents/s) goes to stderr when it is
 a terminal, or always with --progress.
 
-Errors print one line "prepare_data: error: ..." on stderr and exit with status 2. The
-last line on stdout sums up the run: documents, tokens, MB of text, seconds, MB/s, and
-the share of targets where there is a mask.
+Errors print one line "prepare_data: error: ..." ("upipe: error: prepare-data: ..." when
+`upipe prepare-data` runs it) on stderr and exit with status 2. The last line on stdout
+sums up the run: documents, tokens, MB of text, seconds, MB/s, and the share of targets
+where there is a mask.
 """
 import argparse
 import gzip
@@ -98,6 +99,7 @@ import os
 import signal
 import sys
 import time
+import zlib
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import chat_data  # noqa: E402  (the modules beside this script; the upipe binary carries them too)
@@ -108,6 +110,7 @@ FORMAT = "upipe-tokens"
 VERSION = 1
 SAMPLE_TEXT = "Hello world, this is a sample."
 DEFAULT_BATCH_BYTES = 1 << 20
+MAX_WORKERS_PER_CORE = 4
 MAX_BATCH_DOCS = 4096
 M64 = (1 << 64) - 1
 
@@ -254,6 +257,9 @@ def read_jsonl(path, field, compressed):
                 except ValueError as e:
                     raise PrepareError(f"{where}: not a valid JSON line ({e}); each line must be one "
                                        f"JSON object such as {{\"{field}\": \"...\"}}") from None
+                except RecursionError:
+                    raise PrepareError(f"{where}: the JSON nests deeper than Python reads; each line must be "
+                                       f"one JSON object such as {{\"{field}\": \"...\"}}") from None
                 if not isinstance(obj, dict):
                     raise PrepareError(f"{where}: the line is {describe_json_type(obj)}, not a JSON "
                                        f"object such as {{\"{field}\": \"...\"}}")
@@ -269,8 +275,8 @@ def read_jsonl(path, field, compressed):
                     raise PrepareError(f"{where}: field '{field}' is {describe_json_type(text)}, "
                                        f"not a string")
                 yield text, utf8_len(text, where), consumed
-        except (OSError, EOFError, gzip.BadGzipFile) as e:
-            raise PrepareError(f"{path}: cannot read line {lineno + 1}: {e}") from None
+        except (OSError, EOFError, gzip.BadGzipFile, zlib.error) as e:  # zlib.error: a corrupt deflate stream
+            raise PrepareError(f"{path}: cannot read line {lineno + 1}: {e} (is the file damaged?)") from None
 
 
 def read_parquet(path, field):
@@ -316,8 +322,11 @@ def read_parquet(path, field):
                     if value is None:
                         raise PrepareError(f"{where}: column '{field}' is null, not a string")
                     yield value, utf8_len(value, where), consumed
-        except pa.ArrowException as e:
-            raise PrepareError(f"{path}: cannot read row {row}: {e}") from None
+        except (pa.ArrowException, OSError) as e:  # OSError: a corrupt page (snappy, zstd, ...)
+            raise PrepareError(f"{path}: cannot read row {row}: {e} (is the file damaged?)") from None
+        except UnicodeDecodeError as e:
+            raise PrepareError(f"{path}: row {row}: column '{field}' is not valid UTF-8 (bad byte at offset "
+                               f"{e.start}); the file is damaged or was written without checking its strings") from None
 
 
 def check_string_column(pa, path, field, ftype):
@@ -365,6 +374,9 @@ def load_tokenizer(model_dir):
         raise PrepareError(f"--tokenizer '{model_dir}' is not a folder: give a model folder holding "
                            f"tokenizer.json (a Hugging Face model directory)")
     path = os.path.join(model_dir, "tokenizer.json")
+    if os.path.lexists(path) and not os.path.isfile(path):
+        raise PrepareError(f"--tokenizer '{model_dir}': its tokenizer.json is not a regular file (a folder, a FIFO, "
+                           f"a symbolic link loop or a link to nothing); put the tokenizer's file there")
     if not os.path.isfile(path):
         raise PrepareError(f"--tokenizer '{model_dir}' has no tokenizer.json: give a model folder "
                            f"saved with a fast (Hugging Face tokenizers) tokenizer")
@@ -483,8 +495,15 @@ def default_workers():
     return max(1, n or 1)
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """Bad flags end as every other error does: one error line and status 2."""
+
+    def error(self, message):
+        raise PrepareError(f"{message}; see --help")
+
+
 def parse_args(argv):
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="prepare_data.py",
         description="Tokenize documents into upipe token files (PREFIX.tokens, PREFIX.index, PREFIX.json).",
         epilog="The file format is described at the top of this script (python3 -c "
@@ -526,8 +545,10 @@ def parse_args(argv):
         raise PrepareError(f"--seed {a.seed} is outside [0, 2^64): give e.g. --seed 1")
     if a.workers is None:
         a.workers = default_workers()
-    if a.workers < 1:
-        raise PrepareError(f"--workers {a.workers} must be at least 1: give e.g. --workers {default_workers()}")
+    if not 1 <= a.workers <= MAX_WORKERS_PER_CORE * default_workers():
+        raise PrepareError(f"--workers {a.workers} must lie between 1 and {MAX_WORKERS_PER_CORE} per usable core "
+                           f"({MAX_WORKERS_PER_CORE * default_workers()} here): each is a process that loads the "
+                           f"tokenizer, and more than the cores only contend; give e.g. --workers {default_workers()}")
     if a.batch_bytes < 1:
         raise PrepareError(f"--batch-bytes {a.batch_bytes} must be at least 1: give e.g. {DEFAULT_BATCH_BYTES}")
     if not a.text_field:
@@ -664,7 +685,9 @@ def main(argv=None):
     try:
         return run(parse_args(argv))
     except PrepareError as e:
-        print(f"prepare_data: error: {e}", file=sys.stderr)
+        # Run by upipe (UPIPE_COMMAND), the line is upipe's own refusal line.
+        command = os.environ.get("UPIPE_COMMAND")
+        print(f"upipe: error: {command}: {e}" if command else f"prepare_data: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("prepare_data: interrupted; no output written", file=sys.stderr)

@@ -145,6 +145,9 @@ def rows_of(path):
         doc = json.loads(text)
     except json.JSONDecodeError as e:
         raise bad_input(f"it is not JSON ({e}); give the --json file of a finished upipe bench or plan")
+    except RecursionError:
+        raise bad_input("its JSON nests too deep to be a result file; give the --json file of a finished upipe "
+                        "bench or plan") from None
     if isinstance(doc, dict) and "niah" in doc:  # upipe eval --niah
         return [niah_row(doc["niah"], "niah", file)]
     if isinstance(doc, dict) and "lengths" in doc:  # upipe eval
@@ -300,6 +303,13 @@ def niah_heatmap(rows, out_dir):
     save(fig, out_dir, "niah_heatmap.svg", tight=False)
 
 
+def fail(message):
+    """The one line upipe's refusals end with (upipe runs this script for `upipe report`), exit 2."""
+    command = os.environ.get("UPIPE_COMMAND")
+    print(f"upipe: error: {command}: {message}" if command else f"report.py: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
 def loss_curve(rows, out_dir):
     runs = [r for r in rows if r["source"] == "metrics"]
     if not runs:
@@ -330,17 +340,17 @@ def main(argv):
     try:
         os.makedirs(out_dir, exist_ok=True)
     except OSError as e:
-        sys.exit(f"upipe report: cannot make the output directory {out_dir}: {e.strerror}; use --out DIR")
+        fail(f"cannot make the output directory {out_dir}: {e.strerror}; use --out DIR")
     rows = []
     for path in argv[2:]:
         try:
             rows.extend(rows_of(path))
         except bad_input as e:
-            sys.exit(f"upipe report: {path}: {e}")
+            fail(f"{path}: {e}")
         except OSError as e:
-            sys.exit(f"upipe report: cannot read {path}: {e.strerror}")
+            fail(f"cannot read {path}: {e.strerror}")
     if not rows:
-        raise SystemExit("report: the files hold no rows")
+        fail(f"{', '.join(argv[2:])} hold no rows: give the --json file of a finished upipe bench, plan or eval")
     loss_by_position(rows, out_dir)
     niah_heatmap(rows, out_dir)
     loss_curve(rows, out_dir)
@@ -358,6 +368,6 @@ if __name__ == "__main__":
     try:
         main(sys.argv)
     except OSError as e:  # writing a plot: a full disk, a path that is no directory
-        sys.exit(f"upipe report: cannot write the plots into {sys.argv[1]}: {e}")
+        fail(f"cannot write the plots into {sys.argv[1]}: {e}")
     except (ValueError, TypeError, OverflowError) as e:  # values the checks let through but a plot cannot draw
-        sys.exit(f"upipe report: cannot plot the values in {', '.join(sys.argv[2:])}: {e}")
+        fail(f"cannot plot the values in {', '.join(sys.argv[2:])}: {e}")

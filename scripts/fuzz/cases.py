@@ -26,7 +26,7 @@ BASES = {
                "--eval-samples", "--eval-every", "--eval-sequences", "--min-doc-tokens", "--rope-theta",
                "--max-position-embeddings", "--comm-timeout"],
               ["--attention", "--backend", "--checkpoint-policy", "--rope-scaling", "--packing", "--offload", "--comm",
-               "--save-dtype", "--max-shard-size", "--model"]),
+               "--save-dtype", "--max-shard-size", "--model", "--lora"]),
     "train-cpu": (TRAIN_CPU,
                   ["--cp", "--seq-len", "--head-chunk", "--lr", "--weight-decay", "--max-grad-norm", "--mlp-tile",
                    "--loss-chunk", "--memory-gib", "--seed", "--rope-theta", "--eval-samples", "--warmup"],
@@ -34,7 +34,7 @@ BASES = {
     "step": ("step --seq-len 32 --cp 2",
              ["--cp", "--seq-len", "--head-chunk", "--ring", "--mlp-tile", "--loss-chunk", "--seed", "--memory-gib",
               "--host-memory-gib", "--layers", "--rope-theta", "--max-position-embeddings"],
-             ["--attention", "--backend", "--checkpoint-policy", "--model", "--rope-scaling"]),
+             ["--attention", "--backend", "--checkpoint-policy", "--model", "--rope-scaling", "--lora"]),
     "step-meta": ("step --backend meta --model llama3-8b --seq-len 64K --cp 8",
                   ["--cp", "--seq-len", "--head-chunk", "--ring", "--mlp-tile", "--loss-chunk", "--memory-gib",
                    "--layers"],
@@ -71,6 +71,36 @@ BAD_STRINGS = ["", " ", "x", "none", "auto", "all", "meta", "cpu", "cuda", "upip
                "type=linear,factor=1e308", "type=yarn", "factor=4", "type=yarn,original_max_position_embeddings=-1",
                "type=yarn,factor=4,beta_fast=0", "optimizer,params", "80GiB", "0GiB", "-1GiB", "1e300GiB", "nanGiB",
                "1.9TiB", "5GB", "0", "1B", "tiny-qwen3", "llama3-70b", "a" * 300, "\u00e9", "x\ny"]
+
+
+# Flags of comma-separated key=value items: each key's names (the first is the one messages
+# use) and values that break parsers. A key given twice, under any name, must be refused.
+KEY_VALUE_FLAGS = {
+    "--lora": {("r", "rank"): ["4", "0x4", "4.9", "-4", "4294967300", "1e3", ""],
+               ("alpha", "lora_alpha"): ["8", "1e30", "0", "nan", "0x10", "-1"],
+               ("dropout", "lora_dropout"): ["0", "0.1", "x"],
+               ("targets", "target_modules"): ["q,v", "", "q,q", "all", "qkv_proj", "lm_head"]},
+    "--rope-scaling": {("type", "rope_type"): ["yarn", "llama3", "linear", "default", "", "none"],
+                       ("factor",): ["4", "0", "-1", "1e300", "0x4"],
+                       ("original_max_position_embeddings",): ["32", "4.9", "99999999999999999999", "-1", "0"],
+                       ("beta_fast",): ["32", "nan"], ("truncate",): ["true", "yes"]},
+    "--checkpoint-policy": {("what",): ["input", "input+attention", "x"], ("every",): ["1", "0", "2147483648", "0x2"],
+                            ("where",): ["device", "host-pinned", "disk"]},
+}
+
+
+def key_value_text(rng, flag):
+    """A random value of a key=value flag, and whether it names a key twice (then refused)."""
+    keys = KEY_VALUE_FLAGS[flag]
+    items, seen, twice = [], set(), False
+    for _ in range(rng.choice([1, 2, 2, 3])):
+        names = rng.choice(sorted(keys))
+        twice |= names in seen
+        seen.add(names)
+        items.append(f"{rng.choice(names)}={rng.choice(keys[names])}")
+    if flag == "--lora" and ("r", "rank") not in seen and rng.random() < 0.7:
+        items.insert(0, "r=4")
+    return ",".join(items), twice
 
 
 class Case:
@@ -115,10 +145,13 @@ def flag_case(rng, t):
     base = rng.choice(sorted(BASES))
     line, numeric, strings = BASES[base]
     args = words(line)
-    picked = []
+    picked, twice = [], {}  # twice: a key=value flag's last value names a key twice
     for _ in range(rng.choice([1, 1, 1, 2])):
         if strings and rng.random() < 0.3:
             flag, value = rng.choice(strings), rng.choice(BAD_STRINGS)
+            twice[flag] = False
+            if flag in KEY_VALUE_FLAGS and rng.random() < 0.6:
+                value, twice[flag] = key_value_text(rng, flag)
         else:
             flag, value = rng.choice(numeric), rng.choice(BAD_FLAG_NUMBERS)
             while merely_long(base, flag, value):
@@ -137,7 +170,9 @@ def flag_case(rng, t):
     names += [v.lstrip("+0") or "0" for _, v in picked if v.lstrip("+").isdigit()]
     names += [alias for f, _ in picked for alias in FLAG_SYMBOLS.get(f, [])]
     names += [str(int(v[:-1]) << {"K": 10, "M": 20}[v[-1]]) for _, v in picked if v[-1:] in ("K", "M") and v[:-1].isdigit()]
-    return Case("flags", f"{base}: " + " ".join(f"{f} {v!r}" for f, v in picked), args, names=names)
+    names += [part.split("=")[0] for _, v in picked for part in v.split(",") if "=" in part]
+    expect = "refuse" if any(twice.values()) else "handled"
+    return Case("flags", f"{base}: " + " ".join(f"{f} {v!r}" for f, v in picked), args, expect=expect, names=names)
 
 
 # ---------------------------------------------------------------------------------------

@@ -1,20 +1,21 @@
 """Fuzz case families over runs that keep state: trainer states and resumes, input paths
 that are not what they claim, output paths (checkpoints, JSON, safetensors) that must
-never be replaced, report inputs; the fixed regression cases; and the registry."""
+never be replaced, report inputs; and the registry of every family (the fixed regression
+cases are in regressions.py)."""
 import json
 import os
 import random
 import shutil
 import stat
-import struct
 
 import inputs
 from cases_config import run_config_case  # noqa: E402
-from cases import (BAD_FLAG_NUMBERS, TRAIN_CPU, TRAIN_META, Case, chat_case, config_case, corpus_case, flag_case,
+from cases import (TRAIN_CPU, TRAIN_META, Case, chat_case, config_case, corpus_case, flag_case,
                    hf_dir_case,
                    make_special, safetensors_case, tokens_case, words)
+from cases_tools import adapter_case, model_dir_member_case, prepare_case
+from regressions import RESUME, regression_case, regression_cases
 
-RESUME = "train --steps 4 --seq-len 32 --eval-samples 0 --checkpoint-policy what=input --resume {w}/ck"
 MANIFEST_FIELDS = ["step", "data_position", "seed", "total_steps", "data", "data_bytes", "packing", "min_doc_tokens",
                    "ranks", "zero", "strategy", "head_chunk", "seq_len", "model_dtype", "units", "files", "format",
                    "version"]
@@ -114,6 +115,9 @@ PATH_FLAGS = [  # (command, flag, wants: "file" or "dir" or "either")
     (TRAIN_META + " --eval-every 1", "--eval-data", "file"), ("plan --gpus 2 --gpu-memory 2GiB", "--config", "file"),
     ("eval --model tiny-llama --seq-len 32 --samples 1 --cp 1", "--data", "file"),
     ("eval --niah --lengths 64 --samples 1 --cp 1", "--model", "dir"), ("export", "", "dir"),
+    (TRAIN_CPU + " --stop-after 1", "--init-adapter", "dir"), ("step --seq-len 32 --cp 1", "--adapter", "dir"),
+    ("eval --seq-len 32 --samples 1 --cp 1 --data {t}/corpus", "--config", "file"),
+    ("report --out {w}/plots", "@", "file"),
 ]
 PATH_KINDS = ["fifo", "dir", "loop", "empty", "dangling", "missing", "long", "file_as_dir", "null_device", "blank"]
 
@@ -138,7 +142,8 @@ def input_path_case(rng, t):
             make_special(target, kind)
         elif kind == "null_device":
             make_special(target, "null_device")
-    args = words(command) + ([flag, path] if flag else [path, "{w}/out"])
+    # flag "": export's CHECKPOINT OUT; "@": the path alone, last (report's inputs)
+    args = words(command) + ([path] if flag == "@" else [flag, path] if flag else [path, "{w}/out"])
     return Case("input_paths", f"{command.split()[0]} {flag or 'CHECKPOINT'} as {kind}", args, setup, expect="refuse",
                 names=[name, flag, "empty", "''"] if name else [flag, "empty"], timeout=30)
 
@@ -258,7 +263,9 @@ def report_case(rng, t):
     text = open(t["reports"][source]).read()
     r = rng.random()
     if r < 0.15:
-        mutated, what = rng.choice(["", "{", "[]", "null", "1", text[: len(text) // 2], "NaN"]), "whole file"
+        mutated = rng.choice(["", "{", "[]", "null", "1", text[: len(text) // 2], "NaN", "garbage",
+                              inputs.nested(100000, ""), "\ufeff" + text])
+        what = f"whole file {mutated[:20]!r}"
     else:
         value = mutate_json(rng, json.loads(text))
         mutated, what = json.dumps(value), "a field"
@@ -269,149 +276,12 @@ def report_case(rng, t):
                 names=[source, "report"], timeout=90)
 
 
-# ---------------------------------------------------------------------------------------
-# Fixed cases: every bug the fuzz found, kept
-
-def edit_manifest(key, value):
-    def setup(w, t):
-        path = os.path.join(w, "ck", "trainer", "manifest.json")
-        m = json.load(open(path))
-        m[key] = value
-        json.dump(m, open(path, "w"))
-    return setup
-
-
-def poison(file, tensor):
-    """A NaN as the first element of `tensor` in the checkpoint's `file`."""
-    def setup(w, t):
-        path = os.path.join(w, "ck", file)
-        header, data = inputs.read_safetensors(path)
-        at = header[tensor]["data_offsets"][0]
-        inputs.write_bytes(path, inputs.safetensors_bytes(header, data[:at] + b"\x00\x00\xc0\x7f" + data[at + 4:]))
-    return setup
-
-
-def corpus_with(offsets=None, documents=None):
-    """A valid corpus at {w}/corpus, its index offsets or its manifest's document count replaced."""
-    def setup(w, t):
-        files = inputs.corpus_files(random.Random(5), 256)
-        if offsets:
-            index = list(struct.unpack(f"<{len(files['.index']) // 8}Q", files[".index"]))
-            for i, v in offsets.items():
-                index[i] = v
-            files[".index"] = struct.pack(f"<{len(index)}Q", *index)
-        if documents is not None:  # one token, an index of one offset: (documents + 1) * 8 wraps to 8 bytes
-            files = {".tokens": inputs.token_bytes([7]), ".index": struct.pack("<Q", 0),
-                     ".json": json.dumps({"dtype": "uint32", "vocab_size": 256, "documents": documents,
-                                          "tokens": 1}).encode()}
-        for suffix, blob in files.items():
-            inputs.write_bytes(os.path.join(w, "corpus" + suffix), blob)
-    return setup
-
-
-def config_with(**fields):
-    def setup(w, t):
-        c = json.load(open(os.path.join(t["hf"], "llama-yarn-shards", "config.json")))
-        c.update(fields)
-        json.dump(c, open(os.path.join(w, "config.json"), "w"))
-    return setup
-
-
-def link_stays(name):
-    def check(w, r):
-        return [] if os.path.islink(os.path.join(w, name)) else [f"{name} is no longer a symbolic link"]
-    return check
-
-
-def regression_cases():
-    """(what was wrong, command, expect, names, setup(w, t) or None, check or None, needs the checkpoint)."""
-    fifo = lambda name: lambda w, t: os.mkfifo(os.path.join(w, name))
-    resume = RESUME + " --cp 2"
-    return [
-        ("step --weights FIFO hung in open()", "step --seq-len 32 --cp 1 --weights {w}/f", "refuse", ["f"], fifo("f")),
-        ("bench-attention --head-chunk 4294967300 ran as U = 4",
-         "bench-attention --backend meta --strategy upipe --seq-len 64 --head-chunk 4294967300", "refuse",
-         ["4294967300"], None),
-        ("--cp '' ran as 0", "step --seq-len 32 --cp ''", "refuse", ["--cp"], None),
-        ("--cp 010 ran as octal 8", "step --backend meta --seq-len 64 --cp 010", "refuse", ["10"], None),
-        ("--seed -1 ran as 2^64 - 1", "step --seq-len 32 --seed -1", "refuse", ["--seed"], None),
-        ("step --json FIFO hung", "step --seq-len 32 --json {w}/f", "refuse", ["f"], fifo("f")),
-        ("model-config --out FIFO hung", "model-config --model tiny-llama --out {w}/f", "refuse", ["f"], fifo("f")),
-        ("step --config '' ran the preset", "step --seq-len 32 --config ''", "refuse", ["--config"], None),
-        ("eval --model '' ran the default", "eval --niah --lengths 64 --samples 1 --model ''", "refuse", ["--model"],
-         None),
-        ("--eval-data without --eval-every was never read",
-         TRAIN_META + " --eval-data {t}/corpus", "refuse", ["--eval-every"], None),
-        ("bench --warmup-seq-len 2^63 - 1 was an internal error",
-         "bench --layers 1 --seq-len 64 --repeats 1 --attention upipe --cp 2 --warmup-seq-len 9223372036854775807",
-         "refuse", ["--warmup-seq-len"], None),
-        ("bench-attention --rope-theta -5 was an internal error",
-         "bench-attention --backend meta --strategy upipe --seq-len 64 --rope-theta -5", "refuse", ["--rope-theta"],
-         None),
-        ("step --seq-len 1024M on the cpu grew past the machine's memory", "step --seq-len 1024M --cp 2", "refuse",
-         ["1073741824", "host memory", "out of memory"], None),
-        ("step --backend meta --seq-len 1024M held the sequence on the host",
-         "step --backend meta --model llama3-8b --seq-len 1024M --cp 8", "handled", [], None),
-        ("--json through a dangling link replaced the link", "step --seq-len 32 --json {w}/out", "handled", ["out"],
-         lambda w, t: os.symlink("real.json", os.path.join(w, "out")), link_stays("out")),
-        ("plan --mlp-tile 1 --loss-chunk 1 ran for minutes",
-         "plan --model llama3-8b --gpus 8 --mlp-tile 1 --loss-chunk 1", "handled", [], None),
-        ("report showed a traceback for a row without its strategy", "report --out {w}/plots {w}/rows.json", "refuse",
-         ["strategy"], lambda w, t: json.dump([{"seq_len": 64}], open(os.path.join(w, "rows.json"), "w"))),
-        ("a safetensors shape nested 100,000 deep overflowed the stack", "step --seq-len 16 --cp 1 --weights {w}/m",
-         "refuse", ["m"], lambda w, t: inputs.write_bytes(os.path.join(w, "m"), inputs.safetensors_bytes(
-             '{"x": {"dtype": "F32", "shape": ' + inputs.nested(100000, "") + ', "data_offsets": [0, 4]}}', b"\0" * 4))),
-        ("a trainer shard that is a FIFO hung the resume", resume, "refuse", ["rank-00001"],
-         lambda w, t: make_special(os.path.join(w, "ck", "trainer", "rank-00001-of-00002.safetensors"), "fifo"), None,
-         True),
-        ("a manifest with step -1 was an internal error", resume, "refuse", ["step"], edit_manifest("step", -1), None,
-         True),
-        ("a manifest whose data position was edited resumed elsewhere in the data", resume, "refuse",
-         ["data position"], edit_manifest("data_position", 96), None, True),
-        ("a manifest of 2^62 ranks", resume, "refuse", ["ranks"], edit_manifest("ranks", 2**62), None, True),
-        ("a resume with another seed", resume + " --seed 2", "refuse", ["--seed"], None, None, True),
-        ("export over a stale OUT.tmp-<dead pid> left it", "export {w}/ck {w}/out", "handled", [],
-         lambda w, t: open(os.path.join(w, "out.tmp-999999999"), "w").close(), None, True),
-        ("export wrote a NaN master weight", "export {w}/ck {w}/out", "refuse", ["model.embed_tokens.weight"],
-         poison(os.path.join("trainer", "rank-00000-of-00002.safetensors"), "unit.0.master"), None, True),
-        ("bench --repeats 2147483647 overflowed into --steps -2147483648",
-         "bench --layers 1 --seq-len 64 --repeats 2147483647 --attention upipe --cp 2", "refuse", ["--repeats"], None),
-        ("step --memory-gib 1e300 became an arena of 0 bytes", "step --seq-len 32 --cp 2 --memory-gib 1e300", "refuse",
-         ["--memory-gib"], None),
-        ("plan --gpu-memory 1e300GiB was cast past 64 bits", "plan --model tiny-llama --gpus 2 --gpu-memory 1e300GiB",
-         "refuse", ["--gpu-memory"], None),
-        ("a corpus index offset of 2^63 overflowed the epoch's length (UBSan)", TRAIN_CPU + " --data {w}/corpus",
-         "refuse", ["corpus.index"], corpus_with(offsets={3: 2**63})),
-        ("a manifest of 2^61 documents wrapped to the index's size and read past it",
-         TRAIN_CPU + " --data {w}/corpus", "refuse", ["corpus.index"], corpus_with(documents=2**61)),
-        ("plan on a vocabulary of 2^31 - 1 held 8 GiB per probe on the host",
-         "plan --gpus 2 --gpu-memory 2GiB --host-memory 2GiB --config {w}/config.json", "handled", [],
-         config_with(vocab_size=2**31 - 1)),
-        ("sizes whose product overflows ran out of memory at 2^61 bytes",
-         "step --backend meta --seq-len 64 --cp 2 --config {w}/config.json", "refuse", ["hidden_size"],
-         config_with(hidden_size=2**30, vocab_size=2**30)),
-    ]
-
-
-def regression_case(index, t):
-    what, line, expect, names, setup, *rest = regression_cases()[index]
-    check = rest[0] if rest else None
-    needs_checkpoint = len(rest) > 1 and rest[1]
-
-    def prepare(w):
-        if needs_checkpoint:
-            copy_checkpoint(t, w)
-        if setup:
-            setup(w, t)
-    args = [a.replace("{t}", t["root"]) if a != "''" else "" for a in words(line)]
-    return Case("regression", what, args, prepare, expect=expect, names=names, check=check)
-
-
 FAMILIES = [("flags", 30, flag_case), ("config", 12, config_case), ("safetensors", 12, safetensors_case),
             ("hf_dir", 7, hf_dir_case), ("tokens", 7, tokens_case), ("corpus", 6, corpus_case),
             ("trainer_state", 10, trainer_state_case), ("input_paths", 6, input_path_case),
             ("output_paths", 7, output_case), ("report", 3, report_case), ("run_config", 5, run_config_case),
-            ("chat", 3, chat_case)]
+            ("chat", 3, chat_case), ("adapters", 5, adapter_case), ("model_dir", 4, model_dir_member_case),
+            ("prepare_data", 3, prepare_case)]
 
 
 def make_case(seed, index, t, families=None):

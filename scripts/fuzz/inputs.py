@@ -3,6 +3,8 @@
 Every mutator takes a random.Random and returns (what it did, the mutated thing), so that
 a case names its mutation and a seed reproduces it. Standard library only.
 """
+import base64
+import gzip
 import json
 import os
 import struct
@@ -16,7 +18,8 @@ BAD_JSON_VALUES = BAD_INTEGERS + BAD_REALS + ["text", "", None, [], {}, True, [4
 
 # Flag values: the same numbers as text, and text that is no number at all.
 BAD_FLAG_NUMBERS = ["0", "-1", "-5", "1", "2", "2147483647", "2147483648", "4294967300", "9223372036854775807",
-                    "9223372036854775808", "99999999999999999999", "1e300", "-1e300", "1e-300", "nan", "-nan",
+                    "9223372036854775808", "99999999999999999999", "18446744073709551616", "-9223372036854775809",
+                    "1" + "0" * 40, "1e300", "-1e300", "1e-300", "nan", "-nan",
                     "inf", "-inf", "", " ", "abc", "3.5", "1K", "1M", "1024M", "2048M", "0x10", "010", "+3", "1e3",
                     "7e", "1,2", "--", "\u00b5"]
 
@@ -298,3 +301,43 @@ def mutate_corpus(rng, files):
         return f"{key} missing", files, [key]
     files[".json"] = rng.choice([b"", b"[]", b"{", b"null", nested(100000, "").encode()])
     return "manifest text", files, [".json"]
+
+
+# ---------------------------------------------------------------------------------------
+# documents for prepare-data
+
+# Parquet files as pyarrow writes them (embedded, so that the corpus needs no pyarrow to
+# build them): eight rows of text, snappy-compressed; and two rows whose string column
+# holds bytes that are not UTF-8 (written without pyarrow's check).
+PARQUET_TEXT = base64.b64decode(
+    "UEFSMRUEFZACFW5MFRAVABIAAIgBQA0AAABoZWxsbyB3b3JsZCAwPhEAADE+EQAAMj4RAAAzPhEAADQ+EQAANT4RAAA2PhEAADcV"
+    "ABUWFRosFRAVEBUGFQYcNgAoDWhlbGxvIHdvcmxkIDcYDWhlbGxvIHdvcmxkIDAREQAAAAsoAgAAABABAwOIxvoVBBksNQAYBnNj"
+    "aGVtYRUCABUMJQIYBHRleHQlAEwcAAAAFhAZHBkcJgAcFQwZNQAGEBkYBHRleHQVAhYQFq4DFpACJpQBJggcNgAoDWhlbGxvIHdv"
+    "cmxkIDcYDWhlbGxvIHdvcmxkIDAREQAZLBUEFQAVAgAVABUQFQIAPBbQARkGGSYAEAAAABauAxYQJggWkAIAGRwYDEFSUk9XOnNj"
+    "aGVtYRigAS8vLy8vM0FBQUFBUUFBQUFBQUFLQUF3QUJnQUZBQWdBQ2dBQUFBQUJCQUFNQUFBQUNBQUlBQUFBQkFBSUFBQUFCQUFB"
+    "QUFFQUFBQVVBQUFBRUFBVUFBZ0FCZ0FIQUF3QUFBQVFBQkFBQUFBQUFBRUZFQUFBQUJ3QUFBQUVBQUFBQUFBQUFBUUFBQUIwWlho"
+    "MEFBQUFBQVFBQkFBRUFBQUEAGCBwYXJxdWV0LWNwcC1hcnJvdyB2ZXJzaW9uIDI2LjAuMRkcHAAAAHABAABQQVIx")
+PARQUET_SNAPPY_BYTE = 11  # a byte of PARQUET_TEXT's compressed page: flipped, snappy fails
+PARQUET_BAD_UTF8 = base64.b64decode(
+    "UEFSMRUEFRoVGkwVBBUAEgAAAgAAAG9rAwAAAP/+ehUAFRIVEiwVBBUQFQYVBhw2ACgD//56GAJvaxERAAAAAgAAAAQBAQMCFQQZ"
+    "LDUAGAZzY2hlbWEVAgAVDCUCGAR0ZXh0JQBMHAAAABYEGRwZHCYAHBUMGTUABhAZGAR0ZXh0FQAWBBaIARaIASY+JggcNgAoA//+"
+    "ehgCb2sREQAZLBUEFQAVAgAVABUQFQIAPBYKGQYZJgAEAAAAFogBFgQmCBaIAQAZHBgMQVJST1c6c2NoZW1hGKABLy8vLy8zQUFB"
+    "QUFRQUFBQUFBQUtBQXdBQmdBRkFBZ0FDZ0FBQUFBQkJBQU1BQUFBQ0FBSUFBQUFCQUFJQUFBQUJBQUFBQUVBQUFBVUFBQUFFQUFV"
+    "QUFnQUJnQUhBQXdBQUFBUUFCQUFBQUFBQUFFRkVBQUFBQndBQUFBRUFBQUFBQUFBQUFRQUFBQjBaWGgwQUFBQUFBUUFCQUFFQUFB"
+    "QQAYIHBhcnF1ZXQtY3BwLWFycm93IHZlcnNpb24gMjYuMC4xGRwcAAAAWQEAAFBBUjE=")
+
+
+def jsonl_bytes(documents):
+    return b"".join(json.dumps({"text": d}).encode() + b"\n" for d in documents)
+
+
+def gzip_bytes(blob):
+    return gzip.compress(blob, mtime=0)
+
+
+def corrupt(rng, blob, flips):
+    """`blob` with `flips` random bytes replaced."""
+    out = bytearray(blob)
+    for _ in range(flips):
+        out[rng.randrange(len(out))] = rng.randrange(256)
+    return bytes(out)

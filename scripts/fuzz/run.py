@@ -10,7 +10,8 @@ Good endings: ok (exit 0), refused (exit 2, the message naming the value or file
 (exit 3). Everything else fails the run: crash (a signal), sanitizer (an ASan/UBSan
 report), internal (exit 4), hang (past the time limit), memory (past the RSS limit),
 bad_exit (any other status), traceback (a Python traceback shown), silent (a value that
-must be refused ran), unnamed (a refusal naming neither the value nor the file), damaged
+must be refused ran), spurious (a valid input refused), unnamed (a refusal without an
+"upipe: error:" line, or naming neither the value nor the file), damaged
 (a checkpoint or a user's file changed by a failed run, a path replaced, a temporary left).
 Standard library only.
 """
@@ -137,8 +138,12 @@ def classify(case, r, problems):
         return "damaged"
     if r.code == 0:
         return "silent" if case.expect == "refuse" else "ok"
+    if case.expect == "ok":
+        return "spurious"
     names = [n for n in case.names if n and n.strip()]
     message = error_text(out).lower()
+    if not any(line.startswith("upipe: error:") for line in out.splitlines()):
+        return "unnamed"  # every refusal ends with upipe's own error line, Python's scripts' too
     if names and not any(n.lower() in message for n in names):
         return "unnamed"
     return "refused" if r.code == 2 else "oom"
@@ -174,7 +179,7 @@ def run_case(index, opts, templates):
 
 
 def make_templates(opts):
-    """The valid inputs cases start from: two checkpoints (passkey and a corpus), a corpus,
+    """The valid inputs cases start from: three checkpoints (passkey, a corpus, LoRA), a corpus,
     the JSON the report reads, and whether character devices can be made here."""
     root = os.path.join(opts.work, "templates")
     shutil.rmtree(root, ignore_errors=True)
@@ -197,7 +202,8 @@ def make_templates(opts):
                "niah": ["eval", "--niah", "--model", "tiny-llama", "--lengths", "64", "--samples", "1", "--cp", "1"]}
     # Each template run saves into a run directory; its latest checkpoint is taken out as
     # the template (a checkpoint directory the cases copy and mutate).
-    runs = {"checkpoint": train, "checkpoint_data": train + ["--data", t["corpus"]]}
+    runs = {"checkpoint": train, "checkpoint_data": train + ["--data", t["corpus"]],
+            "checkpoint_lora": train + ["--lora", "r=2"]}
     commands = [c + ["--save", os.path.join(root, name + ".run")] for name, c in runs.items()]
     commands += [[opts.binary] + a + ["--json", os.path.join(root, k + ".json")] for k, a in reports.items()
                  if k != "eval"]
@@ -228,7 +234,7 @@ def summarize(records, seconds):
         fam = by_family.setdefault(r["family"], {})
         fam[r["class"]] = fam.get(r["class"], 0) + 1
     order = ["ok", "refused", "oom", "crash", "sanitizer", "internal", "hang", "memory", "bad_exit", "traceback",
-             "silent", "unnamed", "damaged"]
+             "silent", "spurious", "unnamed", "damaged"]
     print(f"\n{'family':<15}" + "".join(f"{c:>10}" for c in order))
     for fam in sorted(by_family):
         print(f"{fam:<15}" + "".join(f"{by_family[fam].get(c, 0):>10}" for c in order))

@@ -55,7 +55,9 @@ struct row {
   double step_ms = 0, layer_ms = 0, tokens_per_s_per_gpu = 0, tflops = 0, mfu = 0, mfu_datasheet = 0;
   step_memory memory;
   std::size_t driver_peak = 0;
-  std::optional<double> check_rel_diff;
+  std::optional<double> check_rel_diff, check_grad_rel_diff;  // the loss's and the worst gradient's
+  std::int64_t check_seq_len = 0;
+  std::string check_worst_grad;
   bool check_pass = true;
   std::string check_error;  // why the check could not run, if it could not
   std::map<std::string, double> phases_ms;  // --phases: the fastest step by phase
@@ -74,11 +76,11 @@ void print_phases(const std::map<std::string, double>& phases) {
   std::printf("\n");
 }
 
-// The loss of step 1 on a short sequence under `o`'s strategy and mesh with every rank
+// With data parallelism (which run_model_step does not run): the loss of step 1 on a short sequence under `o`'s strategy and mesh with every rank
 // real, against C = 1 with the replicas' sequences as one batch on the same backend:
 // relative difference (the check after timing; an emulated run's own loss is not the
 // model's, since rank 0 receives its own bytes).
-double check_against_cp1(train_options o, std::int64_t check_len) {
+double loss_against_cp1(train_options o, std::int64_t check_len) {
   o.seq_len = check_len;
   train_options one = o;  // C = 1 runs alone afterwards: the whole arenas, as timed
   one.cp = {strategy_kind::ulysses, 1, 0};
@@ -87,9 +89,76 @@ double check_against_cp1(train_options o, std::int64_t check_len) {
   // Every rank is real here, and on a GPU they share it: each gets 1/(D C) of the arenas.
   o.limits.device_bytes /= static_cast<std::size_t>(o.dp * o.cp.cp);
   o.limits.host_bytes /= static_cast<std::size_t>(o.dp * o.cp.cp);
-  const double got = time_steps(o, 0, 1, false).losses.front();
-  const double want = time_steps(one, 0, 1, false).losses.front();
+  const double got = time_steps(o, 0, 1, group_run::every_rank).losses.front();
+  const double want = time_steps(one, 0, 1, group_run::every_rank).losses.front();
   return std::abs(got - want) / std::abs(want);
+}
+
+// The check after timing (as nccl-tests checks what it timed): one forward and backward
+// of the same random weights and tokens under `o`'s strategy with every rank real, and at
+// C = 1 on the same backend; the loss and every gradient compared.
+struct step_check {
+  std::int64_t seq_len = 0;
+  double loss_rel_diff = 0;  // |loss - loss_1| / |loss_1|
+  double grad_rel_diff = 0;  // the worst tensor's max|g - g_1| / max|g_1|
+  std::string worst_grad;    // its name
+};
+
+model_step_result check_step(const train_options& o, const cp_settings& cp, std::int64_t len, int sharing) {
+  model_step_request req;
+  req.model = o.model;
+  req.cp = cp;
+  req.options = o.step;
+  req.backend = o.backend;
+  req.comm = o.comm;
+  // Every rank is real here, and on a GPU they share it: each gets 1/C of the arenas.
+  req.limits = o.limits;
+  req.limits.device_bytes /= static_cast<std::size_t>(sharing);
+  req.limits.host_bytes /= static_cast<std::size_t>(sharing);
+  const host_weights weights = random_weights(o.model, o.seed);
+  const host_weights adapters = o.step.lora.enabled() ? initial_adapters(o.model, o.step.lora, o.seed) : host_weights{};
+  return run_model_step(req, weights, random_tokens(len, o.model.vocab_size, o.seed + 1), adapters);
+}
+
+step_check compare_with_cp1(const train_options& o, std::int64_t len) {
+  const model_step_result got = check_step(o, o.cp, len, o.cp.cp);
+  const model_step_result want = check_step(o, {strategy_kind::ulysses, 1, 0}, len, 1);  // the whole arenas, as timed
+  step_check c;
+  c.seq_len = len;
+  c.loss_rel_diff = std::abs(got.loss - want.loss) / std::abs(want.loss);
+  for (const auto& [name, g1] : want.grads) {
+    const std::vector<float>& g = got.grads.at(name);
+    double diff = 0, scale = 0;
+    for (std::size_t i = 0; i < g1.size(); ++i) {
+      diff = std::max(diff, static_cast<double>(std::abs(g[i] - g1[i])));
+      scale = std::max(scale, static_cast<double>(std::abs(g1[i])));
+    }
+    const double rel = scale > 0 ? diff / scale : diff;  // a zero gradient (LoRA's A at B = 0) must stay zero
+    if (rel >= c.grad_rel_diff) {
+      c.grad_rel_diff = rel;
+      c.worst_grad = name;
+    }
+  }
+  return c;
+}
+
+// At the timed length when the C = 1 step fits in its memory, else at `short_len`.
+step_check check_against_cp1(const train_options& o, std::int64_t short_len) {
+  if (o.dp > 1) {
+    step_check c;
+    c.seq_len = std::min(o.seq_len, short_len);
+    c.loss_rel_diff = loss_against_cp1(o, c.seq_len);
+    return c;
+  }
+  if (o.seq_len > short_len) {
+    try {
+      return compare_with_cp1(o, o.seq_len);
+    } catch (const out_of_memory_error& e) {
+      std::fprintf(stderr, "upipe bench: the check at the timed S = %lld does not fit (%s); checking S = %lld\n",
+                   static_cast<long long>(o.seq_len), e.what(), static_cast<long long>(short_len));
+    }
+  }
+  return compare_with_cp1(o, std::min(o.seq_len, short_len));
 }
 
 // Model FLOPs of a step (docs/design.md section 7), a LoRA step's without the base's weight gradients.
@@ -161,6 +230,11 @@ int run(const bench_flags& f) {
                      {"arena_high_water_bytes", r.memory.arena_high_water},
                      {"driver_peak_bytes", r.driver_peak},
                      {"check_rel_diff", r.check_rel_diff ? nlohmann::json(*r.check_rel_diff) : nlohmann::json(nullptr)},
+                     {"check_grad_rel_diff",
+                      r.check_grad_rel_diff ? nlohmann::json(*r.check_grad_rel_diff) : nlohmann::json(nullptr)},
+                     {"check_worst_grad", r.check_worst_grad.empty() ? nlohmann::json(nullptr)
+                                                                     : nlohmann::json(r.check_worst_grad)},
+                     {"check_seq_len", r.check_seq_len == 0 ? nlohmann::json(nullptr) : nlohmann::json(r.check_seq_len)},
                      {"check_pass", r.check_pass},
                      {"check_error", r.check_error.empty() ? nlohmann::json(nullptr) : nlohmann::json(r.check_error)},
                      {"phases_ms", r.phases_ms.empty() ? nlohmann::json(nullptr) : nlohmann::json(r.phases_ms)}});
@@ -221,7 +295,9 @@ int run(const bench_flags& f) {
         const std::int64_t warmup =
             f.warmup_len.empty() ? std::min<std::int64_t>(s, unit * 256) : parse_seq_len(f.warmup_len, "--warmup-seq-len", true);
         const int repeats = s >= single_from ? 1 : f.repeats;
-        const step_timing t = time_steps(o, warmup, repeats, emulate, f.phases, f.targets);
+        const step_timing t = time_steps(o, warmup, repeats,
+                                         emulate ? group_run::rank_zero_emulated : group_run::every_rank,
+                                         f.phases ? phase_timing::by_phase : phase_timing::off, f.targets);
         row r;
         r.strategy = name;
         r.checkpoint_policy = o.step.policy.str();
@@ -244,8 +320,14 @@ int run(const bench_flags& f) {
         if (!f.no_check && kind != backend_kind::meta) {
           // A check that cannot run (memory, say) fails its row but keeps the timing.
           try {
-            r.check_rel_diff = check_against_cp1(o, std::min<std::int64_t>(s, unit * 64));
-            r.check_pass = *r.check_rel_diff < (kind == backend_kind::cpu ? 1e-4 : 2e-2);
+            const step_check c = check_against_cp1(o, unit * 64);
+            r.check_seq_len = c.seq_len;
+            r.check_rel_diff = c.loss_rel_diff;
+            r.check_grad_rel_diff = c.grad_rel_diff;
+            r.check_worst_grad = c.worst_grad;
+            // f32 on the cpu; bf16 elsewhere, as the GPU tests hold losses and gradients
+            const bool f32 = kind == backend_kind::cpu;
+            r.check_pass = c.loss_rel_diff < (f32 ? 1e-4 : 2e-2) && c.grad_rel_diff < (f32 ? 1e-4 : 5e-2);
           } catch (const std::exception& e) {
             r.check_error = e.what();
             r.check_pass = false;
@@ -254,7 +336,9 @@ int run(const bench_flags& f) {
           }
         }
         char check[32] = "-";
-        if (r.check_rel_diff) std::snprintf(check, sizeof check, "%s %.1e", r.check_pass ? "ok" : "WRONG", *r.check_rel_diff);
+        if (r.check_rel_diff)
+          std::snprintf(check, sizeof check, "%s %.1e", r.check_pass ? "ok" : "WRONG",
+                        std::max(*r.check_rel_diff, r.check_grad_rel_diff.value_or(0)));
         if (!r.check_error.empty()) std::snprintf(check, sizeof check, "ERROR");
         // Times exist only where ops run (not on meta).
         char times[96] = "          -          -           -        -      -";
@@ -272,7 +356,8 @@ int run(const bench_flags& f) {
   }
   int wrong = 0;
   for (const row& r : rows) wrong += r.check_pass ? 0 : 1;
-  std::printf("# %zu configurations, %d wrong (the step-1 loss at a short length against C = 1, after timing)\n",
+  std::printf("# %zu configurations, %d wrong (after timing: the loss and every gradient against C = 1, at the timed "
+              "length where C = 1 fits; check = the larger relative error)\n",
               rows.size(), wrong);
   return wrong == 0 ? 0 : 1;
 }

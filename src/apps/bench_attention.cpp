@@ -74,8 +74,23 @@ void check_shape_flags(const bench_flags& f) {
                        " must lie in (1, 1e12] (RoPE's wavelengths grow from 2 pi to 2 pi theta); for example 500000");
 }
 
+// --seq-chunks sweeps the rows of the strategies that chunk the sequence; given to none of
+// them it would be ignored, and is refused instead.
+void check_seq_chunks_apply(const bench_flags& f) {
+  if (std::all_of(f.seq_chunks.begin(), f.seq_chunks.end(), [](int n) { return n == 1; })) return;
+  for (const std::string& name : f.strategies)
+    if (row_named(name).chunks != sequence_chunking::none) return;
+  std::string listed, chunking;
+  for (const std::string& name : f.strategies) listed += (listed.empty() ? "" : ",") + name;
+  for (const strategy_row& row : strategy_rows())
+    if (row.chunks != sequence_chunking::none) chunking += (chunking.empty() ? "" : ", ") + std::string(row.name);
+  throw config_error("--seq-chunks applies to " + chunking + ", and --strategy " + listed +
+                     " lists none of them: leave --seq-chunks out, or add --strategy upipe");
+}
+
 std::vector<attention_config> configurations(const bench_flags& f) {
   check_shape_flags(f);
+  check_seq_chunks_apply(f);
   std::vector<attention_config> configs;
   for (const std::string& name : f.strategies) {
     const strategy_row& row = row_named(name);
@@ -222,7 +237,9 @@ command_runner add_bench_attention(CLI::App& app) {
   app.add_option("--backend", f->backend,
                  "cpu (fp32 reference, threads as ranks), cuda (bf16, virtual ranks on one GPU) or meta (shapes only, rank 0)")
       ->capture_default_str();
-  app.add_option("--strategy", f->strategies, "comma-separated list of: " + strategy_help())
+  // --attention as in train, step, bench and plan, so that a message naming it names a flag
+  // of this command too.
+  app.add_option("--strategy,--attention", f->strategies, "comma-separated list of: " + strategy_help())
       ->delimiter(',')
       ->capture_default_str();
   app.add_option("--heads", f->heads, "query heads H")->capture_default_str();

@@ -150,7 +150,7 @@ int run(const bench_comm_flags& f) {
           if (rank == 0) results.push_back({msg, ms / f.repeats});
         }
       },
-      false, comm);
+      group_run::every_rank, comm);
   std::printf("# upipe bench-comm  model=%s  C=%d  U=%d  backend=%s  comm=%s  repeats=%d\n", m.name.c_str(), f.cp, U,
               f.backend.c_str(), f.comm.kind.c_str(), f.repeats);
   std::printf("# bytes: one rank's send buffer; algbw = bytes / time; busbw = algbw x (C-1)/C for all-to-all, "

@@ -92,7 +92,7 @@ std::vector<std::int64_t> parse_lengths(const std::string& text, int samples) {
   std::size_t start = 0;
   while (start <= text.size()) {
     const std::size_t comma = std::min(text.find(',', start), text.size());
-    out.push_back(parse_seq_len(text.substr(start, comma - start)));
+    out.push_back(parse_scored_seq_len(text.substr(start, comma - start)));
     require_host_memory(static_cast<std::size_t>(out.back()) * static_cast<std::size_t>(samples) * 24,
                         "the host copies of --samples " + std::to_string(samples) + " sequences of --seq-len " +
                             std::to_string(out.back()) + " tokens");
@@ -146,7 +146,8 @@ eval_setup setup(const eval_flags& f) {
   s.req.options = resolved.step;
   s.req.limits = resolved.limits;
   s.directory = model_directory(f.cfg().model, f.cfg().config);
-  const std::string weights_path = f.weights_path.empty() ? s.directory : resolve_checkpoint(f.weights_path);
+  const std::string weights_path =
+      f.weights_path.empty() ? default_weights(f.cfg().model, f.cfg().config) : resolve_checkpoint(f.weights_path);
   if (weights_path.empty()) {
     s.random = random_weights(s.req.model, f.cfg().seed);
     s.weights = std::make_unique<host_weight_source>(s.random);
@@ -216,7 +217,11 @@ nlohmann::json score_windows(const std::vector<eval_sequence>& seqs, const eval_
       ++targets;
     }
   }
-  const double mean = targets > 0 ? sum / static_cast<double>(targets) : 0.0;
+  if (targets == 0 && r.completed > 0)  // a loss over no targets would read as 0
+    throw config_error("the " + std::to_string(r.completed) + " sequences of " + std::to_string(S) + " tokens hold no "
+                       "token to predict (documents of one token each, or every target masked): evaluate documents "
+                       "of several tokens, or use --packing stream");
+  const double mean = sum / static_cast<double>(std::max<std::int64_t>(targets, 1));
   std::printf("\nS %lld: loss %.5f  perplexity %.3f  over %lld targets of %zu sequences", static_cast<long long>(S), mean,
               std::exp(mean), static_cast<long long>(targets), r.completed);
   if (masked > 0) std::printf(" (%lld more left out by the loss mask)", static_cast<long long>(masked));
@@ -318,7 +323,8 @@ tokenized_needles tokenize_needles(const std::string& model_dir, const std::vect
 int needle_in_a_haystack(const eval_flags& f, const eval_setup& s) {
   if (f.niah_vocab != "auto" && f.niah_vocab != "text" && f.niah_vocab != "passkey")
     throw config_error("--niah-vocab " + f.niah_vocab + " is not known: use text (the model's tokenizer) or passkey");
-  const bool has_tokenizer = !s.directory.empty() && std::filesystem::is_regular_file(s.directory + "/tokenizer.json");
+  std::error_code unreadable;  // a link loop: no tokenizer (load_model refused it already)
+  const bool has_tokenizer = !s.directory.empty() && std::filesystem::is_regular_file(s.directory + "/tokenizer.json", unreadable);
   const bool passkey = f.niah_vocab == "passkey" || (f.niah_vocab == "auto" && !has_tokenizer);
   if (!passkey && !has_tokenizer)
     throw config_error("--niah-vocab text needs the model directory's tokenizer.json (--model DIR); for a model "

@@ -5,7 +5,9 @@
 // command builds its options (validate()); this only guarantees that the text is a number.
 #pragma once
 
+#include <charconv>
 #include <cmath>
+#include <cstdint>
 #include <cstdlib>
 #include <string>
 
@@ -36,6 +38,17 @@ inline std::string decimal_integer(std::string& value, bool allow_negative) {
   const std::size_t first = body.find_first_not_of('0');
   value = sign + (first == std::string::npos ? "0" : body.substr(first));
   if (value == "-0") value = "0";
+  // CLI11 would saturate a number past 64 bits to the largest one (--steps 99999999999999999999
+  // ran as 2^63 - 1); the flag's own check then sees what was typed.
+  std::int64_t as_signed = 0;
+  std::uint64_t as_unsigned = 0;
+  const char* end = value.data() + value.size();
+  const bool fits = allow_negative ? std::from_chars(value.data(), end, as_signed).ec == std::errc()
+                                   : std::from_chars(value.data(), end, as_unsigned).ec == std::errc();
+  if (!fits)
+    return shown(value) + " does not fit in 64 bits: give a whole number up to " +
+           (allow_negative ? std::string("9223372036854775807") : std::string("18446744073709551615")) +
+           " (see --help for the flag's range)";
   return "";
 }
 

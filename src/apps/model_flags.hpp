@@ -12,9 +12,11 @@
 #include <CLI/CLI.hpp>
 
 #include "core/error.hpp"
+#include "core/key_values.hpp"
 #include "model/adapter_files.hpp"
 #include "core/limits.hpp"
 #include "model/config.hpp"
+#include "model/hf_model.hpp"
 #include "train/run_directory.hpp"
 
 namespace upipe::apps {
@@ -37,7 +39,15 @@ inline bool looks_like_path(const std::string& s) {
 // --model NAME|DIR or --config FILE|DIR; a path that is no model directory is an error
 // naming what it lacks.
 inline model_config load_model(const std::string& given, const std::string& config_path, int layers = 0) {
-  if (!config_path.empty()) return slice_layers(read_hf_config(config_path), layers);
+  if (!config_path.empty()) {
+    model_config m = slice_layers(read_hf_config(config_path), layers);
+    std::error_code ec;
+    const std::filesystem::path dir = std::filesystem::is_directory(config_path, ec)
+                                          ? std::filesystem::path(config_path)
+                                          : std::filesystem::path(config_path).parent_path();
+    check_companion_files(dir.empty() ? "." : dir.string());  // a save copies them
+    return m;
+  }
   const std::string model = resolve_checkpoint(given);  // a run directory means its latest checkpoint
   if (looks_like_path(model)) {
     std::error_code ec;
@@ -48,6 +58,7 @@ inline model_config load_model(const std::string& given, const std::string& conf
     if (std::filesystem::is_directory(model, ec) && !is_model_directory(model))
       throw io_error("--model " + model + " is a directory without a config.json: pass a directory written by "
                      "save_pretrained (or upipe train --save), or a preset (upipe model-config --list)");
+    if (std::filesystem::is_directory(model, ec)) check_companion_files(model);
     return slice_layers(read_hf_config(model), layers);
   }
   return slice_layers(preset(model), layers);
@@ -62,6 +73,14 @@ inline std::string model_directory(const std::string& given, const std::string& 
     return std::filesystem::is_directory(config_path, ec) ? config_path
                                                           : std::filesystem::path(config_path).parent_path().string();
   return looks_like_path(model) && is_model_directory(model) ? model : std::string();
+}
+
+// Where a command's weights come from when no --weights or --init names them: the model
+// directory's; a --config directory (or a config.json's) that holds no weight files gives
+// none, since a config alone is a model of random weights (as a preset is).
+inline std::string default_weights(const std::string& model, const std::string& config_path) {
+  const std::string dir = model_directory(model, config_path);
+  return !config_path.empty() && !has_weight_files(dir.empty() ? "." : dir) ? std::string() : dir;
 }
 
 // --model and --config.
@@ -119,62 +138,36 @@ struct rope_flags {
 
  private:
   rope_scaling parse_scaling(const model_config& m) const {
-    rope_scaling s;
-    s.original_max_position = 0;  // absent: the model's context before the extension
-    bool typed = false;
-    std::size_t start = 0;
-    while (start <= scaling.size()) {
-      const std::size_t comma = std::min(scaling.find(',', start), scaling.size());
-      const std::string part = scaling.substr(start, comma - start);
-      start = comma + 1;
-      if (part.empty()) continue;
-      const std::size_t eq = part.find('=');
-      if (eq == std::string::npos)
-        throw config_error("--rope-scaling part '" + part + "' must be key=value, e.g. type=yarn,factor=4");
-      const std::string key = part.substr(0, eq), value = part.substr(eq + 1);
-      const auto number = [&]() {
-        try {
-          std::size_t used = 0;
-          const double v = std::stod(value, &used);
-          if (used == value.size() && std::isfinite(v)) return v;
-        } catch (const std::exception&) {
-        }
-        throw config_error("--rope-scaling " + key + "=" + value + " is not a number (e.g. " + key + "=4)");
-      };
-      if (key == "type" || key == "rope_type") {
-        s.kind = parse_rope_kind(value, "--rope-scaling type");
-        typed = true;
-      } else if (key == "factor") {
-        s.factor = number();
-      } else if (key == "original_max_position_embeddings") {
-        s.original_max_position = static_cast<std::int64_t>(number());
-      } else if (key == "low_freq_factor") {
-        s.low_freq_factor = number();
-      } else if (key == "high_freq_factor") {
-        s.high_freq_factor = number();
-      } else if (key == "beta_fast") {
-        s.beta_fast = number();
-      } else if (key == "beta_slow") {
-        s.beta_slow = number();
-      } else if (key == "mscale") {
-        s.mscale = number();
-      } else if (key == "mscale_all_dim") {
-        s.mscale_all_dim = number();
-      } else if (key == "attention_factor") {
-        s.attention_factor = number();
-      } else if (key == "truncate") {
-        if (value != "true" && value != "false")
-          throw config_error("--rope-scaling truncate=" + value + " must be true or false");
-        s.truncate = value == "true";
-      } else {
-        throw config_error("--rope-scaling key '" + key + "' is not known; the keys are type, factor, "
-                           "original_max_position_embeddings, low_freq_factor, high_freq_factor, beta_fast, beta_slow, "
-                           "mscale, mscale_all_dim, attention_factor, truncate");
-      }
-    }
-    if (!typed)
+    const key_values items(scaling, "--rope-scaling",
+                           {{"type", {"rope_type"}}, {"factor"}, {"original_max_position_embeddings"},
+                            {"low_freq_factor"}, {"high_freq_factor"}, {"beta_fast"}, {"beta_slow"}, {"mscale"},
+                            {"mscale_all_dim"}, {"attention_factor"}, {"truncate"}},
+                           "type=yarn,factor=4");
+    const std::optional<std::string> type = items.find("type");
+    if (!type)
       throw config_error("--rope-scaling " + scaling + " names no type: begin with type=llama3, linear, yarn or default");
-    if (s.original_max_position == 0) s.original_max_position = m.max_position_embeddings;
+    rope_scaling s;
+    s.kind = parse_rope_kind(*type, "--rope-scaling type");
+    const auto real = [&](const char* key, double& target, const char* example) {
+      if (items.has(key)) target = items.real_number(key, example);
+    };
+    real("factor", s.factor, "4");
+    real("low_freq_factor", s.low_freq_factor, "1");
+    real("high_freq_factor", s.high_freq_factor, "4");
+    real("beta_fast", s.beta_fast, "32");
+    real("beta_slow", s.beta_slow, "1");
+    real("mscale", s.mscale, "1");
+    real("mscale_all_dim", s.mscale_all_dim, "1");
+    real("attention_factor", s.attention_factor, "1");
+    // absent: the model's context before the extension
+    s.original_max_position = items.has("original_max_position_embeddings")
+                                  ? items.whole_number("original_max_position_embeddings", 1, limits::context.max, "8192")
+                                  : m.max_position_embeddings;
+    if (const std::optional<std::string> truncate = items.find("truncate")) {
+      if (*truncate != "true" && *truncate != "false")
+        throw config_error("--rope-scaling truncate=" + *truncate + " must be true or false");
+      s.truncate = *truncate == "true";
+    }
     return s;
   }
 };

@@ -30,8 +30,8 @@ command_runner add_prepare_data(CLI::App& app) {
     const python_module modules[] = {{"chat_data.py", chat_data_script},
                                      {"corpus_writer.py", corpus_writer_script},
                                      {"prepare_encode.py", prepare_encode_script}};
-    const int status = run_python_file(prepare_data_script, "prepare_data.py", *args, modules);
-    return status == 0 ? 0 : 2;  // the script names the bad input
+    run_scripts_for("prepare-data");
+    return script_exit_status(run_python_file(prepare_data_script, "prepare_data.py", *args, modules), "prepare-data");
   };
 }
 

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -15,6 +16,18 @@
 extern char** environ;
 
 namespace upipe::apps {
+
+void run_scripts_for(const std::string& command) {
+  if (::setenv("UPIPE_COMMAND", command.c_str(), 1) != 0)
+    throw io_error("cannot set UPIPE_COMMAND for " + command + "'s script: " + std::strerror(errno));
+}
+
+int script_exit_status(int status, const std::string& command) {
+  if (status == 0 || status == 2 || status == 130) return status;
+  std::fprintf(stderr, "upipe: error: %s failed: its Python script ended with status %d (%s); the output above says "
+               "where\n", command.c_str(), status, status > 128 ? "killed by a signal" : "an unexpected error");
+  return 2;
+}
 
 int spawn(const std::vector<std::string>& args, const std::string& needed_for) {
   std::vector<char*> argv;

@@ -8,6 +8,14 @@
 
 namespace upipe::apps {
 
+// The scripts speak as upipe: run for `command` (UPIPE_COMMAND in their environment), a
+// script names the bad input on one "upipe: error: COMMAND: ..." line and exits with 2.
+void run_scripts_for(const std::string& command);
+// upipe's exit status for a script's: 0, 2 (the script named the bad input) and 130 (an
+// interrupt) as they are; any other ending (a traceback, a signal) is reported on an
+// "upipe: error:" line and is 2 too, so that no failure goes without one.
+int script_exit_status(int status, const std::string& command);
+
 // Runs args[0] (looked up on PATH) and returns its exit status; config_error naming
 // `needed_for` when it cannot be started.
 int spawn(const std::vector<std::string>& args, const std::string& needed_for);

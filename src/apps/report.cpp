@@ -10,6 +10,7 @@
 #include "apps/python.hpp"
 #include "apps/report_script.hpp"
 #include "core/error.hpp"
+#include "core/files.hpp"
 
 namespace upipe::apps {
 
@@ -22,16 +23,15 @@ struct report_flags {
 
 int run(const report_flags& f) {
   for (const std::string& path : f.inputs)
-    if (!std::filesystem::is_regular_file(path))
-      throw config_error("report input " + path + " is not a file: give the JSON of upipe bench, bench-attention or plan");
+    input_file(path, "report input");  // a regular file: never a FIFO the script would wait on
   if (spawn({"python3", "-c", "import matplotlib"}, "upipe report") != 0)
     throw config_error("upipe report needs matplotlib for python3: scripts/setup-deps installs it "
                        "(or: python3 -m pip install matplotlib)");
   // The script travels as python3's -c argument (its argv[0] becomes "-c").
   std::vector<std::string> args = {"python3", "-c", report_script, f.out_dir};
   args.insert(args.end(), f.inputs.begin(), f.inputs.end());
-  const int status = spawn(args, "upipe report");
-  return status == 0 ? 0 : 2;  // the script names the bad input
+  run_scripts_for("report");
+  return script_exit_status(spawn(args, "upipe report"), "report");
 }
 
 }  // namespace

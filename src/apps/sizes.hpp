@@ -48,6 +48,16 @@ inline std::int64_t parse_seq_len(const std::string& text, const char* flag = "-
   return s;
 }
 
+// The length of sequences whose next-token predictions are scored (a loss, an evaluation):
+// at least 2, since one token predicts nothing and a loss over no targets means nothing.
+inline std::int64_t parse_scored_seq_len(const std::string& text, const char* flag = "--seq-len") {
+  const std::int64_t s = parse_seq_len(text, flag);
+  if (s < 2)
+    throw config_error(std::string(flag) + " " + text + " must be at least 2 tokens: a loss needs a token to predict "
+                       "from the one before it (for example 4096)");
+  return s;
+}
+
 // A count that sizes a loop or a group (a head chunk): a whole number in [1, 2^31 - 1],
 // never truncated into an int (4294967300 would otherwise run as 4).
 inline int parse_int_count(const std::string& text, const char* flag) {

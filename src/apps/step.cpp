@@ -2,7 +2,6 @@
 // entry), reporting the loss, the time and the peak memory by tag of rank 0.
 #include <cstdio>
 #include <fstream>
-#include <random>
 #include <string>
 
 #include <nlohmann/json.hpp>
@@ -32,14 +31,6 @@ struct step_flags {
   std::string weights_path, tokens_path, json_path, grads_path, adapter;
 };
 
-
-std::vector<std::int32_t> random_tokens(std::int64_t count, std::int64_t vocab, unsigned long long seed) {
-  std::mt19937_64 rng(seed);
-  std::uniform_int_distribution<std::int64_t> pick(0, vocab - 1);
-  std::vector<std::int32_t> tokens(static_cast<std::size_t>(count));
-  for (auto& t : tokens) t = static_cast<std::int32_t>(pick(rng));
-  return tokens;
-}
 
 // The weights' gradients under Hugging Face names, or with LoRA the adapters' under PEFT's.
 void write_grads(const step_flags& f, const model_config& c, const lora_config& lora, const model_step_result& r) {
@@ -108,8 +99,7 @@ int run(step_flags& f) {
   req.model = load_model(c.model, c.config, c.layers);
   req.backend = parse_backend_kind(c.backend);
   req.cp = cp_flags{c.attention, c.cp, c.head_chunk, c.ring, c.seq_chunks}.settings();
-  const std::int64_t S = parse_seq_len(c.seq_len);
-  if (S < 2) throw config_error("--seq-len " + c.seq_len + " must be at least 2 (one prediction needs two tokens)");
+  const std::int64_t S = parse_scored_seq_len(c.seq_len);
   req.options = {c.mlp_tile, c.loss_chunk,
                  is_auto_policy(c.checkpoint_policy) ? checkpoint_policy{} : parse_checkpoint_policy(c.checkpoint_policy)};
   if (is_auto_policy(c.checkpoint_policy)) req.options.policy = auto_policy(req, S, c);
@@ -118,7 +108,7 @@ int run(step_flags& f) {
   req.limits = resolved.limits;
   const bool data = req.backend != backend_kind::meta;
   const std::string weights_path =
-      f.weights_path.empty() ? model_directory(c.model, c.config) : resolve_checkpoint(f.weights_path);
+      f.weights_path.empty() ? default_weights(c.model, c.config) : resolve_checkpoint(f.weights_path);
   const host_weights weights = !data ? host_weights{}
                                : weights_path.empty() ? random_weights(req.model, c.seed)
                                                       : read_weights(req.model, weights_path);

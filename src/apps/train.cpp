@@ -235,6 +235,7 @@ train_options to_options(run_options& opts, bool fine_tune) {
   run_config& f = opts.config();
   train_options o;
   // The numbers the sizing below divides by or trusts, checked first.
+  require_within(f.steps, 1, limits::steps, "--steps", "--steps 200");  // before steps * 9 / 10 below
   if (f.batch != -1 && f.batch < 1)
     throw config_error("--batch " + std::to_string(f.batch) + " must be at least 1 (sequences per optimizer step)");
   if (!(f.weight_decay >= 0) || !std::isfinite(f.weight_decay))
@@ -252,6 +253,7 @@ train_options to_options(run_options& opts, bool fine_tune) {
     throw config_error("--keep-best needs --save DIR and --eval-every N (it keeps the checkpoint of the lowest "
                        "held-out loss)");
   o.model_dir = choose_model(f, o.model);
+  if (!f.config.empty()) o.weights_in_model_dir = train_options::model_dir_weights::optional;
   // The model the run chose (an adapter's base, the --init directory, tiny-llama) is recorded.
   if (f.model.empty() && f.config.empty())
     opts.set_default("model.model", o.model_dir.empty() ? o.model.name : o.model_dir, value_source::derived);

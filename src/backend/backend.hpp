@@ -119,13 +119,16 @@ class backend {
   // Phase timing, off by default (and never on meta): code brackets its phases with
   // phase_scope; while on, the backend marks every change of phase in its stream of
   // work and take_phase_ms() returns the time between marks summed per phase (the
-  // innermost open scope owns the time; none open: "other"), then starts afresh.
+  // innermost open scope owns the time; none open: "other"), then starts afresh. Timing
+  // on or off, each scope is also a named range for a profiler (open_range; NVTX on cuda).
   void set_phase_timing(bool on);
   void push_phase(const char* name) {
+    open_range(name);
     if (phase_timing_) change_phase(name, true);
   }
   void pop_phase() {
     if (phase_timing_) change_phase(nullptr, false);
+    close_range();
   }
   std::map<std::string, double> take_phase_ms();
 
@@ -158,6 +161,10 @@ class backend {
   // right where ops run synchronously on the host (cpu).
   virtual void record_mark(std::size_t index);
   virtual double mark_interval_ms(std::size_t from, std::size_t to);
+  // A phase's range for a profiler's timeline (Nsight Systems), opened and closed on the
+  // host as the phase's work is issued; none by default.
+  virtual void open_range(const char* /*name*/) {}
+  virtual void close_range() {}
 
  private:
   friend class tensor;

@@ -145,6 +145,50 @@ std::vector<output_error> compare_with_reference(backend& reference, backend& te
   return errors;
 }
 
+namespace {
+
+// A tensor's values on the host in float64 (i32 tensors: their ids).
+std::vector<double> fetch_f64(backend& be, const tensor& t) {
+  std::vector<double> out(static_cast<std::size_t>(t.numel()));
+  if (t.type() == dtype::i32) {
+    std::vector<std::int32_t> ids(out.size());
+    be.download_bytes(ids.data(), t, ids.size() * sizeof(std::int32_t));
+    std::copy(ids.begin(), ids.end(), out.begin());
+  } else {
+    const std::vector<float> values = fetch(be, t);
+    std::copy(values.begin(), values.end(), out.begin());
+  }
+  return out;
+}
+
+}  // namespace
+
+std::vector<output_error> compare_with_float64(backend& be, const op_case& c, std::uint64_t seed) {
+  UPIPE_CHECK(c.float64 != nullptr, "compare_with_float64: the case " + c.size + " has no float64 reference");
+  const case_tensors t = make_case_tensors(be, c, seed);
+  if (c.prepare) c.prepare(be, t);
+  be.synchronize();
+  f64::host_case want;
+  for (std::size_t i = 0; i < c.tensors.size(); ++i) want[c.tensors[i].name] = fetch_f64(be, t.list()[i]);
+  c.run(be, t);
+  be.synchronize();
+  c.float64(want);
+  std::vector<output_error> errors;
+  for (std::size_t i = 0; i < c.tensors.size(); ++i) {
+    const case_tensor& spec = c.tensors[i];
+    if (spec.bf16_tolerance <= 0.0) continue;
+    const std::vector<double>& expected = want.at(spec.name);
+    const std::vector<float> rounded(expected.begin(), expected.end());
+    const tensor& g = t.list()[i];
+    // A case's tolerance is against another backend's f32 arithmetic and may be exact (0);
+    // against float64 an f32 result carries its own rounding, a few ulps.
+    constexpr double f32_rounding = 1e-6;
+    errors.push_back({spec.name, normalized_error(fetch(be, g), rounded),
+                      g.type() == dtype::bf16 ? spec.bf16_tolerance : std::max(spec.f32_tolerance, f32_rounding)});
+  }
+  return errors;
+}
+
 std::vector<output_error> check_gradients(backend& reference, const op_case& c, std::uint64_t seed) {
   UPIPE_CHECK(reference.kind() == backend_kind::cpu, "finite differences run on the cpu backend");
   const case_tensors t = make_case_tensors(reference, c, seed);

@@ -1,7 +1,7 @@
 // The op harness: runs a registered op's case (backend/op_registry.hpp) on a tested backend
 // and on the reference (cpu) from the same seeded values, and measures each compared
-// output's normalized error; checks a gradient op against central finite differences of
-// its objective; runs a case on meta for shapes and allocations only; and times every
+// output's normalized error; checks the reference itself against each op's float64
+// definition, and a gradient op against central finite differences of its objective; runs a case on meta for shapes and allocations only; and times every
 // registered op at a benchmark size (the perf mode behind `upipe bench-kernels --ops`).
 #pragma once
 
@@ -33,6 +33,11 @@ struct output_error {
 // of the dtype the tested backend stores it in.
 std::vector<output_error> compare_with_reference(backend& reference, backend& tested, const op_case& c,
                                                  std::uint64_t seed);
+
+// prepare and run on `be` and the case's float64 reference (op_case::float64) from the same
+// inputs: one row per compared output, its tolerance the one of the dtype `be` stores it in.
+// The cpu backend, the reference of every other, is itself checked so.
+std::vector<output_error> compare_with_float64(backend& be, const op_case& c, std::uint64_t seed);
 
 // Finite differences in float32 on the reference: step fd_step on inputs of order one;
 // the error of up to fd_samples elements per input, max |op - fd| / max |fd| over them,

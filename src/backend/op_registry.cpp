@@ -52,6 +52,7 @@ op_case gemm_case(std::int64_t m, std::int64_t n, std::int64_t k, transpose ta, 
     ops::gemm(be, {t["a"].matrix(), ta, t["b"].matrix(), tb, t["c"].matrix(), alpha, beta});
   };
   c.flops = 2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k);
+  c.float64 = [=](f64::host_case& h) { f64::gemm(h, m, n, k, at, bt, alpha, beta); };
   return c;
 }
 
@@ -126,6 +127,10 @@ op_case sdpa_forward_case(const attention_shape& a) {
   c.tensors = attention_tensors(a, false);
   c.run = [a](backend& be, const case_tensors& t) { attention_forward(be, t, a); };
   c.flops = attention_flops(a);
+  c.float64 = [a](f64::host_case& h) {
+    f64::sdpa_forward(h, a.sq, a.skv, a.hq, a.hk, a.d, a.mask == attn_mask::causal,
+                      1.0 / std::sqrt(static_cast<float>(a.d)), {a.q_first, a.k_first, a.window});
+  };
   return c;
 }
 
@@ -198,6 +203,7 @@ op_case lse_merge_case(std::int64_t tokens, std::int64_t heads, std::int64_t dim
     ops::lse_merge(be, {t["out"].heads(), t["lse"].heads(), t["out_part"].heads(), t["lse_part"].heads()});
   };
   c.bytes = (3.0 * 4 + (part_type == case_dtype::f32 ? 4.0 : 2.0)) * static_cast<double>(tokens * heads * dim);
+  c.float64 = [=](f64::host_case& h) { f64::lse_merge(h, tokens, heads, dim); };
   return c;
 }
 
@@ -250,6 +256,9 @@ op_case rope_case(const rope_shape& r, std::vector<position_run> runs, double by
     const tensor& x = t["x"];
     ops::rope(be, {{x.data(), x.type(), r.tokens, r.heads, r.dim, token_stride, head_stride}, runs, config,
                    r.direction});
+  };
+  c.float64 = [=](f64::host_case& h) {
+    f64::rope(h, r.heads, r.dim, token_stride, head_stride, runs, config, r.direction == rope_direction::inverse);
   };
   c.bytes = bytes;
   return c;
@@ -306,6 +315,9 @@ op_case rmsnorm_forward_case(const norm_shape& n, double bytes) {
   c.size = norm_text(n);
   c.tensors = norm_tensors(n);
   c.run = [n](backend& be, const case_tensors& t) { norm_forward(be, t, n); };
+  c.float64 = [n](f64::host_case& h) {
+    f64::rmsnorm_forward(h, n.rows, n.cols, n.cols + n.pad, n.first, 1e-5f, n.weight_offset);
+  };
   c.bytes = bytes;
   return c;
 }
@@ -387,13 +399,15 @@ std::string heads_text(const heads_shape& h) {
   return dims_text({{"tokens", h.tokens}, {"heads", h.heads}, {"dim", h.dim}});
 }
 
-op_case heads_case(const heads_shape& h, bool with_src, const case_step& run, double bytes) {
+op_case heads_case(const heads_shape& h, bool with_src, const case_step& run, double bytes, f64::heads_op op,
+                   float value = 0) {
   op_case c;
   c.size = heads_text(h);
   c.tensors = {out({.name = "dst", .type = h.dst_type, .dims = {h.tokens, h.heads + 2, h.dim}}, bf16_tol, 1e-6)};
   if (with_src) c.tensors.push_back({.name = "src", .type = h.src_type, .dims = {h.heads + 2, h.tokens, h.dim}});
   c.run = run;
   c.bytes = bytes;
+  c.float64 = [=](f64::host_case& t) { f64::heads(t, op, h.tokens, h.heads, h.dim, value); };
   return c;
 }
 
@@ -418,19 +432,20 @@ op_entry heads_entry(const char* name, MakeCase make) {
 op_case copy_heads_case(const heads_shape& h, double bytes) {
   return heads_case(h, true, [h](backend& be, const case_tensors& t) {
     ops::copy_heads(be, inner_heads(t["dst"], h.heads), inner_heads_by_head(t["src"], h.heads));
-  }, bytes);
+  }, bytes, f64::heads_op::copy);
 }
 
 op_case add_heads_case(const heads_shape& h, double bytes) {
   return heads_case(h, true, [h](backend& be, const case_tensors& t) {
     ops::add_heads(be, inner_heads(t["dst"], h.heads), inner_heads_by_head(t["src"], h.heads));
-  }, bytes * 1.5);
+  }, bytes * 1.5, f64::heads_op::add);
 }
 
 op_case fill_heads_case(const heads_shape& h, double bytes) {
+  constexpr float value = 0.375f;
   return heads_case(h, false, [h](backend& be, const case_tensors& t) {
-    ops::fill_heads(be, inner_heads(t["dst"], h.heads), 0.375f);
-  }, bytes / 2);
+    ops::fill_heads(be, inner_heads(t["dst"], h.heads), value);
+  }, bytes / 2, f64::heads_op::fill, value);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -459,6 +474,9 @@ op_case swiglu_forward_case(const swiglu_shape& s, double bytes) {
   c.size = dims_text({{"rows", s.rows}, {"cols", s.cols}, {"ld", s.cols + s.pad}});
   c.tensors = swiglu_tensors(s);
   c.run = [s](backend& be, const case_tensors& t) { swiglu_forward_step(be, t, s); };
+  c.float64 = [s](f64::host_case& h) {
+    f64::swiglu_forward(h, s.rows, s.cols, s.cols + s.pad, s.first, s.activation);
+  };
   c.bytes = bytes;
   return c;
 }
@@ -544,6 +562,7 @@ op_case embedding_forward_case(std::int64_t n, std::int64_t vocab, std::int64_t 
   c.run = [x](backend& be, const case_tensors& t) {
     ops::embedding_forward(be, {t["table"].matrix(), t["ids"].matrix(), t["out"].matrix(), x.scale});
   };
+  c.float64 = [n, dim, x](f64::host_case& h) { f64::embedding_forward(h, n, dim, x.scale); };
   c.bytes = bytes;
   return c;
 }
@@ -551,6 +570,7 @@ op_case embedding_forward_case(std::int64_t n, std::int64_t vocab, std::int64_t 
 op_case embedding_backward_case(std::int64_t n, std::int64_t vocab, std::int64_t dim, double bytes,
                                 embedding_extras x = {}) {
   op_case c = embedding_forward_case(n, vocab, dim, bytes, x);
+  c.float64 = nullptr;  // the forward's; finite differences check this op
   c.tensors[2].bf16_tolerance = 0.0;  // the objective's forward output
   c.tensors.push_back({.name = "d_out", .dims = {n, dim}});
   // Repeated ids add up in another order on another backend.
@@ -634,6 +654,8 @@ op_case cross_entropy_case(std::int64_t n, std::int64_t vocab, float masked_shar
     return grad_scale * sum;
   };
   c.gradients = {{"logits_in", "logits"}};
+  // The loss of each row too (the gradient alone leaves row_loss to the other backend).
+  c.float64 = [=](f64::host_case& h) { f64::cross_entropy(h, n, vocab, grad_scale); };
   c.bytes = 2.0 * static_cast<double>(n) * static_cast<double>(vocab) * 4;
   return c;
 }

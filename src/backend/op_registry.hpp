@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "backend/backend.hpp"
+#include "backend/op_float64.hpp"
 #include "core/tensor.hpp"
 
 namespace upipe {
@@ -67,6 +68,12 @@ struct op_case {
   // central finite differences on the reference backend.
   std::function<double(backend&, const case_tensors&)> objective;
   std::vector<std::pair<const char*, const char*>> gradients;
+  // Every other op: the op in float64 on the host (backend/op_float64.hpp), which the cpu
+  // backend's outputs are compared with. Each case has this or gradients, or else
+  // reference_test: the test that holds this mode of the op to its definition (AdamW's
+  // low-precision modes: tests/optim/adamw_modes_test.cpp).
+  std::function<void(f64::host_case&)> float64;
+  std::string reference_test;
 };
 
 struct op_entry {

@@ -30,6 +30,7 @@ op_case bias_add_case(const bias_shape& b, double bytes) {
   c.run = [b](backend& be, const case_tensors& t) {
     ops::bias_add(be, {cols_of(t["y"], b.cols, b.first), t["bias"].matrix()});
   };
+  c.float64 = [b](f64::host_case& h) { f64::bias_add(h, b.rows, b.cols, b.cols + b.pad, b.first); };
   c.bytes = bytes;
   return c;
 }

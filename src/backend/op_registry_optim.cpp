@@ -107,6 +107,21 @@ op_case adamw_case(const adamw_spec& s, dtype work) {
     a.runs = s.runs;
     ops::adamw(be, a);
   };
+  // The plain step (f32 moments and master, f32 gradients, one run) against its float64
+  // definition; the other modes against tests/optim/adamw_modes_test.cpp's reference.
+  if (s.moments == moment_format::f32 && !kahan && s.part == adamw_part::whole && s.runs.empty() &&
+      s.grad == case_dtype::f32) {
+    c.float64 = [s](f64::host_case& h) {
+      adamw_args a;
+      a.lr = 1e-3f;
+      a.weight_decay = 0.1f;
+      a.grad_scale = 0.8f;
+      a.step = s.step;
+      f64::adamw(h, a, s.n);
+    };
+  } else {
+    c.reference_test = "tests/optim/adamw_modes_test.cpp";
+  }
   const double moment_bytes = s.moments == moment_format::f32 ? 16 : s.moments == moment_format::bf16 ? 8 : 4;
   const double grad_bytes = s.grad == case_dtype::bf16 ? 2 : 4;
   const double master_bytes = 8;  // read and written: f32, or bf16 with its bf16 compensation
@@ -178,6 +193,7 @@ op_case sum_squares_case(std::int64_t rows, std::int64_t cols, std::int64_t pad,
     be.upload_f32(t["sum"], &sum);
   };
   c.bytes = (type == case_dtype::bf16 ? 2.0 : 4.0) * static_cast<double>(rows) * static_cast<double>(cols);
+  c.float64 = [=](f64::host_case& h) { f64::sum_squares(h, rows, cols, cols + pad); };
   return c;
 }
 

@@ -2,10 +2,12 @@
 
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <functional>
@@ -39,39 +41,58 @@ std::string describe_path(const std::string& path) {
   return "missing";
 }
 
-std::string read_text_file(const std::string& path, const std::string& what, std::uint64_t max_bytes) {
-  const auto fail = [&](const std::string& problem) -> void {
-    throw io_error("cannot read " + what + " '" + path + "': " + problem);
-  };
+input_file::input_file(const std::string& path, const std::string& what) : path_(path), what_(what) {
   if (path.empty()) fail("an empty path names no file");
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
-  if (fd < 0) {
+  fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  if (fd_ < 0) {
     const int err = errno;
     fail(err == ENOENT   ? std::string("no such file")
-         : err == ELOOP  ? std::string("it is a symbolic link loop")
-         : err == EISDIR ? std::string("it is a directory, not a file")
+         : err == ELOOP  ? std::string("it is a symbolic link loop, not a regular file")
+         : err == EISDIR ? std::string("it is a directory, not a regular file")
                          : std::string(std::strerror(err)));
   }
   struct stat info {};
-  if (::fstat(fd, &info) != 0 || !S_ISREG(info.st_mode)) {
-    const std::string kind = ::fstat(fd, &info) == 0 ? node_name(info.st_mode) : "unreadable";
-    ::close(fd);
-    fail("it is " + kind + ", not a regular file");
-  }
-  if (static_cast<std::uint64_t>(info.st_size) > max_bytes) {
-    ::close(fd);
-    fail("it holds " + std::to_string(info.st_size) + " bytes, more than the " + std::to_string(max_bytes >> 20) +
-         " MiB such a file ever needs (is it the right file?)");
-  }
-  std::string text(static_cast<std::size_t>(info.st_size), '\0');
+  if (::fstat(fd_, &info) != 0) fail(std::string("cannot stat it: ") + std::strerror(errno));
+  if (!S_ISREG(info.st_mode)) fail("it is " + node_name(info.st_mode) + ", not a regular file");
+  size_ = static_cast<std::uint64_t>(info.st_size);
+}
+
+input_file::~input_file() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+void input_file::fail(const std::string& problem) const {
+  throw io_error("cannot read " + what_ + " '" + path_ + "': " + problem);
+}
+
+mapped_file::mapped_file(const std::string& path, const std::string& what, access pattern) : path_(path) {
+  const input_file file(path, what);
+  size_ = file.size();
+  if (size_ == 0) return;
+  void* map = ::mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, file.fd(), 0);  // keeps the file open
+  if (map == MAP_FAILED) file.fail(std::string("cannot map it into memory: ") + std::strerror(errno));
+  if (pattern == access::sequential) ::madvise(map, size_, MADV_SEQUENTIAL);
+  data_ = map;
+}
+
+mapped_file::~mapped_file() {
+  if (data_ && ::munmap(const_cast<void*>(data_), size_) != 0)
+    std::fprintf(stderr, "upipe: cannot unmap %s: %s\n", path_.c_str(), std::strerror(errno));
+}
+
+std::string read_text_file(const std::string& path, const std::string& what, std::uint64_t max_bytes) {
+  const input_file file(path, what);
+  if (file.size() > max_bytes)
+    file.fail("it holds " + std::to_string(file.size()) + " bytes, more than the " + std::to_string(max_bytes >> 20) +
+              " MiB such a file ever needs (is it the right file?)");
+  std::string text(static_cast<std::size_t>(file.size()), '\0');
   std::size_t done = 0;
   while (done < text.size()) {
-    const ssize_t n = ::read(fd, text.data() + done, text.size() - done);
+    const ssize_t n = ::read(file.fd(), text.data() + done, text.size() - done);
     if (n < 0 && errno == EINTR) continue;
     if (n <= 0) break;  // shorter than its size said: a file truncated meanwhile
     done += static_cast<std::size_t>(n);
   }
-  ::close(fd);
   text.resize(done);
   return text;
 }

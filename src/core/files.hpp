@@ -11,13 +11,53 @@
 
 namespace upipe {
 
+// An input file open for reading: a regular file only, opened without waiting
+// (O_NONBLOCK), so that a FIFO, a directory, a device or a symbolic link loop is refused by
+// name and never waited on. Every reader of a user's file opens it through this. Throws
+// io_error "cannot read WHAT 'PATH': it is a FIFO, not a regular file" and the like.
+class input_file {
+ public:
+  input_file(const std::string& path, const std::string& what);
+  ~input_file();
+  input_file(const input_file&) = delete;
+  input_file& operator=(const input_file&) = delete;
+  int fd() const { return fd_; }
+  std::uint64_t size() const { return size_; }
+  // Throws the io_error of this file: "cannot read WHAT 'PATH': PROBLEM".
+  [[noreturn]] void fail(const std::string& problem) const;
+
+ private:
+  std::string path_, what_;
+  int fd_ = -1;
+  std::uint64_t size_ = 0;
+};
+
+// A whole input file mapped read-only (an input_file, so a regular file only); empty files
+// map to no bytes.
+class mapped_file {
+ public:
+  // How the bytes will be read: `sequential` tells the kernel to read ahead.
+  enum class access { random, sequential };
+  mapped_file(const std::string& path, const std::string& what, access pattern = access::random);
+  ~mapped_file();
+  mapped_file(const mapped_file&) = delete;
+  mapped_file& operator=(const mapped_file&) = delete;
+  const void* data() const { return data_; }
+  const std::uint8_t* bytes() const { return static_cast<const std::uint8_t*>(data_); }
+  std::uint64_t size() const { return size_; }
+
+ private:
+  std::string path_;
+  const void* data_ = nullptr;
+  std::uint64_t size_ = 0;
+};
+
 // "a directory", "a FIFO", "a character device", "a socket", "a symbolic link loop",
 // "missing" or "a regular file": what is at `path` (links followed), for messages.
 std::string describe_path(const std::string& path);
 
-// The whole of a small text file (a config.json, an index, a manifest): a regular file of
-// at most `max_bytes`, opened without waiting (O_NONBLOCK). Throws io_error naming `what`,
-// the path and what is wrong with it.
+// The whole of a small text file (a config.json, an index, a manifest): an input_file of
+// at most `max_bytes`. Throws io_error naming `what`, the path and what is wrong with it.
 std::string read_text_file(const std::string& path, const std::string& what,
                            std::uint64_t max_bytes = std::uint64_t{64} << 20);
 

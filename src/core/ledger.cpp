@@ -29,7 +29,6 @@ void memory_ledger::note_peaks(std::size_t i) {
   peak_[i] = std::max(peak_[i], current_[i]);
   window_peak_[i] = std::max(window_peak_[i], current_[i]);
   device_peak_ = std::max(device_peak_, device_current_);
-  window_device_peak_ = std::max(window_device_peak_, device_current_);
 }
 
 void memory_ledger::on_alloc(mem_tag tag, std::size_t bytes, std::string_view label) {
@@ -62,7 +61,6 @@ std::map<std::string, std::size_t> memory_ledger::peaks_by_name() const {
 
 void memory_ledger::reset_window() {
   window_peak_ = current_;
-  window_device_peak_ = device_current_;
 }
 
 }  // namespace upipe

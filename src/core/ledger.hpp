@@ -73,7 +73,6 @@ class memory_ledger {
   // A window starts at the current values; window_peak() is the highest value since.
   void reset_window();
   std::size_t window_peak(mem_tag tag) const { return window_peak_[index(tag)]; }
-  std::size_t window_device_peak() const { return window_device_peak_; }
 
   // The timeline keeps every event while enabled (off by default: it grows with the run).
   void record_timeline(bool on) { timeline_on_ = on; }
@@ -84,7 +83,7 @@ class memory_ledger {
   void note_peaks(std::size_t tag_index);
 
   std::array<std::size_t, mem_tag_count> current_{}, peak_{}, window_peak_{};
-  std::size_t device_current_ = 0, device_peak_ = 0, window_device_peak_ = 0;
+  std::size_t device_current_ = 0, device_peak_ = 0;
   std::uint64_t seq_ = 0;
   bool timeline_on_ = false;
   std::vector<ledger_event> timeline_;

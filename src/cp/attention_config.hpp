@@ -78,7 +78,6 @@ struct attention_config {
     float eps = 1e-6f, weight_offset = 0.0f;
   };
   head_norm_params head_norm() const { return {norm_eps, norm_offset}; }
-  int group_size() const { return heads / kv_heads; }          // G
   int all_to_all_size() const { return cp / ring; }            // A: the ranks of one all-to-all group
   bool chunked() const { return seq_chunks > 1; }
   // Does the window limit any query (W > 0 and shorter than the sequence)?

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <bit>
 #include <cerrno>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <limits>
@@ -51,50 +52,6 @@ std::string shape_string(std::span<const std::int64_t> shape) {
 [[noreturn]] void tensor_failure(const std::string& path, const std::string& name, const std::string& problem) {
   read_failure(path, "tensor '" + name + "' " + problem);
 }
-
-// A read-only mapping of the whole file, so that multi-GB data converts straight into the
-// f32 output without an intermediate copy.
-class mapped_file {
- public:
-  explicit mapped_file(const std::string& path) {
-    // O_NONBLOCK: opening a FIFO must not wait for a writer (fstat refuses it next).
-    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
-    if (fd < 0) read_failure(path, "cannot open it: " + errno_message(errno));
-    struct stat info {};
-    if (::fstat(fd, &info) != 0) {
-      const int err = errno;
-      ::close(fd);
-      read_failure(path, "cannot stat it: " + errno_message(err));
-    }
-    if (!S_ISREG(info.st_mode)) {
-      ::close(fd);
-      read_failure(path, "it is not a regular file");
-    }
-    size_ = static_cast<std::uint64_t>(info.st_size);
-    if (size_ > 0) {
-      void* map = ::mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd, 0);
-      const int err = errno;
-      ::close(fd);  // the mapping keeps the file open
-      if (map == MAP_FAILED) read_failure(path, "cannot map it into memory: " + errno_message(err));
-      ::madvise(map, size_, MADV_SEQUENTIAL);
-      data_ = static_cast<const std::uint8_t*>(map);
-    } else {
-      ::close(fd);
-    }
-  }
-  ~mapped_file() {
-    if (data_) ::munmap(const_cast<std::uint8_t*>(data_), size_);
-  }
-  mapped_file(const mapped_file&) = delete;
-  mapped_file& operator=(const mapped_file&) = delete;
-
-  const std::uint8_t* data() const { return data_; }
-  std::uint64_t size() const { return size_; }
-
- private:
-  const std::uint8_t* data_ = nullptr;
-  std::uint64_t size_ = 0;
-};
 
 struct stored_dtype {
   std::string_view name;
@@ -273,7 +230,7 @@ json parse_header(const std::string& path, const mapped_file& file, std::uint64_
     read_failure(path, "it is only " + std::to_string(file.size()) +
                            " bytes long, shorter than the 8-byte header length every safetensors file starts with");
   std::uint64_t header_size = 0;
-  for (int i = 7; i >= 0; --i) header_size = (header_size << 8) | file.data()[i];
+  for (int i = 7; i >= 0; --i) header_size = (header_size << 8) | file.bytes()[i];
   if (header_size > max_header_bytes)
     read_failure(path, "header length " + std::to_string(header_size) +
                            " exceeds the 100 MiB limit: the file is corrupt or not a safetensors file");
@@ -281,7 +238,7 @@ json parse_header(const std::string& path, const mapped_file& file, std::uint64_
     read_failure(path, "header length " + std::to_string(header_size) + " runs past the end of the file (" +
                            std::to_string(file.size()) + " bytes): the file is truncated or not a safetensors file");
   data_start = 8 + header_size;
-  const auto* begin = reinterpret_cast<const char*>(file.data()) + 8;
+  const auto* begin = reinterpret_cast<const char*>(file.bytes()) + 8;
   // nlohmann keeps the last of repeated keys silently; a repeated tensor name is ambiguous,
   // so the parser callback records it.
   std::set<std::string> names;
@@ -462,7 +419,7 @@ void write_values(temp_file& file, std::span<const float> values, dtype type) {
 }  // namespace
 
 struct safetensors_view::impl {
-  impl(const std::string& p) : path(p), file(p) {}
+  impl(const std::string& p) : path(p), file(p, "safetensors file", mapped_file::access::sequential) {}
   std::string path;
   mapped_file file;
   const std::uint8_t* data = nullptr;  // the data section
@@ -475,7 +432,7 @@ safetensors_view::safetensors_view(const std::string& path) : impl_(std::make_un
   std::uint64_t data_start = 0;
   const json header = parse_header(path, impl_->file, data_start);
   const std::uint64_t data_size = impl_->file.size() - data_start;
-  impl_->data = impl_->file.data() + data_start;
+  impl_->data = impl_->file.bytes() + data_start;
   for (const auto& [name, entry] : header.items()) {
     if (name == "__metadata__") {
       impl_->metadata = parse_metadata(path, entry);
@@ -501,6 +458,16 @@ const std::map<std::string, std::string>& safetensors_view::metadata() const { r
 const safetensors_info* safetensors_view::find(const std::string& name) const {
   const auto it = impl_->infos.find(name);
   return it == impl_->infos.end() ? nullptr : &it->second;
+}
+
+void safetensors_view::read_finite(const std::string& name, std::uint64_t offset, std::uint64_t count,
+                                   float* out) const {
+  read(name, offset, count, out);
+  const float* bad = std::find_if(out, out + count, [](float v) { return !std::isfinite(v); });
+  if (bad != out + count)
+    throw io_error(path() + " holds " + (std::isnan(*bad) ? std::string("NaN") : std::string(*bad > 0 ? "+Inf" : "-Inf")) +
+                   " in " + name + " (element " + std::to_string(offset + static_cast<std::uint64_t>(bad - out)) +
+                   "): the file is damaged or the run that wrote it diverged; start from an earlier checkpoint");
 }
 
 void safetensors_view::read(const std::string& name, std::uint64_t offset, std::uint64_t count, float* out) const {

@@ -51,6 +51,9 @@ class safetensors_view {
   const safetensors_info* find(const std::string& name) const;  // nullptr when absent
   // Elements [offset, offset + count) of the flattened tensor, as f32.
   void read(const std::string& name, std::uint64_t offset, std::uint64_t count, float* out) const;
+  // The same, where every value must be finite (weights, adapters): a NaN or an Inf is an
+  // io_error naming the file, the tensor and the element.
+  void read_finite(const std::string& name, std::uint64_t offset, std::uint64_t count, float* out) const;
 
  private:
   struct impl;

@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.hpp"
+#include "core/files.hpp"
 #include "formats/safetensors.hpp"
 
 namespace upipe {
@@ -17,8 +18,9 @@ namespace upipe {
 namespace fs = std::filesystem;
 
 bool is_adapter_directory(const std::string& path) {
+  // Present in any form: a FIFO or a link loop in its place is then refused by name when read.
   std::error_code ec;
-  return fs::is_regular_file(fs::path(path) / adapter_config_file, ec);
+  return fs::is_directory(path, ec) && fs::exists(fs::symlink_status(fs::path(path) / adapter_config_file, ec));
 }
 
 namespace {
@@ -75,13 +77,21 @@ std::vector<std::string> target_names(const nlohmann::json& t, const std::string
   return module_names(t.get<std::vector<std::string>>(), file, layers);
 }
 
+// r as written: a whole number (nlohmann's get<int> would read 4.9 as 4 and 4294967300 as 4).
+int rank_of(const nlohmann::json& r, const std::string& file) {
+  if (!r.is_number_integer() || r.get<double>() < 1 || r.get<double>() > max_lora_rank)
+    throw config_error(file + " gives r = " + r.dump().substr(0, 40) + ": the adapters' rank must be a whole number "
+                       "between 1 and " + std::to_string(max_lora_rank) + " (for example 16)");
+  return r.get<int>();
+}
+
 }  // namespace
 
 std::string adapter_base_model(const std::string& dir) {
   const std::string file = (fs::path(dir) / adapter_config_file).string();
-  std::ifstream in(file);
+  const std::string text = read_text_file(file, "the adapters' configuration");
   try {
-    const auto j = nlohmann::json::parse(in);
+    const auto j = nlohmann::json::parse(text);
     const auto it = j.find("base_model_name_or_path");
     return it != j.end() && it->is_string() ? it->get<std::string>() : std::string();
   } catch (const nlohmann::json::exception& e) {
@@ -91,11 +101,16 @@ std::string adapter_base_model(const std::string& dir) {
 
 adapter_settings read_adapter_config(const std::string& dir, const model_config& model) {
   const std::string file = (fs::path(dir) / adapter_config_file).string();
-  std::ifstream in(file);
-  if (!in) throw io_error("cannot read " + file + ": is " + dir + " a LoRA adapter directory (PEFT's save_pretrained)?");
+  std::string text;
+  try {
+    text = read_text_file(file, "the adapters' configuration");
+  } catch (const io_error& e) {
+    throw io_error(std::string(e.what()) + " (is " + dir + " a LoRA adapter directory, as PEFT's save_pretrained "
+                   "writes it?)");
+  }
   adapter_settings s;
   try {
-    const auto j = nlohmann::json::parse(in);
+    const auto j = nlohmann::json::parse(text);
     if (j.contains("peft_type") && j.at("peft_type") != "LORA")
       throw config_error(file + " holds a " + j.at("peft_type").dump() + " adapter; upipe trains LoRA adapters only");
     refuse_if(j.value("use_dora", false), file, "use_dora", "DoRA's magnitude vectors are not implemented");
@@ -108,7 +123,9 @@ adapter_settings read_adapter_config(const std::string& dir, const model_config&
                             "exclude_modules", "trainable_token_indices", "target_parameters"})
       refuse_if(non_empty(j, key), file, key, "every layer's targets share one r and alpha here, and only the "
                 "adapters train");
-    s.lora.rank = j.at("r").get<int>();
+    s.lora.rank = rank_of(j.at("r"), file);
+    if (!j.at("lora_alpha").is_number())
+      throw io_error(file + ": lora_alpha = " + j.at("lora_alpha").dump().substr(0, 40) + " is not a number");
     s.lora.alpha = j.at("lora_alpha").get<double>();
     s.dropout = j.value("lora_dropout", 0.0);
     s.lora.targets = parse_lora_targets(target_names(j.at("target_modules"), file, model.num_layers), model,
@@ -159,7 +176,7 @@ struct adapter_files::impl {
 adapter_files::adapter_files(const std::string& dir, const model_config& model, const lora_config& lora) {
   const std::string path = (fs::path(dir) / adapter_weights_file).string();
   std::error_code ec;
-  if (!fs::exists(path, ec))
+  if (!fs::exists(fs::symlink_status(path, ec)))
     throw io_error("cannot read the adapters: " + path + " is missing (PEFT's save_pretrained writes it; a .bin "
                    "adapter must be converted to safetensors first)");
   impl_ = std::make_unique<impl>(path);
@@ -184,8 +201,8 @@ adapter_files::adapter_files(const std::string& dir, const model_config& model, 
 adapter_files::~adapter_files() = default;
 
 void adapter_files::read(const std::string& name, std::int64_t offset, std::int64_t count, float* out) const {
-  impl_->file.read(std::string(peft_name_prefix) + name, static_cast<std::uint64_t>(offset),
-                   static_cast<std::uint64_t>(count), out);
+  impl_->file.read_finite(std::string(peft_name_prefix) + name, static_cast<std::uint64_t>(offset),
+                          static_cast<std::uint64_t>(count), out);
 }
 
 host_weights read_adapter_weights(const std::string& dir, const model_config& model, const lora_config& lora) {

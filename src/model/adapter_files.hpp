@@ -43,8 +43,8 @@ void write_adapter_config(const std::string& dir, const model_config& model, con
                           const std::string& base_model);
 
 // DIR/adapter_model.safetensors mapped, under upipe's names (lora_parameter_specs), every
-// tensor checked: present, with its shape and a supported dtype. Throws io_error naming
-// the file and the tensor.
+// tensor checked: present, with its shape and a supported dtype, every value read finite.
+// Throws io_error naming the file and the tensor.
 class adapter_files final : public weight_source {
  public:
   adapter_files(const std::string& dir, const model_config& model, const lora_config& lora);

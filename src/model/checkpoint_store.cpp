@@ -1,8 +1,9 @@
 #include "model/checkpoint_store.hpp"
 
-#include <charconv>
+#include <climits>
 
 #include "core/error.hpp"
+#include "core/key_values.hpp"
 
 namespace upipe {
 
@@ -11,28 +12,6 @@ namespace {
 constexpr const char* policy_help =
     "use what=input|input+attention, every=K (K >= 1), where=device|host-pinned|host-pageable, for example "
     "--checkpoint-policy what=input,every=1,where=host-pinned";
-
-void parse_part(checkpoint_policy& p, std::string_view part) {
-  const auto eq = part.find('=');
-  const std::string_view key = part.substr(0, eq), value = eq == part.npos ? "" : part.substr(eq + 1);
-  if (key == "what" && value == "input") {
-    p.what = checkpoint_content::layer_input;
-  } else if (key == "what" && value == "input+attention") {
-    p.what = checkpoint_content::layer_input_and_attention;
-  } else if (key == "every" && !value.empty()) {
-    int k = 0;
-    auto [end, err] = std::from_chars(value.data(), value.data() + value.size(), k);
-    if (err != std::errc() || end != value.data() + value.size() || k < 1)
-      throw config_error("checkpoint policy: every=" + std::string(value) + " must be an integer >= 1; " + policy_help);
-    p.every = k;
-  } else if (key == "where" && (value == "device" || value == "host-pinned" || value == "host-pageable")) {
-    p.where = value == "device"        ? checkpoint_location::device
-              : value == "host-pinned" ? checkpoint_location::host_pinned
-                                       : checkpoint_location::host_pageable;
-  } else {
-    throw config_error("checkpoint policy: '" + std::string(part) + "' is not understood; " + policy_help);
-  }
-}
 
 }  // namespace
 
@@ -55,11 +34,24 @@ std::string checkpoint_policy::str() const {
 }
 
 checkpoint_policy parse_checkpoint_policy(std::string_view text) {
+  const key_values items(text, "--checkpoint-policy", {{"what"}, {"every"}, {"where"}},
+                         "what=input,every=1,where=host-pinned");
+  const auto refuse = [&](const char* key) {
+    throw config_error("checkpoint policy: '" + std::string(key) + "=" + items.find(key).value_or("") +
+                       "' is not understood; " + policy_help);
+  };
   checkpoint_policy p;
-  while (!text.empty()) {
-    const auto comma = text.find(',');
-    parse_part(p, text.substr(0, comma));
-    text = comma == text.npos ? "" : text.substr(comma + 1);
+  if (const auto what = items.find("what")) {
+    if (*what == "input") p.what = checkpoint_content::layer_input;
+    else if (*what == "input+attention") p.what = checkpoint_content::layer_input_and_attention;
+    else refuse("what");
+  }
+  if (items.has("every")) p.every = static_cast<int>(items.whole_number("every", 1, INT_MAX, "1"));
+  if (const auto where = items.find("where")) {
+    if (*where == "device") p.where = checkpoint_location::device;
+    else if (*where == "host-pinned") p.where = checkpoint_location::host_pinned;
+    else if (*where == "host-pageable") p.where = checkpoint_location::host_pageable;
+    else refuse("where");
   }
   return p;
 }

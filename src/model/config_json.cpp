@@ -219,6 +219,11 @@ rope_config parse_rope(const field_reader& fields, const rope_sources& from, con
     type = nested.string("rope_type", *t);
   } else if (const json* t = nested.find("type")) {
     type = nested.string("type", *t);
+  } else if (source->contains("rope_type") || source->contains("type")) {
+    // null is no scaling's name: read as "default" it would drop the scaling the other keys describe
+    throw config_error("model config '" + path + "': " + source_name + (source->contains("rope_type") ? "rope_type" : "type") +
+                       " is null: name the scaling as transformers does (default, linear, llama3 or yarn), for "
+                       "example \"rope_type\": \"yarn\"");
   } else if (scaling) {
     nested.required("rope_type");  // a scaling object must say which scaling it is
   }
@@ -399,8 +404,9 @@ std::string hf_config_file(const std::string& path) {
 
 bool is_model_directory(const std::string& path) {
   std::error_code ec;
+  // Present in any form: a FIFO or a link loop in its place is then refused by name when read.
   return std::filesystem::is_directory(path, ec) &&
-         std::filesystem::is_regular_file(std::filesystem::path(path) / "config.json", ec);
+         std::filesystem::exists(std::filesystem::symlink_status(std::filesystem::path(path) / "config.json", ec));
 }
 
 namespace {

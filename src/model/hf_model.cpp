@@ -5,11 +5,13 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <set>
 
 #include <nlohmann/json.hpp>
 
 #include "core/error.hpp"
+#include "model/parameters.hpp"
 #include "core/files.hpp"
 #include "formats/safetensors.hpp"
 
@@ -71,10 +73,12 @@ index_contents read_index(const fs::path& index) {
 
 // A tensor of a layer the configuration does not have means the files are for another model.
 void check_layer(const model_config& config, const std::string& name, const std::string& where) {
-  const std::string prefix = "model.layers.";
-  if (name.rfind(prefix, 0) != 0) return;
-  const int layer = std::atoi(name.c_str() + prefix.size());
-  if (layer >= config.num_layers)
+  const std::optional<std::int64_t> layer = layer_of(name);
+  if (layer && *layer < 0)
+    throw io_error(where + " holds " + name.substr(0, 200) + ", whose layer is not a layer number (0 to " +
+                   std::to_string(config.num_layers - 1) + " in decimal digits): the file is damaged or of another "
+                   "format; save it again with save_pretrained");
+  if (layer && *layer >= config.num_layers)
     throw io_error(where + " holds " + name + " but the model configuration " + config.name + " has " +
                    std::to_string(config.num_layers) + " layers: pass the configuration these weights were saved "
                    "with (--model DIR, or --config DIR/config.json)");
@@ -168,18 +172,17 @@ hf_model_files::hf_model_files(const std::string& path, const model_config& conf
 
 hf_model_files::~hf_model_files() = default;
 
+bool has_weight_files(const std::string& dir) {
+  std::error_code ec;
+  return fs::exists(fs::symlink_status(fs::path(dir) / index_name, ec)) ||
+         fs::exists(fs::symlink_status(fs::path(dir) / single_name, ec));
+}
+
 void hf_model_files::read(const std::string& name, std::int64_t offset, std::int64_t count, float* out) const {
   const auto it = impl_->where.find(name);
   if (it == impl_->where.end()) throw io_error("the model files hold no tensor " + name);
   const safetensors_view& view = impl_->views[it->second];
-  view.read(name, static_cast<std::uint64_t>(offset), static_cast<std::uint64_t>(count), out);
-  // A NaN or an Inf named by its file as well as its tensor (the store checks values too,
-  // but knows no file).
-  const float* bad = std::find_if(out, out + count, [](float v) { return !std::isfinite(v); });
-  if (bad != out + count)
-    throw io_error(view.path() + " holds " + (std::isnan(*bad) ? std::string("NaN") : std::string(*bad > 0 ? "+Inf" : "-Inf")) +
-                   " in " + name + " (element " + std::to_string(offset + (bad - out)) +
-                   "): the file is damaged or the run that wrote it diverged; start from an earlier checkpoint");
+  view.read_finite(name, static_cast<std::uint64_t>(offset), static_cast<std::uint64_t>(count), out);
 }
 
 std::string hf_model_files::stored_dtype() const {
@@ -284,9 +287,20 @@ const std::vector<std::string>& companion_file_names() {
   return names;
 }
 
+void check_companion_files(const std::string& dir) {
+  std::error_code ec;
+  for (const std::string& name : companion_file_names()) {
+    const fs::path file = fs::path(dir) / name;
+    if (!fs::exists(fs::symlink_status(file, ec)) || fs::is_regular_file(file, ec)) continue;
+    throw io_error("the model directory " + dir + " holds " + name + " as " + describe_path(file.string()) +
+                   ", not a regular file: replace it by the file (or remove it) and run again");
+  }
+}
+
 std::vector<std::string> copy_companion_files(const std::string& from_dir, const std::string& to_dir) {
   std::vector<std::string> copied;
   std::error_code ec;
+  check_companion_files(from_dir);
   for (const std::string& name : companion_file_names()) {
     const fs::path from = fs::path(from_dir) / name;
     if (!fs::is_regular_file(from, ec)) continue;

@@ -30,6 +30,10 @@ class weight_source {
   virtual void read(const std::string& name, std::int64_t offset, std::int64_t count, float* out) const = 0;
 };
 
+// Does `dir` hold weight files (model.safetensors or its sharded index, in any form: a
+// broken one is then refused by name when read)?
+bool has_weight_files(const std::string& dir);
+
 // Host weights (random initialization, tests) as a source.
 class host_weight_source final : public weight_source {
  public:
@@ -91,6 +95,10 @@ class hf_model_writer {
 const std::vector<std::string>& companion_file_names();
 // Copies those of them that `from_dir` holds into `to_dir`; returns the names copied.
 std::vector<std::string> copy_companion_files(const std::string& from_dir, const std::string& to_dir);
+// Every companion file present in `dir` is a regular file (through links): a FIFO, a
+// directory or a symbolic link loop in a tokenizer's place is refused by name (io_error),
+// before a run that would copy it at its first save. Absent ones are fine.
+void check_companion_files(const std::string& dir);
 
 // "bfloat16" or "float32", as config.json names the dtype.
 std::string hf_dtype_name(dtype type);

@@ -6,6 +6,7 @@
 #include <sstream>
 
 #include "core/error.hpp"
+#include "core/key_values.hpp"
 #include "core/random.hpp"
 
 namespace upipe {
@@ -137,13 +138,18 @@ std::uint8_t parse_lora_targets(const std::vector<std::string>& names, const mod
 }
 
 void validate(const lora_config& lora, const model_config& model, const std::string& what) {
-  if (lora.rank <= 0)
-    throw config_error(what + " r=" + std::to_string(lora.rank) +
-                       " must be a positive integer (the adapters' rank; for example r=16)");
+  if (lora.rank <= 0 || lora.rank > max_lora_rank)
+    throw config_error(what + " r=" + std::to_string(lora.rank) + " must be a whole number between 1 and " +
+                       std::to_string(max_lora_rank) + " (the adapters' rank; for example r=16)");
   if (!std::isfinite(lora.alpha) || !(lora.alpha > 0))
     throw config_error(what + " alpha=" + number_text(lora.alpha) +
                        " must be a positive finite number (the adapters' output is scaled by alpha / r; for example "
                        "alpha=" + std::to_string(2 * lora.rank) + ")");
+  if (lora.alpha / lora.rank > max_lora_scale)
+    throw config_error(what + " alpha=" + number_text(lora.alpha) + " with r=" + std::to_string(lora.rank) +
+                       " scales the adapters' output by alpha / r = " + number_text(lora.alpha / lora.rank) +
+                       ", beyond " + number_text(max_lora_scale) + ": the adapters would swamp the frozen weights "
+                       "(recipes use alpha / r of 0.5 to 32); for example alpha=" + std::to_string(2 * lora.rank));
   if (lora.targets == 0 || (lora.targets & ~every_target) != 0)
     throw config_error(what + " needs targets among " + valid_targets_text(model));
   for (lora_target t : lora.target_list()) {
@@ -162,65 +168,30 @@ void validate(const lora_config& lora, const model_config& model, const std::str
 }
 
 lora_config parse_lora(std::string_view text, const model_config& model) {
-  lora_config lora;
-  bool has_rank = false, has_alpha = false, in_targets = false;
-  std::vector<std::string> targets;
-  const auto number = [](const std::string& key, const std::string& value) {
-    try {
-      std::size_t used = 0;
-      const double v = std::stod(value, &used);
-      if (used == value.size()) return v;
-    } catch (const std::exception&) {
-    }
-    throw config_error("--lora " + key + "=" + value + " is not a number (for example " + key +
-                       (key == "r" ? "=16)" : key == "dropout" ? "=0)" : "=32)"));
-  };
-  std::size_t start = 0;
-  while (start <= text.size()) {
-    const std::size_t comma = std::min(text.find(',', start), text.size());
-    const std::string item(text.substr(start, comma - start));
-    start = comma + 1;
-    if (item.empty()) continue;
-    const std::size_t eq = item.find('=');
-    if (eq == std::string::npos) {
-      if (!in_targets)
-        throw config_error("--lora item '" + item + "' must be key=value (keys r, alpha, dropout, targets), e.g. "
-                           "--lora r=16,alpha=32,targets=q,k,v,o");
-      targets.push_back(item);
-      continue;
-    }
-    const std::string key = item.substr(0, eq), value = item.substr(eq + 1);
-    in_targets = false;
-    if (key == "r" || key == "rank") {
-      const double r = number("r", value);
-      if (!(r >= 1) || r != std::floor(r) || r > (1 << 20))
-        throw config_error("--lora r=" + value + " must be a positive integer (the adapters' rank; for example r=16)");
-      lora.rank = static_cast<int>(r);
-      has_rank = true;
-    } else if (key == "alpha" || key == "lora_alpha") {
-      lora.alpha = number("alpha", value);
-      has_alpha = true;
-      if (!std::isfinite(lora.alpha) || !(lora.alpha > 0))
-        throw config_error("--lora alpha=" + value + " must be a positive finite number (the adapters' output is "
-                           "scaled by alpha / r; for example alpha=32 with r=16)");
-    } else if (key == "dropout" || key == "lora_dropout") {
-      const double p = number("dropout", value);
-      if (p != 0)
-        throw config_error("--lora dropout=" + value + " is not supported: upipe's adapters run without dropout "
-                           "(PEFT's lora_dropout = 0), which the exactness tests hold every strategy to; use dropout=0");
-    } else if (key == "targets" || key == "target_modules") {
-      in_targets = true;
-      if (!value.empty()) targets.push_back(value);
-    } else {
-      throw config_error("--lora key '" + key + "' is not known: the keys are r, alpha, dropout and targets, e.g. "
-                         "--lora r=16,alpha=32,targets=q,k,v,o,gate,up,down");
-    }
-  }
-  if (!has_rank)
+  const key_values items(text, "--lora",
+                         {{"r", {"rank"}}, {"alpha", {"lora_alpha"}}, {"dropout", {"lora_dropout"}},
+                          {"targets", {"target_modules"}, option_key::takes::list}},
+                         "r=16,alpha=32,targets=q,k,v,o,gate,up,down");
+  if (!items.has("r"))
     throw config_error("--lora " + std::string(text) + " gives no rank: begin with r=N, e.g. --lora r=16,alpha=32");
-  if (lora.rank <= 0) throw config_error("--lora r=" + std::to_string(lora.rank) + " must be a positive integer");
-  if (!has_alpha) lora.alpha = lora.rank;
-  lora.targets = targets.empty() ? every_target : parse_lora_targets(targets, model);
+  lora_config lora;
+  lora.rank = static_cast<int>(items.whole_number("r", 1, max_lora_rank, "16"));
+  lora.alpha = items.has("alpha") ? items.real_number("alpha", "32") : lora.rank;
+  if (items.has("dropout") && items.real_number("dropout", "0") != 0)
+    throw config_error("--lora dropout=" + *items.find("dropout") + " is not supported: upipe's adapters run without "
+                       "dropout (PEFT's lora_dropout = 0), which the exactness tests hold every strategy to; use "
+                       "dropout=0");
+  const std::optional<std::string> targets = items.find("targets");
+  if (targets && targets->empty())
+    throw config_error("--lora targets= names no projection: name some of " + valid_targets_text(model) +
+                       ", or leave targets out for all seven");
+  std::vector<std::string> names;
+  for (std::size_t start = 0; targets && start <= targets->size();) {
+    const std::size_t comma = std::min(targets->find(',', start), targets->size());
+    names.push_back(targets->substr(start, comma - start));
+    start = comma + 1;
+  }
+  lora.targets = names.empty() ? every_target : parse_lora_targets(names, model);
   validate(lora, model);
   return lora;
 }

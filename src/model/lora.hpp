@@ -25,6 +25,11 @@ namespace upipe {
 // their rows of its B.
 using lora_target = layer_projection;
 inline constexpr int lora_target_count = layer_projection_count;
+// The largest rank read (a rank above min(out, in) of every target is refused anyway).
+inline constexpr int max_lora_rank = 1 << 20;
+// The largest alpha / r: beyond it the adapters' output swamps the frozen weights' and the
+// first step diverges, which would otherwise be reported as a learning rate too high.
+inline constexpr double max_lora_scale = 1024;
 
 struct lora_config {
   int rank = 0;           // r; 0: no LoRA (every weight trained)

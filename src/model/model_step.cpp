@@ -129,7 +129,7 @@ model_step_result run_model_step(const model_step_request& req, const host_weigh
   run_cp_group(req.backend, req.limits, req.cp.cp, [&](int rank, backend& be, communicator& comm) {
     run_rank(req, seq, result.seq_len, weights, adapters.empty() ? initial : adapters, be, comm, per_rank[rank],
              rank == 0 ? &result : nullptr);
-  }, false, req.comm);
+  }, group_run::every_rank, req.comm);
   double loss_sum = 0;
   for (rank_result& r : per_rank) {
     loss_sum += r.loss_sum;
@@ -157,7 +157,7 @@ eval_result evaluate_shapes(const model_step_request& req, std::int64_t seq_len)
     model.forward_scores(params, {{}, {}, 1.0, {}});  // no host ids: meta reads none
     result.peak_bytes = be.ledger().peaks_by_name();
     result.arena_high_water = be.device_arena().high_water();
-  }, false, req.comm);
+  }, group_run::every_rank, req.comm);
   return result;
 }
 
@@ -248,7 +248,7 @@ eval_result evaluate(const model_step_request& req, const weight_source& weights
       result.peak_bytes = be.ledger().peaks_by_name();
       result.arena_high_water = be.device_arena().high_water();
     }
-  }, false, req.comm);
+  }, group_run::every_rank, req.comm);
   result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return result;
 }

@@ -8,6 +8,7 @@
 
 #include "backend/ops.hpp"
 #include "core/error.hpp"
+#include "model/parameters.hpp"
 #include "model/parameter_unit.hpp"
 
 namespace upipe {
@@ -21,8 +22,10 @@ std::int64_t numel_of(const std::vector<std::int64_t>& shape) {
 }
 
 int unit_of(const std::string& name, int layers) {
-  const std::string prefix = "model.layers.";
-  if (name.rfind(prefix, 0) == 0) return 1 + std::atoi(name.c_str() + prefix.size());
+  if (const std::optional<std::int64_t> layer = layer_of(name)) {
+    UPIPE_CHECK(*layer >= 0 && *layer < layers, "parameter " + name + " lies outside the model's layers");
+    return 1 + static_cast<int>(*layer);
+  }
   return name == "model.embed_tokens.weight" ? 0 : layers + 1;
 }
 

@@ -137,7 +137,6 @@ class parameter_store {
 
   zero_stage stage() const { return stage_; }
   weight_role role() const { return role_; }
-  bool optimizer_offloaded() const { return offload_.optimizer; }
   bool params_offloaded() const { return offload_.params; }
   const optimizer_state_options& state_options() const { return state_; }
   int embedding_unit() const { return 0; }

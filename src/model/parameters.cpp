@@ -1,11 +1,24 @@
 #include "model/parameters.hpp"
 
 #include <algorithm>
+#include <charconv>
 #include <span>
 #include <utility>
 #include <vector>
 
 namespace upipe {
+
+std::optional<std::int64_t> layer_of(std::string_view name) {
+  constexpr std::string_view prefix = "model.layers.";
+  if (!name.starts_with(prefix)) return std::nullopt;
+  const std::string_view rest = name.substr(prefix.size());
+  const std::string_view digits = rest.substr(0, rest.find('.'));
+  std::int64_t layer = -1;
+  const bool plain = !digits.empty() && digits.find_first_not_of("0123456789") == std::string_view::npos &&
+                     (digits.size() == 1 || digits[0] != '0');
+  if (!plain || std::from_chars(digits.data(), digits.data() + digits.size(), layer).ec != std::errc()) return -1;
+  return layer;
+}
 
 namespace {
 

@@ -4,8 +4,11 @@
 // projections is a block of its rows, so that loading and saving copy it unchanged.
 #pragma once
 
+#include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
+#include <string_view>
 #include <utility>
 
 #include "cp/strategy.hpp"
@@ -30,6 +33,12 @@ struct layer_gradients {
   mat_view attention_post_norm, mlp_norm, mlp_post_norm;
   projection_grads gate, up, down;
 };
+
+// The layer of a tensor named "model.layers.N. ...": N when it is written as a layer's name
+// is (decimal digits, no leading zero, within 64 bits), -1 when it is not ("01", "-1",
+// 99999999999999999999: no layer's, never read as another one), nothing for a tensor
+// outside the layers.
+std::optional<std::int64_t> layer_of(std::string_view name);
 
 // Layer `index`'s views, each looked up by its name in `view` (which gives a 1-D tensor as
 // one row); the blocks of a fused tensor are its rows.

@@ -221,16 +221,15 @@ void transformer::forward_layers(parameter_store& params, parameter_store* adapt
   set_current_layer(-1);
 }
 
-// The f32 logits (n, V) of final-hidden rows [t0, t0 + n): the final RMSNorm, then the lm
-// head, which the caller holds acquired (with the embedding when tied).
-tensor transformer::chunk_logits(parameter_store& params, std::int64_t t0, std::int64_t n) {
-  tensor h = be_.allocate(mem_tag::activations, be_.work_dtype(), {n, model_.hidden_size}, "final_norm_out");
-  tensor rstd = be_.allocate(mem_tag::activations, dtype::f32, {n, 1}, "final_norm_rstd");
-  ops::rmsnorm_forward(be_, {final_hidden_.matrix().row_block(t0, n), params.final_norm(), h.matrix(), rstd.matrix(),
+transformer::head_rows transformer::head_forward(parameter_store& params, const mat_view& x) {
+  const std::int64_t n = x.rows;
+  head_rows out{be_.allocate(mem_tag::activations, be_.work_dtype(), {n, model_.hidden_size}, "final_norm_out"),
+                be_.allocate(mem_tag::activations, dtype::f32, {n, 1}, "final_norm_rstd"), tensor()};
+  ops::rmsnorm_forward(be_, {x, params.final_norm(), out.normed.matrix(), out.rstd.matrix(),
                              norm_eps(), norm_offset()});
-  tensor logits = be_.allocate(mem_tag::workspace, dtype::f32, {n, model_.vocab_size}, "logits");
-  ops::gemm(be_, {h.matrix(), transpose::none, params.lm_head(), transpose::yes, logits.matrix()});
-  return logits;
+  out.logits = be_.allocate(mem_tag::workspace, dtype::f32, {n, model_.vocab_size}, "logits");
+  ops::gemm(be_, {out.normed.matrix(), transpose::none, params.lm_head(), transpose::yes, out.logits.matrix()});
+  return out;
 }
 
 void transformer::acquire_head(parameter_store& params) {
@@ -261,7 +260,7 @@ transformer::scores transformer::forward_scores(parameter_store& params, const l
   tensor row_loss = be_.allocate(mem_tag::activations, dtype::f32, {tokens_, 1}, "row_loss");
   for (std::int64_t t0 = 0; t0 < tokens_; t0 = next_tile(t0, loss_chunk_)) {
     const std::int64_t n = std::min(loss_chunk_, tokens_ - t0);
-    tensor logits = chunk_logits(params, t0, n);
+    tensor logits = std::move(head_forward(params, final_hidden_.matrix().row_block(t0, n)).logits);
     for (std::size_t i = 0; i < argmax_rows.size(); ++i) {
       const std::int64_t r = argmax_rows[i];
       UPIPE_CHECK(r >= 0 && r < tokens_, "argmax row " + std::to_string(r) + " is not local");
@@ -523,8 +522,7 @@ void transformer::backward_layers(parameter_store& params, parameter_store* adap
 double transformer::loss_forward_backward(parameter_store& params, const tensor& x, const tensor& labels,
                                           double grad_scale, const tensor& d_x) {
   const phase_scope phase(be_, "loss");
-  const std::int64_t D = model_.hidden_size, V = model_.vocab_size;
-  const float eps = norm_eps();
+  const std::int64_t D = model_.hidden_size;
   const int head = params.head_unit(), embedding = params.embedding_unit();
   params.acquire(head);
   params.open_grads(head);
@@ -536,21 +534,17 @@ double transformer::loss_forward_backward(parameter_store& params, const tensor&
   for (std::int64_t t0 = 0; t0 < tokens_; t0 = next_tile(t0, loss_chunk_)) {
     const std::int64_t n = std::min(loss_chunk_, tokens_ - t0);
     const mat_view xt = x.matrix().row_block(t0, n);
-    tensor h = be_.allocate(mem_tag::activations, be_.work_dtype(), {n, D}, "final_norm_out");
-    tensor rstd = be_.allocate(mem_tag::activations, dtype::f32, {n, 1}, "final_norm_rstd");
-    ops::rmsnorm_forward(be_, {xt, params.final_norm(), h.matrix(), rstd.matrix(), eps, norm_offset()});
-    tensor logits = be_.allocate(mem_tag::workspace, dtype::f32, {n, V}, "logits");
-    ops::gemm(be_, {h.matrix(), transpose::none, params.lm_head(), transpose::yes, logits.matrix()});
-    ops::cross_entropy(be_, {logits.matrix(), labels.matrix().row_block(t0, n), row_loss.matrix().row_block(t0, n),
-                             static_cast<float>(grad_scale)});
-    tensor d_logits = working_copy(be_, logits.matrix(), "d_logits");
-    logits.reset();
+    head_rows rows = head_forward(params, xt);
+    ops::cross_entropy(be_, {rows.logits.matrix(), labels.matrix().row_block(t0, n),
+                             row_loss.matrix().row_block(t0, n), static_cast<float>(grad_scale)});
+    tensor d_logits = working_copy(be_, rows.logits.matrix(), "d_logits");
+    rows.logits.reset();
     tensor d_h = be_.allocate(mem_tag::activations, dtype::f32, {n, D}, "d_final_norm_out");
     ops::gemm(be_, {d_logits.matrix(), transpose::none, params.lm_head(), transpose::none, d_h.matrix()});
     if (const mat_view d_head = params.lm_head_grad(); d_head.rows > 0)  // none when frozen
-      ops::gemm(be_, {d_logits.matrix(), transpose::yes, h.matrix(), transpose::none, d_head, 1.0f, 1.0f});
-    ops::rmsnorm_backward(be_, {xt, params.final_norm(), rstd.matrix(), d_h.matrix(), d_x.matrix().row_block(t0, n),
-                                params.final_norm_grad(), norm_offset()});
+      ops::gemm(be_, {d_logits.matrix(), transpose::yes, rows.normed.matrix(), transpose::none, d_head, 1.0f, 1.0f});
+    ops::rmsnorm_backward(be_, {xt, params.final_norm(), rows.rstd.matrix(), d_h.matrix(),
+                                d_x.matrix().row_block(t0, n), params.final_norm_grad(), norm_offset()});
   }
   if (model_.tie_embeddings) params.release(embedding);
   params.close_grads(head);

@@ -143,7 +143,13 @@ class transformer {
   double loss_forward_backward(parameter_store& params, const tensor& x, const tensor& labels, double grad_scale,
                                const tensor& d_x);
   tensor embed(parameter_store& params, const tensor& ids);
-  tensor chunk_logits(parameter_store& params, std::int64_t t0, std::int64_t n);
+  // The final RMSNorm and the lm head on rows of the final hidden state: the normed rows
+  // (work dtype; the head's gradient reads them), their rstd (the norm's backward) and the
+  // f32 logits (n, V). The caller holds the head acquired (with the embedding when tied).
+  struct head_rows {
+    tensor normed, rstd, logits;
+  };
+  head_rows head_forward(parameter_store& params, const mat_view& x);
   void acquire_head(parameter_store& params);  // the lm head, and the embedding when tied
   void release_head(parameter_store& params);
   void forward_layers(parameter_store& params, parameter_store* adapters, tensor x, checkpoint_store* store);

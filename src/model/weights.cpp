@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <filesystem>
+#include <random>
 #include <set>
 
 #include "backend/backend.hpp"
@@ -63,6 +64,14 @@ host_weights random_weights(const model_config& config, unsigned long long seed)
     weights.emplace(spec.name, std::move(v));
   }
   return weights;
+}
+
+std::vector<std::int32_t> random_tokens(std::int64_t count, std::int64_t vocab, unsigned long long seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_int_distribution<std::int64_t> pick(0, vocab - 1);
+  std::vector<std::int32_t> tokens(static_cast<std::size_t>(count));
+  for (auto& t : tokens) t = static_cast<std::int32_t>(pick(rng));
+  return tokens;
 }
 
 }  // namespace upipe

@@ -2,6 +2,7 @@
 // safetensors (checked against the configuration), or drawn at random.
 #pragma once
 
+#include <cstdint>
 #include <map>
 #include <string>
 #include <vector>
@@ -28,5 +29,8 @@ void write_weights(const model_config& config, const host_weights& weights, cons
 // misplaced. Counter-based draws on all
 // cores (core/random.hpp), so models of billions of parameters start in seconds.
 host_weights random_weights(const model_config& config, unsigned long long seed);
+
+// `count` token ids uniform in [0, vocab), from `seed` (std::mt19937_64).
+std::vector<std::int32_t> random_tokens(std::int64_t count, std::int64_t vocab, unsigned long long seed);
 
 }  // namespace upipe

@@ -243,7 +243,7 @@ experiment_result run_attention_experiment(attention_config config, const experi
   std::vector<rank_output> outputs(static_cast<std::size_t>(config.cp));
   run_cp_group(options.backend, options.limits, config.cp, [&](int rank, backend& be, communicator& comm) {
     run_rank(config, be, comm, data ? &in : nullptr, options.documents, outputs[rank], rank == 0 ? &result : nullptr);
-  }, false, options.comm);
+  }, group_run::every_rank, options.comm);
   if (!data) return result;
   const assembled a = assemble(config, outputs);
   if (!options.dump_dir.empty()) dump(options.dump_dir, config, in, a);

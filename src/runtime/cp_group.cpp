@@ -59,10 +59,10 @@ memory_limits within_machine(memory_limits limits, int ranks, std::size_t& share
 
 std::vector<std::unique_ptr<backend>> run_cp_group(backend_kind kind, const memory_limits& limits, int size,
                                                    const std::function<void(int rank, backend& be, communicator& comm)>& fn,
-                                                   bool emulate, const comm_options& comm) {
+                                                   group_run ranks, const comm_options& comm) {
   validate(comm);
   std::vector<std::unique_ptr<backend>> backends;
-  if (emulate || kind == backend_kind::meta) {
+  if (ranks == group_run::rank_zero_emulated || kind == backend_kind::meta) {
     backends.push_back(make_backend(kind, limits));
     auto loopback = make_loopback_communicator(*backends[0], size);
     fn(0, *backends[0], *loopback);
@@ -98,11 +98,11 @@ std::vector<std::unique_ptr<backend>> run_cp_group(backend_kind kind, const memo
 }
 
 std::vector<std::unique_ptr<backend>> run_mesh(backend_kind kind, const memory_limits& limits, mesh_shape mesh,
-                                               const mesh_rank_fn& fn, bool emulate, const comm_options& comm) {
+                                               const mesh_rank_fn& fn, group_run ranks, const comm_options& comm) {
   if (mesh.dp < 1 || mesh.cp < 1)
     throw config_error("--dp " + std::to_string(mesh.dp) + " and --cp " + std::to_string(mesh.cp) +
                        " must be at least 1 (replicas, and ranks in each replica's CP group; for example --dp 2 --cp 4)");
-  if (mesh.dp > 1 && !emulate && kind != backend_kind::meta && comm.kind != comm_kind::threads) {
+  if (mesh.dp > 1 && ranks == group_run::every_rank && kind != backend_kind::meta && comm.kind != comm_kind::threads) {
     const std::optional<launch_env> env = launcher_environment();
     if (env && env->size != mesh.ranks())
       throw config_error(env->launcher + " started " + std::to_string(env->size) + " processes but --dp " +
@@ -118,7 +118,7 @@ std::vector<std::unique_ptr<backend>> run_mesh(backend_kind kind, const memory_l
         communicator& cp = groups.cp ? *groups.cp : world;
         fn(rank, be, {world, cp, groups.shards ? *groups.shards : world});
       },
-      emulate, comm);
+      ranks, comm);
 }
 
 }  // namespace upipe

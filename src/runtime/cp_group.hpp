@@ -14,14 +14,16 @@ namespace upipe {
 // Runs fn(rank, backend, communicator) on every rank of a CP group of `size`: one thread
 // per rank, each with its own backend of `kind`, when the backend holds data; rank 0
 // alone over a loopback communicator on meta (every rank's shapes are rank 0's), or on
-// any backend when `emulate` is set (one GPU measures rank 0 of a group of `size`: its
+// any backend with group_run::rank_zero_emulated (one GPU measures rank 0 of a group of `size`: its
 // memory, compute and device copies of the bytes it would exchange). Real ranks talk
 // through `comm` (see comm_kind); under a launcher this process runs its own rank only.
 // Returns the backends of the ranks this process ran, so their ledgers can be read
 // afterwards.
+// Which ranks of the group run: all of them, or rank 0 alone against a loopback (emulated).
+enum class group_run { every_rank, rank_zero_emulated };
 std::vector<std::unique_ptr<backend>> run_cp_group(backend_kind kind, const memory_limits& limits, int size,
                                                    const std::function<void(int rank, backend& be, communicator& comm)>& fn,
-                                                   bool emulate = false, const comm_options& comm = {});
+                                                   group_run ranks = group_run::every_rank, const comm_options& comm = {});
 
 // A data-parallel mesh: `dp` replicas, each a CP group of `cp` consecutive ranks
 // (docs/design.md section 11).
@@ -44,7 +46,7 @@ using mesh_rank_fn = std::function<void(int rank, backend& be, const mesh_comms&
 // meta, rank 0 of the world alone over a loopback of D x C, its groups loopbacks. Under a
 // launcher the job must have D x C processes (config_error naming both otherwise).
 std::vector<std::unique_ptr<backend>> run_mesh(backend_kind kind, const memory_limits& limits, mesh_shape mesh,
-                                               const mesh_rank_fn& fn, bool emulate = false,
+                                               const mesh_rank_fn& fn, group_run ranks = group_run::every_rank,
                                                const comm_options& comm = {});
 
 }  // namespace upipe

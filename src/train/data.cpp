@@ -29,8 +29,6 @@ namespace {
 // Token files hold little-endian uint32 ids and are read in place from the mapping.
 static_assert(std::endian::native == std::endian::little, "token files are read as little-endian uint32");
 
-std::string errno_message(int err) { return std::generic_category().message(err); }
-
 [[noreturn]] void token_file_failure(const std::string& path, const std::string& problem) {
   throw io_error("cannot read token file " + path + ": " + problem);
 }
@@ -40,43 +38,11 @@ std::string errno_message(int err) { return std::generic_category().message(err)
 // ---------------------------------------------------------------------------------------
 // token_file
 
-mapped_bytes::mapped_bytes(const std::string& path, const std::string& what) : path_(path) {
-  const auto fail = [&](const std::string& problem) { throw io_error("cannot read " + what + " " + path + ": " + problem); };
-  // O_NONBLOCK so that opening a FIFO cannot wait for a writer; regular files ignore it.
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
-  if (fd < 0) fail("cannot open it: " + errno_message(errno));
-  struct stat info {};
-  if (::fstat(fd, &info) != 0) {
-    const int err = errno;
-    ::close(fd);
-    fail("cannot stat it: " + errno_message(err));
-  }
-  if (!S_ISREG(info.st_mode)) {
-    ::close(fd);
-    fail("it is not a regular file");
-  }
-  size_ = static_cast<std::uint64_t>(info.st_size);
-  if (size_ > 0) {
-    void* map = ::mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd, 0);
-    const int err = errno;
-    ::close(fd);  // the mapping keeps the file open
-    if (map == MAP_FAILED) fail("cannot map it into memory: " + errno_message(err));
-    data_ = map;
-  } else {
-    ::close(fd);
-  }
-}
-
-mapped_bytes::~mapped_bytes() {
-  if (data_ && ::munmap(const_cast<void*>(data_), size_) != 0)
-    std::fprintf(stderr, "upipe: cannot unmap %s: %s\n", path_.c_str(), errno_message(errno).c_str());
-}
-
 token_file::token_file(const std::string& path, std::int64_t seq_len, std::int64_t vocab_size)
     : path_(path), seq_len_(seq_len), vocab_(vocab_size) {
   UPIPE_CHECK(seq_len >= 1, "token_file needs a positive sequence length, got " + std::to_string(seq_len));
   UPIPE_CHECK(vocab_size >= 1, "token_file needs a positive vocabulary size, got " + std::to_string(vocab_size));
-  map_ = std::make_unique<mapped_bytes>(path, "token file");
+  map_ = std::make_unique<mapped_file>(path, "token file");
   const std::uint64_t bytes = map_->size();
   if (bytes == 0) token_file_failure(path, "it is empty; a token file holds little-endian uint32 ids, 4 bytes each");
   if (bytes % 4 != 0)
@@ -147,7 +113,7 @@ std::int64_t doc_length(const std::uint64_t* offsets, std::int64_t d) {
 // The loss mask a manifest names ("loss_mask"), mapped and its size checked (its bytes are
 // checked with the ids, once before training): one byte per token, 0 or 1. Null where the
 // manifest names none (every token is a target).
-std::unique_ptr<mapped_bytes> open_loss_mask(const std::string& prefix, const std::string& manifest_path,
+std::unique_ptr<mapped_file> open_loss_mask(const std::string& prefix, const std::string& manifest_path,
                                              const nlohmann::json& m, std::uint64_t tokens) {
   if (!m.contains("loss_mask") || m["loss_mask"].is_null()) return nullptr;
   const nlohmann::json& mask = m["loss_mask"];
@@ -155,7 +121,7 @@ std::unique_ptr<mapped_bytes> open_loss_mask(const std::string& prefix, const st
   if (!mask.is_object() || !is("format", "upipe-loss-mask") || !is("version", 1) || !is("dtype", "uint8"))
     throw io_error(manifest_path + ": loss_mask " + mask.dump().substr(0, 120) + " is not a loss mask this upipe reads "
                    "(format upipe-loss-mask, version 1, dtype uint8); prepare the data again with this upipe");
-  auto file = std::make_unique<mapped_bytes>(prefix + ".mask", "loss mask");
+  auto file = std::make_unique<mapped_file>(prefix + ".mask", "loss mask");
   if (file->size() != tokens)
     throw io_error(prefix + ".mask holds " + std::to_string(file->size()) + " bytes, but the corpus has " +
                    std::to_string(tokens) + " tokens, one mask byte each: the files are of different runs or "
@@ -170,9 +136,7 @@ bool document_corpus::exists(const std::string& prefix) {
   return std::filesystem::is_regular_file(prefix + ".index", ec) && std::filesystem::exists(prefix + ".tokens", ec);
 }
 
-document_corpus::document_corpus(const std::string& prefix, std::int64_t vocab_size, std::int64_t min_doc_tokens,
-                                 std::uint64_t seed)
-    : prefix_(prefix), vocab_(vocab_size), seed_(seed) {
+corpus_manifest read_corpus_manifest(const std::string& prefix, std::int64_t vocab_size) {
   const std::string manifest_path = prefix + ".json";
   const std::string text = read_text_file(manifest_path, "the manifest of " + prefix + " (upipe prepare-data writes it)");
   nlohmann::json m;
@@ -185,16 +149,41 @@ document_corpus::document_corpus(const std::string& prefix, std::int64_t vocab_s
     if (!m.is_object() || !m.contains(key)) throw io_error(manifest_path + " has no \"" + std::string(key) + "\"");
     return m[key];
   };
+  if (field("format") != corpus_format || field("version") != corpus_version)
+    throw io_error(manifest_path + " is not an upipe corpus manifest of version " + std::to_string(corpus_version) +
+                   " (format " + field("format").dump().substr(0, 40) + ", version " +
+                   field("version").dump().substr(0, 40) + "): prepare the data with upipe prepare-data");
   if (!field("dtype").is_string() || field("dtype") != "uint32")
     throw io_error(manifest_path + ": dtype " + field("dtype").dump() + " is not supported; upipe reads uint32 tokens");
   if (!field("vocab_size").is_number_unsigned() || field("vocab_size").get<std::uint64_t>() > static_cast<std::uint64_t>(vocab_size))
     throw config_error(prefix + " was tokenized with a vocabulary of " + field("vocab_size").dump() +
                        " ids, more than the model's " + std::to_string(vocab_size) +
                        ": it belongs to another model; prepare the data with this model's tokenizer");
-  tokens_ = std::make_unique<mapped_bytes>(prefix + ".tokens", "token file");
-  index_ = std::make_unique<mapped_bytes>(prefix + ".index", "document index");
-  const std::uint64_t documents = field("documents").is_number_unsigned() ? field("documents").get<std::uint64_t>() : 0;
-  const std::uint64_t tokens = field("tokens").is_number_unsigned() ? field("tokens").get<std::uint64_t>() : 0;
+  for (const char* key : {"documents", "tokens"})
+    if (!field(key).is_number_unsigned())
+      throw io_error(manifest_path + ": " + key + " = " + field(key).dump().substr(0, 40) +
+                     " is not a whole number of 0 or more; prepare the data again");
+  return {field("documents").get<std::uint64_t>(), field("tokens").get<std::uint64_t>(), manifest_path, m};
+}
+
+std::unique_ptr<token_file> open_token_stream(const std::string& data, std::int64_t seq_len, std::int64_t vocab_size) {
+  if (!document_corpus::exists(data)) return std::make_unique<token_file>(data, seq_len, vocab_size);
+  const corpus_manifest manifest = read_corpus_manifest(data, vocab_size);
+  auto file = std::make_unique<token_file>(data + ".tokens", seq_len, vocab_size);
+  if (static_cast<std::uint64_t>(file->size()) != manifest.tokens)
+    throw io_error(data + ".tokens holds " + std::to_string(file->size()) + " tokens, but the manifest counts " +
+                   std::to_string(manifest.tokens) + ": the files are of different runs or truncated; prepare the "
+                   "data again");
+  return file;
+}
+
+document_corpus::document_corpus(const std::string& prefix, std::int64_t vocab_size, std::int64_t min_doc_tokens,
+                                 std::uint64_t seed)
+    : prefix_(prefix), vocab_(vocab_size), seed_(seed) {
+  const corpus_manifest manifest = read_corpus_manifest(prefix, vocab_size);
+  tokens_ = std::make_unique<mapped_file>(prefix + ".tokens", "token file");
+  index_ = std::make_unique<mapped_file>(prefix + ".index", "document index");
+  const std::uint64_t documents = manifest.documents, tokens = manifest.tokens;
   // Compared by division: the manifest's counts come from a file, and tokens * 4 or
   // (documents + 1) * 8 could wrap around to a size that matches.
   if (tokens_->size() % 4 != 0 || tokens_->size() / 4 != tokens)
@@ -207,7 +196,7 @@ document_corpus::document_corpus(const std::string& prefix, std::int64_t vocab_s
                    "prepare the data again");
   ids_ = static_cast<const std::uint32_t*>(tokens_->data());
   offsets_ = static_cast<const std::uint64_t*>(index_->data());
-  mask_ = open_loss_mask(prefix, manifest_path, m, tokens);
+  mask_ = open_loss_mask(prefix, manifest.path, manifest.fields, tokens);
   if (mask_) target_bytes_ = static_cast<const std::uint8_t*>(mask_->data());
   if (offsets_[0] != 0 || offsets_[documents] != tokens)
     throw io_error(prefix + ".index runs from " + std::to_string(offsets_[0]) + " to " +
@@ -227,6 +216,7 @@ document_corpus::document_corpus(const std::string& prefix, std::int64_t vocab_s
   if (kept_.empty())
     throw config_error(prefix + " has no document of at least --min-doc-tokens " + std::to_string(min_doc_tokens) +
                        " tokens (" + std::to_string(documents) + " documents); lower --min-doc-tokens");
+
 }
 
 document_corpus::~document_corpus() = default;
@@ -281,6 +271,14 @@ packed_sequence document_corpus::window(std::int64_t position, std::int64_t leng
     }
   }
   return out;
+}
+
+void document_corpus::check_documents_predict() const {
+  // Attention and the loss stay within a document: one of a single token predicts nothing.
+  if (std::none_of(kept_.begin(), kept_.end(), [&](std::int64_t d) { return doc_length(offsets_, d) >= 2; }))
+    throw config_error(prefix_ + " has no document of two tokens or more (" + std::to_string(kept_.size()) +
+                       " documents of one token): within a document there is then nothing to predict; prepare "
+                       "documents of several tokens, or read it as one stream with --packing stream");
 }
 
 void document_corpus::check_ids() const {

@@ -8,24 +8,11 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
+#include "core/files.hpp"
+
 namespace upipe {
-
-// A whole file mapped read-only (a regular file only: a FIFO or a device is refused
-// before anything reads it). Throws io_error naming the file, prefixed with `what`.
-class mapped_bytes {
- public:
-  mapped_bytes(const std::string& path, const std::string& what);
-  ~mapped_bytes();
-  mapped_bytes(const mapped_bytes&) = delete;
-  mapped_bytes& operator=(const mapped_bytes&) = delete;
-  const void* data() const { return data_; }
-  std::uint64_t size() const { return size_; }
-
- private:
-  std::string path_;
-  const void* data_ = nullptr;
-  std::uint64_t size_ = 0;
-};
 
 // A memory-mapped token file. Sequences are read consecutively from a position and
 // wrap around at the end; every id is checked against the vocabulary as it is read.
@@ -53,7 +40,7 @@ class token_file {
  private:
   std::string path_;
   std::int64_t seq_len_, vocab_, count_ = 0;
-  std::unique_ptr<mapped_bytes> map_;
+  std::unique_ptr<mapped_file> map_;
   const std::uint32_t* tokens_ = nullptr;
 };
 
@@ -79,6 +66,23 @@ struct packed_sequence {
   std::int64_t length() const { return tokens.empty() ? shape_only : static_cast<std::int64_t>(tokens.size()); }
 };
 
+// A corpus's manifest (PREFIX.json, as upipe prepare-data writes it), checked: format
+// "upipe-tokens" of version 1, uint32 ids, a vocabulary no larger than the model's
+// (config_error: another model's data), and counts that are whole numbers. Every reader of
+// a corpus reads it, also when the tokens are taken as one stream (--packing stream).
+inline constexpr const char* corpus_format = "upipe-tokens";
+inline constexpr int corpus_version = 1;
+struct corpus_manifest {
+  std::uint64_t documents = 0, tokens = 0;
+  std::string path;       // PREFIX.json
+  nlohmann::json fields;  // as read (the loss mask's entry among them)
+};
+corpus_manifest read_corpus_manifest(const std::string& prefix, std::int64_t vocab_size);
+
+// The tokens of `data` as one stream: a flat token file, or a corpus's PREFIX.tokens once
+// its manifest is read (read_corpus_manifest) and its count of tokens matches the file.
+std::unique_ptr<token_file> open_token_stream(const std::string& data, std::int64_t seq_len, std::int64_t vocab_size);
+
 class document_corpus {
  public:
   // Throws io_error for missing or inconsistent files (a size that is not the manifest's,
@@ -102,6 +106,9 @@ class document_corpus {
   // Every id below the vocabulary and every mask byte 0 or 1 (io_error naming the first that
   // is not); reads the whole corpus, once before training.
   void check_ids() const;
+  // Some kept document has two tokens or more, so that sequences packed as documents have
+  // targets (config_error otherwise).
+  void check_documents_predict() const;
 
  private:
   struct order;
@@ -110,7 +117,7 @@ class document_corpus {
   std::string prefix_;
   std::int64_t vocab_;
   std::uint64_t seed_;
-  std::unique_ptr<mapped_bytes> tokens_, index_, mask_;
+  std::unique_ptr<mapped_file> tokens_, index_, mask_;
   const std::uint32_t* ids_ = nullptr;
   const std::uint8_t* target_bytes_ = nullptr;  // PREFIX.mask's bytes, where there is one
   const std::uint64_t* offsets_ = nullptr;

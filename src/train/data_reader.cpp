@@ -124,7 +124,7 @@ data_reader::data_reader(const std::vector<data_source_spec>& specs, const optio
     if (src->documents)
       src->corpus = std::make_unique<document_corpus>(s.path, o.vocab_size, o.min_doc_tokens, o.seed);
     else
-      src->file = std::make_unique<token_file>(corpus ? s.path + ".tokens" : s.path, o.seq_len, o.vocab_size);
+      src->file = open_token_stream(s.path, o.seq_len, o.vocab_size);  // a corpus's manifest read too
     layout_.weights.push_back(s.weight / total);
     layout_.wrap.push_back(src->file ? src->file->size() : 0);
     sources_.push_back(std::move(src));
@@ -173,9 +173,10 @@ std::int64_t data_reader::epoch_tokens(std::size_t i) const {
 
 void data_reader::check_ids() const {
   for (const auto& s : sources_) {
-    if (s->corpus)
+    if (s->corpus) {
       s->corpus->check_ids();
-    else
+      s->corpus->check_documents_predict();
+    } else
       s->file->check_ids();
   }
 }

@@ -14,6 +14,7 @@
 #include <fstream>
 #include <functional>
 #include <map>
+#include <optional>
 #include <set>
 
 #include <nlohmann/json.hpp>
@@ -382,6 +383,8 @@ saved_state::saved_state(const std::string& text) : impl_(std::make_unique<impl>
       impl_->units.push_back(n.is_number_unsigned() && n.get<std::uint64_t>() > INT64_MAX ? -1 : n.get<std::int64_t>());
     }
     state_.seq_len = whole("seq_len");
+    if (j.contains("lora")) lora_ = j.at("lora").get<std::string>();
+    shape_recorded_ = j.contains("batch");  // saves of earlier versions did not record the steps' shape
     state_.batch = whole("batch", true);
     state_.seq_warmup = whole("seq_warmup", true);
     state_.warmup_seq_len = whole("warmup_seq_len", true);
@@ -408,6 +411,7 @@ saved_state::saved_state(const std::string& text) : impl_(std::make_unique<impl>
       throw io_error("cannot resume from " + dir_ + ": " + file.string() + " is missing (the manifest names " +
                      std::to_string(ranks_) + " ranks)");
     impl_->ranks.emplace_back(file.string());
+    check_shard_rank(impl_->ranks.back(), file.string(), r);
     for (std::size_t u = 0; u < impl_->units.size(); ++u)
       for (shard_state which : state_tensors(format_)) {
         const std::int64_t want = is_absmax(which) ? impl_->shards[u] / q8_block : impl_->shards[u];
@@ -420,6 +424,23 @@ saved_state::saved_state(const std::string& text) : impl_(std::make_unique<impl>
 }
 
 saved_state::~saved_state() = default;
+
+// A shard says which rank wrote it (its metadata): one under another's name (shards swapped,
+// or copied from another run of another size) would resume every rank on the wrong part
+// of the state. Shards of versions before the metadata carry none and are not checked.
+void saved_state::check_shard_rank(const safetensors_view& shard, const std::string& file, int rank) const {
+  const auto& meta = shard.metadata();
+  const auto said = [&](const char* key) {
+    const auto it = meta.find(key);
+    return it == meta.end() ? std::optional<std::string>() : std::optional<std::string>(it->second);
+  };
+  const std::optional<std::string> written_rank = said("rank"), written_ranks = said("ranks");
+  if (!written_rank && !written_ranks) return;
+  if (written_rank != std::to_string(rank) || written_ranks != std::to_string(ranks_))
+    throw io_error(file + " was written by rank " + written_rank.value_or("?") + " of " + written_ranks.value_or("?") +
+                   " (its metadata), not by rank " + std::to_string(rank) + " of " + std::to_string(ranks_) +
+                   " as its name says: the shards were renamed or mixed; restore the checkpoint's trainer/ directory");
+}
 
 // A mixture's sources as the manifest lists them, every number checked as the others are.
 void saved_state::read_mixture(const nlohmann::json& j, const std::string& manifest) {
@@ -466,6 +487,8 @@ void saved_state::check_manifest_ranges(const std::string& manifest) const {
   if (state_.seq_len > max_saved_seq_len || state_.warmup_seq_len > max_saved_seq_len)
     damaged("seq_len", std::max(state_.seq_len, state_.warmup_seq_len), "is beyond the 2^30 tokens a run trains");
   if (state_.batch > max_saved_batch) damaged("batch", state_.batch, "is beyond the 65536 sequences a step takes");
+  if (shape_recorded_ && state_.batch < 1) damaged("batch", state_.batch, "must be at least 1 (a step's sequences)");
+  if (shape_recorded_ && state_.seq_len < 1) damaged("seq_len", state_.seq_len, "must be at least 1 (a sequence's tokens)");
   for (std::size_t u = 0; u < impl_->units.size(); ++u)
     if (impl_->units[u] < 0 || impl_->units[u] > max_saved_unit)
       damaged("units[" + std::to_string(u) + "]", impl_->units[u], "must lie between 0 and 2^40 parameters");

@@ -95,6 +95,8 @@ void save_checkpoint(const std::string& dir, const checkpoint_request& request, 
 // Removes the temporary a failed save_checkpoint left, once no rank writes into it.
 void remove_save_temporary(const std::string& dir);
 
+class safetensors_view;
+
 // A saved checkpoint's trainer state: the manifest and every rank's shard file, mapped.
 class saved_state {
  public:
@@ -106,6 +108,11 @@ class saved_state {
   const trainer_state& state() const { return state_; }
   int ranks() const { return ranks_; }
   const std::string& zero() const { return zero_; }
+  // Whether the manifest records the steps' shape (batch, lengths; saves of earlier
+  // versions do not), against which the data position is checked.
+  bool shape_recorded() const { return shape_recorded_; }
+  // A LoRA run's --lora as saved (lora_text), empty for a full run's state.
+  const std::string& lora() const { return lora_; }
   // The format the optimizer state was saved in (f32 for a manifest that names none).
   const adamw_state_format& state_format() const { return format_; }
   const std::string& run_id() const { return run_id_; }  // "" for a checkpoint before run ids
@@ -123,6 +130,7 @@ class saved_state {
                                 max_saved_unit = std::int64_t{1} << 40;
   static constexpr std::size_t max_saved_sources = 1024;
   void check_manifest_ranges(const std::string& manifest) const;
+  void check_shard_rank(const safetensors_view& shard, const std::string& file, int rank) const;
   void read_mixture(const nlohmann::json& manifest, const std::string& path);
   [[noreturn]] void non_finite(int unit, shard_state which, std::int64_t rank, std::int64_t element, float value) const;
 
@@ -131,9 +139,10 @@ class saved_state {
   std::string dir_;
   trainer_state state_;
   int ranks_ = 0;
-  std::string zero_;
+  std::string zero_, lora_;
   adamw_state_format format_;
   std::string run_id_;
+  bool shape_recorded_ = false;
 };
 
 // A resumed run's model must be the saved one: config_error naming both otherwise.

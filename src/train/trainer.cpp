@@ -15,6 +15,7 @@
 #include "comm/communicator.hpp"
 #include "core/digest.hpp"
 #include "core/error.hpp"
+#include "core/limits.hpp"
 #include "core/files.hpp"
 #include "model/adapter_files.hpp"
 #include "model/model_step.hpp"
@@ -156,7 +157,9 @@ double run_step(rank_context& rc, const std::vector<packed_sequence>& batch, std
   record.grad_norm = trained.grad_norm();
   if (!std::isfinite(record.grad_norm))
     throw config_error("the gradient norm is not finite at step " + std::to_string(step) +
-                       ": training diverged; lower --lr (now " + std::to_string(o.optim.lr) + ")");
+                       ": training diverged; lower --lr (now " + real_text(o.optim.lr) + ")" +
+                       (uses_lora(o) ? " or the adapters' scale alpha / r (now --lora " + lora_text(o.step.lora) + ")"
+                                     : std::string()));
   trained.adamw_step(o.optim, step, record.lr, clip_coefficient(o.optim, record.grad_norm));
   return record.loss;
 }
@@ -551,10 +554,10 @@ void validate(const train_options& o) {
 
 step_memory measure_step_memory(const train_options& o) {
   UPIPE_CHECK(o.backend == backend_kind::meta, "measure_step_memory runs on the meta backend");
-  return time_steps(o, 0, 1, false).memory;
+  return time_steps(o, 0, 1, group_run::every_rank).memory;
 }
 
-step_timing time_steps(const train_options& options, std::int64_t warmup_len, int repeats, bool emulate, bool phases,
+step_timing time_steps(const train_options& options, std::int64_t warmup_len, int repeats, group_run ranks, phase_timing phases,
                        double target_fraction) {
   train_options o = options;
   o.tokens = token_source::random;
@@ -606,7 +609,7 @@ step_timing time_steps(const train_options& options, std::int64_t warmup_len, in
                                    1 + static_cast<std::uint64_t>(i * global_batch(o) + rc.replica() * o.batch + k)));
           be.synchronize();
           comm.barrier();
-          be.set_phase_timing(phases);
+          be.set_phase_timing(phases == phase_timing::by_phase);
           const auto start = clock_type::now();
           run_step(rc, batch, 1 + i, record);
           rc.params.finish_host_work();  // an offloaded update belongs to its step
@@ -627,7 +630,7 @@ step_timing time_steps(const train_options& options, std::int64_t warmup_len, in
         out.memory = memory_of(be);
         out.driver_peak = be.driver_peak_bytes();
       },
-      emulate, o.comm);
+      ranks, o.comm);
   return out;
 }
 
@@ -641,6 +644,12 @@ void check_resumed_adapters(const train_options& o, const saved_state& saved) {
                        adapter_config_file + "); start LoRA on its weights with --model " + o.resume_dir +
                        " and no --resume, or resume it without --lora");
   const adapter_settings settings = read_adapter_config(saved.dir(), o.model);
+  // The manifest records the adapters the state was trained as; an adapter_config.json that
+  // says otherwise was edited (or copied from another run).
+  if (!saved.lora().empty() && saved.lora() != lora_text(settings.lora))
+    throw config_error("cannot resume from " + o.resume_dir + ": its " + adapter_config_file + " says --lora " +
+                       lora_text(settings.lora) + " but its trainer state was saved as --lora " + saved.lora() +
+                       " (trainer/manifest.json): the file was edited or replaced; restore it");
   if (!(settings.lora == o.step.lora))
     throw config_error("cannot resume from " + o.resume_dir + ": its adapters are --lora " + lora_text(settings.lora) +
                        ", not " + lora_text(o.step.lora) + "; pass --lora " + lora_text(settings.lora));
@@ -757,7 +766,9 @@ void check_data_length(std::int64_t tokens, std::int64_t seq_len, const std::str
 // Where the first step's weights come from: --init, else the --model directory, else random.
 std::unique_ptr<weight_source> initial_weights(const train_options& o, host_weights& random) {
   const std::string path = !o.init_path.empty() ? o.init_path : o.model_dir;
-  if (path.empty()) {
+  const bool none_there = o.init_path.empty() && !o.model_dir.empty() && !has_weight_files(o.model_dir) &&
+                          o.weights_in_model_dir == train_options::model_dir_weights::optional;
+  if (path.empty() || none_there) {
     random = random_weights(o.model, o.seed);
     return std::make_unique<host_weight_source>(random);
   }
@@ -827,7 +838,7 @@ train_summary train(const train_options& options, const std::function<void(const
         [&](int, backend& be, const mesh_comms& mesh) {
           run_rank(o, be, mesh, {resume.get(), init.get(), adapter_init.get()}, summary, on_step, start);
         },
-        false, o.comm);
+        group_run::every_rank, o.comm);
   } catch (...) {
     if (!o.save_dir.empty()) remove_unfinished_saves(o.save_dir);
     throw;

@@ -14,6 +14,7 @@
 #include "model/parameter_store.hpp"
 #include "model/transformer.hpp"
 #include "optim/optimizer.hpp"
+#include "runtime/cp_group.hpp"
 #include "train/data_reader.hpp"
 
 namespace upipe {
@@ -35,6 +36,10 @@ struct train_options {
   std::string init_adapter;
   std::string model_dir;    // the input model directory: the base of the saved config.json and the source of
                             // the tokenizer files (empty for presets)
+  // Without init_path the first weights are model_dir's: required there (--model DIR), or
+  // random where it holds none (--config: a config alone is a model of random weights).
+  enum class model_dir_weights { required, optional };
+  model_dir_weights weights_in_model_dir = model_dir_weights::required;
   hf_save_options save_model;  // the saved weights' dtype and shard size
   // --data: a prepared corpus (PREFIX), a flat uint32 token file, or a mixture of them by
   // weight ("A:0.7,B:0.3", parse_data_sources); empty: the passkey task.
@@ -169,12 +174,14 @@ struct step_timing {
   std::size_t driver_peak = 0;  // rank 0's device, bytes the driver reported in use (0: not a GPU)
   std::map<std::string, double> phases_ms;  // with `phases`: rank 0's fastest step by phase
 };
-// Times `repeats` steps after one warm-up step of warmup_len tokens (0: none); with
-// `phases`, also the fastest step's time by phase (backend::take_phase_ms). With
-// target_fraction < 1 only the last part of each sequence is a target of the loss (the
-// shape of a fine-tuning example: a long prompt, a short answer), the rest masked.
-step_timing time_steps(const train_options& options, std::int64_t warmup_len, int repeats, bool emulate,
-                       bool phases = false, double target_fraction = 1.0);
+// Times `repeats` steps after one warm-up step of warmup_len tokens (0: none), on every rank
+// or on rank 0 alone (emulated); by_phase: also the fastest step's time by phase
+// (backend::take_phase_ms). With target_fraction < 1 only the last part of each sequence
+// is a target of the loss (the shape of a fine-tuning example: a long prompt, a short
+// answer), the rest masked.
+enum class phase_timing { off, by_phase };
+step_timing time_steps(const train_options& options, std::int64_t warmup_len, int repeats, group_run ranks,
+                       phase_timing phases = phase_timing::off, double target_fraction = 1.0);
 
 // Runs training; on_step is called on rank 0 after every step (progress, metrics).
 train_summary train(const train_options& options, const std::function<void(const step_record&)>& on_step);

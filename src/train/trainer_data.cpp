@@ -95,7 +95,7 @@ data_layout saved_layout(const trainer_state& st) {
 // continues from the saved position, and says so.
 void check_resumed_position(const train_options& o, const saved_state& saved) {
   const trainer_state& st = saved.state();
-  if (st.batch == 0) return;  // a save of an earlier upipe recorded no shape
+  if (!saved.shape_recorded()) return;  // a save of an earlier upipe recorded no shape
   // The saved batch is the step's over every replica (--dp x --batch).
   if (st.batch != global_batch(o) || st.seq_len != o.seq_len)
     std::fprintf(stderr, "upipe: note: the checkpoint trained --batch %lld --seq-len %lld; this run takes --batch %lld "

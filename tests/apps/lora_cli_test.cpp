@@ -32,10 +32,15 @@ TEST(lora_cli, bad_lora_values_are_refused_before_any_work) {
   const auto dir = upipe::testing::temp_dir("lora_bad");
   const std::string save = (dir / "out").string();
   const std::vector<std::pair<std::string, std::string>> cases = {
-      {"r=0", "r=0 must be a positive integer"},
-      {"r=-3,alpha=8", "r=-3 must be a positive integer"},
-      {"r=8,alpha=inf", "alpha=inf must be a positive finite number"},
-      {"r=8,alpha=nan", "alpha=nan must be a positive finite number"},
+      {"r=0", "r=0 must be a whole number between 1 and"},
+      {"r=-3,alpha=8", "r=-3 must be a whole number between 1 and"},
+      {"r=8,alpha=inf", "alpha=inf is not a number"},
+      {"r=8,alpha=nan", "alpha=nan is not a number"},
+      {"r=8,alpha=0", "alpha=0 must be a positive finite number"},
+      {"r=4,r=8", "--lora gives r twice"},
+      {"r=0x4,targets=", "r=0x4 is not a whole number written in decimal digits"},
+      {"r=4,targets=", "targets= names no projection"},
+      {"r=4,alpha=1e30", "scales the adapters' output by alpha / r"},
       {"r=8,targets=q,wq", "unknown target 'wq'"},
       {"r=8,targets=qkv_proj", "'qkv_proj', a module tiny-llama (llama) does not have"},
       {"r=8,targets=q_norm", "'q_norm', a module tiny-llama (llama) does not have"},
@@ -46,7 +51,7 @@ TEST(lora_cli, bad_lora_values_are_refused_before_any_work) {
     expect_refused("train --steps 2 --lora " + lora + " --save " + save, says);
     EXPECT_FALSE(fs::exists(save)) << "a refused run wrote " << save;
   }
-  expect_refused("plan --model llama3-8b --gpus 1 --gpu-memory 139GiB --lora r=0", "r=0 must be a positive integer");
+  expect_refused("plan --model llama3-8b --gpus 1 --gpu-memory 139GiB --lora r=0", "r=0 must be a whole number");
   expect_refused("step --lora r=8,targets=lm_head", "not a linear projection");
   expect_refused("train --steps 2 --init-adapter " + source_path("tests/golden/lora/tiny-llama") + " --model " +
                      source_path("tests/golden/tiny-llama") + " --lora r=8",

@@ -44,7 +44,7 @@ TEST(report_cli, plots_bench_and_plan_results) {
 TEST(report_cli, bad_inputs_are_refused) {
   const run_result missing = run_upipe("report /nonexistent/results.json");
   EXPECT_EQ(missing.exit_code, 2) << missing.output;
-  EXPECT_NE(missing.output.find("is not a file"), std::string::npos) << missing.output;
+  EXPECT_NE(missing.output.find("cannot read report input '/nonexistent/results.json': no such file"), std::string::npos) << missing.output;
   const auto dir = temp_dir("report_bad");
   const auto bad = dir / "bad.json";
   std::ofstream(bad) << "{\"a\": 1}";

@@ -113,7 +113,7 @@ TEST(step_cli, bad_inputs_exit_non_zero_with_a_clear_message) {
       {"--config " + (dir / "vocab").string() + " --seq-len 16", "at most what 32-bit token ids address"},
       {"--json /dev/full --seq-len 16", "No space left on device (a full disk?)"},
       {"--checkpoint-policy what=everything", "what=input|input+attention"},
-      {"--checkpoint-policy every=0", "every=0 must be an integer >= 1"},
+      {"--checkpoint-policy every=0", "every=0 must be a whole number between 1 and"},
       {"--cp 3", "must divide query heads H = 4"},
       {"--attention upipe --head-chunk 3 --cp 2", "U must be a multiple of C"},
       {"--seq-len 1", "at least 2"},

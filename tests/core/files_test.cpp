@@ -60,6 +60,14 @@ TEST(files, inputs_are_regular_files_named_in_every_refusal) {
   EXPECT_NE(refusal([&] { read_text_file((dir / "big").string(), "x", 1024); }).find("2048 bytes"), std::string::npos);
   EXPECT_EQ(describe_path((dir / "fifo").string()), "a FIFO");
   EXPECT_EQ(describe_path((dir / "loop_a").string()), "a symbolic link loop");
+  // The mapped reader (token files, safetensors) opens through the same checks.
+  EXPECT_NE(refusal([&] { mapped_file((dir / "fifo").string(), "token file"); }).find("it is a FIFO"),
+            std::string::npos);
+  EXPECT_NE(refusal([&] { mapped_file((dir / "loop_a").string(), "token file"); }).find("symbolic link loop"),
+            std::string::npos);
+  const mapped_file mapped((dir / "config.json").string(), "model config");
+  ASSERT_EQ(mapped.size(), 8u);
+  EXPECT_EQ(std::string(reinterpret_cast<const char*>(mapped.bytes()), 8), "{\"a\": 1}");
   fs::remove_all(dir);
 }
 

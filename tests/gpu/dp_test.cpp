@@ -45,7 +45,7 @@ step_timing one_cpu_rank(const train_options& o) {
   one.backend = backend_kind::cpu;
   one.comm = {comm_kind::threads, 60};
   one.limits = {std::size_t{256} << 20, std::size_t{64} << 20};
-  return time_steps(one, 0, 3, false);
+  return time_steps(one, 0, 3, group_run::every_rank);
 }
 
 std::string name_of(const train_options& o) {
@@ -79,7 +79,7 @@ TEST(gpu_dp, two_replicas_of_two_virtual_ranks_match_one_cpu_rank) {
   for (zero_stage zero : {zero_stage::two, zero_stage::three})
     for (const cp_settings& cp : strategies) {
       const train_options o = mesh_run(2, cp, zero);
-      expect_steps_match(time_steps(o, 0, 3, false), one_cpu_rank(o), name_of(o));
+      expect_steps_match(time_steps(o, 0, 3, group_run::every_rank), one_cpu_rank(o), name_of(o));
     }
 }
 
@@ -89,7 +89,7 @@ TEST(gpu_dp, offloaded_optimizer_on_the_mesh_matches_one_cpu_rank) {
   train_options o = mesh_run(2, {strategy_kind::upipe, 2, 2}, zero_stage::three);
   o.offload_optimizer = o.offload_params = true;
   o.limits.host_bytes = std::size_t{256} << 20;
-  expect_steps_match(time_steps(o, 0, 3, false), one_cpu_rank(o), name_of(o) + " offload optimizer,params");
+  expect_steps_match(time_steps(o, 0, 3, group_run::every_rank), one_cpu_rank(o), name_of(o) + " offload optimizer,params");
 }
 
 // NCCL, a GPU per rank: D = 2 replicas of the rest (and D = W replicas of one GPU), with
@@ -109,7 +109,7 @@ TEST(gpu_dp, nccl_meshes_match_one_cpu_rank) {
       train_options o = mesh_run(dp, {kind, cp, 0}, zero_stage::three);
       o.comm = {comm_kind::nccl, 60};
       o.step.prefetch_weights = true;
-      expect_steps_match(time_steps(o, 0, 3, false), one_cpu_rank(o), name_of(o));
+      expect_steps_match(time_steps(o, 0, 3, group_run::every_rank), one_cpu_rank(o), name_of(o));
     }
   }
 }
@@ -119,9 +119,9 @@ TEST(gpu_dp, nccl_meshes_match_one_cpu_rank) {
 TEST(gpu_dp, an_emulated_mesh_times_rank_0) {
   if (!have_gpu()) GTEST_SKIP() << "no GPU";
   train_options o = mesh_run(4, {strategy_kind::upipe, 2, 2}, zero_stage::three);
-  const step_timing mesh = time_steps(o, 0, 2, true);
+  const step_timing mesh = time_steps(o, 0, 2, group_run::rank_zero_emulated);
   o.dp = 1;
-  const step_timing group = time_steps(o, 0, 2, true);
+  const step_timing group = time_steps(o, 0, 2, group_run::rank_zero_emulated);
   ASSERT_EQ(mesh.seconds.size(), 2u);
   EXPECT_GT(mesh.seconds.back(), 0);
   EXPECT_LT(mesh.memory.peak_bytes.at("optimizer"), group.memory.peak_bytes.at("optimizer"));

@@ -94,7 +94,7 @@ TEST(gpu_nccl, collectives_deliver_what_they_promise) {
           comm.barrier();
           EXPECT_EQ(comm.counters().calls[static_cast<std::size_t>(collective::all_to_all)], 2u);
         },
-        false, {comm_kind::nccl, 60});
+        group_run::every_rank, {comm_kind::nccl, 60});
   }
 }
 
@@ -109,7 +109,7 @@ TEST(gpu_nccl, launched_jobs_bootstrap_through_mpi) {
         EXPECT_DOUBLE_EQ(sum_over_ranks(comm, 1.0, "ranks"), env->size);
         EXPECT_EQ(rank, env->rank);
       },
-      false, {comm_kind::nccl, 60});
+      group_run::every_rank, {comm_kind::nccl, 60});
   // The plugin is loaded with its symbols global: MPI's own answer says whether it ran.
   using query = int (*)(int*);
   const auto initialized = reinterpret_cast<query>(dlsym(RTLD_DEFAULT, "MPI_Initialized"));
@@ -197,11 +197,11 @@ TEST(gpu_nccl, training_steps_over_nccl_equal_the_steps_on_one_rank) {
     o.comm = {comm_kind::nccl, 60};
     o.step.overlap_comm = overlap;
     o.step.prefetch_weights = overlap;
-    const step_timing nccl = time_steps(o, 0, 3, false);
+    const step_timing nccl = time_steps(o, 0, 3, group_run::every_rank);
     train_options one = o;  // the reference: the same steps on one rank
     one.cp = {strategy_kind::ulysses, 1, 0};
     one.comm = {comm_kind::threads, 60};
-    const step_timing single = time_steps(one, 0, 3, false);
+    const step_timing single = time_steps(one, 0, 3, group_run::every_rank);
     if (nccl.losses.empty()) continue;  // a rank other than 0 under a launcher keeps no results
     ASSERT_EQ(nccl.losses.size(), 3u);
     for (std::size_t i = 0; i < 3; ++i) {
@@ -238,7 +238,7 @@ TEST(gpu_nccl, watchdog_does_not_time_a_collective_waiting_for_compute) {
         comm.all_reduce_sum(x.as<float>(), 16, "behind_compute");
         be.download_f32(got.data(), x);
       },
-      false, {comm_kind::nccl, 1.0});
+      group_run::every_rank, {comm_kind::nccl, 1.0});
   EXPECT_EQ(got, std::vector<float>(16, 1.0f));
 }
 
@@ -260,7 +260,7 @@ TEST(gpu_nccl, watchdog_aborts_a_collective_a_rank_never_joins_and_names_it) {
           set_current_layer(-1);
           comm.barrier();  // waits on the host, until the watchdog aborts the group
         },
-        false, {comm_kind::nccl, 1.0});
+        group_run::every_rank, {comm_kind::nccl, 1.0});
   } catch (const comm_aborted& e) {
     message = e.what();
   }
@@ -294,7 +294,7 @@ TEST(gpu_nccl, watchdog_aborts_while_a_rank_issues_collectives) {
               issued.fetch_add(1);
             }
           },
-          false, {comm_kind::nccl, 0.5});
+          group_run::every_rank, {comm_kind::nccl, 0.5});
     } catch (const comm_aborted& e) {
       message = e.what();
     }

@@ -43,12 +43,22 @@ TEST(lora, the_flag_parses_short_and_peft_names_with_defaults) {
 
 TEST(lora, bad_values_are_refused_naming_the_value_the_rule_and_a_way_out) {
   const model_config m = preset("llama3-8b");
-  EXPECT_NE(refusal("r=0", m).find("r=0 must be a positive integer"), std::string::npos) << refusal("r=0", m);
+  EXPECT_NE(refusal("r=0", m).find("r=0 must be a whole number between 1 and"), std::string::npos) << refusal("r=0", m);
   EXPECT_NE(refusal("r=-4", m).find("r=-4"), std::string::npos);
   EXPECT_NE(refusal("r=2.5", m).find("r=2.5"), std::string::npos);
   EXPECT_NE(refusal("alpha=8", m).find("begin with r=N"), std::string::npos);
-  for (const char* alpha : {"inf", "nan", "-1", "0"})
+  for (const char* alpha : {"-1", "0"})
     EXPECT_NE(refusal(std::string("r=8,alpha=") + alpha, m).find("positive finite number"), std::string::npos) << alpha;
+  for (const char* alpha : {"inf", "nan", "0x10", "1e400"})
+    EXPECT_NE(refusal(std::string("r=8,alpha=") + alpha, m).find("is not a number"), std::string::npos) << alpha;
+  // A key given twice, a rank that is no decimal whole number or does not fit, no targets,
+  // and a scale that would diverge at once are refused, never read as some other value.
+  EXPECT_NE(refusal("r=4,r=8", m).find("gives r twice"), std::string::npos) << refusal("r=4,r=8", m);
+  EXPECT_NE(refusal("r=4,rank=8", m).find("gives r twice"), std::string::npos);
+  for (const char* r : {"0x4", "4294967300", "4.9", "1e3", "+-4"})
+    EXPECT_NE(refusal(std::string("r=") + r, m).find(std::string("r=") + r), std::string::npos) << r;
+  EXPECT_NE(refusal("r=4,targets=", m).find("targets= names no projection"), std::string::npos);
+  EXPECT_NE(refusal("r=4,alpha=1e30", m).find("alpha / r"), std::string::npos) << refusal("r=4,alpha=1e30", m);
   EXPECT_NE(refusal("r=8,alpha=x", m).find("is not a number"), std::string::npos);
   const std::string dropout = refusal("r=8,dropout=0.05", m);
   EXPECT_NE(dropout.find("dropout=0.05 is not supported"), std::string::npos) << dropout;

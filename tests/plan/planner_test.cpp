@@ -76,7 +76,7 @@ TEST(planner, meta_steps_place_the_arena_as_the_h200_does) {
     o.limits = {std::size_t{1} << 50, std::size_t{1} << 50, true};
     o.step.mlp_tile = o.model.hidden_size;
     o.step.loss_chunk = (std::int64_t{256} << 20) / (4 * o.model.vocab_size);
-    const step_timing t = time_steps(o, layout_unit(o.cp) * 256, 1, false);
+    const step_timing t = time_steps(o, layout_unit(o.cp) * 256, 1, group_run::every_rank);
     // That commit also held an f32 dQ buffer of the stage at the backward's peak, which
     // cuDNN never read (its own accumulator is in its workspace); it is gone since, so it
     // is added back here until these points are measured again: S x (U / C) heads x d.

@@ -354,7 +354,7 @@ BAD = [
     (["{d}/ints.parquet"], "column 'text' holds int64", None),
     (["{d}/fake.parquet"], "not a readable Parquet file", None),
     (["--heldout-fraction", "1.5", "{d}/ok.txt"], "--heldout-fraction 1.5 is outside [0, 1)", None),
-    (["--workers", "0", "{d}/ok.txt"], "--workers 0 must be at least 1", None),
+    (["--workers", "0", "{d}/ok.txt"], "--workers 0 must lie between 1 and 4 per usable core", None),
     (["--seed", "-1", "{d}/ok.txt"], "--seed -1", None),
     (["--out", "{d}/", "{d}/ok.txt"], "names a folder", None),
 ]

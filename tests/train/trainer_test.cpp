@@ -261,12 +261,12 @@ TEST(trainer, short_sequence_stage_then_full_length_and_exact_resume) {
 TEST(trainer, timed_steps_equal_cp1_and_emulation_measures_rank_0) {
   train_options o = base(strategy_kind::ring, 4, 0, zero_stage::three);
   o.seq_len = 256;
-  const step_timing all = time_steps(o, 64, 2, false);
+  const step_timing all = time_steps(o, 64, 2, group_run::every_rank);
   ASSERT_EQ(all.seconds.size(), 2u);
   ASSERT_EQ(all.losses.size(), 2u);
   train_options one = o;
   one.cp = {strategy_kind::ulysses, 1, 0};
-  const step_timing single = time_steps(one, 64, 2, false);
+  const step_timing single = time_steps(one, 64, 2, group_run::every_rank);
   EXPECT_NE(all.losses[0], 0.0);
   EXPECT_LT(std::abs(all.losses[0] - single.losses[0]) / single.losses[0], 1e-5)
       << all.losses[0] << " vs " << single.losses[0];
@@ -282,7 +282,7 @@ TEST(trainer, timed_steps_equal_cp1_and_emulation_measures_rank_0) {
     EXPECT_LT(std::abs(all.grad_norms[i] - single.grad_norms[i]) / single.grad_norms[i], 1e-4)
         << "step " << i + 1 << ": " << all.grad_norms[i] << " vs " << single.grad_norms[i];
   // Rank 0 alone over loopback holds exactly the memory rank 0 holds among real ranks.
-  const step_timing emulated = time_steps(o, 64, 1, true);
+  const step_timing emulated = time_steps(o, 64, 1, group_run::rank_zero_emulated);
   EXPECT_EQ(emulated.memory.peak_bytes, all.memory.peak_bytes);
   EXPECT_EQ(emulated.memory.arena_high_water, all.memory.arena_high_water);
 }
@@ -309,8 +309,8 @@ TEST(trainer, probes_of_distinct_tile_shapes_reach_the_arena_high_water_of_every
 TEST(trainer, phase_timing_accounts_for_the_step_and_leaves_losses_alone) {
   train_options o = base(strategy_kind::upipe, 2, 0, zero_stage::two);
   o.seq_len = 256;
-  const step_timing plain = time_steps(o, 0, 1, true);
-  const step_timing timed = time_steps(o, 0, 1, true, true);
+  const step_timing plain = time_steps(o, 0, 1, group_run::rank_zero_emulated);
+  const step_timing timed = time_steps(o, 0, 1, group_run::rank_zero_emulated, phase_timing::by_phase);
   EXPECT_TRUE(plain.phases_ms.empty());
   EXPECT_EQ(plain.losses, timed.losses);
   double sum = 0;
@@ -332,10 +332,10 @@ TEST(trainer, prefetched_weights_and_overlapped_exchanges_change_nothing_but_mem
       o.model.num_layers = 4;
       o.seq_len = 256;
       o.step.policy = parse_checkpoint_policy(policy);
-      const step_timing plain = time_steps(o, 0, 2, false);
+      const step_timing plain = time_steps(o, 0, 2, group_run::every_rank);
       o.step.prefetch_weights = true;
       o.step.overlap_comm = true;
-      const step_timing fast = time_steps(o, 0, 2, false);
+      const step_timing fast = time_steps(o, 0, 2, group_run::every_rank);
       EXPECT_EQ(plain.losses, fast.losses) << strategy_name(kind) << " " << policy;
       EXPECT_EQ(plain.grad_norms, fast.grad_norms) << strategy_name(kind) << " " << policy;
       // The next layer's gathered weights are held beside the current one's.

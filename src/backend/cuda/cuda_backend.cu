@@ -5,6 +5,7 @@
 // (checkpoint offload and prefetch) joined to it by events. Ops return without
 // synchronizing; host transfers and synchronize() wait.
 #include <cuda_runtime_api.h>
+#include <nvtx3/nvToolsExt.h>  // header-only (NVTX3 in the CUDA toolkit): a no-op unless a profiler listens
 #include <sys/mman.h>
 
 #include <algorithm>
@@ -352,6 +353,9 @@ class cuda_backend final : public backend {
     }
     UPIPE_CUDA_CHECK(cudaEventRecord(marks_[index], stream_));
   }
+  // bench --phases' phases as NVTX ranges, so that Nsight Systems shows them on its timeline.
+  void open_range(const char* name) override { nvtxRangePushA(name); }
+  void close_range() override { nvtxRangePop(); }
   double mark_interval_ms(std::size_t from, std::size_t to) override {
     float ms = 0;
     UPIPE_CUDA_CHECK(cudaEventElapsedTime(&ms, marks_[from], marks_[to]));

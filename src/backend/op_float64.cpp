@@ -1,0 +1,208 @@
+#include "backend/op_float64.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "ops/rope_frequencies.hpp"
+
+namespace upipe::f64 {
+
+namespace {
+
+double silu(double x) { return x / (1.0 + std::exp(-x)); }
+
+double gelu_tanh(double x) {
+  const double pi = std::acos(-1.0);
+  return 0.5 * x * (1.0 + std::tanh(std::sqrt(2.0 / pi) * (x + 0.044715 * x * x * x)));
+}
+
+}  // namespace
+
+void gemm(host_case& t, std::int64_t m, std::int64_t n, std::int64_t k, bool a_transposed, bool b_transposed,
+          double alpha, double beta) {
+  const auto& a = t["a"];
+  const auto& b = t["b"];
+  auto& c = t["c"];
+  for (std::int64_t i = 0; i < m; ++i)
+    for (std::int64_t j = 0; j < n; ++j) {
+      double sum = 0;
+      for (std::int64_t p = 0; p < k; ++p)
+        sum += a[a_transposed ? p * m + i : i * k + p] * b[b_transposed ? j * k + p : p * n + j];
+      c[i * n + j] = alpha * sum + beta * c[i * n + j];
+    }
+}
+
+void sdpa_forward(host_case& t, std::int64_t sq, std::int64_t skv, std::int64_t hq, std::int64_t hk, std::int64_t d,
+                  bool causal, double scale, attention_rows rows) {
+  const auto& q = t["q"];
+  const auto& k = t["k"];
+  const auto& v = t["v"];
+  auto& out = t["out"];
+  auto& lse = t["lse"];
+  std::vector<double> p(static_cast<std::size_t>(skv));
+  for (std::int64_t i = 0; i < sq; ++i)
+    for (std::int64_t h = 0; h < hq; ++h) {
+      const std::int64_t g = h / (hq / hk), at = rows.q_first + i;
+      const auto sees = [&](std::int64_t j) {
+        const std::int64_t key = rows.k_first + j;
+        return (!causal || key <= at) && (rows.window <= 0 || at - key < rows.window);
+      };
+      double top = -std::numeric_limits<double>::infinity();
+      for (std::int64_t j = 0; j < skv; ++j) {
+        p[j] = -std::numeric_limits<double>::infinity();
+        if (!sees(j)) continue;
+        double s = 0;
+        for (std::int64_t x = 0; x < d; ++x) s += q[(i * hq + h) * d + x] * k[(j * hk + g) * d + x];
+        p[j] = scale * s;
+        top = std::max(top, p[j]);
+      }
+      double sum = 0;
+      for (std::int64_t j = 0; j < skv; ++j) sum += sees(j) ? std::exp(p[j] - top) : 0.0;
+      for (std::int64_t x = 0; x < d; ++x) {
+        double o = 0;
+        for (std::int64_t j = 0; j < skv; ++j)
+          if (sees(j)) o += std::exp(p[j] - top) / sum * v[(j * hk + g) * d + x];
+        out[(i * hq + h) * d + x] = o;
+      }
+      lse[i * hq + h] = top + std::log(sum);
+    }
+}
+
+void lse_merge(host_case& t, std::int64_t tokens, std::int64_t heads, std::int64_t dim) {
+  auto& out = t["out"];
+  auto& lse = t["lse"];
+  const auto& part = t["out_part"];
+  const auto& part_lse = t["lse_part"];
+  for (std::int64_t r = 0; r < tokens * heads; ++r) {
+    const double a = lse[r], b = part_lse[r];
+    if (std::isinf(b) && b < 0) continue;
+    const double merged = std::isinf(a) && a < 0 ? b : std::max(a, b) + std::log1p(std::exp(-std::abs(a - b)));
+    for (std::int64_t x = 0; x < dim; ++x)
+      out[r * dim + x] = (std::isinf(a) ? 0.0 : out[r * dim + x] * std::exp(a - merged)) +
+                         part[r * dim + x] * std::exp(b - merged);
+    lse[r] = merged;
+  }
+}
+
+void rope(host_case& t, std::int64_t heads, std::int64_t dim, std::int64_t token_stride, std::int64_t head_stride,
+          const std::vector<position_run>& runs, const rope_config& config, bool inverse) {
+  auto& x = t["x"];
+  const std::int64_t half = dim / 2;
+  const std::vector<double> inv_freq = ops::rope_inverse_frequencies(config, dim);
+  const double factor = ops::rope_attention_factor(config), sign = inverse ? -1.0 : 1.0;
+  for (const position_run& run : runs)
+    for (std::int64_t n = 0; n < run.count; ++n)
+      for (std::int64_t h = 0; h < heads; ++h) {
+        const std::int64_t base = (run.token_begin + n) * token_stride + h * head_stride;
+        for (std::int64_t i = 0; i < half; ++i) {
+          const double angle = static_cast<double>(run.position_begin + n) * inv_freq[static_cast<std::size_t>(i)];
+          const double c = factor * std::cos(angle), s = factor * sign * std::sin(angle);
+          const double x1 = x[base + i], x2 = x[base + half + i];
+          x[base + i] = x1 * c - x2 * s;
+          x[base + half + i] = x2 * c + x1 * s;
+        }
+      }
+}
+
+void rmsnorm_forward(host_case& t, std::int64_t rows, std::int64_t cols, std::int64_t width, std::int64_t first,
+                     double eps, double weight_offset) {
+  const auto& x = t["x"];
+  const auto& w = t["weight"];
+  auto& y = t["y"];
+  auto& rstd = t["rstd"];
+  for (std::int64_t r = 0; r < rows; ++r) {
+    double squares = 0;
+    for (std::int64_t c = 0; c < cols; ++c) squares += x[r * width + first + c] * x[r * width + first + c];
+    const double inv = 1.0 / std::sqrt(squares / static_cast<double>(cols) + eps);
+    for (std::int64_t c = 0; c < cols; ++c) y[r * width + first + c] = x[r * width + first + c] * inv * (w[c] + weight_offset);
+    rstd[r * 2] = inv;
+  }
+}
+
+void heads(host_case& t, heads_op op, std::int64_t tokens, std::int64_t heads, std::int64_t dim, double value) {
+  auto& dst = t["dst"];
+  const std::vector<double> none;
+  const auto& src = op == heads_op::fill ? none : t["src"];
+  for (std::int64_t s = 0; s < tokens; ++s)
+    for (std::int64_t h = 1; h <= heads; ++h)
+      for (std::int64_t x = 0; x < dim; ++x) {
+        double& d = dst[(s * (heads + 2) + h) * dim + x];
+        const double from = op == heads_op::fill ? value : src[(h * tokens + s) * dim + x];
+        d = op == heads_op::add ? d + from : from;
+      }
+}
+
+void embedding_forward(host_case& t, std::int64_t n, std::int64_t dim, double scale) {
+  const auto& table = t["table"];
+  const auto& ids = t["ids"];
+  auto& out = t["out"];
+  for (std::int64_t i = 0; i < n; ++i)
+    for (std::int64_t x = 0; x < dim; ++x) out[i * dim + x] = table[static_cast<std::int64_t>(ids[i]) * dim + x] * scale;
+}
+
+void swiglu_forward(host_case& t, std::int64_t rows, std::int64_t cols, std::int64_t width, std::int64_t first,
+                    gate_activation activation) {
+  const auto& gate = t["gate"];
+  const auto& up = t["up"];
+  auto& out = t["out"];
+  for (std::int64_t r = 0; r < rows; ++r)
+    for (std::int64_t c = first; c < first + cols; ++c)
+      out[r * width + c] =
+          (activation == gate_activation::silu ? silu(gate[r * width + c]) : gelu_tanh(gate[r * width + c])) *
+          up[r * width + c];
+}
+
+void cross_entropy(host_case& t, std::int64_t n, std::int64_t vocab, double grad_scale) {
+  auto& logits = t["logits"];
+  const auto& labels = t["labels"];
+  auto& loss = t["row_loss"];
+  for (std::int64_t r = 0; r < n; ++r) {
+    double* x = logits.data() + r * vocab;
+    const auto label = static_cast<std::int64_t>(labels[r]);
+    if (label < 0) {
+      std::fill(x, x + vocab, 0.0);
+      loss[r] = 0;
+      continue;
+    }
+    double sum = 0;
+    for (std::int64_t j = 0; j < vocab; ++j) sum += std::exp(x[j]);
+    const double lse = std::log(sum);
+    loss[r] = lse - x[label];
+    for (std::int64_t j = 0; j < vocab; ++j) x[j] = (std::exp(x[j] - lse) - (j == label ? 1.0 : 0.0)) * grad_scale;
+  }
+}
+
+void adamw(host_case& t, const adamw_args& a, std::int64_t n) {
+  auto& p = t["master"];
+  auto& m = t["exp_avg"];
+  auto& v = t["exp_avg_sq"];
+  const auto& grad = t["grad"];
+  auto& weights = t["weights"];
+  const double lr = a.lr, b1 = a.beta1, b2 = a.beta2, step = static_cast<double>(a.step);
+  for (std::int64_t i = 0; i < n; ++i) {
+    const double g = grad[i] * a.grad_scale;
+    m[i] = b1 * m[i] + (1 - b1) * g;
+    v[i] = b2 * v[i] + (1 - b2) * g * g;
+    const double m_hat = m[i] / (1 - std::pow(b1, step)), v_hat = v[i] / (1 - std::pow(b2, step));
+    p[i] = p[i] * (1 - lr * a.weight_decay) - lr * m_hat / (std::sqrt(v_hat) + a.eps);
+    if (static_cast<std::int64_t>(weights.size()) == n) weights[i] = p[i];
+  }
+}
+
+void sum_squares(host_case& t, std::int64_t rows, std::int64_t cols, std::int64_t width) {
+  const auto& x = t["x"];
+  double sum = 0;
+  for (std::int64_t r = 0; r < rows; ++r)
+    for (std::int64_t c = 0; c < cols; ++c) sum += x[r * width + c] * x[r * width + c];
+  t["sum"][0] = sum;
+}
+
+void bias_add(host_case& t, std::int64_t rows, std::int64_t cols, std::int64_t width, std::int64_t first) {
+  auto& y = t["y"];
+  const auto& bias = t["bias"];
+  for (std::int64_t r = 0; r < rows; ++r)
+    for (std::int64_t c = 0; c < cols; ++c) y[r * width + first + c] += bias[c];
+}
+
+}  // namespace upipe::f64
