@@ -290,7 +290,7 @@ TEST_F(safetensors_io, invalid_tensors_to_write_are_internal_errors) {
   expect_rejected({{.name = "a", .shape = {2}, .values = two}, {.name = "a", .shape = {2}, .values = two}}, "'a' appears twice");
   expect_rejected({{.name = "a", .shape = {3}, .values = two}}, "has shape [3] (3 elements) but 2 values");
   expect_rejected({{.name = "a", .shape = {-1, -2}, .values = two}}, "negative dimension");
-  expect_rejected({{.name = "a", .shape = {2}, .values = two, .type = static_cast<dtype>(7)}}, "other than f32 or bf16");
+  expect_rejected({{.name = "a", .shape = {2}, .values = two, .type = static_cast<dtype>(7)}}, "other than f32, bf16 or u8");
   expect_rejected({{.name = "__metadata__", .shape = {2}, .values = two}}, "reserved");
   EXPECT_TRUE(directory_listing(dir_).empty()) << "a rejected write creates no file";
 }

@@ -24,6 +24,7 @@
 #include "model/parameter_store.hpp"
 #include "train/mesh.hpp"
 #include "train/train_checkpoint.hpp"
+#include "train/run_directory.hpp"
 #include "train/trainer.hpp"
 
 namespace upipe {
@@ -100,11 +101,14 @@ std::string name_of(const train_options& o) {
          (o.step.lora.enabled() ? " lora" : "");
 }
 
-// Runs `o`, saving at its end into `dir`; returns its losses.
+// Runs `o`, saving at its end; its last checkpoint becomes `dir`. Returns its losses.
 std::vector<double> train_and_save(train_options o, const fs::path& dir) {
-  o.save_dir = dir.string();
+  const fs::path run = dir.string() + ".run";
+  o.save_dir = run.string();
   std::vector<double> out;
   for (const step_record& r : train(o, nullptr).steps) out.push_back(r.loss);
+  fs::rename(resolve_checkpoint(run.string()), dir);
+  fs::remove_all(run);
   return out;
 }
 
