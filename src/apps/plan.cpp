@@ -15,6 +15,8 @@
 #include "apps/flag_checks.hpp"
 #include "apps/json_file.hpp"
 #include "apps/model_flags.hpp"
+#include "apps/policy_flags.hpp"
+#include "apps/run_config.hpp"
 #include "apps/sizes.hpp"
 #include "apps/state_flags.hpp"
 #include "core/error.hpp"
@@ -26,18 +28,23 @@ namespace upipe::apps {
 
 namespace {
 
+// The options plan shares with train (model, slice, LoRA, ZeRO, policy, sizes) are rows of
+// the run configuration; the machine, the sweep and the step-time model's rates are plan's own.
 struct plan_flags {
-  std::string model = "llama3-8b", config_path, gpu_memory = "80GiB", host_memory, seq_len, json_path,
-      optimizer = "adamw", policy, offload, lora, moments, master = "fp32", grads = "fp32";
+  std::shared_ptr<run_options> options;
+  std::string gpu_memory = "80GiB", host_memory, seq_len, json_path, optimizer = "adamw", offload, moments,
+              master = "fp32", grads = "fp32";
   double max_grad_norm = 1.0;
   std::vector<std::string> attention;  // default: ulysses, upipe, ring, fpdt (and hybrid on several nodes)
   std::vector<int> seq_chunks;          // default: the planner's
   std::vector<int> dps;                 // the mesh sweep's replica counts (default: every divisor of the GPUs)
   throughput_rates rates;               // the step-time model's
-  int gpus = 8, gpus_per_node = 0, nodes = 1, zero = 3, layers = 0;
+  int gpus = 8, gpus_per_node = 0, nodes = 1;
   bool gpus_given = false, nodes_given = false;  // given on the command line (checked against each other)
   double margin = 0.05;
-  std::int64_t mlp_tile = 0, loss_chunk = 0;
+  const run_config& cfg() const { return options->config(); }
+  // --checkpoint-policy: one policy to plan, or every policy (auto, train's default).
+  std::string policy() const { return is_auto_policy(cfg().checkpoint_policy) ? "" : cfg().checkpoint_policy; }
 };
 
 constexpr const char* paper_host_memory = "1.9TiB";  // the paper's 8 x H100 machine
@@ -169,6 +176,13 @@ nlohmann::json point_json(const plan_point& p) {
           {"host_bytes", p.host_bytes}};
 }
 
+// The model of a train command: --model or --config, and the slice.
+std::string model_flags_text(const plan_flags& f) {
+  const run_config& c = f.cfg();
+  return (c.config.empty() ? "--model " + c.model : "--config " + c.config) +
+         (c.layers > 0 ? " --layers " + std::to_string(c.layers) : "");
+}
+
 // "upipe" or "hybrid 2x8" for a mesh entry's CP group, "+host" as strategy_text.
 std::string mesh_strategy_text(const mesh_entry& e) {
   std::string name(strategy_name(e.cp.strategy));
@@ -178,14 +192,13 @@ std::string mesh_strategy_text(const mesh_entry& e) {
 
 // The `upipe train` command line that runs a mesh entry as planned.
 std::string train_command(const plan_flags& f, const plan_request& r, const mesh_entry& e) {
-  std::string c = "upipe train " + (f.config_path.empty() ? "--model " + f.model : "--config " + f.config_path) +
-                  (f.layers > 0 ? " --layers " + std::to_string(f.layers) : "") + " --dp " + std::to_string(e.dp) + " --cp " + std::to_string(e.cp.cp) + " --attention " +
+  std::string c = "upipe train " + model_flags_text(f) + " --dp " + std::to_string(e.dp) + " --cp " + std::to_string(e.cp.cp) + " --attention " +
                   std::string(strategy_name(e.cp.strategy));
   if (e.cp.strategy == strategy_kind::upipe || e.cp.strategy == strategy_kind::hybrid)
     c += " --head-chunk " + std::to_string(e.cp.head_chunk);
   if (e.cp.strategy == strategy_kind::hybrid) c += " --ring " + std::to_string(e.cp.ring);
   if (e.cp.seq_chunks > 1) c += " --seq-chunks " + std::to_string(e.cp.seq_chunks);
-  c += " --seq-len " + std::to_string(e.point.seq_len) + " --zero " + std::to_string(f.zero) +
+  c += " --seq-len " + std::to_string(e.point.seq_len) + " --zero " + std::to_string(f.cfg().zero) +
        " --checkpoint-policy " + e.point.policy.str();
   if (e.offload_optimizer) c += e.offload_params ? " --offload optimizer,params" : " --offload optimizer";
   if (r.lora.enabled()) c += " --lora " + lora_text(r.lora);
@@ -260,10 +273,10 @@ std::string command_text(const plan_request& r, const plan_result& plan, const p
   const plan_entry& e = plan.state_entries[*plan.recommended_state];
   const plan_point& p = *e.longest;
   const std::int64_t s = r.seq_len ? *r.seq_len : p.seq_len;
-  std::string cmd = "upipe train --model " + f.model + " --backend cuda --cp " + std::to_string(r.gpus) +
+  std::string cmd = "upipe train " + model_flags_text(f) + " --backend cuda --cp " + std::to_string(r.gpus) +
                     " --attention upipe --head-chunk " + std::to_string(e.head_chunk);
   if (e.seq_chunks > 1) cmd += " --seq-chunks " + std::to_string(e.seq_chunks);
-  cmd += " --zero " + std::to_string(f.zero) + " --seq-len " + std::to_string(s) + " --offload " + offload_text(e) +
+  cmd += " --zero " + std::to_string(f.cfg().zero) + " --seq-len " + std::to_string(s) + " --offload " + offload_text(e) +
          " " + state_text(e.state) + " --max-grad-norm " + real_text(r.max_grad_norm) + " --checkpoint-policy " +
          p.policy.str();
   return cmd;
@@ -301,7 +314,7 @@ void print_states(const plan_request& r, const plan_result& plan, const plan_fla
 int run(const plan_flags& f) {
   const auto start = std::chrono::steady_clock::now();
   plan_request r;
-  r.model = load_model(f.model, f.config_path, f.layers);
+  r.model = load_model(f.cfg().model, f.cfg().config, f.cfg().layers);
   const mesh_size mesh = plan_mesh(f.gpus, f.gpus_given, f.gpus_per_node, f.nodes, f.nodes_given);
   r.gpus = mesh.gpus;
   r.nodes = mesh.nodes;
@@ -315,17 +328,17 @@ int run(const plan_flags& f) {
   for (const strategy_row& row : strategy_rows())
     if (f.attention.empty() && (row.planned_by_default || (row.mesh && r.nodes > 1))) r.strategies.push_back(row.kind);
   for (const std::string& name : f.attention) r.strategies.push_back(parse_strategy_kind(name));
-  if (f.zero != 2 && f.zero != 3)
-    throw config_error("--zero " + std::to_string(f.zero) + " is not supported: use --zero 2 or --zero 3");
-  r.zero = f.zero == 3 ? zero_stage::three : zero_stage::two;
+  if (f.cfg().zero != 2 && f.cfg().zero != 3)
+    throw config_error("--zero " + std::to_string(f.cfg().zero) + " is not supported: use --zero 2 or --zero 3");
+  r.zero = f.cfg().zero == 3 ? zero_stage::three : zero_stage::two;
   if (f.optimizer == "none") r.zero = zero_stage::replicated;
   else if (f.optimizer != "adamw")
     throw config_error("--optimizer " + f.optimizer + " is not known: use adamw (a training step, sharded per --zero) "
                        "or none (forward and backward only: full weights and f32 gradients)");
-  if (!f.policy.empty()) r.policy = parse_checkpoint_policy(f.policy);
+  if (!f.policy().empty()) r.policy = parse_checkpoint_policy(f.policy());
   // One GPU: every placement and state format is tried unless one is named (the machines
   // where a full fine-tune fits only with them).
-  const bool one_gpu = r.gpus == 1 && r.zero != zero_stage::replicated && f.lora.empty();
+  const bool one_gpu = r.gpus == 1 && r.zero != zero_stage::replicated && f.cfg().lora.empty();
   const std::string offload = f.offload.empty() ? (one_gpu ? "auto" : "none") : f.offload;
   const std::string moments = f.moments.empty() ? (one_gpu ? "auto" : "fp32") : f.moments;
   r.try_offload = offload == "auto";
@@ -337,8 +350,8 @@ int run(const plan_flags& f) {
   if (!r.try_state) r.state.format = {parse_moments(moments), parse_master(f.master)};
   r.state.grad_type = parse_grad_dtype(f.grads);
   r.max_grad_norm = f.max_grad_norm;
-  r.mlp_tile = f.mlp_tile;
-  r.loss_chunk = f.loss_chunk;
+  r.mlp_tile = f.cfg().mlp_tile;
+  r.loss_chunk = f.cfg().loss_chunk;
   if (!f.seq_chunks.empty()) r.seq_chunks = f.seq_chunks;
   r.dps = f.dps;
   if (r.dps.empty())  // every mesh of the GPUs
@@ -351,7 +364,7 @@ int run(const plan_flags& f) {
       throw config_error("the step-time model's rates (--gemm-tflops, --attention-tflops, --nvlink-gbytes, "
                          "--network-gbits, --pcie-gbytes) must be positive and finite, not " + std::to_string(rate) +
                          " (for example --network-gbits 400)");
-  if (!f.lora.empty()) r.lora = parse_lora(f.lora, r.model);
+  if (!f.cfg().lora.empty()) r.lora = parse_lora(f.cfg().lora, r.model);
   // The default strategies that cannot run on this group (Ulysses and UPipe need C to
   // divide the heads: 1024 GPUs plan hybrid and ring) are left out and named; a strategy
   // asked for by name is refused instead.
@@ -376,7 +389,7 @@ int run(const plan_flags& f) {
       r.lora.enabled() ? ", LoRA " + lora_text(r.lora) + " (base frozen, adapters trained)" : "";
   const std::string step_kind = (r.zero == zero_stage::replicated
                                      ? "forward+backward, no optimizer"
-                                     : "training step, zero=" + std::to_string(f.zero) +
+                                     : "training step, zero=" + std::to_string(f.cfg().zero) +
                                            (r.try_offload        ? ", every placement"
                                             : r.offload_params   ? ", master and weights in host memory"
                                             : r.offload_optimizer ? ", optimizer in host memory"
@@ -489,7 +502,7 @@ int run(const plan_flags& f) {
         {"layers", r.model.num_layers},
         {"gpus", r.gpus},
         {"nodes", r.nodes},
-        {"zero", r.zero == zero_stage::replicated ? nlohmann::json(nullptr) : nlohmann::json(f.zero)},
+        {"zero", r.zero == zero_stage::replicated ? nlohmann::json(nullptr) : nlohmann::json(f.cfg().zero)},
         {"optimizer", f.optimizer},
         {"lora", r.lora.enabled() ? nlohmann::json(lora_text(r.lora)) : nlohmann::json(nullptr)},
         {"gpu_memory_bytes", r.gpu_memory},
@@ -522,7 +535,7 @@ int run(const plan_flags& f) {
 
 command_runner add_plan(CLI::App& app) {
   auto f = std::make_shared<plan_flags>();
-  add_model_flags(app, f->model, f->config_path);
+  f->options = std::make_shared<run_options>(app, for_plan);
   CLI::Option* gpus = app.add_option("--gpus", f->gpus, "GPUs in all (one node unless --gpus-per-node)")
                           ->capture_default_str();
   app.add_option("--gpus-per-node", f->gpus_per_node, "GPUs per node: --gpus / G nodes (or with --nodes)");
@@ -544,11 +557,9 @@ command_runner add_plan(CLI::App& app) {
                  "replica counts D the mesh sweep tries at the planned length, each a CP group of gpus / D "
                  "(comma list; default every divisor of the GPUs)")
       ->delimiter(',');
-  app.add_option("--zero", f->zero, "2: shard optimizer state and gradients; 3: weights too")->capture_default_str();
   app.add_option("--optimizer", f->optimizer, "adamw (a training step) or none (forward and backward only)")
       ->capture_default_str();
   app.add_option("--margin", f->margin, "fraction of GPU and host memory kept free")->capture_default_str();
-  app.add_option("--layers", f->layers, "plan a slice: the first N layers only");
   app.add_option("--offload", f->offload,
                  std::string(offload_help) + "; auto: each configuration in each placement (the default on one GPU, "
                  "else none)");
@@ -563,13 +574,6 @@ command_runner add_plan(CLI::App& app) {
   app.add_option("--max-grad-norm", f->max_grad_norm,
                  "as train's: 0 (no clipping) keeps no gradient shard, each unit updated as it arrives")
       ->capture_default_str();
-  app.add_option("--checkpoint-policy", f->policy,
-                 "plan only this policy (what=input|input+attention,every=K,where=device|host-pinned|host-pageable)");
-  app.add_option("--mlp-tile", f->mlp_tile, mlp_tile_help);
-  app.add_option("--loss-chunk", f->loss_chunk, loss_chunk_help);
-  app.add_option("--lora", f->lora,
-                 "plan LoRA: r=N[,alpha=A][,targets=...] (the base frozen: no gradients, masters or moments; "
-                 "the adapters trained)");
   app.add_option("--json", f->json_path, "write the plan as JSON")->check(output_file_flag("--json"));
   app.add_option("--gemm-tflops", f->rates.gemm_tflops, "step-time model: bf16 GEMM rate per GPU")->capture_default_str();
   app.add_option("--attention-tflops", f->rates.attention_tflops,
@@ -584,6 +588,7 @@ command_runner add_plan(CLI::App& app) {
   return [f, gpus, nodes] {
     f->gpus_given = gpus->count() > 0;
     f->nodes_given = nodes->count() > 0;
+    f->options->apply_flags_and_file();
     return run(*f);
   };
 }

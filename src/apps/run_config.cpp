@@ -197,7 +197,7 @@ std::vector<option_row> make_rows() {
        run_commands, r::changes},
       {"--host-memory-gib", "system.host_memory_gib", UPIPE_FIELD(host_memory_gib), host_memory_gib_help,
        for_train | for_step | for_bench, r::changes},
-      {"--offload", "system.offload", UPIPE_FIELD(offload), offload_help, for_train | for_plan, r::changes},
+      {"--offload", "system.offload", UPIPE_FIELD(offload), offload_help, for_train, r::changes},  // plan's adds auto
       {"--checkpoint-policy", "system.checkpoint_policy", UPIPE_FIELD(checkpoint_policy),
        "auto (the planner's fastest that fits --memory-gib and --host-memory-gib) or "
        "what=input|input+attention,every=K,where=device|host-pinned|host-pageable",
