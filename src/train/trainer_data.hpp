@@ -52,4 +52,12 @@ data_position saved_position(const trainer_state& st, bool shape);
 // (io_error for a damaged state; a run of another shape continues from it, and says so).
 void check_resumed_data(const train_options& o, const saved_state& saved);
 
+// A resumed run must continue the saved one: the same model or adapters, the optimizer
+// state's format (or --convert-optimizer-state), the seed, a step before the last, the data.
+void check_resume(const train_options& o, const saved_state& saved);
+
+// The base a LoRA run's adapters belong to, as adapter_config.json names it: its directory
+// (absolute), or the preset's name.
+std::string base_model_name(const train_options& o);
+
 }  // namespace upipe
