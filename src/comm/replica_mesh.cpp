@@ -4,19 +4,13 @@
 #include <vector>
 
 #include "backend/backend.hpp"
+#include "comm/byte_at.hpp"
 #include "comm/subgroup.hpp"
 #include "core/error.hpp"
 
 namespace upipe {
 
 namespace {
-
-std::byte* at(void* base, std::size_t offset) {
-  return base == nullptr ? nullptr : static_cast<std::byte*>(base) + offset;
-}
-const std::byte* at(const void* base, std::size_t offset) {
-  return base == nullptr ? nullptr : static_cast<const std::byte*>(base) + offset;
-}
 
 // The world renumbered CP-major (shard rank k = c D + d is world rank d C + c), with the
 // reductions and gathers in two levels over the CP group (the caller's, which the attention

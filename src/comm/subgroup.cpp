@@ -4,18 +4,12 @@
 #include <string>
 
 #include "backend/backend.hpp"
+#include "comm/byte_at.hpp"
 #include "core/error.hpp"
 
 namespace upipe {
 
 namespace {
-
-std::byte* at(void* base, std::size_t offset) {
-  return base == nullptr ? nullptr : static_cast<std::byte*>(base) + offset;
-}
-const std::byte* at(const void* base, std::size_t offset) {
-  return base == nullptr ? nullptr : static_cast<const std::byte*>(base) + offset;
-}
 
 class subgroup_communicator final : public communicator {
  public:

@@ -26,6 +26,7 @@
 #include "train/train_checkpoint.hpp"
 #include "train/run_directory.hpp"
 #include "train/trainer.hpp"
+#include "train_support.hpp"
 
 namespace upipe {
 namespace {
@@ -66,19 +67,8 @@ std::string write_corpus(const fs::path& dir) {
 
 // Four steps of tiny-llama at 64 tokens on D x C ranks, `batch` sequences per replica.
 train_options run_on(int dp, const cp_settings& cp, std::int64_t batch, zero_stage zero) {
-  train_options o;
-  o.model = preset("tiny-llama");
-  o.seq_len = 64;
+  train_options o = four_tiny_steps(cp, zero, batch);
   o.dp = dp;
-  o.cp = cp;
-  o.batch = batch;
-  o.zero = zero;
-  o.optim.lr = 3e-3;
-  o.optim.total_steps = 4;
-  o.optim.warmup_steps = 1;
-  o.seed = 7;
-  o.eval_samples = 0;
-  o.limits = {std::size_t{256} << 20, std::size_t{64} << 20};
   return o;
 }
 

@@ -14,24 +14,13 @@
 #include "core/error.hpp"
 #include "model/parameter_store.hpp"
 #include "train/trainer.hpp"
+#include "train_support.hpp"
 
 namespace upipe {
 namespace {
 
 train_options base(const cp_settings& cp, zero_stage zero, std::int64_t batch) {
-  train_options o;
-  o.model = preset("tiny-llama");
-  o.seq_len = 64;
-  o.cp = cp;
-  o.zero = zero;
-  o.batch = batch;
-  o.optim.lr = 3e-3;
-  o.optim.total_steps = 4;
-  o.optim.warmup_steps = 1;
-  o.seed = 7;
-  o.eval_samples = 0;
-  o.limits = {std::size_t{256} << 20, std::size_t{64} << 20};
-  return o;
+  return four_tiny_steps(cp, zero, batch);
 }
 
 train_options offloaded(train_options o, bool params) {
