@@ -60,6 +60,15 @@ std::vector<block_pair> pairs(const ring_shape& shape, int kv_owner) {
 const void* sent(bool send, const tensor& t) { return send ? t.data() : nullptr; }
 std::size_t bytes_if(bool yes, const tensor& t) { return yes ? t.bytes() : 0; }
 
+// Step `step`'s K/V exchange: this rank's go to step.to where they reach it, and the K/V of
+// step.from arrive (an empty tensor where none do).
+tensor exchange_kv(backend& be, communicator& ring, const ring_step& step, const tensor& kv) {
+  tensor visiting = step.receive ? be.allocate(mem_tag::attention, kv.type(), kv.dims(), "ring_kv") : tensor();
+  ring.send_recv(sent(step.send, kv), bytes_if(step.send, kv), step.to, visiting.data(), bytes_if(step.receive, kv),
+                 step.from, "ring_kv");
+  return visiting;
+}
+
 }  // namespace
 
 bool ring_reaches(const ring_shape& shape, int q_rank, int kv_owner) {
@@ -94,9 +103,7 @@ void ring_core_forward(backend& be, communicator& ring, const ring_shape& shape,
   for (int s = 1; s < shape.size; ++s) {
     const ring_step step = ring_step_at(shape, s);
     if (!step.send && !step.receive) continue;
-    tensor visiting = step.receive ? be.allocate(mem_tag::attention, kv.type(), kv.dims(), "ring_kv") : tensor();
-    ring.send_recv(sent(step.send, kv), bytes_if(step.send, kv), step.to, visiting.data(),
-                   bytes_if(step.receive, kv), step.from, "ring_kv");
+    tensor visiting = exchange_kv(be, ring, step, kv);
     if (step.receive) attend(visiting, step.from);
   }
   ops::copy_heads(be, out, out_acc.heads());
@@ -129,9 +136,7 @@ ring_core_grads ring_core_backward(backend& be, communicator& ring, const ring_s
   for (int s = 1; s < shape.size; ++s) {
     const ring_step step = ring_step_at(shape, s);
     if (!step.send && !step.receive) continue;
-    tensor visiting = step.receive ? be.allocate(mem_tag::attention, kv.type(), kv.dims(), "ring_kv") : tensor();
-    ring.send_recv(sent(step.send, kv), bytes_if(step.send, kv), step.to, visiting.data(),
-                   bytes_if(step.receive, kv), step.from, "ring_kv");
+    tensor visiting = exchange_kv(be, ring, step, kv);
     tensor visit_grads;
     if (step.receive) {
       visit_grads = be.allocate_zeroed(mem_tag::attention, dtype::f32, kv.dims(), "ring_dkv_visit");
