@@ -126,4 +126,29 @@ UPIPE_HOST_DEVICE inline void adamw_master_kahan(std::uint16_t& w, std::uint16_t
   c = bf16_bits(y - taken);
 }
 
+// The buffers of one adamw call, cast once (the cpu op's and the CUDA kernel's): comp is the
+// bf16-kahan master's compensation (bf16 bits), weights the working copy or nullptr.
+struct adamw_pointers {
+  void* master;
+  std::uint16_t* comp;
+  void *m, *v;
+  float *m_absmax, *v_absmax;
+  const void* grad;
+  void* weights;
+  float* direction;
+};
+
+inline adamw_pointers pointers_of(const adamw_args& a) {
+  const bool weights = a.weights.data != nullptr && a.weights.cols > 0;
+  return {a.master.data,
+          static_cast<std::uint16_t*>(a.master_comp.data),
+          a.exp_avg.data,
+          a.exp_avg_sq.data,
+          static_cast<float*>(a.exp_avg_absmax.data),
+          static_cast<float*>(a.exp_avg_sq_absmax.data),
+          a.grad.data,
+          weights ? a.weights.data : nullptr,
+          static_cast<float*>(a.direction.data)};
+}
+
 }  // namespace upipe

@@ -41,35 +41,11 @@ template <class T>
   else p[i] = bf16_bits(x);
 }
 
-// The pointers of one call, cast once.
-struct pointers {
-  void* master;
-  bf16_t* comp;
-  void *m, *v;
-  float *m_absmax, *v_absmax;
-  const void* grad;
-  void* weights;
-  float* direction;
-};
-
-pointers pointers_of(const adamw_args& a) {
-  const bool weights = a.weights.data != nullptr && a.weights.cols > 0;
-  return {a.master.data,
-          static_cast<bf16_t*>(a.master_comp.data),
-          a.exp_avg.data,
-          a.exp_avg_sq.data,
-          static_cast<float*>(a.exp_avg_absmax.data),
-          static_cast<float*>(a.exp_avg_sq_absmax.data),
-          a.grad.data,
-          weights ? a.weights.data : nullptr,
-          static_cast<float*>(a.direction.data)};
-}
-
 // The master half of element i: P is float (f32 master), bf16_t (bf16-kahan) or void
 // (the moments half alone: the step goes to `direction`); W the working copy's element
 // (float, bf16 bits) or void.
 template <class P, class W>
-[[gnu::always_inline]] inline void finish(const pointers& q, std::int64_t i, adamw_decay d, float step) {
+[[gnu::always_inline]] inline void finish(const adamw_pointers& q, std::int64_t i, adamw_decay d, float step) {
   if constexpr (std::is_void_v<P>) {
     q.direction[i] = step;
   } else if constexpr (std::is_same_v<P, float>) {
@@ -87,7 +63,7 @@ template <class P, class W>
 // Elements [a, b) with f32 or bf16 moments M (void: the master half alone, reading
 // `direction`), gradients G, one decay.
 template <class M, class G, class P, class W>
-[[gnu::always_inline]] inline void elementwise(const adamw_coefficients& c, adamw_decay d, const pointers& q,
+[[gnu::always_inline]] inline void elementwise(const adamw_coefficients& c, adamw_decay d, const adamw_pointers& q,
                                                std::int64_t a, std::int64_t b) {
   const adamw_coefficients k = c;  // in registers: no store below can change it
 #pragma omp simd
@@ -107,15 +83,15 @@ template <class M, class G, class P, class W>
 
 // The hot path of the offload: f32 moments, gradients and master, vectorized for the
 // widest instruction set the CPU has.
-UPIPE_SIMD_CLONES void f32_whole(const adamw_coefficients& c, adamw_decay d, const pointers& q, std::int64_t a,
+UPIPE_SIMD_CLONES void f32_whole(const adamw_coefficients& c, adamw_decay d, const adamw_pointers& q, std::int64_t a,
                                  std::int64_t b) {
   elementwise<float, float, float, void>(c, d, q, a, b);
 }
-UPIPE_SIMD_CLONES void f32_whole_f32_copy(const adamw_coefficients& c, adamw_decay d, const pointers& q,
+UPIPE_SIMD_CLONES void f32_whole_f32_copy(const adamw_coefficients& c, adamw_decay d, const adamw_pointers& q,
                                           std::int64_t a, std::int64_t b) {
   elementwise<float, float, float, float>(c, d, q, a, b);
 }
-UPIPE_SIMD_CLONES void f32_whole_bf16_copy(const adamw_coefficients& c, adamw_decay d, const pointers& q,
+UPIPE_SIMD_CLONES void f32_whole_bf16_copy(const adamw_coefficients& c, adamw_decay d, const adamw_pointers& q,
                                            std::int64_t a, std::int64_t b) {
   elementwise<float, float, float, bf16_t>(c, d, q, a, b);
 }
@@ -123,7 +99,7 @@ UPIPE_SIMD_CLONES void f32_whole_bf16_copy(const adamw_coefficients& c, adamw_de
 // q8 moments, blocks [first, last) of the call: decode, update, the new absmax, encode;
 // the master half per element with the decay of its run.
 template <class G, class P, class W>
-void q8_blocks(const adamw_coefficients& c, std::span<const adamw_run> runs, const pointers& q, std::int64_t first,
+void q8_blocks(const adamw_coefficients& c, std::span<const adamw_run> runs, const adamw_pointers& q, std::int64_t first,
                std::int64_t last) {
   const q8_map& sm = q8_signed_map();
   const q8_map& um = q8_unsigned_map();
@@ -194,7 +170,7 @@ void for_each_run(const adamw_args& a, F&& f) {
   }
 }
 
-void run_elementwise(const adamw_args& args, const adamw_coefficients& c, const pointers& q) {
+void run_elementwise(const adamw_args& args, const adamw_coefficients& c, const adamw_pointers& q) {
   const bool f32_moments = args.exp_avg.type == dtype::f32;
   for_each_run(args, [&](std::int64_t a, std::int64_t b, bool decays) {
     const adamw_decay d = decay_of(c, decays);
@@ -258,7 +234,7 @@ void accumulate(std::uint16_t* dst, const float* src, std::int64_t n) { add_loop
 
 void run(const adamw_args& args) {
   const adamw_coefficients c = adamw_coefficients_of(args);
-  const pointers q = pointers_of(args);
+  const adamw_pointers q = pointers_of(args);
   if (args.part == adamw_part::master || args.exp_avg.type != dtype::u8) return run_elementwise(args, c, q);
   const std::int64_t blocks = args.grad.cols / q8_block;
   with_master(args, [&]<class P>(P*) {

@@ -30,16 +30,6 @@ constexpr kernel_config q8_config{.threads = static_cast<int>(q8_block), .blocks
 constexpr kernel_config sum_squares_config{.threads = 256, .blocks_per_sm = 8};
 constexpr int vec_width = 4;  // floats per 16-byte access
 
-struct adamw_pointers {
-  void* master;
-  bf16_bits_t* comp;
-  void *m, *v;
-  float *m_absmax, *v_absmax;
-  const void* grad;
-  void* weights;  // the working copy, or nullptr
-  float* direction;
-};
-
 template <class T>
 __device__ __forceinline__ float load_value(const void* p, std::int64_t i) {
   if constexpr (std::is_same_v<T, float>) return static_cast<const float*>(p)[i];
@@ -200,19 +190,6 @@ __global__ void __launch_bounds__(sum_squares_config.threads)
   });
   sum = group_sum<sum_squares_config.threads, sum_squares_config.threads>(sum, scratch);
   if (threadIdx.x == 0) atomicAdd(result, sum);
-}
-
-adamw_pointers pointers_of(const adamw_args& a) {
-  const bool weights = a.weights.data != nullptr && a.weights.cols > 0;
-  return {a.master.data,
-          static_cast<bf16_bits_t*>(a.master_comp.data),
-          a.exp_avg.data,
-          a.exp_avg_sq.data,
-          static_cast<float*>(a.exp_avg_absmax.data),
-          static_cast<float*>(a.exp_avg_sq_absmax.data),
-          a.grad.data,
-          weights ? a.weights.data : nullptr,
-          static_cast<float*>(a.direction.data)};
 }
 
 // Calls f with the element types of the call: M (moments), G (gradient), P (master), W
