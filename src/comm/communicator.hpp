@@ -110,6 +110,19 @@ class communicator {
   void reset_counters() { counters_ = {}; }
 
  protected:
+  // A group built on `parent`'s ranks: its point-to-point exchange (ranks already the
+  // parent's, -1 where a side is skipped) and its barrier run there, counted here.
+  void relay_send_recv(communicator& parent, const void* send, std::size_t send_bytes, int parent_dst, void* recv,
+                       std::size_t recv_bytes, int parent_src, std::string_view label) {
+    parent.send_recv(send, send_bytes, parent_dst, recv, recv_bytes, parent_src, label);
+    if (send_bytes > 0) counters_.add(collective::send, send_bytes, label);
+    if (recv_bytes > 0) counters_.add(collective::recv, recv_bytes, label);
+  }
+  void relay_barrier(communicator& parent) {
+    parent.barrier();
+    counters_.add(collective::barrier, 0, "");
+  }
+
   comm_counters counters_;
 };
 

@@ -75,16 +75,11 @@ class shard_communicator final : public communicator {
 
   void send_recv(const void* send, std::size_t send_bytes, int dst, void* recv, std::size_t recv_bytes, int src,
                  std::string_view label) override {
-    world_.send_recv(send, send_bytes, send_bytes > 0 ? world_rank(dst) : -1, recv, recv_bytes,
-                     recv_bytes > 0 ? world_rank(src) : -1, label);
-    if (send_bytes > 0) counters_.add(collective::send, send_bytes, label);
-    if (recv_bytes > 0) counters_.add(collective::recv, recv_bytes, label);
+    relay_send_recv(world_, send, send_bytes, send_bytes > 0 ? world_rank(dst) : -1, recv, recv_bytes,
+                    recv_bytes > 0 ? world_rank(src) : -1, label);
   }
 
-  void barrier() override {
-    world_.barrier();
-    counters_.add(collective::barrier, 0, "");
-  }
+  void barrier() override { relay_barrier(world_); }
 
  private:
   int world_rank(int shard_rank) const {

@@ -46,16 +46,11 @@ class subgroup_communicator final : public communicator {
 
   void send_recv(const void* send, std::size_t send_bytes, int dst, void* recv, std::size_t recv_bytes, int src,
                  std::string_view label) override {
-    parent_.send_recv(send, send_bytes, send_bytes > 0 ? member(dst) : -1, recv, recv_bytes,
-                      recv_bytes > 0 ? member(src) : -1, label);
-    if (send_bytes > 0) counters_.add(collective::send, send_bytes, label);
-    if (recv_bytes > 0) counters_.add(collective::recv, recv_bytes, label);
+    relay_send_recv(parent_, send, send_bytes, send_bytes > 0 ? member(dst) : -1, recv, recv_bytes,
+                    recv_bytes > 0 ? member(src) : -1, label);
   }
 
-  void barrier() override {
-    parent_.barrier();
-    counters_.add(collective::barrier, 0, "");
-  }
+  void barrier() override { relay_barrier(parent_); }
 
  private:
   int member(int rank) const {

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <initializer_list>
 #include <string>
+#include <vector>
 
 #include "core/error.hpp"
 
@@ -32,5 +33,12 @@ struct shape {
     return s + "]";
   }
 };
+
+// The elements of a tensor of these dimensions (a parameter's or a file's shape).
+inline std::int64_t element_count(const std::vector<std::int64_t>& dims) {
+  std::int64_t n = 1;
+  for (const std::int64_t d : dims) n *= d;
+  return n;
+}
 
 }  // namespace upipe

@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.hpp"
+#include "core/shape.hpp"
 #include "model/parameters.hpp"
 #include "core/files.hpp"
 #include "formats/safetensors.hpp"
@@ -28,12 +29,6 @@ std::string shape_text(const std::vector<std::int64_t>& shape) {
   std::string s = "[";
   for (std::size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
   return s + "]";
-}
-
-std::int64_t numel(const std::vector<std::int64_t>& shape) {
-  std::int64_t n = 1;
-  for (auto d : shape) n *= d;
-  return n;
 }
 
 bool ends_with(const std::string& s, const std::string& tail) {
@@ -194,7 +189,7 @@ std::string hf_model_files::stored_dtype() const {
 host_weights read_all_weights(const weight_source& source, const model_config& config) {
   host_weights out;
   for (const parameter_spec& spec : parameter_specs(config)) {
-    std::vector<float> v(static_cast<std::size_t>(numel(spec.shape)));
+    std::vector<float> v(static_cast<std::size_t>(element_count(spec.shape)));
     source.read(spec.name, 0, static_cast<std::int64_t>(v.size()), v.data());
     out.emplace(spec.name, std::move(v));
   }
@@ -222,7 +217,7 @@ hf_model_writer::hf_model_writer(const std::string& dir, const model_config& con
   impl_->type = options.type;
   std::uint64_t shard_bytes = 0;
   for (const parameter_spec& spec : parameter_specs(config)) {
-    const std::uint64_t bytes = static_cast<std::uint64_t>(numel(spec.shape)) * dtype_size(options.type);
+    const std::uint64_t bytes = static_cast<std::uint64_t>(element_count(spec.shape)) * dtype_size(options.type);
     if (impl_->shards.empty() || (shard_bytes > 0 && shard_bytes + bytes > options.max_shard_bytes)) {
       impl_->shards.emplace_back();
       shard_bytes = 0;
@@ -231,7 +226,7 @@ hf_model_writer::hf_model_writer(const std::string& dir, const model_config& con
     impl_->shard_of.emplace(spec.name, impl_->shards.size() - 1);
     shard_bytes += bytes;
     impl_->total_bytes += bytes;
-    impl_->total_parameters += static_cast<std::uint64_t>(numel(spec.shape));
+    impl_->total_parameters += static_cast<std::uint64_t>(element_count(spec.shape));
   }
   const std::size_t n = impl_->shards.size();
   for (std::size_t i = 0; i < n; ++i) {

@@ -7,6 +7,7 @@
 #include <limits>
 
 #include "backend/ops.hpp"
+#include "core/shape.hpp"
 #include "core/error.hpp"
 #include "model/parameters.hpp"
 #include "model/parameter_unit.hpp"
@@ -14,12 +15,6 @@
 namespace upipe {
 
 namespace {
-
-std::int64_t numel_of(const std::vector<std::int64_t>& shape) {
-  std::int64_t n = 1;
-  for (auto d : shape) n *= d;
-  return n;
-}
 
 int unit_of(const std::string& name, int layers) {
   if (const std::optional<std::int64_t> layer = layer_of(name)) {
@@ -41,8 +36,8 @@ std::vector<std::vector<unit_parameter>> parameter_units(const model_config& con
   std::vector<std::int64_t> sizes(units.size(), 0);
   for (const parameter_spec& spec : parameter_specs(config)) {
     const int u = unit_of(spec.name, config.num_layers);
-    units[u].push_back({spec.name, sizes[u], numel_of(spec.shape)});
-    sizes[u] += numel_of(spec.shape);
+    units[u].push_back({spec.name, sizes[u], element_count(spec.shape)});
+    sizes[u] += element_count(spec.shape);
   }
   return units;
 }
@@ -104,7 +99,7 @@ parameter_store::parameter_store(const model_config& config, std::vector<paramet
     unit& u = *units_[unit_of(specs_[i].name, config.num_layers)];
     u.params.push_back(i);
     u.offsets.push_back(u.numel);
-    u.numel += numel_of(specs_[i].shape);
+    u.numel += element_count(specs_[i].shape);
   }
   const int C = comm.size();
   for (auto& up : units_) {
@@ -232,7 +227,7 @@ std::vector<float> parameter_store::unit_range(const unit& u, const weight_sourc
                                                std::int64_t hi) const {
   std::vector<float> out(static_cast<std::size_t>(hi - lo), 0.0f);
   for (std::size_t k = 0; k < u.params.size(); ++k) {
-    const std::int64_t begin = u.offsets[k], end = begin + numel_of(specs_[u.params[k]].shape);
+    const std::int64_t begin = u.offsets[k], end = begin + element_count(specs_[u.params[k]].shape);
     const std::int64_t a = std::max(lo, begin), b = std::min(hi, end);
     if (a < b) source.read(specs_[u.params[k]].name, a - begin, b - a, out.data() + (a - lo));
   }
@@ -245,7 +240,7 @@ void parameter_store::check_finite(const unit& u, const std::vector<float>& valu
   if (bad == values.end()) return;
   const std::int64_t at = lo + (bad - values.begin());
   for (std::size_t k = 0; k < u.params.size(); ++k) {
-    const std::int64_t begin = u.offsets[k], end = begin + numel_of(specs_[u.params[k]].shape);
+    const std::int64_t begin = u.offsets[k], end = begin + element_count(specs_[u.params[k]].shape);
     if (at < begin || at >= end) continue;
     throw config_error(std::string(what) + " of " + specs_[u.params[k]].name + " holds " + std::to_string(*bad) +
                        " at element " + std::to_string(at - begin) +
@@ -256,7 +251,7 @@ void parameter_store::check_finite(const unit& u, const std::vector<float>& valu
 host_weights parameter_store::split(const unit& u, const std::vector<float>& flat) const {
   host_weights out;
   for (std::size_t k = 0; k < u.params.size(); ++k) {
-    const auto n = numel_of(specs_[u.params[k]].shape);
+    const auto n = element_count(specs_[u.params[k]].shape);
     out.emplace(specs_[u.params[k]].name, std::vector<float>(flat.begin() + u.offsets[k], flat.begin() + u.offsets[k] + n));
   }
   return out;

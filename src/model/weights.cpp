@@ -6,22 +6,13 @@
 #include <set>
 
 #include "backend/backend.hpp"
+#include "core/shape.hpp"
 #include "core/error.hpp"
 #include "core/random.hpp"
 #include "formats/safetensors.hpp"
 #include "model/hf_model.hpp"
 
 namespace upipe {
-
-namespace {
-
-std::int64_t numel(const std::vector<std::int64_t>& shape) {
-  std::int64_t n = 1;
-  for (auto d : shape) n *= d;
-  return n;
-}
-
-}  // namespace
 
 host_weights read_weights(const model_config& config, const std::string& path) {
   return read_all_weights(hf_model_files(path, config), config);
@@ -32,7 +23,7 @@ void write_weights(const model_config& config, const host_weights& weights, cons
   for (const parameter_spec& spec : parameter_specs(config)) {
     auto it = weights.find(spec.name);
     UPIPE_CHECK(it != weights.end(), "no values for " + spec.name);
-    UPIPE_CHECK(static_cast<std::int64_t>(it->second.size()) == numel(spec.shape), "wrong size for " + spec.name);
+    UPIPE_CHECK(static_cast<std::int64_t>(it->second.size()) == element_count(spec.shape), "wrong size for " + spec.name);
     tensors.push_back({spec.name, spec.shape, it->second, type});
   }
   write_safetensors(path, tensors, {{"format", "pt"}});
@@ -47,7 +38,7 @@ host_weights random_weights(const model_config& config, unsigned long long seed)
   host_weights weights;
   std::uint64_t stream = 0;  // one per tensor
   for (const parameter_spec& spec : parameter_specs(config)) {
-    std::vector<float> v(static_cast<std::size_t>(numel(spec.shape)));
+    std::vector<float> v(static_cast<std::size_t>(element_count(spec.shape)));
     switch (spec.kind) {
       case param_kind::matrix:
       case param_kind::embedding:
