@@ -181,13 +181,7 @@ void parameter_store::update_on_device(unit& u, const mat_view& grad, const host
     }
     args.grad = cols(grad);
     if (halves) args.direction = cols(view(direction));
-    args.lr = static_cast<float>(update.lr);
-    args.beta1 = static_cast<float>(update.config.beta1);
-    args.beta2 = static_cast<float>(update.config.beta2);
-    args.eps = static_cast<float>(update.config.eps);
-    args.weight_decay = static_cast<float>(update.config.weight_decay);
-    args.grad_scale = static_cast<float>(update.grad_scale);
-    args.step = update.step;
+    set_scalars(args, update);
     args.runs = runs;
     ops::adamw(be_, args);
   }

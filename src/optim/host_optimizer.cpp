@@ -43,13 +43,7 @@ adamw_args piece_args(const host_shard& s, const host_work& w, std::int64_t a, s
     args.grad = part(s.grad, s.grad_type, a, b);
   }
   if (w.part != adamw_part::whole) args.direction = part(const_cast<float*>(s.direction), dtype::f32, a, b);
-  args.lr = static_cast<float>(u.lr);
-  args.beta1 = static_cast<float>(u.config.beta1);
-  args.beta2 = static_cast<float>(u.config.beta2);
-  args.eps = static_cast<float>(u.config.eps);
-  args.weight_decay = static_cast<float>(u.config.weight_decay);
-  args.grad_scale = static_cast<float>(u.grad_scale);
-  args.step = u.step;
+  set_scalars(args, u);
   args.runs = runs;
   return args;
 }

@@ -50,6 +50,17 @@ struct host_adamw {
   double lr = 0, grad_scale = 1;
 };
 
+// The step's scalars into an adamw call (the device's update and the host's alike).
+inline void set_scalars(adamw_args& args, const host_adamw& u) {
+  args.lr = static_cast<float>(u.lr);
+  args.beta1 = static_cast<float>(u.config.beta1);
+  args.beta2 = static_cast<float>(u.config.beta2);
+  args.eps = static_cast<float>(u.config.eps);
+  args.weight_decay = static_cast<float>(u.config.weight_decay);
+  args.grad_scale = static_cast<float>(u.grad_scale);
+  args.step = u.step;
+}
+
 // What one task does to a shard, in this order on each piece.
 struct host_work {
   const float* incoming = nullptr;  // gradients to add into grad (a later micro-batch)
