@@ -274,29 +274,32 @@ projection_grads& target_of(layer_gradients& g, lora_target t) {
   return g.down;
 }
 
+// Each target's A and its rows of B from `view`, into the layer's weights or their
+// gradients; `also` finishes the projection.
+template <class Layer, class Also>
+void attach_each(Layer& p, const model_config& model, const lora_config& lora, int layer, const named_view& view,
+                 Also&& also) {
+  for (lora_target t : lora.target_list()) {
+    auto& w = target_of(p, t);
+    const stored_rows rows = projection_rows(model, t);
+    w.lora_a = view(adapter_name(model, layer, t, 'A'));
+    w.lora_b = view(adapter_name(model, layer, t, 'B')).row_block(rows.first, rows.count);
+    also(w);
+  }
+}
+
 }  // namespace
 
 // A fused module's projections share its A (their gradients add into it) and take their
 // rows of its B.
 void attach_adapters(layer_params& p, const model_config& model, const lora_config& lora, int layer,
                      const named_view& view) {
-  for (lora_target t : lora.target_list()) {
-    projection& w = target_of(p, t);
-    const stored_rows rows = projection_rows(model, t);
-    w.lora_a = view(adapter_name(model, layer, t, 'A'));
-    w.lora_b = view(adapter_name(model, layer, t, 'B')).row_block(rows.first, rows.count);
-    w.lora_scale = lora.scale();
-  }
+  attach_each(p, model, lora, layer, view, [&](projection& w) { w.lora_scale = lora.scale(); });
 }
 
 void attach_adapter_grads(layer_gradients& g, const model_config& model, const lora_config& lora, int layer,
                           const named_view& view) {
-  for (lora_target t : lora.target_list()) {
-    projection_grads& w = target_of(g, t);
-    const stored_rows rows = projection_rows(model, t);
-    w.lora_a = view(adapter_name(model, layer, t, 'A'));
-    w.lora_b = view(adapter_name(model, layer, t, 'B')).row_block(rows.first, rows.count);
-  }
+  attach_each(g, model, lora, layer, view, [](projection_grads&) {});
 }
 
 }  // namespace upipe
