@@ -10,26 +10,15 @@
 #include "comm/communicator.hpp"
 #include "comm/subgroup.hpp"
 #include "core/error.hpp"
+#include "comm_support.hpp"
 
 namespace upipe {
 namespace {
 
-struct cpu_group {
-  explicit cpu_group(int size) {
-    for (int r = 0; r < size; ++r) {
-      owned.push_back(make_cpu_backend({std::size_t{16} << 20, std::size_t{1} << 20}));
-      ranks.push_back(owned.back().get());
-    }
-  }
-  std::vector<std::unique_ptr<backend>> owned;
-  std::vector<backend*> ranks;
-};
-
-tensor floats(backend& be, std::int64_t n) { return be.allocate(mem_tag::comm, dtype::f32, shape{n}, "test"); }
-float* at(const tensor& t) { return static_cast<float*>(t.data()); }
-
-// A value that names the parent rank it came from, the chunk and the element.
-float value(int parent, int chunk, int i) { return static_cast<float>(parent * 1000 + chunk * 10 + i); }
+using cpu_group = testing::cpu_ranks;
+using testing::at;
+using testing::floats;
+using testing::value;
 
 class mesh : public ::testing::TestWithParam<std::pair<int, int>> {};  // (C, R)
 
