@@ -206,11 +206,11 @@ class ChatTemplate:
 def _messages(value, what):
     """A checked copy of a list of messages, as transformers hands them to the template."""
     if not isinstance(value, list) or not value:
-        raise RowError(f"{what} must be a non-empty list of messages, not {_describe(value)}")
+        raise RowError(f"{what} must be a non-empty list of messages, not {describe_value(value)}")
     out = []
     for i, m in enumerate(value):
         if not isinstance(m, dict):
-            raise RowError(f"{what}[{i}] is {_describe(m)}, not a message object with 'role' and 'content'")
+            raise RowError(f"{what}[{i}] is {describe_value(m)}, not a message object with 'role' and 'content'")
         m = {k: v for k, v in m.items() if v is not None}
         role = m.get("role")
         if not isinstance(role, str):
@@ -220,7 +220,7 @@ def _messages(value, what):
                            "unknown_role")
         content = m.get("content")
         if content is not None and not isinstance(content, (str, list)):
-            raise RowError(f"{what}[{i}] has content of {_describe(content)}, not a string or a list of parts")
+            raise RowError(f"{what}[{i}] has content of {describe_value(content)}, not a string or a list of parts")
         reasoning = next((m[k] for k in REASONING_FIELDS if m.get(k) is not None), None)
         if reasoning is not None:
             m = {"thinking": reasoning, **m, "reasoning_content": reasoning}
@@ -228,7 +228,9 @@ def _messages(value, what):
     return out
 
 
-def _describe(v):
+def describe_value(v, sequence="list"):
+    """A JSON value's kind for a message: "null", "a number", "an empty list", ... (a JSON
+    array is named `sequence`: prepare-data's line checks say "array")."""
     if v is None:
         return "null"
     if isinstance(v, bool):
@@ -238,7 +240,8 @@ def _describe(v):
     if isinstance(v, str):
         return "a string"
     if isinstance(v, list):
-        return "an empty list" if not v else "a list"
+        article = "an" if sequence[0] in "aeiou" else "a"
+        return f"an empty {sequence}" if not v else f"{article} {sequence}"
     return "an object" if isinstance(v, dict) else type(v).__name__
 
 
@@ -366,7 +369,7 @@ class RowEncoder:
             return self._conversation(_messages(prompt, "'prompt'") + _messages(completion, "'completion'"),
                                       len(prompt), obj)
         raise RowError(f"'prompt' and 'completion' must both be strings or both be lists of messages, not "
-                       f"{_describe(prompt)} and {_describe(completion)}")
+                       f"{describe_value(prompt)} and {describe_value(completion)}")
 
     def finish(self, example, enc):
         ids = list(enc.ids)
@@ -389,10 +392,10 @@ class RowEncoder:
                            "chat_template): pass --chat-template FILE", "no_template")
         tools = obj.get("tools")
         if tools is not None and not isinstance(tools, list):
-            raise RowError(f"'tools' is {_describe(tools)}, not a list of tool schemas")
+            raise RowError(f"'tools' is {describe_value(tools)}, not a list of tool schemas")
         kwargs = obj.get("chat_template_kwargs")
         if kwargs is not None and not isinstance(kwargs, dict):
-            raise RowError(f"'chat_template_kwargs' is {_describe(kwargs)}, not an object")
+            raise RowError(f"'chat_template_kwargs' is {describe_value(kwargs)}, not an object")
         if prompt_length is None and not any(m["role"] == "assistant" for m in messages):
             if not self.all_targets:
                 raise RowError("it has no assistant turn, so no token is a target (use --loss-mask all to train on "

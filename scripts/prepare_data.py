@@ -220,17 +220,7 @@ def read_text_file(path):
 
 
 def describe_json_type(v):
-    if v is None:
-        return "null"
-    if isinstance(v, bool):
-        return "a boolean"
-    if isinstance(v, (int, float)):
-        return "a number"
-    if isinstance(v, list):
-        return "an array"
-    if isinstance(v, dict):
-        return "an object"
-    return type(v).__name__
+    return chat_data.describe_value(v, "array")
 
 
 def read_jsonl(path, field, compressed):
