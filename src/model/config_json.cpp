@@ -149,11 +149,14 @@ void refuse_unsupported_features(const field_reader& fields, const std::string& 
     refuse_true("mlp_bias", "this family's MLP has no bias");
   }
   refuse_true("use_bidirectional_attention", "attention is causal");
+  // Soft-capping (Gemma 2's tanh on the scores and the logits) is outside the model upipe
+  // computes, for every family: a value would change the loss, so it is refused, never
+  // ignored. Gemma 3's published checkpoints set both to null.
   for (const char* key : {"attn_logit_softcapping", "final_logit_softcapping"})
     if (const json* v = fields.find(key))
       throw config_error("model config '" + path + "': " + key + " = " + v->dump() +
-                         " is not supported (soft-capping of logits is not implemented; the published Gemma 3 "
-                         "checkpoints set it to null); use " + key + " = null");
+                         ": upipe's attention and loss take no soft-capping, and a model trained with it would "
+                         "compute another loss; use a model whose config sets " + key + " = null (Gemma 3's do)");
   if (const json* v = fields.find("partial_rotary_factor"); v && fields.number("partial_rotary_factor", *v) != 1.0)
     throw config_error("model config '" + path + "': partial_rotary_factor = " + v->dump() +
                        " is not supported (RoPE rotates every dimension of a head); use 1.0");

@@ -27,7 +27,7 @@ std::vector<family_row> make_table() {
       {.family = gemma3, .model_type = "gemma3_text", .architecture = "Gemma3ForCausalLM", .models = "Gemma 3 (text)",
        .qk_norm = true, .config_biases = true, .norms = block_norms::pre_and_post, .norm_offset = 1.0f,
        .embedding = embedding_scaling::sqrt_hidden, .windows = window_rule::pattern_layers,
-       .query_pre_attn_scalar = true, .final_logit_softcapping = true, .default_kv_heads = 4, .default_head_dim = 256,
+       .query_pre_attn_scalar = true, .default_kv_heads = 4, .default_head_dim = 256,
        .default_theta = 1000000.0, .default_local_theta = 10000.0, .default_tied = true, .default_context = 131072,
        .activation_key = "hidden_activation", .default_activation = gate_activation::gelu_tanh,
        .mlp_norm = "pre_feedforward_layernorm", .attention_post_norm = "post_attention_layernorm",

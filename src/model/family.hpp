@@ -60,7 +60,6 @@ struct family_row {
   embedding_scaling embedding = embedding_scaling::none;
   window_rule windows = window_rule::none;
   bool query_pre_attn_scalar = false;  // scores scaled by 1/sqrt(query_pre_attn_scalar), not 1/sqrt(d)
-  bool final_logit_softcapping = false;  // the field exists (Gemma); a value is refused (not implemented)
 
   // transformers' defaults where config.json is silent.
   int default_kv_heads = 0;          // absent num_key_value_heads (0: H)
