@@ -50,6 +50,7 @@ class cpu_backend final : public backend {
     UPIPE_CHECK(dst.type() == dtype::f32 || dst.type() == dtype::bf16,
                 std::string("upload_f32 into the ") + std::string(dtype_name(dst.type())) + " tensor " + dst.label() +
                     ": ids and codes go through upload_bytes");
+    if (n == 0) return;  // an empty shard: its host side may be a null pointer, which memcpy may not take
     if (dst.type() == dtype::f32) {
       std::memcpy(dst.data(), host, static_cast<std::size_t>(n) * sizeof(float));
       return;
@@ -59,17 +60,18 @@ class cpu_backend final : public backend {
   }
   void upload_bytes(const tensor& dst, const void* host, std::size_t bytes) override {
     UPIPE_CHECK(bytes <= dst.bytes(), "upload larger than the tensor");
-    std::memcpy(dst.data(), host, bytes);
+    if (bytes > 0) std::memcpy(dst.data(), host, bytes);
   }
   void download_bytes(void* host, const tensor& src, std::size_t bytes) override {
     UPIPE_CHECK(bytes <= src.bytes(), "download larger than the tensor");
-    std::memcpy(host, src.data(), bytes);
+    if (bytes > 0) std::memcpy(host, src.data(), bytes);
   }
   void download_f32(float* host, const tensor& src) override {
     const std::int64_t n = src.numel();
     UPIPE_CHECK(src.type() == dtype::f32 || src.type() == dtype::bf16,
                 std::string("download_f32 from the ") + std::string(dtype_name(src.type())) + " tensor " +
                     src.label() + ": ids and codes go through download_bytes");
+    if (n == 0) return;
     if (src.type() == dtype::f32) {
       std::memcpy(host, src.data(), static_cast<std::size_t>(n) * sizeof(float));
       return;
