@@ -1,7 +1,11 @@
 // Rotate-half RoPE in place on a strided (tokens, heads, dim) view, bf16 or f32, as
-// ops/cpu/rope.cpp. A block takes a tile of tokens: it first forms each (token, pair)
-// angle in fp64 (position * inverse frequency, reduced modulo 2 pi in fp64) and keeps its
-// fp32 cos and sin in shared memory, then rotates every head of those tokens with them.
+// ops/cpu/rope.cpp. A thread takes one token and Width consecutive pairs: it forms their
+// angles in fp64 (position * inverse frequency, reduced modulo 2 pi in fp64), keeps the
+// fp32 cos and sin in registers and rotates those pairs of every head. Each angle is
+// formed once whatever the head count: UPipe's stages hold one or two heads per rank, and
+// the earlier kernel (a tile of angles in shared memory, then the heads) spent most of
+// such a call forming angles with half its threads idle (issue #42: attn_rope 1.85 ms
+// against Ulysses' 0.83 at 128K).
 // Positions come as runs passed by value, up to rope_max_runs a launch; the inverse
 // frequencies (fp64, from ops::rope_inverse_frequencies) likewise, up to rope_max_pairs.
 #include <cuda_runtime.h>
@@ -22,9 +26,7 @@ using namespace kernels;
 
 constexpr kernel_config rope_config{.threads = 256, .blocks_per_sm = 8};
 constexpr int rope_max_runs = 8;
-constexpr int rope_max_pairs = 128;      // head dim 256 in one launch; more loops over pair chunks
-constexpr int rope_max_tile_tokens = 16;
-constexpr int rope_tile_pairs = 2048;    // (token, head, pair) rotations a tile aims at
+constexpr int rope_max_pairs = 128;  // head dim 256 in one launch; more loops over pair chunks
 
 struct rope_params {
   void* x;
@@ -33,7 +35,6 @@ struct rope_params {
   int half;        // dim / 2: the offset of each pair's second element
   int pair_begin;  // the pairs [pair_begin, pair_begin + pair_count) of every head
   int pair_count;
-  int tile_tokens;
   int run_count;
   float sign;    // +1 forward, -1 inverse (the transpose rotation)
   float factor;  // on cos and sin: yarn's attention factor, else 1
@@ -60,40 +61,32 @@ __device__ __forceinline__ void rope_angle(double position, double inv_freq, flo
 // Width: pairs per access (16 bytes of each half when the layout allows, else 1).
 template <class T, int Width>
 __global__ void __launch_bounds__(rope_config.threads) rope_kernel(const __grid_constant__ rope_params p) {
-  __shared__ float cos_tile[rope_max_tile_tokens * rope_max_pairs];
-  __shared__ float sin_tile[rope_max_tile_tokens * rope_max_pairs];
-  __shared__ std::int64_t token_tile[rope_max_tile_tokens];
   const std::int64_t total = p.run_end[p.run_count - 1];
-  const std::int64_t tiles = (total + p.tile_tokens - 1) / p.tile_tokens;
-  const int units_per_head = p.pair_count / Width;
-  const int units_per_token = p.heads * units_per_head;
+  const int groups = p.pair_count / Width;
+  const std::int64_t units = total * groups;
   T* const x = static_cast<T*>(p.x);
-  for (std::int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-    const std::int64_t first = tile * p.tile_tokens;
-    const int tokens = static_cast<int>(min(static_cast<std::int64_t>(p.tile_tokens), total - first));
-    for (int k = threadIdx.x; k < tokens * p.pair_count; k += blockDim.x) {
-      const int m = k / p.pair_count, i = k - m * p.pair_count;
-      const std::int64_t u = first + m;
-      int r = 0;
-      while (u >= p.run_end[r]) ++r;
-      const std::int64_t offset = u - (r > 0 ? p.run_end[r - 1] : 0);
-      if (i == 0) token_tile[m] = p.run_token[r] + offset;
-      float c, s;
-      rope_angle(static_cast<double>(p.run_position[r] + offset), p.inv_freq[i], c, s);
-      cos_tile[k] = p.factor * c;
-      sin_tile[k] = p.factor * p.sign * s;
+  for (std::int64_t k = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; k < units;
+       k += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    const std::int64_t u = k / groups;
+    const int i = static_cast<int>(k - u * groups) * Width;
+    int r = 0;
+    while (u >= p.run_end[r]) ++r;
+    const std::int64_t offset = u - (r > 0 ? p.run_end[r - 1] : 0);
+    const double position = static_cast<double>(p.run_position[r] + offset);
+    float c[Width], s[Width];
+#pragma unroll
+    for (int e = 0; e < Width; ++e) {
+      rope_angle(position, p.inv_freq[i + e], c[e], s[e]);
+      c[e] *= p.factor;
+      s[e] *= p.factor * p.sign;
     }
-    __syncthreads();
-    for (int k = threadIdx.x; k < tokens * units_per_token; k += blockDim.x) {
-      const int m = k / units_per_token, rest = k - m * units_per_token;
-      const int h = rest / units_per_head, i = (rest - h * units_per_head) * Width;
-      T* lo = x + token_tile[m] * p.token_stride + h * p.head_stride + p.pair_begin + i;
+    T* const token = x + (p.run_token[r] + offset) * p.token_stride + p.pair_begin + i;
+    for (int h = 0; h < p.heads; ++h) {
+      T* lo = token + h * p.head_stride;
       T* hi = lo + p.half;
       float a[Width], b[Width];
       load_vec<Width>(lo, a);
       load_vec<Width>(hi, b);
-      const float* c = cos_tile + m * p.pair_count + i;
-      const float* s = sin_tile + m * p.pair_count + i;
 #pragma unroll
       for (int e = 0; e < Width; ++e) {
         const float x1 = a[e], x2 = b[e];
@@ -103,7 +96,6 @@ __global__ void __launch_bounds__(rope_config.threads) rope_kernel(const __grid_
       store_vec<Width>(lo, a);
       store_vec<Width>(hi, b);
     }
-    __syncthreads();
   }
 }
 
@@ -121,9 +113,8 @@ bool rope_vectorizable(const head_view& x) {
 
 template <class T>
 void launch_rope(rope_params& params, std::int64_t tokens, cudaStream_t stream, bool vec) {
-  const int pairs_per_token = std::max(1, params.heads * params.pair_count);
-  params.tile_tokens = std::clamp(rope_tile_pairs / pairs_per_token, 1, rope_max_tile_tokens);
-  const int grid = grid_size(rope_config, ceil_div(tokens, params.tile_tokens));
+  const int width = vec ? rope_vector_pairs<T> : 1;
+  const int grid = grid_for_units(rope_config, tokens * (params.pair_count / width));
   if (vec)
     launch("rope_kernel<vector>", rope_kernel<T, rope_vector_pairs<T>>, grid, rope_config, 0, stream, params);
   else
