@@ -3,6 +3,9 @@ metrics tools, and the data and model fields the engine reads (regressions.py li
 with the others)."""
 import json
 import os
+import random
+
+import inputs
 
 CHAT = "prepare-data --tokenizer {hf}/llama-chat --workers 1 --out {w}/out"
 TURN = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
@@ -58,5 +61,50 @@ def metrics_cases():
     ]
 
 
+def corpus_of_another_tokenizer(w, t):
+    """{w}/corpus.*: a valid corpus whose manifest names a tokenizer that is not llama-chat's."""
+    files = inputs.corpus_files(random.Random(3), 256, documents=8, length=60)
+    manifest = json.loads(files[".json"])
+    manifest.update(tokenizer_sha256="0" * 64, tokenizer="another/model")
+    files[".json"] = json.dumps(manifest).encode()
+    for suffix, blob in files.items():
+        inputs.write_bytes(os.path.join(w, "corpus" + suffix), blob)
+
+
+def tokens_of(name, count):
+    return lambda w, t: inputs.write_bytes(os.path.join(w, name), inputs.token_bytes([7 + i % 200 for i in range(count)]))
+
+
+def family_config(fixture, **fields):
+    """{w}/m/config.json: the fixture's, `fields` set."""
+    def setup(w, t):
+        os.makedirs(os.path.join(w, "m"))
+        c = json.load(open(os.path.join(t["hf"], fixture, "config.json")))
+        c.update(fields)
+        json.dump(c, open(os.path.join(w, "m", "config.json"), "w"))
+    return setup
+
+
+def data_cases():
+    chat = "--model {hf}/llama-chat --seq-len 32 --cp 1"
+    train = "train --steps 1 --eval-samples 0 --checkpoint-policy what=input "
+    return [
+        ("eval --data of another tokenizer was read", "eval " + chat + " --samples 1 --data {w}/corpus", "refuse",
+         ["--allow-tokenizer-mismatch"], corpus_of_another_tokenizer),
+        ("train --eval-data of another tokenizer was read", train + chat + " --data {w}/t.bin --eval-every 1 "
+         "--eval-data {w}/corpus", "refuse", ["--allow-tokenizer-mismatch"],
+         lambda w, t: (corpus_of_another_tokenizer(w, t), tokens_of("t.bin", 400)(w, t))),
+        ("train --eval-data shorter than --seq-len was repeated", train + "--seq-len 64 --cp 2 --data {w}/t.bin "
+         "--eval-every 1 --eval-data {w}/h.bin", "refuse", ["--eval-data"],
+         lambda w, t: (tokens_of("t.bin", 400)(w, t), tokens_of("h.bin", 50)(w, t))),
+        ("a corpus of odd length at cp 2 was told a --seq-len then refused", train + "--seq-len 128 --cp 2 "
+         "--data {w}/t.bin", "refuse", ["--seq-len 100"], tokens_of("t.bin", 101)),
+        ("gemma3 layer_types [] ran every layer full", "model-config --config {w}/m", "refuse", ["layer_types"],
+         family_config("gemma3-text", layer_types=[])),
+        ("gemma3 sliding_window 0 ran every layer full", "model-config --config {w}/m", "refuse", ["sliding_window"],
+         family_config("gemma3-text", sliding_window=0)),
+    ]
+
+
 def input_fuzz_cases():
-    return chat_cases() + metrics_cases()
+    return chat_cases() + metrics_cases() + data_cases()
