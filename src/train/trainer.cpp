@@ -651,10 +651,26 @@ void check_data_length(const train_options& o, std::int64_t tokens, const std::s
                                                               std::to_string(o.cp.cp) + ")"));
 }
 
+// A stream's length (a token file, or a corpus read as one) checked before its reader opens
+// it, whose own refusal would suggest any --seq-len up to its tokens, which training at
+// --cp > 1 may not take.
+void check_stream_lengths(const train_options& o, const std::string& sources, const char* flag) {
+  for (const data_source_spec& s : parse_data_sources(sources, flag)) {
+    const bool corpus = document_corpus::exists(s.path);
+    if (corpus && o.packing != packing_mode::stream) continue;  // its documents: check_data_length after
+    std::error_code ec;
+    const std::string file = corpus ? s.path + ".tokens" : s.path;
+    if (!std::filesystem::is_regular_file(file, ec)) continue;  // the reader names what it is
+    const auto bytes = std::filesystem::file_size(file, ec);
+    if (!ec && bytes > 0 && bytes % 4 == 0) check_data_length(o, static_cast<std::int64_t>(bytes / 4), s.path, flag);
+  }
+}
+
 // --eval-data as --data is checked (the tokenizer, the ids, one sequence at least), and
 // where it holds fewer whole windows of --seq-len than --eval-sequences, said: each token is
 // scored once, as upipe eval scores it, never a window wrapped around to the data's start.
 void check_held_out_data(const train_options& o) {
+  check_stream_lengths(o, o.eval_data, "--eval-data");
   const data_reader held_out(parse_data_sources(o.eval_data, "--eval-data"), reader_options(o, 0));
   for (std::size_t i = 0; i < held_out.size(); ++i) {
     check_data_tokenizer(o.model_dir, held_out.spec(i).path, "--eval-data", o.allow_tokenizer_mismatch);
@@ -728,6 +744,7 @@ train_summary train(const train_options& options, const std::function<void(const
   for (const data_source_spec& source : parse_data_sources(o.data_path, "--data"))
     check_data_tokenizer(o.model_dir, source.path, "--data", o.allow_tokenizer_mismatch);
   if (o.eval_every > 0) check_held_out_data(o);
+  check_stream_lengths(o, o.data_path, "--data");
   if (const run_data data(o); data.reader() != nullptr) {
     const data_reader& reader = *data.reader();
     reader.check_ids();
