@@ -307,7 +307,10 @@ class ChatTemplate:
         return "".join(pieces)
 
     def timeout_message(self):
-        return f"the chat template runs longer than --template-seconds {self.limits.seconds:g} s on it"
+        why = "" if self.has_generation else (" (without {% generation %} blocks each assistant turn renders the "
+                                               "conversation's prefix, so a long one costs the square of its turns: "
+                                               "add the blocks, or raise the limit)")
+        return f"the chat template runs longer than --template-seconds {self.limits.seconds:g} s on it{why}"
 
 
 def _render_failure(e):

@@ -203,12 +203,12 @@ sequence_scores score_sequence(transformer& model, parameter_store& params, comm
 eval_result evaluate(const model_step_request& req, const weight_source& weights,
                      const std::vector<eval_sequence>& sequences, const eval_hooks& hooks, const weight_source* adapters) {
   validate(req.model);
-  UPIPE_CHECK(req.options.lora.enabled() == (adapters != nullptr), "evaluate: LoRA needs its adapters, and only LoRA");
   eval_result result;
   if (sequences.empty()) return result;
   const std::int64_t unit = layout_unit(req.cp);
   if (sequences.front().tokens.empty() && sequences.front().shape_only > 0)
     return evaluate_shapes(req, (sequences.front().shape_only + unit - 1) / unit * unit);
+  UPIPE_CHECK(req.options.lora.enabled() == (adapters != nullptr), "evaluate: LoRA needs its adapters, and only LoRA");
   std::vector<prepared_sequence> seqs;
   for (const eval_sequence& s : sequences) seqs.push_back(prepare_sequence(s.tokens, unit, s.documents, s.targets));
   const auto seq_len = static_cast<std::int64_t>(seqs.front().ids.size());
