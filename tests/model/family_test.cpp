@@ -280,9 +280,6 @@ TEST(family_table, new_presets_step_on_the_meta_backend) {
   }
 }
 
-}  // namespace
-}  // namespace upipe
-
 // transformers' validate_layer_type: one layer type per layer; and a window applied to a
 // layer is a positive number of tokens (0 or less read as "no window" ran every layer full).
 TEST_F(family_files, layer_types_and_window_sizes_are_checked_as_transformers_checks_them) {
@@ -310,3 +307,6 @@ TEST_F(family_files, layer_types_and_window_sizes_are_checked_as_transformers_ch
   const model_config none = read_hf_config(variant("gemma3-text", {{"sliding_window", nullptr}}));
   EXPECT_EQ(windows_of(none), (std::vector<bool>{false, false, false}));
 }
+
+}  // namespace
+}  // namespace upipe
