@@ -45,11 +45,17 @@ rule transformers applies to `{% generation %}` spans). The spans are:
 import bisect
 import json
 import os
+import re
+import signal
+import threading
 import time
 
 ROLES = ("system", "developer", "user", "assistant", "tool", "ipython", "function")
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+DEFAULT_TEMPLATE_SECONDS = 30.0
+DEFAULT_TEMPLATE_OUTPUT = 1 << 26  # characters
+MAX_TEMPLATE_FILE = 1 << 24  # bytes
 
 
 class RowError(Exception):
@@ -63,18 +69,32 @@ class RowError(Exception):
 
 # ----------------------------------------------------------------------------- the template
 
+def _read_template_file(path, what):
+    """A template file's text: a regular file (a FIFO would block the read) of at most MAX_TEMPLATE_FILE bytes."""
+    if not os.path.isfile(path):
+        kind = "does not exist" if not os.path.lexists(path) else "is not a regular file (a folder, a FIFO, a device or a broken link)"
+        raise RowError(f"{what} '{path}' {kind}: give a Jinja template file", "no_template")
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_TEMPLATE_FILE + 1)
+    except OSError as e:
+        raise RowError(f"cannot read {what} '{path}': {e.strerror}", "no_template") from None
+    if len(data) > MAX_TEMPLATE_FILE:
+        raise RowError(f"{what} '{path}' is larger than {MAX_TEMPLATE_FILE} bytes, which no chat template needs: "
+                       f"give the template itself", "no_template")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise RowError(f"{what} '{path}' is not UTF-8 (bad byte at offset {e.start})", "no_template") from None
+
+
 def load_chat_template(model_dir, override=None):
     """(template text or None, where it came from)."""
     if override is not None:
-        try:
-            with open(override, encoding="utf-8") as f:
-                return f.read(), override
-        except (OSError, UnicodeDecodeError) as e:
-            raise RowError(f"cannot read --chat-template '{override}': {e}", "no_template") from None
+        return _read_template_file(override, "--chat-template"), override
     jinja_file = os.path.join(model_dir, "chat_template.jinja")
-    if os.path.isfile(jinja_file):
-        with open(jinja_file, encoding="utf-8") as f:
-            return f.read(), jinja_file
+    if os.path.lexists(jinja_file):
+        return _read_template_file(jinja_file, "the model's chat template"), jinja_file
     cfg_path = os.path.join(model_dir, "tokenizer_config.json")
     if not os.path.isfile(cfg_path):
         return None, None
@@ -99,7 +119,48 @@ def special_token_strings(tokenizer_config):
     return out
 
 
-def _environment():
+class TemplateLimits:
+    """What one row's renderings may take: `seconds` of time (all its renderings together) and
+    `max_output` characters (of one rendering, and of any value the template makes on the way)."""
+
+    def __init__(self, seconds=DEFAULT_TEMPLATE_SECONDS, max_output=DEFAULT_TEMPLATE_OUTPUT):
+        self.seconds, self.max_output = seconds, max_output
+
+
+class _OverLimit(BaseException):
+    """Raised inside a rendering (by the alarm, or a value too large): not an Exception, so that
+    nothing between the template and render() takes it for the template's own error."""
+
+
+def _too_big(value, limit):
+    """Whether a value the template hands on is longer than `limit`, or an integer that would
+    make one (a width, a repeat count)."""
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int):
+        return abs(value) > limit
+    return isinstance(value, (str, list, tuple, dict)) and len(value) > limit
+
+
+def _guarded(function, limits):
+    import functools
+
+    @functools.wraps(function)  # keeps jinja's marks (pass_environment, ...)
+    def call(*args, **kwargs):
+        _check_values(limits, args, kwargs.values())
+        return function(*args, **kwargs)
+    return call
+
+
+def _check_values(limits, *groups):
+    for group in groups:
+        for v in group:
+            if _too_big(v, limits.max_output):
+                raise _OverLimit(f"the chat template makes a value larger than --template-max-output "
+                                 f"{limits.max_output} characters")
+
+
+def _environment(limits):
     import jinja2
     import jinja2.ext
     from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -141,6 +202,7 @@ def _environment():
 
         def __setitem__(self, name, value):
             Namespace._refuse(name)
+            _check_values(limits, (value,))  # a value doubled in a loop (ns.s ~ ns.s) stops at the limit
             jinja2.utils.Namespace.__setitem__(self, name, value)
 
         @staticmethod
@@ -155,50 +217,135 @@ def _environment():
         def fromkeys(self, *args, **kwargs):
             return dict.fromkeys(*args, **kwargs)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[GenerationSpans, jinja2.ext.loopcontrols])
+    class Environment(ImmutableSandboxedEnvironment):
+        # A template's values are bounded before they are made: an operator, a call or a filter
+        # with an operand beyond the output limit (a repeat count, a width, a long string) is
+        # refused, since a C-level allocation of gigabytes is interrupted by no alarm.
+        intercepted_binops = frozenset(["*", "**", "+", "%"])
+
+        def call_binop(self, context, operator, left, right):
+            limit = limits.max_output
+            _check_values(limits, (left, right))
+            if operator == "**" and isinstance(left, int) and isinstance(right, int) and right > 0 \
+                    and abs(left) > 1 and right * abs(left).bit_length() > 8 * limit:
+                raise _OverLimit(f"the chat template computes {left} ** {right}, a number beyond "
+                                 f"--template-max-output {limit} characters")
+            if operator == "%" and isinstance(left, str) and any(int(w) > limit for w in re.findall(r"\d+", left)):
+                raise _OverLimit(f"the chat template formats a width beyond --template-max-output {limit} characters")
+            value = self.binop_table[operator](left, right)
+            _check_values(limits, (value,))
+            return value
+
+        def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja's own signature)
+            _check_values(limits, args, kwargs.values())
+            value = ImmutableSandboxedEnvironment.call(__self, __context, __obj, *args, **kwargs)
+            _check_values(limits, (value,))
+            return value
+
+    env = Environment(trim_blocks=True, lstrip_blocks=True, extensions=[GenerationSpans, jinja2.ext.loopcontrols])
     env.upipe_render = None
     env.filters["tojson"] = tojson
+    env.filters = {name: _guarded(f, limits) for name, f in env.filters.items()}
     env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now, dict=MakeDict(),
                        namespace=Namespace)
     return env
 
 
 class ChatTemplate:
-    """A compiled chat template and the variables every rendering gets."""
+    """A compiled chat template, the variables every rendering gets, and its limits. start_row()
+    begins a row's time budget; each rendering after it spends from that budget."""
 
-    def __init__(self, text, special_tokens):
+    def __init__(self, text, special_tokens, limits=None):
         import jinja2
-        import re
         self.text = text
         self.special_tokens = dict(special_tokens)
-        self.env = _environment()
+        self.limits = limits or TemplateLimits()
+        self.env = _environment(self.limits)
         try:
             self.template = self.env.from_string(text)
         except jinja2.exceptions.TemplateError as e:
             raise RowError(f"the chat template does not compile: {e}", "render_failed") from None
+        except (RecursionError, MemoryError) as e:
+            raise RowError(f"the chat template does not compile ({type(e).__name__})", "render_failed") from None
+        except _OverLimit as e:  # a constant jinja folds as it compiles
+            raise RowError(f"the chat template does not compile: {e}", "render_failed") from None
         self.has_generation = re.search(r"\{%-?\s*generation\s*-?%\}", text) is not None
+        self.deadline = None
+
+    def start_row(self):
+        self.deadline = time.monotonic() + self.limits.seconds
 
     def render(self, messages, add_generation_prompt=False, tools=None, kwargs=None, track=False):
         """The rendered text, and with `track` the spans of its generation blocks."""
-        import jinja2
         variables = dict(self.special_tokens)
         variables.update(kwargs or {})
         variables.update(messages=messages, tools=tools, documents=None, add_generation_prompt=add_generation_prompt)
         state = {"length": 0, "spans": []}
         self.env.upipe_render = state if track else None
-        pieces = []
+        if self.deadline is None:
+            self.start_row()
         try:
-            for piece in self.template.generate(**variables):
-                pieces.append(piece)
-                state["length"] += len(piece)
-        except jinja2.exceptions.TemplateError as e:
-            raise RowError(f"the chat template fails to render it: {e}", "render_failed") from None
-        except (TypeError, ValueError, KeyError, AttributeError, IndexError, ZeroDivisionError) as e:
-            raise RowError(f"the chat template fails to render it ({type(e).__name__}: {e})", "render_failed") from None
+            with _Alarm(self.deadline, self.timeout_message()):
+                return self._generate(variables, state), state["spans"]
+        except _OverLimit as e:
+            raise RowError(str(e), "template_limit") from None
+        except Exception as e:  # noqa: BLE001 (any failure of the template's code is the row's)
+            raise RowError(_render_failure(e), "render_failed") from None
         finally:
             self.env.upipe_render = None
-        return "".join(pieces), state["spans"]
+
+    def _generate(self, variables, state):
+        limit, deadline = self.limits.max_output, self.deadline
+        pieces = []
+        for piece in self.template.generate(**variables):
+            pieces.append(piece)
+            state["length"] += len(piece)
+            if state["length"] > limit:
+                raise _OverLimit(f"the chat template writes more than --template-max-output {limit} characters")
+            if time.monotonic() > deadline:  # also checked here where no alarm can ring (another thread)
+                raise _OverLimit(self.timeout_message())
+        return "".join(pieces)
+
+    def timeout_message(self):
+        why = "" if self.has_generation else (" (without {% generation %} blocks each assistant turn renders the "
+                                               "conversation's prefix, so a long one costs the square of its turns: "
+                                               "add the blocks, or raise the limit)")
+        return f"the chat template runs longer than --template-seconds {self.limits.seconds:g} s on it{why}"
+
+
+def _render_failure(e):
+    import jinja2
+    if isinstance(e, jinja2.exceptions.TemplateError):
+        return f"the chat template fails to render it: {e}"
+    detail = f": {e}" if not isinstance(e, (RecursionError, MemoryError)) else ""
+    return f"the chat template fails to render it ({type(e).__name__}{detail})"[:2000]
+
+
+class _Alarm:
+    """Interrupts the Python code of a rendering at `deadline` (the main thread only: elsewhere
+    render() checks the time between the pieces it takes)."""
+
+    def __init__(self, deadline, message):
+        self.deadline, self.message = deadline, message
+        self.armed = threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer")
+
+    def __enter__(self):
+        if self.armed:
+            remaining = self.deadline - time.monotonic()
+            if remaining <= 0:
+                raise _OverLimit(self.message)
+            self.previous = signal.signal(signal.SIGALRM, self._ring)
+            signal.setitimer(signal.ITIMER_REAL, remaining)
+        return self
+
+    def _ring(self, signum, frame):
+        raise _OverLimit(self.message)
+
+    def __exit__(self, *exc):
+        if self.armed:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, self.previous)
+        return False
 
 
 # ----------------------------------------------------------------------------- rows
@@ -311,7 +458,9 @@ def mask_of(offsets, spans):
         for t, (begin, end) in enumerate(offsets):
             mask[t] = any(end > a and begin < b for a, b in spans)
         return mask
-    for a, b in spans:  # the tokens that end after a and start before b
+    for a, b in spans:  # the tokens that end after a and start before b (an empty span has none)
+        if b <= a:
+            continue
         lo, hi = bisect.bisect_right(ends, a), bisect.bisect_left(starts, b)
         mask[lo:hi] = b"\x01" * max(0, hi - lo)
     return mask
@@ -323,6 +472,8 @@ def mask_of_encoding(enc, spans):
     n = len(enc.ids)
     mask = bytearray(n)
     for a, b in spans:
+        if b <= a:  # an empty span (an empty completion, say) holds no token
+            continue
         lo, hi = enc.char_to_token(a), enc.char_to_token(b - 1)
         if lo is None or hi is None:
             return mask_of(enc.offsets, spans)
@@ -342,6 +493,17 @@ class Example:
         self.text, self.spans, self.bos, self.eos, self.why = text, spans, bos, eos, why
 
 
+def _check_unicode(text):
+    """Refuses a text the tokenizer cannot take: one with a lone surrogate (JSON allows "\\ud800")."""
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise RowError(f"its text is not valid Unicode ({e.reason} at character {e.start}: a lone surrogate, "
+                       f"which JSON's \\u escapes allow and no tokenizer takes)", "bad_unicode") from None
+
+
 class RowEncoder:
     """Turns rows into (ids, mask) in a worker, in two halves so that the texts of a batch are
     encoded together: render(row) -> Example, then finish(example, its encoding)."""
@@ -358,6 +520,13 @@ class RowEncoder:
         return self.finish(example, self.tok.encode(example.text, add_special_tokens=False))
 
     def render(self, obj):
+        if self.template is not None:
+            self.template.start_row()
+        example = self._render(obj)
+        _check_unicode(example.text)
+        return example
+
+    def _render(self, obj):
         kind = row_kind(obj)
         if kind == "messages":
             return self._conversation(_messages(obj["messages"], "'messages'"), None, obj)

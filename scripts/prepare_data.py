@@ -55,8 +55,15 @@ the assistant turns of a conversation, the completion of a pair; chat_data.py sa
 exactly which tokens), PREFIX.mask holds one byte per token, 1 for a target; the tokens of
 plain documents are all targets. --loss-mask all makes every token a target (no mask). A
 row that is not an example (no assistant turn, an unknown role, a template that fails to
-render it, ...) is an error naming the file and line or row, or with --bad-rows skip is
-left out, named on stderr (the first five of each reason) and counted in the manifest.
+render it, text with a lone surrogate, ...) is an error naming the file and line or row, or
+with --bad-rows skip is left out, named on stderr (the first five of each reason) and counted
+in the manifest.
+
+A chat template is code from the model's folder, so it runs with limits: only a regular
+file is read (never a FIFO), of at most 16 MiB; one row's renderings together may take
+--template-seconds (default 30), and a rendering may write, or make as one value (a string,
+a repeat count, a width), at most --template-max-output characters (default 2^26). A row
+over a limit is a bad row like any other, and a template that cannot be read is an error.
 
 Output
 ------
@@ -522,9 +529,16 @@ def parse_args(argv):
     p.add_argument("--chat-template", metavar="FILE", default=None,
                    help="a Jinja chat template (default: the model directory's chat_template.jinja or "
                         "tokenizer_config.json's chat_template)")
+    p.add_argument("--template-seconds", type=float, default=chat_data.DEFAULT_TEMPLATE_SECONDS, metavar="S",
+                   help=f"the chat template's time on one row, all its renderings together (default "
+                        f"{chat_data.DEFAULT_TEMPLATE_SECONDS:g}); a row over it is a bad row")
+    p.add_argument("--template-max-output", type=int, default=chat_data.DEFAULT_TEMPLATE_OUTPUT, metavar="N",
+                   help=f"the most characters the chat template may write for one rendering, or make as one value "
+                        f"(default {chat_data.DEFAULT_TEMPLATE_OUTPUT}); a row over it is a bad row")
     p.add_argument("--bad-rows", choices=("error", "skip"), default="error",
                    help="a row that is not an example (no assistant turn, an unknown role, a template that fails "
-                        "on it): error (the default) or skip it, counted in the manifest")
+                        "on it or passes its limits, text that is not Unicode): error (the default) or skip it, "
+                        "counted in the manifest")
     p.add_argument("--progress", action="store_true", help="show the progress bar even when stderr is not a terminal")
     p.add_argument("--overwrite", action="store_true", help="replace existing output files")
     a = p.parse_args(argv)
@@ -539,6 +553,12 @@ def parse_args(argv):
         raise PrepareError(f"--workers {a.workers} must lie between 1 and {MAX_WORKERS_PER_CORE} per usable core "
                            f"({MAX_WORKERS_PER_CORE * default_workers()} here): each is a process that loads the "
                            f"tokenizer, and more than the cores only contend; give e.g. --workers {default_workers()}")
+    if not 0 < a.template_seconds <= 86400:  # also refuses NaN
+        raise PrepareError(f"--template-seconds {a.template_seconds} must lie in (0, 86400]: give e.g. "
+                           f"--template-seconds {chat_data.DEFAULT_TEMPLATE_SECONDS:g}")
+    if not 1 <= a.template_max_output <= 1 << 40:
+        raise PrepareError(f"--template-max-output {a.template_max_output} must lie in [1, 2^40] characters: give "
+                           f"e.g. --template-max-output {chat_data.DEFAULT_TEMPLATE_OUTPUT}")
     if a.batch_bytes < 1:
         raise PrepareError(f"--batch-bytes {a.batch_bytes} must be at least 1: give e.g. {DEFAULT_BATCH_BYTES}")
     if not a.text_field:
@@ -590,7 +610,8 @@ def chat_settings(a):
     if text is not None:
         fields["chat_template_sha256"] = hashlib.sha256(text.encode("utf-8")).hexdigest()
     line = f"chat template from {source}" if text is not None else "no chat template"
-    return (text, special, a.loss_mask), line, fields
+    limits = chat_data.TemplateLimits(a.template_seconds, a.template_max_output)
+    return (text, special, a.loss_mask, limits), line, fields
 
 
 def run(a):
@@ -675,13 +696,19 @@ def main(argv=None):
     try:
         return run(parse_args(argv))
     except PrepareError as e:
-        # Run by upipe (UPIPE_COMMAND), the line is upipe's own refusal line.
-        command = os.environ.get("UPIPE_COMMAND")
-        print(f"upipe: error: {command}: {e}" if command else f"prepare_data: error: {e}", file=sys.stderr)
+        fail(str(e))  # run by upipe (UPIPE_COMMAND), the line is upipe's own refusal line
         return 2
     except KeyboardInterrupt:
         print("prepare_data: interrupted; no output written", file=sys.stderr)
         return 130
+    except MemoryError:
+        fail("out of memory; no output written (fewer --workers, a smaller --batch-bytes, or shorter rows)")
+        return 3
+
+
+def fail(message):
+    command = os.environ.get("UPIPE_COMMAND")
+    print(f"upipe: error: {command}: {message}" if command else f"prepare_data: error: {message}", file=sys.stderr)
 
 
 if __name__ == "__main__":

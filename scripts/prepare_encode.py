@@ -36,7 +36,7 @@ def multiprocessing_child():
 
 def init_encoder(model_dir, bos_id, eos_id, chat=None):
     """Loads the tokenizer once per process (the worker initializer); chat is (template text or
-    None, the special tokens' strings, --loss-mask) for the rows of examples."""
+    None, the special tokens' strings, --loss-mask, the template's limits) for the rows of examples."""
     quiet_tokenizers_threads()
     if multiprocessing_child():
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process handles Ctrl-C
@@ -52,8 +52,8 @@ def init_encoder(model_dir, bos_id, eos_id, chat=None):
 
 def row_encoder():
     if _WORKER["rows"] is None:
-        text, special, loss_mask = _WORKER["chat"]
-        template = chat_data.ChatTemplate(text, special) if text is not None else None
+        text, special, loss_mask, limits = _WORKER["chat"]
+        template = chat_data.ChatTemplate(text, special, limits) if text is not None else None
         _WORKER["rows"] = chat_data.RowEncoder(_WORKER["tok"], template, loss_mask, _WORKER["bos"], _WORKER["eos"])
     return _WORKER["rows"]
 

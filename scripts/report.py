@@ -17,7 +17,8 @@ and writes each plot as SVG and PNG into OUT_DIR:
                         (columns), one panel per input file
   loss_curve.svg        train --metrics-json (JSON lines): training loss against the step,
                         the held-out loss where measured, the learning rate beside, a curve
-                        per input file
+                        per input file; a step recorded twice (a resumed run) is drawn
+                        once, from its later record, and a skipped step is a gap
 Prints one line per file written.
 """
 import json
@@ -102,11 +103,13 @@ def niah_row(doc, where, file):
 
 def metrics_rows(text, file):
     """train --metrics-json: one JSON object per line, a step's ('step', 'loss', 'lr') or the
-    run's final one ('final'); None when the text is not JSON lines."""
+    run's final one ('final'); None when the text is not JSON lines. A step recorded twice (a
+    run resumed from an earlier checkpoint appends the steps after it again) keeps its later
+    record, and the steps come back in order; a skipped step's loss is null."""
     lines = [line for line in text.splitlines() if line.strip()]
     if len(lines) < 1 or not lines[0].lstrip().startswith("{"):
         return None
-    steps = []
+    by_step = {}
     for i, line in enumerate(lines):
         try:
             record = json.loads(line)
@@ -114,25 +117,28 @@ def metrics_rows(text, file):
             if i == 0:
                 return None
             raise bad_input(f"line {i + 1} is not JSON (a run killed while writing it?); remove that line")
+        except RecursionError:
+            raise bad_input(f"line {i + 1} nests too deep to be a metrics record; give the file of upipe train "
+                            f"--metrics-json") from None
         if not isinstance(record, dict) or "step" not in record:
             if i == 0 and len(lines) == 1:
                 return None
             continue  # the final record, or another object a later upipe adds
         where = f"line {i + 1}"
         check(record, "step", "count", where)
-        check(record, "loss", "number", where)
+        check(record, "loss", "number", where, required=record.get("skipped") is not True)
         check(record, "lr", "number", where)
         if record.get("eval_loss") is not None:
             check(record, "eval_loss", "number", where)
-        steps.append(record)
-    if not steps:
+        by_step[record["step"]] = record  # the later record of a step wins
+    if not by_step:
         return None
-    return [{"source": "metrics", "file": file, "steps": steps}]
+    return [{"source": "metrics", "file": file, "steps": [by_step[k] for k in sorted(by_step)]}]
 
 
 def rows_of(path):
     """The rows of one result file, each field the plots use checked."""
-    with open(path) as f:
+    with open(path, encoding="utf-8") as f:
         try:
             text = f.read()
         except UnicodeDecodeError as e:
@@ -317,7 +323,8 @@ def loss_curve(rows, out_dir):
     fig, (loss_ax, lr_ax) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, gridspec_kw={"height_ratios": [3, 1]})
     for run in runs:
         steps = run["steps"]
-        line, = loss_ax.plot([s["step"] for s in steps], [s["loss"] for s in steps], lw=1, label=f"{run['file']} train")
+        losses = [s["loss"] if s.get("loss") is not None else math.nan for s in steps]  # a skipped step: a gap
+        line, = loss_ax.plot([s["step"] for s in steps], losses, lw=1, label=f"{run['file']} train")
         held = [s for s in steps if s.get("eval_loss") is not None]
         if held:
             loss_ax.plot([s["step"] for s in held], [s["eval_loss"] for s in held], "o--", ms=3, color=line.get_color(),
@@ -349,6 +356,9 @@ def main(argv):
             fail(f"{path}: {e}")
         except OSError as e:
             fail(f"cannot read {path}: {e.strerror}")
+        except RecursionError:
+            fail(f"{path}: its JSON nests too deep to be a result file; give the --json file of a finished upipe "
+                 f"bench, plan or eval")
     if not rows:
         fail(f"{', '.join(argv[2:])} hold no rows: give the --json file of a finished upipe bench, plan or eval")
     loss_by_position(rows, out_dir)

@@ -32,6 +32,17 @@ class bad_input(Exception):
     pass
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    def error(self, message):
+        fail(f"{message}; see --help")
+
+
+def fail(message):
+    """Bad input ends as one line and status 2."""
+    print(f"tensorboard_follow: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
 def wall_time(record):
     """The record's "time" (ISO 8601, UTC) as seconds since the epoch, or now."""
     text = record.get("time")
@@ -67,7 +78,11 @@ def follow(path, writer, keep_following, poll):
     number = 0
     with open(path, "r", encoding="utf-8") as f:
         while True:
-            chunk = f.read()
+            try:
+                chunk = f.read()
+            except UnicodeDecodeError as e:
+                raise bad_input(f"not UTF-8 text after line {number} ({e.reason}); give the file of upipe train "
+                                f"--metrics-json") from None
             if chunk:
                 pending += chunk
                 *lines, pending = pending.split("\n")
@@ -79,6 +94,8 @@ def follow(path, writer, keep_following, poll):
                         record = json.loads(line)
                     except json.JSONDecodeError as e:
                         raise bad_input(f"line {number} is not JSON ({e})")
+                    except RecursionError:
+                        raise bad_input(f"line {number} nests too deep to be a metrics record") from None
                     done = write_record(writer, record, f"line {number}") or done
                 writer.flush()
             if done or not keep_following:
@@ -87,25 +104,32 @@ def follow(path, writer, keep_following, poll):
 
 
 def main(argv):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("metrics")
     parser.add_argument("--logdir", required=True)
     parser.add_argument("--follow", action="store_true")
     parser.add_argument("--poll", type=float, default=2.0)
     a = parser.parse_args(argv)
     if not (a.poll > 0 and math.isfinite(a.poll)):
-        sys.exit(f"tensorboard_follow: --poll {a.poll} must be a positive number of seconds, e.g. 2")
+        fail(f"--poll {a.poll} must be a positive number of seconds, e.g. 2")
     if not os.path.isfile(a.metrics):
-        sys.exit(f"tensorboard_follow: {a.metrics} is not a file: give the file of upipe train --metrics-json")
+        fail(f"{a.metrics} is not a file: give the file of upipe train --metrics-json")
+    if os.path.exists(a.logdir) and not os.path.isdir(a.logdir):
+        fail(f"--logdir {a.logdir} is not a folder: give a folder for the event files (made where missing)")
     try:
         from tensorboardX import SummaryWriter
     except ImportError:
-        sys.exit("tensorboard_follow: needs tensorboardX (python3 -m pip install tensorboardX)")
-    writer = SummaryWriter(logdir=a.logdir)
+        fail("needs tensorboardX (python3 -m pip install tensorboardX)")
+    try:
+        writer = SummaryWriter(logdir=a.logdir)
+    except OSError as e:
+        fail(f"cannot write event files into --logdir {a.logdir}: {e.strerror or e}")
     try:
         lines = follow(a.metrics, writer, a.follow, a.poll)
     except bad_input as e:
-        sys.exit(f"tensorboard_follow: {a.metrics}: {e}")
+        fail(f"{a.metrics}: {e}")
+    except OSError as e:
+        fail(f"cannot read {a.metrics}: {e.strerror or e}")
     except KeyboardInterrupt:
         lines = None
     finally:

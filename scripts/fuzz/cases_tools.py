@@ -102,11 +102,51 @@ def model_dir_member_case(rng, t):
 
 
 PREPARE = "prepare-data --tokenizer {hf}/llama-yarn-shards --out {w}/out --workers 1"
+CHAT = "prepare-data --tokenizer {hf}/llama-chat --out {w}/out --workers 1"
+
+
+CHAT_TEMPLATES = [  # each a class of template a model folder may bring: every one ends as a bad row
+    "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+    "{% for i in range(100000) %}{{ 'x' * 60000 }}{% endfor %}",
+    "{{ 'x' * 3000000000 }}", "{{ 'x'.ljust(3000000000) }}", "{{ 9 ** 9 ** 9 ** 9 }}", "{{ '%3000000000d' % 1 }}",
+    "{% set ns = namespace(s='x') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
+    "{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "", "{{ messages.__class__ }}", "{% if %}",
+    "{{ raise_exception('no') }}", "{{ messages[99] }}{{ 1 / 0 }}",
+]
+CHAT_ROWS = [{"prompt": "a\ud800", "completion": "b"}, {"prompt": "", "completion": ""},
+             {"messages": [{"role": "user", "content": "\udfff"}, {"role": "assistant", "content": "x"}]},
+             {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}]}]
+
+
+def chat_case(rng, t):
+    """prepare-data's chat path: a hostile template (or one in the place of a FIFO), or a bad row."""
+    rows = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}]
+    template = rng.choice(CHAT_TEMPLATES + [None])
+    if rng.random() < 0.3:
+        rows.append(rng.choice(CHAT_ROWS))
+    flags = rng.choice([[], ["--bad-rows", "skip"], ["--template-seconds", rng.choice(["1", "0", "-1", "nan", "1e9"])],
+                        ["--template-max-output", rng.choice(["1", "0", "1000", "99999999999999999999"])]])
+    blob = "".join(json.dumps(r) + "\n" for r in rows).encode()
+
+    def setup(w):
+        inputs.write_bytes(os.path.join(w, "c.jsonl"), blob)
+        path = os.path.join(w, "t.jinja")
+        if template is None:
+            os.mkfifo(path)
+        else:
+            inputs.write_bytes(path, template.encode())
+    args = words(CHAT.replace("{hf}", t["hf"])) + flags + ["--template-seconds", "2"] * ("--template-seconds" not in flags)
+    args += ["--chat-template", "{w}/t.jinja", "{w}/c.jsonl"]
+    what = f"template {template!r:.40} rows {len(rows)} {' '.join(flags)}"
+    return Case("prepare_data", what, args, setup, expect="handled", names=["c.jsonl", "t.jinja", "tokenizers"] + flags[:1],
+                timeout=60)
 
 
 def prepare_case(rng, t):
-    """prepare-data on damaged documents, or with bad flags."""
-    kind = rng.choice(["jsonl", "gz", "parquet", "parquet", "text", "special", "flags"])
+    """prepare-data on damaged documents, or with bad flags, or its chat path."""
+    kind = rng.choice(["jsonl", "gz", "parquet", "parquet", "text", "special", "flags", "chat"])
+    if kind == "chat":
+        return chat_case(rng, t)
     name, blob, flags, expect, special = "docs.jsonl", None, [], "handled", None
     docs = ["hello world", "a second document", "x" * 100]
     if kind == "jsonl":

@@ -9,6 +9,7 @@ import struct
 
 import inputs
 from cases import TRAIN_CPU, TRAIN_META, Case, make_special, words
+from regressions_inputs import input_fuzz_cases
 
 RESUME = "train --steps 4 --seq-len 32 --eval-samples 0 --checkpoint-policy what=input --resume {w}/ck"
 PREPARE = "prepare-data --tokenizer {hf}/llama-yarn-shards --out {w}/out"
@@ -221,7 +222,7 @@ def regression_cases():
         ("sizes whose product overflows ran out of memory at 2^61 bytes",
          "step --backend meta --seq-len 64 --cp 2 --config {w}/config.json", "refuse", ["hidden_size"],
          config_with(hidden_size=2**30, vocab_size=2**30)),
-    ] + second_fuzz_cases()
+    ] + second_fuzz_cases() + input_fuzz_cases()
 
 
 def second_fuzz_cases():

@@ -37,6 +37,7 @@
 #include "core/error.hpp"
 #include "train/run_directory.hpp"
 #include "core/limits.hpp"
+#include "model/adapter_files.hpp"
 #include "model/hf_model.hpp"
 #include "model/model_step.hpp"
 #include "train/data.hpp"
@@ -51,7 +52,7 @@ namespace {
 // run configuration; the rest are eval's own.
 struct eval_flags {
   std::shared_ptr<run_options> options;
-  std::string weights_path, json_path, seq_lens = "1K", depths = "0,0.25,0.5,0.75,1", niah_vocab = "auto";
+  std::string weights_path, adapter_path, json_path, seq_lens = "1K", depths = "0,0.25,0.5,0.75,1", niah_vocab = "auto";
   bool niah = false;
   int samples = 4;
   const run_config& cfg() const { return options->config(); }
@@ -129,25 +130,59 @@ struct eval_setup {
   model_step_request req;
   host_weights random;
   std::unique_ptr<weight_source> weights;
+  std::unique_ptr<weight_source> adapters;  // --adapter's LoRA adapters beside the base (null without)
   std::string directory;  // the model directory (its tokenizer), empty for a preset
 };
 
+// --adapter DIR: a PEFT LoRA adapter directory (upipe train --lora --save, or PEFT's
+// save_pretrained; a run directory means its latest), evaluated beside the base unmerged.
+std::string adapter_directory(const eval_flags& f) {
+  if (f.adapter_path.empty()) return "";
+  const std::string dir = resolve_checkpoint(f.adapter_path);
+  if (!is_adapter_directory(dir))
+    throw config_error("--adapter " + f.adapter_path + " holds no " + adapter_config_file + ": give a LoRA adapter "
+                       "directory (upipe train --lora --save DIR, or PEFT's save_pretrained)");
+  return dir;
+}
+
+// The model: --model or --config, else the base an --adapter names, else tiny-llama.
+std::string model_name(const eval_flags& f, const std::string& adapter) {
+  if (!f.cfg().model.empty() || !f.cfg().config.empty()) return f.cfg().model;
+  if (!adapter.empty()) {
+    const std::string base = adapter_base_model(adapter);
+    if (base.empty())
+      throw config_error(adapter + "/" + adapter_config_file + " names no base model (base_model_name_or_path): pass "
+                         "the base it was trained on as --model");
+    return base;
+  }
+  return "tiny-llama";
+}
+
 eval_setup setup(const eval_flags& f) {
   eval_setup s;
-  s.req.model = load_model(f.cfg().model.empty() ? "tiny-llama" : f.cfg().model, f.cfg().config, f.cfg().layers);
+  const std::string adapter = adapter_directory(f);
+  const std::string model = model_name(f, adapter);
+  s.req.model = load_model(model, f.cfg().config, f.cfg().layers);
+  if (!adapter.empty()) {  // lora_dropout is off in evaluation, as in PEFT's eval mode
+    s.req.options.lora = read_adapter_config(adapter, s.req.model).lora;
+    s.adapters = std::make_unique<adapter_files>(adapter, s.req.model, s.req.options.lora);
+  }
   s.req.backend = parse_backend_kind(f.cfg().backend);
   s.req.cp = f.mesh().settings();
   require_within(f.samples, 1, limits::samples, "--samples", "8");
   std::int64_t longest = 0;
   for (const std::int64_t L : parse_lengths(f.seq_lens, f.samples)) longest = std::max(longest, L);
   // Forward only: checkpoints on the device, the default host pool.
+  const lora_config lora = s.req.options.lora;
   s.req.options = {f.cfg().mlp_tile, f.cfg().loss_chunk, checkpoint_policy{}};
+  s.req.options.lora = lora;
   const resolved_step resolved = resolve_step(sizes_of(s.req, longest, f.cfg().memory_gib, 0));
   s.req.options = resolved.step;
+  s.req.options.lora = lora;
   s.req.limits = resolved.limits;
-  s.directory = model_directory(f.cfg().model, f.cfg().config);
+  s.directory = model_directory(model, f.cfg().config);
   const std::string weights_path =
-      f.weights_path.empty() ? default_weights(f.cfg().model, f.cfg().config) : resolve_checkpoint(f.weights_path);
+      f.weights_path.empty() ? default_weights(model, f.cfg().config) : resolve_checkpoint(f.weights_path);
   if (weights_path.empty()) {
     s.random = random_weights(s.req.model, f.cfg().seed);
     s.weights = std::make_unique<host_weight_source>(s.random);
@@ -161,7 +196,8 @@ eval_setup setup(const eval_flags& f) {
 // result then holds the first result.completed).
 bool run_length(const eval_setup& s, const std::vector<eval_sequence>& seqs, const std::string& what, eval_result& r) {
   progress_line line(what, seqs.size());
-  r = evaluate(s.req, *s.weights, seqs, {[&](std::size_t done) { line.update(done); }, [] { return interrupted.load(); }});
+  r = evaluate(s.req, *s.weights, seqs, {[&](std::size_t done) { line.update(done); }, [] { return interrupted.load(); }},
+               s.adapters.get());
   return r.completed == seqs.size();
 }
 
@@ -179,7 +215,7 @@ std::vector<eval_sequence> windows(const data_reader& reader, std::size_t source
     throw config_error("--seq-len " + std::to_string(S) + " is longer than " + name + "'s " + std::to_string(tokens) +
                        " tokens: every window would repeat the data; use a --seq-len of at most " +
                        std::to_string(tokens));
-  const int count = static_cast<int>(std::min<std::int64_t>(samples, tokens / S));
+  const int count = static_cast<int>(reader.whole_windows(source, S, samples));
   if (count < samples)
     std::printf("# S %lld: %s holds %lld tokens, %d whole window(s), not --samples %d: each token is scored once\n",
                 static_cast<long long>(S), name.c_str(), static_cast<long long>(tokens), count, samples);
@@ -251,6 +287,8 @@ int held_out_loss(const eval_flags& f, const eval_setup& s) {
     if (d.weight != 1.0)
       throw config_error("--data " + f.cfg().data + ": each source is evaluated on its own, so a weight (" + d.path +
                          ") means nothing; list them without weights, e.g. --data chat-heldout,books-heldout");
+  for (const data_source_spec& d : specs)
+    check_data_tokenizer(s.directory, d.path, "--data", f.cfg().allow_tokenizer_mismatch);
   const std::vector<std::int64_t> lengths = parse_lengths(f.seq_lens, f.samples);
   const packing_mode packing = f.cfg().packing == "documents" ? packing_mode::documents
                                : f.cfg().packing == "stream"  ? packing_mode::stream
@@ -354,6 +392,7 @@ int needle_in_a_haystack(const eval_flags& f, const eval_setup& s) {
       for (std::size_t k = 0; k < depths.size(); ++k)
         for (int j = 0; j < f.samples; ++j) keys.push_back(needle_key(f.cfg().seed, index(i, k, j)));
     if (!f.cfg().data.empty()) {
+      check_data_tokenizer(s.directory, f.cfg().data, "--data", f.cfg().allow_tokenizer_mismatch);
       if (document_corpus::exists(f.cfg().data))
         corpus = std::make_unique<document_corpus>(f.cfg().data, s.req.model.vocab_size, 0, f.cfg().seed);
       else
@@ -458,6 +497,9 @@ command_runner add_eval(CLI::App& app) {
   auto f = std::make_shared<eval_flags>();
   f->options = std::make_shared<run_options>(app, for_eval);
   app.add_option("--weights", f->weights_path, "weights (a model directory or checkpoint; default the --model directory's)");
+  app.add_option("--adapter", f->adapter_path,
+                 "a LoRA adapter directory (upipe train --lora --save, or PEFT's save_pretrained) evaluated beside the "
+                 "base without merging (its base is --model, else the one adapter_config.json names)");
   app.add_option("--seq-len,--lengths", f->seq_lens, "lengths, comma-separated (K and M suffixes), e.g. 4K,32K,128K")
       ->capture_default_str();
   app.add_option("--samples", f->samples, "sequences per length (with --niah: per depth and length)")

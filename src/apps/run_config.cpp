@@ -82,8 +82,8 @@ std::vector<option_row> make_rows() {
       {"--epochs", "data.epochs", UPIPE_FIELD(epochs),
        "passes over --data that set --steps (fine-tune default 1; the demo counts --steps)", for_train, r::recorded},
       {"--allow-tokenizer-mismatch", "data.allow_tokenizer_mismatch", UPIPE_FIELD(allow_tokenizer_mismatch),
-       "train on data tokenized with another tokenizer than the model directory's (refused otherwise)", for_train,
-       r::changes, false, true},
+       "read data tokenized with another tokenizer than the model directory's (refused otherwise)",
+       for_train | for_eval, r::changes, false, true},
       // [eval]
       {"--eval-every", "eval.every", UPIPE_FIELD(eval_every),
        "held-out loss every N steps (and at the last), into the metrics", for_train, r::changes},

@@ -142,6 +142,34 @@ std::string pretrained_source(const run_config& f) {
   return "";
 }
 
+// The fine-tune set as --help shows it beside each option's demo default (the values are
+// apply_fine_tune_defaults'; --seq-len and --steps follow from the model and the data).
+struct fine_tune_help {
+  const char* flag;
+  const char* value;
+};
+constexpr fine_tune_help fine_tune_helps[] = {
+    {"--lr", "2e-5 (2e-4 with --lora)"}, {"--warmup-ratio", "0.03"}, {"--warmup", "0 (--warmup-ratio instead)"},
+    {"--min-lr-ratio", "0"}, {"--epochs", "1 over --data"}, {"--steps", "from --epochs"}, {"--cp", "1"},
+    {"--seq-len", "the model's context up to 4K"},
+};
+
+// "(fine-tune default ...)" after each option's help that does not say it already, and
+// the footer's list, from the one table.
+void show_fine_tune_defaults(CLI::App& app) {
+  std::string listed;
+  for (const fine_tune_help& h : fine_tune_helps) {
+    listed += std::string(listed.empty() ? "" : ", ") + h.flag + " " + h.value;
+    CLI::Option* option = app.get_option_no_throw(h.flag);
+    if (option != nullptr && option->get_description().find("fine-tune") == std::string::npos)
+      option->description(option->get_description() + " (fine-tune default " + h.value + ")");
+  }
+  app.footer("Defaults: the demo's as shown; a run that starts from pretrained weights (--model DIR with weights, "
+             "--init, --init-adapter) takes a fine-tune's: " + listed + ".\n"
+             "Exit status: 0 done; 2 bad input; 3 out of memory; 75 stopped by SIGTERM, SIGINT or SIGUSR1 after "
+             "saving a checkpoint (continue with --resume DIR); 128 + the signal when stopped with nothing saved.");
+}
+
 // The fine-tune set, for options that no flag, file or checkpoint gave (docs: README,
 // "Fine-tuning defaults"); the rest (--seq-len, --steps) follow from the model and the data.
 void apply_fine_tune_defaults(run_options& opts) {
@@ -403,14 +431,29 @@ nlohmann::json record_json(const train_options& o, const step_record& r) {
   return j;
 }
 
+// The losses of the steps that measured one: a skipped step (no target anywhere) has none.
+std::vector<double> measured_losses(const train_summary& s) {
+  std::vector<double> out;
+  for (const step_record& r : s.steps)
+    if (!r.skipped) out.push_back(r.loss);
+  return out;
+}
+
 void print_summary(const train_options& o, const train_summary& s) {
   if (s.steps.empty()) return;
-  double tail = 0;
-  const std::size_t n = std::min<std::size_t>(10, s.steps.size());
-  for (std::size_t i = s.steps.size() - n; i < s.steps.size(); ++i) tail += s.steps[i].loss;
-  std::printf("\nsummary: %zu steps in %s (%s)  loss %.4f -> %.4f (mean of the last %zu: %.4f)\n", s.steps.size(),
-              clock_text(s.seconds).c_str(), o.data_path.empty() ? "passkey task" : o.data_path.c_str(),
-              s.steps.front().loss, s.steps.back().loss, n, tail / static_cast<double>(n));
+  const std::vector<double> losses = measured_losses(s);
+  const std::size_t skipped = s.steps.size() - losses.size();
+  std::printf("\nsummary: %zu steps in %s (%s)", s.steps.size(), clock_text(s.seconds).c_str(),
+              o.data_path.empty() ? "passkey task" : o.data_path.c_str());
+  if (!losses.empty()) {
+    const std::size_t n = std::min<std::size_t>(10, losses.size());
+    double tail = 0;
+    for (std::size_t i = losses.size() - n; i < losses.size(); ++i) tail += losses[i];
+    std::printf("  loss %.4f -> %.4f (mean of the last %zu measured: %.4f)", losses.front(), losses.back(), n,
+                tail / static_cast<double>(n));
+  }
+  if (skipped > 0) std::printf("  (%zu skipped: no target, no loss)", skipped);
+  std::printf("\n");
   if (s.retrieval_accuracy)
     std::printf("retrieval accuracy %.3f on %d held-out samples (key digits right; chance 0.1)\n", *s.retrieval_accuracy,
                 o.eval_samples);
@@ -496,6 +539,20 @@ resolved_run resolve_run(run_options& opts) {
   return out;
 }
 
+// The start's short summary beside the "# upipe train" line: the defaults in force, where
+// the run saves, and where the whole configuration is (--print-config; every checkpoint's
+// trainer/run.toml).
+void print_start(const train_options& o, const std::string& defaults) {
+  std::printf("# defaults: %s; every option: --print-config\n", defaults.c_str());
+  if (o.save_dir.empty())
+    std::printf("# saves nothing (no --save DIR)\n");
+  else
+    std::printf("# saves into %s%s, with the run's configuration as trainer/run.toml in each checkpoint\n",
+                o.save_dir.c_str(),
+                o.save_every > 0 ? (" every " + std::to_string(o.save_every) + " steps and at the end").c_str()
+                                 : " at the end");
+}
+
 int run(train_command& command) {
   run_options& opts = *command.options;
   run_config& f = opts.config();
@@ -506,9 +563,11 @@ int run(train_command& command) {
     std::printf("# checkpoint policy %s (auto: the fastest that fits; predicted arena high water %.2f GiB)\n",
                 chosen.policy.str().c_str(), static_cast<double>(chosen.arena_bytes) / (1 << 30));
   }
-  std::printf("# defaults: %s\n# resolved configuration (the source of each value not at the demo default):\n%s",
-              resolved.defaults.c_str(), opts.toml(true).c_str());
-  if (command.print_config) return 0;
+  if (command.print_config) {
+    std::printf("# defaults: %s\n# resolved configuration (the source of each value not at the demo default):\n%s",
+                resolved.defaults.c_str(), opts.toml(true).c_str());
+    return 0;
+  }
   for (const std::string& note : resolved.resume_notes)
     std::fprintf(stderr, "upipe: note: resumed with %s\n", note.c_str());
   if (o.seq_len > o.model.max_position_embeddings && o.model.max_position_embeddings > 0)
@@ -531,6 +590,7 @@ int run(train_command& command) {
               static_cast<long long>(global_batch(o)), o.dp > 1 ? ("dp=" + std::to_string(o.dp) + " ").c_str() : "",
               o.cp.cp, mesh.describe().c_str(), f.zero,
               static_cast<long long>(o.optim.total_steps), o.optim.lr, f.backend.c_str());
+  print_start(o, resolved.defaults);
   if (o.dp > 1 || o.gpus_per_node > 0) std::printf("%s", mesh_placement(o).c_str());
   if (o.step.lora.enabled())
     std::printf("# LoRA %s: %lld adapter parameters trained, the base frozen (no gradients, masters or moments)\n",
@@ -609,11 +669,7 @@ command_runner add_train(CLI::App& app) {
   app.get_option("--metrics-json")->check(output_file_flag("--metrics-json"));
   app.add_flag("--print-config", command->print_config,
                "print the resolved configuration as TOML (a --config-file to start from) and exit");
-  app.footer("Defaults: the demo's as shown; a run that starts from pretrained weights (--model DIR with weights, "
-             "--init, --init-adapter) takes a fine-tune's: --lr 2e-5 (2e-4 with --lora), --warmup-ratio 0.03, "
-             "--min-lr-ratio 0, --epochs 1 over --data, --cp 1, --seq-len the model's context up to 4K.\n"
-             "Exit status: 0 done; 2 bad input; 3 out of memory; 75 stopped by SIGTERM, SIGINT or SIGUSR1 after "
-             "saving a checkpoint (continue with --resume DIR); 128 + the signal when stopped with nothing saved.");
+  show_fine_tune_defaults(app);
   return [command] { return run(*command); };
 }
 

@@ -414,13 +414,27 @@ bool is_model_directory(const std::string& path) {
 
 namespace {
 
+// A window that the family's rule applies to a layer must be a positive number of tokens:
+// 0 or less would read as "no window" (every layer full attention) where the config asks
+// for sliding layers. null is transformers' "no window".
+void check_window_size(const model_config& c, const std::string& path, bool given, bool applies) {
+  if (!given || !applies || c.sliding_window > 0) return;
+  throw config_error("model config '" + path + "': sliding_window = " + std::to_string(c.sliding_window) +
+                     " must be a positive number of tokens (the window of the sliding_attention layers); give e.g. "
+                     "4096, or null for full attention on every layer");
+}
+
 // The family's rule for which layers attend through the window (family_row::windows): the
-// layer_types list where config.json gives one, else Qwen's use_sliding_window with
-// max_window_layers or Gemma's sliding_window_pattern.
+// layer_types list where config.json gives one (one entry per layer, as transformers'
+// validate_layer_type requires), else Qwen's use_sliding_window with max_window_layers or
+// Gemma's sliding_window_pattern.
 void read_windows(model_config& c, const field_reader& fields, const std::string& path, const family_row& row) {
   if (row.windows == window_rule::none) return;
-  if (const json* w = fields.find("sliding_window")) c.sliding_window = fields.integer("sliding_window", *w);
+  const json* window = fields.find("sliding_window");
+  bool given = window != nullptr;
+  if (given) c.sliding_window = fields.integer("sliding_window", *window);
   if (row.windows == window_rule::every_layer) {
+    check_window_size(c, path, given, c.num_layers > 0);
     if (c.sliding_window > 0) c.windowed_layers.assign(static_cast<std::size_t>(std::max(c.num_layers, 0)), true);
     return;
   }
@@ -428,10 +442,17 @@ void read_windows(model_config& c, const field_reader& fields, const std::string
   if (qwen) {
     bool use = false;
     if (const json* v = fields.find("use_sliding_window")) use = fields.boolean("use_sliding_window", *v);
-    if (!use) c.sliding_window = 0;  // Qwen2Config drops the window unless use_sliding_window
+    if (!use) {  // Qwen2Config drops the window unless use_sliding_window
+      c.sliding_window = 0;
+      given = false;
+    }
   }
   if (const json* types = fields.find("layer_types")) {
     if (!types->is_array()) throw io_error("model config '" + path + "': field \"layer_types\" must be a list");
+    if (static_cast<std::int64_t>(types->size()) != c.num_layers)
+      throw config_error("model config '" + path + "': layer_types lists " + std::to_string(types->size()) +
+                         " layers but num_hidden_layers is " + std::to_string(c.num_layers) +
+                         ": give one type per layer (full_attention or sliding_attention), or leave layer_types out");
     for (const json& t : *types) {
       const std::string name = t.is_string() ? t.get<std::string>() : t.dump();
       if (name != "full_attention" && name != "sliding_attention")
@@ -442,7 +463,7 @@ void read_windows(model_config& c, const field_reader& fields, const std::string
   } else if (qwen) {
     int from = 28;  // Qwen2Config's max_window_layers
     if (const json* m = fields.find("max_window_layers")) from = fields.int32("max_window_layers", *m);
-    for (int l = 0; l < c.num_layers; ++l) c.windowed_layers.push_back(c.sliding_window > 0 && l >= from);
+    for (int l = 0; l < c.num_layers; ++l) c.windowed_layers.push_back(given && l >= from);
   } else {
     int pattern = 6;  // Gemma3TextConfig's sliding_window_pattern
     if (const json* m = fields.find("sliding_window_pattern")) pattern = fields.int32("sliding_window_pattern", *m);
@@ -451,7 +472,9 @@ void read_windows(model_config& c, const field_reader& fields, const std::string
                          " must be positive (every pattern-th layer is global); for example 6");
     for (int l = 0; l < c.num_layers; ++l) c.windowed_layers.push_back((l + 1) % pattern != 0);
   }
-  if (c.sliding_window == 0) c.windowed_layers.clear();
+  const bool windowed = std::find(c.windowed_layers.begin(), c.windowed_layers.end(), true) != c.windowed_layers.end();
+  check_window_size(c, path, given, windowed);
+  if (c.sliding_window <= 0) c.windowed_layers.clear();
 }
 
 // The RoPE of the global layers and, where the family has a second one (Gemma 3's local

@@ -201,13 +201,14 @@ sequence_scores score_sequence(transformer& model, parameter_store& params, comm
 }
 
 eval_result evaluate(const model_step_request& req, const weight_source& weights,
-                     const std::vector<eval_sequence>& sequences, const eval_hooks& hooks) {
+                     const std::vector<eval_sequence>& sequences, const eval_hooks& hooks, const weight_source* adapters) {
   validate(req.model);
   eval_result result;
   if (sequences.empty()) return result;
   const std::int64_t unit = layout_unit(req.cp);
   if (sequences.front().tokens.empty() && sequences.front().shape_only > 0)
     return evaluate_shapes(req, (sequences.front().shape_only + unit - 1) / unit * unit);
+  UPIPE_CHECK(req.options.lora.enabled() == (adapters != nullptr), "evaluate: LoRA needs its adapters, and only LoRA");
   std::vector<prepared_sequence> seqs;
   for (const eval_sequence& s : sequences) seqs.push_back(prepare_sequence(s.tokens, unit, s.documents, s.targets));
   const auto seq_len = static_cast<std::int64_t>(seqs.front().ids.size());
@@ -224,6 +225,12 @@ eval_result evaluate(const model_step_request& req, const weight_source& weights
   run_cp_group(req.backend, req.limits, req.cp.cp, [&](int rank, backend& be, communicator& comm) {
     parameter_store params(req.model, be, comm, zero_stage::inference);
     params.load(weights);
+    std::unique_ptr<parameter_store> lora;  // the adapters, whole on every rank
+    if (adapters != nullptr) {
+      lora = std::make_unique<parameter_store>(req.model, lora_parameter_specs(req.model, req.options.lora), be, comm,
+                                               zero_stage::inference, offload_options{}, weight_role::frozen);
+      lora->load(*adapters);
+    }
     transformer model(req.model, req.cp, seq_len, be, {&comm, &comm}, req.options);
     for (std::size_t i = 0; i < seqs.size(); ++i) {
       // Every rank learns whether any was asked to stop, so that all stop at one sequence.
@@ -231,7 +238,7 @@ eval_result evaluate(const model_step_request& req, const weight_source& weights
       std::vector<std::int32_t> stops(static_cast<std::size_t>(comm.size()));
       comm.all_gather(&stop, stops.data(), sizeof(stop), "eval_stop");
       if (std::find(stops.begin(), stops.end(), 1) != stops.end()) break;
-      const sequence_scores scored = score_sequence(model, params, comm, seqs[i], sequences[i].argmax_at);
+      const sequence_scores scored = score_sequence(model, params, comm, seqs[i], sequences[i].argmax_at, lora.get());
       if (rank != 0) continue;
       result.completed = i + 1;
       if (be.has_data()) {

@@ -105,8 +105,11 @@ struct eval_hooks {
   std::function<void(std::size_t done)> progress;
   std::function<bool()> stop;
 };
+// With LoRA (request.options.lora), `adapters` holds the adapters under lora_parameter_specs'
+// names, applied beside the base as the merged model's weights would be (upipe eval --adapter).
 eval_result evaluate(const model_step_request& request, const weight_source& weights,
-                     const std::vector<eval_sequence>& sequences, const eval_hooks& hooks = {});
+                     const std::vector<eval_sequence>& sequences, const eval_hooks& hooks = {},
+                     const weight_source* adapters = nullptr);
 
 // Throws io_error if a weight is missing (weights may be empty on meta). With LoRA
 // (request.options.lora), the base is frozen, `adapters` holds the adapters under

@@ -15,8 +15,9 @@ struct adamw_config {
   double min_lr_ratio = 0.1;     // cosine decays to lr * min_lr_ratio
 };
 
-// Linear warmup over warmup_steps (step 1 gets lr/warmup), then cosine decay to
-// lr * min_lr_ratio at total_steps. Steps count from 1.
+// Linear warmup over warmup_steps (step 1 gets lr/warmup), then cosine decay from the peak
+// (the first step after the warm-up) towards lr * min_lr_ratio, reached the step after
+// total_steps (transformers' cosine schedule, its steps counted from 0). Steps count from 1.
 double scheduled_lr(const adamw_config& config, std::int64_t step);
 
 // Clipping coefficient for a global gradient norm: min(1, max / (norm + 1e-6)).

@@ -19,6 +19,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/digest.hpp"
 #include "core/error.hpp"
 #include "core/files.hpp"
 #include "core/random.hpp"
@@ -164,6 +165,34 @@ corpus_manifest read_corpus_manifest(const std::string& prefix, std::int64_t voc
       throw io_error(manifest_path + ": " + key + " = " + field(key).dump().substr(0, 40) +
                      " is not a whole number of 0 or more; prepare the data again");
   return {field("documents").get<std::uint64_t>(), field("tokens").get<std::uint64_t>(), manifest_path, m};
+}
+
+void check_data_tokenizer(const std::string& model_dir, const std::string& prefix, const std::string& flag, bool allow) {
+  std::error_code ec;
+  const std::string model_tokenizer = (std::filesystem::path(model_dir) / "tokenizer.json").string();
+  if (model_dir.empty() || !document_corpus::exists(prefix) || !std::filesystem::is_regular_file(model_tokenizer, ec))
+    return;
+  nlohmann::json manifest;
+  try {
+    manifest = nlohmann::json::parse(read_text_file(prefix + ".json", "the corpus manifest"));
+  } catch (const nlohmann::json::exception&) {
+    return;  // the corpus's own reader names a damaged manifest
+  }
+  if (!manifest.is_object() || !manifest.contains("tokenizer_sha256") || !manifest["tokenizer_sha256"].is_string())
+    return;
+  const std::string made_by = manifest["tokenizer_sha256"].get<std::string>();
+  if (made_by == file_sha256(model_tokenizer, "the model's tokenizer")) return;
+  const std::string source = manifest.contains("tokenizer") && manifest["tokenizer"].is_string()
+                                 ? manifest["tokenizer"].get<std::string>()
+                                 : std::string("another tokenizer");
+  const std::string text = flag + " " + prefix + " was tokenized with " + source + ", whose tokenizer.json differs from " +
+                           model_tokenizer + " (SHA-256 " + made_by.substr(0, 12) + "... against the model's)";
+  if (allow) {
+    std::fprintf(stderr, "upipe: warning: %s; reading it as --allow-tokenizer-mismatch says\n", text.c_str());
+    return;
+  }
+  throw config_error(text + ": prepare the data with this model's tokenizer (upipe prepare-data --tokenizer " +
+                     model_dir + "), or pass --allow-tokenizer-mismatch if the ids mean the same");
 }
 
 std::unique_ptr<token_file> open_token_stream(const std::string& data, std::int64_t seq_len, std::int64_t vocab_size) {

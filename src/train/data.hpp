@@ -83,6 +83,14 @@ corpus_manifest read_corpus_manifest(const std::string& prefix, std::int64_t voc
 // its manifest is read (read_corpus_manifest) and its count of tokens matches the file.
 std::unique_ptr<token_file> open_token_stream(const std::string& data, std::int64_t seq_len, std::int64_t vocab_size);
 
+// A corpus's manifest records the SHA-256 of the tokenizer.json that made it; data read with
+// a model (`flag` PREFIX: train's --data and --eval-data, eval's --data) must have been made
+// by the model directory's tokenizer. Throws config_error naming both and the way out
+// (--allow-tokenizer-mismatch, or prepare-data with the model's tokenizer); with `allow`,
+// warns instead. Nothing to compare (no model directory, a flat token file, a manifest
+// without the field): nothing said.
+void check_data_tokenizer(const std::string& model_dir, const std::string& prefix, const std::string& flag, bool allow);
+
 class document_corpus {
  public:
   // Throws io_error for missing or inconsistent files (a size that is not the manifest's,

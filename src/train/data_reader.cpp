@@ -171,6 +171,10 @@ std::int64_t data_reader::epoch_tokens(std::size_t i) const {
   return s.corpus ? s.corpus->epoch_tokens() : s.file->size();
 }
 
+std::int64_t data_reader::whole_windows(std::size_t i, std::int64_t length, std::int64_t wanted) const {
+  return std::min(wanted, epoch_tokens(i) / std::max<std::int64_t>(length, 1));
+}
+
 void data_reader::check_ids() const {
   for (const auto& s : sources_) {
     if (s->corpus) {

@@ -89,6 +89,10 @@ class data_reader {
   double epoch(const data_position& at, std::size_t i) const;
   // Tokens in one pass over source i (a corpus's kept documents, a token file's tokens).
   std::int64_t epoch_tokens(std::size_t i) const;
+  // The windows of `length` tokens an evaluation reads from source i: `wanted`, or fewer
+  // where one pass holds fewer whole ones (read(i, w * length, length) for w below it), so
+  // that no window wraps around to the data's start and each token is scored once.
+  std::int64_t whole_windows(std::size_t i, std::int64_t length, std::int64_t wanted) const;
   // Reads every id (and mask byte) of every source once, before training.
   void check_ids() const;
 

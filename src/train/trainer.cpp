@@ -13,7 +13,6 @@
 #include <unistd.h>
 
 #include "comm/communicator.hpp"
-#include "core/digest.hpp"
 #include "core/error.hpp"
 #include "core/limits.hpp"
 #include "core/files.hpp"
@@ -250,8 +249,9 @@ bool group_stop(rank_context& rc) {
 }
 
 // The held-out loss over eval_sequences windows of `length` tokens of each --eval-data
-// source (from its start), forward only: the training state (weights, moments, data
-// position) is untouched. Every replica scores the same windows (the sharded weights are
+// source (from its start; fewer where it holds fewer whole windows, as upipe eval reads
+// them, so that the two agree on the same weights), forward only: the training state
+// (weights, moments, data position) is untouched. Every replica scores the same windows (the sharded weights are
 // gathered over the world, so all take part). Per source, and over the targets of all of them together.
 std::map<std::string, double> held_out_loss(rank_context& rc, const data_reader& held_out, std::int64_t length,
                                             double& overall) {
@@ -264,10 +264,9 @@ std::map<std::string, double> held_out_loss(rank_context& rc, const data_reader&
   for (std::size_t d = 0; d < held_out.size(); ++d) {
     double local = 0;
     std::int64_t counted = 0;
-    data_position at = held_out.layout().start();
-    for (int i = 0; i < o.eval_sequences; ++i) {
-      const packed_sequence s = held_out.read(d, at.tokens[d], length);
-      held_out.layout().advance(at, d, length);
+    const std::int64_t windows = held_out.whole_windows(d, length, o.eval_sequences);
+    for (std::int64_t i = 0; i < windows; ++i) {
+      const packed_sequence s = held_out.read(d, i * length, length);
       const prepared_sequence seq = prepare_sequence(s.tokens, layout_unit(o.cp), s.documents, s.targets);
       const auto ids = shard_rows(seq.ids, 1, runs, model.local_tokens());
       const auto labels = shard_rows(seq.labels, 1, runs, model.local_tokens());
@@ -541,10 +540,11 @@ void validate(const train_options& o) {
   if (o.eval_every > 0 && o.eval_sequences < 1)
     throw config_error("--eval-sequences " + std::to_string(o.eval_sequences) + " must be at least 1 (e.g. 4)");
   if (o.seq_len % layout_unit(o.cp) != 0) {
-    const std::int64_t unit = layout_unit(o.cp), fixed = (o.seq_len / unit + 1) * unit;
+    const std::int64_t unit = layout_unit(o.cp), fixed = (o.seq_len / unit + 1) * unit, lower = o.seq_len / unit * unit;
     throw config_error("--seq-len " + std::to_string(o.seq_len) + " must be a multiple of " + std::to_string(unit) +
                        " for " + std::string(strategy_name(o.cp.strategy)) + " with --cp " + std::to_string(o.cp.cp) +
-                       " in training (every step has the same shape); use --seq-len " + std::to_string(fixed));
+                       " in training (every step has the same shape); use --seq-len " + std::to_string(fixed) +
+                       (lower >= std::max<std::int64_t>(unit, 2) ? " (or " + std::to_string(lower) + ")" : std::string()));
   }
   attention_config_for(o.model, o.cp, o.seq_len);
   validate_seq_warmup(o);
@@ -634,43 +634,55 @@ step_timing time_steps(const train_options& options, std::int64_t warmup_len, in
 
 namespace {
 
-// The data must have been tokenized by the model's tokenizer: a corpus's manifest records
-// the SHA-256 of the tokenizer.json that made it, compared with the model directory's.
-void check_data_tokenizer(const train_options& o, const std::string& prefix, const char* flag) {
-  std::error_code ec;
-  const std::string model_tokenizer = (std::filesystem::path(o.model_dir) / "tokenizer.json").string();
-  if (o.model_dir.empty() || !document_corpus::exists(prefix) || !std::filesystem::exists(model_tokenizer, ec)) return;
-  nlohmann::json manifest;
-  try {
-    manifest = nlohmann::json::parse(read_text_file(prefix + ".json", "the corpus manifest"));
-  } catch (const nlohmann::json::exception&) {
-    return;  // the corpus's own reader names a damaged manifest
-  }
-  if (!manifest.is_object() || !manifest.contains("tokenizer_sha256") || !manifest["tokenizer_sha256"].is_string())
-    return;
-  const std::string made_by = manifest["tokenizer_sha256"].get<std::string>();
-  if (made_by == file_sha256(model_tokenizer, "the model's tokenizer")) return;
-  const std::string source = manifest.contains("tokenizer") && manifest["tokenizer"].is_string()
-                                 ? manifest["tokenizer"].get<std::string>()
-                                 : std::string("another tokenizer");
-  const std::string text = std::string(flag) + " " + prefix + " was tokenized with " + source +
-                           ", whose tokenizer.json differs from " + model_tokenizer + " (SHA-256 " +
-                           made_by.substr(0, 12) + "... against the model's)";
-  if (o.allow_tokenizer_mismatch) {
-    std::fprintf(stderr, "upipe: warning: %s; training on it as --allow-tokenizer-mismatch says\n", text.c_str());
-    return;
-  }
-  throw config_error(text + ": prepare the data with this model's tokenizer (upipe prepare-data --tokenizer " +
-                     o.model_dir + "), or pass --allow-tokenizer-mismatch if the ids mean the same");
+// One pass over the data must hold at least one sequence: a shorter corpus would be
+// repeated within the sequence. The --seq-len suggested is one training takes: the
+// longest multiple of the layout unit (2 x cp for a zigzag layout) the data holds.
+void check_data_length(const train_options& o, std::int64_t tokens, const std::string& data, const char* flag) {
+  if (tokens >= o.seq_len) return;
+  const std::int64_t unit = layout_unit(o.cp), longest = tokens / unit * unit;
+  const std::string what = std::string(flag) + " " + data + " holds " + std::to_string(tokens) +
+                           " tokens (in the documents kept), fewer than one sequence of --seq-len " +
+                           std::to_string(o.seq_len);
+  if (longest < std::max<std::int64_t>(unit, 2))
+    throw config_error(what + ": give more data (training at --cp " + std::to_string(o.cp.cp) +
+                       " takes sequences of a multiple of " + std::to_string(unit) + " tokens)");
+  throw config_error(what + ": give more data, or --seq-len " + std::to_string(longest) +
+                     (longest == tokens ? std::string() : " (a multiple of " + std::to_string(unit) + " for --cp " +
+                                                              std::to_string(o.cp.cp) + ")"));
 }
 
-// One pass over the data must hold at least one sequence: a shorter corpus would be
-// repeated within the sequence.
-void check_data_length(std::int64_t tokens, std::int64_t seq_len, const std::string& data, const char* flag) {
-  if (tokens >= seq_len) return;
-  throw config_error(std::string(flag) + " " + data + " holds " + std::to_string(tokens) +
-                     " tokens (in the documents kept), fewer than one sequence of --seq-len " + std::to_string(seq_len) +
-                     ": give more data, or a --seq-len of at most " + std::to_string(std::max<std::int64_t>(tokens, 2)));
+// A stream's length (a token file, or a corpus read as one) checked before its reader opens
+// it, whose own refusal would suggest any --seq-len up to its tokens, which training at
+// --cp > 1 may not take.
+void check_stream_lengths(const train_options& o, const std::string& sources, const char* flag) {
+  for (const data_source_spec& s : parse_data_sources(sources, flag)) {
+    const bool corpus = document_corpus::exists(s.path);
+    if (corpus && o.packing != packing_mode::stream) continue;  // its documents: check_data_length after
+    std::error_code ec;
+    const std::string file = corpus ? s.path + ".tokens" : s.path;
+    if (!std::filesystem::is_regular_file(file, ec)) continue;  // the reader names what it is
+    const auto bytes = std::filesystem::file_size(file, ec);
+    if (!ec && bytes > 0 && bytes % 4 == 0) check_data_length(o, static_cast<std::int64_t>(bytes / 4), s.path, flag);
+  }
+}
+
+// --eval-data as --data is checked (the tokenizer, the ids, one sequence at least), and
+// where it holds fewer whole windows of --seq-len than --eval-sequences, said: each token is
+// scored once, as upipe eval scores it, never a window wrapped around to the data's start.
+void check_held_out_data(const train_options& o) {
+  check_stream_lengths(o, o.eval_data, "--eval-data");
+  const data_reader held_out(parse_data_sources(o.eval_data, "--eval-data"), reader_options(o, 0));
+  for (std::size_t i = 0; i < held_out.size(); ++i) {
+    check_data_tokenizer(o.model_dir, held_out.spec(i).path, "--eval-data", o.allow_tokenizer_mismatch);
+    check_data_length(o, held_out.epoch_tokens(i), held_out.spec(i).path, "--eval-data");
+    const std::int64_t windows = held_out.whole_windows(i, o.seq_len, o.eval_sequences);
+    if (windows < o.eval_sequences)
+      std::fprintf(stderr, "upipe: note: --eval-data %s holds %lld tokens, %lld whole window(s) of --seq-len %lld, not "
+                   "--eval-sequences %d: each token is scored once\n", held_out.spec(i).path.c_str(),
+                   static_cast<long long>(held_out.epoch_tokens(i)), static_cast<long long>(windows),
+                   static_cast<long long>(o.seq_len), o.eval_sequences);
+  }
+  held_out.check_ids();
 }
 
 // Where the first step's weights come from: --init, else the --model directory, else random.
@@ -729,14 +741,15 @@ train_summary train(const train_options& options, const std::function<void(const
       adapter_init = std::make_unique<host_weight_source>(random_adapters);
     }
   }
-  if (o.eval_every > 0) data_reader(parse_data_sources(o.eval_data, "--eval-data"), reader_options(o, 0)).check_ids();
   for (const data_source_spec& source : parse_data_sources(o.data_path, "--data"))
-    check_data_tokenizer(o, source.path, "--data");
+    check_data_tokenizer(o.model_dir, source.path, "--data", o.allow_tokenizer_mismatch);
+  if (o.eval_every > 0) check_held_out_data(o);
+  check_stream_lengths(o, o.data_path, "--data");
   if (const run_data data(o); data.reader() != nullptr) {
     const data_reader& reader = *data.reader();
     reader.check_ids();
     for (std::size_t i = 0; i < reader.size(); ++i)
-      check_data_length(reader.epoch_tokens(i), o.seq_len, reader.spec(i).path, "--data");
+      check_data_length(o, reader.epoch_tokens(i), reader.spec(i).path, "--data");
   }
   train_summary summary;
   summary.seq_len = o.seq_len;

@@ -127,7 +127,7 @@ TEST(train_cli, bad_input_is_refused_and_a_saved_checkpoint_survives) {
   std::ofstream(dir / "other" / "notes.txt") << "not a checkpoint";
   const std::pair<std::string, std::string> cases[] = {
       {"--data " + (dir / "big.bin").string() + " --seq-len 64", "token 5000 at index 150"},
-      {"--data " + (dir / "small.bin").string() + " --seq-len 64", "fewer than the sequence length 64"},
+      {"--data " + (dir / "small.bin").string() + " --seq-len 64", "fewer than one sequence of --seq-len 64"},
       {"--stop-after 9", "--stop-after 9 must lie between 1 and --steps 6"},
       {"--save-every 2", "needs --save DIR"},
       {"--resume " + ckpt.string() + " --init " + ckpt.string(), "contradict each other"},

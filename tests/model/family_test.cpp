@@ -280,5 +280,33 @@ TEST(family_table, new_presets_step_on_the_meta_backend) {
   }
 }
 
+// transformers' validate_layer_type: one layer type per layer; and a window applied to a
+// layer is a positive number of tokens (0 or less read as "no window" ran every layer full).
+TEST_F(family_files, layer_types_and_window_sizes_are_checked_as_transformers_checks_them) {
+  const auto refused = [&](const char* fixture_name, const nlohmann::json& fields, std::initializer_list<std::string> words) {
+    try {
+      read_hf_config(variant(fixture_name, fields));
+      ADD_FAILURE() << fixture_name << " with " << fields.dump() << " was accepted";
+    } catch (const config_error& e) {
+      for (const std::string& w : words) EXPECT_NE(std::string(e.what()).find(w), std::string::npos) << e.what();
+    }
+  };
+  refused("gemma3-text", {{"layer_types", nlohmann::json::array()}}, {"layer_types lists 0 layers", "num_hidden_layers"});
+  refused("gemma3-text", {{"layer_types", {"sliding_attention"}}}, {"layer_types lists 1 layers"});
+  refused("gemma3-text", {{"sliding_window", 0}}, {"sliding_window = 0", "positive", "null"});
+  refused("gemma3-text", {{"sliding_window", -4}}, {"sliding_window = -4"});
+  refused("gemma3-text", {{"layer_types", nullptr}, {"sliding_window", 0}}, {"sliding_window = 0"});
+  refused("qwen2-window", {{"sliding_window", 0}}, {"sliding_window = 0"});
+  refused("mistral-window", {{"sliding_window", 0}}, {"sliding_window = 0"});
+  // No layer windowed, or the window dropped: nothing to check.
+  const model_config full = read_hf_config(
+      variant("gemma3-text", {{"layer_types", {"full_attention", "full_attention", "full_attention"}}, {"sliding_window", 0}}));
+  EXPECT_EQ(windows_of(full), (std::vector<bool>{false, false, false}));
+  const model_config off = read_hf_config(variant("qwen2-window", {{"use_sliding_window", false}, {"sliding_window", 0}}));
+  EXPECT_EQ(windows_of(off), (std::vector<bool>{false, false}));
+  const model_config none = read_hf_config(variant("gemma3-text", {{"sliding_window", nullptr}}));
+  EXPECT_EQ(windows_of(none), (std::vector<bool>{false, false, false}));
+}
+
 }  // namespace
 }  // namespace upipe

@@ -34,30 +34,46 @@ TEST(scheduled_lr, warmup_is_linear_from_lr_over_warmup) {
 TEST(scheduled_lr, peaks_at_the_end_of_warmup_then_decays) {
   const adamw_config c = schedule(6e-4, 10, 110, 0.1);
   EXPECT_DOUBLE_EQ(scheduled_lr(c, 10), 6e-4);
-  EXPECT_LT(scheduled_lr(c, 11), 6e-4);
-  EXPECT_GT(scheduled_lr(c, 11), 6e-4 * 0.999);  // no jump where the pieces meet
-  for (std::int64_t step = 11; step <= 110; ++step)
+  EXPECT_DOUBLE_EQ(scheduled_lr(c, 11), 6e-4);  // the decay's step 0, as transformers counts it
+  EXPECT_GT(scheduled_lr(c, 12), 6e-4 * 0.999);  // no jump where the pieces meet
+  for (std::int64_t step = 12; step <= 111; ++step)
     EXPECT_LT(scheduled_lr(c, step), scheduled_lr(c, step - 1)) << "step " << step;
 }
 
 TEST(scheduled_lr, cosine_midpoint_end_and_beyond) {
   const double lr = 6e-4, min_ratio = 0.1;
   const adamw_config c = schedule(lr, 10, 110, min_ratio);
-  EXPECT_DOUBLE_EQ(scheduled_lr(c, 60), (1.0 + min_ratio) / 2.0 * lr);  // progress 1/2
+  EXPECT_DOUBLE_EQ(scheduled_lr(c, 61), (1.0 + min_ratio) / 2.0 * lr);  // progress 1/2
   // progress 1/4: cos(pi/4) = sqrt(2)/2.
-  EXPECT_DOUBLE_EQ(scheduled_lr(c, 35), lr * (min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + std::sqrt(0.5))));
-  EXPECT_DOUBLE_EQ(scheduled_lr(c, 110), min_ratio * lr);
+  EXPECT_DOUBLE_EQ(scheduled_lr(c, 36), lr * (min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + std::sqrt(0.5))));
+  // The last step short of the floor (progress 99/100), the floor after it.
+  EXPECT_GT(scheduled_lr(c, 110), min_ratio * lr);
+  EXPECT_DOUBLE_EQ(scheduled_lr(c, 110),
+                   lr * (min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + std::cos(std::numbers::pi * 0.99))));
   EXPECT_DOUBLE_EQ(scheduled_lr(c, 111), min_ratio * lr);
   EXPECT_DOUBLE_EQ(scheduled_lr(c, 100000), min_ratio * lr);
 }
 
-TEST(scheduled_lr, without_warmup_starts_at_the_peak) {
+// As transformers' get_cosine_schedule_with_warmup(num_warmup_steps=0) at its steps 0, 49, 99.
+TEST(scheduled_lr, without_warmup_starts_at_the_peak_and_no_step_runs_at_zero) {
   const double lr = 1e-3;
   const adamw_config c = schedule(lr, 0, 100, 0.0);
-  EXPECT_NEAR(scheduled_lr(c, 1), lr * 0.5 * (1.0 + std::cos(std::numbers::pi / 100.0)), 1e-18);
-  EXPECT_DOUBLE_EQ(scheduled_lr(c, 50), 0.5 * lr);
-  EXPECT_EQ(scheduled_lr(c, 100), 0.0);
+  EXPECT_DOUBLE_EQ(scheduled_lr(c, 1), lr);
+  EXPECT_DOUBLE_EQ(scheduled_lr(c, 51), 0.5 * lr);
+  EXPECT_NEAR(scheduled_lr(c, 100), lr * 0.5 * (1.0 + std::cos(std::numbers::pi * 0.99)), 1e-18);
+  EXPECT_GT(scheduled_lr(c, 100), 0.0);
+  EXPECT_EQ(scheduled_lr(c, 101), 0.0);
   EXPECT_EQ(scheduled_lr(c, 150), 0.0);
+}
+
+// --steps 1 (and any short run): the fine-tune's warm-up ratio 0.03 rounds to no warm-up,
+// and the one step runs at the peak, never at the floor of 0.
+TEST(scheduled_lr, a_short_run_never_runs_a_step_at_the_floor) {
+  for (std::int64_t total = 1; total <= 40; ++total) {
+    const adamw_config c = schedule(2e-5, total * 3 / 100, total, 0.0);
+    EXPECT_DOUBLE_EQ(scheduled_lr(c, 1), c.warmup_steps > 0 ? 2e-5 / static_cast<double>(c.warmup_steps) : 2e-5);
+    for (std::int64_t step = 1; step <= total; ++step) EXPECT_GT(scheduled_lr(c, step), 0.0) << total << " " << step;
+  }
 }
 
 TEST(scheduled_lr, a_schedule_within_its_warmup_holds_the_peak_after_it) {
@@ -66,7 +82,7 @@ TEST(scheduled_lr, a_schedule_within_its_warmup_holds_the_peak_after_it) {
   EXPECT_DOUBLE_EQ(scheduled_lr(c, 20), 2e-4);
   EXPECT_DOUBLE_EQ(scheduled_lr(c, 21), 2e-4);
   EXPECT_DOUBLE_EQ(scheduled_lr(schedule(2e-4, 20, 20, 0.1), 30), 2e-4);
-  EXPECT_DOUBLE_EQ(scheduled_lr(schedule(2e-4, 0, 1, 0.1), 1), 0.1 * 2e-4);  // the default total of 1
+  EXPECT_DOUBLE_EQ(scheduled_lr(schedule(2e-4, 0, 1, 0.1), 1), 2e-4);  // the default total of 1: the peak
 }
 
 TEST(scheduled_lr, steps_count_from_one) {

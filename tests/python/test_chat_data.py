@@ -6,6 +6,7 @@ run: python3 -m pytest tests/python/test_chat_data.py
 """
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -228,6 +229,9 @@ BAD_ROWS = [
     ({"messages": [{"role": "user", "content": 5}, {"role": "assistant", "content": "x"}]}, "bad_row",
      "content of a number"),
     ({"prompt": "a", "completion": ["b"]}, "bad_row", "both be strings or both be lists"),
+    ({"prompt": "a\ud800", "completion": "b"}, "bad_unicode", "not valid Unicode"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "\udfff"}]}, "bad_unicode",
+     "lone surrogate"),
 ]
 
 
@@ -274,3 +278,73 @@ def test_a_template_cannot_leave_the_sandbox():
     t = chat_data.ChatTemplate("{{ messages.__class__.__mro__ }}", {})
     with pytest.raises(chat_data.RowError):
         t.render([])
+
+
+def render_row(text, row, limits=None, loss_mask="auto"):
+    tok = tokenizers.Tokenizer.from_file(str(CHAT / "tokenizer.json"))
+    template = chat_data.ChatTemplate(text, {"bos_token": "<s>"}, limits)
+    return chat_data.RowEncoder(tok, template, loss_mask, 1, 2).encode(row)
+
+
+LIMITED = chat_data.TemplateLimits(seconds=1.0, max_output=1 << 20)
+OVER_LIMITS = [
+    ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "--template-seconds"),
+    ("{% for i in range(100000) %}{{ 'x' * 100 }}{% endfor %}", "writes more than"),
+    ("{{ 'x' * 3000000000 }}", "larger than"),
+    ("{{ 'x'.ljust(3000000000) }}", "larger than"),
+    ("{{ 7 ** 7 ** 7 ** 7 }}", "larger than"),
+    ("{{ '%3000000000d' % 1 }}", "width"),
+    ("{% set ns = namespace(s='x') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}", "larger than"),
+    ("{% macro f(s, n) %}{{ f(s ~ s, n - 1) if n else s | length }}{% endmacro %}{{ f('x', 40) }}", "larger than"),
+]
+
+
+@pytest.mark.parametrize("text,words", OVER_LIMITS)
+def test_a_template_runs_within_its_time_and_output_limits(text, words):
+    with pytest.raises(chat_data.RowError) as e:
+        render_row(text, {"messages": CONVERSATIONS[0]}, LIMITED)
+    assert e.value.kind == "template_limit" and words in str(e.value)
+
+
+def test_a_template_constant_over_the_limit_is_refused_as_it_compiles():
+    with pytest.raises(chat_data.RowError) as e:
+        chat_data.ChatTemplate("{{ 'x' | center(3000000000) }}", {}, LIMITED)
+    assert "larger than" in str(e.value)
+
+
+@pytest.mark.parametrize("text,kind", [("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "render_failed"),
+                                       ("", "no_target")])
+def test_a_recursive_or_empty_template_is_a_bad_row(text, kind):
+    with pytest.raises(chat_data.RowError) as e:
+        render_row(text, {"messages": CONVERSATIONS[0]})
+    assert e.value.kind == kind
+
+
+def test_an_empty_prompt_or_completion_is_an_example():
+    ids, mask = render_row("", {"prompt": "", "completion": ""})
+    assert ids == [1, 2] and list(mask) == [0, 1]  # BOS, then the EOS as the one target
+    ids, mask = render_row("", {"prompt": "The dog", "completion": ""})
+    assert list(mask) == [0] * (len(ids) - 1) + [1]
+
+
+def test_a_template_is_read_from_a_regular_file_only(tmp_path):
+    fifo = tmp_path / "t.jinja"
+    os.mkfifo(fifo)
+    src = write_jsonl(tmp_path / "c.jsonl", [{"messages": CONVERSATIONS[0]}])
+    p = run("--tokenizer", CHAT, "--workers", 1, "--chat-template", fifo, "--out", tmp_path / "o", src, ok=False)
+    assert p.returncode == 2 and "not a regular file" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+
+
+def test_the_limits_are_flags_checked_and_a_row_over_them_is_skipped_and_counted(tmp_path):
+    src = write_jsonl(tmp_path / "c.jsonl", [{"messages": CONVERSATIONS[0]}] * 2)
+    slow = tmp_path / "t.jinja"
+    slow.write_text("{% if messages | length > 0 %}{% for i in range(100000) %}{% for j in range(100000) %}"
+                    "{% endfor %}{% endfor %}{% endif %}")
+    p = run("--tokenizer", CHAT, "--workers", 1, "--chat-template", slow, "--template-seconds", "0.5",
+            "--bad-rows", "skip", "--out", tmp_path / "o", src)
+    assert read_output(tmp_path / "o")[0]["skipped_rows"] == {"template_limit": 2}
+    for flag, value in (("--template-seconds", "0"), ("--template-seconds", "nan"), ("--template-max-output", "0")):
+        p = run("--tokenizer", CHAT, flag, value, "--out", tmp_path / "x", src, ok=False)
+        assert p.returncode == 2 and flag in p.stderr and "Traceback" not in p.stderr
+    p = run("--help")
+    assert "--template-seconds" in p.stdout and "default 30" in p.stdout

@@ -55,3 +55,34 @@ def test_a_broken_line_is_named(tmp_path):
                        capture_output=True, text=True)
     assert r.returncode != 0
     assert "line 2 is not JSON" in r.stderr
+
+
+def run_follow(metrics, logdir):
+    return subprocess.run([sys.executable, SCRIPT, str(metrics), "--logdir", str(logdir)], capture_output=True,
+                          text=True)
+
+
+def one_error_line(r):
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2, r.stderr
+    assert len(lines) == 1 and lines[0].startswith("tensorboard_follow: error:"), r.stderr
+    return lines[0]
+
+
+def test_invalid_utf8_is_one_line(tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    metrics.write_bytes(b'{"step": 1, "loss": 1.0, "lr": 0.1}\n{"step": 2, "loss": \xff\xfe}\n')
+    assert "not UTF-8" in one_error_line(run_follow(metrics, tmp_path / "tb"))
+
+
+def test_a_logdir_that_is_a_file_is_one_line(tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    metrics.write_text('{"step": 1, "loss": 1.0, "lr": 0.1}\n')
+    (tmp_path / "tb").write_text("a file")
+    assert "--logdir" in one_error_line(run_follow(metrics, tmp_path / "tb"))
+
+
+def test_deep_json_is_one_line(tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    metrics.write_text('{"step": ' + "[" * 100000 + "]" * 100000 + "}\n")
+    assert "line 1" in one_error_line(run_follow(metrics, tmp_path / "tb"))
