@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
-"""SIGKILL during checkpoint saves (issue #23): a run that saves every step is killed at
-a random moment, again and again; after each kill the run directory's `latest` must name
-the previous checkpoint or a complete new one, and the next save must leave no temporary.
+"""SIGKILL during checkpoint saves (issue #23): a run that saves every step (keeping the
+last one, so that kills also land in removals) is killed at a random moment, again and
+again; after each kill the run directory's `latest` must name the previous checkpoint or a
+complete new one, and the next save must leave no temporary, no half-removed checkpoint
+and one checkpoint.
 
   scripts/fuzz/kill_save.py --binary build/upipe              # 20 kills (the full check)
   scripts/fuzz/kill_save.py --binary build/upipe --kills 3    # what ctest runs
@@ -104,7 +106,9 @@ def complete(binary, run_dir, scratch):
 
 
 def temporaries(*dirs):
-    return sorted(n for d in dirs if os.path.isdir(d) for n in os.listdir(d) if ".tmp-" in n)
+    """A save's temporaries and a removal's hidden leftovers (.checkpoint-N.removed-upipe)."""
+    return sorted(n for d in dirs if os.path.isdir(d) for n in os.listdir(d)
+                  if ".tmp-" in n or n.endswith(".removed-upipe"))
 
 
 def saving(run_dir):
@@ -143,7 +147,8 @@ def main():
     failures, in_save = 0, 0
     for k in range(opts.kills):
         before = step_of(ck)
-        args = TRAIN + ["--resume", ck, "--steps", str(before + steps_per_run), "--save", ck, "--save-every", "1"]
+        args = TRAIN + ["--resume", ck, "--steps", str(before + steps_per_run), "--save", ck, "--save-every", "1",
+                        "--keep-last", "1"]
         p = subprocess.Popen([binary] + args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         t0 = time.monotonic()
         if k % 2 == 0:  # anywhere in the run
@@ -163,12 +168,17 @@ def main():
             problems.append(f"the checkpoint went back from step {before} to {after}")
         left = temporaries(work, ck)
         # The next save finishes, removes what the killed one left, and is complete.
-        nxt = run(binary, TRAIN + ["--resume", ck, "--steps", str((after or before) + 1), "--save", ck])
+        # With --keep-last 1 a kill may also land in the removal of the previous checkpoint.
+        nxt = run(binary, TRAIN + ["--resume", ck, "--steps", str((after or before) + 1), "--save", ck,
+                                   "--keep-last", "1"])
         if nxt.returncode != 0:
             problems.append("the next save failed: " + nxt.stderr.strip()[-300:])
         problems += complete(binary, ck, work)
         if temporaries(work, ck):
             problems.append(f"temporaries left after the next save: {temporaries(work, ck)}")
+        kept = sorted(n for n in os.listdir(ck) if n.startswith("checkpoint-"))
+        if len(kept) != 1:
+            problems.append(f"--keep-last 1 left {kept}")
         failures += bool(problems)
         print(f"kill {k + 1:2d}: at {delay:5.2f} s of {span:.2f}, {'in a save' if in_flight else 'between saves'}; "
               f"step {before} -> {after}; left {left or 'nothing'}; next save ok: {nxt.returncode == 0}"

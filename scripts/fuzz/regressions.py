@@ -222,7 +222,7 @@ def regression_cases():
         ("sizes whose product overflows ran out of memory at 2^61 bytes",
          "step --backend meta --seq-len 64 --cp 2 --config {w}/config.json", "refuse", ["hidden_size"],
          config_with(hidden_size=2**30, vocab_size=2**30)),
-    ] + second_fuzz_cases() + input_fuzz_cases()
+    ] + second_fuzz_cases() + input_fuzz_cases() + third_fuzz_cases()
 
 
 def second_fuzz_cases():
@@ -304,3 +304,71 @@ def regression_case(index, t):
     return Case("regression", what, args, prepare, expect=expect, names=names, check=check)
 
 
+
+
+def in_run_directory(name="checkpoint-2", best=False):
+    """The template checkpoint (step 2) as {w}/run/NAME with {w}/run/latest (and best) naming it."""
+    def setup(w, t):
+        shutil.copytree(os.path.join(w, "ck"), os.path.join(w, "run", name), symlinks=True)
+        for pointer in ["latest"] + (["best"] if best else []):
+            with open(os.path.join(w, "run", pointer), "w") as f:
+                f.write(name + "\n")
+    return setup
+
+
+def only(path, names):
+    """{w}/PATH holds exactly `names` (a run wrote there, and nowhere else)."""
+    def check(w, r):
+        found = sorted(os.listdir(os.path.join(w, path))) if os.path.isdir(os.path.join(w, path)) else None
+        return [] if found == sorted(names) else [f"{path} holds {found}, not {sorted(names)}"]
+    return check
+
+
+def exists(path):
+    return lambda w, r: [] if os.path.exists(os.path.join(w, path)) else [f"{path} was not written"]
+
+
+def negative(file, tensor):
+    """-1 as the first element of the f32 `tensor` in the checkpoint's `file`."""
+    def setup(w, t):
+        path = os.path.join(w, "ck", file)
+        header, data = inputs.read_safetensors(path)
+        at = header[tensor]["data_offsets"][0]
+        inputs.write_bytes(path, inputs.safetensors_bytes(header, data[:at] + struct.pack("<f", -1.0) + data[at + 4:]))
+    return setup
+
+
+def emptied(path):
+    return lambda w, t: open(os.path.join(w, path), "w").close()
+
+
+def third_fuzz_cases():
+    """Issue #39's held-out fuzz: resume under rotation, runs that wrote elsewhere than told, checkpoints whose
+    files disagree, and a new user's paths."""
+    resume = RESUME + " --cp 2"
+    shard = os.path.join("trainer", "rank-00000-of-00002.safetensors")
+    rotate = "train --steps 6 --seq-len 32 --eval-samples 0 --cp 2 --save-every 1 --keep-last 1 --resume {w}/run"
+    return [
+        ("a resume with --keep-last 1 removed its checkpoint and died at the next save (and saved into the run "
+         "directory stored in run.toml, not the one resumed)", rotate, "ok", [], in_run_directory(),
+         only("run", ["checkpoint-6", "latest"]), True),
+        ("a manifest whose step disagrees with its checkpoint-N name resumed",
+         "train --steps 6 --seq-len 32 --eval-samples 0 --cp 2 --resume {w}/run/checkpoint-5", "refuse",
+         ["checkpoint-5", "step"], in_run_directory("checkpoint-5"), None, True),
+        ("a manifest with total_steps below its step resumed", resume, "refuse", ["total_steps"],
+         edit_manifest("total_steps", 1), None, True),
+        ("a manifest with total_steps 0 resumed", resume, "refuse", ["total_steps"], edit_manifest("total_steps", 0),
+         None, True),
+        ("a rank shard of another step's checkpoint resumed", resume, "refuse", ["rank-00000", "step 2"],
+         edit_manifest("step", 1), None, True),
+        ("an emptied trainer/run.toml was taken for an earlier version's checkpoint", resume, "refuse", ["run.toml"],
+         emptied(os.path.join("ck", "trainer", "run.toml")), None, True),
+        ("a negative second moment resumed (and the run blamed --lr)", resume, "refuse", ["rank-00000", "negative"],
+         negative(shard, "unit.1.exp_avg_sq"), None, True),
+        ("--init OTHER on a LoRA resume swapped the frozen base", resume + " --init {golden}/tiny-llama", "refuse",
+         ["--init"], None, None, "checkpoint_lora"),
+        ("export refused a run directory's best", "export {w}/run/best {w}/new/out", "ok", [],
+         in_run_directory(best=True), exists(os.path.join("new", "out", "config.json")), True),
+        ("--metrics-json in a missing directory was refused", TRAIN_CPU + " --metrics-json {w}/runs/m.jsonl", "ok", [],
+         None, exists(os.path.join("runs", "m.jsonl"))),
+    ]

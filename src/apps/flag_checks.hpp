@@ -66,11 +66,11 @@ inline std::string finite_real(const std::string& value) {
 // A flag naming a file to write (--json, --metrics-json, --save-grads): checked when the
 // command line is read, before any work, so that a run never ends unable to write its
 // result (core/files.hpp says what is refused).
-inline CLI::Validator output_file_flag(const char* flag) {
+inline CLI::Validator output_file_flag(const char* flag, missing_parents parents = missing_parents::refused) {
   return CLI::Validator(
-      [flag](const std::string& value) -> std::string {
+      [flag, parents](const std::string& value) -> std::string {
         try {
-          checked_output_file(value, flag);
+          checked_output_file(value, flag, parents);
         } catch (const io_error& e) {
           return e.what();
         }

@@ -38,7 +38,7 @@ std::vector<option_row> make_rows() {
       {"--init", "model.init", UPIPE_FIELD(init),
        "weights to start from: a model directory (one file or shards) or a .safetensors file (default: the --model "
        "directory's weights, else random)",
-       for_train, r::recorded, true},
+       for_train, r::base, true},
       {"--lora", "model.lora", UPIPE_FIELD(lora),
        "train LoRA adapters on a frozen base: r=N[,alpha=A][,targets=q,k,v,o,gate,up,down][,dropout=0] (alpha "
        "defaults to r, targets to all seven projections); saves a PEFT adapter directory",
@@ -479,12 +479,48 @@ void run_options::apply_flags_and_file() {
   }
 }
 
-std::vector<std::string> run_options::apply_stored(const std::string& stored_text, const std::string& origin) {
+namespace {
+
+// The stored paths of a checkpoint that lies in `now`, a run directory other than the one it
+// was saved into: those inside that one follow it (notes say so). Outside a run directory
+// the stored run directory is not taken back.
+void relocate_stored_paths(const std::vector<const option_row*>& rows, run_config& stored, const std::string& now,
+                           bool save_given, std::vector<std::string>& notes) {
+  std::string& saved_into = stored.save;
+  if (saved_into.empty()) return;
+  if (now.empty()) {
+    if (save_given) return;
+    notes.push_back("checkpoint.save: " + saved_into + " not taken, nor its save_every, keep_last and keep_best (the "
+                    "checkpoint lies outside that run directory; --save DIR saves this run)");
+    saved_into.clear();
+    stored.save_every = 0;
+    stored.keep_last = 0;
+    stored.keep_best = false;
+    return;
+  }
+  std::error_code ec;
+  if (saved_into == now || std::filesystem::equivalent(saved_into, now, ec)) return;
+  const std::string from = saved_into;
+  for (const option_row* row : rows) {
+    if (!row->path || row->key == std::string("data.data") || row->key == std::string("eval.data")) continue;
+    std::string& value = *std::get<std::string*>(row->field(stored));
+    if (value == from || value.starts_with(from + "/")) value = now + value.substr(from.size());
+  }
+  notes.push_back("the run directory " + now + " (it was saved into " + from + "; the paths inside it follow)");
+}
+
+}  // namespace
+
+std::vector<std::string> run_options::apply_stored(const std::string& stored_text, const std::string& origin,
+                                                   bool adapters, const std::string& run_directory) {
   run_config stored;
   const std::set<std::string> keys = read_toml(stored_text, origin, stored);
   std::vector<std::string> notes;
+  relocate_stored_paths(rows_, stored, run_directory, set_anywhere("checkpoint.save"), notes);
   for (const option_row* row : rows_) {
-    if (row->resume == on_resume::fresh || row->resume == on_resume::recorded) continue;
+    const on_resume kind =
+        row->resume != on_resume::base ? row->resume : adapters ? on_resume::kept : on_resume::recorded;
+    if (kind == on_resume::fresh || kind == on_resume::recorded) continue;
     const std::string was = keys.count(row->key) ? value_text(stored, *row) : std::string();
     if (!set_anywhere(row->key)) {
       copy_field(*row, stored, config_);
@@ -494,7 +530,7 @@ std::vector<std::string> run_options::apply_stored(const std::string& stored_tex
     const std::string now = value_text(config_, *row);
     if (now == was) continue;
     const std::string shown = was.empty() ? "unset" : was;
-    if (row->resume == on_resume::kept)
+    if (kind == on_resume::kept)
       throw config_error(std::string(row->flag) + " " + (now.empty() ? "(unset)" : now) + " differs from the run in " +
                          origin + ", which has " + row->key + " = " + shown + ": a resumed run continues that run; "
                          "drop " + row->flag + " (or give the stored value), or start a new run from its weights "

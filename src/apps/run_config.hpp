@@ -64,7 +64,8 @@ enum command_set : unsigned { for_train = 1, for_step = 2, for_eval = 4, for_ben
 enum class on_resume : std::uint8_t {
   kept,      // the same run: taken from the checkpoint, and a different value is refused naming the stored one
   changes,   // taken from the checkpoint unless given; a different value is a reported change
-  recorded,  // written for the record, never taken back (--init: a resumed run's weights are the checkpoint's)
+  recorded,  // written for the record, never taken back (--epochs: the steps are stored)
+  base,      // --init: recorded for a full run (its weights are the checkpoint's); kept for a LoRA run (its frozen base)
   fresh,     // this invocation's alone, never written (--resume, --stop-after, --overwrite)
 };
 
@@ -121,8 +122,13 @@ class run_options {
   void apply_flags_and_file();
   // train --resume: the checkpoint's configuration (its run.toml text) under the file and
   // the flags; a kept option given otherwise is refused, a changed one reported (returned as
-  // notes). `origin` names the file in messages.
-  std::vector<std::string> apply_stored(const std::string& stored_text, const std::string& origin);
+  // notes). `origin` names the file in messages; `adapters`: a LoRA run's checkpoint.
+  // `run_directory` is the run directory the checkpoint lies in now ("" for one outside a
+  // run directory): the stored paths inside the run directory it was saved into follow it
+  // there (a copied run directory is a run of its own), and a checkpoint outside one saves
+  // only where --save says.
+  std::vector<std::string> apply_stored(const std::string& stored_text, const std::string& origin, bool adapters,
+                                        const std::string& run_directory);
   // Sets an option that no source gave (a default of the fine-tune set, or a value derived
   // from others). Returns false, changing nothing, when a source gave it.
   template <class T>

@@ -506,8 +506,8 @@ resolved_run resolve_run(run_options& opts) {
     f.resume = resolve_checkpoint(resolve_checkpoint_dir(f.resume));
     const std::string stored = run_config_path(f.resume);
     std::error_code ec;
-    if (std::filesystem::exists(stored, ec))
-      out.resume_notes = opts.apply_stored(read_text_file(stored, "the checkpoint's run configuration"), stored);
+    if (const std::optional<std::string> text = read_run_config(f.resume))
+      out.resume_notes = opts.apply_stored(*text, stored, is_adapter_directory(f.resume), run_directory_of(f.resume));
     else
       out.resume_notes.push_back(f.resume + " holds no run configuration (a checkpoint of an earlier upipe): the "
                                  "options not given now take their defaults");
@@ -576,7 +576,8 @@ int run(train_command& command) {
                  static_cast<long long>(o.model.max_position_embeddings), static_cast<long long>(o.seq_len));
   std::ofstream metrics;
   if (!f.metrics_json.empty()) {
-    const std::string target = checked_output_file(f.metrics_json, "--metrics-json");
+    const std::string target = checked_output_file(f.metrics_json, "--metrics-json", missing_parents::made);
+    make_parent_directories(target, "--metrics-json");  // runs/NAME.jsonl in a fresh directory
     if (!is_character_device(target)) remove_stale_temporaries(target);  // a killed writer's, as for every output
     // A resumed run goes on in the same file: its earlier steps stay.
     metrics.open(target, f.resume.empty() ? std::ios::trunc : std::ios::app);
@@ -666,7 +667,7 @@ command_runner add_train(CLI::App& app) {
   command->options = std::make_shared<run_options>(app, for_train);
   for (const char* flag : {"--init", "--init-adapter", "--data", "--save", "--resume", "--eval-data", "--config-file"})
     app.get_option(flag)->check(non_empty);
-  app.get_option("--metrics-json")->check(output_file_flag("--metrics-json"));
+  app.get_option("--metrics-json")->check(output_file_flag("--metrics-json", missing_parents::made));
   app.add_flag("--print-config", command->print_config,
                "print the resolved configuration as TOML (a --config-file to start from) and exit");
   show_fine_tune_defaults(app);

@@ -102,7 +102,7 @@ bool is_character_device(const std::string& path) {
   return ::stat(path.c_str(), &info) == 0 && S_ISCHR(info.st_mode);
 }
 
-std::string checked_output_file(const std::string& given, const std::string& what) {
+std::string checked_output_file(const std::string& given, const std::string& what, missing_parents parents) {
   const auto refuse = [&](const std::string& problem) -> void {
     throw io_error("cannot write " + what + " '" + given + "': " + problem);
   };
@@ -124,10 +124,23 @@ std::string checked_output_file(const std::string& given, const std::string& wha
     refuse("it is " + node_name(info.st_mode) + "; name a regular file (it is never replaced)");
   }
   if (errno == ELOOP) refuse("it is a symbolic link loop; name another file");
-  const fs::path parent = path.has_parent_path() ? path.parent_path() : fs::path(".");
+  fs::path parent = path.has_parent_path() ? path.parent_path() : fs::path(".");
+  if (parents == missing_parents::made)  // the nearest ancestor that exists
+    while (!fs::exists(parent, ec) && parent.has_parent_path() && parent != parent.parent_path())
+      parent = parent.parent_path();
   if (!fs::is_directory(parent, ec))
-    refuse("its directory " + parent.string() + " does not exist; create it first (mkdir -p " + parent.string() + ")");
+    refuse(fs::exists(parent, ec) ? parent.string() + " is not a directory; name a file in a directory"
+                                  : "its directory " + parent.string() + " does not exist; create it first (mkdir -p " +
+                                        parent.string() + ")");
   return path.string();
+}
+
+void make_parent_directories(const std::string& path, const std::string& what) {
+  const fs::path parent = fs::path(path).parent_path();
+  std::error_code ec;
+  if (parent.empty() || fs::is_directory(parent, ec)) return;
+  fs::create_directories(parent, ec);
+  if (ec) throw io_error("cannot make the directory " + parent.string() + " for " + what + ": " + ec.message());
 }
 
 namespace {

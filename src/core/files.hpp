@@ -64,9 +64,17 @@ std::string read_text_file(const std::string& path, const std::string& what,
 // Where an output named `path` is written: the target of a symbolic link (resolved, so the
 // link itself is never replaced), `path` otherwise. Throws io_error, before any work, when
 // the path cannot take a file: a directory, a FIFO, a socket or a block device, a
-// symbolic link loop, a missing parent directory, or an empty name. Character devices
-// (/dev/null, /dev/stdout) are allowed: they are written in place.
-std::string checked_output_file(const std::string& path, const std::string& what);
+// symbolic link loop, a missing parent directory (unless `parents` is made: then the
+// nearest existing ancestor must be a directory, and make_parent_directories makes the
+// rest), or an empty name. Character devices (/dev/null, /dev/stdout) are allowed: they are
+// written in place.
+enum class missing_parents : std::uint8_t { refused, made };
+std::string checked_output_file(const std::string& path, const std::string& what,
+                                missing_parents parents = missing_parents::refused);
+
+// Makes the missing parent directories of an output file (mkdir -p); io_error naming `what`
+// and the directory when one cannot be made.
+void make_parent_directories(const std::string& path, const std::string& what);
 
 // Is `path` a character device (written in place, not through a temporary)?
 bool is_character_device(const std::string& path);

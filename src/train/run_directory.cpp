@@ -62,6 +62,19 @@ void write_pointer(const fs::path& dir, const char* name, const std::string& tar
 
 std::string checkpoint_name(std::int64_t step) { return prefix + std::to_string(step); }
 
+std::int64_t step_in_name(const std::string& checkpoint_dir) {
+  fs::path p = fs::path(checkpoint_dir).lexically_normal();
+  if (p.filename().empty()) p = p.parent_path();
+  return step_of(p.filename().string());
+}
+
+std::string run_directory_of(const std::string& checkpoint_dir) {
+  if (step_in_name(checkpoint_dir) < 0) return "";
+  fs::path p = fs::path(checkpoint_dir).lexically_normal();
+  if (p.filename().empty()) p = p.parent_path();
+  return p.parent_path().string();
+}
+
 bool is_run_directory(const std::string& path) {
   std::error_code ec;
   if (!fs::is_directory(path, ec)) return false;
@@ -71,15 +84,57 @@ bool is_run_directory(const std::string& path) {
   return false;
 }
 
+namespace {
+
+// The checkpoint a pointer file (DIR/latest, DIR/best) names, or "" when `path` is no
+// pointer: a small regular file in a run directory.
+std::string pointed_checkpoint(const fs::path& path) {
+  std::error_code ec;
+  const fs::path dir = path.has_parent_path() ? path.parent_path() : fs::path(".");
+  if (!fs::is_regular_file(path, ec) || fs::file_size(path, ec) > 4096 || !is_run_directory(dir.string())) return "";
+  const std::string file = path.filename().string(), name = pointer(dir, file.c_str());
+  if (file != "latest" && file != "best" && step_of(name) < 0) return "";  // another file of the run directory
+  if (step_of(name) < 0 || !is_checkpoint_dir(dir / name))
+    throw io_error(path.string() + " names '" + name + "', which is not a complete checkpoint in " + dir.string() +
+                   ": name one of its checkpoint-N directories instead (ls " + dir.string() + ")");
+  return (dir / name).string();
+}
+
+// A checkpoint being removed: renamed to ".checkpoint-N.removed-upipe" first, so that a kill
+// during the removal leaves no half checkpoint under its name, and the next save finishes
+// what it left.
+constexpr const char* trash_suffix = ".removed-upipe";
+
+bool is_trash(const std::string& name) {
+  return name.rfind(std::string(".") + prefix, 0) == 0 && name.ends_with(trash_suffix);
+}
+
+void remove_all_quietly(const fs::path& path) {
+  std::error_code ec;
+  fs::remove_all(path, ec);
+}
+
+void remove_checkpoint(const fs::path& dir, const std::string& name) {
+  const fs::path trash = dir / ("." + name + trash_suffix);
+  std::error_code ec;
+  fs::remove_all(trash, ec);  // a leftover of the same name
+  fs::rename(dir / name, trash, ec);
+  if (!ec) fs::remove_all(trash, ec);
+  if (ec) throw io_error("cannot remove the old checkpoint " + (dir / name).string() + ": " + ec.message());
+}
+
+}  // namespace
+
 std::string resolve_checkpoint(const std::string& path) {
   if (path.empty() || is_checkpoint_dir(path)) return path;
+  if (const std::string pointed = pointed_checkpoint(fs::path(path)); !pointed.empty()) return pointed;
   std::error_code ec;
   if (!fs::is_directory(path, ec) || !fs::exists(fs::path(path) / "latest", ec)) return path;
-  const std::string latest = pointer(path, "latest");
-  if (latest.empty() || latest.find('/') != std::string::npos || !is_checkpoint_dir(fs::path(path) / latest))
-    throw io_error(path + "/latest names '" + latest + "', which is not a complete checkpoint in " + path +
-                   ": name one of its checkpoint-N directories instead (ls " + path + ")");
-  return (fs::path(path) / latest).string();
+  const std::string latest = pointed_checkpoint(fs::path(path) / "latest");
+  if (latest.empty())
+    throw io_error(path + "/latest is not a file naming one of its checkpoints (upipe writes \"checkpoint-N\"): "
+                   "name a checkpoint-N directory instead (ls " + path + ")");
+  return latest;
 }
 
 std::string new_run_id() {
@@ -116,11 +171,19 @@ std::vector<saved_checkpoint> list_checkpoints(const std::string& dir) {
   return out;
 }
 
+void make_run_directory(const std::string& dir) {
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec)
+    throw io_error("cannot save into " + dir + ": cannot make the directory (" + ec.message() +
+                   "); choose another --save directory");
+}
+
 void remove_unfinished_saves(const std::string& dir) {
   std::error_code ec;
   for (const auto& entry : fs::directory_iterator(dir, ec)) {
     const std::string name = entry.path().filename().string();
-    if (name.rfind(prefix, 0) == 0 && name.ends_with(".tmp-upipe")) fs::remove_all(entry.path(), ec);
+    if ((name.rfind(prefix, 0) == 0 && name.ends_with(".tmp-upipe")) || is_trash(name)) fs::remove_all(entry.path(), ec);
   }
   remove_stale_temporaries((fs::path(dir) / "latest").string());
   remove_stale_temporaries((fs::path(dir) / "best").string());
@@ -131,12 +194,14 @@ std::vector<std::string> check_run_directory(const std::string& dir, const std::
   std::error_code ec;
   const fs::path path(dir);
   if (!fs::exists(path, ec)) {
-    if (!fs::is_directory(path.parent_path(), ec))
-      throw io_error("cannot save into " + dir + ": its parent directory " + path.parent_path().string() +
-                     " does not exist; create it first (mkdir -p " + path.parent_path().string() + ")");
-    if (::access(path.parent_path().c_str(), W_OK) != 0)
-      throw io_error("cannot save into " + dir + ": the directory " + path.parent_path().string() +
-                     " is not writable; choose another --save directory");
+    // make_run_directory makes it with its missing parents (mkdir -p) in the nearest
+    // directory that exists.
+    fs::path existing = path.parent_path();
+    while (!fs::exists(existing, ec) && existing.has_parent_path() && existing != existing.parent_path())
+      existing = existing.parent_path();
+    if (!fs::is_directory(existing, ec))
+      throw io_error("cannot save into " + dir + ": " + existing.string() + " is not a directory; choose another "
+                     "--save directory");
     return {};
   }
   if (!fs::is_directory(path, ec))
@@ -193,12 +258,19 @@ std::vector<std::string> publish_checkpoint(const std::string& dir, std::int64_t
       }
     if (!best.empty()) write_pointer(path, "best", best);
   }
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(path, ec))  // what a killed removal left
+    if (is_trash(entry.path().filename().string())) remove_all_quietly(entry.path());
   std::vector<std::string> removed;
+  // The new checkpoint is complete whatever happens here: a removal that fails is said, and
+  // the next save tries again.
   const auto remove = [&](const std::string& name) {
-    std::error_code ec;
-    fs::remove_all(path / name, ec);
-    if (ec) throw io_error("cannot remove the old checkpoint " + (path / name).string() + ": " + ec.message());
-    removed.push_back(name);
+    try {
+      remove_checkpoint(path, name);
+      removed.push_back(name);
+    } catch (const io_error& e) {
+      std::fprintf(stderr, "upipe: warning: %s; the next save tries again\n", e.what());
+    }
   };
   if (keep.overwrite)
     for (const saved_checkpoint& c : all)

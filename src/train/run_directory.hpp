@@ -25,6 +25,13 @@ std::string checkpoint_name(std::int64_t step);
 // when `latest` names a checkpoint that is not there.
 std::string resolve_checkpoint(const std::string& path);
 
+// The step a checkpoint's name says (N of DIR/checkpoint-N), or -1 for another name.
+std::int64_t step_in_name(const std::string& checkpoint_dir);
+
+// The run directory a checkpoint lies in (the parent of DIR/checkpoint-N), or "" for a
+// checkpoint of another name.
+std::string run_directory_of(const std::string& checkpoint_dir);
+
 // Is `path` a run directory (it holds `latest` or checkpoint-N directories)?
 bool is_run_directory(const std::string& path);
 
@@ -46,13 +53,17 @@ struct saved_checkpoint {
 // The checkpoint-N directories of DIR with a manifest, by step.
 std::vector<saved_checkpoint> list_checkpoints(const std::string& dir);
 
-// Before step 1: DIR can hold this run's checkpoints. Refused (io_error naming the path and a
-// way out): a file, a directory that is neither empty nor a run directory, a single
-// checkpoint of the earlier layout, or a run directory holding another run's checkpoints
-// unless `overwrite`. Returns notes to print (this run's later checkpoints that will be
+// Before step 1: DIR can hold this run's checkpoints (absent: the nearest existing path
+// above it is a directory). Refused (io_error naming the path and a way out): a file, a
+// directory that is neither empty nor a run directory, a single checkpoint of the earlier
+// layout, or a run directory holding another run's checkpoints unless `overwrite`. Returns notes to print (this run's later checkpoints that will be
 // replaced as it reaches them).
 std::vector<std::string> check_run_directory(const std::string& dir, const std::string& run_id, bool overwrite,
                                              std::int64_t resumed_step);
+
+// Makes DIR with its missing parents (mkdir -p), once every check before step 1 has passed;
+// io_error naming it when it cannot be made.
+void make_run_directory(const std::string& dir);
 
 // Removes what a failed or killed save left in DIR (checkpoint-N.tmp-upipe, a pointer's
 // temporary), once no rank writes into it.

@@ -19,6 +19,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/digest.hpp"
 #include "core/error.hpp"
 #include "model/adapter_files.hpp"
 #include "ops/cpu/cpu_ops.hpp"
@@ -76,6 +77,19 @@ const char* master_word(master_format f) { return f == master_format::f32 ? "f32
 bool is_checkpoint(const fs::path& dir) {
   std::error_code ec;
   return fs::exists(dir / trainer_dir / manifest_file, ec) || fs::exists(dir / "trainer_state.json", ec);
+}
+
+// A directory without trainer/manifest.json, refused: a checkpoint of an earlier upipe, or
+// no checkpoint.
+[[noreturn]] void no_manifest(const fs::path& dir) {
+  std::error_code ec;
+  if (fs::exists(dir / "trainer_state.json", ec))
+    throw io_error("cannot resume from " + dir.string() + ": it is a checkpoint of an earlier upipe (trainer_state.json, "
+                   "fp32 model.safetensors); resume it with that version, or start from its weights with --init " +
+                   dir.string());
+  throw io_error(dir.string() + " is not a training checkpoint: it holds no " + std::string(trainer_dir) + "/" +
+                 manifest_file + " (name a checkpoint written by upipe train --save, its run directory, or the run "
+                 "directory's latest or best)");
 }
 
 // The top-level files the manifest of DIR says upipe wrote (empty when there is none).
@@ -234,6 +248,35 @@ std::string run_config_path(const std::string& checkpoint_dir) {
   return (fs::path(checkpoint_dir) / trainer_dir / run_config_file).string();
 }
 
+std::optional<std::string> read_run_config(const std::string& checkpoint_dir) {
+  const fs::path file = fs::path(checkpoint_dir) / trainer_dir / run_config_file;
+  const fs::path manifest = fs::path(checkpoint_dir) / trainer_dir / manifest_file;
+  std::error_code ec;
+  if (!fs::exists(manifest, ec)) no_manifest(checkpoint_dir);
+  std::string recorded;
+  try {
+    const auto j = nlohmann::json::parse(read_text_file(manifest.string(), "the trainer state's manifest"));
+    if (j.is_object() && j.contains("run_config_sha256") && j["run_config_sha256"].is_string())
+      recorded = j["run_config_sha256"].get<std::string>();
+  } catch (const nlohmann::json::exception& e) {
+    throw io_error("cannot read " + manifest.string() + ": " + e.what());
+  }
+  if (!fs::exists(file, ec)) {
+    if (recorded.empty()) return std::nullopt;  // a checkpoint of an upipe before run.toml
+    throw io_error("cannot resume from " + checkpoint_dir + ": " + file.string() + " is missing (its manifest records "
+                   "one); restore it from a copy of the checkpoint");
+  }
+  const std::string text = read_text_file(file.string(), "the checkpoint's run configuration");
+  if (text.find_first_not_of(" \t\r\n") == std::string::npos)
+    throw io_error("cannot resume from " + checkpoint_dir + ": " + file.string() + " is empty (a save writes the whole "
+                   "configuration); restore it from a copy of the checkpoint");
+  if (!recorded.empty() && file_sha256(file.string(), "the checkpoint's run configuration") != recorded)
+    throw io_error("cannot resume from " + checkpoint_dir + ": " + file.string() + " is not the file the checkpoint "
+                   "was saved with (its SHA-256 differs from trainer/manifest.json's run_config_sha256): restore it, "
+                   "and give changes as flags beside --resume");
+  return text;
+}
+
 std::string resolve_checkpoint_dir(const std::string& text) {
   if (text.empty()) throw config_error("an empty checkpoint directory was given: name a directory, e.g. --save run1");
   fs::path p = fs::path(text).lexically_normal();
@@ -301,7 +344,8 @@ void save_checkpoint(const std::string& dir_text, const checkpoint_request& r, p
                             {}, state_dtype(format, which)});
     safetensors_writer shard_file(
         (tmp / trainer_dir / rank_file(comm.rank(), C)).string(), std::move(declared),
-        {{"format", "upipe-zero-shard"}, {"rank", std::to_string(comm.rank())}, {"ranks", std::to_string(C)}});
+        {{"format", "upipe-zero-shard"}, {"rank", std::to_string(comm.rank())}, {"ranks", std::to_string(C)},
+         {"step", std::to_string(r.state.step)}, {"run_id", r.run_id}});
     for (int u = 0; u < params.unit_count(); ++u)
       for (shard_state which : state_tensors(format)) shard_file.write(tensor_name(u, which), params.shard_values(u, which));
     shard_file.commit();
@@ -313,8 +357,13 @@ void save_checkpoint(const std::string& dir_text, const checkpoint_request& r, p
         for (const std::string& f : copy_companion_files(r.source_dir, tmp.string())) files.push_back(f);
       else
         for (const std::string& f : copy_companion_files(dir.string(), tmp.string())) files.push_back(f);
-      if (!r.run_config.empty()) write_text(tmp / trainer_dir / run_config_file, r.run_config);
-      write_text(tmp / trainer_dir / manifest_file, manifest_json(r, params, C, files).dump(2) + "\n");
+      nlohmann::ordered_json manifest = manifest_json(r, params, C, files);
+      if (!r.run_config.empty()) {
+        const fs::path run_toml = tmp / trainer_dir / run_config_file;
+        write_text(run_toml, r.run_config);
+        manifest["run_config_sha256"] = file_sha256(run_toml.string(), "the run configuration");
+      }
+      write_text(tmp / trainer_dir / manifest_file, manifest.dump(2) + "\n");
       fsync_path(tmp / trainer_dir, true);
       carry_user_files(dir, tmp);
       fsync_path(tmp, true);
@@ -346,13 +395,7 @@ saved_state::saved_state(const std::string& text) : impl_(std::make_unique<impl>
   dir_ = dir.string();
   const fs::path manifest = dir / trainer_dir / manifest_file;
   std::error_code ec;
-  if (!fs::exists(manifest, ec)) {
-    if (fs::exists(dir / "trainer_state.json", ec))
-      throw io_error("cannot resume from " + dir_ + ": it is a checkpoint of an earlier upipe (trainer_state.json, "
-                     "fp32 model.safetensors); resume it with that version, or start from its weights with --init " + dir_);
-    throw io_error("cannot resume from " + dir_ + ": it holds no " + std::string(trainer_dir) + "/" + manifest_file +
-                   " (is it a directory written by upipe train --save?)");
-  }
+  if (!fs::exists(manifest, ec)) no_manifest(dir);
   const std::string manifest_text = read_text_file(manifest.string(), "the trainer state's manifest");
   try {
     const auto j = nlohmann::json::parse(manifest_text);
@@ -408,7 +451,7 @@ saved_state::saved_state(const std::string& text) : impl_(std::make_unique<impl>
   for (int r = 0; r < ranks_; ++r) {
     const fs::path file = dir / trainer_dir / rank_file(r, ranks_);
     if (!fs::exists(file, ec))
-      throw io_error("cannot resume from " + dir_ + ": " + file.string() + " is missing (the manifest names " +
+      throw io_error("cannot read the trainer state of " + dir_ + ": " + file.string() + " is missing (the manifest names " +
                      std::to_string(ranks_) + " ranks)");
     impl_->ranks.emplace_back(file.string());
     check_shard_rank(impl_->ranks.back(), file.string(), r);
@@ -440,6 +483,17 @@ void saved_state::check_shard_rank(const safetensors_view& shard, const std::str
     throw io_error(file + " was written by rank " + written_rank.value_or("?") + " of " + written_ranks.value_or("?") +
                    " (its metadata), not by rank " + std::to_string(rank) + " of " + std::to_string(ranks_) +
                    " as its name says: the shards were renamed or mixed; restore the checkpoint's trainer/ directory");
+  // Shards since run ids say their step and run: one copied from another checkpoint would
+  // resume this rank's part of the state from another point of training.
+  const std::optional<std::string> written_step = said("step"), written_run = said("run_id");
+  if (written_step && *written_step != std::to_string(state_.step))
+    throw io_error(file + " was written at step " + *written_step + " (its metadata), but " + dir_ +
+                   "/trainer/manifest.json is at step " + std::to_string(state_.step) +
+                   ": the shard comes from another checkpoint; restore the checkpoint's trainer/ directory");
+  if (written_run && !run_id_.empty() && *written_run != run_id_)
+    throw io_error(file + " was written by run " + *written_run + " (its metadata), but " + dir_ +
+                   "/trainer/manifest.json names run " + run_id_ +
+                   ": the shard comes from another run's checkpoint; restore the checkpoint's trainer/ directory");
 }
 
 // A mixture's sources as the manifest lists them, every number checked as the others are.
@@ -480,10 +534,14 @@ void saved_state::check_manifest_ranges(const std::string& manifest) const {
       {"shape_step", state_.shape_step}, {"shape_position", state_.shape_position}};
   for (const auto& [field, value] : counts)
     if (value < 0) damaged(field, value, "must not be negative");
-  if (state_.total_steps > 0 && state_.step > state_.total_steps)
+  // A save records the schedule it ran (--steps, at least 1), which its step never passes.
+  if (state_.total_steps < 1) damaged("total_steps", state_.total_steps, "must be at least 1 (the schedule's steps)");
+  if (state_.step > state_.total_steps)
     damaged("step", state_.step, "lies past total_steps = " + std::to_string(state_.total_steps));
   if (state_.shape_step > state_.step)
     damaged("shape_step", state_.shape_step, "lies past step = " + std::to_string(state_.step));
+  if (const std::int64_t named = step_in_name(dir_); named >= 0 && named != state_.step)
+    damaged("step", state_.step, "differs from the step its directory's name says (" + checkpoint_name(named) + ")");
   if (state_.seq_len > max_saved_seq_len || state_.warmup_seq_len > max_saved_seq_len)
     damaged("seq_len", std::max(state_.seq_len, state_.warmup_seq_len), "is beyond the 2^30 tokens a run trains");
   if (state_.batch > max_saved_batch) damaged("batch", state_.batch, "is beyond the 65536 sequences a step takes");
@@ -514,20 +572,24 @@ void saved_state::check_units(const model_config& config, const lora_config& lor
   if (!lora.enabled()) impl_->layout = parameter_units(config);  // the adapters' values are named by unit alone
 }
 
-void saved_state::non_finite(int unit, shard_state which, std::int64_t rank, std::int64_t element, float value) const {
+void saved_state::bad_value(int unit, shard_state which, std::int64_t rank, std::int64_t element, float value) const {
   static const char* kind[] = {"the master weights",           "AdamW's first moment",
                                "AdamW's second moment",        "the master weights' compensation",
                                "the first moment's block absmax", "the second moment's block absmax"};
-  std::string where = tensor_name(unit, which) + " (element " + std::to_string(element) + ")";
+  std::string where = std::string(kind[static_cast<int>(which)]) + ", tensor " + tensor_name(unit, which) + " (element " +
+                      std::to_string(element) + ")";
   if (static_cast<std::size_t>(unit) < impl_->layout.size() && !is_absmax(which))
     for (const unit_parameter& p : impl_->layout[static_cast<std::size_t>(unit)])
       if (element >= p.offset && element < p.offset + p.numel)
         where = std::string(kind[static_cast<int>(which)]) + " of " + p.name + " (element " +
                 std::to_string(element - p.offset) + ", tensor " + tensor_name(unit, which) + ")";
-  throw io_error((fs::path(dir_) / trainer_dir / rank_file(static_cast<int>(rank), ranks_)).string() + " holds " +
-                 (std::isnan(value) ? std::string("NaN") : std::string(value > 0 ? "+Inf" : "-Inf")) + " in " + where +
-                 ": the trainer state is damaged or the run that wrote it diverged; restore the checkpoint, or "
-                 "start from an earlier one");
+  const std::string file = (fs::path(dir_) / trainer_dir / rank_file(static_cast<int>(rank), ranks_)).string();
+  if (std::isfinite(value))
+    throw io_error(file + " holds " + std::to_string(value) + " in " + where + ", which is never negative in a state "
+                   "a run wrote: the trainer state is damaged; restore the checkpoint, or start from an earlier one");
+  throw io_error(file + " holds " + (std::isnan(value) ? std::string("NaN") : std::string(value > 0 ? "+Inf" : "-Inf")) +
+                 " in " + where + ": the trainer state is damaged or the run that wrote it diverged; restore the "
+                 "checkpoint, or start from an earlier one");
 }
 
 void saved_state::read(int unit, shard_state which, std::int64_t begin, std::int64_t count, float* out) const {
@@ -543,8 +605,11 @@ void saved_state::read(int unit, shard_state which, std::int64_t begin, std::int
   while (count > 0) {
     const std::int64_t r = begin / shard, offset = begin % shard, n = std::min(count, shard - offset);
     impl_->ranks[r].read(name, offset, n, out);
-    const float* bad = std::find_if(out, out + n, [](float v) { return !std::isfinite(v); });
-    if (bad != out + n) non_finite(unit, which, r, begin + (bad - out), *bad);
+    // A second moment (a mean of squares) and a block's absmax (a largest magnitude) are
+    // never negative in a state a run wrote.
+    const bool signless = which == shard_state::exp_avg_sq || blocks;
+    const float* bad = std::find_if(out, out + n, [&](float v) { return !std::isfinite(v) || (signless && v < 0); });
+    if (bad != out + n) bad_value(unit, which, r, begin + (bad - out), *bad);
     begin += n;
     count -= n;
     out += n;
@@ -572,8 +637,7 @@ void write_export(const std::string& out_text, const std::function<void(const fs
   std::error_code ec;
   if (fs::exists(out, ec) && (!fs::is_directory(out, ec) || !fs::is_empty(out, ec)))
     throw io_error("refusing to export into " + out.string() + ": it exists and is not empty; name a new directory");
-  if (!fs::is_directory(out.parent_path(), ec))
-    throw io_error("cannot export into " + out.string() + ": its parent directory does not exist; create it first");
+  make_parent_directories(out.string(), "the export");  // out/NAME in a fresh directory
   const fs::path tmp = out.string() + tmp_suffix;
   remove_save_leftovers(out);  // what a killed export left
   if (!fs::create_directory(tmp, ec)) throw io_error("cannot create " + tmp.string() + ": " + ec.message());
@@ -591,7 +655,7 @@ void write_export(const std::string& out_text, const std::function<void(const fs
 
 }  // namespace
 
-void export_checkpoint(const std::string& given, const std::string& out_text, const hf_save_options& options) {
+std::string export_checkpoint(const std::string& given, const std::string& out_text, const hf_save_options& options) {
   const std::string checkpoint_dir = resolve_checkpoint(given);  // a run directory: its latest
   if (is_adapter_directory(checkpoint_dir))
     throw config_error(checkpoint_dir + " is a LoRA adapter directory, not a model: merge it into the base it was "
@@ -617,10 +681,11 @@ void export_checkpoint(const std::string& given, const std::string& out_text, co
     write_hf_config(config, (tmp / "config.json").string(), saved.dir(), hf_dtype_name(options.type));
     copy_companion_files(saved.dir(), tmp.string());
   });
+  return saved.dir();
 }
 
-void merge_adapter(const std::string& base_dir, const std::string& given_adapter, const std::string& out_text,
-                   const hf_save_options& options) {
+std::string merge_adapter(const std::string& base_dir, const std::string& given_adapter, const std::string& out_text,
+                          const hf_save_options& options) {
   const std::string adapter_dir = resolve_checkpoint(given_adapter);  // a LoRA run directory: its latest
   if (!is_model_directory(base_dir))
     throw io_error("cannot merge into " + base_dir + ": it is not a model directory (config.json and weights); pass "
@@ -656,6 +721,7 @@ void merge_adapter(const std::string& base_dir, const std::string& given_adapter
     write_hf_config(config, (tmp / "config.json").string(), base_dir, hf_dtype_name(options.type));
     copy_companion_files(base_dir, tmp.string());
   });
+  return adapter_dir;
 }
 
 }  // namespace upipe

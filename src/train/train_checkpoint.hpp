@@ -77,6 +77,11 @@ struct checkpoint_request {
 // The run configuration file inside a checkpoint: CHECKPOINT/trainer/run.toml.
 std::string run_config_path(const std::string& checkpoint_dir);
 
+// The configuration a checkpoint was saved with (its trainer/run.toml), or nullopt for a
+// checkpoint of an earlier upipe that wrote none. Throws io_error naming the file when it is
+// missing, empty, or not the file the manifest records (its run_config_sha256).
+std::optional<std::string> read_run_config(const std::string& checkpoint_dir);
+
 // Resolves a --save or --resume path as a user means it: a trailing slash is dropped and a
 // symbolic link is followed (the link stays; its target is written).
 std::string resolve_checkpoint_dir(const std::string& dir);
@@ -121,8 +126,9 @@ class saved_state {
   void check_units(const model_config& config, const lora_config& lora = {}) const;
   // Elements [begin, begin + count) of a unit's unpadded flat state as saved (for q8's
   // absmax, blocks of the unit), from whichever of the saved ranks hold them
-  // (parameter_store::state_reader). A NaN or an Inf is an io_error naming the rank file,
-  // the parameter (once check_units has run) and the element.
+  // (parameter_store::state_reader). A NaN or an Inf, or a negative second moment or block
+  // absmax, is an io_error naming the rank file, the parameter (once check_units has run)
+  // and the element.
   void read(int unit, shard_state which, std::int64_t begin, std::int64_t count, float* out) const;
 
  private:
@@ -132,7 +138,7 @@ class saved_state {
   void check_manifest_ranges(const std::string& manifest) const;
   void check_shard_rank(const safetensors_view& shard, const std::string& file, int rank) const;
   void read_mixture(const nlohmann::json& manifest, const std::string& path);
-  [[noreturn]] void non_finite(int unit, shard_state which, std::int64_t rank, std::int64_t element, float value) const;
+  [[noreturn]] void bad_value(int unit, shard_state which, std::int64_t rank, std::int64_t element, float value) const;
 
   struct impl;
   std::unique_ptr<impl> impl_;
@@ -149,15 +155,19 @@ class saved_state {
 void check_same_model(const model_config& saved, const model_config& run, const std::string& dir);
 
 // `upipe export`: the checkpoint's fp32 master weights as a model directory in `options`'
-// dtype, with its config.json and tokenizer, without the trainer state. OUT must be absent
-// or empty; it is written atomically.
-void export_checkpoint(const std::string& checkpoint_dir, const std::string& out_dir, const hf_save_options& options);
+// dtype, with its config.json and tokenizer, without the trainer state. CHECKPOINT may be a
+// run directory or its latest or best pointer (resolve_checkpoint). OUT must be absent or
+// empty (its missing parents are made); it is written atomically. Returns the checkpoint
+// read.
+std::string export_checkpoint(const std::string& checkpoint_dir, const std::string& out_dir,
+                              const hf_save_options& options);
 
 // `upipe export BASE OUT --merge-adapter ADAPTER`: the base model directory with every
 // adapted weight replaced by W + (alpha / r) B A (in fp32, then `options`' dtype), as a
 // plain model directory transformers loads: BASE's config.json and tokenizer. ADAPTER is
-// any LoRA adapter directory (upipe's or PEFT's). OUT must be absent or empty.
-void merge_adapter(const std::string& base_dir, const std::string& adapter_dir, const std::string& out_dir,
-                   const hf_save_options& options);
+// any LoRA adapter directory (upipe's or PEFT's). OUT must be absent or empty. Returns the
+// adapter directory read (a run directory's checkpoint).
+std::string merge_adapter(const std::string& base_dir, const std::string& adapter_dir, const std::string& out_dir,
+                          const hf_save_options& options);
 
 }  // namespace upipe

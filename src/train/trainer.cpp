@@ -195,15 +195,17 @@ std::pair<std::int64_t, data_position> shape_begin(const train_options& o, const
 }
 
 // Saves checkpoint-`step` into the run directory, then (rank 0) points latest at it and
-// rotates the older ones. Returns the checkpoint's path.
+// rotates the older ones. `source` is the directory whose config.json and tokenizer the
+// checkpoint carries on. Returns the checkpoint's path.
 std::string save(rank_context& rc, const run_data& data, std::int64_t step, const data_position& position,
-                 const std::pair<std::int64_t, data_position>& shape, std::optional<double> eval_loss) {
+                 const std::pair<std::int64_t, data_position>& shape, std::optional<double> eval_loss,
+                 const std::string& source) {
   const train_options& o = rc.options;
   const std::string path = (std::filesystem::path(o.save_dir) / checkpoint_name(step)).string();
   if (!rc.be.has_data()) return path;
   checkpoint_request r;
   r.config = trained_config(o);
-  r.source_dir = o.model_dir;
+  r.source_dir = source;
   r.model = o.save_model;
   r.state.step = step;
   r.state.seed = o.seed;
@@ -355,9 +357,15 @@ void run_rank(const train_options& o, backend& be, const mesh_comms& mesh, const
   const std::int64_t last = o.stop_after > 0 ? o.stop_after : o.optim.total_steps;
   std::int64_t saved_step = -1, done = first - 1;
   std::optional<double> eval_loss;
+  // A resumed full run carries its checkpoint's config.json and tokenizer on. Once this run
+  // has saved, its newest checkpoint is their source: rotation may remove the resumed one.
+  std::string source = o.model_dir;
   const auto save_now = [&](std::int64_t step) {
-    const std::string path = save(rc, data, step, position, shape_begin(o, data, from.resume), eval_loss);
+    const std::string path = save(rc, data, step, position, shape_begin(o, data, from.resume), eval_loss, source);
     if (comm.rank() == 0) summary.last_checkpoint = path;
+    std::error_code ec;
+    if (!source.empty() && std::filesystem::equivalent(std::filesystem::path(source).parent_path(), o.save_dir, ec))
+      source = path;
     saved_step = step;
   };
   for (std::int64_t step = first; step <= last; ++step) {
@@ -751,6 +759,7 @@ train_summary train(const train_options& options, const std::function<void(const
     for (std::size_t i = 0; i < reader.size(); ++i)
       check_data_length(o, reader.epoch_tokens(i), reader.spec(i).path, "--data");
   }
+  if (!o.save_dir.empty()) make_run_directory(o.save_dir);  // every check has passed
   train_summary summary;
   summary.seq_len = o.seq_len;
   summary.run_id = o.run_id;

@@ -22,61 +22,18 @@
 
 namespace {
 
+using upipe::testing::checkpoint_bytes;
+using upipe::testing::read_file;
 using upipe::testing::read_lines;
+using upipe::testing::run_and_signal;
+using upipe::testing::run_in;
 using upipe::testing::run_result;
 using upipe::testing::run_upipe;
 using upipe::testing::run_upipe_env;
 using upipe::testing::source_path;
+using upipe::testing::split;
 using upipe::testing::temp_dir;
 namespace fs = std::filesystem;
-
-std::string read_file(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::ostringstream text;
-  text << in.rdbuf();
-  return text.str();
-}
-
-// upipe with `args` from the working directory `cwd`.
-run_result run_in(const fs::path& cwd, const std::string& args) {
-  return run_upipe_env("--chdir=" + cwd.string(), args);
-}
-
-// Starts upipe in the background, sends `signal` once `metrics` holds `lines` lines, and
-// returns its exit status.
-int run_and_signal(const std::vector<std::string>& args, const fs::path& metrics, std::size_t lines, int signal,
-                   const fs::path& log) {
-  const pid_t pid = ::fork();
-  if (pid == 0) {
-    const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    ::dup2(fd, STDOUT_FILENO);
-    ::dup2(fd, STDERR_FILENO);
-    std::vector<char*> argv;
-    argv.push_back(const_cast<char*>(UPIPE_BINARY));
-    for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
-    argv.push_back(nullptr);
-    ::execv(UPIPE_BINARY, argv.data());
-    ::_exit(127);
-  }
-  // The run writes a line per step; the limit only guards a broken run (CI machines are slow).
-  for (int waited = 0; waited < 6000; ++waited) {
-    if (fs::exists(metrics) && read_lines(metrics).size() >= lines) break;
-    int status = 0;
-    if (::waitpid(pid, &status, WNOHANG) == pid) return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
-  ::kill(pid, signal);
-  int status = 0;
-  ::waitpid(pid, &status, 0);
-  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-}
-
-std::vector<std::string> split(const std::string& text) {
-  std::istringstream in(text);
-  std::vector<std::string> words;
-  for (std::string w; in >> w;) words.push_back(w);
-  return words;
-}
 
 struct resume_case {
   const char* name;
@@ -127,7 +84,8 @@ TEST_P(resume_after_sigterm, equals_the_uninterrupted_run) {
     EXPECT_TRUE(steps_b[i].contains("time"));
   }
   for (const char* file : c.compared)
-    EXPECT_EQ(read_file(dir / "run" / "checkpoint-24" / file), read_file(dir / "whole" / "checkpoint-24" / file)) << file;
+    EXPECT_EQ(checkpoint_bytes(dir / "run" / "checkpoint-24" / file), checkpoint_bytes(dir / "whole" / "checkpoint-24" / file))
+        << file;
   fs::current_path(fs::temp_directory_path());
   fs::remove_all(dir);
 }

@@ -139,7 +139,7 @@ TEST(train_cli, bad_input_is_refused_and_a_saved_checkpoint_survives) {
       {"--lr -1", "must be a positive number"},
       {"--save " + (dir / "other").string(), "is neither empty nor a run directory"},
       {"--save " + ckpt.string(), "holds another run's checkpoints"},
-      {"--save /proc/no/such/dir", "does not exist; create it first"},
+      {"--save /proc/no/such/dir", "cannot make the directory"},
       {"--comm nccl", "--comm nccl needs --backend cuda"},
       {"--comm carrier-pigeon", "unknown communicator 'carrier-pigeon'"},
       {"--comm-timeout 0", "--comm-timeout 0"},
