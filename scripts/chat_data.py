@@ -40,7 +40,19 @@ rule transformers applies to `{% generation %}` spans). The spans are:
   less trailing whitespace (a separator the model never generates). Every rendering must
   be a prefix of the next and of the whole conversation; a template that rewrites earlier
   turns (some drop the reasoning of past turns) is refused for that row: add generation
-  blocks to it, or use --loss-mask all.
+  blocks to it, or use --loss-mask all. This takes two renderings of a prefix per assistant
+  turn, a cost that grows with the square of a conversation's turns (generation blocks
+  render a row once).
+
+Limits
+------
+A template is code from a model's folder: TemplateLimits bounds what it may take. A row's
+renderings together run for at most `seconds` (an interval timer on the main thread, and a
+check between the pieces a rendering yields), and no rendering writes, nor does any
+operator, call, filter or namespace assignment make, a value longer than `max_output`
+characters (or an integer beyond it, which would make one: a repeat count, a width).
+Anything the template raises, RecursionError and MemoryError included, is the row's
+RowError; a text with a lone surrogate (JSON allows one) is refused as "bad_unicode".
 """
 import bisect
 import json
