@@ -272,20 +272,9 @@ int run(const bench_flags& f) {
         o.eval_samples = 0;
         o.backend = kind;
         o.comm = comm_of(f.cfg());
-        const resolved_step resolved = resolve_step(sizes_of(o, f.cfg().memory_gib, f.cfg().host_memory_gib));
-        o.step = resolved.step;
-        o.limits = resolved.limits;
-        if (auto_policy) {
-          try {
-            const plan_point chosen = choose_checkpoint_policy(o, f.cfg().memory_gib, f.cfg().host_memory_gib);
-            std::printf("# %s U=%d S=%lld: checkpoint policy %s (auto: the fastest that fits)\n", name.c_str(), u,
-                        static_cast<long long>(s), chosen.policy.str().c_str());
-          } catch (const config_error& e) {
-            // Measured anyway with the default policy, said aloud: the device has the last word.
-            std::printf("# %s U=%d S=%lld: checkpoint policy %s (the default: auto found none that fits: %s)\n",
-                        name.c_str(), u, static_cast<long long>(s), o.step.policy.str().c_str(), e.what());
-          }
-        }
+        size_step(o, f.cfg());
+        if (auto_policy)
+          o.step.policy = auto_policy_or_default(o, f.cfg(), name + " U=" + std::to_string(u) + " S=" + std::to_string(s) + ": ");
         const std::int64_t unit = layout_unit(o.cp);
         const std::int64_t warmup =
             f.warmup_len.empty() ? std::min<std::int64_t>(s, unit * 256) : parse_seq_len(f.warmup_len, "--warmup-seq-len", true);

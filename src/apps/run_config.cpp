@@ -337,7 +337,7 @@ run_options::run_options(CLI::App& app, unsigned command) : app_(app), command_(
   }
   app.add_option("--config-file", config_file_,
                  "a TOML file of options ([model] model = ..., [optimizer] lr = ...; upipe train --print-config "
-                 "writes one); flags override it");
+                 "writes one, and loads back as the same run); flags override it; a key the command does not take is refused");
 }
 
 value_source run_options::source(const option_row& row) const {

@@ -74,21 +74,8 @@ checkpoint_policy auto_policy(const model_step_request& req, std::int64_t S, con
   o.tokens = token_source::random;
   o.backend = req.backend;
   o.step = req.options;
-  const resolved_step sized = resolve_step(sizes_of(o, c.memory_gib, c.host_memory_gib));
-  o.step = sized.step;
-  o.limits = sized.limits;
-  try {
-    const plan_point chosen = choose_checkpoint_policy(o, c.memory_gib, c.host_memory_gib);
-    std::printf("# checkpoint policy %s (auto: the fastest that fits; predicted arena high water %.2f GiB)\n",
-                chosen.policy.str().c_str(), static_cast<double>(chosen.arena_bytes) / (1 << 30));
-    return chosen.policy;
-  } catch (const config_error& e) {
-    // A measurement still runs (on meta, to see what it would take): with the default
-    // policy, said aloud.
-    std::printf("# checkpoint policy %s (the default: auto found none that fits: %s)\n",
-                checkpoint_policy{}.str().c_str(), e.what());
-    return checkpoint_policy{};
-  }
+  size_step(o, c);
+  return auto_policy_or_default(o, c, "");
 }
 
 int run(step_flags& f) {

@@ -290,9 +290,7 @@ train_options to_options(run_options& opts, bool fine_tune) {
   o.state_format = {parse_moments(f.optimizer_state), parse_master(f.master_weights)};
   o.grad_type = parse_grad_dtype(f.grad_dtype);
   o.convert_state = f.convert_optimizer_state;
-  const resolved_step resolved = resolve_step(sizes_of(o, f.memory_gib, f.host_memory_gib));
-  o.step = resolved.step;
-  o.limits = resolved.limits;
+  size_step(o, f);
   o.eval_samples = f.eval_samples;
   o.eval_every = f.eval_every;
   o.eval_data = f.eval_data;
@@ -459,7 +457,7 @@ int run(train_command& command) {
   resolved_run resolved = resolve_run(opts);
   train_options& o = resolved.options;
   if (is_auto_policy(f.checkpoint_policy)) {
-    const plan_point chosen = choose_checkpoint_policy(o, f.memory_gib, f.host_memory_gib);
+    const plan_point chosen = choose_checkpoint_policy(o, f);
     std::printf("# checkpoint policy %s (auto: the fastest that fits; predicted arena high water %.2f GiB)\n",
                 chosen.policy.str().c_str(), static_cast<double>(chosen.arena_bytes) / (1 << 30));
   }
