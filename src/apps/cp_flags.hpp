@@ -16,7 +16,8 @@ inline cp_settings cp_of(const run_config& c) {
 
 // "upipe", "upipe N=4", or "hybrid 2x4" (R x A).
 inline std::string mesh_text(const run_config& c) {
-  if (row_named(c.attention).mesh && c.ring > 0) return c.attention + " " + std::to_string(c.ring) + "x" + std::to_string(c.cp / c.ring);
+  if (row_named(c.attention).mesh && c.ring > 0)
+    return c.attention + " " + std::to_string(c.ring) + "x" + std::to_string(c.cp / c.ring);
   return c.seq_chunks > 1 ? c.attention + " N=" + std::to_string(c.seq_chunks) : c.attention;
 }
 

@@ -451,7 +451,8 @@ int run(const eval_flags& f) {
 command_runner add_eval(CLI::App& app) {
   auto f = std::make_shared<eval_flags>();
   f->options = std::make_shared<run_options>(app, for_eval);
-  app.add_option("--weights", f->weights_path, "weights (a model directory or checkpoint; default the --model directory's)")->check(path_flag());
+  app.add_option("--weights", f->weights_path, "weights (a model directory or checkpoint; default the --model directory's)")
+      ->check(path_flag());
   app.add_option("--seq-len,--lengths", f->seq_lens, "lengths, comma-separated (K and M suffixes), e.g. 4K,32K,128K")
       ->capture_default_str();
   app.add_option("--samples", f->samples, "sequences per length (with --niah: per depth and length)")

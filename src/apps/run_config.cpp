@@ -133,7 +133,8 @@ std::string shown(const std::string& value) {
 
 // A bound as a message shows it: whole numbers in full (1000000000, not 1e+09).
 std::string bound_text(double v) {
-  if (std::isfinite(v) && v == std::floor(v) && std::fabs(v) < 0x1p62) return std::to_string(static_cast<std::int64_t>(v));
+  if (std::isfinite(v) && v == std::floor(v) && std::fabs(v) < 0x1p62)
+    return std::to_string(static_cast<std::int64_t>(v));
   return real_text(v);
 }
 
@@ -337,7 +338,8 @@ run_options::run_options(CLI::App& app, unsigned command) : app_(app), command_(
   }
   app.add_option("--config-file", config_file_,
                  "a TOML file of options ([model] model = ..., [optimizer] lr = ...; upipe train --print-config "
-                 "writes one, and loads back as the same run); flags override it; a key the command does not take is refused");
+                 "writes one, and loads back as the same run); flags override it; a key the command does not "
+                 "take is refused");
 }
 
 value_source run_options::source(const option_row& row) const {

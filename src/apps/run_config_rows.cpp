@@ -91,9 +91,10 @@ std::vector<option_row> make_rows() {
        "preset (upipe model-config --list) or a Hugging Face model directory (config.json and safetensors weights, "
        "one file or shards); a run directory of checkpoints means its latest",
        model_commands, r::kept, true},
-      {"--config", "model.config", UPIPE_FIELD(config), text("models/llama/config.json"), "a Hugging Face config.json (or its directory) instead of --model",
-       model_commands, r::kept, true},
-      {"--layers", "model.layers", UPIPE_FIELD(layers), range(0, limits::layers.max, "2"), "a slice: the first N layers only", model_commands, r::kept},
+      {"--config", "model.config", UPIPE_FIELD(config), text("models/llama/config.json"),
+       "a Hugging Face config.json (or its directory) instead of --model", model_commands, r::kept, true},
+      {"--layers", "model.layers", UPIPE_FIELD(layers), range(0, limits::layers.max, "2"),
+       "a slice: the first N layers only", model_commands, r::kept},
       {"--init", "model.init", UPIPE_FIELD(init), text("models/llama"),
        "weights to start from: a model directory (one file or shards) or a .safetensors file (default: the --model "
        "directory's weights, else random)",
@@ -106,14 +107,15 @@ std::vector<option_row> make_rows() {
        "LoRA: continue from this adapter directory (upipe's --save or PEFT's save_pretrained); its "
        "adapter_config.json gives --lora",
        for_train, r::recorded, true},
-      {"--rope-theta", "model.rope_theta", UPIPE_FIELD(rope_theta), positive(HUGE_VAL, "500000"), "RoPE base (the model's unless given)", for_train,
-       r::changes},
+      {"--rope-theta", "model.rope_theta", UPIPE_FIELD(rope_theta), positive(HUGE_VAL, "500000"),
+       "RoPE base (the model's unless given)", for_train, r::changes},
       {"--rope-scaling", "model.rope_scaling", UPIPE_FIELD(rope_scaling), text(),
        "RoPE scaling as transformers computes it: type=llama3|linear|yarn|default then key=value pairs (factor, "
        "original_max_position_embeddings, low_freq_factor, high_freq_factor, beta_fast, beta_slow, mscale, "
        "mscale_all_dim, attention_factor, truncate), e.g. type=yarn,factor=4 (replaces the model's, said aloud)",
        for_train, r::changes},
-      {"--max-position-embeddings", "model.max_position_embeddings", UPIPE_FIELD(max_position_embeddings), range(1, limits::context.max, "131072"),
+      {"--max-position-embeddings", "model.max_position_embeddings", UPIPE_FIELD(max_position_embeddings),
+       range(1, limits::context.max, "131072"),
        "the context the saved config declares (default: the model's, or the extended one)", for_train, r::changes},
       // [data]
       {"--data", "data.data", UPIPE_FIELD(data), parsed(data_sources_rule, "data/corpus"),
@@ -130,8 +132,8 @@ std::vector<option_row> make_rows() {
        "tokens per sequence (K and M suffixes; fine-tune default: the model's context up to 4K)", for_train | for_step,
        r::changes},
       {"--batch", "data.batch", UPIPE_FIELD(batch), or_chosen(1, max_batch, "8"),
-       "sequences per optimizer step, gradients accumulated (default: 4 on the passkey task, 1 with --data)",
-       for_train, r::changes},
+       "sequences per optimizer step, gradients accumulated (default: 4 on the passkey task, 1 with --data)", for_train,
+       r::changes},
       {"--seq-warmup", "data.seq_warmup", UPIPE_FIELD(seq_warmup), or_chosen(0, max_train_steps, "100"),
        "steps trained on short sequences before --seq-len (default: 9/10 of --steps on the passkey task, 0 with "
        "--data)",
@@ -149,22 +151,22 @@ std::vector<option_row> make_rows() {
       {"--eval-data", "eval.data", UPIPE_FIELD(eval_data), parsed(eval_sources_rule, "data/heldout"),
        "held-out data for --eval-every: corpus PREFIXes or token files, comma-separated, each evaluated", for_train,
        r::changes, true},
-      {"--eval-sequences", "eval.sequences", UPIPE_FIELD(eval_sequences), range(1, limits::samples.max, "4"), "held-out sequences per evaluation",
-       for_train, r::changes},
+      {"--eval-sequences", "eval.sequences", UPIPE_FIELD(eval_sequences), range(1, limits::samples.max, "4"),
+       "held-out sequences per evaluation", for_train, r::changes},
       {"--eval-samples", "eval.samples", UPIPE_FIELD(eval_samples), range(0, limits::samples.max, "32"),
        "held-out passkey samples for the retrieval accuracy", for_train, r::changes},
       // [parallel]
       {"--attention", "parallel.attention", UPIPE_FIELD(attention), parsed(strategy_rule, "upipe"),
-       "the CP strategy (its help is the strategy table's: cp/strategy_table.hpp)",
-       for_train | for_step | for_eval, r::changes},
+       "the CP strategy (its help is the strategy table's: cp/strategy_table.hpp)", for_train | for_step | for_eval,
+       r::changes},
       {"--cp", "parallel.cp", UPIPE_FIELD(cp), range(1, INT_MAX, "4"),
-       "ranks in the CP group (threads on the cpu backend, virtual ranks on one GPU)",
-       run_commands & ~for_bench, r::changes},
+       "ranks in the CP group (threads on the cpu backend, virtual ranks on one GPU)", run_commands & ~for_bench,
+       r::changes},
       {"--head-chunk", "parallel.head_chunk", UPIPE_FIELD(head_chunk), range(0, limits::heads.max, "2"),
        "U, query heads per stage: upipe (default C), hybrid (a multiple of C / R; default H, Ulysses inside)",
        for_train | for_step | for_eval, r::changes},
-      {"--ring", "parallel.ring", UPIPE_FIELD(ring), range(1, INT_MAX, "2"), "hybrid: R, the ring of all-to-all groups (R divides C)",
-       for_train | for_step | for_eval, r::changes},
+      {"--ring", "parallel.ring", UPIPE_FIELD(ring), range(1, INT_MAX, "2"),
+       "hybrid: R, the ring of all-to-all groups (R divides C)", for_train | for_step | for_eval, r::changes},
       {"--seq-chunks", "parallel.seq_chunks", UPIPE_FIELD(seq_chunks), range(0, INT_MAX, "4"),
        "N sequence chunks for upipe, ulysses and fpdt: the attention holds S / N tokens at a time, earlier chunks' "
        "K/V in host memory (0: 1, fpdt chunks of 64K tokens)",
@@ -177,8 +179,8 @@ std::vector<option_row> make_rows() {
        "GPUs per node, for the mesh's placement check: a CP group inside a node or over whole nodes (0: every rank "
        "on one node)",
        for_train, r::changes},
-      {"--zero", "parallel.zero", UPIPE_FIELD(zero), words("2, 3", "3"), "2: shard optimizer state and gradients; 3: shard weights too",
-       for_train | for_bench | for_plan, r::changes},
+      {"--zero", "parallel.zero", UPIPE_FIELD(zero), words("2, 3", "3"),
+       "2: shard optimizer state and gradients; 3: shard weights too", for_train | for_bench | for_plan, r::changes},
       {"--comm", "parallel.comm", UPIPE_FIELD(comm), words("auto, threads, nccl", "auto"),
        "how ranks talk: auto (NCCL with a GPU per rank, else threads), threads, nccl", for_train | for_bench,
        r::changes},
@@ -195,25 +197,26 @@ std::vector<option_row> make_rows() {
        "length of the learning-rate schedule (fine-tune default: --epochs over --data)", for_train, r::changes},
       {"--stop-after", "optimizer.stop_after", UPIPE_FIELD(stop_after), range(0, max_train_steps, "100"),
        "stop once this step is done (the schedule stays --steps long)", for_train, r::fresh},
-      {"--lr", "optimizer.lr", UPIPE_FIELD(lr), positive(1, "3e-4"), "peak learning rate (fine-tune default 2e-5, 2e-4 with --lora)",
-       for_train, r::changes},
-      {"--warmup", "optimizer.warmup", UPIPE_FIELD(warmup), range(0, max_train_steps, "100"), "linear warmup steps (or --warmup-ratio)", for_train,
-       r::changes},
+      {"--lr", "optimizer.lr", UPIPE_FIELD(lr), positive(1, "3e-4"),
+       "peak learning rate (fine-tune default 2e-5, 2e-4 with --lora)", for_train, r::changes},
+      {"--warmup", "optimizer.warmup", UPIPE_FIELD(warmup), range(0, max_train_steps, "100"),
+       "linear warmup steps (or --warmup-ratio)", for_train, r::changes},
       {"--warmup-ratio", "optimizer.warmup_ratio", UPIPE_FIELD(warmup_ratio), range(0, 1, "0.03"),
        "linear warmup as a fraction of --steps (fine-tune default 0.03); replaces --warmup", for_train, r::changes},
       {"--min-lr-ratio", "optimizer.min_lr_ratio", UPIPE_FIELD(min_lr_ratio), range(0, 1, "0.1"),
        "the cosine decays to lr x this at --steps (fine-tune default 0)", for_train, r::changes},
-      {"--weight-decay", "optimizer.weight_decay", UPIPE_FIELD(weight_decay), range(0, HUGE_VAL, "0.1"), "AdamW weight decay on matrices",
-       for_train, r::changes},
-      {"--max-grad-norm", "optimizer.max_grad_norm", UPIPE_FIELD(max_grad_norm), range(0, HUGE_VAL, "1.0"), "global-norm clipping (0: off)",
-       for_train, r::changes},
+      {"--weight-decay", "optimizer.weight_decay", UPIPE_FIELD(weight_decay), range(0, HUGE_VAL, "0.1"),
+       "AdamW weight decay on matrices", for_train, r::changes},
+      {"--max-grad-norm", "optimizer.max_grad_norm", UPIPE_FIELD(max_grad_norm), range(0, HUGE_VAL, "1.0"),
+       "global-norm clipping (0: off)", for_train, r::changes},
       {"--seed", "optimizer.seed", UPIPE_FIELD(seed), text(), "seed of the initialization and the data",
        model_commands & ~for_plan, r::kept},
       {"--optimizer-state", "optimizer.state", UPIPE_FIELD(optimizer_state), words("fp32, bf16, 8bit", "bf16"),
        "AdamW's moments: fp32, bf16 (round to nearest even), or 8bit (block-wise quantized, 256 a block with an f32 "
        "absmax each, bitsandbytes' AdamW8bit); a resume in another format needs --convert-optimizer-state",
        for_train, r::changes},
-      {"--master-weights", "optimizer.master_weights", UPIPE_FIELD(master_weights), words("fp32, bf16-kahan", "bf16-kahan"),
+      {"--master-weights", "optimizer.master_weights", UPIPE_FIELD(master_weights),
+       words("fp32, bf16-kahan", "bf16-kahan"),
        "fp32, or bf16-kahan: the bf16 weights are the master, a bf16 compensation keeps what rounding lost (4 bytes a "
        "parameter instead of 6 on the GPU)",
        for_train, r::changes},
@@ -230,8 +233,8 @@ std::vector<option_row> make_rows() {
        "the run directory: checkpoints DIR/checkpoint-STEP (Hugging Face model directories with the trainer state in "
        "trainer/), DIR/latest naming the newest",
        for_train, r::changes, true},
-      {"--save-every", "checkpoint.save_every", UPIPE_FIELD(save_every), range(0, max_train_steps, "500"), "also save every N steps", for_train,
-       r::changes},
+      {"--save-every", "checkpoint.save_every", UPIPE_FIELD(save_every), range(0, max_train_steps, "500"),
+       "also save every N steps", for_train, r::changes},
       {"--keep-last", "checkpoint.keep_last", UPIPE_FIELD(keep_last), range(0, max_train_steps, "3"),
        "keep the newest N checkpoints of the run, removing older ones after each save (0: keep all)", for_train,
        r::changes},
@@ -241,8 +244,8 @@ std::vector<option_row> make_rows() {
       {"--overwrite", "checkpoint.overwrite", UPIPE_FIELD(overwrite), text(),
        "let --save replace another run's checkpoints in DIR (removed once this run's first save is complete)",
        for_train, r::fresh, false, true},
-      {"--save-dtype", "checkpoint.save_dtype", UPIPE_FIELD(save_dtype), words("bf16, fp32", "bf16"), "dtype of the saved weights: bf16 or fp32",
-       for_train, r::changes},
+      {"--save-dtype", "checkpoint.save_dtype", UPIPE_FIELD(save_dtype), words("bf16, fp32", "bf16"),
+       "dtype of the saved weights: bf16 or fp32", for_train, r::changes},
       {"--max-shard-size", "checkpoint.max_shard_size", UPIPE_FIELD(max_shard_size), parsed(shard_size_rule, "5GB"),
        "largest weight file of a save (bytes, or KB/MB/GB)", for_train, r::changes},
       {"--resume", "checkpoint.resume", UPIPE_FIELD(resume), text("runs/demo"),
@@ -250,19 +253,22 @@ std::vector<option_row> make_rows() {
        "checkpoint's, at any --cp and --zero (the state is resharded)",
        for_train, r::fresh, true},
       // [system]
-      {"--backend", "system.backend", UPIPE_FIELD(backend), words("cpu, cuda, meta", "cpu"), "cpu, cuda (bf16, virtual ranks on one GPU) or meta",
-       model_commands & ~for_plan, r::changes},
-      {"--memory-gib", "system.memory_gib", UPIPE_FIELD(memory_gib), positive(limits::max_memory_gib, "8"), "arena per rank (cpu or GPU memory), GiB",
-       run_commands, r::changes},
-      {"--host-memory-gib", "system.host_memory_gib", UPIPE_FIELD(host_memory_gib), range(0, limits::max_memory_gib, "16"), host_memory_gib_help,
-       for_train | for_step | for_bench, r::changes},
-      {"--offload", "system.offload", UPIPE_FIELD(offload), parsed(offload_rule, "optimizer"), offload_help, for_train, r::changes},  // plan's adds auto
+      {"--backend", "system.backend", UPIPE_FIELD(backend), words("cpu, cuda, meta", "cpu"),
+       "cpu, cuda (bf16, virtual ranks on one GPU) or meta", model_commands & ~for_plan, r::changes},
+      {"--memory-gib", "system.memory_gib", UPIPE_FIELD(memory_gib), positive(limits::max_memory_gib, "8"),
+       "arena per rank (cpu or GPU memory), GiB", run_commands, r::changes},
+      {"--host-memory-gib", "system.host_memory_gib", UPIPE_FIELD(host_memory_gib),
+       range(0, limits::max_memory_gib, "16"), host_memory_gib_help, for_train | for_step | for_bench, r::changes},
+      {"--offload", "system.offload", UPIPE_FIELD(offload), parsed(offload_rule, "optimizer"), offload_help, for_train,
+       r::changes},  // plan's adds auto
       {"--checkpoint-policy", "system.checkpoint_policy", UPIPE_FIELD(checkpoint_policy), parsed(policy_rule, "auto"),
        "auto (the planner's fastest that fits --memory-gib and --host-memory-gib) or "
        "what=input|input+attention,every=K,where=device|host-pinned|host-pageable",
        for_train | for_step | for_bench | for_plan, r::changes},
-      {"--mlp-tile", "system.mlp_tile", UPIPE_FIELD(mlp_tile), range(0, max_seq_len, "8192"), mlp_tile_help, model_commands, r::changes},
-      {"--loss-chunk", "system.loss_chunk", UPIPE_FIELD(loss_chunk), range(0, max_seq_len, "8192"), loss_chunk_help, model_commands, r::changes},
+      {"--mlp-tile", "system.mlp_tile", UPIPE_FIELD(mlp_tile), range(0, max_seq_len, "8192"), mlp_tile_help,
+       model_commands, r::changes},
+      {"--loss-chunk", "system.loss_chunk", UPIPE_FIELD(loss_chunk), range(0, max_seq_len, "8192"), loss_chunk_help,
+       model_commands, r::changes},
       // [metrics]
       {"--metrics-json", "metrics.json", UPIPE_FIELD(metrics_json), parsed(output_file_rule, "metrics.jsonl"),
        "one JSON object per step (with its time), then a final one; appended to on --resume", for_train, r::changes,
@@ -287,11 +293,16 @@ const option_row* find_row(const std::string& name) {
 
 const char* command_name(unsigned command) {
   switch (command) {
-    case for_train: return "train";
-    case for_step: return "step";
-    case for_eval: return "eval";
-    case for_bench: return "bench";
-    case for_plan: return "plan";
+    case for_train:
+      return "train";
+    case for_step:
+      return "step";
+    case for_eval:
+      return "eval";
+    case for_bench:
+      return "bench";
+    case for_plan:
+      return "plan";
   }
   return "?";
 }

@@ -134,11 +134,15 @@ int run(step_flags& f) {
 command_runner add_step(CLI::App& app) {
   auto f = std::make_shared<step_flags>();
   f->options = std::make_shared<run_options>(app, for_step);
-  app.add_option("--weights", f->weights_path, "weights: a model directory (one file or shards), its index or a .safetensors file; default: "
-                 "the --model directory's, else random")->check(path_flag());
-  app.add_option("--tokens", f->tokens_path, "flat little-endian uint32 token file; default: random tokens")->check(path_flag());
+  app.add_option("--weights", f->weights_path,
+                 "weights: a model directory (one file or shards), its index or a .safetensors file; default: the "
+                 "--model directory's, else random")
+      ->check(path_flag());
+  app.add_option("--tokens", f->tokens_path, "flat little-endian uint32 token file; default: random tokens")
+      ->check(path_flag());
   app.add_option("--adapter", f->adapter,
-                 "a LoRA step with this adapter directory's adapters (upipe's or PEFT's) on the base")->check(path_flag());
+                 "a LoRA step with this adapter directory's adapters (upipe's or PEFT's) on the base")
+      ->check(path_flag());
   app.add_option("--json", f->json_path, "write the result as JSON")->check(output_file_flag("--json"));
   app.add_option("--save-grads", f->grads_path,
                  "write the weight gradients as safetensors (with LoRA the adapters', under PEFT's names)")
