@@ -180,34 +180,45 @@ std::string number_text(double v) {
   return text.str();
 }
 
-// --steps from --epochs over the data, and the warm-up from --warmup-ratio: each idea given
-// one way by this invocation (both ways refused); a derived value is recorded as derived,
-// and printed as a comment, since loading the printed file derives it again. The values
-// themselves were checked where they were read (their rows' rules).
+// The steps --epochs makes of --data: every replica's sequences of --seq-len a step.
+std::int64_t steps_of_epochs(const run_config& f, const train_options& o) {
+  const double per_step = static_cast<double>(o.seq_len) * static_cast<double>(global_batch(o));
+  const double steps = std::ceil(f.epochs * static_cast<double>(data_tokens(o)) / per_step);
+  if (steps > static_cast<double>(max_train_steps))
+    throw config_error("--epochs " + number_text(f.epochs) + " over --data " + o.data_path + " is " +
+                       number_text(steps) + " steps, more than " + std::to_string(max_train_steps) + "; use fewer");
+  return std::max<std::int64_t>(1, static_cast<std::int64_t>(steps));
+}
+
+// --steps from --epochs over the data, and the warm-up from --warmup-ratio. One idea given
+// two ways by this invocation is taken where both agree (a checkpoint's run.toml given as
+// --config-file holds both) and refused where they do not; a derived value is recorded as
+// derived, and printed as a comment, since loading the printed file derives it again. The
+// values themselves were checked where they were read (their rows' rules).
 void derive_schedule(run_options& opts, train_options& o) {
   run_config& f = opts.config();
-  if (opts.from_user("optimizer.steps") && opts.from_user("data.epochs") && f.epochs > 0)
-    throw config_error("--steps " + std::to_string(f.steps) + " and --epochs " + number_text(f.epochs) +
-                       " both set the schedule's length: give one (--epochs counts passes over --data)");
-  const bool steps_from_epochs = f.epochs > 0 && !o.data_path.empty() &&
-                                 (opts.from_user("data.epochs") || !opts.set_anywhere("optimizer.steps"));
-  if (steps_from_epochs) {
-    const double per_step = static_cast<double>(o.seq_len) * static_cast<double>(global_batch(o));  // every replica's
-    const double steps = std::ceil(f.epochs * static_cast<double>(data_tokens(o)) / per_step);
-    if (steps > static_cast<double>(max_train_steps))
-      throw config_error("--epochs " + number_text(f.epochs) + " over --data " + o.data_path + " is " +
-                         number_text(steps) + " steps, more than " + std::to_string(max_train_steps) + "; use fewer");
-    opts.set_derived("optimizer.steps", std::max<std::int64_t>(1, static_cast<std::int64_t>(steps)));
+  const bool with_data = f.epochs > 0 && !o.data_path.empty();
+  if (opts.from_user("optimizer.steps") && opts.from_user("data.epochs") && f.epochs > 0) {
+    const std::int64_t derived = with_data ? steps_of_epochs(f, o) : 0;
+    if (derived != f.steps)
+      throw config_error("--steps " + std::to_string(f.steps) + " and --epochs " + number_text(f.epochs) +
+                         (with_data ? " (" + std::to_string(derived) + " steps over --data)" : std::string()) +
+                         " both set the schedule's length and disagree: give one (--epochs counts passes over --data)");
+  } else if (with_data && (opts.from_user("data.epochs") || !opts.set_anywhere("optimizer.steps"))) {
+    opts.set_derived("optimizer.steps", steps_of_epochs(f, o));
   }
+  const auto warmup_of_ratio = [&] {
+    return static_cast<std::int64_t>(std::llround(f.warmup_ratio * static_cast<double>(f.steps)));
+  };
   if (f.warmup_ratio != 0 && opts.from_user("optimizer.warmup")) {
-    if (opts.from_user("optimizer.warmup_ratio"))
+    if (opts.from_user("optimizer.warmup_ratio") && f.warmup != warmup_of_ratio())
       throw config_error("--warmup " + std::to_string(f.warmup) + " and --warmup-ratio " + number_text(f.warmup_ratio) +
-                         " both set the warm-up: give one");
-    opts.set_derived("optimizer.warmup_ratio", 0.0);  // a warm-up in steps now replaces a stored or default ratio
+                         " (" + std::to_string(warmup_of_ratio()) + " of --steps " + std::to_string(f.steps) +
+                         ") both set the warm-up and disagree: give one");
+    if (!opts.from_user("optimizer.warmup_ratio"))
+      opts.set_derived("optimizer.warmup_ratio", 0.0);  // a warm-up in steps now replaces a stored or default ratio
   }
-  if (f.warmup_ratio > 0)
-    opts.set_derived("optimizer.warmup",
-                     static_cast<std::int64_t>(std::llround(f.warmup_ratio * static_cast<double>(f.steps))));
+  if (f.warmup_ratio > 0) opts.set_derived("optimizer.warmup", warmup_of_ratio());
   o.optim.total_steps = f.steps;
   o.optim.warmup_steps = std::min(f.warmup, f.steps);
   o.optim.min_lr_ratio = f.min_lr_ratio;

@@ -74,6 +74,18 @@ TEST(run_config_round_trip, print_config_loads_back_as_the_same_run) {
     EXPECT_EQ(a[i]["lr"], b[i]["lr"]) << "step " << i + 1;
   }
   round_trip(dir, "lora", fine_tune + " --lora r=4");
+  // A checkpoint's run.toml holds the derived values beside what they derive from: taken
+  // where both agree, refused where they do not.
+  const std::string tuned_run = (dir / "tuned").string();
+  ASSERT_EQ(run_upipe("train " + fine_tune + " --stop-after 1 --save " + tuned_run).exit_code, 0);
+  const std::string stored = tuned_run + "/checkpoint-1/trainer/run.toml";
+  const run_result record = run_upipe("train --config-file " + stored + " --print-config");
+  EXPECT_EQ(record.exit_code, 0) << record.output;
+  EXPECT_NE(record.output.find("steps = 94  # config file"), std::string::npos) << record.output;
+  const run_result disagree = run_upipe("train " + fine_tune + " --steps 50");
+  EXPECT_EQ(disagree.exit_code, 2);
+  EXPECT_NE(disagree.output.find("--steps 50 and --epochs 2 (94 steps over --data) both set the schedule's length and "
+                                 "disagree"), std::string::npos) << disagree.output;
   // A resume: its checkpoint's values and the --resume itself load back.
   const std::string run = (dir / "run").string();
   ASSERT_EQ(run_upipe("train --model " + model + " --data " + data + " --seq-len 64 --steps 6 --stop-after 2 --save " +
