@@ -282,6 +282,39 @@ def second_fuzz_cases():
          "refuse", ["rows.json"], file_of("rows.json", b"")),
         ("report on garbage exited without an upipe: error line", "report --out {w}/plots {w}/rows.json", "refuse",
          ["rows.json"], file_of("rows.json", b"garbage\n")),
+    ] + config_file_cases()
+
+
+def config_file_cases():
+    """Issue #40's run configuration: a bad value in a --config-file unnamed by every command but train, a key the
+    command does not take skipped without a word, and paths longer than a path can be an internal error."""
+    toml = lambda text: file_of("c.toml", text.encode())
+    long_path = "a" * 5000
+    return [
+        ("eval skipped a [checkpoint] key of a --config-file without a word",
+         "eval --niah --lengths 64 --samples 1 --config-file {w}/c.toml", "refuse",
+         ["c.toml:2", "checkpoint.keep_last", "train"], toml("[checkpoint]\nkeep_last = 3\n")),
+        ("step named neither the file nor the key of a bad value", "step --seq-len 32 --config-file {w}/c.toml",
+         "refuse", ["c.toml:2", "system.mlp_tile"], toml("[system]\nmlp_tile = -1\n")),
+        ("eval named neither the file nor the key of a bad value",
+         "eval --niah --lengths 64 --samples 1 --config-file {w}/c.toml", "refuse", ["c.toml:2", "data.packing"],
+         toml("[data]\npacking = 'zip'\n")),
+        ("bench named neither the file nor the key of a bad value",
+         "bench --layers 1 --seq-len 64 --repeats 1 --config-file {w}/c.toml", "refuse", ["c.toml:3", "parallel.zero"],
+         toml("[parallel]\n\nzero = 1\n")),
+        ("plan named neither the file nor the key of a bad value", "plan --model tiny-llama --config-file {w}/c.toml",
+         "refuse", ["c.toml:2", "system.memory_gib"], toml("[system]\nmemory_gib = -8\n")),
+        ("a 5,000-character --init was an internal error", TRAIN_CPU + " --init " + long_path, "refuse",
+         ["--init", "4095"], None),
+        ("a 5,000-character --config-file was an internal error", "step --config-file " + long_path, "refuse",
+         ["--config-file", "4095"], None),
+        ("a 5,000-character path in a config file was an internal error", TRAIN_CPU + " --config-file {w}/c.toml",
+         "refuse", ["c.toml:2", "model.init", "4095"], toml("[model]\ninit = '" + long_path + "'\n")),
+        ("a control character in a path of a config file reached the file system",
+         TRAIN_CPU + " --config-file {w}/c.toml", "refuse", ["c.toml:2", "model.init", "control"],
+         toml('[model]\ninit = "a\\u0001b"\n')),
+        ("--steps had two limits (2^40 and 1e9)", "train --steps 2000000000 --seq-len 32 --cp 2", "refuse",
+         ["--steps", "1000000000"], None),
     ]
 
 

@@ -42,10 +42,6 @@ struct bench_flags {
   double peak_tflops = 778, datasheet_tflops = 989, targets = 1;
   bool no_check = false, phases = false;
   const run_config& cfg() const { return options->config(); }
-  comm_flags comm() const {
-    const run_config& c = cfg();
-    return {c.comm, c.comm_timeout, c.overlap_comm, c.prefetch_weights};
-  }
 };
 
 struct row {
@@ -187,7 +183,6 @@ int run(const bench_flags& f) {
   if (!(f.targets > 0 && f.targets <= 1))
     throw config_error("--targets " + std::to_string(f.targets) + " must lie in (0, 1]: the fraction of each sequence "
                        "that is a target of the loss (e.g. 0.0625: an answer after a prompt 15 times longer)");
-  if (f.cfg().zero != 2 && f.cfg().zero != 3) throw config_error("--zero " + std::to_string(f.cfg().zero) + ": use 2 or 3");
   if (f.optimizer != "adamw" && f.optimizer != "none")
     throw config_error("--optimizer " + f.optimizer + " is not known: use adamw or none (forward and backward only)");
   const backend_kind kind = parse_backend_kind(f.cfg().backend);
@@ -269,28 +264,17 @@ int run(const bench_flags& f) {
         o.dp = f.dp;
         o.zero = f.optimizer == "none" ? zero_stage::replicated : (f.cfg().zero == 3 ? zero_stage::three : zero_stage::two);
         o.step = {f.cfg().mlp_tile, f.cfg().loss_chunk, fixed_policy};
-        f.comm().apply(o.step);
+        apply_comm(f.cfg(), o.step);
         o.step.lora = lora;
         o.optim.total_steps = 1 + f.repeats;
         o.optim.warmup_steps = 0;
         o.seed = f.cfg().seed;
         o.eval_samples = 0;
         o.backend = kind;
-        o.comm = f.comm().options();
-        const resolved_step resolved = resolve_step(sizes_of(o, f.cfg().memory_gib, f.cfg().host_memory_gib));
-        o.step = resolved.step;
-        o.limits = resolved.limits;
-        if (auto_policy) {
-          try {
-            const plan_point chosen = choose_checkpoint_policy(o, f.cfg().memory_gib, f.cfg().host_memory_gib);
-            std::printf("# %s U=%d S=%lld: checkpoint policy %s (auto: the fastest that fits)\n", name.c_str(), u,
-                        static_cast<long long>(s), chosen.policy.str().c_str());
-          } catch (const config_error& e) {
-            // Measured anyway with the default policy, said aloud: the device has the last word.
-            std::printf("# %s U=%d S=%lld: checkpoint policy %s (the default: auto found none that fits: %s)\n",
-                        name.c_str(), u, static_cast<long long>(s), o.step.policy.str().c_str(), e.what());
-          }
-        }
+        o.comm = comm_of(f.cfg());
+        size_step(o, f.cfg());
+        if (auto_policy)
+          o.step.policy = auto_policy_or_default(o, f.cfg(), name + " U=" + std::to_string(u) + " S=" + std::to_string(s) + ": ");
         const std::int64_t unit = layout_unit(o.cp);
         const std::int64_t warmup =
             f.warmup_len.empty() ? std::min<std::int64_t>(s, unit * 256) : parse_seq_len(f.warmup_len, "--warmup-seq-len", true);
@@ -392,10 +376,7 @@ command_runner add_bench(CLI::App& app) {
                  "prompt, then the answer); the rest masked")
       ->capture_default_str();
   app.add_option("--json", f->json_path, "write one object per configuration")->check(output_file_flag("--json"));
-  return [f] {
-    f->options->apply_flags_and_file();
-    return run(*f);
-  };
+  return [f] { return f->options->run([&] { return run(*f); }); };
 }
 
 }  // namespace upipe::apps

@@ -1,11 +1,13 @@
-// The flags of every command that runs a CP group on real ranks: how the ranks talk, and
-// what runs beside the compute. One registration, one reading.
+// How the ranks talk, and what runs beside the compute: the run configuration's rows
+// (--comm, --comm-timeout, --overlap-comm, --prefetch-weights) for train and bench, and the
+// same flags for bench-comm, which takes no run configuration.
 #pragma once
 
 #include <string>
 
 #include <CLI/CLI.hpp>
 
+#include "apps/run_config.hpp"
 #include "comm/communicator.hpp"
 #include "model/transformer.hpp"
 
@@ -39,6 +41,13 @@ inline void add_comm_flags(CLI::App& app, comm_flags& f, bool step_flags) {
   app.add_flag("--overlap-comm", f.overlap,
                "keep each attention stage's output all-to-all in flight while the next stage projects (NCCL)");
   app.add_flag("--prefetch-weights", f.prefetch, "ZeRO-3: gather the next layer's weights while this layer computes");
+}
+
+// The run configuration's: how the ranks talk (checked), and what runs beside the compute.
+inline comm_options comm_of(const run_config& c) { return comm_flags{c.comm, c.comm_timeout}.options(); }
+inline void apply_comm(const run_config& c, step_options& step) {
+  step.overlap_comm = c.overlap_comm;
+  step.prefetch_weights = c.prefetch_weights;
 }
 
 }  // namespace upipe::apps

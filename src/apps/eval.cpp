@@ -56,10 +56,6 @@ struct eval_flags {
   bool niah = false;
   int samples = 4;
   const run_config& cfg() const { return options->config(); }
-  cp_flags mesh() const {
-    const run_config& c = cfg();
-    return {c.attention, c.cp, c.head_chunk, c.ring, c.seq_chunks};
-  }
 };
 
 // Ctrl-C: the first asks the ranks to stop at the next sequence; a second ends the process.
@@ -168,7 +164,7 @@ eval_setup setup(const eval_flags& f) {
     s.adapters = std::make_unique<adapter_files>(adapter, s.req.model, s.req.options.lora);
   }
   s.req.backend = parse_backend_kind(f.cfg().backend);
-  s.req.cp = f.mesh().settings();
+  s.req.cp = cp_of(f.cfg());
   require_within(f.samples, 1, limits::samples, "--samples", "8");
   std::int64_t longest = 0;
   for (const std::int64_t L : parse_lengths(f.seq_lens, f.samples)) longest = std::max(longest, L);
@@ -280,8 +276,6 @@ nlohmann::json score_windows(const std::vector<eval_sequence>& seqs, const eval_
 int held_out_loss(const eval_flags& f, const eval_setup& s) {
   if (f.cfg().data.empty())
     throw config_error("upipe eval needs --data PREFIX (a corpus from upipe prepare-data) or FILE, or --niah");
-  if (f.cfg().packing != "auto" && f.cfg().packing != "documents" && f.cfg().packing != "stream")
-    throw config_error("--packing " + f.cfg().packing + " is not known: use documents or stream");
   const std::vector<data_source_spec> specs = parse_data_sources(f.cfg().data, "--data");
   for (const data_source_spec& d : specs)
     if (d.weight != 1.0)
@@ -301,9 +295,9 @@ int held_out_loss(const eval_flags& f, const eval_setup& s) {
   std::string packed;
   for (std::size_t d = 0; d < first.size(); ++d) packed += (d ? "," : "") + std::string(first.documents(d) ? "documents" : "stream");
   nlohmann::json out = {{"model", s.req.model.name}, {"data", f.cfg().data}, {"packing", packed},
-                        {"strategy", f.mesh().attention}, {"cp", f.mesh().cp}, {"lengths", nlohmann::json::array()}};
+                        {"strategy", f.cfg().attention}, {"cp", f.cfg().cp}, {"lengths", nlohmann::json::array()}};
   std::printf("# upipe eval  model=%s  data=%s (%s)  %s cp=%d  backend=%s  %d sequences per length, forward only\n",
-              s.req.model.name.c_str(), f.cfg().data.c_str(), packed.c_str(), f.mesh().attention.c_str(), f.mesh().cp,
+              s.req.model.name.c_str(), f.cfg().data.c_str(), packed.c_str(), f.cfg().attention.c_str(), f.cfg().cp,
               f.cfg().backend.c_str(), f.samples);
   for (std::size_t d = 0; d < first.size(); ++d) {
     if (first.size() > 1) std::printf("\n## %s%s\n", specs[d].path.c_str(), first.masked(d) ? " (loss mask)" : "");
@@ -403,7 +397,7 @@ int needle_in_a_haystack(const eval_flags& f, const eval_setup& s) {
   std::printf("# upipe eval --niah  model=%s  needle=%s  haystack=%s  %s cp=%d  backend=%s  %d samples per cell\n",
               s.req.model.name.c_str(), passkey ? "passkey" : "text",
               passkey ? "the passkey filler" : f.cfg().data.empty() ? "built-in text" : f.cfg().data.c_str(),
-              f.mesh().attention.c_str(), f.mesh().cp, f.cfg().backend.c_str(), f.samples);
+              f.cfg().attention.c_str(), f.cfg().cp, f.cfg().backend.c_str(), f.samples);
   struct cell {
     int samples = 0;
     double exact = 0, right = 0, log_prob = 0;  // sums over the samples
@@ -474,7 +468,7 @@ int needle_in_a_haystack(const eval_flags& f, const eval_setup& s) {
   std::printf("\nkey tokens right over %d needles %.3f, mean log-probability %.3f\n", scored, right / n, log_prob / n);
   nlohmann::json out = {{"model", s.req.model.name}, {"needle", passkey ? "passkey" : "text"},
                         {"haystack", passkey ? "passkey" : f.cfg().data.empty() ? "built-in" : f.cfg().data},
-                        {"strategy", f.mesh().attention}, {"cp", f.mesh().cp}, {"samples", f.samples}, {"seed", f.cfg().seed},
+                        {"strategy", f.cfg().attention}, {"cp", f.cfg().cp}, {"samples", f.samples}, {"seed", f.cfg().seed},
                         {"token_accuracy", right / n}, {"mean_log_prob", log_prob / n}, {"cells", rows}};
   if (!whole) out["interrupted"] = true;
   write_json(f.json_path, {{"niah", out}});
@@ -496,10 +490,12 @@ int run(const eval_flags& f) {
 command_runner add_eval(CLI::App& app) {
   auto f = std::make_shared<eval_flags>();
   f->options = std::make_shared<run_options>(app, for_eval);
-  app.add_option("--weights", f->weights_path, "weights (a model directory or checkpoint; default the --model directory's)");
+  app.add_option("--weights", f->weights_path, "weights (a model directory or checkpoint; default the --model directory's)")
+      ->check(path_flag());
   app.add_option("--adapter", f->adapter_path,
                  "a LoRA adapter directory (upipe train --lora --save, or PEFT's save_pretrained) evaluated beside the "
-                 "base without merging (its base is --model, else the one adapter_config.json names)");
+                 "base without merging (its base is --model, else the one adapter_config.json names)")
+      ->check(path_flag());
   app.add_option("--seq-len,--lengths", f->seq_lens, "lengths, comma-separated (K and M suffixes), e.g. 4K,32K,128K")
       ->capture_default_str();
   app.add_option("--samples", f->samples, "sequences per length (with --niah: per depth and length)")
@@ -512,10 +508,7 @@ command_runner add_eval(CLI::App& app) {
                  "model directory has tokenizer.json")
       ->capture_default_str();
   app.add_option("--json", f->json_path, "write the results as JSON")->check(output_file_flag("--json"));
-  return [f] {
-    f->options->apply_flags_and_file();
-    return run(*f);
-  };
+  return [f] { return f->options->run([&] { return run(*f); }); };
 }
 
 }  // namespace upipe::apps

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <algorithm>
 #include <string>
 
 #include <CLI/CLI.hpp>
@@ -63,12 +64,41 @@ inline std::string finite_real(const std::string& value) {
 
 }  // namespace flag_checks_detail
 
+// What a path can be (Linux: PATH_MAX 4096 with its NUL, NAME_MAX 255): "" when `value` is
+// one, else what it is not (a longer one fails in the kernel with ENAMETOOLONG, far from
+// the flag that gave it).
+inline std::string path_problem(const std::string& value) {
+  for (const char c : value)
+    if (static_cast<unsigned char>(c) < 0x20) return "holds a control character, which no path here has";
+  if (value.size() > 4095) return "is " + std::to_string(value.size()) + " characters long, and a path is at most 4095";
+  std::size_t start = 0;
+  while (start <= value.size()) {
+    const std::size_t end = std::min(value.find('/', start), value.size());
+    if (end - start > 255)
+      return "has a name of " + std::to_string(end - start) + " characters, and a name in a path is at most 255";
+    start = end + 1;
+  }
+  return "";
+}
+
+// A flag naming a file or directory to read (--weights, --tokens, --adapter): what a path can be.
+inline CLI::Validator path_flag() {
+  return CLI::Validator(
+      [](const std::string& value) -> std::string {
+        const std::string problem = path_problem(value);
+        return problem.empty() ? "" : "the path " + problem + " (" + value.substr(0, 60) + "...)";
+      },
+      "PATH", "");
+}
+
 // A flag naming a file to write (--json, --metrics-json, --save-grads): checked when the
 // command line is read, before any work, so that a run never ends unable to write its
 // result (core/files.hpp says what is refused).
 inline CLI::Validator output_file_flag(const char* flag, missing_parents parents = missing_parents::refused) {
   return CLI::Validator(
       [flag, parents](const std::string& value) -> std::string {
+        if (const std::string problem = path_problem(value); !problem.empty())
+          return std::string(flag) + " " + value.substr(0, 60) + "... " + problem;
         try {
           checked_output_file(value, flag, parents);
         } catch (const io_error& e) {

@@ -11,6 +11,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include "apps/run_config.hpp"
 #include "core/error.hpp"
 #include "core/key_values.hpp"
 #include "model/adapter_files.hpp"
@@ -93,83 +94,78 @@ inline void add_model_flags(CLI::App& app, std::string& preset_name, std::string
 }
 
 // --rope-theta, --rope-scaling and --max-position-embeddings: context extension.
-struct rope_flags {
-  std::optional<double> theta;                         // the model's unless given
-  std::string scaling;                                 // "type=yarn,factor=4,..." (empty: the model's)
-  std::optional<std::int64_t> max_position_embeddings;  // the model's unless given (raised to cover the extension)
+// The RoPE scaling of --rope-scaling ("type=yarn,factor=4,..."), the model's context before it.
+inline rope_scaling parse_rope_scaling(const std::string& scaling, const model_config& m);
 
-  // Applies the flags to the model; returns what changed of the model's own context, to be
-  // said aloud (a scaling replaced, the declared context raised).
-  std::vector<std::string> apply(model_config& m) const {
-    std::vector<std::string> notes;
-    if (theta) {
-      if (!(*theta > 0) || !std::isfinite(*theta))
-        throw config_error("--rope-theta " + real_text(*theta) + " must be a positive number (e.g. 500000)");
-      if (*theta != m.rope.theta)
-        notes.push_back("--rope-theta " + real_text(*theta) + " replaces the model's RoPE base " + real_text(m.rope.theta));
-      m.rope.theta = *theta;
-    }
-    const std::int64_t context = m.max_position_embeddings;
-    if (!scaling.empty()) {
-      const rope_scaling before = m.rope.scaling;
-      m.rope.scaling = parse_scaling(m);
-      if (before.enabled() && !(before == m.rope.scaling))
-        notes.push_back(std::string("--rope-scaling replaces the model's ") + rope_kind_name(before.kind) +
-                        " scaling (factor " + real_text(before.factor) + ") by " + rope_kind_name(m.rope.scaling.kind) +
-                        (m.rope.scaling.enabled() ? " (factor " + real_text(m.rope.scaling.factor) + ")" : std::string()));
-    }
-    if (max_position_embeddings && *max_position_embeddings < 1)
-      throw config_error("--max-position-embeddings " + std::to_string(*max_position_embeddings) +
-                         " must be positive (e.g. 131072)");
-    if (max_position_embeddings) {
-      m.max_position_embeddings = *max_position_embeddings;
-    } else if (!scaling.empty() && m.rope.scaling.enabled()) {
-      const std::int64_t original =
-          m.rope.scaling.kind == rope_kind::linear ? context : m.rope.scaling.original_max_position;
-      m.max_position_embeddings =
-          std::max(context, static_cast<std::int64_t>(std::llround(static_cast<double>(original) * m.rope.scaling.factor)));
-    }
-    if (m.max_position_embeddings != context && context > 0)
-      notes.push_back("the context the model declares (max_position_embeddings) goes from " + std::to_string(context) +
-                      " to " + std::to_string(m.max_position_embeddings) + " in the saved config.json");
-    validate(m);
-    return notes;
+// Applies them to the model (their ranges were checked where they were read); returns what
+// changed of the model's own context, to be said aloud (a scaling replaced, the declared
+// context raised).
+inline std::vector<std::string> apply_rope(const run_config& c, model_config& m) {
+  const std::optional<double>& theta = c.rope_theta;
+  const std::string& scaling = c.rope_scaling;
+  const std::optional<std::int64_t>& max_position_embeddings = c.max_position_embeddings;
+  std::vector<std::string> notes;
+  if (theta) {
+    if (*theta != m.rope.theta)
+      notes.push_back("--rope-theta " + real_text(*theta) + " replaces the model's RoPE base " + real_text(m.rope.theta));
+    m.rope.theta = *theta;
   }
+  const std::int64_t context = m.max_position_embeddings;
+  if (!scaling.empty()) {
+    const rope_scaling before = m.rope.scaling;
+    m.rope.scaling = parse_rope_scaling(scaling, m);
+    if (before.enabled() && !(before == m.rope.scaling))
+      notes.push_back(std::string("--rope-scaling replaces the model's ") + rope_kind_name(before.kind) +
+                      " scaling (factor " + real_text(before.factor) + ") by " + rope_kind_name(m.rope.scaling.kind) +
+                      (m.rope.scaling.enabled() ? " (factor " + real_text(m.rope.scaling.factor) + ")" : std::string()));
+  }
+  if (max_position_embeddings) {
+    m.max_position_embeddings = *max_position_embeddings;
+  } else if (!scaling.empty() && m.rope.scaling.enabled()) {
+    const std::int64_t original =
+        m.rope.scaling.kind == rope_kind::linear ? context : m.rope.scaling.original_max_position;
+    m.max_position_embeddings =
+        std::max(context, static_cast<std::int64_t>(std::llround(static_cast<double>(original) * m.rope.scaling.factor)));
+  }
+  if (m.max_position_embeddings != context && context > 0)
+    notes.push_back("the context the model declares (max_position_embeddings) goes from " + std::to_string(context) +
+                    " to " + std::to_string(m.max_position_embeddings) + " in the saved config.json");
+  validate(m);
+  return notes;
+}
 
- private:
-  rope_scaling parse_scaling(const model_config& m) const {
-    const key_values items(scaling, "--rope-scaling",
-                           {{"type", {"rope_type"}}, {"factor"}, {"original_max_position_embeddings"},
-                            {"low_freq_factor"}, {"high_freq_factor"}, {"beta_fast"}, {"beta_slow"}, {"mscale"},
-                            {"mscale_all_dim"}, {"attention_factor"}, {"truncate"}},
-                           "type=yarn,factor=4");
-    const std::optional<std::string> type = items.find("type");
-    if (!type)
-      throw config_error("--rope-scaling " + scaling + " names no type: begin with type=llama3, linear, yarn or default");
-    rope_scaling s;
-    s.kind = parse_rope_kind(*type, "--rope-scaling type");
-    const auto real = [&](const char* key, double& target, const char* example) {
-      if (items.has(key)) target = items.real_number(key, example);
-    };
-    real("factor", s.factor, "4");
-    real("low_freq_factor", s.low_freq_factor, "1");
-    real("high_freq_factor", s.high_freq_factor, "4");
-    real("beta_fast", s.beta_fast, "32");
-    real("beta_slow", s.beta_slow, "1");
-    real("mscale", s.mscale, "1");
-    real("mscale_all_dim", s.mscale_all_dim, "1");
-    real("attention_factor", s.attention_factor, "1");
-    // absent: the model's context before the extension
-    s.original_max_position = items.has("original_max_position_embeddings")
-                                  ? items.whole_number("original_max_position_embeddings", 1, limits::context.max, "8192")
-                                  : m.max_position_embeddings;
-    if (const std::optional<std::string> truncate = items.find("truncate")) {
-      if (*truncate != "true" && *truncate != "false")
-        throw config_error("--rope-scaling truncate=" + *truncate + " must be true or false");
-      s.truncate = *truncate == "true";
-    }
-    return s;
+inline rope_scaling parse_rope_scaling(const std::string& scaling, const model_config& m) {
+  const key_values items(scaling, "--rope-scaling",
+                         {{"type", {"rope_type"}}, {"factor"}, {"original_max_position_embeddings"},
+                          {"low_freq_factor"}, {"high_freq_factor"}, {"beta_fast"}, {"beta_slow"}, {"mscale"},
+                          {"mscale_all_dim"}, {"attention_factor"}, {"truncate"}},
+                         "type=yarn,factor=4");
+  const std::optional<std::string> type = items.find("type");
+  if (!type)
+    throw config_error("--rope-scaling " + scaling + " names no type: begin with type=llama3, linear, yarn or default");
+  rope_scaling s;
+  s.kind = parse_rope_kind(*type, "--rope-scaling type");
+  const auto real = [&](const char* key, double& target, const char* example) {
+    if (items.has(key)) target = items.real_number(key, example);
+  };
+  real("factor", s.factor, "4");
+  real("low_freq_factor", s.low_freq_factor, "1");
+  real("high_freq_factor", s.high_freq_factor, "4");
+  real("beta_fast", s.beta_fast, "32");
+  real("beta_slow", s.beta_slow, "1");
+  real("mscale", s.mscale, "1");
+  real("mscale_all_dim", s.mscale_all_dim, "1");
+  real("attention_factor", s.attention_factor, "1");
+  // absent: the model's context before the extension
+  s.original_max_position = items.has("original_max_position_embeddings")
+                                ? items.whole_number("original_max_position_embeddings", 1, limits::context.max, "8192")
+                                : m.max_position_embeddings;
+  if (const std::optional<std::string> truncate = items.find("truncate")) {
+    if (*truncate != "true" && *truncate != "false")
+      throw config_error("--rope-scaling truncate=" + *truncate + " must be true or false");
+    s.truncate = *truncate == "true";
   }
-};
+  return s;
+}
 
 }  // namespace upipe::apps

@@ -328,8 +328,6 @@ int run(const plan_flags& f) {
   for (const strategy_row& row : strategy_rows())
     if (f.attention.empty() && (row.planned_by_default || (row.mesh && r.nodes > 1))) r.strategies.push_back(row.kind);
   for (const std::string& name : f.attention) r.strategies.push_back(parse_strategy_kind(name));
-  if (f.cfg().zero != 2 && f.cfg().zero != 3)
-    throw config_error("--zero " + std::to_string(f.cfg().zero) + " is not supported: use --zero 2 or --zero 3");
   r.zero = f.cfg().zero == 3 ? zero_stage::three : zero_stage::two;
   if (f.optimizer == "none") r.zero = zero_stage::replicated;
   else if (f.optimizer != "adamw")
@@ -588,8 +586,7 @@ command_runner add_plan(CLI::App& app) {
   return [f, gpus, nodes] {
     f->gpus_given = gpus->count() > 0;
     f->nodes_given = nodes->count() > 0;
-    f->options->apply_flags_and_file();
-    return run(*f);
+    return f->options->run([&] { return run(*f); });
   };
 }
 

@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <string>
 
+#include "apps/run_config.hpp"
 #include "apps/sizes.hpp"
 #include "core/error.hpp"
 #include "plan/planner.hpp"
@@ -19,8 +20,9 @@ inline bool is_auto_policy(const std::string& text) { return text == "auto"; }
 // GPU arena of memory_gib per rank (beside the GPU context the planner adds) and the pinned
 // host pool, 2% kept free; o must be resolved (resolve_step) for these budgets, so that the
 // planned step is the one that runs.
-inline plan_point choose_checkpoint_policy(train_options& o, double memory_gib, double host_memory_gib) {
-  step_request sizes = sizes_of(o, memory_gib, host_memory_gib);
+inline plan_point choose_checkpoint_policy(train_options& o, const run_config& c) {
+  const double memory_gib = c.memory_gib;
+  step_request sizes = sizes_of(o, memory_gib, c.host_memory_gib);
   // As on the GPU whatever the backend, so that meta predicts the GPU's choice.
   step_request on_gpu = sizes;
   on_gpu.backend = backend_kind::cuda;
@@ -53,6 +55,30 @@ inline plan_point choose_checkpoint_policy(train_options& o, double memory_gib, 
   o.step.policy = chosen.policy;
   o.limits = resolve_step(sizes).limits;
   return chosen;
+}
+
+// The step of `o` sized once for the run configuration's budgets (--memory-gib,
+// --host-memory-gib): its tile, loss chunk and arenas into o.step and o.limits.
+inline void size_step(train_options& o, const run_config& c) {
+  const resolved_step sized = resolve_step(sizes_of(o, c.memory_gib, c.host_memory_gib));
+  o.step = sized.step;
+  o.limits = sized.limits;
+}
+
+// --checkpoint-policy auto where the command measures whatever the plan says (step, bench):
+// the planner's choice, else the default policy; either said aloud after `what`.
+inline checkpoint_policy auto_policy_or_default(train_options& o, const run_config& c, const std::string& what) {
+  try {
+    const plan_point chosen = choose_checkpoint_policy(o, c);
+    std::printf("# %scheckpoint policy %s (auto: the fastest that fits; predicted arena high water %.2f GiB)\n",
+                what.c_str(), chosen.policy.str().c_str(), static_cast<double>(chosen.arena_bytes) / (1 << 30));
+    return chosen.policy;
+  } catch (const config_error& e) {
+    // Measured anyway (on meta, to see what it would take): the device has the last word.
+    std::printf("# %scheckpoint policy %s (the default: auto found none that fits: %s)\n", what.c_str(),
+                checkpoint_policy{}.str().c_str(), e.what());
+    return checkpoint_policy{};
+  }
 }
 
 // The help text of --checkpoint-policy.

@@ -9,6 +9,7 @@
 
 #include <toml++/toml.h>
 
+#include "apps/flag_checks.hpp"
 #include "apps/sizes.hpp"
 #include "core/error.hpp"
 #include "train/data_reader.hpp"
@@ -18,200 +19,6 @@
 namespace upipe::apps {
 
 namespace {
-
-constexpr unsigned model_commands = for_train | for_step | for_eval | for_bench | for_plan;
-constexpr unsigned run_commands = for_train | for_step | for_eval | for_bench;  // those that run ranks
-
-#define UPIPE_FIELD(name) [](run_config& c) -> field_ref { return &c.name; }
-
-std::vector<option_row> make_rows() {
-  using r = on_resume;
-  return {
-      // [model]
-      {"--model", "model.model", UPIPE_FIELD(model),
-       "preset (upipe model-config --list) or a Hugging Face model directory (config.json and safetensors weights, "
-       "one file or shards); a run directory of checkpoints means its latest",
-       model_commands, r::kept, true},
-      {"--config", "model.config", UPIPE_FIELD(config), "a Hugging Face config.json (or its directory) instead of --model",
-       model_commands, r::kept, true},
-      {"--layers", "model.layers", UPIPE_FIELD(layers), "a slice: the first N layers only", model_commands, r::kept},
-      {"--init", "model.init", UPIPE_FIELD(init),
-       "weights to start from: a model directory (one file or shards) or a .safetensors file (default: the --model "
-       "directory's weights, else random)",
-       for_train, r::base, true},
-      {"--lora", "model.lora", UPIPE_FIELD(lora),
-       "train LoRA adapters on a frozen base: r=N[,alpha=A][,targets=q,k,v,o,gate,up,down][,dropout=0] (alpha "
-       "defaults to r, targets to all seven projections); saves a PEFT adapter directory",
-       for_train | for_step | for_bench | for_plan, r::kept},
-      {"--init-adapter", "model.init_adapter", UPIPE_FIELD(init_adapter),
-       "LoRA: continue from this adapter directory (upipe's --save or PEFT's save_pretrained); its "
-       "adapter_config.json gives --lora",
-       for_train, r::recorded, true},
-      {"--rope-theta", "model.rope_theta", UPIPE_FIELD(rope_theta), "RoPE base (the model's unless given)", for_train,
-       r::changes},
-      {"--rope-scaling", "model.rope_scaling", UPIPE_FIELD(rope_scaling),
-       "RoPE scaling as transformers computes it: type=llama3|linear|yarn|default then key=value pairs (factor, "
-       "original_max_position_embeddings, low_freq_factor, high_freq_factor, beta_fast, beta_slow, mscale, "
-       "mscale_all_dim, attention_factor, truncate), e.g. type=yarn,factor=4 (replaces the model's, said aloud)",
-       for_train, r::changes},
-      {"--max-position-embeddings", "model.max_position_embeddings", UPIPE_FIELD(max_position_embeddings),
-       "the context the saved config declares (default: the model's, or the extended one)", for_train, r::changes},
-      // [data]
-      {"--data", "data.data", UPIPE_FIELD(data),
-       "a corpus PREFIX from upipe prepare-data (PREFIX.tokens, .index, .json, and .mask for chat data), a flat "
-       "little-endian uint32 token file, or a mixture by weight, A:0.7,B:0.3 (default: the synthetic passkey task; "
-       "eval: several sources, comma-separated, each scored)",
-       for_train | for_eval, r::kept, true},
-      {"--packing", "data.packing", UPIPE_FIELD(packing),
-       "documents (attention masked and positions restarted at each document; the default with an index) or stream",
-       for_train | for_eval, r::kept},
-      {"--min-doc-tokens", "data.min_doc_tokens", UPIPE_FIELD(min_doc_tokens),
-       "leave out documents shorter than this (a long-context mix)", for_train, r::kept},
-      {"--seq-len", "data.seq_len", UPIPE_FIELD(seq_len),
-       "tokens per sequence (K and M suffixes; fine-tune default: the model's context up to 4K)", for_train | for_step,
-       r::changes},
-      {"--batch", "data.batch", UPIPE_FIELD(batch),
-       "sequences per optimizer step, gradients accumulated (default: 4 on the passkey task, 1 with --data)",
-       for_train, r::changes},
-      {"--seq-warmup", "data.seq_warmup", UPIPE_FIELD(seq_warmup),
-       "steps trained on short sequences before --seq-len (default: 9/10 of --steps on the passkey task, 0 with "
-       "--data)",
-       for_train, r::changes},
-      {"--seq-warmup-start", "data.seq_warmup_start", UPIPE_FIELD(seq_warmup_start),
-       "tokens per sequence during --seq-warmup (default: a quarter of --seq-len)", for_train, r::changes},
-      {"--epochs", "data.epochs", UPIPE_FIELD(epochs),
-       "passes over --data that set --steps (fine-tune default 1; the demo counts --steps)", for_train, r::recorded},
-      {"--allow-tokenizer-mismatch", "data.allow_tokenizer_mismatch", UPIPE_FIELD(allow_tokenizer_mismatch),
-       "read data tokenized with another tokenizer than the model directory's (refused otherwise)",
-       for_train | for_eval, r::changes, false, true},
-      // [eval]
-      {"--eval-every", "eval.every", UPIPE_FIELD(eval_every),
-       "held-out loss every N steps (and at the last), into the metrics", for_train, r::changes},
-      {"--eval-data", "eval.data", UPIPE_FIELD(eval_data),
-       "held-out data for --eval-every: corpus PREFIXes or token files, comma-separated, each evaluated", for_train,
-       r::changes, true},
-      {"--eval-sequences", "eval.sequences", UPIPE_FIELD(eval_sequences), "held-out sequences per evaluation",
-       for_train, r::changes},
-      {"--eval-samples", "eval.samples", UPIPE_FIELD(eval_samples),
-       "held-out passkey samples for the retrieval accuracy", for_train, r::changes},
-      // [parallel]
-      {"--attention", "parallel.attention", UPIPE_FIELD(attention),
-       "the CP strategy (its help is the strategy table's: cp/strategy_table.hpp)",
-       for_train | for_step | for_eval, r::changes},
-      {"--cp", "parallel.cp", UPIPE_FIELD(cp),
-       "ranks in the CP group (threads on the cpu backend, virtual ranks on one GPU)",
-       run_commands & ~for_bench, r::changes},
-      {"--head-chunk", "parallel.head_chunk", UPIPE_FIELD(head_chunk),
-       "U, query heads per stage: upipe (default C), hybrid (a multiple of C / R; default H, Ulysses inside)",
-       for_train | for_step | for_eval, r::changes},
-      {"--ring", "parallel.ring", UPIPE_FIELD(ring), "hybrid: R, the ring of all-to-all groups (R divides C)",
-       for_train | for_step | for_eval, r::changes},
-      {"--seq-chunks", "parallel.seq_chunks", UPIPE_FIELD(seq_chunks),
-       "N sequence chunks for upipe, ulysses and fpdt: the attention holds S / N tokens at a time, earlier chunks' "
-       "K/V in host memory (0: 1, fpdt chunks of 64K tokens)",
-       for_train | for_step | for_eval, r::changes},
-      {"--dp", "parallel.dp", UPIPE_FIELD(dp),
-       "data-parallel replicas, each a CP group of --cp ranks reading its own --batch sequences (D x C ranks in all, "
-       "ZeRO over every one; a step takes dp x batch sequences)",
-       for_train, r::changes},
-      {"--gpus-per-node", "parallel.gpus_per_node", UPIPE_FIELD(gpus_per_node),
-       "GPUs per node, for the mesh's placement check: a CP group inside a node or over whole nodes (0: every rank "
-       "on one node)",
-       for_train, r::changes},
-      {"--zero", "parallel.zero", UPIPE_FIELD(zero), "2: shard optimizer state and gradients; 3: shard weights too",
-       for_train | for_bench | for_plan, r::changes},
-      {"--comm", "parallel.comm", UPIPE_FIELD(comm),
-       "how ranks talk: auto (NCCL with a GPU per rank, else threads), threads, nccl", for_train | for_bench,
-       r::changes},
-      {"--comm-timeout", "parallel.comm_timeout", UPIPE_FIELD(comm_timeout),
-       "seconds before a stuck collective aborts every rank (NCCL)", for_train | for_bench, r::changes},
-      {"--overlap-comm", "parallel.overlap_comm", UPIPE_FIELD(overlap_comm),
-       "keep each attention stage's output all-to-all in flight while the next stage projects (NCCL)",
-       for_train | for_bench, r::changes, false, true},
-      {"--prefetch-weights", "parallel.prefetch_weights", UPIPE_FIELD(prefetch_weights),
-       "ZeRO-3: gather the next layer's weights while this layer computes", for_train | for_bench, r::changes, false,
-       true},
-      // [optimizer]
-      {"--steps", "optimizer.steps", UPIPE_FIELD(steps),
-       "length of the learning-rate schedule (fine-tune default: --epochs over --data)", for_train, r::changes},
-      {"--stop-after", "optimizer.stop_after", UPIPE_FIELD(stop_after),
-       "stop once this step is done (the schedule stays --steps long)", for_train, r::fresh},
-      {"--lr", "optimizer.lr", UPIPE_FIELD(lr), "peak learning rate (fine-tune default 2e-5, 2e-4 with --lora)",
-       for_train, r::changes},
-      {"--warmup", "optimizer.warmup", UPIPE_FIELD(warmup), "linear warmup steps (or --warmup-ratio)", for_train,
-       r::changes},
-      {"--warmup-ratio", "optimizer.warmup_ratio", UPIPE_FIELD(warmup_ratio),
-       "linear warmup as a fraction of --steps (fine-tune default 0.03); replaces --warmup", for_train, r::changes},
-      {"--min-lr-ratio", "optimizer.min_lr_ratio", UPIPE_FIELD(min_lr_ratio),
-       "the cosine decays to lr x this at --steps (fine-tune default 0)", for_train, r::changes},
-      {"--weight-decay", "optimizer.weight_decay", UPIPE_FIELD(weight_decay), "AdamW weight decay on matrices",
-       for_train, r::changes},
-      {"--max-grad-norm", "optimizer.max_grad_norm", UPIPE_FIELD(max_grad_norm), "global-norm clipping (0: off)",
-       for_train, r::changes},
-      {"--seed", "optimizer.seed", UPIPE_FIELD(seed), "seed of the initialization and the data",
-       model_commands & ~for_plan, r::kept},
-      {"--optimizer-state", "optimizer.state", UPIPE_FIELD(optimizer_state),
-       "AdamW's moments: fp32, bf16 (round to nearest even), or 8bit (block-wise quantized, 256 a block with an f32 "
-       "absmax each, bitsandbytes' AdamW8bit); a resume in another format needs --convert-optimizer-state",
-       for_train, r::changes},
-      {"--master-weights", "optimizer.master_weights", UPIPE_FIELD(master_weights),
-       "fp32, or bf16-kahan: the bf16 weights are the master, a bf16 compensation keeps what rounding lost (4 bytes a "
-       "parameter instead of 6 on the GPU)",
-       for_train, r::changes},
-      {"--grad-dtype", "optimizer.grad_dtype", UPIPE_FIELD(grad_dtype),
-       "the gradient shards kept for the norm or a later micro-batch: fp32 or bf16 (none are kept without clipping "
-       "at --batch 1)",
-       for_train, r::changes},
-      {"--convert-optimizer-state", "optimizer.convert_state", UPIPE_FIELD(convert_optimizer_state),
-       "--resume from a checkpoint of another state format: decode it to fp32 and encode it in this run's (else "
-       "refused)",
-       for_train, r::fresh, false, true},
-      // [checkpoint]
-      {"--save", "checkpoint.save", UPIPE_FIELD(save),
-       "the run directory: checkpoints DIR/checkpoint-STEP (Hugging Face model directories with the trainer state in "
-       "trainer/), DIR/latest naming the newest",
-       for_train, r::changes, true},
-      {"--save-every", "checkpoint.save_every", UPIPE_FIELD(save_every), "also save every N steps", for_train,
-       r::changes},
-      {"--keep-last", "checkpoint.keep_last", UPIPE_FIELD(keep_last),
-       "keep the newest N checkpoints of the run, removing older ones after each save (0: keep all)", for_train,
-       r::changes},
-      {"--keep-best", "checkpoint.keep_best", UPIPE_FIELD(keep_best),
-       "with --eval-every: also keep the checkpoint of the lowest held-out loss (DIR/best names it)", for_train,
-       r::changes, false, true},
-      {"--overwrite", "checkpoint.overwrite", UPIPE_FIELD(overwrite),
-       "let --save replace another run's checkpoints in DIR (removed once this run's first save is complete)",
-       for_train, r::fresh, false, true},
-      {"--save-dtype", "checkpoint.save_dtype", UPIPE_FIELD(save_dtype), "dtype of the saved weights: bf16 or fp32",
-       for_train, r::changes},
-      {"--max-shard-size", "checkpoint.max_shard_size", UPIPE_FIELD(max_shard_size),
-       "largest weight file of a save (bytes, or KB/MB/GB)", for_train, r::changes},
-      {"--resume", "checkpoint.resume", UPIPE_FIELD(resume),
-       "continue a run: a checkpoint, or a run directory (its latest); every option not given again is the "
-       "checkpoint's, at any --cp and --zero (the state is resharded)",
-       for_train, r::fresh, true},
-      // [system]
-      {"--backend", "system.backend", UPIPE_FIELD(backend), "cpu, cuda (bf16, virtual ranks on one GPU) or meta",
-       model_commands & ~for_plan, r::changes},
-      {"--memory-gib", "system.memory_gib", UPIPE_FIELD(memory_gib), "arena per rank (cpu or GPU memory), GiB",
-       run_commands, r::changes},
-      {"--host-memory-gib", "system.host_memory_gib", UPIPE_FIELD(host_memory_gib), host_memory_gib_help,
-       for_train | for_step | for_bench, r::changes},
-      {"--offload", "system.offload", UPIPE_FIELD(offload), offload_help, for_train, r::changes},  // plan's adds auto
-      {"--checkpoint-policy", "system.checkpoint_policy", UPIPE_FIELD(checkpoint_policy),
-       "auto (the planner's fastest that fits --memory-gib and --host-memory-gib) or "
-       "what=input|input+attention,every=K,where=device|host-pinned|host-pageable",
-       for_train | for_step | for_bench | for_plan, r::changes},
-      {"--mlp-tile", "system.mlp_tile", UPIPE_FIELD(mlp_tile), mlp_tile_help, model_commands, r::changes},
-      {"--loss-chunk", "system.loss_chunk", UPIPE_FIELD(loss_chunk), loss_chunk_help, model_commands, r::changes},
-      // [metrics]
-      {"--metrics-json", "metrics.json", UPIPE_FIELD(metrics_json),
-       "one JSON object per step (with its time), then a final one; appended to on --resume", for_train, r::changes,
-       true},
-  };
-}
-
-#undef UPIPE_FIELD
 
 std::size_t edit_distance(const std::string& a, const std::string& b) {
   std::vector<std::size_t> row(b.size() + 1);
@@ -316,6 +123,51 @@ void copy_field(const option_row& row, run_config& from, run_config& to) {
       row.field(to));
 }
 
+
+// A value as a message shows it: a long one cut, its length said.
+std::string shown(const std::string& value) {
+  if (value.size() <= 80) return value;
+  return value.substr(0, 60) + "... (" + std::to_string(value.size()) + " characters)";
+}
+
+// A bound as a message shows it: whole numbers in full (1000000000, not 1e+09).
+std::string bound_text(double v) {
+  if (std::isfinite(v) && v == std::floor(v) && std::fabs(v) < 0x1p62)
+    return std::to_string(static_cast<std::int64_t>(v));
+  return real_text(v);
+}
+
+// The range of a rule in words: "must lie between 1 and 1000000000".
+std::string range_text(const value_rule& r) {
+  const bool top = std::isfinite(r.hi);
+  std::string text;
+  if (r.above)
+    text = top ? "must lie in (" + bound_text(r.lo) + ", " + bound_text(r.hi) + "]"
+               : (r.lo == 0 ? "must be positive" : "must be above " + bound_text(r.lo));
+  else
+    text = top ? "must lie between " + bound_text(r.lo) + " and " + bound_text(r.hi)
+               : (r.lo == 0 ? "must be 0 or more" : "must be at least " + bound_text(r.lo));
+  return r.minus_one ? "must be -1 (the run chooses) or " + text.substr(5) : text;
+}
+
+void check_path_text(const std::string& value, const std::string& flag) {
+  const std::string problem = path_problem(value);
+  if (!problem.empty())
+    throw config_error(flag + " " + shown(value) + " " + problem + ": give the file's real path (for example " +
+                       flag + " run.toml)");
+}
+
+std::vector<std::string> split(const std::string& text, const std::string& by) {
+  std::vector<std::string> out;
+  std::size_t start = 0;
+  while (true) {
+    const std::size_t at = text.find(by, start);
+    out.push_back(text.substr(start, at - start));
+    if (at == std::string::npos) return out;
+    start = at + by.size();
+  }
+}
+
 }  // namespace
 
 std::string version_text() {
@@ -343,17 +195,6 @@ const char* source_name(value_source source) {
     case value_source::flag: return "flag";
   }
   return "?";
-}
-
-const std::vector<option_row>& option_rows() {
-  static const std::vector<option_row> rows = make_rows();
-  return rows;
-}
-
-const option_row* find_row(const std::string& name) {
-  for (const option_row& row : option_rows())
-    if (name == row.flag || name == row.key) return &row;
-  return nullptr;
 }
 
 std::string closest(const std::string& word, const std::vector<std::string>& candidates) {
@@ -390,7 +231,7 @@ std::string value_text(run_config& config, const option_row& row) {
       row.field(config));
 }
 
-std::set<std::string> read_toml(const std::string& text, const std::string& origin, run_config& config) {
+std::map<std::string, int> read_toml(const std::string& text, const std::string& origin, run_config& config) {
   toml::table table;
   try {
     table = toml::parse(text, origin);
@@ -398,7 +239,7 @@ std::set<std::string> read_toml(const std::string& text, const std::string& orig
     throw config_error(origin + ":" + std::to_string(e.source().begin.line) + ":" +
                        std::to_string(e.source().begin.column) + ": not valid TOML: " + std::string(e.description()));
   }
-  std::set<std::string> keys;
+  std::map<std::string, int> keys;
   for (const auto& [section, node] : table) {
     const std::string name(section.str());
     const toml::table* inner = node.as_table();
@@ -415,10 +256,55 @@ std::set<std::string> read_toml(const std::string& text, const std::string& orig
                            " (upipe train --print-config shows every key)");
       }
       set_field(row->field(config), value, key, where(origin, value));
-      keys.insert(key);
+      keys[key] = static_cast<int>(value.source().begin.line);
     }
   }
   return keys;
+}
+
+void check_value(run_config& config, const option_row& row, const std::string& where) {
+  const value_rule& rule = row.rule;
+  const std::string as_toml = value_text(config, row);
+  if (as_toml.empty()) return;  // unset
+  const bool text = std::holds_alternative<std::string*>(row.field(config));
+  // As a flag writes it: the text itself, a number without TOML's ".0".
+  const std::string plain = text                   ? *std::get<std::string*>(row.field(config))
+                            : as_toml.ends_with(".0") ? as_toml.substr(0, as_toml.size() - 2)
+                                                    : as_toml;
+  const std::string key = row.key, name = key.substr(key.find('.') + 1);
+  // From a flag: "--lr 0 must ..."; from a file: "FILE:LINE: optimizer.lr = 0.0 must ...".
+  const std::string subject =
+      where.empty() ? std::string(row.flag) + " " + shown(plain) : where + ": " + key + " = " + shown(as_toml);
+  const auto refuse = [&](const std::string& what) {
+    const std::string example = where.empty() ? std::string(row.flag) + " " + rule.example
+                                              : name + " = " + (text ? toml_string(rule.example) : rule.example);
+    throw config_error(subject + " " + what + " (" + (where.empty() ? "" : "the flag " + std::string(row.flag) + "; ") +
+                       "for example " + example + ")");
+  };
+  if (row.path) {
+    const bool list = key == "data.data" || key == "eval.data";  // sources, comma-separated
+    for (const std::string& one : list ? split(plain, ",") : std::vector<std::string>{plain})
+      if (const std::string problem = path_problem(one); !problem.empty()) refuse(problem);
+  }
+  if (rule.words != nullptr) {
+    const std::vector<std::string> taken = split(rule.words, ", ");
+    if (std::find(taken.begin(), taken.end(), plain) == taken.end())
+      refuse(std::string("is not one of: ") + rule.words);
+  }
+  if (rule.parse != nullptr) {
+    try {
+      rule.parse(plain);
+    } catch (const config_error& e) {
+      const std::string message = e.what();
+      throw config_error(where.empty() && message.rfind(std::string(row.flag) + " ", 0) == 0 ? message
+                                                                                            : subject + ": " + message);
+    }
+  }
+  if (text || std::holds_alternative<bool*>(row.field(config)) || !(std::isfinite(rule.lo) || std::isfinite(rule.hi)))
+    return;
+  const double v = std::stod(as_toml);
+  if (rule.minus_one && v == -1) return;
+  if (!((rule.above ? v > rule.lo : v >= rule.lo) && v <= rule.hi)) refuse(range_text(rule));
 }
 
 // The defaults a command keeps where they differ from train's (shown by its --help).
@@ -451,7 +337,8 @@ run_options::run_options(CLI::App& app, unsigned command) : app_(app), command_(
   }
   app.add_option("--config-file", config_file_,
                  "a TOML file of options ([model] model = ..., [optimizer] lr = ...; upipe train --print-config "
-                 "writes one); flags override it");
+                 "writes one, and loads back as the same run); flags override it; a key the command does not "
+                 "take is refused");
 }
 
 value_source run_options::source(const option_row& row) const {
@@ -465,17 +352,65 @@ bool run_options::set_anywhere(const char* key) const {
          (it->second == value_source::flag || it->second == value_source::file || it->second == value_source::checkpoint);
 }
 
+bool run_options::from_user(const char* key) const {
+  const auto it = sources_.find(key);
+  return it != sources_.end() && (it->second == value_source::flag || it->second == value_source::file);
+}
+
+bool run_options::from_file(const char* key) const {
+  const auto it = sources_.find(key);
+  return it != sources_.end() && it->second == value_source::file;
+}
+
+bool run_options::reads_from_file(const option_row& row) const {
+  return takes(row) || (command_ == for_plan && (row.commands & for_train) != 0);
+}
+
+// "FILE:LINE: KEY is not an option of upipe eval: only upipe train takes it (--keep-last)".
+std::string not_taken(const option_row& row, unsigned command, const std::string& at, const std::string& file) {
+  return at + ": " + row.key + " is not an option of upipe " + command_name(command) + ": only upipe " +
+         command_names(row.commands) + (__builtin_popcount(row.commands) == 1 ? " takes" : " take") + " it (" +
+         row.flag + ((row.commands & for_train) != 0 ? "; upipe plan reads it too, planning a train run" : "") +
+         "); remove it from " + file + ", or give this file to a command that takes it";
+}
+
 void run_options::apply_flags_and_file() {
   for (const option_row* row : rows_)
     if (options_.at(row->key)->count() > 0) sources_[row->key] = value_source::flag;
-  if (config_file_.empty()) return;
-  run_config from_file;
-  const std::string text = read_text_file(config_file_, "--config-file");
-  for (const std::string& key : read_toml(text, config_file_, from_file)) {
-    const option_row& row = *find_row(key);
-    if (!takes(row) || source(row) == value_source::flag) continue;  // another command's key, or a flag over it
-    copy_field(row, from_file, config_);
-    sources_[row.key] = value_source::file;
+  if (!config_file_.empty()) {
+    check_path_text(config_file_, "--config-file");
+    run_config from_file;
+    const std::string text = read_text_file(config_file_, "--config-file");
+    for (const auto& [key, line] : read_toml(text, config_file_, from_file)) {
+      const option_row& row = *find_row(key);
+      const std::string at = config_file_ + ":" + std::to_string(line);
+      if (!reads_from_file(row)) throw config_error(not_taken(row, command_, at, config_file_));
+      if (source(row) == value_source::flag) continue;  // a flag over it
+      copy_field(row, from_file, config_);
+      sources_[row.key] = value_source::file;
+      origins_[row.key] = at;
+    }
+  }
+  check_given_values();
+}
+
+// Every value a flag or the file gave, by its row's rule; a flag's first (a file's value
+// under a flag was never taken).
+void run_options::check_given_values() {
+  for (const option_row& row : option_rows()) {
+    const value_source s = source(row);
+    if (s == value_source::flag) check_value(config_, row, "");
+  }
+  for (const option_row& row : option_rows())
+    if (source(row) == value_source::file) check_value(config_, row, origins_.at(row.key));
+}
+
+int run_options::run(const std::function<int()>& body) {
+  apply_flags_and_file();  // its refusals name their source already
+  try {
+    return body();
+  } catch (const config_error& e) {
+    throw config_error(explain(e.what()));
   }
 }
 
@@ -514,17 +449,21 @@ void relocate_stored_paths(const std::vector<const option_row*>& rows, run_confi
 std::vector<std::string> run_options::apply_stored(const std::string& stored_text, const std::string& origin,
                                                    bool adapters, const std::string& run_directory) {
   run_config stored;
-  const std::set<std::string> keys = read_toml(stored_text, origin, stored);
+  const std::map<std::string, int> keys = read_toml(stored_text, origin, stored);
   std::vector<std::string> notes;
   relocate_stored_paths(rows_, stored, run_directory, set_anywhere("checkpoint.save"), notes);
   for (const option_row* row : rows_) {
     const on_resume kind =
         row->resume != on_resume::base ? row->resume : adapters ? on_resume::kept : on_resume::recorded;
     if (kind == on_resume::fresh || kind == on_resume::recorded) continue;
-    const std::string was = keys.count(row->key) ? value_text(stored, *row) : std::string();
+    const auto line = keys.find(row->key);
+    const std::string was = line != keys.end() ? value_text(stored, *row) : std::string();
     if (!set_anywhere(row->key)) {
       copy_field(*row, stored, config_);
       sources_[row->key] = value_source::checkpoint;
+      if (line == keys.end()) continue;
+      origins_[row->key] = origin + ":" + std::to_string(line->second);
+      check_value(config_, *row, origins_[row->key]);
       continue;
     }
     const std::string now = value_text(config_, *row);
@@ -573,11 +512,14 @@ void run_options::resolve_paths() {
   }
 }
 
-std::string run_options::toml(bool with_sources) {
+std::string run_options::toml(toml_use use) {
+  const bool print = use == toml_use::print;
   std::ostringstream out;
   std::string section;
   for (const option_row* row : rows_) {
-    if (row->resume == on_resume::fresh) continue;
+    const value_source from = source(*row);
+    // This invocation's alone: printed when given (a --resume loads back as one), never recorded.
+    if (row->resume == on_resume::fresh && (!print || from == value_source::demo_default)) continue;
     const std::string value = value_text(config_, *row);
     if (value.empty()) continue;
     const std::string key = row->key, head = key.substr(0, key.find('.'));
@@ -585,8 +527,9 @@ std::string run_options::toml(bool with_sources) {
       out << (section.empty() ? "" : "\n") << "[" << head << "]\n";
       section = head;
     }
-    out << key.substr(key.find('.') + 1) << " = " << value;
-    if (with_sources && source(*row) != value_source::demo_default) out << "  # " << source_name(source(*row));
+    // A derived value is shown, not given: loading the file derives it again.
+    out << (print && from == value_source::derived ? "# " : "") << key.substr(key.find('.') + 1) << " = " << value;
+    if (print && from != value_source::demo_default) out << "  # " << source_name(from);
     out << "\n";
   }
   return out.str();
@@ -596,12 +539,10 @@ std::string run_options::explain(const std::string& message) const {
   for (const option_row* row : rows_) {
     const value_source s = source(*row);
     if (s != value_source::file && s != value_source::checkpoint) continue;
-    const std::string flag = std::string(row->flag) + " ";
-    if (message.find(flag) == std::string::npos) continue;
-    return message + " (" + row->flag + " came from " +
-           (s == value_source::file ? "--config-file " + config_file_ + ", key " + row->key
-                                    : std::string("the checkpoint's configuration, key ") + row->key) +
-           ")";
+    const auto origin = origins_.find(row->key);
+    if (origin == origins_.end() || message.find(origin->second) != std::string::npos) continue;  // named already
+    if (message.find(std::string(row->flag) + " ") == std::string::npos) continue;
+    return message + " (" + row->flag + " came from " + origin->second + ", key " + row->key + ")";
   }
   return message;
 }

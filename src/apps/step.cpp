@@ -74,31 +74,16 @@ checkpoint_policy auto_policy(const model_step_request& req, std::int64_t S, con
   o.tokens = token_source::random;
   o.backend = req.backend;
   o.step = req.options;
-  const resolved_step sized = resolve_step(sizes_of(o, c.memory_gib, c.host_memory_gib));
-  o.step = sized.step;
-  o.limits = sized.limits;
-  try {
-    const plan_point chosen = choose_checkpoint_policy(o, c.memory_gib, c.host_memory_gib);
-    std::printf("# checkpoint policy %s (auto: the fastest that fits; predicted arena high water %.2f GiB)\n",
-                chosen.policy.str().c_str(), static_cast<double>(chosen.arena_bytes) / (1 << 30));
-    return chosen.policy;
-  } catch (const config_error& e) {
-    // A measurement still runs (on meta, to see what it would take): with the default
-    // policy, said aloud.
-    std::printf("# checkpoint policy %s (the default: auto found none that fits: %s)\n",
-                checkpoint_policy{}.str().c_str(), e.what());
-    return checkpoint_policy{};
-  }
+  size_step(o, c);
+  return auto_policy_or_default(o, c, "");
 }
 
 int run(step_flags& f) {
-  run_options& opts = *f.options;
-  opts.apply_flags_and_file();
-  const run_config& c = opts.config();
+  const run_config& c = f.options->config();
   model_step_request req;
   req.model = load_model(c.model, c.config, c.layers);
   req.backend = parse_backend_kind(c.backend);
-  req.cp = cp_flags{c.attention, c.cp, c.head_chunk, c.ring, c.seq_chunks}.settings();
+  req.cp = cp_of(c);
   const std::int64_t S = parse_scored_seq_len(c.seq_len);
   req.options = {c.mlp_tile, c.loss_chunk,
                  is_auto_policy(c.checkpoint_policy) ? checkpoint_policy{} : parse_checkpoint_policy(c.checkpoint_policy)};
@@ -149,16 +134,20 @@ int run(step_flags& f) {
 command_runner add_step(CLI::App& app) {
   auto f = std::make_shared<step_flags>();
   f->options = std::make_shared<run_options>(app, for_step);
-  app.add_option("--weights", f->weights_path, "weights: a model directory (one file or shards), its index or a .safetensors file; default: "
-                 "the --model directory's, else random");
-  app.add_option("--tokens", f->tokens_path, "flat little-endian uint32 token file; default: random tokens");
+  app.add_option("--weights", f->weights_path,
+                 "weights: a model directory (one file or shards), its index or a .safetensors file; default: the "
+                 "--model directory's, else random")
+      ->check(path_flag());
+  app.add_option("--tokens", f->tokens_path, "flat little-endian uint32 token file; default: random tokens")
+      ->check(path_flag());
   app.add_option("--adapter", f->adapter,
-                 "a LoRA step with this adapter directory's adapters (upipe's or PEFT's) on the base");
+                 "a LoRA step with this adapter directory's adapters (upipe's or PEFT's) on the base")
+      ->check(path_flag());
   app.add_option("--json", f->json_path, "write the result as JSON")->check(output_file_flag("--json"));
   app.add_option("--save-grads", f->grads_path,
                  "write the weight gradients as safetensors (with LoRA the adapters', under PEFT's names)")
       ->check(output_file_flag("--save-grads"));
-  return [f] { return run(*f); };
+  return [f] { return f->options->run([&] { return run(*f); }); };
 }
 
 }  // namespace upipe::apps

@@ -208,46 +208,47 @@ std::string number_text(double v) {
   return text.str();
 }
 
-// --steps from --epochs over the data, and the warm-up from --warmup-ratio.
+// The steps --epochs makes of --data: every replica's sequences of --seq-len a step.
+std::int64_t steps_of_epochs(const run_config& f, const train_options& o) {
+  const double per_step = static_cast<double>(o.seq_len) * static_cast<double>(global_batch(o));
+  const double steps = std::ceil(f.epochs * static_cast<double>(data_tokens(o)) / per_step);
+  if (steps > static_cast<double>(max_train_steps))
+    throw config_error("--epochs " + number_text(f.epochs) + " over --data " + o.data_path + " is " +
+                       number_text(steps) + " steps, more than " + std::to_string(max_train_steps) + "; use fewer");
+  return std::max<std::int64_t>(1, static_cast<std::int64_t>(steps));
+}
+
+// --steps from --epochs over the data, and the warm-up from --warmup-ratio. One idea given
+// two ways by this invocation is taken where both agree (a checkpoint's run.toml given as
+// --config-file holds both) and refused where they do not; a derived value is recorded as
+// derived, and printed as a comment, since loading the printed file derives it again. The
+// values themselves were checked where they were read (their rows' rules).
 void derive_schedule(run_options& opts, train_options& o) {
   run_config& f = opts.config();
-  const auto from_user = [&](const char* key) {
-    const value_source s = opts.source(*find_row(key));
-    return s == value_source::flag || s == value_source::file;
-  };
-  if (from_user("optimizer.steps") && from_user("data.epochs") && f.epochs > 0)
-    throw config_error("--steps " + std::to_string(f.steps) + " and --epochs " + number_text(f.epochs) +
-                       " both set the schedule's length: give one (--epochs counts passes over --data)");
-  if (!(f.epochs >= 0) || f.epochs > 1e6)
-    throw config_error("--epochs " + number_text(f.epochs) + " must lie between 0 and 1e6 (for example 1 or 0.5)");
-  const bool steps_from_epochs = f.epochs > 0 && !o.data_path.empty() &&
-                                 (from_user("data.epochs") || !opts.set_anywhere("optimizer.steps"));
-  if (steps_from_epochs) {
-    const double per_step = static_cast<double>(o.seq_len) * static_cast<double>(global_batch(o));  // every replica's
-    const double steps = std::ceil(f.epochs * static_cast<double>(data_tokens(o)) / per_step);
-    if (steps > static_cast<double>(max_train_steps))
-      throw config_error("--epochs " + number_text(f.epochs) + " over --data " + o.data_path + " is " +
-                         number_text(steps) + " steps, more than " + std::to_string(max_train_steps) + "; use fewer");
-    f.steps = std::max<std::int64_t>(1, static_cast<std::int64_t>(steps));
-    opts.set_default("optimizer.steps", f.steps, value_source::derived);  // recorded as derived when no source gave it
+  const bool with_data = f.epochs > 0 && !o.data_path.empty();
+  if (opts.from_user("optimizer.steps") && opts.from_user("data.epochs") && f.epochs > 0) {
+    const std::int64_t derived = with_data ? steps_of_epochs(f, o) : 0;
+    if (derived != f.steps)
+      throw config_error("--steps " + std::to_string(f.steps) + " and --epochs " + number_text(f.epochs) +
+                         (with_data ? " (" + std::to_string(derived) + " steps over --data)" : std::string()) +
+                         " both set the schedule's length and disagree: give one (--epochs counts passes over --data)");
+  } else if (with_data && (opts.from_user("data.epochs") || !opts.set_anywhere("optimizer.steps"))) {
+    opts.set_derived("optimizer.steps", steps_of_epochs(f, o));
   }
-  if (f.warmup_ratio != 0 && from_user("optimizer.warmup") && from_user("optimizer.warmup_ratio"))
-    throw config_error("--warmup " + std::to_string(f.warmup) + " and --warmup-ratio " + number_text(f.warmup_ratio) +
-                       " both set the warm-up: give one");
-  if (!(f.warmup_ratio >= 0 && f.warmup_ratio <= 1))
-    throw config_error("--warmup-ratio " + number_text(f.warmup_ratio) +
-                       " must lie between 0 and 1 (a fraction of --steps, e.g. 0.03)");
-  if (f.warmup < 0)
-    throw config_error("--warmup " + std::to_string(f.warmup) + " must be 0 or more steps (e.g. 100)");
-  if (!(f.min_lr_ratio >= 0 && f.min_lr_ratio <= 1))
-    throw config_error("--min-lr-ratio " + number_text(f.min_lr_ratio) + " must lie between 0 and 1 (e.g. 0.1)");
-  if (f.steps < 1 || f.steps > max_train_steps)
-    throw config_error("--steps " + std::to_string(f.steps) + " must lie between 1 and " +
-                       std::to_string(max_train_steps) + " (for example --steps 200)");
+  const auto warmup_of_ratio = [&] {
+    return static_cast<std::int64_t>(std::llround(f.warmup_ratio * static_cast<double>(f.steps)));
+  };
+  if (f.warmup_ratio != 0 && opts.from_user("optimizer.warmup")) {
+    if (opts.from_user("optimizer.warmup_ratio") && f.warmup != warmup_of_ratio())
+      throw config_error("--warmup " + std::to_string(f.warmup) + " and --warmup-ratio " + number_text(f.warmup_ratio) +
+                         " (" + std::to_string(warmup_of_ratio()) + " of --steps " + std::to_string(f.steps) +
+                         ") both set the warm-up and disagree: give one");
+    if (!opts.from_user("optimizer.warmup_ratio"))
+      opts.set_derived("optimizer.warmup_ratio", 0.0);  // a warm-up in steps now replaces a stored or default ratio
+  }
+  if (f.warmup_ratio > 0) opts.set_derived("optimizer.warmup", warmup_of_ratio());
   o.optim.total_steps = f.steps;
-  o.optim.warmup_steps = f.warmup_ratio > 0
-                             ? static_cast<std::int64_t>(std::llround(f.warmup_ratio * static_cast<double>(f.steps)))
-                             : std::min(f.warmup, f.steps);
+  o.optim.warmup_steps = std::min(f.warmup, f.steps);
   o.optim.min_lr_ratio = f.min_lr_ratio;
 }
 
@@ -262,19 +263,6 @@ std::int64_t fine_tune_seq_len(const train_options& o) {
 train_options to_options(run_options& opts, bool fine_tune) {
   run_config& f = opts.config();
   train_options o;
-  // The numbers the sizing below divides by or trusts, checked first.
-  require_within(f.steps, 1, limits::steps, "--steps", "--steps 200");  // before steps * 9 / 10 below
-  if (f.batch != -1 && f.batch < 1)
-    throw config_error("--batch " + std::to_string(f.batch) + " must be at least 1 (sequences per optimizer step)");
-  if (!(f.weight_decay >= 0) || !std::isfinite(f.weight_decay))
-    throw config_error("--weight-decay " + number_text(f.weight_decay) + " must be a finite number >= 0 (e.g. 0.1)");
-  if (!(f.max_grad_norm >= 0) || !std::isfinite(f.max_grad_norm))
-    throw config_error("--max-grad-norm " + number_text(f.max_grad_norm) +
-                       " must be a finite number >= 0 (0 turns clipping off; e.g. 1.0)");
-  if (!(f.lr > 0) || !(f.lr <= 1))
-    throw config_error("--lr " + number_text(f.lr) + " must be a positive number at most 1 (for example 3e-4)");
-  if (f.keep_last < 0)
-    throw config_error("--keep-last " + std::to_string(f.keep_last) + " must be 0 (keep all) or more (e.g. 3)");
   if (f.keep_last > 0 && f.save.empty())
     throw config_error("--keep-last " + std::to_string(f.keep_last) + " needs --save DIR (the run directory it rotates)");
   if (f.keep_best && (f.save.empty() || f.eval_every == 0))
@@ -285,19 +273,12 @@ train_options to_options(run_options& opts, bool fine_tune) {
   // The model the run chose (an adapter's base, the --init directory, tiny-llama) is recorded.
   if (f.model.empty() && f.config.empty())
     opts.set_default("model.model", o.model_dir.empty() ? o.model.name : o.model_dir, value_source::derived);
-  rope_flags rope{f.rope_theta, f.rope_scaling, f.max_position_embeddings};
-  for (const std::string& note : rope.apply(o.model)) std::fprintf(stderr, "upipe: note: %s\n", note.c_str());
+  for (const std::string& note : apply_rope(f, o.model)) std::fprintf(stderr, "upipe: note: %s\n", note.c_str());
   const lora_config lora = choose_lora(f, o.model);
   // A full run's checkpoint carries its config.json and tokenizer on; a LoRA run's base stays the base.
   if (!f.resume.empty() && !lora.enabled()) o.model_dir = f.resume;
   o.init_adapter = f.init_adapter;
-  if (f.save_dtype != "bf16" && f.save_dtype != "fp32")
-    throw config_error("--save-dtype " + f.save_dtype + " is not supported: use bf16 (the default, as released "
-                       "models are stored) or fp32");
   o.save_model = {f.save_dtype == "bf16" ? dtype::bf16 : dtype::f32, parse_bytes(f.max_shard_size, "--max-shard-size")};
-  if (f.zero != 2 && f.zero != 3)
-    throw config_error("--zero " + std::to_string(f.zero) + " is not supported: use --zero 2 (sharded optimizer and "
-                       "gradients) or --zero 3 (weights sharded too)");
   o.init_path = f.init;
   o.data_path = f.data;
   // PREFIX.tokens of a corpus means the corpus: its index and manifest lie beside it.
@@ -307,19 +288,12 @@ train_options to_options(run_options& opts, bool fine_tune) {
                                               document_corpus::exists(s.path.substr(0, s.path.size() - suffix.size())))
       s.path.resize(s.path.size() - suffix.size());
   o.data_path = sources.empty() ? std::string() : data_sources_text(sources);
-  if (f.packing != "auto" && f.packing != "documents" && f.packing != "stream")
-    throw config_error("--packing " + f.packing + " is not known: use documents (attention within each document, "
-                       "the default with a document index) or stream (one token stream)");
   o.packing = f.packing == "documents" ? packing_mode::documents
               : f.packing == "stream"  ? packing_mode::stream
                                        : packing_mode::automatic;
-  if (f.min_doc_tokens < 0)
-    throw config_error("--min-doc-tokens " + std::to_string(f.min_doc_tokens) + " must be 0 or more (e.g. 32768 keeps "
-                       "only long documents)");
   o.min_doc_tokens = f.min_doc_tokens;
   o.allow_tokenizer_mismatch = f.allow_tokenizer_mismatch;
-  const cp_flags mesh{f.attention, f.cp, f.head_chunk, f.ring, f.seq_chunks};
-  o.cp = mesh.settings();
+  o.cp = cp_of(f);
   o.dp = f.dp;
   o.gpus_per_node = f.gpus_per_node;
   if (fine_tune) {
@@ -334,8 +308,7 @@ train_options to_options(run_options& opts, bool fine_tune) {
   o.zero = f.zero == 3 ? zero_stage::three : zero_stage::two;
   o.step = {f.mlp_tile, f.loss_chunk,
             is_auto_policy(f.checkpoint_policy) ? checkpoint_policy{} : parse_checkpoint_policy(f.checkpoint_policy)};
-  const comm_flags comm{f.comm, f.comm_timeout, f.overlap_comm, f.prefetch_weights};
-  comm.apply(o.step);
+  apply_comm(f, o.step);
   o.step.lora = lora;
   o.optim.lr = f.lr;
   o.optim.weight_decay = f.weight_decay;
@@ -348,7 +321,7 @@ train_options to_options(run_options& opts, bool fine_tune) {
   o.overwrite = f.overwrite;
   o.resume_dir = f.resume;
   o.backend = parse_backend_kind(f.backend);
-  o.comm = comm.options();
+  o.comm = comm_of(f);
   const offload_options offload = parse_offload(f.offload);
   o.offload_optimizer = offload.optimizer;
   o.offload_params = offload.params;
@@ -356,9 +329,7 @@ train_options to_options(run_options& opts, bool fine_tune) {
   o.state_format = {parse_moments(f.optimizer_state), parse_master(f.master_weights)};
   o.grad_type = parse_grad_dtype(f.grad_dtype);
   o.convert_state = f.convert_optimizer_state;
-  const resolved_step resolved = resolve_step(sizes_of(o, f.memory_gib, f.host_memory_gib));
-  o.step = resolved.step;
-  o.limits = resolved.limits;
+  size_step(o, f);
   o.eval_samples = f.eval_samples;
   o.eval_every = f.eval_every;
   o.eval_data = f.eval_data;
@@ -500,7 +471,6 @@ struct resolved_run {
 
 resolved_run resolve_run(run_options& opts) {
   run_config& f = opts.config();
-  opts.apply_flags_and_file();
   resolved_run out;
   if (!f.resume.empty()) {
     f.resume = resolve_checkpoint(resolve_checkpoint_dir(f.resume));
@@ -529,13 +499,9 @@ resolved_run resolve_run(run_options& opts) {
   out.defaults = pretrained.empty() ? "demo (the passkey task's; README: Fine-tuning defaults)"
                                     : "fine-tune (the run starts from pretrained weights: " + pretrained + ")";
   opts.resolve_paths();
-  try {
-    out.options = to_options(opts, !pretrained.empty());
-    validate(out.options);
-  } catch (const config_error& e) {
-    throw config_error(opts.explain(e.what()));
-  }
-  out.options.run_config = opts.toml(false);
+  out.options = to_options(opts, !pretrained.empty());
+  validate(out.options);
+  out.options.run_config = opts.toml(toml_use::record);
   return out;
 }
 
@@ -559,13 +525,13 @@ int run(train_command& command) {
   resolved_run resolved = resolve_run(opts);
   train_options& o = resolved.options;
   if (is_auto_policy(f.checkpoint_policy)) {
-    const plan_point chosen = choose_checkpoint_policy(o, f.memory_gib, f.host_memory_gib);
+    const plan_point chosen = choose_checkpoint_policy(o, f);
     std::printf("# checkpoint policy %s (auto: the fastest that fits; predicted arena high water %.2f GiB)\n",
                 chosen.policy.str().c_str(), static_cast<double>(chosen.arena_bytes) / (1 << 30));
   }
   if (command.print_config) {
     std::printf("# defaults: %s\n# resolved configuration (the source of each value not at the demo default):\n%s",
-                resolved.defaults.c_str(), opts.toml(true).c_str());
+                resolved.defaults.c_str(), opts.toml(toml_use::print).c_str());
     return 0;
   }
   for (const std::string& note : resolved.resume_notes)
@@ -583,13 +549,12 @@ int run(train_command& command) {
     metrics.open(target, f.resume.empty() ? std::ios::trunc : std::ios::app);
     if (!metrics) throw io_error("cannot write --metrics-json " + f.metrics_json + ": check the directory");
   }
-  const cp_flags mesh{f.attention, f.cp, f.head_chunk, f.ring, f.seq_chunks};
   std::printf("# upipe train  model=%s (%lld parameters)  %s  S=%lld x %lld per step  %scp=%d %s  zero=%d  steps=%lld  "
               "lr=%g  backend=%s\n",
               o.model.name.c_str(), static_cast<long long>(o.model.parameter_count()),
               o.data_path.empty() ? "passkey task" : o.data_path.c_str(), static_cast<long long>(o.seq_len),
               static_cast<long long>(global_batch(o)), o.dp > 1 ? ("dp=" + std::to_string(o.dp) + " ").c_str() : "",
-              o.cp.cp, mesh.describe().c_str(), f.zero,
+              o.cp.cp, mesh_text(f).c_str(), f.zero,
               static_cast<long long>(o.optim.total_steps), o.optim.lr, f.backend.c_str());
   print_start(o, resolved.defaults);
   if (o.dp > 1 || o.gpus_per_node > 0) std::printf("%s", mesh_placement(o).c_str());
@@ -671,7 +636,7 @@ command_runner add_train(CLI::App& app) {
   app.add_flag("--print-config", command->print_config,
                "print the resolved configuration as TOML (a --config-file to start from) and exit");
   show_fine_tune_defaults(app);
-  return [command] { return run(*command); };
+  return [command] { return command->options->run([&] { return run(*command); }); };
 }
 
 }  // namespace upipe::apps

@@ -511,8 +511,8 @@ void validate(const train_options& o) {
   if (!o.init_adapter.empty() && !o.resume_dir.empty())
     throw config_error("--resume and --init-adapter contradict each other: a resumed run takes its adapters from the "
                        "checkpoint; drop --init-adapter");
-  if (!(o.optim.lr > 0) || !std::isfinite(o.optim.lr))
-    throw config_error("--lr " + std::to_string(o.optim.lr) + " must be a positive number (for example 3e-3)");
+  if (!(o.optim.lr > 0 && o.optim.lr <= 1))  // as the --lr row of apps/run_config holds it
+    throw config_error("--lr " + real_text(o.optim.lr) + " must lie in (0, 1] (for example --lr 3e-4)");
   // Decoupled decay multiplies each matrix by 1 - lr * wd per step: beyond 1 it flips signs.
   if (!(o.optim.weight_decay >= 0) || !(o.optim.lr * o.optim.weight_decay < 1)) {
     char text[160];

@@ -117,12 +117,12 @@ TEST(step_cli, bad_inputs_exit_non_zero_with_a_clear_message) {
       {"--cp 3", "must divide query heads H = 4"},
       {"--attention upipe --head-chunk 3 --cp 2", "U must be a multiple of C"},
       {"--seq-len 1", "at least 2"},
-      {"--cp -1", "--cp -1 must be at least 1"},
-      {"--cp 0", "--cp 0 must be at least 1"},
+      {"--cp -1", "--cp -1 must lie between 1 and 2147483647"},
+      {"--cp 0", "--cp 0 must lie between 1 and 2147483647"},
       {"--seq-len 2048M", "beyond the longest this engine plans and runs"},
       {"--seq-len 9999999999999M", "too large to count"},
-      {"--attention hybrid --ring 0", "--ring 0 must be at least 1"},
-      {"--mlp-tile -4", "positive"},
+      {"--attention hybrid --ring 0", "--ring 0 must lie between 1 and"},
+      {"--mlp-tile -4", "--mlp-tile -4 must lie between 0 and 1073741824"},
   };
   for (const auto& [args, message] : cases) {
     const bool has_length = args.find("--seq-len") != std::string::npos;
