@@ -442,6 +442,13 @@ void relocate_stored_paths(const std::vector<const option_row*>& rows, run_confi
     if (value == from || value.starts_with(from + "/")) value = now + value.substr(from.size());
   }
   notes.push_back("the run directory " + now + " (it was saved into " + from + "; the paths inside it follow)");
+  // A copy (the original is still there): a metrics file outside it is the original run's.
+  const std::string& metrics = stored.metrics_json;
+  if (std::filesystem::exists(from, ec) && !metrics.empty() && !metrics.starts_with(now + "/")) {
+    notes.push_back("metrics.json: " + metrics + " not taken (the metrics of the run in " + from +
+                    "); --metrics-json FILE writes this run's");
+    stored.metrics_json.clear();
+  }
 }
 
 }  // namespace

@@ -156,19 +156,25 @@ TEST(resume_with_rotation, a_half_removed_checkpoint_is_finished_by_the_next_sav
 }
 
 // A copy of a run directory resumed is a run of its own: it saves (and rotates) in the copy,
-// and the original stays as it was, byte for byte. A checkpoint of another run dropped into
+// and the original stays as it was, byte for byte, and so does its metrics file. A checkpoint of another run dropped into
 // a run directory is refused there, naming the way out; neither directory changes.
 TEST(resume_writes_where_told, a_copied_run_directory_leaves_the_original_alone) {
   const auto dir = temp_dir("copied_run");
   const std::string original = (dir / "original").string(), copy = (dir / "copy").string();
+  const fs::path metrics = dir / "original.jsonl";  // beside the run directory, as the README has it
   const run_result first = run_upipe("train --seq-len 32 --steps 8 --stop-after 4 --cp 1 --eval-samples 0 "
-                                     "--save-every 2 --keep-last 1 --save " + original);
+                                     "--save-every 2 --keep-last 1 --save " + original + " --metrics-json " +
+                                     metrics.string());
   ASSERT_EQ(first.exit_code, 0) << first.output;
   fs::copy(original, copy, fs::copy_options::recursive);
   const auto before = snapshot(original);
+  const std::string metrics_before = read_file(metrics);
   const run_result resumed = run_upipe("train --resume " + copy);
   ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
   EXPECT_EQ(snapshot(original), before);
+  EXPECT_EQ(read_file(metrics), metrics_before);  // the original run's metrics
+  EXPECT_NE(resumed.output.find("metrics.json: " + metrics.string() + " not taken"), std::string::npos)
+      << resumed.output;
   EXPECT_EQ(names_in(copy), (std::vector<std::string>{"checkpoint-8", "latest"}));
   EXPECT_NE(resumed.output.find("it was saved into " + original), std::string::npos) << resumed.output;
   // A foreign checkpoint inside another run's directory.
