@@ -280,6 +280,7 @@ int run(const bench_flags& f) {
         const resolved_step resolved = resolve_step(sizes_of(o, f.cfg().memory_gib, f.cfg().host_memory_gib));
         o.step = resolved.step;
         o.limits = resolved.limits;
+        o.host_memory_gib = f.cfg().host_memory_gib;
         if (auto_policy) {
           try {
             const plan_point chosen = choose_checkpoint_policy(o, f.cfg().memory_gib, f.cfg().host_memory_gib);

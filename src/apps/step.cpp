@@ -77,6 +77,7 @@ checkpoint_policy auto_policy(const model_step_request& req, std::int64_t S, con
   const resolved_step sized = resolve_step(sizes_of(o, c.memory_gib, c.host_memory_gib));
   o.step = sized.step;
   o.limits = sized.limits;
+  o.host_memory_gib = c.host_memory_gib;
   try {
     const plan_point chosen = choose_checkpoint_policy(o, c.memory_gib, c.host_memory_gib);
     std::printf("# checkpoint policy %s (auto: the fastest that fits; predicted arena high water %.2f GiB)\n",
