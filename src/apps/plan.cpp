@@ -466,7 +466,9 @@ int run(const plan_flags& f) {
               "%.1f GiB usable)\n",
               r.model.name.c_str(), r.model.num_layers, r.gpus, r.nodes, r.nodes == 1 ? "" : "s", r.gpus / r.nodes,
               step_kind.c_str(), gib(r.gpu_memory), 100 * r.margin, gib(r.gpu_memory) * (1 - r.margin));
-  std::printf("# host-memory=%.1f GiB per node%s, shared by the node's %d ranks (pinned checkpoints and offloaded state)\n",
+  std::printf("# host-memory=%.1f GiB per node%s, shared by the node's %d ranks: everything a run holds in host memory "
+              "(the pools with checkpoints and offloaded state, the weight files or a random start's copy, the "
+              "process's own), as train counts it\n",
               gib(r.host_memory), host_default ? " (default: 1.9 TiB, the paper's 8 x H100 machine; set --host-memory)" : "",
               r.gpus / r.nodes);
   std::printf("# GPU bytes = the step's arena high water (meta backend, with cuBLASLt's and cuDNN's workspaces "
@@ -617,7 +619,7 @@ command_runner add_plan(CLI::App& app) {
                                       "node)")->capture_default_str();
   app.add_option("--gpu-memory", f->gpu_memory, "memory per GPU (80GiB, 141GB, ...)")->capture_default_str();
   app.add_option("--host-memory", f->host_memory,
-                 "host memory of the node (default 1.9TiB, the paper's machine)");
+                 "host memory of the node, everything a run may hold there (default 1.9TiB, the paper's machine)");
   app.add_option("--seq-len", f->seq_len, "also plan this length (K and M suffixes)");
   app.add_option("--attention", f->attention,
                  "strategies to plan, a comma list of: " + strategy_help() +
