@@ -282,6 +282,12 @@ def second_fuzz_cases():
          "refuse", ["rows.json"], file_of("rows.json", b"")),
         ("report on garbage exited without an upipe: error line", "report --out {w}/plots {w}/rows.json", "refuse",
          ["rows.json"], file_of("rows.json", b"garbage\n")),
+        # Issue #40: a host budget past the machine was pinned until the OOM killer ended the run;
+        # one too small for the offloaded state ran into the pool's limit midway.
+        ("a host budget past the machine was taken, not refused", TRAIN_CPU + " --host-memory-gib 100000", "refuse",
+         ["--host-memory-gib"], None),
+        ("a host budget below the offloaded state was taken", TRAIN_CPU + " --offload optimizer --host-memory-gib 0.01",
+         "refuse", ["--host-memory-gib"], None),
     ] + config_file_cases()
 
 

@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <optional>
 #include <sstream>
@@ -173,7 +174,8 @@ nlohmann::json point_json(const plan_point& p) {
           {"context_bytes", p.overheads.context},
           {"arena_bytes", p.arena_bytes},
           {"gpu_bytes", p.gpu_bytes},
-          {"host_bytes", p.host_bytes}};
+          {"host_bytes", p.host_bytes},
+          {"host_budget_bytes", p.host_budget}};
 }
 
 // The model of a train command: --model or --config, and the slice.
@@ -190,25 +192,56 @@ std::string mesh_strategy_text(const mesh_entry& e) {
   return e.offload_params ? name + " +host+w" : e.offload_optimizer ? name + " +host" : name;
 }
 
-// The `upipe train` command line that runs a mesh entry as planned.
-std::string train_command(const plan_flags& f, const plan_request& r, const mesh_entry& e) {
-  std::string c = "upipe train " + model_flags_text(f) + " --dp " + std::to_string(e.dp) + " --cp " + std::to_string(e.cp.cp) + " --attention " +
-                  std::string(strategy_name(e.cp.strategy));
-  if (e.cp.strategy == strategy_kind::upipe || e.cp.strategy == strategy_kind::hybrid)
-    c += " --head-chunk " + std::to_string(e.cp.head_chunk);
-  if (e.cp.strategy == strategy_kind::hybrid) c += " --ring " + std::to_string(e.cp.ring);
+// The one configuration plan recommends (recommend's rule), or a mesh row's: everything
+// its train command needs.
+struct planned_run {
+  int dp = 1;
+  cp_settings cp;
+  offload_options offload;
+  optimizer_state_options state;
+  plan_point point;
+};
+
+planned_run run_of(const mesh_entry& e) {
+  return {e.dp, e.cp, {e.offload_optimizer, e.offload_params, e.offload_master && !e.offload_optimizer}, e.state, e.point};
+}
+
+std::string gib_flag(std::size_t bytes) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%.2f", static_cast<double>(bytes) / (1 << 30));
+  return text;
+}
+
+// The `upipe train` command that runs a planned configuration as planned: every option the
+// plan assumed (mesh, strategy, U, N, length, ZeRO, placement, state format, clipping,
+// checkpoint policy, the arena and the host budget), without --backend (the command is
+// checked on meta by adding --backend meta, and run on the GPUs with --backend cuda).
+std::string train_command(const plan_flags& f, const plan_request& r, const planned_run& e) {
+  const strategy_row& row = row_of(e.cp.strategy);
+  std::string c = "upipe train " + model_flags_text(f) + " --dp " + std::to_string(e.dp) + " --cp " +
+                  std::to_string(e.cp.cp) + " --attention " + std::string(strategy_name(e.cp.strategy));
+  if (row.heads == head_stages::chosen) c += " --head-chunk " + std::to_string(e.cp.head_chunk);
+  if (row.mesh) c += " --ring " + std::to_string(e.cp.ring);
   if (e.cp.seq_chunks > 1) c += " --seq-chunks " + std::to_string(e.cp.seq_chunks);
-  c += " --seq-len " + std::to_string(e.point.seq_len) + " --zero " + std::to_string(f.cfg().zero) +
-       " --checkpoint-policy " + e.point.policy.str();
-  if (e.offload_optimizer) c += e.offload_params ? " --offload optimizer,params" : " --offload optimizer";
-  if (r.lora.enabled()) c += " --lora " + lora_text(r.lora);
+  const std::string where = e.offload.optimizer ? "optimizer" : e.offload.master ? "master" : "none";
+  c += " --seq-len " + std::to_string(e.point.seq_len) + " --batch 1 --zero " + std::to_string(f.cfg().zero) + " --offload " +
+       (e.offload.params ? where + ",params" : where);
+  if (r.lora.enabled()) c += " --lora " + lora_text(r.lora);  // its adapters' state is f32, its own
+  else c += " " + state_text(e.state);
+  c += " --max-grad-norm " + real_text(r.max_grad_norm) + " --checkpoint-policy " + e.point.policy.str() +
+       " --memory-gib " + gib_flag(static_cast<std::size_t>(planned_arena_gib(r) * (1 << 30))) +
+       " --host-memory-gib " + gib_flag(e.point.host_budget);
   if (r.nodes > 1) c += " --gpus-per-node " + std::to_string(r.gpus / r.nodes);
-  return c + " --backend cuda";
+  return c;
+}
+
+std::string train_command(const plan_flags& f, const plan_request& r, const mesh_entry& e) {
+  return train_command(f, r, run_of(e));
 }
 
 // The mesh sweep at the planned length: per D, each strategy's fastest configuration, then
 // the recommended mesh against CP over every GPU and its train command.
-void print_meshes(const plan_flags& f, const plan_request& r, const plan_result& plan) {
+void print_meshes(const plan_request& r, const plan_result& plan) {
   if (plan.meshes.empty()) return;
   std::printf("\nmeshes at S = %s (D replicas, each a CP group of C = %d / D GPUs, ZeRO over all %d; each "
               "strategy's fastest U, N and policy):\n%3s %3s %-15s %4s %4s %5s %8s %8s %10s %10s  %s\n",
@@ -224,12 +257,12 @@ void print_meshes(const plan_flags& f, const plan_request& r, const plan_result&
                 e->cp.seq_chunks, e->point.fits ? "yes" : "no", gib(e->point.gpu_bytes), gib(e->point.host_bytes),
                 e->point.time->total(), e->tokens_per_s_per_gpu(), e->point.policy.str().c_str());
   if (!plan.recommended_mesh) {
-    std::printf("\nrecommended mesh: none fits S = %s; shorten --seq-len or add GPUs\n",
+    std::printf("\nfastest mesh: none fits S = %s; shorten --seq-len or add GPUs\n",
                 tokens_text(plan.planned_seq_len).c_str());
     return;
   }
   const mesh_entry& best = plan.meshes[*plan.recommended_mesh];
-  std::printf("\nrecommended mesh: --dp %d --cp %d, %s (U %s, N %d): %.0f tokens/s/GPU in the step-time model",
+  std::printf("\nfastest mesh: --dp %d --cp %d, %s (U %s, N %d): %.0f tokens/s/GPU in the step-time model",
               best.dp, best.cp.cp, mesh_strategy_text(best).c_str(),
               best.cp.strategy == strategy_kind::ring ? "-" : std::to_string(best.cp.head_chunk).c_str(),
               best.cp.seq_chunks, best.tokens_per_s_per_gpu());
@@ -240,7 +273,6 @@ void print_meshes(const plan_flags& f, const plan_request& r, const plan_result&
   } else {
     std::printf("; CP over all %d GPUs fits no configuration here\n", r.gpus);
   }
-  std::printf("  %s\n", train_command(f, r, best).c_str());
 }
 
 nlohmann::json meshes_json(const plan_flags& f, const plan_request& r, const plan_result& plan) {
@@ -258,8 +290,8 @@ nlohmann::json meshes_json(const plan_flags& f, const plan_request& r, const pla
     j["offload_params"] = e.offload_params;
     j["tokens_per_s_per_gpu_model"] = e.tokens_per_s_per_gpu();
     j["recommended"] = plan.recommended_mesh == i;
+    j["train_command"] = train_command(f, r, e);
     if (plan.recommended_mesh == i) {
-      j["train_command"] = train_command(f, r, e);
       if (plan.best_cp_only)
         j["speedup_over_cp_only"] = e.tokens_per_s_per_gpu() / plan.meshes[*plan.best_cp_only].tokens_per_s_per_gpu();
     }
@@ -268,22 +300,59 @@ nlohmann::json meshes_json(const plan_flags& f, const plan_request& r, const pla
   return rows;
 }
 
-// The train command of the recommended state format and placement.
-std::string command_text(const plan_request& r, const plan_result& plan, const plan_flags& f) {
-  const plan_entry& e = plan.state_entries[*plan.recommended_state];
-  const plan_point& p = *e.longest;
-  const std::int64_t s = r.seq_len ? *r.seq_len : p.seq_len;
-  std::string cmd = "upipe train " + model_flags_text(f) + " --backend cuda --cp " + std::to_string(r.gpus) +
-                    " --attention upipe --head-chunk " + std::to_string(e.head_chunk);
-  if (e.seq_chunks > 1) cmd += " --seq-chunks " + std::to_string(e.seq_chunks);
-  cmd += " --zero " + std::to_string(f.cfg().zero) + " --seq-len " + std::to_string(s) + " --offload " + offload_text(e) +
-         " " + state_text(e.state) + " --max-grad-norm " + real_text(r.max_grad_norm) + " --checkpoint-policy " +
-         p.policy.str();
-  return cmd;
+// The one run plan recommends, by one rule: with the state formats tried (--optimizer-state
+// auto), the most precise format that reaches the planned length, in the placement moving
+// the least to the host; else, at the planned length (--seq-len, or the longest UPipe
+// reaches), the mesh with the fastest modelled step. Its point is the plan's at that
+// length (the fastest policy that fits there).
+std::optional<planned_run> recommend(const plan_request& r, const plan_result& plan) {
+  if (r.zero == zero_stage::replicated) return std::nullopt;  // forward and backward only: no train run
+  if (plan.recommended_state) {
+    const plan_entry& e = plan.state_entries[*plan.recommended_state];
+    planned_run run{r.dp, {strategy_kind::upipe, r.gpus / r.dp, e.head_chunk, 1, e.seq_chunks},
+                    {e.offload_optimizer, e.offload_params, e.offload_master}, e.state, *e.longest};
+    if (r.seq_len) {
+      plan_request with = r;
+      with.offload_optimizer = e.offload_optimizer;
+      with.offload_params = e.offload_params;
+      with.offload_master = e.offload_master;
+      with.state = e.state;
+      run.point = fastest_fit(with, run.cp, *r.seq_len);
+    }
+    return run;
+  }
+  if (plan.recommended_mesh) return run_of(plan.meshes[*plan.recommended_mesh]);
+  return std::nullopt;
+}
+
+std::string rule_text(const plan_request& r, const plan_result& plan) {
+  const std::string length = r.seq_len ? "--seq-len " + tokens_text(*r.seq_len)
+                                       : "the longest S, " + tokens_text(plan.planned_seq_len);
+  return plan.recommended_state ? "the most precise AdamW state that reaches " + length +
+                                      ", in the placement moving the least to the host"
+                                : "at " + length + ", the mesh with the fastest modelled step";
+}
+
+void print_recommendation(const plan_flags& f, const plan_request& r, const plan_result& plan) {
+  const std::optional<planned_run> run = recommend(r, plan);
+  if (!run) {
+    std::printf("\nrecommended: none (%s)\n",
+                r.zero == zero_stage::replicated ? "--optimizer none plans no training run"
+                                                 : "no configuration fits; shorten --seq-len, add GPUs or memory");
+    return;
+  }
+  const plan_point& p = run->point;
+  std::printf("\nrecommended (the rule: %s):\n  %s\n", rule_text(r, plan).c_str(), train_command(f, r, *run).c_str());
+  std::printf("  planned: arena %.2f GiB of --memory-gib %.2f (GPU %.2f GiB with the context), host %.2f GiB of "
+              "--host-memory-gib %.2f (everything the process holds in host memory%s)\n",
+              gib(p.arena_bytes), planned_arena_gib(r), gib(p.gpu_bytes), gib(p.host_bytes), gib(p.host_budget),
+              r.nodes > 1 ? "; one process per GPU on several nodes" : "; one process runs the node's ranks");
+  std::printf("  add --backend cuda to run it on the GPUs; --backend meta runs it here, shapes only, and prints its "
+              "arena high water and host memory\n");
 }
 
 // The state formats at the recommended configuration, and the command to run.
-void print_states(const plan_request& r, const plan_result& plan, const plan_flags& f) {
+void print_states(const plan_request& r, const plan_result& plan) {
   if (plan.state_entries.empty()) return;
   const plan_entry& first = plan.state_entries.front();
   std::printf("\nAdamW's state at upipe U = %d, N = %d, each format in each placement (--optimizer-state auto):\n",
@@ -301,20 +370,15 @@ void print_states(const plan_request& r, const plan_result& plan, const plan_fla
                 tokens_text(p.seq_len).c_str(), gib(p.gpu_bytes), gib(p.host_bytes), p.time->total(),
                 p.policy.str().c_str());
   }
-  if (!plan.recommended_state) {
-    std::printf("recommended state: none reaches S = %s\n", tokens_text(*r.seq_len).c_str());
-    return;
-  }
-  std::printf("recommended (the most precise format that reaches %s, in the placement moving the least to the "
-              "host):\n  %s\n",
-              r.seq_len ? ("S = " + tokens_text(*r.seq_len)).c_str() : "the longest S",
-              command_text(r, plan, f).c_str());
+  if (!plan.recommended_state) std::printf("no state format reaches S = %s\n", tokens_text(*r.seq_len).c_str());
 }
 
 int run(const plan_flags& f) {
   const auto start = std::chrono::steady_clock::now();
   plan_request r;
   r.model = load_model(f.cfg().model, f.cfg().config, f.cfg().layers);
+  if (std::error_code ec; f.cfg().config.empty() && std::filesystem::is_directory(f.cfg().model, ec))
+    r.model_dir = f.cfg().model;  // its weight files are mapped for the run: host memory
   const mesh_size mesh = plan_mesh(f.gpus, f.gpus_given, f.gpus_per_node, f.nodes, f.nodes_given);
   r.gpus = mesh.gpus;
   r.nodes = mesh.nodes;
@@ -400,7 +464,9 @@ int run(const plan_flags& f) {
               "%.1f GiB usable)\n",
               r.model.name.c_str(), r.model.num_layers, r.gpus, r.nodes, r.nodes == 1 ? "" : "s", r.gpus / r.nodes,
               step_kind.c_str(), gib(r.gpu_memory), 100 * r.margin, gib(r.gpu_memory) * (1 - r.margin));
-  std::printf("# host-memory=%.1f GiB per node%s, shared by the node's %d ranks (pinned checkpoints and offloaded state)\n",
+  std::printf("# host-memory=%.1f GiB per node%s, shared by the node's %d ranks: everything a run holds in host memory "
+              "(the pools with checkpoints and offloaded state, the weight files or a random start's copy, the "
+              "process's own), as train counts it\n",
               gib(r.host_memory), host_default ? " (default: 1.9 TiB, the paper's 8 x H100 machine; set --host-memory)" : "",
               r.gpus / r.nodes);
   std::printf("# GPU bytes = the step's arena high water (meta backend, with cuBLASLt's and cuDNN's workspaces "
@@ -412,6 +478,11 @@ int run(const plan_flags& f) {
               r.rates.pcie_gbytes);
   for (const std::string& why : skipped) std::printf("# left out: %s\n", why.c_str());
   std::fflush(stdout);
+  r.progress = [start](int done, int total) {
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    std::fprintf(stderr, "\rupipe plan: %d of %d configurations searched (%.0f s)%s", done, total, seconds,
+                 done == total ? "\n" : "");
+  };
   const plan_result plan = make_plan(r);
 
   // Beside each: the longest length `upipe eval` reaches (forward only, weights alone).
@@ -456,16 +527,17 @@ int run(const plan_flags& f) {
   const bool upipe_planned =
       std::find(r.strategies.begin(), r.strategies.end(), strategy_kind::upipe) != r.strategies.end();
   if (upipe_planned && plan.recommended_head_chunk)
-    std::printf("\nrecommended: upipe with U = %d%s (the largest U that fits S = %s with the margin; a larger U runs "
+    std::printf("\nupipe: U = %d%s is the largest U that fits S = %s with the margin (a larger U runs "
                 "fewer, larger stages)\n",
                 *plan.recommended_head_chunk,
                 plan.recommended_seq_chunks > 1 ? (" and N = " + std::to_string(plan.recommended_seq_chunks)).c_str() : "",
                 tokens_text(plan.planned_seq_len).c_str());
   else if (upipe_planned)
-    std::printf("\nrecommended: none, upipe fits no U at S = %s; shorten --seq-len or add GPUs\n",
+    std::printf("\nupipe fits no U at S = %s\n",
                 tokens_text(plan.planned_seq_len).c_str());
-  print_meshes(f, r, plan);
-  print_states(r, plan, f);
+  print_meshes(r, plan);
+  print_states(r, plan);
+  print_recommendation(f, r, plan);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   std::printf("# planned in %.1f s\n", seconds);
 
@@ -521,9 +593,13 @@ int run(const plan_flags& f) {
                           {"max_seq_len", e.longest ? e.longest->seq_len : 0},
                           {"longest", e.longest ? point_json(*e.longest) : nlohmann::json(nullptr)}});
       doc["states"] = states;
-      doc["recommended_command"] =
-          plan.recommended_state ? nlohmann::json(command_text(r, plan, f)) : nlohmann::json(nullptr);
     }
+    const std::optional<planned_run> run = recommend(r, plan);
+    doc["recommendation_rule"] = rule_text(r, plan);
+    doc["recommended_command"] = run ? nlohmann::json(train_command(f, r, *run)) : nlohmann::json(nullptr);
+    doc["recommended"] = run ? point_json(run->point) : nlohmann::json(nullptr);
+    if (run) doc["recommended"]["host_memory_gib"] = gib(run->point.host_budget);
+    if (run) doc["recommended"]["memory_gib"] = planned_arena_gib(r);
     write_json_file(f.json_path, doc, 1);
   }
   return 0;
@@ -541,7 +617,7 @@ command_runner add_plan(CLI::App& app) {
                                       "node)")->capture_default_str();
   app.add_option("--gpu-memory", f->gpu_memory, "memory per GPU (80GiB, 141GB, ...)")->capture_default_str();
   app.add_option("--host-memory", f->host_memory,
-                 "host memory of the node (default 1.9TiB, the paper's machine)");
+                 "host memory of the node, everything a run may hold there (default 1.9TiB, the paper's machine)");
   app.add_option("--seq-len", f->seq_len, "also plan this length (K and M suffixes)");
   app.add_option("--attention", f->attention,
                  "strategies to plan, a comma list of: " + strategy_help() +

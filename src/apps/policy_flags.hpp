@@ -9,6 +9,7 @@
 #include "apps/sizes.hpp"
 #include "core/error.hpp"
 #include "plan/planner.hpp"
+#include "train/run_memory.hpp"
 #include "train/step_sizes.hpp"
 #include "train/trainer.hpp"
 
@@ -42,7 +43,15 @@ inline plan_point choose_checkpoint_policy(train_options& o, const run_config& c
   r.loss_chunk = o.step.loss_chunk;
   r.margin = 0.02;
   r.gpu_memory = gpu_arena_bytes(memory_gib) + gpu_context_bytes();
-  r.host_memory = resolve_step(on_gpu).limits.host_bytes * static_cast<std::size_t>(r.gpus);
+  r.arena_gib = memory_gib;  // the tile and chunk of the run's own arena
+  r.model_dir = o.model_dir;
+  // The run's pools as the GPU sizes them (what a --host-memory-gib leaves them), and what
+  // lies beside them as the planner's meta probe counts it: the policy moves the pools alone.
+  train_options as_probed = o;
+  as_probed.backend = backend_kind::meta;
+  std::size_t beside = 0;
+  for (const memory_part& part : host_beside_pools(as_probed)) beside += part.bytes;
+  r.host_memory = resolve_step(on_gpu).limits.host_bytes * static_cast<std::size_t>(r.gpus) + beside;
   const plan_point chosen = fastest_fit(r, o.cp, o.seq_len);
   if (!chosen.fits) {
     char gib[32];
@@ -63,6 +72,7 @@ inline void size_step(train_options& o, const run_config& c) {
   const resolved_step sized = resolve_step(sizes_of(o, c.memory_gib, c.host_memory_gib));
   o.step = sized.step;
   o.limits = sized.limits;
+  o.host_memory_gib = c.host_memory_gib;
 }
 
 // --checkpoint-policy auto where the command measures whatever the plan says (step, bench):

@@ -431,6 +431,8 @@ void print_summary(const train_options& o, const train_summary& s) {
   std::printf("weights loaded on every rank in %.3f s (from the start: checks, files mapped, shards read)\n",
               s.load_seconds);
   std::printf("rank 0's device arena high water: %.2f MiB\n", static_cast<double>(s.arena_high_water) / (1 << 20));
+  std::printf("host memory of the process: %.2f MiB (its pools, rank 0's high water %.2f MiB, and what lies beside "
+              "them)\n", static_cast<double>(s.host_bytes) / (1 << 20), static_cast<double>(s.host_high_water) / (1 << 20));
   // Every rank on data backends; rank 0 alone on meta (the loopback emulation).
   std::vector<std::size_t> ranks;
   for (std::size_t r = 0; r < s.peak_bytes.size(); ++r)
@@ -600,6 +602,7 @@ int run(train_command& command) {
   if (metrics.is_open()) {
     nlohmann::json last_record = {{"final", true}, {"steps", s.steps.size()}, {"seconds", s.seconds},
                                   {"peak_bytes_per_rank", s.peak_bytes}, {"arena_high_water_bytes", s.arena_high_water},
+                                  {"host_bytes", s.host_bytes}, {"host_high_water_bytes", s.host_high_water},
                                   {"time", utc_now()}, {"run_id", s.run_id}};
     last_record["loss"] = s.steps.empty() ? nlohmann::json(nullptr) : nlohmann::json(s.steps.back().loss);
     last_record["retrieval_accuracy"] = s.retrieval_accuracy ? nlohmann::json(*s.retrieval_accuracy) : nlohmann::json(nullptr);

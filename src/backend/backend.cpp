@@ -148,6 +148,10 @@ void backend::release(const tensor& t, std::size_t offset) noexcept {
   }
 }
 
+#ifndef UPIPE_HAVE_CUDA
+std::size_t gpu_free_bytes(int) { return gpu_memory_override(); }
+#endif
+
 std::unique_ptr<backend> make_backend(backend_kind kind, const memory_limits& limits) {
   switch (kind) {
     case backend_kind::cpu: return make_cpu_backend(limits);

@@ -44,12 +44,6 @@ bool runs_at(const model_config& model, const cp_settings& cp, std::int64_t seq_
 // moves with the mesh, and moving the attention's checkpoint through host memory can beat
 // recomputing it, so the policies' fixed order is not the model's. Each policy is probed
 // once.
-// A point's larger need over the budget it must keep to (below 1: it fits).
-double overshoot(const plan_request& r, const plan_point& p) {
-  const double keep = 1.0 - r.margin;
-  return std::max(static_cast<double>(p.gpu_bytes) / (keep * static_cast<double>(r.gpu_memory)),
-                  static_cast<double>(p.host_bytes) / (keep * static_cast<double>(r.host_memory)));
-}
 
 plan_point fastest_by_model(const plan_request& r, const cp_settings& cp, std::int64_t seq_len) {
   const auto overshoot = [&](const plan_point& p) { return upipe::overshoot(r, p); };
@@ -75,6 +69,8 @@ std::optional<mesh_entry> plan_group(const plan_request& r, const std::vector<cp
     e.cp = cp;
     e.offload_optimizer = r.offload_optimizer;
     e.offload_params = r.offload_params;
+    e.offload_master = r.offload_master;
+    e.state = r.state;
     e.point = fastest_by_model(r, cp, seq_len);
     if (e.point.fits) return e;
     if (closest && overshoot(r, e.point) >= overshoot(r, closest->point)) break;

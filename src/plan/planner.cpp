@@ -4,6 +4,8 @@
 #include <cmath>
 #include <functional>
 #include <future>
+#include <map>
+#include <mutex>
 #include <string>
 
 #include "core/error.hpp"
@@ -11,6 +13,7 @@
 #include "cp/strategy_table.hpp"
 #include "model/hf_model.hpp"
 #include "model/model_step.hpp"
+#include "train/run_memory.hpp"
 #include "train/step_sizes.hpp"
 #include "ops/gemm_workspace.hpp"
 
@@ -19,11 +22,11 @@ namespace upipe {
 namespace {
 
 constexpr std::size_t mib = std::size_t{1} << 20;
+constexpr std::size_t pool_headroom = 64 * mib;          // a pool's alignment beside its high water
+constexpr double gib_hundredth = static_cast<double>(std::size_t{1} << 30) / 100;
 constexpr std::int64_t longest_searched = std::int64_t{1} << 30;  // tokens
 
-// Outside the arena on the H200 (driver peak minus arena, docs/benchmarks.md): the CUDA
-// context, the cuBLASLt and cuDNN handles and the staging buffers, rounded up.
-constexpr std::size_t context_bytes = 640 * mib;
+constexpr std::size_t context_bytes = cuda_context_bytes;  // outside the arena (train/run_memory.hpp)
 
 train_options probe_options(const plan_request& r, const cp_settings& cp, std::int64_t seq_len,
                             const checkpoint_policy& policy) {
@@ -48,9 +51,9 @@ train_options probe_options(const plan_request& r, const cp_settings& cp, std::i
   // chunk are those of the planned GPU's arena, the GPU memory less the context.
   o.step = {r.mlp_tile, r.loss_chunk, policy};
   o.step.lora = r.lora;
-  const std::size_t arena = r.gpu_memory > context_bytes ? r.gpu_memory - context_bytes : r.gpu_memory;
-  const double arena_gib = static_cast<double>(arena) / (1 << 30);  // exact: a power-of-two scale
-  const resolved_step resolved = resolve_step(sizes_of(o, arena_gib, 0));
+  o.model_dir = r.model_dir;
+  o.weights_in_model_dir = train_options::model_dir_weights::optional;
+  const resolved_step resolved = resolve_step(sizes_of(o, planned_arena_gib(r), 0));
   o.step = resolved.step;
   o.limits = resolved.limits;
   return o;
@@ -87,6 +90,50 @@ std::int64_t longest_fit(const cp_settings& cp, const std::function<bool(std::in
   return good * g;
 }
 
+// The longest multiple of the granule whose need (overshoot: at most 1 fits) fits, from
+// nothing. A step's memory is close to affine in S, so the boundary is predicted from the
+// two latest probes (a secant) and probed there and one granule past it, a few rounds; then
+// bisection between the longest that fits and the shortest that does not. An exact
+// prediction costs four probes in all, where doubling then bisection costs about 2 log2(S/g).
+std::int64_t longest_fit_predicted(const cp_settings& cp, const std::function<double(std::int64_t seq_len)>& need_at) {
+  const std::int64_t g = granule(cp), top = longest_searched / g;
+  std::int64_t good = 1, bad = 0;  // bad 0: none known
+  double good_need = need_at(g);
+  if (good_need > 1) return 0;
+  std::int64_t k_a = 1, k_b = std::min<std::int64_t>(top, 64);
+  double need_a = good_need;
+  for (int round = 0; round < 8 && (bad == 0 || bad - good > 1) && k_b > good && (bad == 0 || k_b < bad); ++round) {
+    const double need_b = need_at(k_b * g);
+    (need_b <= 1 ? good : bad) = k_b;
+    if (need_b <= 1 && k_b == top) return top * g;
+    // The next probe: where the line through the two latest points reaches 1, alternately
+    // just under and just past it, kept strictly inside the bracket.
+    const double slope = (need_b - need_a) / static_cast<double>(k_b - k_a);
+    std::int64_t next = slope > 0 ? static_cast<std::int64_t>(std::floor(static_cast<double>(k_b) + (1 - need_b) / slope))
+                                  : good * 2;
+    if (need_b > 1 && next >= k_b) next = k_b - 1;
+    if (need_b <= 1 && next <= k_b) next = k_b + 1;
+    next = std::clamp<std::int64_t>(next, good + 1, bad == 0 ? top : bad - 1);
+    k_a = k_b, need_a = need_b, k_b = next;
+  }
+  if (bad == 0) {  // the line never crossed 1: on by doubling
+    while (bad == 0) {
+      const std::int64_t k = std::min(top, good * 2);
+      if (need_at(k * g) <= 1) {
+        if (k == top) return top * g;
+        good = k;
+      } else {
+        bad = k;
+      }
+    }
+  }
+  while (bad - good > 1) {
+    const std::int64_t mid = good + (bad - good) / 2;
+    (need_at(mid * g) <= 1 ? good : bad) = mid;
+  }
+  return good * g;
+}
+
 // longest_fit from a length that may fit (a neighbouring configuration's answer): from it
 // when it fits; else down from it in steps of 1, 2, 4, ... granules to one that fits, then
 // bisection between, so that an answer near the hint costs few probes either way.
@@ -112,6 +159,44 @@ std::int64_t longest_fit_near(const cp_settings& cp, const std::function<bool(st
     (fits_at(mid * g) ? good : bad) = mid;
   }
   return good * g;
+}
+
+}  // namespace
+
+struct probe_cache {
+  std::mutex mutex;
+  std::map<std::string, step_memory> memory;
+};
+
+namespace {
+
+// What distinguishes one probe from another within a plan (one model, one machine).
+std::string probe_key(const plan_request& r, const cp_settings& cp, std::int64_t seq_len, const checkpoint_policy& policy) {
+  std::string key;
+  for (const long long v : {static_cast<long long>(cp.strategy), static_cast<long long>(cp.cp),
+                            static_cast<long long>(cp.head_chunk), static_cast<long long>(cp.ring),
+                            static_cast<long long>(cp.seq_chunks), static_cast<long long>(seq_len),
+                            static_cast<long long>(r.dp), static_cast<long long>(r.zero),
+                            static_cast<long long>(r.offload_optimizer), static_cast<long long>(r.offload_params),
+                            static_cast<long long>(r.offload_master), static_cast<long long>(r.state.format.moments),
+                            static_cast<long long>(r.state.format.master), static_cast<long long>(r.state.grad_type),
+                            static_cast<long long>(r.max_grad_norm > 0), static_cast<long long>(r.mlp_tile),
+                            static_cast<long long>(r.loss_chunk)})
+    key += std::to_string(v) + ",";
+  return key + policy.str() + "," + lora_text(r.lora) + "," + real_text(planned_arena_gib(r));
+}
+
+step_memory probe_memory(const plan_request& r, const cp_settings& cp, std::int64_t seq_len,
+                         const checkpoint_policy& policy) {
+  if (!r.cache) return measure_step_memory(probe_options(r, cp, seq_len, policy));
+  const std::string key = probe_key(r, cp, seq_len, policy);
+  {
+    std::lock_guard lock(r.cache->mutex);
+    if (auto it = r.cache->memory.find(key); it != r.cache->memory.end()) return it->second;
+  }
+  step_memory m = measure_step_memory(probe_options(r, cp, seq_len, policy));
+  std::lock_guard lock(r.cache->mutex);
+  return r.cache->memory.emplace(key, std::move(m)).first->second;
 }
 
 }  // namespace
@@ -194,9 +279,10 @@ plan_entry plan_configuration(const plan_request& r, const cp_settings& cp, cons
     const auto fits = [&](std::int64_t seq_len) { return evaluate(r, cp, seq_len, policies[i]).fits; };
     // A later policy is searched only if it beats the best so far by a granule, from there.
     if (best > 0 && (best + granule(cp) > longest_searched || !fits(best + granule(cp)))) continue;
+    const auto need = [&](std::int64_t seq_len) { return overshoot(r, evaluate(r, cp, seq_len, policies[i])); };
     const std::int64_t s = best > 0 ? longest_fit(cp, fits, best + granule(cp))
                            : hint != nullptr && hint->longest ? longest_fit_near(cp, fits, hint->longest->seq_len)
-                                                              : longest_fit(cp, fits);
+                                                              : longest_fit_predicted(cp, need);
     if (s > best) best = s, chosen = i;  // ties keep the earlier (faster) policy
   }
   if (best > 0) {
@@ -249,18 +335,35 @@ gpu_overheads estimate_overheads(const step_memory& memory) {
   return o;
 }
 
+double overshoot(const plan_request& r, const plan_point& p) {
+  const double keep = 1.0 - r.margin;
+  const std::size_t node_budget = p.host_budget * (r.nodes > 1 ? static_cast<std::size_t>(r.gpus / r.nodes) : 1);
+  return std::max(static_cast<double>(p.gpu_bytes) / (keep * static_cast<double>(r.gpu_memory)),
+                  static_cast<double>(std::max(p.host_bytes, node_budget)) / (keep * static_cast<double>(r.host_memory)));
+}
+
 plan_point evaluate(const plan_request& r, const cp_settings& cp, std::int64_t seq_len, const checkpoint_policy& policy) {
   plan_point p;
   p.seq_len = seq_len;
   p.policy = policy;
-  p.memory = measure_step_memory(probe_options(r, cp, seq_len, policy));
+  p.memory = probe_memory(r, cp, seq_len, policy);
   p.overheads = estimate_overheads(p.memory);
   p.arena_bytes = p.memory.arena_high_water;  // the meta probe reserves the workspaces as the GPU does
   p.gpu_bytes = p.arena_bytes + p.overheads.context;
-  p.host_bytes = p.memory.host_high_water * static_cast<std::size_t>(r.gpus / r.nodes);  // one node's ranks
-  const double keep = 1.0 - r.margin;
-  p.fits = static_cast<double>(p.gpu_bytes) <= keep * static_cast<double>(r.gpu_memory) &&
-           static_cast<double>(p.host_bytes) <= keep * static_cast<double>(r.host_memory);
+  // One process runs a node's ranks; on several nodes a launcher starts one per GPU.
+  const train_options o = probe_options(r, cp, seq_len, policy);
+  const std::size_t ranks = static_cast<std::size_t>(r.nodes > 1 ? 1 : r.gpus / r.nodes);
+  std::size_t beside = 0;
+  for (const memory_part& part : host_beside_pools(o)) beside += part.bytes;
+  p.host_bytes = p.memory.host_high_water * ranks + beside;
+  // Each pool: its high water with the alignment's headroom, and at least what train
+  // requires a budget to leave it (the offload and the chunks as it sizes them).
+  const std::size_t pool = std::max(p.memory.host_high_water + pool_headroom,
+                                    pool_floor(pool_parts_of(sizes_of(o, planned_arena_gib(r), 0))));
+  const double budget = static_cast<double>(pool * ranks + beside);
+  p.host_budget = static_cast<std::size_t>(std::ceil(budget / gib_hundredth)) * static_cast<std::size_t>(gib_hundredth);
+  if (r.nodes > 1) p.host_bytes *= static_cast<std::size_t>(r.gpus / r.nodes);  // the node's processes
+  p.fits = overshoot(r, p) <= 1;
   return p;
 }
 
@@ -406,8 +509,11 @@ std::vector<plan_entry> sweep(const plan_request& r) {
     }
   }
   std::vector<plan_entry> entries;
-  for (auto& w : work)
+  int done = 0;
+  for (auto& w : work) {
     for (plan_entry& e : w.get()) entries.push_back(std::move(e));
+    if (r.progress) r.progress(++done, static_cast<int>(work.size()));
+  }
   return entries;
 }
 
@@ -452,6 +558,7 @@ std::optional<std::size_t> recommend_state(const std::vector<plan_entry>& entrie
 plan_result make_plan(const plan_request& request) {
   validate(request);
   plan_request r = request;
+  if (!r.cache) r.cache = std::make_shared<probe_cache>();
   if (r.try_state) r.state = state_ladder().back();  // the sweep at the leanest format
   plan_result out;
   out.entries = sweep(r);
@@ -484,12 +591,7 @@ plan_result make_plan(const plan_request& request) {
 }
 
 plan_point fastest_fit(const plan_request& r, const cp_settings& cp, std::int64_t seq_len) {
-  // How far a point is from fitting: its larger need over the budget it must keep to.
-  const double keep = 1.0 - r.margin;
-  const auto overshoot = [&](const plan_point& p) {
-    return std::max(static_cast<double>(p.gpu_bytes) / (keep * static_cast<double>(r.gpu_memory)),
-                    static_cast<double>(p.host_bytes) / (keep * static_cast<double>(r.host_memory)));
-  };
+  const auto overshoot = [&](const plan_point& p) { return upipe::overshoot(r, p); };
   std::optional<plan_point> closest;
   for (const checkpoint_policy& p : r.policy ? std::vector<checkpoint_policy>{*r.policy} : candidate_policies()) {
     plan_point point = evaluate(r, cp, seq_len, p);
@@ -500,5 +602,12 @@ plan_point fastest_fit(const plan_request& r, const cp_settings& cp, std::int64_
 }
 
 std::size_t gpu_context_bytes() { return context_bytes; }
+
+double planned_arena_gib(const plan_request& r) {
+  if (r.arena_gib) return *r.arena_gib;
+  const double arena = (1.0 - r.margin) * static_cast<double>(r.gpu_memory) - static_cast<double>(context_bytes);
+  return std::max(0.01, std::floor(arena / gib_hundredth) / 100);
+}
+
 
 }  // namespace upipe

@@ -8,7 +8,9 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -20,6 +22,8 @@
 
 namespace upipe {
 
+struct probe_cache;  // the meta probes a plan has run (planner.cpp)
+
 struct plan_request {
   model_config model;
   int gpus = 8;                        // every GPU: gpus / nodes per node
@@ -29,7 +33,12 @@ struct plan_request {
   // no sweep (`upipe plan` asks for every divisor of gpus unless --dp says otherwise).
   std::vector<int> dps;
   std::size_t gpu_memory = 0;          // bytes per GPU
-  std::size_t host_memory = 0;         // bytes per node, shared by its gpus / nodes ranks
+  // Bytes per node, shared by its gpus / nodes ranks: everything a run may hold in host
+  // memory (the pools with the offloaded state and the checkpoints, and what lies beside
+  // them: the weights' files or host copy, the sequences, the process's own).
+  std::size_t host_memory = 0;
+  std::optional<double> arena_gib;     // the arena a run takes, GiB (default: planned_arena_gib's)
+  std::string model_dir;               // --model DIR: its weight files, mapped for the run, count as host memory
   double margin = 0.05;                // fraction of gpu_memory kept free
   std::optional<std::int64_t> seq_len;  // also report every configuration at this length
   std::vector<strategy_kind> strategies{strategy_kind::ulysses, strategy_kind::upipe, strategy_kind::ring};
@@ -55,6 +64,12 @@ struct plan_request {
   std::optional<checkpoint_policy> policy;    // only this policy (default: candidate_policies())
   bool eval = true;                           // also the longest length `upipe eval` fits
   throughput_rates rates;                     // the step-time model's compute rates and links
+  // The probes already run, shared by the copies of one plan's request (make_plan makes
+  // it): the mesh sweep and the state sweep meet many of the sweep's points again.
+  std::shared_ptr<probe_cache> cache;
+  // Called from the sweep as each configuration's search ends (done, of total): plan's
+  // progress line on stderr.
+  std::function<void(int done, int total)> progress;
 };
 
 // The libraries' share of a GPU: their workspaces (in the arena, reserved by the meta
@@ -73,7 +88,10 @@ struct plan_point {
   gpu_overheads overheads;
   std::size_t arena_bytes = 0;    // predicted arena high water on the GPU (the probe's, workspaces included)
   std::size_t gpu_bytes = 0;      // arena + context: what the GPU must hold
-  std::size_t host_bytes = 0;     // pinned host memory of the node (all C ranks)
+  std::size_t host_bytes = 0;     // host memory of the node: its ranks' pools at their high water and what lies
+                                  // beside them (train/run_memory.hpp), per process on several nodes
+  std::size_t host_budget = 0;    // the --host-memory-gib the command gets: host_bytes with each pool's
+                                  // alignment headroom, rounded up to 0.01 GiB
   bool fits = false;
   std::optional<step_time> time;  // the step-time model's, on the entries' final points
 };
@@ -109,7 +127,8 @@ struct plan_entry {
 struct mesh_entry {
   int dp = 1;
   cp_settings cp;
-  bool offload_optimizer = false, offload_params = false;
+  bool offload_optimizer = false, offload_params = false, offload_master = false;
+  optimizer_state_options state;  // AdamW's state format it was planned with
   plan_point point;  // its time is the step-time model's (one sequence per replica)
   // Every replica trains a sequence of S tokens on its C GPUs in a step.
   double tokens_per_s_per_gpu() const {
@@ -143,6 +162,11 @@ std::vector<optimizer_state_options> state_ladder();
 // The placements (--offload) the planner tries: none, master, optimizer, master,params,
 // optimizer,params (without the weights' under LoRA, whose base stays on the GPU).
 std::vector<offload_options> placements(bool lora);
+
+// A point's larger need over the budget it must keep to (at most 1: it fits): its GPU
+// bytes against the GPU's, its host memory (the node's, or every process's budget on
+// several nodes) against the host's, each less the margin.
+double overshoot(const plan_request& request, const plan_point& point);
 
 // The libraries' share of a probe's memory, and the context.
 gpu_overheads estimate_overheads(const step_memory& memory);
@@ -184,6 +208,11 @@ void recommend_mesh(plan_result& result);
 // fitting, whose larger need (GPU or host) over its budget is smallest (its `fits` is
 // false). What `plan --seq-len` reports and `--checkpoint-policy auto` runs with.
 plan_point fastest_fit(const plan_request& request, const cp_settings& cp, std::int64_t seq_len);
+
+// The arena (--memory-gib) a plan's GPU gets: the GPU's memory less the margin and the
+// context, rounded down to 0.01 GiB (what the probe sizes its tile and chunk for, and what
+// the printed command asks for).
+double planned_arena_gib(const plan_request& request);
 
 // What the planner adds to a step's arena on a GPU: the CUDA context and the libraries'
 // handles outside it.

@@ -30,9 +30,14 @@ struct step_request {
   // The GPU arena per rank, GiB: the tile and chunk are sized for it whatever the backend,
   // so that a meta or cpu run takes the sizes the GPU run would.
   double memory_gib = 8;
-  // The host pool per rank, GiB; 0: 16 MiB on the GPU with checkpoints on the device, else
-  // memory_gib.
+  // Everything the process may hold in host memory, GiB (--host-memory-gib: its ranks'
+  // pools with the offloaded state, the weights' files, the sequences, the libraries): each
+  // rank's pool is what remains of it, shared evenly. 0: no budget; then each rank's pool
+  // is 16 MiB on the GPU with checkpoints on the device, else memory_gib, plus what the
+  // offload and the chunks keep there.
   double host_memory_gib = 0;
+  int ranks = 1;  // the ranks the process runs, which share the budget (sizes_of: dp x cp)
+  std::size_t host_beside_pools = 0;  // the process's host bytes outside the pools (run_memory.hpp)
   // The step as asked: its checkpoint policy, LoRA and the rest; a tile or loss chunk of 0
   // is sized for the arena (with_default_sizes).
   step_options step;
@@ -43,6 +48,15 @@ struct resolved_step {
   memory_limits limits;  // the arenas the backend reserves: the pool, the offload, the chunks' K/V
 };
 
+// What a rank's host pool holds beside the checkpoints: the offloaded state and the
+// sequence chunks' K/V (each with the arena's alignment margin; 0 where there is none).
+struct pool_parts {
+  std::size_t offload = 0, chunks = 0;
+};
+pool_parts pool_parts_of(const step_request& r);
+// What a --host-memory-gib budget must leave each rank's pool: its parts and the staging.
+std::size_t pool_floor(const pool_parts& parts);
+
 // What a training run's options ask of its sizes (their step as it stands), and what a
 // model step's ask for sequences of up to seq_len tokens.
 step_request sizes_of(const train_options& o, double memory_gib, double host_memory_gib);
@@ -50,7 +64,10 @@ step_request sizes_of(const model_step_request& req, std::int64_t seq_len, doubl
                       double host_memory_gib);
 
 // Checks the budgets (--memory-gib, --host-memory-gib: positive, at most a pebibyte, named
-// in the error) and resolves every size.
+// in the error) and resolves every size. A --host-memory-gib budget too small for what the
+// pools must hold (the offloaded state, the chunks) and what lies beside them is
+// out_of_memory_error (exit 3) naming the parts, on every backend (meta too, so that a
+// meta run refuses what the GPU's would).
 resolved_step resolve_step(const step_request& r);
 
 // The arenas alone, before the offload and the chunks are added: `memory_gib` per rank;

@@ -22,6 +22,7 @@
 #include "train/data.hpp"
 #include "train/mesh.hpp"
 #include "train/run_directory.hpp"
+#include "train/run_memory.hpp"
 #include "train/train_checkpoint.hpp"
 #include "train/trainer_data.hpp"
 
@@ -412,6 +413,7 @@ void run_rank(const train_options& o, backend& be, const mesh_comms& mesh, const
   }
   summary.peak_bytes[comm.rank()] = be.ledger().peaks_by_name();
   if (comm.rank() == 0) summary.arena_high_water = be.device_arena().high_water();
+  if (comm.rank() == 0) summary.host_high_water = be.host_arena().high_water();
 }
 
 step_memory memory_of(const backend& be) {
@@ -568,6 +570,7 @@ step_timing time_steps(const train_options& options, std::int64_t warmup_len, in
   train_options o = options;
   o.tokens = token_source::random;
   validate(o);
+  require_run_memory(run_memory_of(o), o.backend);
   UPIPE_CHECK(repeats >= 1, "time_steps needs at least one timed step");
   UPIPE_CHECK(target_fraction > 0 && target_fraction <= 1, "time_steps' target fraction lies in (0, 1]");
   // Random ids where there is data; zeros on meta, which never reads them.
@@ -726,6 +729,8 @@ train_summary train(const train_options& options, const std::function<void(const
   if (!o.save_dir.empty()) o.save_dir = resolve_checkpoint_dir(o.save_dir);  // a trailing slash, a symbolic link
   o.init_path = resolve_checkpoint(o.init_path);
   o.init_adapter = resolve_checkpoint(o.init_adapter);
+  // Before anything is read, pinned or allocated: the whole run against the machine.
+  require_run_memory(run_memory_of(o), o.backend);
   std::unique_ptr<saved_state> resume;
   std::unique_ptr<weight_source> init, adapter_init;
   host_weights random, random_adapters;
@@ -776,6 +781,7 @@ train_summary train(const train_options& options, const std::function<void(const
     throw;
   }
   summary.seconds = std::chrono::duration<double>(clock_type::now() - start).count();
+  summary.host_bytes = run_host_bytes(o, summary.host_high_water);
   return summary;
 }
 

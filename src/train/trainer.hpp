@@ -90,6 +90,9 @@ struct train_options {
   const std::atomic<int>* stop_signal = nullptr;
   backend_kind backend = backend_kind::cpu;
   memory_limits limits;
+  // --host-memory-gib: everything the process may hold in host memory, which the pools were
+  // sized from (0: none given); the start-up check counts it whole (train/run_memory.hpp).
+  double host_memory_gib = 0;
   comm_options comm;      // how real ranks talk (threads, NCCL)
   int eval_samples = 32;  // held-out passkey samples for the retrieval accuracy
   // Held-out loss during training: every eval_every steps, eval_sequences windows of the
@@ -128,6 +131,11 @@ struct train_summary {
   double seconds = 0;
   double load_seconds = 0;                    // from the start until every rank holds its weights
   std::size_t arena_high_water = 0;           // rank 0's device arena, bytes
+  std::size_t host_high_water = 0;            // rank 0's host pool, bytes
+  // The process's host memory (train/run_memory.hpp): what lies beside the pools and each
+  // rank's pool, whole where it is taken at start (the GPU's pinned pool), else at its high
+  // water (meta: what the GPU run's pools must hold).
+  std::size_t host_bytes = 0;
   int stopped_by_signal = 0;                  // the signal that stopped the run early, or 0
   std::string last_checkpoint;                // the newest checkpoint saved (empty: none)
   std::string run_id;                         // the run's id, kept across resumes

@@ -77,7 +77,7 @@ TEST(dp_cli, plan_sweeps_the_meshes_and_prints_the_train_command) {
                                  "--attention ulysses,upipe --seq-chunks 1 --seq-len 64K --json " + path);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("meshes at S = 64K"), std::string::npos) << r.output;
-  EXPECT_NE(r.output.find("recommended mesh: --dp "), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("fastest mesh: --dp "), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("x CP over all 8 GPUs"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("upipe train --model llama3.2-1b --dp "), std::string::npos) << r.output;
   std::ifstream in(path);

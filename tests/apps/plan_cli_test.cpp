@@ -23,7 +23,7 @@ TEST(plan_cli, json_holds_every_configuration_with_its_policy_and_peaks) {
   const auto path = (dir / "plan.json").string();
   const run_result r = run_upipe(small + "--host-memory 64GiB --seq-len 64K --seq-chunks 1,4 --json " + path);
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_NE(r.output.find("recommended: upipe with U = "), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("upipe: U = "), std::string::npos) << r.output;
   std::ifstream in(path);
   const nlohmann::json doc = nlohmann::json::parse(in);
   EXPECT_FALSE(doc["host_memory_default"].get<bool>());
@@ -50,6 +50,46 @@ TEST(plan_cli, json_holds_every_configuration_with_its_policy_and_peaks) {
     EXPECT_EQ(configurations.count(name), 1u) << name;
   EXPECT_EQ(configurations.size(), doc["entries"].size());
   std::filesystem::remove_all(dir);
+}
+
+// The printed command is the run: run as printed on meta (with --steps 1 --backend meta
+// added), its arena high water and host memory are the plan's within 2%, and its host
+// memory within the --host-memory-gib it was given.
+void check_recommended_runs_as_planned(const std::string& plan_args, const std::string& name) {
+  const auto dir = temp_dir("plan_run_" + name);
+  const auto path = (dir / "plan.json").string();
+  const run_result r = run_upipe(plan_args + " --json " + path);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("recommended (the rule: "), std::string::npos) << r.output;
+  std::ifstream in(path);
+  const nlohmann::json doc = nlohmann::json::parse(in);
+  for (const auto& m : doc["meshes"]) EXPECT_TRUE(m.contains("train_command")) << m.dump();
+  ASSERT_TRUE(doc["recommended_command"].is_string()) << doc.dump(1);
+  const std::string command = doc["recommended_command"].get<std::string>();
+  EXPECT_NE(r.output.find(command), std::string::npos) << "the printed command is the JSON's";
+  ASSERT_EQ(command.rfind("upipe train ", 0), 0u) << command;
+  for (const char* flag : {"--memory-gib ", "--host-memory-gib ", "--checkpoint-policy ", "--offload ", "--seq-len "})
+    EXPECT_NE(command.find(flag), std::string::npos) << flag << " missing from " << command;
+  const auto metrics = (dir / "m.jsonl").string();
+  const run_result run = run_upipe(command.substr(6) + " --steps 1 --backend meta --metrics-json " + metrics);
+  ASSERT_EQ(run.exit_code, 0) << command << "\n" << run.output;
+  const nlohmann::json last = upipe::testing::read_lines(metrics).back();
+  const nlohmann::json& planned = doc["recommended"];
+  const auto ratio = [](const nlohmann::json& measured, const nlohmann::json& plan) {
+    return measured.get<double>() / plan.get<double>();
+  };
+  EXPECT_NEAR(ratio(last["arena_high_water_bytes"], planned["arena_bytes"]), 1.0, 0.02) << command;
+  EXPECT_NEAR(ratio(last["host_bytes"], planned["host_bytes"]), 1.0, 0.02) << command;
+  EXPECT_LE(last["host_bytes"].get<double>(), planned["host_budget_bytes"].get<double>()) << command;
+  std::filesystem::remove_all(dir);
+}
+
+TEST(plan_cli, the_recommended_command_runs_on_meta_as_planned) {
+  // One GPU (every placement and state format), a CP group of 4 at a requested length, LoRA.
+  check_recommended_runs_as_planned("plan --model llama3.2-1b --layers 2 --gpus 1 --gpu-memory 6GiB --host-memory "
+                                    "24GiB --seq-chunks 1,4", "one_gpu");
+  check_recommended_runs_as_planned(small + "--host-memory 64GiB --seq-len 64K --seq-chunks 1", "cp4");
+  check_recommended_runs_as_planned(small + "--host-memory 64GiB --seq-chunks 1 --attention upipe --lora r=8", "lora");
 }
 
 TEST(plan_cli, default_host_memory_is_the_papers_and_says_so) {

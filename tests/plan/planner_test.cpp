@@ -10,6 +10,7 @@
 #include "model/model_step.hpp"
 #include "ops/sdpa_workspace.hpp"
 #include "plan/planner.hpp"
+#include "train/run_memory.hpp"
 #include "train/trainer.hpp"
 
 namespace upipe {
@@ -207,16 +208,30 @@ TEST(planner, the_optimizer_in_host_memory_fits_llama3_8b_on_one_gpu) {
   EXPECT_GT(longest(4), longest(2));
 }
 
+// What a probe of `r` at `seq_len` holds in host memory beside its pools: the random first
+// weights' f32 copy, the sequences, the process's own (train/run_memory.hpp).
+std::size_t beside_pools(const plan_request& r, std::int64_t seq_len) {
+  train_options o;
+  o.model = r.model;
+  o.seq_len = seq_len;
+  o.backend = backend_kind::meta;
+  std::size_t bytes = 0;
+  for (const memory_part& part : host_beside_pools(o)) bytes += part.bytes;
+  return bytes;
+}
+
 TEST(planner, host_memory_limits_offloaded_checkpoints) {
   plan_request r = small_request();
   r.strategies = {strategy_kind::upipe};
   const plan_result roomy = make_plan(r);
-  r.host_memory = std::size_t{1} << 30;
+  r.host_memory = beside_pools(r, 0) + (std::size_t{1} << 30);
   const plan_result tight = make_plan(r);
   ASSERT_EQ(roomy.entries.size(), tight.entries.size());
   for (std::size_t i = 0; i < roomy.entries.size(); ++i) {
+    ASSERT_TRUE(tight.entries[i].longest.has_value());
     EXPECT_LE(tight.entries[i].longest->seq_len, roomy.entries[i].longest->seq_len);
-    EXPECT_LE(tight.entries[i].longest->host_bytes, static_cast<std::size_t>(0.95 * (1 << 30)));
+    EXPECT_LE(tight.entries[i].longest->host_bytes, static_cast<std::size_t>(0.95 * static_cast<double>(r.host_memory)));
+    EXPECT_LE(tight.entries[i].longest->host_budget, static_cast<std::size_t>(0.95 * static_cast<double>(r.host_memory)));
   }
 }
 
@@ -251,7 +266,8 @@ TEST(planner, two_nodes_add_hybrid_and_count_host_memory_per_node) {
   int hybrids = 0;
   for (const plan_entry& e : plan.entries) {
     ASSERT_TRUE(e.longest.has_value());
-    EXPECT_EQ(e.longest->host_bytes, e.longest->memory.host_high_water * 2);  // 2 ranks per node
+    // A process per GPU on several nodes, 2 on each: each its pool and what lies beside it.
+    EXPECT_EQ(e.longest->host_bytes, 2 * (e.longest->memory.host_high_water + beside_pools(r, e.longest->seq_len)));
     if (e.strategy != strategy_kind::hybrid) continue;
     ++hybrids;
     EXPECT_EQ(e.ring, 2);

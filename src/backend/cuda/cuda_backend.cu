@@ -23,6 +23,7 @@
 
 #include "backend/backend.hpp"
 #include "core/error.hpp"
+#include "core/machine.hpp"
 #include "ops/cuda/cuda_check.hpp"
 #include "ops/cuda/cuda_ops.hpp"
 
@@ -563,6 +564,16 @@ void cuda_backend::download_f32(float* host, const tensor& src) {
 
 std::unique_ptr<backend> make_cuda_backend(const memory_limits& limits, int device) {
   return std::make_unique<cuda_backend>(limits, device);
+}
+
+std::size_t gpu_free_bytes(int device) {
+  if (const std::size_t pretended = gpu_memory_override(); pretended > 0) return pretended;
+  std::size_t free = 0, total = 0;
+  if (cudaSetDevice(device) != cudaSuccess || cudaMemGetInfo(&free, &total) != cudaSuccess) {
+    cudaGetLastError();  // clear it: the run's own calls name the device's trouble
+    return 0;
+  }
+  return free;
 }
 
 }  // namespace upipe
