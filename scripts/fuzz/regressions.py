@@ -281,6 +281,10 @@ def second_fuzz_cases():
          "refuse", ["rows.json"], file_of("rows.json", b"")),
         ("report on garbage exited without an upipe: error line", "report --out {w}/plots {w}/rows.json", "refuse",
          ["rows.json"], file_of("rows.json", b"garbage\n")),
+        ("--attention-dtype outside bf16|fp8 refused by name", TRAIN_META + " --attention-dtype fp16", "refuse",
+         ["--attention-dtype", "fp16"], None),
+        ("--head-chunk neither auto nor a count refused by name", TRAIN_META + " --head-chunk most", "refuse",
+         ["--head-chunk"], None),
     ]
 
 

@@ -167,7 +167,7 @@ double step_flops(const model_config& m, const lora_config& lora, std::int64_t s
 }
 
 std::vector<int> chunks_for(const bench_flags& f, const model_config& m, int C) {
-  if (f.head_chunks.empty()) return {C};
+  if (f.head_chunks.empty() || (f.head_chunks.size() == 1 && f.head_chunks[0] == "auto")) return {0};  // auto
   if (f.head_chunks.size() == 1 && f.head_chunks[0] == "all") return valid_head_chunks(m.num_heads, C);
   std::vector<int> out;
   for (const std::string& t : f.head_chunks) out.push_back(parse_int_count(t, "--head-chunk"));
@@ -270,6 +270,7 @@ int run(const bench_flags& f) {
         o.zero = f.optimizer == "none" ? zero_stage::replicated : (f.cfg().zero == 3 ? zero_stage::three : zero_stage::two);
         o.step = {f.cfg().mlp_tile, f.cfg().loss_chunk, fixed_policy};
         f.comm().apply(o.step);
+        o.step.attention_arithmetic = parse_attention_dtype(f.cfg().attention_dtype);
         o.step.lora = lora;
         o.optim.total_steps = 1 + f.repeats;
         o.optim.warmup_steps = 0;
@@ -280,15 +281,19 @@ int run(const bench_flags& f) {
         const resolved_step resolved = resolve_step(sizes_of(o, f.cfg().memory_gib, f.cfg().host_memory_gib));
         o.step = resolved.step;
         o.limits = resolved.limits;
+        if (u == 0) {  // --head-chunk auto: "# head chunk U = ..." under the row's name
+          const std::string why = choose_head_chunk(o, f.cfg().memory_gib, f.cfg().host_memory_gib, auto_policy);
+          if (!why.empty()) std::printf("# %s S=%lld: %s", name.c_str(), static_cast<long long>(s), why.c_str() + 2);
+        }
         if (auto_policy) {
           try {
             const plan_point chosen = choose_checkpoint_policy(o, f.cfg().memory_gib, f.cfg().host_memory_gib);
-            std::printf("# %s U=%d S=%lld: checkpoint policy %s (auto: the fastest that fits)\n", name.c_str(), u,
+            std::printf("# %s U=%d S=%lld: checkpoint policy %s (auto: the fastest that fits)\n", name.c_str(), o.cp.head_chunk,
                         static_cast<long long>(s), chosen.policy.str().c_str());
           } catch (const config_error& e) {
             // Measured anyway with the default policy, said aloud: the device has the last word.
             std::printf("# %s U=%d S=%lld: checkpoint policy %s (the default: auto found none that fits: %s)\n",
-                        name.c_str(), u, static_cast<long long>(s), o.step.policy.str().c_str(), e.what());
+                        name.c_str(), o.cp.head_chunk, static_cast<long long>(s), o.step.policy.str().c_str(), e.what());
           }
         }
         const std::int64_t unit = layout_unit(o.cp);
@@ -301,7 +306,7 @@ int run(const bench_flags& f) {
         row r;
         r.strategy = name;
         r.checkpoint_policy = o.step.policy.str();
-        r.head_chunk = table_row.heads == head_stages::none ? 0 : u;
+        r.head_chunk = table_row.heads == head_stages::none ? 0 : o.cp.head_chunk;
         r.cp = C;
         r.layers = m.num_layers;
         r.repeats = repeats;
@@ -346,7 +351,7 @@ int run(const bench_flags& f) {
           std::snprintf(times, sizeof times, "%11.2f %10.2f %11.0f %8.1f %6.3f", r.step_ms, r.layer_ms,
                         r.tokens_per_s_per_gpu, r.tflops, r.mfu);
         std::printf("%-8s %4s %9lld %6d %3d %3d %4d %s %9.2f %9.2f %8s\n", name.c_str(),
-                    table_row.heads == head_stages::none ? "-" : std::to_string(u).c_str(), static_cast<long long>(s),
+                    table_row.heads == head_stages::none ? "-" : std::to_string(o.cp.head_chunk).c_str(), static_cast<long long>(s),
                     r.layers, f.dp, C, repeats, times, gib(r.memory.device_peak), gib(r.memory.arena_high_water), check);
         std::fflush(stdout);
         if (!r.phases_ms.empty()) print_phases(r.phases_ms);
@@ -376,7 +381,8 @@ command_runner add_bench(CLI::App& app) {
   app.add_option("--attention", f->attention, "strategies, a comma list of: " + strategy_help())
       ->delimiter(',')
       ->capture_default_str();
-  app.add_option("--head-chunk", f->head_chunks, "U values for the strategies that choose U (default C; 'all' for every valid U)")
+  app.add_option("--head-chunk", f->head_chunks, "U values for the strategies that choose U (default auto: the largest whose step fits --memory-gib; 'all' "
+                 "for every valid U)")
       ->delimiter(',');
   app.add_option("--seq-len", f->seq_lens, "lengths (K and M suffixes)")->delimiter(',')->capture_default_str();
   app.add_option("--optimizer", f->optimizer, "adamw (training step) or none (forward and backward only)")

@@ -6,11 +6,24 @@
 
 #include <CLI/CLI.hpp>
 
+#include "apps/sizes.hpp"
 #include "core/error.hpp"
 #include "cp/strategy_table.hpp"
 #include "model/transformer.hpp"
 
 namespace upipe::apps {
+
+// "auto" or U: --head-chunk's text as cp_settings holds it (0 for auto or the strategy's
+// default, which auto then replaces).
+inline bool is_auto_head_chunk(const std::string& text) { return text == "auto"; }
+inline int head_chunk_of(const std::string& text) {
+  if (is_auto_head_chunk(text) || text == "0") return 0;  // "0": earlier runs' stored default
+  try {
+    return parse_int_count(text, "--head-chunk");
+  } catch (const config_error& e) {
+    throw config_error(std::string(e.what()) + "; or auto, the largest U whose step fits");
+  }
+}
 
 struct cp_flags {
   std::string attention = "upipe";

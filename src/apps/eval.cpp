@@ -57,7 +57,7 @@ struct eval_flags {
   const run_config& cfg() const { return options->config(); }
   cp_flags mesh() const {
     const run_config& c = cfg();
-    return {c.attention, c.cp, c.head_chunk, c.ring, c.seq_chunks};
+    return {c.attention, c.cp, head_chunk_of(c.head_chunk), c.ring, c.seq_chunks};
   }
 };
 
@@ -142,6 +142,7 @@ eval_setup setup(const eval_flags& f) {
   for (const std::int64_t L : parse_lengths(f.seq_lens, f.samples)) longest = std::max(longest, L);
   // Forward only: checkpoints on the device, the default host pool.
   s.req.options = {f.cfg().mlp_tile, f.cfg().loss_chunk, checkpoint_policy{}};
+  s.req.options.attention_arithmetic = parse_attention_dtype(f.cfg().attention_dtype);
   const resolved_step resolved = resolve_step(sizes_of(s.req, longest, f.cfg().memory_gib, 0));
   s.req.options = resolved.step;
   s.req.limits = resolved.limits;

@@ -102,7 +102,8 @@ std::vector<option_row> make_rows() {
        "ranks in the CP group (threads on the cpu backend, virtual ranks on one GPU)",
        run_commands & ~for_bench, r::changes},
       {"--head-chunk", "parallel.head_chunk", UPIPE_FIELD(head_chunk),
-       "U, query heads per stage: upipe (default C), hybrid (a multiple of C / R; default H, Ulysses inside)",
+       "U, query heads per stage (upipe: a multiple of C dividing H; hybrid: of C / R): auto (the largest whose step "
+       "fits --memory-gib, printed with its reason) or a number",
        for_train | for_step | for_eval, r::changes},
       {"--ring", "parallel.ring", UPIPE_FIELD(ring), "hybrid: R, the ring of all-to-all groups (R divides C)",
        for_train | for_step | for_eval, r::changes},
@@ -204,6 +205,10 @@ std::vector<option_row> make_rows() {
        for_train | for_step | for_bench | for_plan, r::changes},
       {"--mlp-tile", "system.mlp_tile", UPIPE_FIELD(mlp_tile), mlp_tile_help, model_commands, r::changes},
       {"--loss-chunk", "system.loss_chunk", UPIPE_FIELD(loss_chunk), loss_chunk_help, model_commands, r::changes},
+      {"--attention-dtype", "system.attention_dtype", UPIPE_FIELD(attention_dtype),
+       "the fused attention's arithmetic: bf16, or fp8 (E4M3 Q, K, V, O and E5M2 gradients with per-tensor scales, "
+       "fp32 softmax statistics; docs/design.md section 6)",
+       model_commands, r::changes},
       // [metrics]
       {"--metrics-json", "metrics.json", UPIPE_FIELD(metrics_json),
        "one JSON object per step (with its time), then a final one; appended to on --resume", for_train, r::changes,

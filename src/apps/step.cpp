@@ -62,9 +62,10 @@ lora_config choose_adapters(const step_flags& f, const model_config& model, bool
   return lora;
 }
 
-// --checkpoint-policy auto: the planner's fastest policy whose forward and backward (no
-// optimizer state) fits the arenas, as train chooses its own.
-checkpoint_policy auto_policy(const model_step_request& req, std::int64_t S, const run_config& c) {
+// --head-chunk auto and --checkpoint-policy auto: the largest U, then the planner's fastest
+// policy, whose forward and backward (no optimizer state) fits the arenas, as train chooses
+// its own; req.cp.head_chunk set, the policy returned.
+checkpoint_policy auto_choices(model_step_request& req, std::int64_t S, const run_config& c) {
   train_options o;
   o.model = req.model;
   const std::int64_t unit = layout_unit(req.cp);
@@ -77,6 +78,11 @@ checkpoint_policy auto_policy(const model_step_request& req, std::int64_t S, con
   const resolved_step sized = resolve_step(sizes_of(o, c.memory_gib, c.host_memory_gib));
   o.step = sized.step;
   o.limits = sized.limits;
+  if (is_auto_head_chunk(c.head_chunk)) {
+    std::printf("%s", choose_head_chunk(o, c.memory_gib, c.host_memory_gib, is_auto_policy(c.checkpoint_policy)).c_str());
+    req.cp.head_chunk = o.cp.head_chunk;
+  }
+  if (!is_auto_policy(c.checkpoint_policy)) return req.options.policy;
   try {
     const plan_point chosen = choose_checkpoint_policy(o, c.memory_gib, c.host_memory_gib);
     std::printf("# checkpoint policy %s (auto: the fastest that fits; predicted arena high water %.2f GiB)\n",
@@ -98,11 +104,13 @@ int run(step_flags& f) {
   model_step_request req;
   req.model = load_model(c.model, c.config, c.layers);
   req.backend = parse_backend_kind(c.backend);
-  req.cp = cp_flags{c.attention, c.cp, c.head_chunk, c.ring, c.seq_chunks}.settings();
+  req.cp = cp_flags{c.attention, c.cp, head_chunk_of(c.head_chunk), c.ring, c.seq_chunks}.settings();
   const std::int64_t S = parse_scored_seq_len(c.seq_len);
   req.options = {c.mlp_tile, c.loss_chunk,
                  is_auto_policy(c.checkpoint_policy) ? checkpoint_policy{} : parse_checkpoint_policy(c.checkpoint_policy)};
-  if (is_auto_policy(c.checkpoint_policy)) req.options.policy = auto_policy(req, S, c);
+  req.options.attention_arithmetic = parse_attention_dtype(c.attention_dtype);
+  if (is_auto_policy(c.checkpoint_policy) || is_auto_head_chunk(c.head_chunk))
+    req.options.policy = auto_choices(req, S, c);
   const resolved_step resolved = resolve_step(sizes_of(req, S, c.memory_gib, c.host_memory_gib));
   req.options = resolved.step;
   req.limits = resolved.limits;

@@ -290,7 +290,7 @@ train_options to_options(run_options& opts, bool fine_tune) {
                        "only long documents)");
   o.min_doc_tokens = f.min_doc_tokens;
   o.allow_tokenizer_mismatch = f.allow_tokenizer_mismatch;
-  const cp_flags mesh{f.attention, f.cp, f.head_chunk, f.ring, f.seq_chunks};
+  const cp_flags mesh{f.attention, f.cp, head_chunk_of(f.head_chunk), f.ring, f.seq_chunks};
   o.cp = mesh.settings();
   o.dp = f.dp;
   o.gpus_per_node = f.gpus_per_node;
@@ -308,6 +308,7 @@ train_options to_options(run_options& opts, bool fine_tune) {
             is_auto_policy(f.checkpoint_policy) ? checkpoint_policy{} : parse_checkpoint_policy(f.checkpoint_policy)};
   const comm_flags comm{f.comm, f.comm_timeout, f.overlap_comm, f.prefetch_weights};
   comm.apply(o.step);
+  o.step.attention_arithmetic = parse_attention_dtype(f.attention_dtype);
   o.step.lora = lora;
   o.optim.lr = f.lr;
   o.optim.weight_decay = f.weight_decay;
@@ -501,6 +502,8 @@ int run(train_command& command) {
   run_config& f = opts.config();
   resolved_run resolved = resolve_run(opts);
   train_options& o = resolved.options;
+  if (is_auto_head_chunk(f.head_chunk))
+    std::printf("%s", choose_head_chunk(o, f.memory_gib, f.host_memory_gib, is_auto_policy(f.checkpoint_policy)).c_str());
   if (is_auto_policy(f.checkpoint_policy)) {
     const plan_point chosen = choose_checkpoint_policy(o, f.memory_gib, f.host_memory_gib);
     std::printf("# checkpoint policy %s (auto: the fastest that fits; predicted arena high water %.2f GiB)\n",
@@ -523,7 +526,7 @@ int run(train_command& command) {
     metrics.open(target, f.resume.empty() ? std::ios::trunc : std::ios::app);
     if (!metrics) throw io_error("cannot write --metrics-json " + f.metrics_json + ": check the directory");
   }
-  const cp_flags mesh{f.attention, f.cp, f.head_chunk, f.ring, f.seq_chunks};
+  const cp_flags mesh{f.attention, f.cp, head_chunk_of(f.head_chunk), f.ring, f.seq_chunks};
   std::printf("# upipe train  model=%s (%lld parameters)  %s  S=%lld x %lld per step  %scp=%d %s  zero=%d  steps=%lld  "
               "lr=%g  backend=%s\n",
               o.model.name.c_str(), static_cast<long long>(o.model.parameter_count()),
