@@ -288,6 +288,10 @@ def second_fuzz_cases():
          ["--host-memory-gib"], None),
         ("a host budget below the offloaded state was taken", TRAIN_CPU + " --offload optimizer --host-memory-gib 0.01",
          "refuse", ["--host-memory-gib"], None),
+        ("--attention-dtype outside bf16|fp8 refused by name", TRAIN_META + " --attention-dtype fp16", "refuse",
+         ["--attention-dtype", "fp16"], None),
+        ("--head-chunk neither auto nor a count refused by name", TRAIN_META + " --head-chunk most", "refuse",
+         ["--head-chunk"], None),
     ] + config_file_cases()
 
 

@@ -163,7 +163,7 @@ double step_flops(const model_config& m, const lora_config& lora, std::int64_t s
 }
 
 std::vector<int> chunks_for(const bench_flags& f, const model_config& m, int C) {
-  if (f.head_chunks.empty()) return {C};
+  if (f.head_chunks.empty() || (f.head_chunks.size() == 1 && f.head_chunks[0] == "auto")) return {0};  // auto
   if (f.head_chunks.size() == 1 && f.head_chunks[0] == "all") return valid_head_chunks(m.num_heads, C);
   std::vector<int> out;
   for (const std::string& t : f.head_chunks) out.push_back(parse_int_count(t, "--head-chunk"));
@@ -265,6 +265,7 @@ int run(const bench_flags& f) {
         o.zero = f.optimizer == "none" ? zero_stage::replicated : (f.cfg().zero == 3 ? zero_stage::three : zero_stage::two);
         o.step = {f.cfg().mlp_tile, f.cfg().loss_chunk, fixed_policy};
         apply_comm(f.cfg(), o.step);
+        o.step.attention_arithmetic = parse_attention_dtype(f.cfg().attention_dtype);
         o.step.lora = lora;
         o.optim.total_steps = 1 + f.repeats;
         o.optim.warmup_steps = 0;
@@ -273,8 +274,13 @@ int run(const bench_flags& f) {
         o.backend = kind;
         o.comm = comm_of(f.cfg());
         size_step(o, f.cfg());
+        if (u == 0) {  // --head-chunk auto: "# head chunk U = ..." under the row's name
+          const std::string why = choose_head_chunk(o, f.cfg(), auto_policy);
+          if (!why.empty()) std::printf("# %s S=%lld: %s", name.c_str(), static_cast<long long>(s), why.c_str() + 2);
+        }
         if (auto_policy)
-          o.step.policy = auto_policy_or_default(o, f.cfg(), name + " U=" + std::to_string(u) + " S=" + std::to_string(s) + ": ");
+          o.step.policy = auto_policy_or_default(o, f.cfg(), name + " U=" + std::to_string(o.cp.head_chunk) +
+                                                                 " S=" + std::to_string(s) + ": ");
         const std::int64_t unit = layout_unit(o.cp);
         const std::int64_t warmup =
             f.warmup_len.empty() ? std::min<std::int64_t>(s, unit * 256) : parse_seq_len(f.warmup_len, "--warmup-seq-len", true);
@@ -285,7 +291,7 @@ int run(const bench_flags& f) {
         row r;
         r.strategy = name;
         r.checkpoint_policy = o.step.policy.str();
-        r.head_chunk = table_row.heads == head_stages::none ? 0 : u;
+        r.head_chunk = table_row.heads == head_stages::none ? 0 : o.cp.head_chunk;
         r.cp = C;
         r.layers = m.num_layers;
         r.repeats = repeats;
@@ -330,7 +336,7 @@ int run(const bench_flags& f) {
           std::snprintf(times, sizeof times, "%11.2f %10.2f %11.0f %8.1f %6.3f", r.step_ms, r.layer_ms,
                         r.tokens_per_s_per_gpu, r.tflops, r.mfu);
         std::printf("%-8s %4s %9lld %6d %3d %3d %4d %s %9.2f %9.2f %8s\n", name.c_str(),
-                    table_row.heads == head_stages::none ? "-" : std::to_string(u).c_str(), static_cast<long long>(s),
+                    table_row.heads == head_stages::none ? "-" : std::to_string(o.cp.head_chunk).c_str(), static_cast<long long>(s),
                     r.layers, f.dp, C, repeats, times, gib(r.memory.device_peak), gib(r.memory.arena_high_water), check);
         std::fflush(stdout);
         if (!r.phases_ms.empty()) print_phases(r.phases_ms);
@@ -360,7 +366,8 @@ command_runner add_bench(CLI::App& app) {
   app.add_option("--attention", f->attention, "strategies, a comma list of: " + strategy_help())
       ->delimiter(',')
       ->capture_default_str();
-  app.add_option("--head-chunk", f->head_chunks, "U values for the strategies that choose U (default C; 'all' for every valid U)")
+  app.add_option("--head-chunk", f->head_chunks, "U values for the strategies that choose U (default auto: the largest whose step fits --memory-gib; 'all' "
+                 "for every valid U)")
       ->delimiter(',');
   app.add_option("--seq-len", f->seq_lens, "lengths (K and M suffixes)")->delimiter(',')->capture_default_str();
   app.add_option("--optimizer", f->optimizer, "adamw (training step) or none (forward and backward only)")

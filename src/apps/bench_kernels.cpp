@@ -3,6 +3,8 @@
 // style rows and JSON; scripts/bench_torch.py measures PyTorch on the same shapes.
 #include <cstdio>
 #include <fstream>
+#include <string>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -14,6 +16,7 @@
 #include "bench/kernel_bench.hpp"
 #include "core/error.hpp"
 #include "core/limits.hpp"
+#include "cp/attention_config.hpp"
 
 namespace upipe::apps {
 
@@ -24,7 +27,32 @@ struct kernel_flags {
   int repeats = 5;
   double memory_gib = 40;
   bool registry = false;
+  std::vector<std::string> attention_lengths;  // --attention-dtypes: the bf16 against fp8 sweep
 };
+
+// Fused attention in bf16 and fp8 at each length: one row each, the speedup over bf16.
+int run_attention_dtypes(backend& be, const kernel_flags& f, const kernel_bench_options& o) {
+  std::vector<std::int64_t> lengths;
+  for (const std::string& text : f.attention_lengths) lengths.push_back(parse_seq_len(text, "--attention-dtypes"));
+  std::printf("# fused attention, bf16 against fp8 (causal, d 128, %d query heads, %d kv heads; TFLOP/s counts "
+              "bf16's FLOPs)\n",
+              o.heads, o.kv_heads);
+  std::printf("%10s %6s %12s %12s %12s %10s %8s\n", "S", "dtype", "fwd_ms", "bwd_ms", "fwd+bwd_ms", "TFLOP/s",
+              "speedup");
+  nlohmann::json rows = nlohmann::json::array();
+  double bf16_ms = 0;
+  for (const attention_dtype_timing& t : run_attention_dtype_bench(be, lengths, o)) {
+    const double total = t.forward_ms + t.backward_ms;
+    if (t.arithmetic == attention_dtype::bf16) bf16_ms = total;
+    const std::string name(attention_dtype_name(t.arithmetic));
+    std::printf("%10lld %6s %12.3f %12.3f %12.3f %10.1f %7.2fx\n", static_cast<long long>(t.tokens), name.c_str(),
+                t.forward_ms, t.backward_ms, total, t.tflops, bf16_ms / total);
+    rows.push_back({{"tokens", t.tokens}, {"attention_dtype", name}, {"forward_ms", t.forward_ms},
+                    {"backward_ms", t.backward_ms}, {"tflops", t.tflops}, {"speedup_over_bf16", bf16_ms / total}});
+  }
+  if (!f.json_path.empty()) write_json_file(f.json_path, rows);
+  return 0;
+}
 
 int run(const kernel_flags& f) {
   const backend_kind kind = parse_backend_kind(f.backend);
@@ -36,6 +64,7 @@ int run(const kernel_flags& f) {
   auto be = make_backend(kind, {arena, 0});
   std::printf("# upipe bench-kernels  backend=%s (%s)  tokens=%lld  repeats=%d  (Llama3-8B layer shapes)\n",
               f.backend.c_str(), be->library_versions().c_str(), static_cast<long long>(o.tokens), o.repeats);
+  if (!f.attention_lengths.empty()) return run_attention_dtypes(*be, f, o);
   if (f.registry) {
     // Every registered op's perf case (backend/op_registry.cpp), against the device copy
     // bandwidth and the GEMM's rate.
@@ -72,6 +101,10 @@ command_runner add_bench_kernels(CLI::App& app) {
   app.add_option("--repeats", f->repeats, "timed repeats after one warm-up")->capture_default_str();
   app.add_option("--memory-gib", f->memory_gib, "arena, GiB")->capture_default_str();
   app.add_flag("--ops", f->registry, "time every registered op instead (op, size, time, GB/s, TFLOP/s, % of peak)");
+  app.add_option("--attention-dtypes", f->attention_lengths,
+                 "time fused attention forward+backward (causal, d 128, Llama3-8B heads) in bf16 and in fp8 at these "
+                 "lengths instead (comma list, K and M suffixes: 32K,128K,512K,1M)")
+      ->delimiter(',');
   app.add_option("--json", f->json_path, "write the rows as JSON")->check(output_file_flag("--json"));
   return [f] { return run(*f); };
 }

@@ -172,6 +172,7 @@ eval_setup setup(const eval_flags& f) {
   const lora_config lora = s.req.options.lora;
   s.req.options = {f.cfg().mlp_tile, f.cfg().loss_chunk, checkpoint_policy{}};
   s.req.options.lora = lora;
+  s.req.options.attention_arithmetic = parse_attention_dtype(f.cfg().attention_dtype);
   const resolved_step resolved = resolve_step(sizes_of(s.req, longest, f.cfg().memory_gib, 0));
   s.req.options = resolved.step;
   s.req.options.lora = lora;

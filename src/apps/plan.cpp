@@ -414,6 +414,7 @@ int run(const plan_flags& f) {
   r.max_grad_norm = f.max_grad_norm;
   r.mlp_tile = f.cfg().mlp_tile;
   r.loss_chunk = f.cfg().loss_chunk;
+  r.attention_arithmetic = parse_attention_dtype(f.cfg().attention_dtype);
   if (!f.seq_chunks.empty()) r.seq_chunks = f.seq_chunks;
   r.dps = f.dps;
   if (r.dps.empty())  // every mesh of the GPUs

@@ -38,7 +38,8 @@ struct run_config {
   int eval_sequences = 4, eval_samples = 32;
   // [parallel]
   std::string attention = "upipe", comm = "auto";
-  int cp = 4, head_chunk = 0, ring = 1, seq_chunks = 0, zero = 2, dp = 1, gpus_per_node = 0;
+  std::string head_chunk = "auto";
+  int cp = 4, ring = 1, seq_chunks = 0, zero = 2, dp = 1, gpus_per_node = 0;
   double comm_timeout = 600;
   bool overlap_comm = false, prefetch_weights = false;
   // [optimizer]
@@ -52,7 +53,7 @@ struct run_config {
   std::int64_t save_every = 0, keep_last = 0;
   bool keep_best = false, overwrite = false;
   // [system]
-  std::string backend = "cpu", offload = "none", checkpoint_policy = "auto";
+  std::string backend = "cpu", offload = "none", checkpoint_policy = "auto", attention_dtype = "bf16";
   std::int64_t mlp_tile = 0, loss_chunk = 0;
   double memory_gib = 8, host_memory_gib = 0;
   // [metrics]

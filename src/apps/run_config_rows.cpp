@@ -65,6 +65,15 @@ void eval_sources_rule(const std::string& v) {
                          ") means nothing; list them without weights, e.g. --eval-data chat-heldout,books-heldout");
 }
 void strategy_rule(const std::string& v) { parse_strategy_kind(v); }
+// auto, or U (0: the stored default of a run saved before auto existed).
+void head_chunk_rule(const std::string& v) {
+  if (v == "auto" || v == "0") return;
+  try {
+    parse_int_count(v, "--head-chunk");
+  } catch (const config_error& e) {
+    throw config_error(std::string(e.what()) + "; or auto, the largest U whose step fits");
+  }
+}
 void shard_size_rule(const std::string& v) { parse_bytes(v, "--max-shard-size"); }
 void offload_rule(const std::string& v) { parse_offload(v); }
 void policy_rule(const std::string& v) {
@@ -162,8 +171,9 @@ std::vector<option_row> make_rows() {
       {"--cp", "parallel.cp", UPIPE_FIELD(cp), range(1, INT_MAX, "4"),
        "ranks in the CP group (threads on the cpu backend, virtual ranks on one GPU)", run_commands & ~for_bench,
        r::changes},
-      {"--head-chunk", "parallel.head_chunk", UPIPE_FIELD(head_chunk), range(0, limits::heads.max, "2"),
-       "U, query heads per stage: upipe (default C), hybrid (a multiple of C / R; default H, Ulysses inside)",
+      {"--head-chunk", "parallel.head_chunk", UPIPE_FIELD(head_chunk), parsed(head_chunk_rule, "auto"),
+       "U, query heads per stage (upipe: a multiple of C dividing H; hybrid: of C / R): auto (the largest whose step "
+       "fits --memory-gib, printed with its reason) or a number",
        for_train | for_step | for_eval, r::changes},
       {"--ring", "parallel.ring", UPIPE_FIELD(ring), range(1, INT_MAX, "2"),
        "hybrid: R, the ring of all-to-all groups (R divides C)", for_train | for_step | for_eval, r::changes},
@@ -268,6 +278,10 @@ std::vector<option_row> make_rows() {
       {"--mlp-tile", "system.mlp_tile", UPIPE_FIELD(mlp_tile), range(0, max_seq_len, "8192"), mlp_tile_help,
        model_commands, r::changes},
       {"--loss-chunk", "system.loss_chunk", UPIPE_FIELD(loss_chunk), range(0, max_seq_len, "8192"), loss_chunk_help,
+       model_commands, r::changes},
+      {"--attention-dtype", "system.attention_dtype", UPIPE_FIELD(attention_dtype), words("bf16, fp8", "fp8"),
+       "the fused attention's arithmetic: bf16, or fp8 (E4M3 Q, K, V, O and E5M2 gradients with per-tensor scales, "
+       "fp32 softmax statistics; docs/design.md section 6)",
        model_commands, r::changes},
       // [metrics]
       {"--metrics-json", "metrics.json", UPIPE_FIELD(metrics_json), parsed(output_file_rule, "metrics.jsonl"),

@@ -62,9 +62,10 @@ lora_config choose_adapters(const step_flags& f, const model_config& model, bool
   return lora;
 }
 
-// --checkpoint-policy auto: the planner's fastest policy whose forward and backward (no
-// optimizer state) fits the arenas, as train chooses its own.
-checkpoint_policy auto_policy(const model_step_request& req, std::int64_t S, const run_config& c) {
+// --head-chunk auto and --checkpoint-policy auto: the largest U, then the planner's fastest
+// policy, whose forward and backward (no optimizer state) fits the arenas, as train chooses
+// its own; req.cp.head_chunk set, the policy returned.
+checkpoint_policy auto_choices(model_step_request& req, std::int64_t S, const run_config& c) {
   train_options o;
   o.model = req.model;
   const std::int64_t unit = layout_unit(req.cp);
@@ -75,6 +76,11 @@ checkpoint_policy auto_policy(const model_step_request& req, std::int64_t S, con
   o.backend = req.backend;
   o.step = req.options;
   size_step(o, c);
+  if (is_auto_head_chunk(c.head_chunk)) {
+    std::printf("%s", choose_head_chunk(o, c, is_auto_policy(c.checkpoint_policy)).c_str());
+    req.cp.head_chunk = o.cp.head_chunk;
+  }
+  if (!is_auto_policy(c.checkpoint_policy)) return req.options.policy;
   return auto_policy_or_default(o, c, "");
 }
 
@@ -87,7 +93,9 @@ int run(step_flags& f) {
   const std::int64_t S = parse_scored_seq_len(c.seq_len);
   req.options = {c.mlp_tile, c.loss_chunk,
                  is_auto_policy(c.checkpoint_policy) ? checkpoint_policy{} : parse_checkpoint_policy(c.checkpoint_policy)};
-  if (is_auto_policy(c.checkpoint_policy)) req.options.policy = auto_policy(req, S, c);
+  req.options.attention_arithmetic = parse_attention_dtype(c.attention_dtype);
+  if (is_auto_policy(c.checkpoint_policy) || is_auto_head_chunk(c.head_chunk))
+    req.options.policy = auto_choices(req, S, c);
   const resolved_step resolved = resolve_step(sizes_of(req, S, c.memory_gib, c.host_memory_gib));
   req.options = resolved.step;
   req.limits = resolved.limits;

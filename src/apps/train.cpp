@@ -309,6 +309,7 @@ train_options to_options(run_options& opts, bool fine_tune) {
   o.step = {f.mlp_tile, f.loss_chunk,
             is_auto_policy(f.checkpoint_policy) ? checkpoint_policy{} : parse_checkpoint_policy(f.checkpoint_policy)};
   apply_comm(f, o.step);
+  o.step.attention_arithmetic = parse_attention_dtype(f.attention_dtype);
   o.step.lora = lora;
   o.optim.lr = f.lr;
   o.optim.weight_decay = f.weight_decay;
@@ -526,6 +527,8 @@ int run(train_command& command) {
   run_config& f = opts.config();
   resolved_run resolved = resolve_run(opts);
   train_options& o = resolved.options;
+  if (is_auto_head_chunk(f.head_chunk))
+    std::printf("%s", choose_head_chunk(o, f, is_auto_policy(f.checkpoint_policy)).c_str());
   if (is_auto_policy(f.checkpoint_policy)) {
     const plan_point chosen = choose_checkpoint_policy(o, f);
     std::printf("# checkpoint policy %s (auto: the fastest that fits; predicted arena high water %.2f GiB)\n",

@@ -77,20 +77,31 @@ struct attention_shape {
   attn_mask mask;
   std::int64_t window = 0;            // the sliding window (0: none)
   std::int64_t q_first = 0, k_first = 0;  // the rows' global indices, which the window reads
+  attention_dtype arithmetic = attention_dtype::bf16;
 };
+
+// FP8 attention against the cpu backend's FP8 definition (ops/fp8_attention.hpp): both sides
+// quantize the same inputs with the same scales, but the GPU also rounds the softmax
+// probabilities (E4M3) and dS (E5M2) inside its kernels, which can move an output across
+// one FP8 rounding boundary: one E4M3 step is at most 1/7 of the value, one E5M2 step 1/3.
+// The log-sum-exp reads only the scores of the quantized Q and K, so it keeps its 1e-3.
+constexpr double fp8_e4m3_tol = 0.15, fp8_e5m2_tol = 0.35;
+const char* const fp8_reference_test = "tests/backend/attention_fp8_test.cpp";
+bool is_fp8(const attention_shape& a) { return a.arithmetic == attention_dtype::fp8; }
 
 std::vector<case_tensor> attention_tensors(const attention_shape& a, bool backward) {
   std::vector<case_tensor> t = {{.name = "q", .dims = {a.sq, a.hq, a.d}},
                                 {.name = "k", .dims = {a.skv, a.hk, a.d}},
                                 {.name = "v", .dims = {a.skv, a.hk, a.d}},
-                                out({.name = "out", .dims = {a.sq, a.hq, a.d}}),
+                                out({.name = "out", .dims = {a.sq, a.hq, a.d}}, is_fp8(a) ? fp8_e4m3_tol : bf16_tol),
                                 out({.name = "lse", .type = case_dtype::f32, .dims = {a.sq, a.hq, 1}}, bf16_tol, 1e-3)};
   if (!backward) return t;
+  const double grad_tol = is_fp8(a) ? fp8_e5m2_tol : bf16_tol;
   t[3].bf16_tolerance = t[4].bf16_tolerance = 0.0;  // forward state, compared by sdpa_forward
   t.push_back({.name = "d_out", .dims = {a.sq, a.hq, a.d}});
-  t.push_back(out({.name = "d_q", .dims = {a.sq, a.hq, a.d}}));
-  t.push_back(out({.name = "d_k", .dims = {a.skv, a.hk, a.d}}));
-  t.push_back(out({.name = "d_v", .dims = {a.skv, a.hk, a.d}}));
+  t.push_back(out({.name = "d_q", .dims = {a.sq, a.hq, a.d}}, grad_tol));
+  t.push_back(out({.name = "d_k", .dims = {a.skv, a.hk, a.d}}, grad_tol));
+  t.push_back(out({.name = "d_v", .dims = {a.skv, a.hk, a.d}}, grad_tol));
   return t;
 }
 
@@ -100,13 +111,14 @@ std::string attention_text(const attention_shape& a) {
   if (a.window > 0)
     text += " window " + std::to_string(a.window) + " (q at " + std::to_string(a.q_first) + ", k at " +
             std::to_string(a.k_first) + ")";
+  if (is_fp8(a)) text += " fp8";
   return text;
 }
 
 void attention_forward(backend& be, const case_tensors& t, const attention_shape& a) {
   const float scale = 1.0f / std::sqrt(static_cast<float>(a.d));
   ops::sdpa_forward(be, {t["q"].heads(), t["k"].heads(), t["v"].heads(), t["out"].heads(), t["lse"].heads(), a.mask,
-                         scale, {{}, a.q_first, a.k_first}, a.window});
+                         scale, {{}, a.q_first, a.k_first}, a.window, a.arithmetic});
 }
 
 // 4 h d FLOPs per visible (query, key) pair: half the s^2 pairs under the causal mask,
@@ -127,6 +139,10 @@ op_case sdpa_forward_case(const attention_shape& a) {
   c.tensors = attention_tensors(a, false);
   c.run = [a](backend& be, const case_tensors& t) { attention_forward(be, t, a); };
   c.flops = attention_flops(a);
+  if (is_fp8(a)) {
+    c.reference_test = fp8_reference_test;
+    return c;
+  }
   c.float64 = [a](f64::host_case& h) {
     f64::sdpa_forward(h, a.sq, a.skv, a.hq, a.hk, a.d, a.mask == attn_mask::causal,
                       1.0 / std::sqrt(static_cast<float>(a.d)), {a.q_first, a.k_first, a.window});
@@ -143,9 +159,13 @@ op_case sdpa_backward_case(const attention_shape& a) {
     const float scale = 1.0f / std::sqrt(static_cast<float>(a.d));
     ops::sdpa_backward(be, {t["q"].heads(), t["k"].heads(), t["v"].heads(), t["out"].heads(), t["d_out"].heads(),
                             t["lse"].heads(), t["d_q"].heads(), t["d_k"].heads(), t["d_v"].heads(), a.mask, scale,
-                            {{}, a.q_first, a.k_first}, a.window});
+                            {{}, a.q_first, a.k_first}, a.window, a.arithmetic});
   };
   c.flops = 2.5 * attention_flops(a);
+  if (is_fp8(a)) {  // quantizing is a step function: finite differences do not apply
+    c.reference_test = fp8_reference_test;
+    return c;
+  }
   c.objective = [a](backend& be, const case_tensors& t) {
     attention_forward(be, t, a);
     return host_dot(be, t["out"], t["d_out"]);
@@ -162,28 +182,25 @@ const attention_shape attention_test_shapes[] = {{40, 40, 4, 2, 64, attn_mask::c
                                                  {40, 40, 4, 2, 64, attn_mask::causal, 9, 80, 80},
                                                  {24, 56, 4, 1, 128, attn_mask::none, 40, 30, 0},
                                                  {24, 56, 4, 2, 64, attn_mask::none, 30, 50, 0}};
-attention_shape attention_perf_shape(std::int64_t tokens) {
-  return {tokens, tokens, q_heads, kv_heads, head_dim, attn_mask::causal};
+// FP8: a causal block with grouped heads and an unmasked one of the past, d 64 and 128.
+const attention_shape attention_fp8_shapes[] = {
+    {40, 40, 4, 2, 64, attn_mask::causal, 0, 0, 0, attention_dtype::fp8},
+    {24, 56, 4, 1, 128, attn_mask::none, 0, 0, 0, attention_dtype::fp8}};
+attention_shape attention_perf_shape(std::int64_t tokens, attention_dtype arithmetic) {
+  return {tokens, tokens, q_heads, kv_heads, head_dim, attn_mask::causal, 0, 0, 0, arithmetic};
 }
 
-op_entry sdpa_forward_entry() {
-  return {"sdpa_forward",
-          [] {
+// An attention op's entry: its cases at `shapes`, its perf case at Llama3-8B's.
+template <std::size_t n>
+op_entry attention_entry(const char* name, const attention_shape (&shapes)[n], op_case (*make)(const attention_shape&),
+                         attention_dtype arithmetic) {
+  return {name,
+          [&shapes, make] {
             std::vector<op_case> cases;
-            for (const attention_shape& a : attention_test_shapes) cases.push_back(sdpa_forward_case(a));
+            for (const attention_shape& a : shapes) cases.push_back(make(a));
             return cases;
           },
-          [](std::int64_t tokens, dtype) { return sdpa_forward_case(attention_perf_shape(tokens)); }};
-}
-
-op_entry sdpa_backward_entry() {
-  return {"sdpa_backward",
-          [] {
-            std::vector<op_case> cases;
-            for (const attention_shape& a : attention_test_shapes) cases.push_back(sdpa_backward_case(a));
-            return cases;
-          },
-          [](std::int64_t tokens, dtype) { return sdpa_backward_case(attention_perf_shape(tokens)); }};
+          [make, arithmetic](std::int64_t tokens, dtype) { return make(attention_perf_shape(tokens, arithmetic)); }};
 }
 
 // Merges a block's partial result into f32 accumulators; a constant -inf lse is a row that
@@ -671,8 +688,10 @@ op_entry cross_entropy_entry() {
 
 std::vector<op_entry> build_registry() {
   std::vector<op_entry> entries{gemm_entry(),
-          sdpa_forward_entry(),
-          sdpa_backward_entry(),
+          attention_entry("sdpa_forward", attention_test_shapes, sdpa_forward_case, attention_dtype::bf16),
+          attention_entry("sdpa_backward", attention_test_shapes, sdpa_backward_case, attention_dtype::bf16),
+          attention_entry("sdpa_forward_fp8", attention_fp8_shapes, sdpa_forward_case, attention_dtype::fp8),
+          attention_entry("sdpa_backward_fp8", attention_fp8_shapes, sdpa_backward_case, attention_dtype::fp8),
           rope_entry(),
           rmsnorm_forward_entry(),
           rmsnorm_backward_entry(),

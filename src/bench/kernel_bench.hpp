@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "backend/backend.hpp"
+#include "ops/op_args.hpp"
 
 namespace upipe {
 
@@ -26,5 +27,16 @@ struct kernel_bench_options {
 };
 
 std::vector<kernel_timing> run_kernel_bench(backend& be, const kernel_bench_options& options);
+
+// Causal fused attention forward and backward (d 128, the options' heads) at each length,
+// in bf16 and then in FP8 on the same inputs; TFLOP/s counts bf16's FLOPs for both (the
+// model's work, 3.5 x 2 s^2 h d), so the rates compare as times do.
+struct attention_dtype_timing {
+  std::int64_t tokens = 0;
+  attention_dtype arithmetic = attention_dtype::bf16;
+  double forward_ms = 0, backward_ms = 0, tflops = 0;
+};
+std::vector<attention_dtype_timing> run_attention_dtype_bench(backend& be, const std::vector<std::int64_t>& lengths,
+                                                              const kernel_bench_options& options);
 
 }  // namespace upipe

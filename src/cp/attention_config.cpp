@@ -12,6 +12,17 @@ std::string_view strategy_name(strategy_kind kind) { return row_of(kind).name; }
 
 strategy_kind parse_strategy_kind(std::string_view name) { return row_named(name).kind; }
 
+std::string_view attention_dtype_name(attention_dtype arithmetic) {
+  return arithmetic == attention_dtype::fp8 ? "fp8" : "bf16";
+}
+
+attention_dtype parse_attention_dtype(std::string_view name) {
+  if (name == "bf16") return attention_dtype::bf16;
+  if (name == "fp8") return attention_dtype::fp8;
+  throw config_error("--attention-dtype '" + std::string(name) +
+                     "' is not an attention arithmetic; use bf16 (the working dtype) or fp8 (cuDNN's FP8 attention)");
+}
+
 bool attention_config::staged() const { return row_of(strategy).heads != head_stages::none; }
 
 bool attention_config::meshed() const { return row_of(strategy).mesh; }

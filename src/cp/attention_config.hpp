@@ -22,6 +22,10 @@ std::string_view strategy_name(strategy_kind kind);
 // Parses a row's name; throws config_error naming the valid values.
 strategy_kind parse_strategy_kind(std::string_view name);
 
+// --attention-dtype: "bf16" or "fp8"; parse throws config_error naming the valid values.
+std::string_view attention_dtype_name(attention_dtype arithmetic);
+attention_dtype parse_attention_dtype(std::string_view name);
+
 // The longest sequence anything here is asked to size or run (the planner searches up to it).
 constexpr std::int64_t max_seq_len = std::int64_t{1} << 30;
 
@@ -53,6 +57,10 @@ struct attention_config {
   // keys j with i - W < j <= i (W keys, itself included), as transformers' sliding-window
   // causal mask; with packed documents both must allow a pair.
   std::int64_t window = 0;
+  // The arithmetic of every attention call's matrix products (--attention-dtype): bf16
+  // (the working dtype) or fp8 (ops/fp8_attention.hpp); the merges of partial results
+  // (ring blocks, sequence chunks) stay fp32 log-sum-exp arithmetic either way.
+  attention_dtype arithmetic = attention_dtype::bf16;
   rope_config rope;
   bool qk_norm = false;     // Qwen3, Gemma 3: RMSNorm over d on every q and k head, before RoPE
   float norm_eps = 1e-6f;   // epsilon of that RMSNorm

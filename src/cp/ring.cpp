@@ -94,7 +94,7 @@ void ring_core_forward(backend& be, communicator& ring, const ring_shape& shape,
     for (const block_pair& p : pairs(shape, owner)) {
       ops::sdpa_forward(be, {half(shape, q, p.q_half), half(shape, kv_part(block, 0), p.kv_half),
                              half(shape, kv_part(block, 1), p.kv_half), part.heads(), lse_view(part_lse), p.mask,
-                             shape.scale, p.documents, shape.window});
+                             shape.scale, p.documents, shape.window, shape.arithmetic});
       ops::lse_merge(be, {half(shape, out_acc.heads(), p.q_half), half(shape, lse, p.q_half), part.heads(),
                           lse_view(part_lse)});
     }
@@ -124,7 +124,7 @@ ring_core_grads ring_core_backward(backend& be, communicator& ring, const ring_s
       ops::sdpa_backward(be, {half(shape, q, p.q_half), half(shape, kv_part(block, 0), p.kv_half),
                               half(shape, kv_part(block, 1), p.kv_half), half(shape, o, p.q_half),
                               half(shape, d_o, p.q_half), half(shape, lse, p.q_half), dq_part.heads(), dk_part,
-                              dv_part, p.mask, shape.scale, p.documents, shape.window});
+                              dv_part, p.mask, shape.scale, p.documents, shape.window, shape.arithmetic});
       ops::add_heads(be, half(shape, g.dq.heads(), p.q_half), dq_part.heads());
       ops::add_heads(be, half(shape, kv_part(grads, 0), p.kv_half), dk_part);
       ops::add_heads(be, half(shape, kv_part(grads, 1), p.kv_half), dv_part);

@@ -21,6 +21,7 @@ struct ring_shape {
   float scale = 1.0f;
   const std::vector<std::int64_t>* documents = nullptr;  // packed documents' starts (global), or none
   std::int64_t window = 0;  // the sliding window W (0: none)
+  attention_dtype arithmetic = attention_dtype::bf16;
 };
 
 // Does a query half of ring rank `q_rank` reach a key half of `kv_owner`: a pair not in the
@@ -62,7 +63,7 @@ class ring_attention final : public attention_strategy {
                 const mat_view& d_out, const mat_view& d_x, const attention_grads& grads) override;
 
  private:
-  ring_shape shape() const { return {config_.cp, comm_.rank(), chunk_, scale_, &documents(), config_.window}; }
+  ring_shape shape() const { return {config_.cp, comm_.rank(), chunk_, scale_, &documents(), config_.window, config_.arithmetic}; }
   // q (s, H, d), normed (Qwen3) and roped; the norm's inputs kept in `saved` if asked.
   tensor project_q(const normed_input& x, const attention_weights& w, norm_keep keep, head_norm_saved& saved);
   // (2, s, K, d): k then v, one buffer so a ring step moves both at once.

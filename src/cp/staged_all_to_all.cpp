@@ -200,7 +200,7 @@ tensor staged_all_to_all::ring_kv(const resident_block& b, const sdpa_call& c) {
 }
 
 ring_shape staged_all_to_all::ring_geometry() const {
-  return {config_.ring, ring_->rank(), gathered_ / 2, scale_, &documents(), config_.window};
+  return {config_.ring, ring_->rank(), gathered_ / 2, scale_, &documents(), config_.window, config_.arithmetic};
 }
 
 void staged_all_to_all::release_finished(std::vector<resident_block>& resident, int stage) {
@@ -253,7 +253,7 @@ attention_saved staged_all_to_all::forward(const mat_view& x, const attention_we
         ops::sdpa_forward(be_, {qh.head_block(c.q_slot, c.n_q), sequence_heads(b.k).head_block(c.kv_slot, c.n_kv),
                                 sequence_heads(b.v).head_block(c.kv_slot, c.n_kv), oh.head_block(c.q_slot, c.n_q),
                                 lse_heads(saved.lse, t * u + c.q_slot, c.n_q), attn_mask::causal, scale_,
-                                document_rows(0, 0), config_.window});
+                                document_rows(0, 0), config_.window, config_.arithmetic});
       }
     }
     q.reset();
@@ -344,7 +344,7 @@ void staged_all_to_all::backward_stage(int t, std::vector<resident_block>& resid
           be_, {sequence_heads(q).head_block(c.q_slot, c.n_q), k, sequence_heads(b.v).head_block(c.kv_slot, c.n_kv),
                 sequence_heads(o).head_block(c.q_slot, c.n_q), sequence_heads(d_o).head_block(c.q_slot, c.n_q),
                 lse_heads(saved.lse, t * u + c.q_slot, c.n_q), sequence_heads(dq).head_block(c.q_slot, c.n_q), dk, dv,
-                attn_mask::causal, scale_, document_rows(0, 0), config_.window});
+                attn_mask::causal, scale_, document_rows(0, 0), config_.window, config_.arithmetic});
       if (spans) {
         ops::add_heads(be_, sequence_heads(b.dk).head_block(c.kv_slot, c.n_kv), dk);
         ops::add_heads(be_, sequence_heads(b.dv).head_block(c.kv_slot, c.n_kv), dv);

@@ -166,7 +166,7 @@ void staged_all_to_all::attend_chunk(int stage, std::size_t i, const std::vector
     for (const sdpa_call& c : step.calls)
       ops::sdpa_forward(be_, {qh.head_block(c.q_slot, c.n_q), kv_of(set, c, 0, q_rows), kv_of(set, c, 1, q_rows),
                               oh.head_block(c.q_slot, c.n_q), lse_of(c), attn_mask::causal, scale_,
-                              document_rows(q_first, q_first), config_.window});
+                              document_rows(q_first, q_first), config_.window, config_.arithmetic});
     return;
   }
   tensor acc = be_.allocate(mem_tag::attention, dtype::f32, q.dims(), "attn_o_accum");
@@ -188,7 +188,7 @@ void staged_all_to_all::attend_chunk(int stage, std::size_t i, const std::vector
     for (const sdpa_call& c : step.calls) {
       ops::sdpa_forward(be_, {qh.head_block(c.q_slot, c.n_q), kv_of(cur, c, 0, k_rows), kv_of(cur, c, 1, k_rows),
                               ph.head_block(c.q_slot, c.n_q), lse_heads(part_lse, c.q_slot, c.n_q),
-                              j == i ? attn_mask::causal : attn_mask::none, scale_, mask, config_.window});
+                              j == i ? attn_mask::causal : attn_mask::none, scale_, mask, config_.window, config_.arithmetic});
       ops::lse_merge(be_, {ah.head_block(c.q_slot, c.n_q), lse_of(c), ph.head_block(c.q_slot, c.n_q),
                            lse_heads(part_lse, c.q_slot, c.n_q)});
     }
@@ -312,7 +312,7 @@ void staged_all_to_all::backward_chunk(int t, std::size_t i, std::vector<host_bl
                                    oh.head_block(c.q_slot, c.n_q), doh.head_block(c.q_slot, c.n_q),
                                    lse_rows(saved.lse, t * u + c.q_slot, c.n_q, q_first, q_rows),
                                    part.head_block(c.q_slot, c.n_q), dk, dv,
-                                   j == i ? attn_mask::causal : attn_mask::none, scale_, mask, config_.window});
+                                   j == i ? attn_mask::causal : attn_mask::none, scale_, mask, config_.window, config_.arithmetic});
           ops::add_heads(be_, acc.head_block(c.q_slot, c.n_q), part.head_block(c.q_slot, c.n_q));
           ops::add_heads(be_, part_of(cur.dk), dk);
           ops::add_heads(be_, part_of(cur.dv), dv);

@@ -58,6 +58,7 @@ bool same_pattern(const attention_config& a, const attention_config& b) {
 
 attention_config with_step_options(attention_config c, const step_options& options) {
   c.overlap_comm = options.overlap_comm;
+  c.arithmetic = options.attention_arithmetic;
   c.input_tile = options.attention_input_tile;
   if (options.lora.enabled()) {
     c.frozen_q = !options.lora.adapts(lora_target::q);

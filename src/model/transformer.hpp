@@ -43,6 +43,7 @@ struct step_options {
   std::int64_t loss_chunk = 0;  // tokens per cross-entropy chunk; 0: with_default_sizes
   checkpoint_policy policy;
   bool overlap_comm = false;  // see attention_config::overlap_comm
+  attention_dtype attention_arithmetic = attention_dtype::bf16;  // see attention_config::arithmetic
   // Local tokens beyond which the attention backward norms its input this many rows at a
   // time rather than holding the whole normed shard (layer_backward).
   std::int64_t attention_input_tile = 65536;

@@ -50,6 +50,12 @@ struct document_mask {
   std::int64_t first_key(std::int64_t i, std::int64_t window) const;
 };
 
+// The arithmetic of attention's two matrix products: bf16, the backend's working dtype
+// (the cpu backend's f32), or fp8, per-tensor scaled FP8 with fp32 softmax statistics:
+// the inputs quantized to E4M3 (dO to E5M2), exact attention on the dequantized values,
+// the outputs quantized as cuDNN's Hopper kernels write them (ops/fp8_attention.hpp).
+enum class attention_dtype : std::uint8_t { bf16, fp8 };
+
 // Grouped-query attention: query head h reads kv head h / (q.heads / k.heads).
 struct sdpa_forward_args {
   head_view q, k, v;  // (sq, hq, d), (skv, hk, d), (skv, hk, d)
@@ -63,6 +69,7 @@ struct sdpa_forward_args {
   // mask. Global indices are documents.q_first + row and documents.k_first + row; it
   // composes with the documents (both must allow a pair).
   std::int64_t window = 0;
+  attention_dtype arithmetic = attention_dtype::bf16;
 };
 
 struct sdpa_backward_args {
@@ -74,6 +81,7 @@ struct sdpa_backward_args {
   float scale = 1.0f;
   document_mask documents;
   std::int64_t window = 0;        // as in forward
+  attention_dtype arithmetic = attention_dtype::bf16;  // as in forward
 };
 
 // How RoPE's frequencies are stretched for a longer context, as Hugging Face's

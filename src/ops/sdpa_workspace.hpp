@@ -31,4 +31,25 @@ inline std::size_t sdpa_backward_workspace_bytes(std::int64_t q_tokens, std::int
          sdpa_workspace_margin;
 }
 
+// FP8 attention (ops/fp8_attention.hpp): the engine's buffer for one call, the E4M3/E5M2
+// copies of its operands (one byte an element, each from a 256-byte boundary) after the
+// amaxes and scales. Grown per call as the workspace, so the meta backend models it alike.
+inline constexpr std::size_t sdpa_fp8_alignment = 256;
+inline constexpr std::size_t sdpa_fp8_scalar_bytes = sdpa_fp8_alignment;  // amaxes and scales, f32
+inline std::size_t sdpa_fp8_operand_bytes(const head_view& v) {
+  const auto n = static_cast<std::size_t>(v.tokens * v.heads * v.dim);
+  return (n + sdpa_fp8_alignment - 1) / sdpa_fp8_alignment * sdpa_fp8_alignment;
+}
+// Forward: Q, K, V, O.
+inline std::size_t sdpa_fp8_forward_bytes(const sdpa_forward_args& a) {
+  return sdpa_fp8_scalar_bytes + sdpa_fp8_operand_bytes(a.q) + sdpa_fp8_operand_bytes(a.k) +
+         sdpa_fp8_operand_bytes(a.v) + sdpa_fp8_operand_bytes(a.out);
+}
+// Backward: Q, K, V, O, dO, then dQ, dK, dV as cuDNN writes them.
+inline std::size_t sdpa_fp8_backward_bytes(const sdpa_backward_args& a) {
+  return sdpa_fp8_scalar_bytes + sdpa_fp8_operand_bytes(a.q) + sdpa_fp8_operand_bytes(a.k) +
+         sdpa_fp8_operand_bytes(a.v) + sdpa_fp8_operand_bytes(a.out) + sdpa_fp8_operand_bytes(a.d_out) +
+         sdpa_fp8_operand_bytes(a.d_q) + sdpa_fp8_operand_bytes(a.d_k) + sdpa_fp8_operand_bytes(a.d_v);
+}
+
 }  // namespace upipe

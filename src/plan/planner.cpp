@@ -50,6 +50,7 @@ train_options probe_options(const plan_request& r, const cp_settings& cp, std::i
   // The probe's arenas are unbounded (meta, with the GPU's library workspaces); the tile and
   // chunk are those of the planned GPU's arena, the GPU memory less the context.
   o.step = {r.mlp_tile, r.loss_chunk, policy};
+  o.step.attention_arithmetic = r.attention_arithmetic;
   o.step.lora = r.lora;
   o.model_dir = r.model_dir;
   o.weights_in_model_dir = train_options::model_dir_weights::optional;
@@ -599,6 +600,19 @@ plan_point fastest_fit(const plan_request& r, const cp_settings& cp, std::int64_
     if (!closest || overshoot(point) < overshoot(*closest)) closest = std::move(point);
   }
   return *closest;
+}
+
+head_chunk_choice largest_fitting_head_chunk(const plan_request& r, cp_settings cp, std::int64_t seq_len) {
+  const std::vector<int> us = valid_head_chunks(r.model.num_heads, cp.cp / std::max(cp.ring, 1));
+  UPIPE_CHECK(!us.empty(), "largest_fitting_head_chunk: no valid U for H = " + std::to_string(r.model.num_heads) +
+                               " and C = " + std::to_string(cp.cp));
+  head_chunk_choice choice;
+  for (auto u = us.rbegin(); u != us.rend(); ++u) {  // largest first
+    cp.head_chunk = *u;
+    choice = {*u, fastest_fit(r, cp, seq_len)};
+    if (choice.point.fits) return choice;
+  }
+  return choice;  // the smallest U, closest to fitting
 }
 
 std::size_t gpu_context_bytes() { return context_bytes; }

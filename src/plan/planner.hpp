@@ -61,6 +61,7 @@ struct plan_request {
   // placement at the recommended configuration.
   bool try_state = false;
   std::int64_t mlp_tile = 0, loss_chunk = 0;  // as for training (0: defaults)
+  attention_dtype attention_arithmetic = attention_dtype::bf16;  // --attention-dtype: fp8's buffers in the probe
   std::optional<checkpoint_policy> policy;    // only this policy (default: candidate_policies())
   bool eval = true;                           // also the longest length `upipe eval` fits
   throughput_rates rates;                     // the step-time model's compute rates and links
@@ -213,6 +214,14 @@ plan_point fastest_fit(const plan_request& request, const cp_settings& cp, std::
 // context, rounded down to 0.01 GiB (what the probe sizes its tile and chunk for, and what
 // the printed command asks for).
 double planned_arena_gib(const plan_request& request);
+// --head-chunk auto, for a strategy that chooses U: the largest U (valid_head_chunks of its
+// all-to-all group) whose step at seq_len fits the request's budgets at fastest_fit's
+// policy; when none does, the smallest U and its closest point (fits false).
+struct head_chunk_choice {
+  int head_chunk = 0;
+  plan_point point;
+};
+head_chunk_choice largest_fitting_head_chunk(const plan_request& request, cp_settings cp, std::int64_t seq_len);
 
 // What the planner adds to a step's arena on a GPU: the CUDA context and the libraries'
 // handles outside it.

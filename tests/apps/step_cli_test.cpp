@@ -49,6 +49,27 @@ TEST(step_cli, meta_reports_llama3_8b_memory_at_one_million_tokens) {
   EXPECT_NE(r.output.find("attention"), std::string::npos);
 }
 
+// --head-chunk auto (the default): every head in one stage where the step fits, fewer where
+// it does not, each printed with its reason; --attention-dtype fp8 runs on the meta backend
+// with its buffers modelled.
+TEST(step_cli, head_chunk_auto_takes_the_largest_u_that_fits) {
+  const std::string base = "step --model llama3.2-1b --layers 2 --backend meta --cp 4 --seq-len 256K ";
+  const run_result roomy = run_upipe(base + "--memory-gib 200");
+  ASSERT_EQ(roomy.exit_code, 0) << roomy.output;
+  EXPECT_NE(roomy.output.find("# head chunk U = 32 (auto: the largest whose step fits, every head in one stage"),
+            std::string::npos)
+      << roomy.output;
+  const run_result tight = run_upipe(base + "--memory-gib 6");
+  ASSERT_EQ(tight.exit_code, 0) << tight.output;
+  EXPECT_NE(tight.output.find("# head chunk U = 16 (auto: the largest whose step fits;"), std::string::npos)
+      << tight.output;
+  const run_result fixed = run_upipe(base + "--memory-gib 200 --head-chunk 8");
+  ASSERT_EQ(fixed.exit_code, 0) << fixed.output;
+  EXPECT_EQ(fixed.output.find("# head chunk U ="), std::string::npos) << "a given U is not chosen";
+  const run_result fp8 = run_upipe(base + "--memory-gib 200 --attention-dtype fp8");
+  ASSERT_EQ(fp8.exit_code, 0) << fp8.output;
+}
+
 // Writes the golden tiny-llama weights without one tensor.
 std::string weights_without(const fs::path& dir, const std::string& missing) {
   const upipe::model_config c = upipe::preset("tiny-llama");
@@ -123,6 +144,8 @@ TEST(step_cli, bad_inputs_exit_non_zero_with_a_clear_message) {
       {"--seq-len 9999999999999M", "too large to count"},
       {"--attention hybrid --ring 0", "--ring 0 must lie between 1 and"},
       {"--mlp-tile -4", "--mlp-tile -4 must lie between 0 and 1073741824"},
+      {"--attention-dtype fp16", "use bf16 (the working dtype) or fp8"},
+      {"--head-chunk eight", "or auto, the largest U whose step fits"},
   };
   for (const auto& [args, message] : cases) {
     const bool has_length = args.find("--seq-len") != std::string::npos;

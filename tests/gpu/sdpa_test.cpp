@@ -46,7 +46,12 @@ struct attention_case {
   std::int64_t window = 0;                // a sliding window (0: none)
   std::int64_t q_first = 0, k_first = 0;  // the rows' global indices, which the window reads
   std::vector<std::int64_t> documents;    // packed documents' starts (empty: one)
+  attention_dtype arithmetic = attention_dtype::bf16;
 };
+
+// FP8 against the cpu backend's FP8 definition: one FP8 step of an output (E4M3's O, E5M2's
+// gradients) as max error over max value; the op registry's fp8 cases say why.
+constexpr double fp8_out_tolerance = 0.15, fp8_grad_tolerance = 0.35;
 
 std::string name_of(const attention_case& c) {
   return "sq " + std::to_string(c.sq) + " skv " + std::to_string(c.skv) + " hq " + std::to_string(c.hq) + " hk " +
@@ -55,7 +60,8 @@ std::string name_of(const attention_case& c) {
          (c.window > 0 ? " window " + std::to_string(c.window) + " q at " + std::to_string(c.q_first) + " k at " +
                              std::to_string(c.k_first)
                        : std::string()) +
-         (c.documents.empty() ? std::string() : " " + std::to_string(c.documents.size()) + " documents");
+         (c.documents.empty() ? std::string() : " " + std::to_string(c.documents.size()) + " documents") +
+         (c.arithmetic == attention_dtype::fp8 ? " fp8" : "");
 }
 
 // A (tokens, heads, dim) view inside its buffer: heads [1, 1 + heads) of heads + 3 when
@@ -136,7 +142,8 @@ host_inputs make_inputs(const attention_case& c, std::uint32_t seed) {
 void run_attention(backend& be, const attention_run& r, const attention_case& c) {
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(c.d)));
   const document_mask rows{c.documents, c.q_first, c.k_first};
-  ops::sdpa_forward(be, {r.q.view, r.k.view, r.v.view, r.out.view, r.lse.view, c.mask, scale, rows, c.window});
+  ops::sdpa_forward(be,
+                    {r.q.view, r.k.view, r.v.view, r.out.view, r.lse.view, c.mask, scale, rows, c.window, c.arithmetic});
   sdpa_backward_args b;
   b.q = r.q.view;
   b.k = r.k.view;
@@ -151,6 +158,7 @@ void run_attention(backend& be, const attention_run& r, const attention_case& c)
   b.scale = scale;
   b.documents = rows;
   b.window = c.window;
+  b.arithmetic = c.arithmetic;
   ops::sdpa_backward(be, b);
   be.synchronize();
 }
@@ -205,7 +213,9 @@ void expect_match(backend& gpu, const attention_run& g, backend& cpu, const atte
   for (const auto& [label, got, want] : {std::tuple{"out", &g.out, &r.out}, std::tuple{"d_q", &g.d_q, &r.d_q},
                                          std::tuple{"d_k", &g.d_k, &r.d_k}, std::tuple{"d_v", &g.d_v, &r.d_v}}) {
     const comparison e = compare(gpu, *got, cpu, *want);
-    EXPECT_LT(e.relative(), rel_tolerance) << name << ": " << label << " (max |diff| " << e.max_abs << ")";
+    const bool fp8 = c.arithmetic == attention_dtype::fp8, is_out = std::string(label) == "out";
+    const double tolerance = !fp8 ? rel_tolerance : is_out ? fp8_out_tolerance : fp8_grad_tolerance;
+    EXPECT_LT(e.relative(), tolerance) << name << ": " << label << " (max |diff| " << e.max_abs << ")";
     EXPECT_EQ(e.touched_spares, 0) << name << ": " << label << " written outside its view";
   }
 }
@@ -241,6 +251,39 @@ TEST(gpu_sdpa, matches_the_cpu_backend) {
   };
   std::uint32_t seed = 1;
   for (const attention_case& c : cases) check_case(*gpu, *cpu, c, seed++);
+}
+
+// FP8 attention (cuDNN's FP8 graphs, the quantizing kernels, scales computed on the
+// device) against the cpu backend's FP8 definition: grouped and whole heads, causal and a
+// block of the past with more keys than queries, lengths not multiples of 64, strided
+// head blocks and both lse layouts.
+TEST(gpu_sdpa, fp8_matches_the_cpu_definition) {
+  if (!have_gpu()) GTEST_SKIP() << "no GPU";
+  auto gpu = make_backend(backend_kind::cuda, gpu_limits());
+  auto cpu = make_cpu_backend(cpu_limits());
+  const auto fp8 = attention_dtype::fp8;
+  const attention_case cases[] = {
+      {128, 128, 1, 1, 64, attn_mask::causal, false, false, 0, 0, 0, {}, fp8},
+      {1000, 1000, 8, 4, 128, attn_mask::causal, true, false, 0, 0, 0, {}, fp8},
+      {128, 1000, 8, 1, 128, attn_mask::none, true, false, 0, 0, 0, {}, fp8},
+      {1000, 1000, 4, 4, 128, attn_mask::none, false, true, 0, 0, 0, {}, fp8},
+  };
+  std::uint32_t seed = 41;
+  for (const attention_case& c : cases) check_case(*gpu, *cpu, c, seed++);
+}
+
+// The CUDA engine runs an FP8 call whole: a window (run as pieces) is refused by name.
+TEST(gpu_sdpa, fp8_refuses_pieces_by_name) {
+  if (!have_gpu()) GTEST_SKIP() << "no GPU";
+  auto gpu = make_backend(backend_kind::cuda, gpu_limits());
+  const attention_case c{256, 256, 2, 2, 64, attn_mask::causal, false, false, 64, 0, 0, {}, attention_dtype::fp8};
+  const attention_run g = make_run(*gpu, c, make_inputs(c, 3));
+  try {
+    run_attention(*gpu, g, c);
+    ADD_FAILURE() << "expected a config_error";
+  } catch (const config_error& e) {
+    EXPECT_NE(std::string(e.what()).find("--attention-dtype bf16"), std::string::npos) << e.what();
+  }
 }
 
 // Sliding windows through cuDNN's diagonal band: a causal band, a window longer than the

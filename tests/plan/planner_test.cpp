@@ -3,6 +3,8 @@
 // and bad requests.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <map>
 
 #include "backend/backend.hpp"
@@ -316,6 +318,56 @@ TEST(planner, sequence_chunks_extend_upipe_and_stop_when_they_no_longer_help) {
   ASSERT_GE(upipe_c.size(), 2u);
   EXPECT_GT(upipe_c[1]->longest->seq_len, upipe_c[0]->longest->seq_len);  // N = 4 beats N = 1
   EXPECT_GT(upipe_c[1]->longest->host_bytes, 0u);
+}
+
+// --head-chunk auto: with room for every head in one stage U = H; with room for less, the
+// largest U that fits, every larger one not fitting at any policy; with room for none, the
+// smallest U, marked as not fitting.
+TEST(planner, head_chunk_auto_is_the_largest_u_that_fits) {
+  plan_request r = small_request();
+  r.margin = 0;
+  r.mlp_tile = 2048;
+  r.loss_chunk = 512;
+  const cp_settings cp{strategy_kind::upipe, 4, 0};
+  const std::int64_t S = 65536;
+  const int H = r.model.num_heads;  // 32; C = 4: U in 4, 8, 16, 32
+  r.gpu_memory = std::size_t{1} << 40;
+  head_chunk_choice all = largest_fitting_head_chunk(r, cp, S);
+  ASSERT_TRUE(all.point.fits);
+  EXPECT_EQ(all.head_chunk, H);
+  // Just below U = H's smallest need: a smaller U.
+  cp_settings whole = cp;
+  whole.head_chunk = H;
+  std::size_t need_h = SIZE_MAX, need_4 = SIZE_MAX;
+  for (const checkpoint_policy& p : candidate_policies()) {
+    need_h = std::min(need_h, evaluate(r, whole, S, p).gpu_bytes);
+    need_4 = std::min(need_4, evaluate(r, {strategy_kind::upipe, 4, 4}, S, p).gpu_bytes);
+  }
+  ASSERT_LT(need_4, need_h) << "smaller stages hold less";
+  r.gpu_memory = need_h - 1;
+  const head_chunk_choice fewer = largest_fitting_head_chunk(r, cp, S);
+  ASSERT_TRUE(fewer.point.fits);
+  EXPECT_LT(fewer.head_chunk, H);
+  for (const int u : valid_head_chunks(H, 4))
+    if (u > fewer.head_chunk) EXPECT_FALSE(fastest_fit(r, {strategy_kind::upipe, 4, u}, S).fits) << "U = " << u;
+  // Nothing fits: the smallest U.
+  r.gpu_memory = need_4 / 2;
+  const head_chunk_choice none = largest_fitting_head_chunk(r, cp, S);
+  EXPECT_FALSE(none.point.fits);
+  EXPECT_EQ(none.head_chunk, 4);
+}
+
+// FP8 attention's operand copies are modelled by the meta backend: the same step needs
+// more device memory with them (the planner and the policy choice account for it).
+TEST(planner, fp8_attention_buffers_are_accounted) {
+  plan_request r = small_request();
+  r.gpu_memory = std::size_t{1} << 40;
+  const cp_settings cp{strategy_kind::upipe, 4, 8};
+  const checkpoint_policy policy = candidate_policies().front();
+  const plan_point bf16 = evaluate(r, cp, 65536, policy);
+  r.attention_arithmetic = attention_dtype::fp8;
+  const plan_point fp8 = evaluate(r, cp, 65536, policy);
+  EXPECT_GT(fp8.gpu_bytes, bf16.gpu_bytes);
 }
 
 TEST(planner, fastest_fit_is_the_first_policy_that_fits_else_the_closest_to_fitting) {

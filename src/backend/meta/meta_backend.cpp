@@ -45,13 +45,17 @@ class meta_backend final : public backend {
   // cuBLASLt's workspace is one fixed reservation, made with the backend (constructor).
   void model(const gemm_args&) {}
   // As the CUDA engine, no plan (and no workspace) for a call where nothing attends.
+  // FP8 attention first grows its operands' buffer, then the plan its workspace.
   void model(const sdpa_forward_args& a) {
-    if (gpu_workspaces_ && attends(a.q, a.k))
-      grow_cudnn_workspace(sdpa_forward_workspace_bytes(a.q.tokens, a.q.heads));
+    if (!gpu_workspaces_ || !attends(a.q, a.k)) return;
+    if (a.arithmetic == attention_dtype::fp8) grow(fp8_bytes_, sdpa_fp8_forward_bytes(a), "cudnn_workspace");
+    grow(cudnn_bytes_, sdpa_forward_workspace_bytes(a.q.tokens, a.q.heads), "cudnn_workspace");
   }
   void model(const sdpa_backward_args& a) {
-    if (gpu_workspaces_ && attends(a.q, a.k))
-      grow_cudnn_workspace(sdpa_backward_workspace_bytes(a.q.tokens, a.q.heads, a.q.dim, a.k.tokens, a.mask));
+    if (!gpu_workspaces_ || !attends(a.q, a.k)) return;
+    if (a.arithmetic == attention_dtype::fp8) grow(fp8_bytes_, sdpa_fp8_backward_bytes(a), "cudnn_workspace");
+    grow(cudnn_bytes_, sdpa_backward_workspace_bytes(a.q.tokens, a.q.heads, a.q.dim, a.k.tokens, a.mask),
+         "cudnn_workspace");
   }
 
   static bool attends(const head_view& q, const head_view& k) {
@@ -63,14 +67,14 @@ class meta_backend final : public backend {
     const auto words = static_cast<std::int64_t>((bytes + sizeof(float) - 1) / sizeof(float));
     workspaces_.push_back(allocate(mem_tag::workspace, dtype::f32, {words}, label));
   }
-  void grow_cudnn_workspace(std::size_t bytes) {
-    if (bytes <= cudnn_bytes_) return;
-    reserve(bytes, "cudnn_workspace");
-    cudnn_bytes_ = bytes;
+  void grow(std::size_t& held, std::size_t bytes, const char* label) {
+    if (bytes <= held) return;
+    reserve(bytes, label);
+    held = bytes;
   }
 
   bool gpu_workspaces_;
-  std::size_t cudnn_bytes_ = 0;
+  std::size_t cudnn_bytes_ = 0, fp8_bytes_ = 0;
   std::vector<tensor> workspaces_;
 };
 

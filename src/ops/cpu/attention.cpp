@@ -101,6 +101,7 @@ void write_rows(const head_view& dst, std::int64_t g, const std::vector<double>&
 }  // namespace
 
 void run(const sdpa_forward_args& args) {
+  if (args.arithmetic == attention_dtype::fp8) return run_fp8(args);
   const std::int64_t group = args.q.heads / args.k.heads;
   std::vector<double> scores(static_cast<std::size_t>(args.k.tokens)), acc(static_cast<std::size_t>(args.q.dim));
   for (std::int64_t h = 0; h < args.q.heads; ++h)
@@ -108,6 +109,7 @@ void run(const sdpa_forward_args& args) {
 }
 
 void run(const sdpa_backward_args& args) {
+  if (args.arithmetic == attention_dtype::fp8) return run_fp8(args);
   const std::int64_t group = args.q.heads / args.k.heads, d = args.q.dim;
   std::vector<double> d_q(static_cast<std::size_t>(d));
   kv_grads kv;

@@ -13,6 +13,9 @@ namespace upipe::cpu {
 void run(const gemm_args& args);
 void run(const sdpa_forward_args& args);
 void run(const sdpa_backward_args& args);
+// FP8 attention (attention_fp8.cpp): run() hands a call with arithmetic fp8 to these.
+void run_fp8(const sdpa_forward_args& args);
+void run_fp8(const sdpa_backward_args& args);
 void run(const rope_args& args);
 void run(const rmsnorm_forward_args& args);
 void run(const rmsnorm_backward_args& args);

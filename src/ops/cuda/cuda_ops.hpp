@@ -10,6 +10,7 @@
 #include <functional>
 #include <memory>
 
+#include "core/dtype.hpp"
 #include "ops/op_args.hpp"
 
 namespace upipe::cuda {
@@ -54,6 +55,30 @@ void run(const sum_squares_args& args, const context& ctx);
 // refuses: out = v, lse = scale q.k; backward d_v = the group's summed d_out, d_q = d_k = 0.
 void single_key_attention_forward(const sdpa_forward_args& args, cudaStream_t stream);
 void single_key_attention_backward(const sdpa_backward_args& args, cudaStream_t stream);
+// FP8 attention (kernels_fp8.cu, ops/fp8_attention.hpp). Its f32 scalars live in one
+// device array, by these slots: the inputs' amaxes; per operand (q, k, v, o, dO, the
+// probabilities S, dS, dQ, dK, dV) a scale and its inverse; the amaxes cuDNN writes.
+namespace fp8_slot {
+enum : int {
+  amax_q, amax_k, amax_v, amax_o, amax_d_o,
+  scale_q, scale_k, scale_v, scale_o, scale_d_o, scale_s, scale_d_s, scale_d_q, scale_d_k, scale_d_v,
+  descale_q, descale_k, descale_v, descale_o, descale_d_o, descale_s, descale_d_s, descale_d_q, descale_d_k,
+  descale_d_v,
+  amax_s_out, amax_o_out, amax_d_q_out, amax_d_k_out, amax_d_v_out, amax_d_s_out,
+  count
+};
+inline constexpr int operands = scale_d_v - scale_q + 1;
+}  // namespace fp8_slot
+// *amax = max(*amax, max |x|) over a bf16 view (the caller zeroes *amax first).
+void fp8_amax(const head_view& x, float* amax, cudaStream_t stream);
+// The forward's (q, k, v, s, o) or the backward's scales and inverses from the amax slots.
+void compute_fp8_forward_scales(float* slots, cudaStream_t stream);
+void compute_fp8_backward_scales(float* slots, std::int64_t q_tokens, std::int64_t dim, float attn_scale,
+                                 cudaStream_t stream);
+// dst (packed tokens x heads x dim bytes) = fp8(x * *scale); dst (a bf16 view) = src * *descale.
+void fp8_quantize(const head_view& x, std::uint8_t* dst, const float* scale, fp8_format format, cudaStream_t stream);
+void fp8_dequantize(const std::uint8_t* src, const head_view& dst, const float* descale, fp8_format format,
+                    cudaStream_t stream);
 // dst[i] += src[i] (the communicators' fp32 reduction).
 void add_f32(float* dst, const float* src, std::size_t count, cudaStream_t stream);
 

@@ -1,7 +1,9 @@
 // Fused attention through cuDNN's graph API, built with NVIDIA's header-only cudnn-frontend:
 // one SDPA forward graph (O and the natural-log Stats) and one SDPA backward graph (dQ, dK,
 // dV) per shape, built once, cached, and executed with the views' own pointers and strides.
-// bf16 operands, fp32 softmax statistics and accumulation.
+// bf16 operands, fp32 softmax statistics and accumulation; or FP8 (ops/fp8_attention.hpp):
+// the operands quantized by kernels_fp8.cu into packed E4M3/E5M2 copies with per-tensor
+// scales computed on the device, cuDNN's FP8 graphs, the outputs dequantized back.
 #include <cudnn.h>
 
 // The frontend defines helpers this file never calls; its warnings are not ours to fix.
@@ -16,6 +18,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <exception>
+#include <initializer_list>
 #include <limits>
 #include <memory>
 #include <string>
@@ -25,6 +28,7 @@
 #include "core/error.hpp"
 #include "ops/cuda/cuda_check.hpp"
 #include "ops/cuda/cuda_ops.hpp"
+#include "ops/cuda/sdpa_pieces.hpp"
 #include "ops/sdpa_workspace.hpp"
 
 namespace upipe::cuda {
@@ -38,9 +42,15 @@ enum class pass : std::uint8_t { forward, backward };
 
 // The caller's tensors carry fixed uids, so a cached plan binds fresh pointers by number.
 enum : std::int64_t { uid_q = 1, uid_k, uid_v, uid_o, uid_stats, uid_d_o, uid_d_q, uid_d_k, uid_d_v };
+// FP8's scalars: uid_scalar + their slot in the engine's scalar array (cuda_ops.hpp).
+constexpr std::int64_t uid_scalar = 100;
+static_assert(fp8_slot::count * sizeof(float) <= sdpa_fp8_scalar_bytes, "FP8's scalars fit their bytes");
 
 // The largest head dim cuDNN's fused bf16 attention runs, forward and backward, on Hopper.
 constexpr std::int64_t max_head_dim = 256;
+// cuDNN's FP8 attention on Hopper: head dims up to 128, in 16-byte (16-element) vectors.
+constexpr std::int64_t max_fp8_head_dim = 128;
+constexpr std::int64_t fp8_per_vector = 16;
 // The fused kernels move Q, K, V, O and their gradients in 16-byte vectors (and TMA tiles):
 // every such pointer and outer stride must be a multiple of 16 bytes.
 constexpr std::uintptr_t operand_alignment = 16;
@@ -95,20 +105,16 @@ bool stats_bindable(const head_view& lse, bool strided_supported) {
   return strided_supported && vector_stride(l.heads, l.head_stride) && vector_stride(l.tokens, l.token_stride);
 }
 
+using namespace sdpa_pieces;
+
 // Everything a built plan depends on. Pointers are not part of it: they are bound per call.
-// A sliding window's diagonal band on the call's rows (top-left aligned): query row i keeps
-// key row j iff i - left < j (left > 0; 0: no left bound) and j <= i + right (right >= 0;
-// the causal mask is right 0, an unmasked block's band a right bound past its last key).
-struct band {
-  std::int64_t left = 0, right = 0;
-  bool operator==(const band&) const = default;
-};
 
 struct plan_key {
   pass direction = pass::forward;
   attn_mask mask = attn_mask::causal;
   band bounds;                    // mask causal: right 0; mask none: used only when left > 0
   std::uint32_t scale_bits = 0;
+  attention_dtype arithmetic = attention_dtype::bf16;
   bool stage_stats = false;       // Stats live in the workspace, packed, and are copied
   bhsd q, k, v, o, stats;         // stats as cuDNN sees them (packed when staged)
   bhsd d_o, d_q, d_k, d_v;        // backward only
@@ -126,6 +132,7 @@ struct plan_key_hash {
     mix(key.bounds.left);
     mix(key.bounds.right);
     mix(key.scale_bits);
+    mix(static_cast<std::int64_t>(key.arithmetic));
     mix(key.stage_stats);
     for (const bhsd* l : {&key.q, &key.k, &key.v, &key.o, &key.stats, &key.d_o, &key.d_q, &key.d_k, &key.d_v})
       for (std::int64_t x : {l->heads, l->tokens, l->dim, l->batch_stride, l->head_stride, l->token_stride}) mix(x);
@@ -142,8 +149,8 @@ std::string describe(const plan_key& key) {
        (key.bounds.left > 0 ? ", window band (" + std::to_string(key.bounds.left) + ", " +
                                   std::to_string(key.bounds.right) + ")"
                             : std::string()) +
-       ", scale " +
-       std::to_string(std::bit_cast<float>(key.scale_bits)) + ")";
+       ", scale " + std::to_string(std::bit_cast<float>(key.scale_bits)) +
+       (key.arithmetic == attention_dtype::fp8 ? ", fp8" : "") + ")";
   return s;
 }
 
@@ -161,6 +168,9 @@ void check_layouts(const plan_key& key) {
                         "); use a model with head dim <= 256");
   if (d % bf16_per_vector != 0)
     cannot_run(key, "head dim " + std::to_string(d) + " is not a multiple of 8 (the fused kernels load 16 bytes)");
+  if (key.arithmetic == attention_dtype::fp8 && (d > max_fp8_head_dim || d % fp8_per_vector != 0))
+    cannot_run(key, "head dim " + std::to_string(d) + " (FP8 attention runs head dims up to " +
+                        std::to_string(max_fp8_head_dim) + " in multiples of 16); use --attention-dtype bf16");
   const std::pair<const char*, const bhsd*> operands[] = {
       {"q", &key.q},         {"k", &key.k},     {"v", &key.v},     {"out", &key.o},
       {"d_out", &key.d_o},   {"d_q", &key.d_q}, {"d_k", &key.d_k}, {"d_v", &key.d_v}};
@@ -212,19 +222,24 @@ void set_band(Attributes& attributes, const plan_key& key) {
 
 // The composite graph (matmuls, a generated-index mask, softmax) is the one cuDNN fuses
 // into its Hopper flash-attention kernels (shared/reference/cudnn_sdpa_graphs.txt), and the
-// only one with a causal mask before cuDNN 9.21; both masks use it, so they share numerics.
+// only one with a causal mask before cuDNN 9.21; both masks use it, so they share numerics
+// (FP8's forward too: its attributes are the same type).
+fe::graph::SDPA_attributes forward_attributes(const plan_key& key, const char* name) {
+  auto attributes = fe::graph::SDPA_attributes()
+                        .set_name(name)
+                        .set_generate_stats(true)
+                        .set_attn_scale(std::bit_cast<float>(key.scale_bits))
+                        .set_implementation(fe::AttentionImplementation_t::COMPOSITE);
+  set_band(attributes, key);
+  return attributes;
+}
+
 void add_forward(fe::graph::Graph& g, const plan_key& key) {
   const auto bf16 = fe::DataType_t::BFLOAT16;
   const tensor_ptr q = input(g, "q", uid_q, key.q, bf16);
   const tensor_ptr k = input(g, "k", uid_k, key.k, bf16);
   const tensor_ptr v = input(g, "v", uid_v, key.v, bf16);
-  auto attributes = fe::graph::SDPA_attributes()
-                        .set_name("sdpa_forward")
-                        .set_generate_stats(true)
-                        .set_attn_scale(std::bit_cast<float>(key.scale_bits))
-                        .set_implementation(fe::AttentionImplementation_t::COMPOSITE);
-  set_band(attributes, key);
-  const auto [o, stats] = g.sdpa(q, k, v, attributes);
+  const auto [o, stats] = g.sdpa(q, k, v, forward_attributes(key, "sdpa_forward"));
   output(o, "out", uid_o, key.o, bf16);
   output(stats, "lse", uid_stats, key.stats, fe::DataType_t::FLOAT);
 }
@@ -249,6 +264,72 @@ void add_backward(fe::graph::Graph& g, const plan_key& key) {
   output(d_v, "d_v", uid_d_v, key.d_v, bf16);
 }
 
+// An FP8 scalar (a scale, its inverse, or an amax cuDNN writes): f32 [1, 1, 1, 1] in device
+// memory at its slot, bound per call.
+tensor_ptr scalar_input(fe::graph::Graph& g, const char* name, int slot) {
+  fe::graph::Tensor_attributes t;
+  t.set_name(name).set_uid(uid_scalar + slot).set_data_type(fe::DataType_t::FLOAT).set_dim({1, 1, 1, 1}).set_stride(
+      {1, 1, 1, 1});
+  return g.tensor(t);
+}
+
+void scalar_output(const tensor_ptr& t, const char* name, int slot) {
+  t->set_name(name).set_uid(uid_scalar + slot).set_data_type(fe::DataType_t::FLOAT).set_dim({1, 1, 1, 1}).set_stride(
+      {1, 1, 1, 1});
+  t->set_output(true);
+}
+
+// FP8 forward (cuDNN's sdpa_fp8, the composite graph as bf16's): Q, K, V in E4M3 with their
+// descales, the probabilities quantized at scale_s, O written in E4M3 at scale_o.
+void add_forward_fp8(fe::graph::Graph& g, const plan_key& key) {
+  namespace slot = fp8_slot;
+  const auto e4m3 = fe::DataType_t::FP8_E4M3;
+  const tensor_ptr q = input(g, "q", uid_q, key.q, e4m3);
+  const tensor_ptr k = input(g, "k", uid_k, key.k, e4m3);
+  const tensor_ptr v = input(g, "v", uid_v, key.v, e4m3);
+  const auto attributes = forward_attributes(key, "sdpa_fp8_forward");
+  const auto [o, stats, amax_s, amax_o] =
+      g.sdpa_fp8(q, k, v, scalar_input(g, "descale_q", slot::descale_q), scalar_input(g, "descale_k", slot::descale_k),
+                 scalar_input(g, "descale_v", slot::descale_v), scalar_input(g, "descale_s", slot::descale_s),
+                 scalar_input(g, "scale_s", slot::scale_s), scalar_input(g, "scale_o", slot::scale_o), attributes);
+  output(o, "out", uid_o, key.o, e4m3);
+  output(stats, "lse", uid_stats, key.stats, fe::DataType_t::FLOAT);
+  scalar_output(amax_s, "amax_s", slot::amax_s_out);
+  scalar_output(amax_o, "amax_o", slot::amax_o_out);
+}
+
+// FP8 backward (cuDNN's sdpa_fp8_backward): Q, K, V, O in E4M3, dO in E5M2; dS (cuDNN's
+// dP) and the outputs dQ, dK, dV in E5M2 at the scales ops/fp8_attention.hpp bounds.
+void add_backward_fp8(fe::graph::Graph& g, const plan_key& key) {
+  namespace slot = fp8_slot;
+  const auto e4m3 = fe::DataType_t::FP8_E4M3, e5m2 = fe::DataType_t::FP8_E5M2;
+  const tensor_ptr q = input(g, "q", uid_q, key.q, e4m3);
+  const tensor_ptr k = input(g, "k", uid_k, key.k, e4m3);
+  const tensor_ptr v = input(g, "v", uid_v, key.v, e4m3);
+  const tensor_ptr o = input(g, "out", uid_o, key.o, e4m3);
+  const tensor_ptr d_o = input(g, "d_out", uid_d_o, key.d_o, e5m2);
+  const tensor_ptr stats = input(g, "lse", uid_stats, key.stats, fe::DataType_t::FLOAT);
+  auto attributes = fe::graph::SDPA_fp8_backward_attributes()
+                        .set_name("sdpa_fp8_backward")
+                        .set_attn_scale(std::bit_cast<float>(key.scale_bits));
+  set_band(attributes, key);
+  const auto [d_q, d_k, d_v, amax_d_q, amax_d_k, amax_d_v, amax_d_s] = g.sdpa_fp8_backward(
+      q, k, v, o, d_o, stats, scalar_input(g, "descale_q", slot::descale_q),
+      scalar_input(g, "descale_k", slot::descale_k), scalar_input(g, "descale_v", slot::descale_v),
+      scalar_input(g, "descale_o", slot::descale_o), scalar_input(g, "descale_d_o", slot::descale_d_o),
+      scalar_input(g, "descale_s", slot::descale_s), scalar_input(g, "descale_d_s", slot::descale_d_s),
+      scalar_input(g, "scale_s", slot::scale_s), scalar_input(g, "scale_d_q", slot::scale_d_q),
+      scalar_input(g, "scale_d_k", slot::scale_d_k), scalar_input(g, "scale_d_v", slot::scale_d_v),
+      scalar_input(g, "scale_d_s", slot::scale_d_s), attributes);
+  output(d_q, "d_q", uid_d_q, key.d_q, e5m2);
+  output(d_k, "d_k", uid_d_k, key.d_k, e5m2);
+  output(d_v, "d_v", uid_d_v, key.d_v, e5m2);
+  scalar_output(amax_d_q, "amax_d_q", slot::amax_d_q_out);
+  scalar_output(amax_d_k, "amax_d_k", slot::amax_d_k_out);
+  scalar_output(amax_d_v, "amax_d_v", slot::amax_d_v_out);
+  scalar_output(amax_d_s, "amax_d_s", slot::amax_d_s_out);
+}
+
 // A built graph and the workspace it needs: cuDNN's own plus the frontend's (the backward's
 // fp32 dQ accumulator and row sums live there), then the packed Stats when staged.
 struct sdpa_plan {
@@ -267,10 +348,11 @@ std::unique_ptr<sdpa_plan> build_plan(const plan_key& key, cudnnHandle_t handle)
   g.set_io_data_type(fe::DataType_t::BFLOAT16)
       .set_intermediate_data_type(fe::DataType_t::FLOAT)
       .set_compute_data_type(fe::DataType_t::FLOAT);
+  const bool fp8 = key.arithmetic == attention_dtype::fp8;
   if (key.direction == pass::forward)
-    add_forward(g, key);
+    fp8 ? add_forward_fp8(g, key) : add_forward(g, key);
   else
-    add_backward(g, key);
+    fp8 ? add_backward_fp8(g, key) : add_backward(g, key);
   check_built(g.validate(), key);
   check_built(g.build_operation_graph(handle), key);
   check_built(g.create_execution_plans({fe::HeurMode_t::A, fe::HeurMode_t::FALLBACK}), key);
@@ -398,7 +480,124 @@ struct sdpa_engine::impl {
   // One fused call on the whole of a's rows (no documents, no window left), with `bounds`.
   void forward(const sdpa_forward_args& a, const band& bounds);
   void backward(const sdpa_backward_args& a, const band& bounds);
+
+  // FP8: the operands' packed copies after the scalars (ops/sdpa_workspace.hpp), grown
+  // before the plan's workspace, as the meta backend models it.
+  std::byte* fp8_buffer = nullptr;
+  std::size_t fp8_buffer_bytes = 0;
+  std::byte* fp8_space(std::size_t bytes) {
+    if (bytes > fp8_buffer_bytes) {
+      fp8_buffer = static_cast<std::byte*>(scratch(bytes));
+      fp8_buffer_bytes = bytes;
+    }
+    return fp8_buffer;
+  }
+  void forward_fp8(const sdpa_forward_args& a);
+  void backward_fp8(const sdpa_backward_args& a);
 };
+
+namespace {
+
+// A packed (tokens, heads, dim) FP8 copy of an operand, carved from the FP8 buffer.
+struct fp8_operand {
+  std::uint8_t* data = nullptr;
+  bhsd layout;
+};
+
+fp8_operand carve(std::byte*& at, const head_view& like) {
+  const head_view packed{at, dtype::u8, like.tokens, like.heads, like.dim, like.heads * like.dim, like.dim};
+  const fp8_operand o{reinterpret_cast<std::uint8_t*>(at), layout_of(packed)};
+  at += sdpa_fp8_operand_bytes(like);
+  return o;
+}
+
+void bind_scalars(std::unordered_map<std::int64_t, void*>& pack, float* slots, std::initializer_list<int> used) {
+  for (const int slot : used) pack[uid_scalar + slot] = slots + slot;
+}
+
+}  // namespace
+
+// Amaxes, scales and quantized copies on the stream, then cuDNN's FP8 graph, then O back
+// in the working dtype.
+void sdpa_engine::impl::forward_fp8(const sdpa_forward_args& a) {
+  namespace slot = fp8_slot;
+  std::byte* at = fp8_space(sdpa_fp8_forward_bytes(a));
+  float* slots = reinterpret_cast<float*>(at);
+  at += sdpa_fp8_scalar_bytes;
+  const fp8_operand q = carve(at, a.q), k = carve(at, a.k), v = carve(at, a.v), o = carve(at, a.out);
+  UPIPE_CUDA_CHECK(cudaMemsetAsync(slots, 0, sdpa_fp8_scalar_bytes, stream));
+  fp8_amax(a.q, slots + slot::amax_q, stream);
+  fp8_amax(a.k, slots + slot::amax_k, stream);
+  fp8_amax(a.v, slots + slot::amax_v, stream);
+  compute_fp8_forward_scales(slots, stream);
+  fp8_quantize(a.q, q.data, slots + slot::scale_q, fp8_format::e4m3, stream);
+  fp8_quantize(a.k, k.data, slots + slot::scale_k, fp8_format::e4m3, stream);
+  fp8_quantize(a.v, v.data, slots + slot::scale_v, fp8_format::e4m3, stream);
+  plan_key key = forward_key(a, band{}, version);
+  key.arithmetic = attention_dtype::fp8;
+  key.q = q.layout;
+  key.k = k.layout;
+  key.v = v.layout;
+  key.o = o.layout;
+  sdpa_plan& plan = plan_for(key);
+  void* stats = key.stage_stats ? staged_stats(plan) : a.lse.data;
+  std::unordered_map<std::int64_t, void*> pack{
+      {uid_q, q.data}, {uid_k, k.data}, {uid_v, v.data}, {uid_o, o.data}, {uid_stats, stats}};
+  bind_scalars(pack, slots,
+               {slot::descale_q, slot::descale_k, slot::descale_v, slot::descale_s, slot::scale_s, slot::scale_o,
+                slot::amax_s_out, slot::amax_o_out});
+  execute(plan, pack);
+  if (key.stage_stats) run(copy_heads_args{a.lse, packed_stats_view(stats, a.lse)}, context{.stream = stream});
+  fp8_dequantize(o.data, a.out, slots + slot::descale_o, fp8_format::e4m3, stream);
+}
+
+void sdpa_engine::impl::backward_fp8(const sdpa_backward_args& a) {
+  namespace slot = fp8_slot;
+  std::byte* at = fp8_space(sdpa_fp8_backward_bytes(a));
+  float* slots = reinterpret_cast<float*>(at);
+  at += sdpa_fp8_scalar_bytes;
+  const fp8_operand q = carve(at, a.q), k = carve(at, a.k), v = carve(at, a.v), o = carve(at, a.out),
+                    d_o = carve(at, a.d_out), d_q = carve(at, a.d_q), d_k = carve(at, a.d_k), d_v = carve(at, a.d_v);
+  UPIPE_CUDA_CHECK(cudaMemsetAsync(slots, 0, sdpa_fp8_scalar_bytes, stream));
+  fp8_amax(a.q, slots + slot::amax_q, stream);
+  fp8_amax(a.k, slots + slot::amax_k, stream);
+  fp8_amax(a.v, slots + slot::amax_v, stream);
+  fp8_amax(a.out, slots + slot::amax_o, stream);
+  fp8_amax(a.d_out, slots + slot::amax_d_o, stream);
+  compute_fp8_backward_scales(slots, a.q.tokens, a.q.dim, a.scale, stream);
+  fp8_quantize(a.q, q.data, slots + slot::scale_q, fp8_format::e4m3, stream);
+  fp8_quantize(a.k, k.data, slots + slot::scale_k, fp8_format::e4m3, stream);
+  fp8_quantize(a.v, v.data, slots + slot::scale_v, fp8_format::e4m3, stream);
+  fp8_quantize(a.out, o.data, slots + slot::scale_o, fp8_format::e4m3, stream);
+  fp8_quantize(a.d_out, d_o.data, slots + slot::scale_d_o, fp8_format::e5m2, stream);
+  plan_key key = backward_key(a, band{}, version);
+  key.arithmetic = attention_dtype::fp8;
+  key.q = q.layout;
+  key.k = k.layout;
+  key.v = v.layout;
+  key.o = o.layout;
+  key.d_o = d_o.layout;
+  key.d_q = d_q.layout;
+  key.d_k = d_k.layout;
+  key.d_v = d_v.layout;
+  sdpa_plan& plan = plan_for(key);
+  void* stats = a.lse.data;
+  if (key.stage_stats) {
+    stats = staged_stats(plan);
+    run(copy_heads_args{packed_stats_view(stats, a.lse), a.lse}, context{.stream = stream});
+  }
+  std::unordered_map<std::int64_t, void*> pack{{uid_q, q.data},     {uid_k, k.data},     {uid_v, v.data},
+                                               {uid_o, o.data},     {uid_d_o, d_o.data}, {uid_stats, stats},
+                                               {uid_d_q, d_q.data}, {uid_d_k, d_k.data}, {uid_d_v, d_v.data}};
+  bind_scalars(pack, slots,
+               {slot::descale_q, slot::descale_k, slot::descale_v, slot::descale_o, slot::descale_d_o,
+                slot::descale_s, slot::descale_d_s, slot::scale_s, slot::scale_d_q, slot::scale_d_k, slot::scale_d_v,
+                slot::scale_d_s, slot::amax_d_q_out, slot::amax_d_k_out, slot::amax_d_v_out, slot::amax_d_s_out});
+  execute(plan, pack);
+  fp8_dequantize(d_q.data, a.d_q, slots + slot::descale_d_q, fp8_format::e5m2, stream);
+  fp8_dequantize(d_k.data, a.d_k, slots + slot::descale_d_k, fp8_format::e5m2, stream);
+  fp8_dequantize(d_v.data, a.d_v, slots + slot::descale_d_v, fp8_format::e5m2, stream);
+}
 
 void sdpa_engine::impl::forward(const sdpa_forward_args& a, const band& bounds) {
   const plan_key key = forward_key(a, bounds, version);
@@ -441,120 +640,30 @@ sdpa_engine::~sdpa_engine() = default;
 
 std::size_t sdpa_engine::library_version() { return cudnnGetVersion(); }
 
-namespace {
-
-// Packed documents as ordinary calls on row ranges: under the causal mask (queries and
-// keys the same rows) each document is a causal call of its own; a block strictly in the
-// past (ring) has at most one document that holds queries and keys, the one its first
-// query is in, and the later queries see nothing. Each distinct length is a plan of its
-// own. fn(q rows, k rows, mask) with rows as [first, count).
-struct row_range {
-  std::int64_t first = 0, count = 0;
-};
-template <class Fn>
-void for_each_document_call(const document_mask& m, attn_mask mask, std::int64_t sq, std::int64_t skv, Fn&& fn) {
-  if (!m.active()) {
-    fn(row_range{0, sq}, row_range{0, skv}, mask);
-    return;
-  }
-  if (mask == attn_mask::causal) {
-    UPIPE_CHECK(m.q_first == m.k_first && sq == skv, "sdpa: documents under the causal mask need q and k on the same rows");
-    std::int64_t row = 0;
-    while (row < sq) {
-      const std::int64_t g = m.q_first + row;
-      const auto next = std::upper_bound(m.starts.begin(), m.starts.end(), g);
-      const std::int64_t end = next == m.starts.end() ? sq : std::min(sq, *next - m.q_first);
-      fn(row_range{row, end - row}, row_range{row, end - row}, attn_mask::causal);
-      row = end;
-    }
-    return;
-  }
-  const std::int64_t start = m.start_of(m.q_first), k_last = m.k_first + skv - 1;
-  if (start > k_last) return;
-  const auto next = std::upper_bound(m.starts.begin(), m.starts.end(), m.q_first);
-  const std::int64_t q_end = next == m.starts.end() ? sq : std::min(sq, *next - m.q_first);
-  const std::int64_t k_begin = std::max<std::int64_t>(0, start - m.k_first);
-  fn(row_range{0, q_end}, row_range{k_begin, skv - k_begin}, attn_mask::none);
-}
-
-// One call cuDNN runs: rows of q and k, the mask and, under a window, its band.
-struct sdpa_piece {
-  row_range q, k;
-  attn_mask mask = attn_mask::causal;
-  band bounds;
-};
-
-// A call's rows under a window W, whose rows start at global indices gq and gk, as the
-// pieces cuDNN's band can express (a positive left bound, s_q <= s_kv): causal rows keep the
-// band (W, 0) unless W reaches back past their first row; in a block of the past query row
-// i sees key rows from i + c on (c = gq - gk - W + 1), so the key rows before c are cut
-// (band (1, last key)), or the band starts at 1 - c; query rows that reach no key are left
-// out (the caller has zeroed them), and more query rows than keys split.
-template <class Fn>
-void for_each_window_piece(std::int64_t window, std::int64_t gq, std::int64_t gk, row_range q, row_range k,
-                           attn_mask mask, Fn&& fn) {
-  if (q.count == 0 || k.count == 0) return;
-  if (mask == attn_mask::causal) {
-    fn(sdpa_piece{q, k, mask, window > 0 && window < q.count ? band{window, 0} : band{}});
-    return;
-  }
-  const std::int64_t c = gq - gk - window + 1;
-  if (window == 0 || c + q.count - 1 <= 0) {  // every query reaches every key
-    fn(sdpa_piece{q, k, mask, {}});
-    return;
-  }
-  if (c >= k.count) return;  // no query reaches a key
-  const std::int64_t cut = std::max<std::int64_t>(c, 0);
-  const row_range keys{k.first + cut, k.count - cut};
-  const row_range queries{q.first, std::min(q.count, k.count - c)};
-  if (queries.count > keys.count) {  // s_q <= s_kv: split the query rows
-    for (std::int64_t i = 0; i < queries.count; i += keys.count) {
-      const std::int64_t n = std::min(keys.count, queries.count - i);
-      for_each_window_piece(window, gq + i, gk, row_range{q.first + i, n}, k, mask, fn);
-    }
-    return;
-  }
-  fn(sdpa_piece{queries, keys, mask, band{1 - (c - cut), keys.count - 1}});
-}
-
-// Every piece of a call: its documents' calls, each cut by the window.
-template <class Args, class Fn>
-void for_each_piece(const Args& a, Fn&& fn) {
-  const document_mask& m = a.documents;
-  for_each_document_call(m, a.mask, a.q.tokens, a.k.tokens, [&](row_range q, row_range k, attn_mask mask) {
-    for_each_window_piece(a.window, m.q_first + q.first, m.k_first + k.first, q, k, mask, fn);
-  });
-}
-
-// Does the call run as pieces (packed documents or a window), some of whose rows may be
-// left out?
-template <class Args>
-bool in_pieces(const Args& a) {
-  return a.documents.active() || a.window > 0;
-}
-
-template <class Args>
-Args rows_of(const Args& a, const sdpa_piece& p) {
-  Args sub = a;
-  sub.q = a.q.token_block(p.q.first, p.q.count);
-  sub.k = a.k.token_block(p.k.first, p.k.count);
-  sub.v = a.v.token_block(p.k.first, p.k.count);
-  sub.out = a.out.token_block(p.q.first, p.q.count);
-  sub.lse = a.lse.token_block(p.q.first, p.q.count);
-  sub.mask = p.mask;
-  sub.documents = {};
-  sub.window = 0;
-  return sub;
-}
-
-}  // namespace
-
 void run(const sdpa_forward_args& args, const context& ctx) { ctx.sdpa->forward(args); }
 
 void run(const sdpa_backward_args& args, const context& ctx) { ctx.sdpa->backward(args); }
 
+namespace {
+
+// One set of scales holds for a whole call, so FP8 runs a call as one piece.
+template <class Args>
+void refuse_fp8_pieces(const Args& a) {
+  if (in_pieces(a))
+    throw config_error("FP8 attention on the CUDA backend runs each attention call whole, but this one has packed "
+                       "documents or a sliding window, which cuDNN runs as pieces; use --attention-dtype bf16 with "
+                       "packed documents and sliding-window models");
+}
+
+}  // namespace
+
 void sdpa_engine::forward(const sdpa_forward_args& a) {
   if (empty(a.q)) return;
+  if (a.arithmetic == attention_dtype::fp8 && a.k.tokens > 0) {
+    refuse_fp8_pieces(a);
+    impl_->forward_fp8(a);
+    return;
+  }
   if (a.k.tokens == 0 || (in_pieces(a) && a.mask == attn_mask::none)) {
     // No keys, or rows of a past block that may reach none: out 0 and lse -inf, which
     // lse_merge ignores, then the pieces overwrite their rows.
@@ -576,6 +685,11 @@ void sdpa_engine::forward(const sdpa_forward_args& a) {
 }
 
 void sdpa_engine::backward(const sdpa_backward_args& a) {
+  if (a.arithmetic == attention_dtype::fp8 && !empty(a.q) && a.k.tokens > 0) {
+    refuse_fp8_pieces(a);
+    impl_->backward_fp8(a);
+    return;
+  }
   if (empty(a.q) || a.k.tokens == 0 || (in_pieces(a) && a.mask == attn_mask::none)) {
     // Nothing attends, or keys and queries outside every piece: their gradients are zero.
     zero(a.d_q, impl_->stream);
