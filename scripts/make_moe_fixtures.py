@@ -31,6 +31,8 @@ eager attention (the router's softmax stays in float32 inside, as transformers c
   aux_grads.safetensors   the same with the term (output_router_logits=True)
 Gradients are stored under the names save_pretrained writes (per expert), the fused
 experts.gate_up_proj (E, 2I, D) / down_proj (E, D, I) of transformers 5 split back.
+And under tests/golden/lora/qwen3-moe/, PEFT's LoRA on the Qwen3-MoE base (make_family_fixtures.py's
+make_lora: r 4, alpha 7, B drawn N(0, 0.05^2)) on the attention's q, k, v and o projections.
 Runs on the CPU, one thread; deterministic for given versions.
 """
 import json
@@ -49,6 +51,7 @@ from safetensors import safe_open  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from make_family_fixtures import make_lora  # noqa: E402
 from make_hf_fixtures import BOS, EOS, PAD, VOCAB, build_tokenizer  # noqa: E402
 
 TOKENS = 203
@@ -188,6 +191,9 @@ def main():
     for fx in FIXTURES:
         base = Path("tests/golden/moe") / fx["name"]
         golden = make(base, fx, tokenizer)
+        if fx["name"] == "qwen3-moe":  # LoRA on the attention (upipe refuses the experts: see lora.cpp)
+            make_lora(base, Path("tests/golden/lora") / fx["name"], golden["tokens"],
+                      targets=["q_proj", "k_proj", "v_proj", "o_proj"])
         size = sum(p.stat().st_size for p in base.iterdir())
         print(f"{fx['name']}: {golden['architecture']} loss={golden['loss']:.9f} aux={golden['aux_loss']:.9f} "
               f"with aux={golden['loss_with_aux']:.9f} bytes={size}")

@@ -43,6 +43,10 @@ std::vector<option_row> make_rows() {
        "train LoRA adapters on a frozen base: r=N[,alpha=A][,targets=q,k,v,o,gate,up,down][,dropout=0] (alpha "
        "defaults to r, targets to all seven projections); saves a PEFT adapter directory",
        for_train | for_step | for_bench | for_plan, r::kept},
+      {"--router-aux-loss", "model.router_aux_loss", UPIPE_FIELD(router_aux_loss),
+       "a mixture of experts' load-balancing loss (router_aux_loss_coef x transformers' load_balancing_loss_func) in "
+       "the loss: config (as config.json's output_router_logits says), on or off",
+       for_train | for_step, r::kept},
       {"--init-adapter", "model.init_adapter", UPIPE_FIELD(init_adapter),
        "LoRA: continue from this adapter directory (upipe's --save or PEFT's save_pretrained); its "
        "adapter_config.json gives --lora",

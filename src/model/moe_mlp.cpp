@@ -15,16 +15,11 @@ void router_balance::reset(int experts) {
 
 moe_mlp::moe_mlp(const model_config& model, backend& be) : model_(model), be_(be) {}
 
-namespace {
-
-// A working-dtype copy of an f32 matrix (gemm operands are in the working dtype on the GPU).
 tensor working_copy(backend& be, const mat_view& src, const char* label) {
   tensor t = be.allocate(mem_tag::activations, be.work_dtype(), {src.rows, src.cols}, label);
   ops::copy_heads(be, ops::as_heads(t.matrix()), ops::as_heads(src));
   return t;
 }
-
-}  // namespace
 
 moe_mlp::routing moe_mlp::route(const moe_weights& w, const mat_view& h) {
   const std::int64_t n = h.rows, E = model_.moe.experts, k = model_.moe.top_k;

@@ -22,6 +22,10 @@
 
 namespace upipe {
 
+// A working-dtype copy of an f32 gradient block, as gemm operands are in the working dtype
+// on the GPU (on the cpu backend both are f32 and this is a plain copy).
+tensor working_copy(backend& be, const mat_view& src, const char* label);
+
 // One step's router statistics: per expert, the top-k assignments and the summed
 // probabilities over the counted rows of every sparse layer.
 struct router_balance {

@@ -15,13 +15,6 @@ void copy_matrix(backend& be, const mat_view& dst, const mat_view& src) {
   ops::copy_heads(be, ops::as_heads(dst), ops::as_heads(src));
 }
 
-// A working-dtype copy of an f32 gradient block, as gemm operands are in the working
-// dtype on the GPU (on the cpu backend both are f32 and this is a plain copy).
-tensor working_copy(backend& be, const mat_view& src, const char* label) {
-  tensor t = be.allocate(mem_tag::activations, be.work_dtype(), {src.rows, src.cols}, label);
-  copy_matrix(be, t.matrix(), src);
-  return t;
-}
 
 }  // namespace
 

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <string_view>
 #include <vector>
 
 #include "cp/attention_layer.hpp"
@@ -43,6 +44,8 @@ enum class tile_sweep : std::uint8_t { every_tile, distinct_shapes };
 // transformers' load_balancing_loss_func) joins the loss: as config.json's
 // output_router_logits says (transformers' rule), or on, or off.
 enum class router_aux_loss : std::uint8_t { config, on, off };
+// "config", "on" or "off" (--router-aux-loss); throws config_error naming the value.
+router_aux_loss parse_router_aux_loss(std::string_view text);
 
 struct step_options {
   std::int64_t mlp_tile = 0;    // tokens per MLP/RMSNorm tile; 0: with_default_sizes

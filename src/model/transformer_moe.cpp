@@ -13,6 +13,14 @@
 
 namespace upipe {
 
+router_aux_loss parse_router_aux_loss(std::string_view text) {
+  if (text == "config") return router_aux_loss::config;
+  if (text == "on") return router_aux_loss::on;
+  if (text == "off") return router_aux_loss::off;
+  throw config_error("--router-aux-loss '" + std::string(text) + "' is not one of config (as config.json's "
+                     "output_router_logits says), on or off; for example --router-aux-loss on");
+}
+
 void transformer::moe_forward(const layer_params& p, const tensor& x) {
   const phase_scope phase(be_, "mlp");
   const std::int64_t D = model_.hidden_size;
