@@ -26,7 +26,8 @@ hundred, not a multiple of 4 or 8: the padding of CP layouts is exercised).
 The references are computed from the saved directory re-loaded and cast to float64 with
 eager attention (the router's softmax stays in float32 inside, as transformers computes it):
   golden.json             the tokens; loss without the load-balancing term; with it the loss,
-                          the aux loss (before the coefficient); versions; parameter names
+                          the aux loss (before the coefficient); versions; parameter names;
+                          the tokenizer's ids of three sample texts
   grads.safetensors       every parameter's gradient without the term (float32)
   aux_grads.safetensors   the same with the term (output_router_logits=True)
 Gradients are stored under the names save_pretrained writes (per expert), the fused
@@ -52,7 +53,7 @@ from safetensors.torch import save_file  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from make_family_fixtures import make_lora  # noqa: E402
-from make_hf_fixtures import BOS, EOS, PAD, VOCAB, build_tokenizer  # noqa: E402
+from make_hf_fixtures import BOS, EOS, PAD, TEXT_SAMPLES, VOCAB, build_tokenizer  # noqa: E402
 
 TOKENS = 203
 AUX_COEF = 0.25
@@ -174,6 +175,8 @@ def make(out, fx, tokenizer):
         "aux_loss": aux_result.aux_loss.item(),
         "loss_with_aux": aux_result.loss.item(),
         "router_aux_loss_coef": AUX_COEF,
+        "text_samples": TEXT_SAMPLES,
+        "text_ids": [tokenizer.encode(t) for t in TEXT_SAMPLES],
         "parameters": sorted(saved),
     }
     assert abs(golden["loss_with_aux"] - golden["loss"] - AUX_COEF * golden["aux_loss"]) < 1e-6  # the aux sums run in float32
