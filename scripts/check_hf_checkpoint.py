@@ -2,12 +2,14 @@
 """Checks that what `upipe train --save` writes is a model directory transformers loads as
 its own, with the same loss, tokenizer and configuration.
 
-usage: check_hf_checkpoint.py UPIPE_BINARY WORK_DIR
+usage: check_hf_checkpoint.py UPIPE_BINARY WORK_DIR [NAMES]
 
 For each model directory in tests/golden/hf/ (Llama with YaRN in bf16 shards, a tied Qwen3,
 an fp16 Llama with linear scaling, and the families of make_family_fixtures.py: Qwen2 with
 biases and with a window, Mistral, Phi-3 with fused projections saved fused again, Gemma 3's
-text model) and for the tiny-llama preset: trains a few steps with
+text model), the mixtures of experts of make_moe_fixtures.py (tests/golden/moe/: Qwen3-MoE,
+Mixtral, Qwen2-MoE with its load-balancing loss in the loss) and for the tiny-llama preset
+(NAMES: a comma-separated selection of these runs): trains a few steps with
 upipe starting from it (4 CP ranks, UPipe), saving in bf16 (the default) and in fp32, and
 once with the context extended (--rope-theta and --rope-scaling yarn). For every saved
 directory it then checks, with transformers on the CPU in float32:
@@ -54,9 +56,12 @@ def main():
     sources = [ROOT / "tests/golden/hf" / n for n in ("llama-yarn-shards", "qwen3-tied", "llama-fp16-linear",
                                                       "qwen2-bias", "qwen2-window", "mistral-window", "phi3-fused",
                                                       "gemma3-text")]
+    sources += [ROOT / "tests/golden/moe" / n for n in ("qwen3-moe", "mixtral", "qwen2-moe")]
     runs = [(s, s.name, []) for s in sources] + [("tiny-llama", "tiny-llama", [])]
     runs.append((sources[0], "llama-yarn-extended",
                  ["--rope-theta", "20000", "--rope-scaling", "type=yarn,factor=8,original_max_position_embeddings=32"]))
+    if len(sys.argv) > 3:  # only the runs named (e.g. qwen3-moe,mixtral)
+        runs = [r for r in runs if r[1] in sys.argv[3].split(",")]
     for source, name, extra in runs:
         train = ["--model", source, "--data", data, "--seq-len", 64, "--steps", 4, "--cp", 4, "--eval-samples", 0, *extra]
         saved = {}

@@ -198,13 +198,15 @@ def make_documents(out, tokens):
     (out / "documents.json").write_text(json.dumps(record, indent=1) + "\n")
 
 
-def make_lora(base_dir, out_dir, tokens):
-    """base_dir relative to the repository (PEFT records it as base_model_name_or_path)."""
+def make_lora(base_dir, out_dir, tokens, targets="all-linear"):
+    """base_dir relative to the repository (PEFT records it as base_model_name_or_path).
+    Experts run eagerly: transformers' grouped matmul has no float64."""
     out_dir.mkdir(parents=True, exist_ok=True)
     model = transformers.AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32,
-                                                              attn_implementation="eager")
+                                                              attn_implementation="eager",
+                                                              experts_implementation="eager")
     torch.manual_seed(LORA_SEED)
-    config = peft.LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA, lora_dropout=0.0, target_modules="all-linear",
+    config = peft.LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA, lora_dropout=0.0, target_modules=targets,
                              bias="none", task_type="CAUSAL_LM")
     model = peft.get_peft_model(model, config)
     with torch.no_grad():

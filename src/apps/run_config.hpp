@@ -23,7 +23,7 @@ namespace upipe::apps {
 
 struct run_config {
   // [model]
-  std::string model = "tiny-llama", config, init, lora, init_adapter, rope_scaling;
+  std::string model = "tiny-llama", config, init, lora, init_adapter, rope_scaling, router_aux_loss = "config";
   int layers = 0;
   std::optional<double> rope_theta;
   std::optional<std::int64_t> max_position_embeddings;

@@ -126,6 +126,10 @@ std::vector<option_row> make_rows() {
       {"--max-position-embeddings", "model.max_position_embeddings", UPIPE_FIELD(max_position_embeddings),
        range(1, limits::context.max, "131072"),
        "the context the saved config declares (default: the model's, or the extended one)", for_train, r::changes},
+      {"--router-aux-loss", "model.router_aux_loss", UPIPE_FIELD(router_aux_loss), words("config, on, off", "on"),
+       "a mixture of experts' load-balancing loss (router_aux_loss_coef x transformers' load_balancing_loss_func) in "
+       "the loss: config (as config.json's output_router_logits says), on or off",
+       for_train | for_step, r::kept},
       // [data]
       {"--data", "data.data", UPIPE_FIELD(data), parsed(data_sources_rule, "data/corpus"),
        "a corpus PREFIX from upipe prepare-data (PREFIX.tokens, .index, .json, and .mask for chat data), a flat "

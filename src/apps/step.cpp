@@ -98,6 +98,7 @@ int run(step_flags& f) {
     req.options.policy = auto_choices(req, S, c);
   const resolved_step resolved = resolve_step(sizes_of(req, S, c.memory_gib, c.host_memory_gib));
   req.options = resolved.step;
+  req.options.router_aux = parse_router_aux_loss(c.router_aux_loss);
   req.limits = resolved.limits;
   const bool data = req.backend != backend_kind::meta;
   const std::string weights_path =
@@ -131,6 +132,10 @@ int run(step_flags& f) {
                         {"seq_len", r.seq_len}, {"time_ms", r.time_ms}, {"peak_bytes", r.peak_bytes},
                         {"device_peak_bytes", r.device_peak_bytes}, {"checkpoint_policy", req.options.policy.str()}};
     j["loss"] = data ? nlohmann::json(r.loss) : nlohmann::json(nullptr);
+    if (data && req.model.sparse_layer_count() > 0) {  // a mixture of experts' two terms
+      j["lm_loss"] = r.lm_loss;
+      j["aux_loss"] = r.aux_loss;
+    }
     write_json_file(f.json_path, j);
   }
   if (!f.grads_path.empty() && data) write_grads(f, req.model, req.options.lora, r);

@@ -311,6 +311,7 @@ train_options to_options(run_options& opts, bool fine_tune) {
   apply_comm(f, o.step);
   o.step.attention_arithmetic = parse_attention_dtype(f.attention_dtype);
   o.step.lora = lora;
+  o.step.router_aux = parse_router_aux_loss(f.router_aux_loss);
   o.optim.lr = f.lr;
   o.optim.weight_decay = f.weight_decay;
   o.optim.max_grad_norm = f.max_grad_norm;
@@ -368,10 +369,12 @@ class progress {
     char held_out[48] = "";
     if (r.eval_loss) std::snprintf(held_out, sizeof held_out, "  eval %.4f", *r.eval_loss);
     if (r.skipped) std::snprintf(held_out, sizeof held_out, " (skipped: no target)");
-    std::printf("%s[%s%s] step %lld/%lld  S %lld  loss %.4f%s  lr %.2e  |g| %.3f  %.0f tok/s  ETA %s%s", tty_ ? "\r" : "",
+    char terms[48] = "";  // a mixture of experts' two terms
+    if (r.aux_on && !r.skipped) std::snprintf(terms, sizeof terms, " (lm %.4f, aux %.4f)", r.lm_loss, r.aux_loss);
+    std::printf("%s[%s%s] step %lld/%lld  S %lld  loss %.4f%s%s  lr %.2e  |g| %.3f  %.0f tok/s  ETA %s%s", tty_ ? "\r" : "",
                 std::string(filled, '#').c_str(), std::string(width - filled, '.').c_str(),
                 static_cast<long long>(r.step), static_cast<long long>(last_), static_cast<long long>(r.seq_len), r.loss,
-                held_out, r.lr, r.grad_norm, r.tokens_per_s, clock_text(eta).c_str(),
+                terms, held_out, r.lr, r.grad_norm, r.tokens_per_s, clock_text(eta).c_str(),
                 tty_ ? (r.step == last_ ? "\n" : "") : "\n");
     std::fflush(stdout);
   }
@@ -391,6 +394,10 @@ nlohmann::json record_json(const train_options& o, const step_record& r) {
                       {"tokens_per_s", r.tokens_per_s}, {"targets", r.targets}, {"empty_sequences", r.empty_sequences},
                       {"skipped", r.skipped}, {"peak_bytes", r.peak_bytes}};
   if (!r.eval_losses.empty()) j["eval_losses"] = r.eval_losses;
+  if (r.aux_on) {  // both terms of a mixture of experts' loss
+    j["lm_loss"] = r.lm_loss;
+    j["aux_loss"] = r.aux_loss;
+  }
   // Per source of --data: the step's sequences and targets, and the passes over it so far.
   if (!r.sources.empty()) {
     const std::vector<data_source_spec> specs = parse_data_sources(o.data_path, "--data");

@@ -533,3 +533,130 @@ double sum_squares(backend& be, const mat_view& x) {
 }
 
 }  // namespace upipe::ops
+
+// ---------------------------------------------------------------------------------------
+// Mixture of experts
+
+namespace upipe::ops {
+
+void moe_route(backend& be, const moe_route_args& args) {
+  const char* op = "moe_route";
+  const std::int64_t n = args.logits.rows, E = args.logits.cols, k = args.weights.cols;
+  for (const auto& [name, view] : {std::pair{"logits", &args.logits}, std::pair{"probs", &args.probs},
+                                   std::pair{"weights", &args.weights}, std::pair{"experts", &args.experts}})
+    check_matrix(op, name, *view);
+  check_type(op, "logits", args.logits, dtype::f32, dtype::f32);
+  check_type(op, "probs", args.probs, dtype::f32, dtype::f32);
+  check_type(op, "weights", args.weights, dtype::f32, dtype::f32);
+  check_type(op, "experts", args.experts, dtype::i32, dtype::i32);
+  check_dims(op, "probs", args.probs, n, E);
+  check_dims(op, "experts", args.experts, n, k);
+  UPIPE_CHECK(k >= 1 && k <= E, "ops::moe_route: k = " + std::to_string(k) + " experts per token must lie in [1, E = " +
+                                    std::to_string(E) + "]");
+  be.run(args);
+}
+
+void moe_route_backward(backend& be, const moe_route_backward_args& args) {
+  const char* op = "moe_route_backward";
+  const std::int64_t n = args.probs.rows, E = args.probs.cols, k = args.experts.cols;
+  for (const auto& [name, view] : {std::pair{"probs", &args.probs}, std::pair{"d_weights", &args.d_weights},
+                                   std::pair{"d_logits", &args.d_logits}}) {
+    check_matrix(op, name, *view);
+    check_type(op, name, *view, dtype::f32, dtype::f32);
+  }
+  check_matrix(op, "experts", args.experts);
+  check_type(op, "experts", args.experts, dtype::i32, dtype::i32);
+  check_dims(op, "experts", args.experts, n, k);
+  check_dims(op, "d_weights", args.d_weights, n, k);
+  check_dims(op, "d_logits", args.d_logits, n, E);
+  if (args.aux_grad.rows > 0) {
+    check_type(op, "aux_grad", args.aux_grad, dtype::f32, dtype::f32);
+    check_dims(op, "aux_grad", args.aux_grad, 1, E);
+  }
+  be.run(args);
+}
+
+void moe_gather(backend& be, const moe_gather_args& args) {
+  const char* op = "moe_gather";
+  check_matrix(op, "src", args.src);
+  check_matrix(op, "dst", args.dst);
+  check_type(op, "src", args.src, be.work_dtype(), be.work_dtype());
+  check_type(op, "dst", args.dst, be.work_dtype(), be.work_dtype());
+  check_dims(op, "dst", args.dst, args.dst.rows, args.src.cols);
+  check_index_column(op, "index", args.index, args.dst.rows);
+  be.run(args);
+}
+
+namespace {
+// The rows and slots of a scatter: an index per row, and a slot into the (n, k) weights.
+void check_scatter_rows(const char* op, const mat_view& index, const mat_view& slot, const mat_view& weights,
+                        std::int64_t rows) {
+  check_index_column(op, "index", index, rows);
+  if (weights.rows == 0) return;
+  check_index_column(op, "slot", slot, rows);
+  check_matrix(op, "weights", weights);
+  check_type(op, "weights", weights, dtype::f32, dtype::f32);
+  UPIPE_CHECK(weights.ld == weights.cols, "ops::" + std::string(op) + ": weights must be contiguous (read flat)");
+}
+}  // namespace
+
+void moe_scatter(backend& be, const moe_scatter_args& args) {
+  const char* op = "moe_scatter";
+  check_matrix(op, "src", args.src);
+  check_matrix(op, "dst", args.dst);
+  check_type(op, "src", args.src, be.work_dtype(), dtype::f32);
+  check_type(op, "dst", args.dst, be.work_dtype(), dtype::f32);
+  check_dims(op, "src", args.src, args.src.rows, args.dst.cols);
+  check_scatter_rows(op, args.index, args.slot, args.weights, args.src.rows);
+  be.run(args);
+}
+
+void moe_scatter_backward(backend& be, const moe_scatter_backward_args& args) {
+  const char* op = "moe_scatter_backward";
+  const std::int64_t m = args.src.rows, D = args.src.cols;
+  for (const auto& [name, view] : {std::pair{"d_dst", &args.d_dst}, std::pair{"src", &args.src},
+                                   std::pair{"d_src", &args.d_src}}) {
+    check_matrix(op, name, *view);
+    check_type(op, name, *view, be.work_dtype(), dtype::f32);
+  }
+  check_dims(op, "d_dst", args.d_dst, args.d_dst.rows, D);
+  check_dims(op, "d_src", args.d_src, m, D);
+  UPIPE_CHECK(args.weights.rows > 0, "ops::moe_scatter_backward: the forward's weights are needed");
+  check_scatter_rows(op, args.index, args.slot, args.weights, m);
+  check_matrix(op, "d_weights", args.d_weights);
+  check_type(op, "d_weights", args.d_weights, dtype::f32, dtype::f32);
+  check_dims(op, "d_weights", args.d_weights, args.weights.rows, args.weights.cols);
+  UPIPE_CHECK(args.d_weights.ld == args.d_weights.cols, "ops::moe_scatter_backward: d_weights must be contiguous");
+  be.run(args);
+}
+
+void sigmoid_gate_forward(backend& be, const sigmoid_gate_forward_args& args) {
+  const char* op = "sigmoid_gate_forward";
+  check_matrix(op, "z", args.z);
+  check_type(op, "z", args.z, dtype::f32, dtype::f32);
+  check_dims(op, "z", args.z, args.s.rows, 1);
+  for (const auto& [name, view] : {std::pair{"s", &args.s}, std::pair{"y", &args.y}}) {
+    check_matrix(op, name, *view);
+    check_type(op, name, *view, be.work_dtype(), dtype::f32);
+    check_dims(op, name, *view, args.s.rows, args.s.cols);
+  }
+  be.run(args);
+}
+
+void sigmoid_gate_backward(backend& be, const sigmoid_gate_backward_args& args) {
+  const char* op = "sigmoid_gate_backward";
+  const std::int64_t n = args.s.rows;
+  for (const auto& [name, view] : {std::pair{"z", &args.z}, std::pair{"d_z", &args.d_z}}) {
+    check_matrix(op, name, *view);
+    check_type(op, name, *view, dtype::f32, dtype::f32);
+    check_dims(op, name, *view, n, 1);
+  }
+  for (const auto& [name, view] : {std::pair{"s", &args.s}, std::pair{"d_y", &args.d_y}, std::pair{"d_s", &args.d_s}}) {
+    check_matrix(op, name, *view);
+    check_type(op, name, *view, be.work_dtype(), dtype::f32);
+    check_dims(op, name, *view, n, args.s.cols);
+  }
+  be.run(args);
+}
+
+}  // namespace upipe::ops

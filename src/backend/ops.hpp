@@ -26,6 +26,14 @@ void swiglu_forward(backend& be, const swiglu_forward_args& args);
 void swiglu_backward(backend& be, const swiglu_backward_args& args);
 void bias_add(backend& be, const bias_add_args& args);
 void bias_grad(backend& be, const bias_grad_args& args);
+// Mixture of experts (ops/op_args.hpp).
+void moe_route(backend& be, const moe_route_args& args);
+void moe_route_backward(backend& be, const moe_route_backward_args& args);
+void moe_gather(backend& be, const moe_gather_args& args);
+void moe_scatter(backend& be, const moe_scatter_args& args);
+void moe_scatter_backward(backend& be, const moe_scatter_backward_args& args);
+void sigmoid_gate_forward(backend& be, const sigmoid_gate_forward_args& args);
+void sigmoid_gate_backward(backend& be, const sigmoid_gate_backward_args& args);
 void cross_entropy(backend& be, const cross_entropy_args& args);
 void adamw(backend& be, const adamw_args& args);
 double sum_squares(backend& be, const mat_view& x);

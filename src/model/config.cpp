@@ -120,6 +120,19 @@ std::vector<model_config> all_presets() {
   tiny_gemma3.windowed_layers = {true, true, false};
   tiny_gemma3.max_position_embeddings = 128;
   presets.push_back(std::move(tiny_gemma3));
+  // Qwen3-30B-A3B: 48 sparse layers of 128 experts (width 768), 8 per token.
+  presets.push_back({.name = "qwen3-30b-a3b", .family = qwen3_moe, .vocab_size = 151936, .hidden_size = 2048,
+                     .intermediate_size = 6144, .num_layers = 48, .num_heads = 32, .num_kv_heads = 4, .head_dim = 128,
+                     .rms_norm_eps = 1e-6, .rope = plain_rope(1000000.0), .tie_embeddings = false, .qk_norm = true,
+                     .max_position_embeddings = 40960,
+                     .moe = {.experts = 128, .top_k = 8, .expert_width = 768, .normalize_top_k = true,
+                             .sparse_layers = std::vector<bool>(48, true)}});
+  // A tiny one for tests: a dense layer below two sparse ones, 8 experts, 2 per token.
+  presets.push_back({.name = "tiny-qwen3-moe", .family = qwen3_moe, .vocab_size = 256, .hidden_size = 64,
+                     .intermediate_size = 96, .num_layers = 3, .num_heads = 4, .num_kv_heads = 2, .head_dim = 16,
+                     .rms_norm_eps = 1e-6, .rope = plain_rope(10000.0), .tie_embeddings = false, .qk_norm = true,
+                     .moe = {.experts = 8, .top_k = 2, .expert_width = 32, .normalize_top_k = true,
+                             .sparse_layers = {false, true, true}}});
   return presets;
 }
 
@@ -207,7 +220,8 @@ void validate_family_traits(const model_config& c) {
                        std::string(row.model_type) + " family (" + std::string(row.models) +
                        (row.qk_norm ? " normalizes" : " does not normalize") + " q and k per head); set qk_norm = " +
                        (row.qk_norm ? "true" : "false"));
-  if ((c.biases & row.biases) != row.biases || (!row.config_biases && c.biases != row.biases))
+  const std::uint8_t optional = row.qkv_bias_key != nullptr ? qkv_projections : 0;  // Qwen2-MoE's qkv_bias
+  if ((c.biases & row.biases) != row.biases || (!row.config_biases && (c.biases & ~optional) != row.biases))
     throw config_error(model + "the projections' biases do not match the " + std::string(row.model_type) +
                        " family's: " + std::string(row.models) +
                        (row.biases != 0 ? " has biases on q, k and v" : " has none") + (row.config_biases ? " unless attention_bias or mlp_bias says so" : ""));
@@ -269,6 +283,9 @@ std::int64_t model_config::matmul_parameter_count() const {
   std::int64_t n = 0;
   for (const parameter_spec& p : parameter_specs(*this))
     if (p.kind == param_kind::matrix) n += p.shape[0] * p.shape[1];
+  // A token passes k of a sparse layer's E experts: the others' weights do no work for it.
+  const std::int64_t idle_experts = moe.experts - moe.top_k;
+  n -= std::int64_t{sparse_layer_count()} * idle_experts * 3 * moe.expert_width * hidden_size;
   return n + (tie_embeddings ? vocab_size * hidden_size : 0);
 }
 
@@ -351,6 +368,7 @@ void validate(const model_config& c) {
   require_within(c.num_heads, 1, limits::heads, model + "num_attention_heads H", "32");
   require_within(c.head_dim, 1, limits::head_dim, model + "head_dim d", "128");
   require_within(c.max_position_embeddings, 0, limits::context, model + "max_position_embeddings", "131072");
+  validate_moe(c);
   // Each dimension is bounded, so this cannot overflow; the total is bounded too.
   require_within(c.parameter_count(), 1, limits::parameters, model + "the parameter count", "8030261248 (llama3-8b)");
   if (c.num_heads % c.num_kv_heads != 0)

@@ -10,10 +10,27 @@
 #include <string_view>
 #include <vector>
 
+#include <nlohmann/json_fwd.hpp>
+
 #include "model/family.hpp"
 #include "ops/op_args.hpp"
 
 namespace upipe {
+
+// A mixture-of-experts MLP (model/family.hpp's moe rule; experts == 0: a dense model). A
+// sparse layer's MLP is a router (E, D), E experts of width I and, for Qwen2-MoE, a shared
+// expert of its own width behind a sigmoid gate (1, D); a dense layer among them keeps
+// the model's intermediate_size.
+struct moe_config {
+  int experts = 0;                // E
+  int top_k = 0;                  // k experts per token
+  int expert_width = 0;           // I: moe_intermediate_size (Mixtral: intermediate_size)
+  int shared_width = 0;           // the shared expert's width (0: none)
+  bool normalize_top_k = false;   // the k weights renormalized to sum to 1 (norm_topk_prob)
+  std::vector<bool> sparse_layers{};  // layer l's MLP is the sparse block
+  bool output_router_logits = false;  // config.json's: the load-balancing loss joins the loss
+  double router_aux_loss_coef = 0.001;
+};
 
 struct model_config {
   std::string name;  // preset name, or the config file's path
@@ -39,9 +56,15 @@ struct model_config {
   std::optional<rope_config> local_rope{};  // the windowed layers' RoPE where it differs (Gemma 3's local base)
   double query_pre_attn_scalar = 0;   // > 0: scores scaled by its inverse square root (Gemma 3), else 1/sqrt(d)
   std::int32_t padding_id = -1;       // pad_token_id: its embedding row is not trained by lookups (-1: none)
+  moe_config moe{};                   // experts == 0: every MLP dense
 
   const family_row& traits() const { return family_traits(family); }
   bool has_bias(layer_projection p) const { return (biases & projection_bit(p)) != 0; }
+  // Is layer l's MLP the mixture of experts?
+  bool sparse_layer(int layer) const {
+    return layer >= 0 && layer < static_cast<int>(moe.sparse_layers.size()) && moe.sparse_layers[layer];
+  }
+  int sparse_layer_count() const;
   // Layer l's window (0: global attention) and RoPE.
   std::int64_t layer_window(int layer) const;
   const rope_config& layer_rope(int layer) const;
@@ -73,9 +96,9 @@ struct parameter_spec {
 std::vector<parameter_spec> parameter_specs(const model_config& config);
 
 // Names of the presets: llama3-8b, llama3-70b, llama3.2-1b, llama3.2-3b, qwen3-8b,
-// qwen3-32b, qwen2.5-7b, mistral-7b, gemma3-4b, gemma3-12b, gemma3-27b, and the tiny
+// qwen3-32b, qwen2.5-7b, mistral-7b, gemma3-4b, gemma3-12b, gemma3-27b, qwen3-30b-a3b, and the tiny
 // models of the tests: tiny-llama, tiny-qwen3, tiny-qwen2, tiny-mistral, tiny-phi3,
-// tiny-gemma3.
+// tiny-gemma3, tiny-qwen3-moe.
 std::vector<std::string> preset_names();
 // Throws config_error naming the unknown preset and listing the known ones.
 model_config preset(std::string_view name);
@@ -102,6 +125,12 @@ void write_hf_config(const model_config& config, const std::string& path, const 
 rope_kind parse_rope_kind(std::string_view name, const std::string& what);
 // transformers' name of a RoPE type: "default", "llama3", "linear" or "yarn".
 const char* rope_kind_name(rope_kind kind);
+// The mixture-of-experts fields of config.json as the family's transformers config class
+// reads them (model/moe_config.cpp), and what a written config.json says of them.
+void read_moe_fields(model_config& c, const nlohmann::json& root, const std::string& path);
+void write_moe_fields(const model_config& c, nlohmann::ordered_json& j);
+// The experts' checks (sizes, k <= E, the layers' list); part of validate.
+void validate_moe(const model_config& c);
 // Checks the configuration's own consistency (positive sizes, H divisible by K, even d, the
 // family's fixed traits, the windows); throws config_error naming the value, the rule and a
 // valid alternative.

@@ -341,6 +341,7 @@ nlohmann::ordered_json to_hf_json(const model_config& c) {
     j["final_logit_softcapping"] = nullptr;
     j["attn_logit_softcapping"] = nullptr;
   }
+  write_moe_fields(c, j);
   j["pad_token_id"] = c.padding_id >= 0 ? nlohmann::ordered_json(c.padding_id) : nlohmann::ordered_json(nullptr);
   j["initializer_range"] = 0.02;
   j["use_cache"] = true;
@@ -583,6 +584,7 @@ model_config read_hf_config(const std::string& given) {
   if (const json* m = fields.find("max_position_embeddings"))
     c.max_position_embeddings = fields.integer("max_position_embeddings", *m);
   read_family_fields(c, fields, path, row);
+  read_moe_fields(c, root, path);
   complete_scaling(c.rope, c.max_position_embeddings);
   if (c.local_rope) complete_scaling(*c.local_rope, c.max_position_embeddings);
   for (const char* key : {"dtype", "torch_dtype"})

@@ -7,7 +7,8 @@ namespace upipe {
 namespace {
 
 // Each row against transformers' configuration and modeling classes of the family
-// (LlamaConfig, Qwen2Config, Qwen3Config, MistralConfig, Phi3Config, Gemma3TextConfig).
+// (LlamaConfig, Qwen2Config, Qwen3Config, MistralConfig, Phi3Config, Gemma3TextConfig,
+// Qwen3MoeConfig, MixtralConfig, Qwen2MoeConfig).
 std::vector<family_row> make_table() {
   using enum model_family;
   return {
@@ -32,6 +33,21 @@ std::vector<family_row> make_table() {
        .activation_key = "hidden_activation", .default_activation = gate_activation::gelu_tanh,
        .mlp_norm = "pre_feedforward_layernorm", .attention_post_norm = "post_attention_layernorm",
        .mlp_post_norm = "post_feedforward_layernorm"},
+      // Qwen3MoeConfig: head_dim defaults to D / H (its attention's getattr), 4 KV heads;
+      // a sliding window is refused (it would window every layer, a rule no row has).
+      {.family = qwen3_moe, .model_type = "qwen3_moe", .architecture = "Qwen3MoeForCausalLM",
+       .models = "Qwen3 MoE (30B-A3B, 235B-A22B)", .qk_norm = true, .config_biases = true, .default_kv_heads = 4,
+       .default_context = 32768, .moe = moe_rule::sparse_step, .default_experts = 128, .default_top_k = 8,
+       .default_expert_width = 768},
+      {.family = mixtral, .model_type = "mixtral", .architecture = "MixtralForCausalLM", .models = "Mixtral",
+       .windows = window_rule::every_layer, .default_kv_heads = 8, .default_theta = 1000000.0,
+       .default_context = 131072, .moe = moe_rule::every_layer, .topk_normalization = topk_norm::always,
+       .moe_block = "block_sparse_moe", .expert_names = {"w1", "w3", "w2"}, .experts_key = "num_local_experts",
+       .expert_width_key = "intermediate_size", .default_experts = 8, .default_top_k = 2},
+      {.family = qwen2_moe, .model_type = "qwen2_moe", .architecture = "Qwen2MoeForCausalLM",
+       .models = "Qwen1.5-MoE / Qwen2-MoE", .windows = window_rule::qwen_layers, .default_kv_heads = 16,
+       .default_context = 32768, .moe = moe_rule::sparse_step, .shared_expert = true, .qkv_bias_key = "qkv_bias",
+       .default_experts = 60, .default_top_k = 4, .default_expert_width = 1408, .default_shared_width = 5632},
   };
 }
 

@@ -15,7 +15,7 @@
 
 namespace upipe {
 
-enum class model_family : std::uint8_t { llama, qwen2, qwen3, mistral, phi3, gemma3 };
+enum class model_family : std::uint8_t { llama, qwen2, qwen3, mistral, phi3, gemma3, qwen3_moe, mixtral, qwen2_moe };
 
 // What a parameter is. Initialization, weight decay (matrices and embeddings only), LoRA's
 // targets (a layer's matrices) and the checks of files read it.
@@ -37,6 +37,16 @@ enum class embedding_scaling : std::uint8_t { none, sqrt_hidden };
 // pattern_layers: the `layer_types` list, or without it all but every
 //   sliding_window_pattern-th layer (Gemma 3).
 enum class window_rule : std::uint8_t { none, every_layer, qwen_layers, pattern_layers };
+
+// A mixture-of-experts family's MLP (docs/design.md section 11): which layers are sparse, how
+// the router's top-k weights are normalized and whether a shared expert sits beside the
+// routed ones. none: a dense family.
+enum class moe_rule : std::uint8_t {
+  none,
+  every_layer,   // every layer's MLP is sparse (Mixtral)
+  sparse_step,   // layer l is sparse unless in mlp_only_layers, when (l + 1) % decoder_sparse_step == 0 (Qwen)
+};
+enum class topk_norm : std::uint8_t { always, config };  // Mixtral renormalizes; Qwen reads norm_topk_prob
 
 // The linear projections of a decoder layer (also LoRA's targets).
 enum class layer_projection : std::uint8_t { q, k, v, o, gate, up, down };
@@ -78,6 +88,19 @@ struct family_row {
   const char* mlp_norm = "post_attention_layernorm";  // the RMSNorm before the MLP
   const char* attention_post_norm = nullptr;          // after attention (Gemma 3)
   const char* mlp_post_norm = nullptr;                // after the MLP (Gemma 3)
+
+  // Mixture of experts (moe != none). The block holds the router `gate` and the experts
+  // `experts.N.<gate>/<up>/<down>` as save_pretrained writes them; newer transformers' fused
+  // `experts.gate_up_proj` (E, 2I, D) and `experts.down_proj` (E, D, I) are read too.
+  moe_rule moe = moe_rule::none;
+  topk_norm topk_normalization = topk_norm::config;
+  const char* moe_block = "mlp";                     // "block_sparse_moe" (Mixtral)
+  const char* expert_names[3] = {"gate_proj", "up_proj", "down_proj"};  // Mixtral: w1, w3, w2
+  const char* experts_key = "num_experts";          // or num_local_experts (Mixtral); the other is read too
+  const char* expert_width_key = "moe_intermediate_size";  // Mixtral: intermediate_size
+  bool shared_expert = false;                        // Qwen2-MoE's shared_expert behind sigmoid(shared_expert_gate)
+  const char* qkv_bias_key = nullptr;                // Qwen2-MoE's qkv_bias: q, k and v biases when true (default)
+  int default_experts = 0, default_top_k = 0, default_expert_width = 0, default_shared_width = 0;
 };
 
 // Every family, one row each.
@@ -85,7 +108,7 @@ const std::vector<family_row>& family_table();
 const family_row& family_traits(model_family family);
 // The row of a config.json model_type, or nullptr.
 const family_row* find_family(std::string_view model_type);
-// "llama, qwen2, qwen3, mistral, phi3 and gemma3".
+// "llama, qwen2, ..., mixtral and qwen2_moe".
 std::string family_names();
 
 // transformers' name of an activation ("silu", "gelu_pytorch_tanh") and back; nullptr /

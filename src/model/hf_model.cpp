@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <optional>
@@ -92,8 +93,42 @@ void host_weight_source::read(const std::string& name, std::int64_t offset, std:
 struct hf_model_files::impl {
   std::vector<safetensors_view> views;
   std::map<std::string, std::size_t> where;  // tensor -> views index
-  std::set<std::string> used;                // the model's parameters
+  std::set<std::string> used;                // the model's parameters (the fused tensors holding experts)
+  std::map<std::string, fused_expert_place> fused;  // an expert's tensor -> its place in a fused one
 };
+
+namespace {
+
+// An expert's tensor absent from the files but held in transformers 5's fused layout
+// (gate_up_proj (E, 2I, D), down_proj (E, D, I)): read from its place there.
+bool find_fused_expert(const model_config& config, const parameter_spec& spec, hf_model_files::impl& files,
+                       const std::string& where) {
+  const std::optional<std::int64_t> layer = layer_of(spec.name);
+  if (!layer || *layer < 0 || !config.sparse_layer(static_cast<int>(*layer))) return false;
+  const int l = static_cast<int>(*layer);
+  const std::string prefix = layer_prefix(l) + config.traits().moe_block + ".experts.";
+  if (!spec.name.starts_with(prefix)) return false;
+  const std::string rest = spec.name.substr(prefix.size());
+  const int e = std::atoi(rest.c_str());
+  int role = 0;
+  while (role < 3 && expert_name(config, l, e, role) != spec.name) ++role;
+  if (role == 3) return false;
+  const fused_expert_place place = fused_expert(config, l, e, role);
+  const auto it = files.where.find(place.name);
+  if (it == files.where.end()) return false;
+  const std::int64_t E = config.moe.experts, D = config.hidden_size, I = config.moe.expert_width;
+  const std::vector<std::int64_t> want =
+      role == 2 ? std::vector<std::int64_t>{E, D, I} : std::vector<std::int64_t>{E, 2 * I, D};
+  const safetensors_info& info = *files.views[it->second].find(place.name);
+  if (info.shape != want)
+    throw io_error(where + ": tensor " + place.name + " has shape " + shape_text(info.shape) + " but " + config.name +
+                   " needs " + shape_text(want) + " (experts, rows, columns): pass the matching configuration");
+  files.fused.emplace(spec.name, place);
+  files.used.insert(place.name);
+  return true;
+}
+
+}  // namespace
 
 hf_model_files::hf_model_files(const std::string& path, const model_config& config) : impl_(std::make_unique<impl>()) {
   std::error_code ec;
@@ -149,6 +184,7 @@ hf_model_files::hf_model_files(const std::string& path, const model_config& conf
   std::set<std::string>& used = impl_->used;
   for (const parameter_spec& spec : parameter_specs(config)) {
     const auto it = impl_->where.find(spec.name);
+    if (it == impl_->where.end() && find_fused_expert(config, spec, *impl_, where)) continue;
     if (it == impl_->where.end())
       throw io_error(where + " has no tensor " + spec.name + " (shape " + shape_text(spec.shape) + "), which " +
                      config.name + " needs: are these weights for another model? (pass their config.json: --model DIR)");
@@ -174,6 +210,10 @@ bool has_weight_files(const std::string& dir) {
 }
 
 void hf_model_files::read(const std::string& name, std::int64_t offset, std::int64_t count, float* out) const {
+  if (const auto fused = impl_->fused.find(name); fused != impl_->fused.end()) {
+    read(fused->second.name, fused->second.offset + offset, count, out);
+    return;
+  }
   const auto it = impl_->where.find(name);
   if (it == impl_->where.end()) throw io_error("the model files hold no tensor " + name);
   const safetensors_view& view = impl_->views[it->second];

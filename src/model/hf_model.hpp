@@ -60,8 +60,9 @@ class hf_model_files final : public weight_source {
   const std::vector<std::string>& files() const { return files_; }
   std::string stored_dtype() const;  // "BF16", "F16", "F32" or "mixed"
 
- private:
   struct impl;
+
+ private:
   std::unique_ptr<impl> impl_;
   std::vector<std::string> unused_, files_;
 };

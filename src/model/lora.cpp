@@ -16,6 +16,14 @@ namespace {
 constexpr lora_target all_targets[] = {lora_target::q,    lora_target::k,  lora_target::v,   lora_target::o,
                                        lora_target::gate, lora_target::up, lora_target::down};
 constexpr std::uint8_t every_target = (1u << lora_target_count) - 1;
+constexpr std::uint8_t mlp_targets = every_target & ~((1u << 4) - 1);  // gate, up, down
+
+// What LoRA may adapt in `model`: every projection, or on a mixture of experts the attention's
+// alone. Its experts are 3-D parameters (transformers 5's experts.gate_up_proj), which PEFT
+// adapts only through target_parameters, not the modules upipe's adapters are.
+std::uint8_t adaptable_targets(const model_config& model) {
+  return model.sparse_layer_count() > 0 ? every_target & ~mlp_targets : every_target;
+}
 
 const char* short_name(lora_target t) {
   static const char* names[] = {"q", "k", "v", "o", "gate", "up", "down"};
@@ -110,7 +118,7 @@ std::uint8_t parse_lora_targets(const std::vector<std::string>& names, const mod
   const std::string valid = valid_targets_text(model);
   for (const std::string& name : names) {
     if (name == "all" || name == "all-linear") {
-      bits = every_target;
+      bits = adaptable_targets(model);
       continue;
     }
     // A projection's short name, or the module holding it (a fused one stands for all of its
@@ -152,6 +160,10 @@ void validate(const lora_config& lora, const model_config& model, const std::str
                        "(recipes use alpha / r of 0.5 to 32); for example alpha=" + std::to_string(2 * lora.rank));
   if (lora.targets == 0 || (lora.targets & ~every_target) != 0)
     throw config_error(what + " needs targets among " + valid_targets_text(model));
+  if ((lora.targets & ~adaptable_targets(model)) != 0)
+    throw config_error(what + " targets the MLP (gate, up or down) of " + model.name + ", a mixture of experts: its "
+                       "experts are 3-D parameters that PEFT adapts only through target_parameters, which upipe's "
+                       "adapters do not express; use targets=q,k,v,o");
   for (lora_target t : lora.target_list()) {
     const std::uint8_t together = module_targets(model, t);
     if ((lora.targets & together) != together)
@@ -191,7 +203,7 @@ lora_config parse_lora(std::string_view text, const model_config& model) {
     names.push_back(targets->substr(start, comma - start));
     start = comma + 1;
   }
-  lora.targets = names.empty() ? every_target : parse_lora_targets(names, model);
+  lora.targets = names.empty() ? adaptable_targets(model) : parse_lora_targets(names, model);
   validate(lora, model);
   return lora;
 }

@@ -38,6 +38,7 @@ prepared_sequence prepare_sequence(std::span<const std::int32_t> tokens, std::in
     }
   }
   if (documents.size() > 1) p.documents.assign(documents.begin(), documents.end());
+  p.tokens = n;
   return p;
 }
 
@@ -52,6 +53,7 @@ namespace {
 
 struct rank_result {
   double loss_sum = 0;
+  double aux_loss = 0;  // the load-balancing loss (the CP group's, the same on every rank)
   host_weights grads;
 };
 
@@ -78,7 +80,8 @@ void run_rank(const model_step_request& req, const prepared_sequence& seq, std::
   comm.barrier();
   const auto start = std::chrono::steady_clock::now();
   const backend::gemm_flops before = be.gemm_count();
-  out.loss_sum = model.forward_backward(params, {ids, labels, scale, seq.documents}, adapters.get());
+  out.loss_sum = model.forward_backward(params, {ids, labels, scale, seq.documents, seq.tokens}, adapters.get());
+  out.aux_loss = model.aux_loss();
   be.synchronize();
   comm.barrier();
   if (measured != nullptr) {
@@ -139,7 +142,9 @@ model_step_result run_model_step(const model_step_request& req, const host_weigh
         for (std::size_t i = 0; i < values.size(); ++i) it->second[i] += values[i];
     }
   }
-  result.loss = seq.counted > 0 ? loss_sum / static_cast<double>(seq.counted) : 0.0;
+  result.lm_loss = seq.counted > 0 ? loss_sum / static_cast<double>(seq.counted) : 0.0;
+  result.aux_loss = per_rank.front().aux_loss;
+  result.loss = result.lm_loss + req.model.moe.router_aux_loss_coef * result.aux_loss;
   return result;
 }
 

@@ -28,6 +28,7 @@ struct prepared_sequence {
   std::vector<std::int32_t> ids, labels;  // padded length
   std::int64_t counted = 0;               // unmasked labels
   std::vector<std::int64_t> documents;    // as given (empty: one document)
+  std::int64_t tokens = 0;                // before padding
 };
 constexpr std::int32_t masked_label = -100;
 prepared_sequence prepare_sequence(std::span<const std::int32_t> tokens, std::int64_t unit,
@@ -52,7 +53,9 @@ struct model_step_request {
 };
 
 struct model_step_result {
-  double loss = 0;            // mean over unmasked labels of all ranks
+  double loss = 0;            // lm_loss, plus router_aux_loss_coef x aux_loss where that loss is on
+  double lm_loss = 0;         // mean cross-entropy over unmasked labels of all ranks
+  double aux_loss = 0;        // a mixture of experts' load-balancing loss (0 when off)
   std::int64_t counted = 0;   // unmasked labels
   std::int64_t seq_len = 0;   // after padding
   host_weights grads;         // summed over ranks (empty on meta); with LoRA the adapters'

@@ -53,7 +53,41 @@ void add_projections(const model_config& c, const std::string& layer, std::span<
   }
 }
 
+// A sparse layer's router, experts (each one's gate, up and down) and shared expert.
+void add_experts(const model_config& c, int layer, std::vector<parameter_spec>& specs) {
+  const std::int64_t D = c.hidden_size, I = c.moe.expert_width, S = c.moe.shared_width;
+  specs.push_back({router_name(c, layer), {c.moe.experts, D}, param_kind::matrix});
+  for (int e = 0; e < c.moe.experts; ++e) {
+    specs.push_back({expert_name(c, layer, e, 0), {I, D}, param_kind::matrix});
+    specs.push_back({expert_name(c, layer, e, 1), {I, D}, param_kind::matrix});
+    specs.push_back({expert_name(c, layer, e, 2), {D, I}, param_kind::matrix});
+  }
+  if (S == 0) return;
+  const std::string shared = layer_prefix(layer) + c.traits().moe_block + ".shared_expert";
+  specs.push_back({shared + ".gate_proj.weight", {S, D}, param_kind::matrix});
+  specs.push_back({shared + ".up_proj.weight", {S, D}, param_kind::matrix});
+  specs.push_back({shared + ".down_proj.weight", {D, S}, param_kind::matrix});
+  specs.push_back({shared + "_gate.weight", {1, D}, param_kind::matrix});
+}
+
 }  // namespace
+
+std::string router_name(const model_config& c, int layer) {
+  return layer_prefix(layer) + c.traits().moe_block + ".gate.weight";
+}
+
+std::string expert_name(const model_config& c, int layer, int expert, int role) {
+  const family_row& row = c.traits();
+  return layer_prefix(layer) + row.moe_block + ".experts." + std::to_string(expert) + "." + row.expert_names[role] +
+         ".weight";
+}
+
+fused_expert_place fused_expert(const model_config& c, int layer, int expert, int role) {
+  const std::int64_t D = c.hidden_size, I = c.moe.expert_width;
+  const std::string experts = layer_prefix(layer) + "mlp.experts.";  // transformers 5 names the block mlp in every family
+  if (role == 2) return {experts + "down_proj", std::int64_t{expert} * D * I};
+  return {experts + "gate_up_proj", (std::int64_t{expert} * 2 + role) * I * D};
+}
 
 std::pair<std::int64_t, std::int64_t> projection_shape(const model_config& c, layer_projection p) {
   const std::int64_t D = c.hidden_size, F = c.intermediate_size;
@@ -103,7 +137,10 @@ std::vector<parameter_spec> parameter_specs(const model_config& config) {
       specs.push_back({layer + row.attention_post_norm + ".weight", {D}, param_kind::norm});
     specs.push_back({layer + row.mlp_norm + ".weight", {D}, param_kind::norm});
     if (row.mlp_post_norm != nullptr) specs.push_back({layer + row.mlp_post_norm + ".weight", {D}, param_kind::norm});
-    add_projections(config, layer, mlp_projections, specs);
+    if (config.sparse_layer(i))
+      add_experts(config, i, specs);
+    else
+      add_projections(config, layer, mlp_projections, specs);
   }
   specs.push_back({"model.norm.weight", {D}, param_kind::norm});
   if (!config.tie_embeddings) specs.push_back({"lm_head.weight", {V, D}, param_kind::matrix});
@@ -133,6 +170,23 @@ layer_params make_layer_params(const model_config& config, int index,
   if (row.attention_post_norm != nullptr) l.attention_post_norm = view(p + row.attention_post_norm + ".weight");
   l.mlp_norm = view(p + row.mlp_norm + ".weight");
   if (row.mlp_post_norm != nullptr) l.mlp_post_norm = view(p + row.mlp_post_norm + ".weight");
+  if (config.sparse_layer(index)) {
+    moe_weights& m = l.moe;
+    m.router = view(router_name(config, index));
+    for (int e = 0; e < config.moe.experts; ++e) {
+      m.gate.emplace_back(view(expert_name(config, index, e, 0)));
+      m.up.emplace_back(view(expert_name(config, index, e, 1)));
+      m.down.emplace_back(view(expert_name(config, index, e, 2)));
+    }
+    if (config.moe.shared_width > 0) {
+      const std::string shared = p + row.moe_block + ".shared_expert";
+      m.shared_gate = view(shared + ".gate_proj.weight");
+      m.shared_up = view(shared + ".up_proj.weight");
+      m.shared_down = view(shared + ".down_proj.weight");
+      m.shared_expert_gate = view(shared + "_gate.weight");
+    }
+    return l;
+  }
   l.gate = weight(layer_projection::gate);
   l.up = weight(layer_projection::up);
   l.down = weight(layer_projection::down);
@@ -146,6 +200,13 @@ layer_gradients as_gradients(const layer_params& g) {
     out.bias = w.bias;
     return out;
   };
+  const auto all = [&](const std::vector<projection>& ws) {
+    std::vector<projection_grads> out;
+    out.reserve(ws.size());
+    for (const projection& w : ws) out.push_back(grads(w));
+    return out;
+  };
+  const moe_weights& m = g.moe;
   return {g.input_norm,
           {grads(a.wq), grads(a.wk), grads(a.wv), grads(a.wo), a.q_norm, a.k_norm},
           g.attention_post_norm,
@@ -153,7 +214,9 @@ layer_gradients as_gradients(const layer_params& g) {
           g.mlp_post_norm,
           grads(g.gate),
           grads(g.up),
-          grads(g.down)};
+          grads(g.down),
+          {m.router, all(m.gate), all(m.up), all(m.down), grads(m.shared_gate), grads(m.shared_up),
+           grads(m.shared_down), m.shared_expert_gate}};
 }
 
 }  // namespace upipe

@@ -10,11 +10,29 @@
 #include <string>
 #include <string_view>
 #include <utility>
+#include <vector>
 
 #include "cp/strategy.hpp"
 #include "model/config.hpp"
 
 namespace upipe {
+
+// A sparse layer's MLP (model_config::moe): the router, every expert's projections and
+// Qwen2-MoE's shared expert with its gate; a dense layer's are empty.
+struct moe_weights {
+  mat_view router;                          // (E, D)
+  std::vector<projection> gate, up, down;   // per expert: (I, D), (I, D), (D, I)
+  projection shared_gate, shared_up, shared_down;  // (S, D), (S, D), (D, S); no rows without a shared expert
+  mat_view shared_expert_gate;              // (1, D)
+  bool sparse() const { return router.rows > 0; }
+  bool has_shared() const { return shared_gate.weight.rows > 0; }
+};
+struct moe_grads {
+  mat_view router;
+  std::vector<projection_grads> gate, up, down;
+  projection_grads shared_gate, shared_up, shared_down;
+  mat_view shared_expert_gate;
+};
 
 struct layer_params {
   mat_view input_norm;            // (1, D): before attention
@@ -24,6 +42,7 @@ struct layer_params {
   mat_view mlp_post_norm;         // (1, D): on the MLP's output (Gemma 3), else no rows
   projection gate, up;            // (F, D)
   projection down;                // (D, F)
+  moe_weights moe;                // a sparse layer's MLP (gate, up and down then have no rows)
 };
 
 // A layer's gradients, f32, accumulated; a frozen weight's are empty (no rows).
@@ -32,6 +51,7 @@ struct layer_gradients {
   attention_grads attention;
   mat_view attention_post_norm, mlp_norm, mlp_post_norm;
   projection_grads gate, up, down;
+  moe_grads moe;
 };
 
 // The layer of a tensor named "model.layers.N. ...": N when it is written as a layer's name
@@ -59,5 +79,18 @@ struct stored_rows {
   std::int64_t first = 0, count = 0;
 };
 stored_rows projection_rows(const model_config& config, layer_projection p);
+
+// A sparse layer's tensors under the family's names: "mlp.gate.weight" (the router),
+// "mlp.experts.3.gate_proj.weight" (Mixtral: "block_sparse_moe.experts.3.w1.weight"), the
+// shared expert's; `role` 0, 1, 2 for gate, up, down.
+std::string router_name(const model_config& config, int layer);
+std::string expert_name(const model_config& config, int layer, int expert, int role);
+// The fused layout of newer transformers: "mlp.experts.gate_up_proj" (E, 2I, D) and
+// "mlp.experts.down_proj" (E, D, I); where expert `expert`'s tensor of `role` begins in it.
+struct fused_expert_place {
+  std::string name;
+  std::int64_t offset = 0;  // elements
+};
+fused_expert_place fused_expert(const model_config& config, int layer, int expert, int role);
 
 }  // namespace upipe

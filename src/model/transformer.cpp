@@ -15,13 +15,6 @@ void copy_matrix(backend& be, const mat_view& dst, const mat_view& src) {
   ops::copy_heads(be, ops::as_heads(dst), ops::as_heads(src));
 }
 
-// A working-dtype copy of an f32 gradient block, as gemm operands are in the working
-// dtype on the GPU (on the cpu backend both are f32 and this is a plain copy).
-tensor working_copy(backend& be, const mat_view& src, const char* label) {
-  tensor t = be.allocate(mem_tag::activations, be.work_dtype(), {src.rows, src.cols}, label);
-  copy_matrix(be, t.matrix(), src);
-  return t;
-}
 
 }  // namespace
 
@@ -73,7 +66,11 @@ transformer::transformer(const model_config& model, const cp_settings& cp, std::
                          const cp_groups& groups, const step_options& options)
     : model_(model), be_(be), store_(be, options.policy, model.num_layers), tokens_(seq_len / cp.cp),
       prefetch_weights_(options.prefetch_weights), lora_(options.lora),
-      attention_input_tile_(options.attention_input_tile), meta_tiles_(options.meta_tiles) {
+      attention_input_tile_(options.attention_input_tile), meta_tiles_(options.meta_tiles),
+      cp_comm_(groups.all_to_all), moe_(model_, be) {
+  aux_on_ = model.sparse_layer_count() > 0 &&
+            (options.router_aux == router_aux_loss::on ||
+             (options.router_aux == router_aux_loss::config && model.moe.output_router_logits));
   if (attention_input_tile_ <= 0)
     throw config_error("attention_input_tile " + std::to_string(attention_input_tile_) +
                        " must be a positive row count");
@@ -99,11 +96,20 @@ step_options with_default_sizes(step_options o, const model_config& model, std::
     throw config_error("--mlp-tile " + std::to_string(o.mlp_tile) + " and --loss-chunk " +
                        std::to_string(o.loss_chunk) + " must be positive token counts, or 0 for the default");
   const std::int64_t share = static_cast<std::int64_t>(device_bytes / 64);
-  const std::int64_t D = model.hidden_size, F = model.intermediate_size, V = model.vocab_size;
+  const std::int64_t D = model.hidden_size, V = model.vocab_size;
+  // A sparse layer's tile holds an expert's block (at most the tile) at the width of the
+  // widest MLP, the tile gathered in the experts' order (k rows a token) and the router's
+  // logits, probabilities and their gradient (f32, E a token).
+  const moe_config& moe = model.moe;
+  const bool sparse = model.sparse_layer_count() > 0;
+  const std::int64_t F = sparse ? std::max({std::int64_t{model.sparse_layer_count() < model.num_layers ? model.intermediate_size : 0},
+                                            std::int64_t{moe.expert_width}, std::int64_t{moe.shared_width}})
+                                : model.intermediate_size;
   if (o.mlp_tile == 0) {
     // A tile's backward holds gate, up, their activation and its gradient (n x F each),
     // the normed rows and the incoming gradient's working copy (n x D each), in bf16.
-    const std::int64_t per_token = 2 * (4 * F + 2 * D) + 4;
+    const std::int64_t routed = sparse ? 2 * std::int64_t{moe.top_k} * D + 12 * std::int64_t{moe.experts} + 16 * moe.top_k : 0;
+    const std::int64_t per_token = 2 * (4 * F + 2 * D) + 4 + routed;
     const std::int64_t granule = 256;
     o.mlp_tile = std::clamp(share / per_token / granule * granule, granule, max_mlp_tile);
   }
@@ -157,11 +163,14 @@ double transformer::forward_backward(parameter_store& params, const local_batch&
   set_documents(batch.documents);
   tensor ids = upload_ids(batch.ids, "token_ids");
   tensor labels = upload_ids(batch.labels, "labels");
+  start_balance(batch);
   forward_layers(params, adapters, embed(params, ids), &store_);
+  finish_balance(batch.aux_scale);
   tensor d = be_.allocate(mem_tag::activations, dtype::f32, {tokens_, model_.hidden_size}, "d_hidden");
   const double loss = loss_forward_backward(params, final_hidden_, labels, batch.grad_scale, d);
   final_hidden_.reset();
   backward_layers(params, adapters, ids, d);
+  aux_grad_.reset();
   set_current_layer(-1);
   if (params.role() == weight_role::frozen) return loss;  // no gradient for the embedding
   const int embedding = params.embedding_unit();
@@ -361,6 +370,7 @@ void transformer::mlp_output(const layer_params& p, const mat_view& act, const m
 // x += down(act(gate(norm(x))) * up(norm(x))), one tile of tokens at a time, so the MLP's
 // working set is a tile whatever the sequence length.
 void transformer::mlp_forward(const layer_params& p, const tensor& x) {
+  if (p.moe.sparse()) return moe_forward(p, x);
   const phase_scope phase(be_, "mlp");
   for (std::int64_t t0 = 0; t0 < tokens_; t0 = next_tile(t0, mlp_tile_)) {
     const mat_view xt = x.matrix().row_block(t0, std::min(mlp_tile_, tokens_ - t0));
@@ -377,6 +387,7 @@ void transformer::mlp_forward(const layer_params& p, const tensor& x) {
 // d (f32) holds d(layer output) and becomes d(x2), the gradient at the MLP's input
 // residual; x2 is the recomputed input of the MLP block.
 void transformer::mlp_backward(const layer_params& p, const layer_gradients& g, const tensor& x2, const tensor& d) {
+  if (p.moe.sparse()) return moe_backward(p, g, x2, d);
   const phase_scope phase(be_, "mlp");
   const std::int64_t D = model_.hidden_size, F = model_.intermediate_size;
   for (std::int64_t t0 = 0; t0 < tokens_; t0 = next_tile(t0, mlp_tile_)) {

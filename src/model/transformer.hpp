@@ -11,12 +11,14 @@
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <string_view>
 #include <vector>
 
 #include "cp/attention_layer.hpp"
 #include "model/checkpoint_store.hpp"
 #include "model/config.hpp"
 #include "model/lora.hpp"
+#include "model/moe_mlp.hpp"
 #include "model/parameter_store.hpp"
 #include "model/parameters.hpp"
 
@@ -38,6 +40,13 @@ struct cp_settings {
 // times per layer). Backends with data always run every tile.
 enum class tile_sweep : std::uint8_t { every_tile, distinct_shapes };
 
+// Whether a mixture-of-experts model's load-balancing loss (router_aux_loss_coef times
+// transformers' load_balancing_loss_func) joins the loss: as config.json's
+// output_router_logits says (transformers' rule), or on, or off.
+enum class router_aux_loss : std::uint8_t { config, on, off };
+// "config", "on" or "off" (--router-aux-loss); throws config_error naming the value.
+router_aux_loss parse_router_aux_loss(std::string_view text);
+
 struct step_options {
   std::int64_t mlp_tile = 0;    // tokens per MLP/RMSNorm tile; 0: with_default_sizes
   std::int64_t loss_chunk = 0;  // tokens per cross-entropy chunk; 0: with_default_sizes
@@ -54,6 +63,7 @@ struct step_options {
   // (none: every weight is the store's to train).
   lora_config lora{};
   tile_sweep meta_tiles = tile_sweep::distinct_shapes;
+  router_aux_loss router_aux = router_aux_loss::config;
 };
 
 // The MLP tile and the loss chunk where `o` gives none (0). Their GEMMs want a few
@@ -73,6 +83,11 @@ struct local_batch {
   // Packed documents: the global indices where documents begin, the first 0 (empty: one
   // document). Attention stays inside a document and RoPE positions restart with each.
   std::span<const std::int64_t> documents;
+  // Mixture of experts: the sequence's tokens before padding (0: every position), whose
+  // routing the load-balancing loss counts, and that loss's share of the objective (1 / the
+  // step's sequences: each sequence's loss is computed over its own tokens).
+  std::int64_t real_tokens = 0;
+  double aux_scale = 1.0;
 };
 
 // The attention configuration a model run implies at global length seq_len, for layer
@@ -89,6 +104,11 @@ class transformer {
   // Global positions of rank r's local tokens (the strategy's sequence layout).
   std::vector<position_run> local_positions(int rank) const { return attentions_[0]->strategy().local_positions(rank); }
   std::int64_t mlp_tile() const { return mlp_tile_; }
+  // Does the load-balancing loss join the loss (step_options::router_aux and the config)?
+  bool aux_loss_on() const { return aux_on_; }
+  // The last forward_backward's load-balancing loss over the whole sequence (the same on
+  // every rank of the CP group), before router_aux_loss_coef and aux_scale; 0 when off.
+  double aux_loss() const { return aux_loss_; }
   std::int64_t loss_chunk() const { return loss_chunk_; }
 
   // Forward and backward; weight gradients go to the store (accumulated when
@@ -130,6 +150,13 @@ class transformer {
                                                    const tensor& residual, const attention_layer::context* kept,
                                                    tensor* projection_out, tensor* rstd);
   void mlp_forward(const layer_params& p, const tensor& x);
+  // A sparse layer's MLP, a tile at a time as the dense one's.
+  void moe_forward(const layer_params& p, const tensor& x);
+  void moe_backward(const layer_params& p, const layer_gradients& g, const tensor& x, const tensor& d);
+  // The load-balancing loss: which local rows count (before forward), and after the forward
+  // the routing's statistics summed over the CP group, the loss and its gradient.
+  void start_balance(const local_batch& batch);
+  void finish_balance(double aux_scale);
   // y (+)= a tile's down projection, through the norm after the MLP where the family has one.
   void mlp_output(const layer_params& p, const mat_view& act, const mat_view& y);
   void mlp_backward(const layer_params& p, const layer_gradients& g, const tensor& x, const tensor& d);
@@ -172,6 +199,15 @@ class transformer {
   std::int64_t attention_input_tile_;
   tile_sweep meta_tiles_;
   tensor final_hidden_;  // (s, D): the last layer's output, input of the loss
+  // Mixture of experts.
+  communicator* cp_comm_;  // the whole CP group (the load-balancing statistics' sum)
+  moe_mlp moe_;
+  bool aux_on_ = false;
+  bool collect_balance_ = false;       // the forward pass of forward_backward (not a recompute)
+  std::vector<std::uint8_t> counted_rows_;  // local rows the load-balancing loss counts
+  router_balance balance_;
+  double aux_loss_ = 0;
+  tensor aux_grad_;  // (1, E) f32: the loss's gradient on a counted row's router probabilities
 };
 
 }  // namespace upipe

@@ -290,10 +290,71 @@ struct sum_squares_args {
 
 // One op, as its arguments. A backend runs it with one std::visit over overloads of its
 // implementations, one per alternative.
+// Mixture of experts (docs/design.md section 11). The router's top-k as transformers
+// computes it: probs = softmax(logits) in fp32, the k largest per row in descending order
+// (ties to the lower expert, as torch.topk), divided by their sum where `normalize`.
+struct moe_route_args {
+  mat_view logits;   // (n, E) f32
+  mat_view probs;    // (n, E) f32, out
+  mat_view weights;  // (n, k) f32, out
+  mat_view experts;  // (n, k) i32, out
+  bool normalize = false;
+};
+// The routing's backward: d_weights back through the normalization and the top-k's gather,
+// plus aux_grad (1, E) on every row's probabilities (the load-balancing loss's gradient; no
+// rows: none), back through the softmax into d_logits (overwritten).
+struct moe_route_backward_args {
+  mat_view probs;      // (n, E) f32
+  mat_view experts;    // (n, k) i32
+  mat_view d_weights;  // (n, k) f32
+  mat_view aux_grad;   // (1, E) f32, or no rows
+  mat_view d_logits;   // (n, E) f32, out
+  bool normalize = false;
+};
+// dst[i] = src[index[i]]: a tile's rows in the experts' order.
+struct moe_gather_args {
+  mat_view src;    // (n, D)
+  mat_view index;  // (m, 1) i32, each in [0, n)
+  mat_view dst;    // (m, D)
+};
+// dst[index[i]] += weights[slot[i]] * src[i] (weights read flat, (n, k) f32; no rows: 1). No
+// index repeats within one call (a token meets an expert once).
+struct moe_scatter_args {
+  mat_view src;      // (m, D)
+  mat_view index;    // (m, 1) i32
+  mat_view slot;     // (m, 1) i32 into weights' n * k, or no rows without weights
+  mat_view weights;  // (n, k) f32, or no rows
+  mat_view dst;      // (n, D), accumulated
+};
+// The weighted scatter's backward: d_src[i] = weights[slot[i]] * d_dst[index[i]] and
+// d_weights[slot[i]] = src[i] . d_dst[index[i]] (written).
+struct moe_scatter_backward_args {
+  mat_view d_dst;      // (n, D)
+  mat_view index, slot;  // (m, 1) i32
+  mat_view weights;    // (n, k) f32
+  mat_view src;        // (m, D): the forward's src
+  mat_view d_src;      // (m, D), out
+  mat_view d_weights;  // (n, k) f32, out at the slots
+};
+// Qwen2-MoE's shared expert: y += sigmoid(z) * s, z one logit per row.
+struct sigmoid_gate_forward_args {
+  mat_view z;  // (n, 1) f32
+  mat_view s;  // (n, D)
+  mat_view y;  // (n, D), accumulated
+};
+// d_s = sigmoid(z) d_y (written); d_z = sigmoid(z) (1 - sigmoid(z)) (s . d_y) (written).
+struct sigmoid_gate_backward_args {
+  mat_view z, s, d_y;  // (n, 1) f32, (n, D), (n, D)
+  mat_view d_s;        // (n, D), out
+  mat_view d_z;        // (n, 1) f32, out
+};
+
 using op = std::variant<gemm_args, sdpa_forward_args, sdpa_backward_args, rope_args, rmsnorm_forward_args,
                         rmsnorm_backward_args, copy_heads_args, add_heads_args, fill_heads_args, lse_merge_args,
                         embedding_forward_args, embedding_backward_args, swiglu_forward_args, swiglu_backward_args,
-                        bias_add_args, bias_grad_args, cross_entropy_args, adamw_args, sum_squares_args>;
+                        bias_add_args, bias_grad_args, cross_entropy_args, adamw_args, sum_squares_args,
+                        moe_route_args, moe_route_backward_args, moe_gather_args, moe_scatter_args,
+                        moe_scatter_backward_args, sigmoid_gate_forward_args, sigmoid_gate_backward_args>;
 
 // Does the CUDA implementation of an op hold device memory of its own beside its
 // arguments (a library's workspace)? The meta backend must then model that memory: an op

@@ -19,11 +19,13 @@ struct matmul_params {
 };
 
 matmul_params params_of(const model_config& m) {
-  const double D = m.hidden_size, F = m.intermediate_size, d = m.head_dim;
+  const double D = m.hidden_size, d = m.head_dim;
   matmul_params p;
   p.attention_inputs = D * d * (m.num_heads + 2.0 * m.num_kv_heads);  // q, k, v
-  p.layer = p.attention_inputs + D * d * m.num_heads + 3 * D * F;     // + o, gate, up, down
   p.head = D * static_cast<double>(m.vocab_size);
+  // A layer's share of the active matrices (the experts a token passes, in a mixture of
+  // experts; o, gate, up and down in a dense model), averaged over the layers.
+  p.layer = (static_cast<double>(m.matmul_parameter_count()) - p.head) / m.num_layers;
   return p;
 }
 

@@ -129,12 +129,16 @@ double run_step(rank_context& rc, const std::vector<packed_sequence>& batch, std
   const auto last_micro_batch = [&](std::size_t i) {
     if (update && i + 1 == micro_batches) trained.announce_update(o.optim, step, record.lr);
   };
-  double local = 0;
+  double local = 0, aux_local = 0;
+  // A mixture of experts' load-balancing loss is each sequence's own (over its tokens): the
+  // step's is their mean, over every replica's sequences.
+  const double aux_scale = 1.0 / static_cast<double>(micro_batches * static_cast<std::size_t>(std::max(o.dp, 1)));
   if (seqs.empty()) {
     UPIPE_CHECK(!rc.be.has_data(), "a sequence without tokens runs on the meta backend only");
     for (std::size_t i = 0; i < batch.size(); ++i) {  // no host ids: meta reads none
       last_micro_batch(i);
-      local += model.forward_backward(rc.params, {{}, {}, 1.0 / static_cast<double>(counted), batch[i].documents},
+      local += model.forward_backward(rc.params, {{}, {}, 1.0 / static_cast<double>(counted), batch[i].documents,
+                                                   0, aux_scale},
                                       rc.adapters.get());
     }
   }
@@ -143,10 +147,18 @@ double run_step(rank_context& rc, const std::vector<packed_sequence>& batch, std
     const auto ids = shard_rows(seq.ids, 1, runs, model.local_tokens());
     const auto labels = shard_rows(seq.labels, 1, runs, model.local_tokens());
     last_micro_batch(i);
-    local += model.forward_backward(rc.params, {ids, labels, 1.0 / static_cast<double>(counted), seq.documents},
+    local += model.forward_backward(rc.params, {ids, labels, 1.0 / static_cast<double>(counted), seq.documents,
+                                                 seq.tokens, aux_scale},
                                     rc.adapters.get());
+    aux_local += aux_scale * model.aux_loss();
   }
-  record.loss = sum_over_ranks(rc.comm, local, "loss_sum") / static_cast<double>(counted);
+  record.lm_loss = sum_over_ranks(rc.comm, local, "loss_sum") / static_cast<double>(counted);
+  // The same on every rank of a CP group: given once, by its rank 0 (a loopback world's
+  // replicas count as rank 0's).
+  record.aux_loss = sum_over_ranks(rc.comm, rc.cp.rank() == 0 ? aux_local : 0.0, "aux_loss") *
+                    (o.dp > 1 && rc.comm.is_loopback() ? o.dp : 1);
+  record.aux_on = model.aux_loss_on();
+  record.loss = record.lm_loss + (record.aux_on ? o.model.moe.router_aux_loss_coef * record.aux_loss : 0.0);
   if (!update) return record.loss;
   record.grad_norm = trained.grad_norm();
   if (!std::isfinite(record.grad_norm))

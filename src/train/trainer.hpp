@@ -120,6 +120,10 @@ struct step_record {
   };
   std::vector<source_counts> sources;
   double loss = 0, lr = 0, grad_norm = 0, tokens_per_s = 0, seconds = 0;
+  // A mixture of experts with the load-balancing loss on: loss = lm_loss +
+  // router_aux_loss_coef x aux_loss (aux_loss the mean of the sequences').
+  bool aux_on = false;
+  double lm_loss = 0, aux_loss = 0;
   std::map<std::string, std::size_t> peak_bytes;  // rank 0
 };
 

@@ -120,6 +120,8 @@ const expected_preset expected_presets[] = {
     {"tiny-llama", model_family::llama, 256, 64, 160, 2, 4, 2, 16, 1e-5, 10000, 8, 32, false},
     {"tiny-qwen3", model_family::qwen3, 256, 64, 96, 2, 4, 2, 32, 1e-6, 10000, 0, 0, true},
     {"tiny-gemma3", model_family::gemma3, 256, 64, 96, 3, 4, 2, 16, 1e-6, 1000000, 8, 0, true},
+    {"qwen3-30b-a3b", model_family::qwen3_moe, 151936, 2048, 6144, 48, 32, 4, 128, 1e-6, 1000000, 0, 0, false},
+    {"tiny-qwen3-moe", model_family::qwen3_moe, 256, 64, 96, 3, 4, 2, 16, 1e-6, 10000, 0, 0, false},
 };
 
 TEST(model_config, preset_names_are_the_documented_ones) {
@@ -152,7 +154,7 @@ TEST(model_config, every_preset_validates_with_the_published_shapes) {
       EXPECT_EQ(c.rope.scaling.original_max_position, e.original_max_position);
     }
     EXPECT_EQ(c.tie_embeddings, e.tied);
-    EXPECT_EQ(c.qk_norm, e.family == model_family::qwen3 || e.family == model_family::gemma3);
+    EXPECT_EQ(c.qk_norm, family_traits(e.family).qk_norm);
     EXPECT_EQ(c.parameter_count(), sum_of_specs(c));
   }
 }
@@ -169,6 +171,8 @@ TEST(model_config, parameter_totals_match_the_published_models) {
   // Qwen2.5-7B with its q/k/v biases and Mistral-7B-v0.1, as their safetensors indexes total.
   EXPECT_EQ(preset("qwen2.5-7b").parameter_count(), 7'615'616'512);
   EXPECT_EQ(preset("mistral-7b").parameter_count(), 7'241'732'096);
+  // Qwen3-30B-A3B: 128 experts of width 768 in each of 48 layers, 3.3B of them active a token.
+  EXPECT_EQ(preset("qwen3-30b-a3b").parameter_count(), 30'532'122'624);
   for (const std::string& name : preset_names()) {
     SCOPED_TRACE(name);
     const model_config c = preset(name);

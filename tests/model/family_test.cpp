@@ -18,6 +18,7 @@
 #include "model/model_step.hpp"
 #include "model/parameters.hpp"
 #include "model/weights.hpp"
+#include "config_variants.hpp"
 
 namespace upipe {
 namespace {
@@ -38,29 +39,9 @@ std::vector<bool> windows_of(const model_config& c) {
   return out;
 }
 
-class family_files : public ::testing::Test {
+class family_files : public testing::config_variants {
  protected:
-  void SetUp() override {
-    dir_ = fs::temp_directory_path() / ("upipe_family_" + std::to_string(::getpid()));
-    fs::create_directories(dir_);
-  }
-  void TearDown() override { fs::remove_all(dir_); }
-  // A fixture's config.json with `changes` applied (null removes a key).
-  std::string variant(const std::string& name, const nlohmann::json& changes) {
-    std::ifstream in(fixture(name) + "/config.json");
-    nlohmann::json j = nlohmann::json::parse(in);
-    for (const auto& [key, value] : changes.items()) {
-      if (value.is_null())
-        j.erase(key);
-      else
-        j[key] = value;
-    }
-    const fs::path file = dir_ / (name + "-" + std::to_string(count_++) + ".json");
-    std::ofstream(file) << j.dump(2);
-    return file.string();
-  }
-  fs::path dir_;
-  int count_ = 0;
+  family_files() : config_variants(std::string(UPIPE_SOURCE_DIR) + "/tests/golden/hf") {}
 };
 
 TEST(family_table, every_row_is_found_by_its_model_type) {

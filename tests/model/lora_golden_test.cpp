@@ -2,7 +2,8 @@
 // of PEFT on transformers (CPU) for a tiny Llama (Llama 3 RoPE, untied head), a tiny Qwen3
 // (q/k norm, tied head) and each family of scripts/make_family_fixtures.py (Qwen2's biases
 // and windows, Mistral's window, Phi-3's fused qkv_proj and gate_up_proj adapted whole,
-// Gemma 3), r = 4 and alpha = 7 on every projection, with a non-zero B, under cp = 1, 2 and
+// Gemma 3; a Qwen3-MoE on its attention's projections, scripts/make_moe_fixtures.py), r = 4
+// and alpha = 7 on every projection, with a non-zero B, under cp = 1, 2 and
 // 4 and every strategy: Ulysses, UPipe at every valid U (whose stages take B's rows of
 // their own heads), ring and hybrid 2 x 2 (and 4 x 1). The reference files come from
 // scripts/make_lora_fixtures.py and scripts/make_family_fixtures.py (tests/golden/lora/);
@@ -17,6 +18,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/error.hpp"
 #include "model/adapter_files.hpp"
 #include "model/model_step.hpp"
 #include "../support/compare.hpp"
@@ -37,7 +39,8 @@ struct lora_case {
 lora_case load(const std::string& name) {
   const std::string dir = std::string(UPIPE_SOURCE_DIR) + "/tests/golden/lora/" + name;
   const bool tiny = name.rfind("tiny-", 0) == 0;  // a preset's fixture; the families' bases are HF directories
-  const std::string base = std::string(UPIPE_SOURCE_DIR) + "/tests/golden/" + (tiny ? "" : "hf/") + name;
+  const bool moe = name.find("moe") != std::string::npos;  // scripts/make_moe_fixtures.py's, in tests/golden/moe
+  const std::string base = std::string(UPIPE_SOURCE_DIR) + "/tests/golden/" + (tiny ? "" : moe ? "moe/" : "hf/") + name;
   lora_case c;
   c.config = read_hf_config(base + "/config.json");
   c.weights = read_weights(c.config, base);
@@ -86,7 +89,14 @@ class lora_golden : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(lora_golden, adapter_and_fixture_agree_with_the_lora_flag) {
   const lora_case c = load(GetParam());
-  EXPECT_EQ(c.lora, parse_lora("r=4,alpha=7,targets=q,k,v,o,gate,up,down", c.config));
+  // A mixture of experts adapts its attention: its experts are 3-D parameters PEFT adapts
+  // through target_parameters only, and a target on the MLP is refused with that reason.
+  const bool moe = c.config.sparse_layer_count() > 0;
+  EXPECT_EQ(c.lora, parse_lora(moe ? "r=4,alpha=7,targets=q,k,v,o" : "r=4,alpha=7,targets=q,k,v,o,gate,up,down", c.config));
+  if (moe) {
+    EXPECT_EQ(parse_lora("r=4,alpha=7", c.config), c.lora);  // the default: every adaptable projection
+    EXPECT_THROW(parse_lora("r=4,alpha=7,targets=q,gate", c.config), config_error);
+  }
   // Every gradient is non-trivial: the fixture's B is not zero.
   for (const auto& [name, entry] : c.grads.tensors) {
     double largest = 0;
@@ -167,7 +177,7 @@ TEST_P(lora_golden, checkpoint_policies_keep_the_adapters) {
 
 INSTANTIATE_TEST_SUITE_P(models, lora_golden,
                          ::testing::Values("tiny-llama", "tiny-qwen3", "qwen2-bias", "qwen2-window", "mistral-window",
-                                           "phi3-fused", "gemma3-text"),
+                                           "phi3-fused", "gemma3-text", "qwen3-moe"),
                          [](const auto& info) {
   std::string name = info.param;
   for (char& ch : name)
