@@ -4,7 +4,8 @@
 // RoPEs, GeGLU, sandwich norms and scaled embedding) gives the cpu's loss and every
 // gradient under UPipe, ring, FPDT chunks and hybrid on virtual ranks of one GPU, at 256
 // tokens (so the windows of 5 and 6 mask most of every shard); and with PEFT's adapters
-// (tests/golden/lora/), the adapters' gradients.
+// (tests/golden/lora/), the adapters' gradients. And the mixtures of experts of
+// scripts/make_moe_fixtures.py with their load-balancing loss.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -98,6 +99,45 @@ TEST(gpu_family, peft_adapters_match_the_cpu_backend) {
     req.options.loss_chunk = 40;
     req.cp = {strategy_kind::upipe, 2, 2};
     expect_gpu_matches_cpu(req, w, adapters, std::string(name) + " lora upipe C=2");
+  }
+}
+
+// Qwen3-MoE (a dense layer below sparse ones), Mixtral and Qwen2-MoE (shared expert) with
+// the load-balancing loss. The router reads bf16 activations on the GPU and fp32 on the
+// cpu, so a token whose k-th and (k+1)-th experts are nearly tied may be routed apart: the
+// loss and the attention's and norms' gradients are held to the families' bounds, the
+// experts' and routers' (whose gradients such a token moves whole) to their size only.
+TEST(gpu_family, mixtures_of_experts_match_the_cpu_backend) {
+  if (!have_gpu()) GTEST_SKIP() << "no GPU";
+  const std::vector<std::int32_t> tokens = sequence();
+  for (const char* name : {"qwen3-moe", "mixtral", "qwen2-moe"}) {
+    model_step_request req;
+    req.model = read_hf_config(golden_dir("moe", name));
+    const host_weights w = read_weights(req.model, golden_dir("moe", name));
+    req.options.mlp_tile = 24;
+    req.options.loss_chunk = 40;
+    req.options.router_aux = router_aux_loss::on;
+    for (const cp_settings& cp : {cp_settings{strategy_kind::upipe, 2, 2}, cp_settings{strategy_kind::ring, 2, 0}}) {
+      req.cp = cp;
+      SCOPED_TRACE(std::string(name) + " " + std::string(strategy_name(cp.strategy)));
+      req.backend = backend_kind::cpu;
+      req.limits = {std::size_t{256} << 20, std::size_t{64} << 20};
+      const model_step_result cpu = run_model_step(req, w, tokens);
+      req.backend = backend_kind::cuda;
+      req.limits = {std::size_t{1} << 30, std::size_t{64} << 20};
+      const model_step_result gpu = run_model_step(req, w, tokens);
+      EXPECT_LT(std::abs(gpu.loss - cpu.loss) / cpu.loss, bf16_tolerance);
+      EXPECT_LT(std::abs(gpu.aux_loss - cpu.aux_loss) / cpu.aux_loss, 5e-2);
+      ASSERT_EQ(gpu.grads.size(), cpu.grads.size());
+      for (const auto& [param, values] : cpu.grads) {
+        const double error = testing::max_difference_over_max(gpu.grads.at(param), values);
+        const bool routed = param.find(".experts.") != std::string::npos || param.find(".gate.weight") != std::string::npos;
+        const bool norm_weight = param.find("norm.weight") != std::string::npos;
+        EXPECT_LT(error, routed ? 1.0 : norm_weight ? 8e-2 : 5e-2) << param;
+      }
+      std::printf("family %s %s: loss cuda %.6f, cpu %.6f; aux %.6f, %.6f\n", name, std::string(strategy_name(cp.strategy)).c_str(),
+                  gpu.loss, cpu.loss, gpu.aux_loss, cpu.aux_loss);
+    }
   }
 }
 
