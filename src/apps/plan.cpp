@@ -351,6 +351,27 @@ void print_recommendation(const plan_flags& f, const plan_request& r, const plan
               "arena high water and host memory\n");
 }
 
+// Where no full fine-tune fits: LoRA (r = 16 on every projection, the base frozen, its
+// adapters' state in f32 on the GPU) planned the same way, and its recommendation.
+std::optional<std::string> lora_instead(const plan_flags& f, const plan_request& r, const plan_result& plan) {
+  if (r.zero == zero_stage::replicated || r.lora.enabled() || recommend(r, plan)) return std::nullopt;
+  plan_request lora = r;
+  lora.lora = parse_lora("r=16", r.model);
+  lora.try_offload = lora.try_state = lora.offload_optimizer = lora.offload_params = lora.offload_master = false;
+  lora.state = {};
+  lora.eval = false;
+  lora.cache.reset();
+  std::printf("\nno full fine-tune fits; LoRA (--lora r=16: the base frozen, only the adapters trained) planned "
+              "instead:\n");
+  std::fflush(stdout);
+  const plan_result planned = make_plan(lora);
+  print_recommendation(f, lora, planned);
+  const std::optional<planned_run> run = recommend(lora, planned);
+  if (!run) return std::nullopt;
+  std::printf("  LoRA's longest length: S = %s\n", tokens_text(run->point.seq_len).c_str());
+  return train_command(f, lora, *run);
+}
+
 // The state formats at the recommended configuration, and the command to run.
 void print_states(const plan_request& r, const plan_result& plan) {
   if (plan.state_entries.empty()) return;
@@ -539,6 +560,7 @@ int run(const plan_flags& f) {
   print_meshes(r, plan);
   print_states(r, plan);
   print_recommendation(f, r, plan);
+  const std::optional<std::string> lora_command = lora_instead(f, r, plan);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   std::printf("# planned in %.1f s\n", seconds);
 
@@ -598,6 +620,7 @@ int run(const plan_flags& f) {
     const std::optional<planned_run> run = recommend(r, plan);
     doc["recommendation_rule"] = rule_text(r, plan);
     doc["recommended_command"] = run ? nlohmann::json(train_command(f, r, *run)) : nlohmann::json(nullptr);
+    doc["lora_command"] = lora_command ? nlohmann::json(*lora_command) : nlohmann::json(nullptr);
     doc["recommended"] = run ? point_json(run->point) : nlohmann::json(nullptr);
     if (run) doc["recommended"]["host_memory_gib"] = gib(run->point.host_budget);
     if (run) doc["recommended"]["memory_gib"] = planned_arena_gib(r);

@@ -113,10 +113,10 @@ std::vector<memory_part> host_beside_pools(const train_options& o) {
   return parts;
 }
 
-run_memory run_memory_of(const train_options& o) {
+run_memory run_memory_of(const train_options& o, int ranks_run) {
   run_memory m;
   m.host = host_beside_pools(o);
-  const std::size_t ranks = static_cast<std::size_t>(process_ranks(o));
+  const std::size_t ranks = static_cast<std::size_t>(ranks_run > 0 ? ranks_run : process_ranks(o));
   const pool_parts parts = pool_parts_of(sizes_of(o, 1, 0));
   if (parts.offload > 0) m.host.push_back({offload_words(offload_of(o)), parts.offload * ranks});
   if (parts.chunks > 0) m.host.push_back({"the sequence chunks' K/V and gradients", parts.chunks * ranks});
@@ -129,9 +129,10 @@ run_memory run_memory_of(const train_options& o) {
     m.gpu.push_back({"the arena (--memory-gib) of " + std::to_string(on_gpu) + " rank(s)", o.limits.device_bytes * on_gpu});
     m.gpu.push_back({"the CUDA context and libraries", cuda_context_bytes});
   }
-  // A budget the run was given is what it may take: counted whole where the parts fall short.
+  // A budget the run was given is what it may take: counted whole where the parts fall short
+  // (the whole group's, so not where rank 0 alone runs).
   const auto budget = static_cast<std::size_t>(o.host_memory_gib * (1 << 30));
-  if (budget > m.host_bytes())
+  if (ranks == static_cast<std::size_t>(process_ranks(o)) && budget > m.host_bytes())
     m.host.push_back({"the rest of --host-memory-gib (the run may take it)", budget - m.host_bytes()});
   return m;
 }

@@ -55,7 +55,9 @@ std::vector<memory_part> host_beside_pools(const train_options& o);
 // arena and the checkpoints' part of its pool are reservations capped at the machine's
 // share when reserved (run_cp_group), so they are not counted; the CUDA backend's pool is
 // taken whole at start (pinned) and is.
-run_memory run_memory_of(const train_options& o);
+// `ranks`: the ranks the process runs (default process_ranks; 1 where rank 0 alone runs,
+// emulating its group).
+run_memory run_memory_of(const train_options& o, int ranks = 0);
 
 // The process's host bytes after a run whose rank 0 pool reached `pool_high_water`: the
 // parts beside the pools, and each rank's pool whole where the backend takes it at start

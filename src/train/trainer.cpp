@@ -582,7 +582,7 @@ step_timing time_steps(const train_options& options, std::int64_t warmup_len, in
   train_options o = options;
   o.tokens = token_source::random;
   validate(o);
-  require_run_memory(run_memory_of(o), o.backend);
+  require_run_memory(run_memory_of(o, ranks == group_run::rank_zero_emulated ? 1 : 0), o.backend);
   UPIPE_CHECK(repeats >= 1, "time_steps needs at least one timed step");
   UPIPE_CHECK(target_fraction > 0 && target_fraction <= 1, "time_steps' target fraction lies in (0, 1]");
   // Random ids where there is data; zeros on meta, which never reads them.

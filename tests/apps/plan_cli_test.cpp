@@ -92,6 +92,27 @@ TEST(plan_cli, the_recommended_command_runs_on_meta_as_planned) {
   check_recommended_runs_as_planned(small + "--host-memory 64GiB --seq-chunks 1 --attention upipe --lora r=8", "lora");
 }
 
+// No full fine-tune of llama3.2-1b fits a 6 GiB GPU without offloading (its weights, master
+// and moments alone are 21 GiB): plan says so and plans LoRA instead, whose command runs.
+TEST(plan_cli, where_no_full_fine_tune_fits_lora_is_offered) {
+  const auto dir = temp_dir("plan_lora_instead");
+  const auto path = (dir / "plan.json").string();
+  const run_result r = run_upipe("plan --model llama3.2-1b --gpus 1 --gpu-memory 6GiB --host-memory 16GiB --offload none "
+                                 "--optimizer-state fp32 --seq-chunks 1 --attention upipe --json " + path);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("no full fine-tune fits; LoRA (--lora r=16"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("LoRA's longest length: S = "), std::string::npos) << r.output;
+  std::ifstream in(path);
+  const nlohmann::json doc = nlohmann::json::parse(in);
+  EXPECT_TRUE(doc["recommended_command"].is_null());
+  ASSERT_TRUE(doc["lora_command"].is_string()) << doc.dump(1);
+  const std::string command = doc["lora_command"].get<std::string>();
+  EXPECT_NE(command.find("--lora r=16"), std::string::npos) << command;
+  const run_result run = run_upipe(command.substr(6) + " --steps 1 --backend meta");
+  EXPECT_EQ(run.exit_code, 0) << command << "\n" << run.output;
+  std::filesystem::remove_all(dir);
+}
+
 TEST(plan_cli, default_host_memory_is_the_papers_and_says_so) {
   const run_result r = run_upipe(small + "--attention upipe");
   ASSERT_EQ(r.exit_code, 0) << r.output;
