@@ -40,9 +40,11 @@ rule transformers applies to `{% generation %}` spans). The spans are:
   less trailing whitespace (a separator the model never generates). Every rendering must
   be a prefix of the next and of the whole conversation; a template that rewrites earlier
   turns (some drop the reasoning of past turns) is refused for that row: add generation
-  blocks to it, or use --loss-mask all. This takes two renderings of a prefix per assistant
-  turn, a cost that grows with the square of a conversation's turns (generation blocks
-  render a row once).
+  blocks to it, or use --loss-mask all. Those are two renderings per assistant turn, a cost
+  that grows with the square of the turns, so a conversation of more than MARKED_TURNS
+  assistant turns finds the same spans with markers in at most six renderings
+  (_marked_spans), and renders the prefixes only where the markers cannot show that their
+  spans are the prefixes' (generation blocks render a row once).
 
 Limits
 ------
@@ -68,6 +70,7 @@ REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 DEFAULT_TEMPLATE_SECONDS = 30.0
 DEFAULT_TEMPLATE_OUTPUT = 1 << 26  # characters
 MAX_TEMPLATE_FILE = 1 << 24  # bytes
+MARKED_TURNS = 2  # a conversation with more assistant turns than this finds them by markers
 
 
 class RowError(Exception):
@@ -319,9 +322,10 @@ class ChatTemplate:
         return "".join(pieces)
 
     def timeout_message(self):
-        why = "" if self.has_generation else (" (without {% generation %} blocks each assistant turn renders the "
-                                               "conversation's prefix, so a long one costs the square of its turns: "
-                                               "add the blocks, or raise the limit)")
+        why = "" if self.has_generation else (" (without {% generation %} blocks, where markers around the assistant "
+                                               "contents cannot place the turns, each one renders the conversation's "
+                                               "prefix, so a long one costs the square of its turns: add the blocks, "
+                                               "or raise the limit)")
         return f"the chat template runs longer than --template-seconds {self.limits.seconds:g} s on it{why}"
 
 
@@ -446,19 +450,108 @@ def assistant_spans(template, messages, tools, kwargs):
     if template.has_generation:
         return template.render(messages, tools=tools, kwargs=kwargs, track=True)
     text, _ = template.render(messages, tools=tools, kwargs=kwargs)
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    if len(turns) > MARKED_TURNS:  # the prefixes cost 1 + 2 * turns renderings, the markers at most 6
+        spans = _marked_spans(template, messages, turns, text, tools, kwargs)
+        if spans is not None:
+            return text, spans
+    return text, [_prefix_span(template, messages, i, text, tools, kwargs) for i in turns]
+
+
+def _prefix_span(template, messages, i, text, tools, kwargs):
+    """Assistant turn i's span from the renderings of its prefixes (see the module's notes)."""
+    before = _render_prefix(template, messages, i, tools, kwargs)
+    through, _ = template.render(messages[:i + 1], tools=tools, kwargs=kwargs)
+    if not (through.startswith(before) and text.startswith(through)):
+        raise RowError(f"the chat template renders message {i} (an assistant turn) differently inside the "
+                       f"whole conversation than after its prefix, so its tokens cannot be told apart; give "
+                       f"the template {{% generation %}} blocks (--chat-template FILE), or --loss-mask all",
+                       "template_rewrites_turns")
+    return _trimmed(through, len(before), len(through))
+
+
+def _marked_spans(template, messages, turns, text, tools, kwargs):
+    """The spans _prefix_span gives every turn, in a number of renderings that does not grow with
+    the turns, or None where this cannot be shown (the caller then renders the prefixes).
+
+    The conversation is rendered once more with each assistant content between markers that
+    occur nowhere in `text`; with the markers taken out, that rendering must be `text` itself,
+    which places each content in `text`. The first turn's prefixes then give what the template
+    writes between the generation prompt and the content (`lead`) and between the content and
+    the end of the turn (`tail`); every turn must have the same around its content, and the
+    last turn's prefixes must give the span so found."""
+    contents = _marked_contents(messages, turns, text)
+    if contents is None:
+        return None
+    nonce, marked = contents
+    try:
+        marked_text, _ = template.render(marked, tools=tools, kwargs=kwargs)
+    except RowError as e:
+        if e.kind == "template_limit":
+            raise
+        return None
+    del marked, contents  # a long content is held by `text` and `marked_text` alone from here
+    places = _unmark(marked_text, text, nonce, len(turns))
+    del marked_text
+    if places is None:
+        return None
+    first = turns[0]
+    before = _render_prefix(template, messages, first, tools, kwargs)
+    through, _ = template.render(messages[:first + 1], tools=tools, kwargs=kwargs)
+    start, end = places[0]
+    if not (through.startswith(before) and text.startswith(through) and len(before) <= start <= end <= len(through)):
+        return None
+    lead, tail = text[len(before):start], text[end:len(through)]
+    del before, through
     spans = []
-    for i, m in enumerate(messages):
-        if m["role"] != "assistant":
-            continue
-        before = _render_prefix(template, messages, i, tools, kwargs)
-        through, _ = template.render(messages[:i + 1], tools=tools, kwargs=kwargs)
-        if not (through.startswith(before) and text.startswith(through)):
-            raise RowError(f"the chat template renders message {i} (an assistant turn) differently inside the "
-                           f"whole conversation than after its prefix, so its tokens cannot be told apart; give "
-                           f"the template {{% generation %}} blocks (--chat-template FILE), or --loss-mask all",
-                           "template_rewrites_turns")
-        spans.append(_trimmed(through, len(before), len(through)))
-    return text, spans
+    for start, end in places:
+        begin, stop = start - len(lead), end + len(tail)
+        if begin < 0 or not (text.startswith(lead, begin) and text.startswith(tail, end)):
+            return None
+        spans.append(_trimmed(text, begin, stop))
+    last = _prefix_span(template, messages, turns[-1], text, tools, kwargs)
+    return spans if last == spans[-1] else None
+
+
+def _marked_contents(messages, turns, text):
+    """(nonce, messages with each assistant content between its markers), or None where an
+    assistant turn has no string content (a tool call alone, a list of parts)."""
+    if any(not isinstance(messages[i].get("content"), str) for i in turns):
+        return None
+    nonce = f"\x00{os.urandom(12).hex()}:"
+    if nonce in text:  # never, short of an attack on os.urandom
+        return None
+    marked = list(messages)
+    for k, i in enumerate(turns):
+        marked[i] = dict(messages[i], content=f"{nonce}{k}<{messages[i]['content']}{nonce}{k}>")
+    return nonce, marked
+
+
+def _unmark(marked_text, text, nonce, count):
+    """[(start, end)] of the k-th marked content in `text` for k < count, where `marked_text`
+    less its markers (each found once, in order) is `text`; else None."""
+    places, at, done = [], 0, 0  # marked_text[at:] is text[done:] with markers
+    for k in range(count):
+        bounds = []
+        for side in "<>":
+            marker = f"{nonce}{k}{side}"
+            found = marked_text.find(marker, at)
+            if found < 0 or not _same(marked_text, at, text, done, found - at):
+                return None
+            done += found - at
+            at = found + len(marker)
+            bounds.append(done)
+        places.append(tuple(bounds))
+    rest = len(marked_text) - at
+    return places if rest == len(text) - done and _same(marked_text, at, text, done, rest) else None
+
+
+def _same(a, a_at, b, b_at, n, piece=1 << 20):
+    """a[a_at:a_at + n] == b[b_at:b_at + n], a piece at a time (no copy of a long text)."""
+    for k in range(0, n, piece):
+        if not b.startswith(a[a_at + k:a_at + min(n, k + piece)], b_at + k):
+            return False
+    return True
 
 
 def mask_of(offsets, spans):

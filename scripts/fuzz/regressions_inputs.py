@@ -43,6 +43,8 @@ def chat_cases():
         ("prepare-data: a template looping 10^10 times hung", with_template + " --template-seconds 1", "refuse",
          ["--template-seconds"], files(c__jsonl=conversation, t__jinja="{% for i in range(100000) %}"
                                        "{% for j in range(100000) %}{% endfor %}{% endfor %}")),
+        ("prepare-data: 5,000 turns without generation blocks overran --template-seconds (a square cost)",
+         CHAT + " --template-seconds 10 {w}/c.jsonl", "ok", [], files(c__jsonl=rows({"messages": TURN * 5000}))),
         ("prepare-data: a template that is a FIFO hung", with_template, "refuse", ["t.jinja"],
          files(c__jsonl=conversation, t__jinja=None)),
         ("prepare-data: a template writing gigabytes took gigabytes", with_template, "refuse", ["--template-max-output"],
