@@ -81,7 +81,7 @@ void policy_rule(const std::string& v) {
 }
 void output_file_rule(const std::string& v) {
   try {
-    checked_output_file(v, "--metrics-json");
+    checked_output_file(v, "--metrics-json", missing_parents::made);
   } catch (const io_error& e) {
     throw config_error(e.what());
   }

@@ -125,9 +125,9 @@ std::string checked_output_file(const std::string& given, const std::string& wha
   }
   if (errno == ELOOP) refuse("it is a symbolic link loop; name another file");
   fs::path parent = path.has_parent_path() ? path.parent_path() : fs::path(".");
-  if (parents == missing_parents::made)  // the nearest ancestor that exists
-    while (!fs::exists(parent, ec) && parent.has_parent_path() && parent != parent.parent_path())
-      parent = parent.parent_path();
+  if (parents == missing_parents::made)  // the nearest ancestor that exists (".", for a relative "runs/m.jsonl")
+    while (!fs::exists(parent, ec) && parent != parent.parent_path())
+      parent = parent.has_parent_path() ? parent.parent_path() : fs::path(".");
   if (!fs::is_directory(parent, ec))
     refuse(fs::exists(parent, ec) ? parent.string() + " is not a directory; name a file in a directory"
                                   : "its directory " + parent.string() + " does not exist; create it first (mkdir -p " +

@@ -267,9 +267,10 @@ TEST(checkpoint_integrity, a_lora_resume_keeps_its_base) {
   ASSERT_EQ(run_upipe("train --model " + model + " --init " + base1 + " --lora r=2 --seq-len 32 --steps 4 "
                       "--stop-after 2 --cp 1 --eval-samples 0 --save " + lora).exit_code, 0);
   expect_refused(run_upipe("train --resume " + lora + " --init " + base2), "--init '" + base2 + "' differs from the run");
+  const run_result printed = run_upipe("train --resume " + lora + " --print-config");
+  EXPECT_NE(printed.output.find("init = '" + base1 + "'  # checkpoint"), std::string::npos) << printed.output;
   const run_result resumed = run_upipe("train --resume " + lora);
   EXPECT_EQ(resumed.exit_code, 0) << resumed.output;
-  EXPECT_NE(resumed.output.find("init = '" + base1 + "'  # checkpoint"), std::string::npos) << resumed.output;
   fs::remove_all(dir);
 }
 

@@ -144,7 +144,7 @@ TEST(step_cli, bad_inputs_exit_non_zero_with_a_clear_message) {
       {"--seq-len 9999999999999M", "too large to count"},
       {"--attention hybrid --ring 0", "--ring 0 must lie between 1 and"},
       {"--mlp-tile -4", "--mlp-tile -4 must lie between 0 and 1073741824"},
-      {"--attention-dtype fp16", "use bf16 (the working dtype) or fp8"},
+      {"--attention-dtype fp16", "--attention-dtype fp16 is not one of: bf16, fp8"},
       {"--head-chunk eight", "or auto, the largest U whose step fits"},
   };
   for (const auto& [args, message] : cases) {
