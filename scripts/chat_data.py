@@ -42,9 +42,10 @@ rule transformers applies to `{% generation %}` spans). The spans are:
   turns (some drop the reasoning of past turns) is refused for that row: add generation
   blocks to it, or use --loss-mask all. Those are two renderings per assistant turn, a cost
   that grows with the square of the turns, so a conversation of more than MARKED_TURNS
-  assistant turns finds the same spans with markers in at most six renderings
-  (_marked_spans), and renders the prefixes only where the markers cannot show that their
-  spans are the prefixes' (generation blocks render a row once).
+  assistant turns finds the same spans with markers in at most twelve renderings
+  (_marked_spans, for templates that trim the contents too), and renders the prefixes
+  only where the markers cannot show that their spans are the prefixes' (generation
+  blocks render a row once).
 
 Limits
 ------
@@ -451,7 +452,7 @@ def assistant_spans(template, messages, tools, kwargs):
         return template.render(messages, tools=tools, kwargs=kwargs, track=True)
     text, _ = template.render(messages, tools=tools, kwargs=kwargs)
     turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-    if len(turns) > MARKED_TURNS:  # the prefixes cost 1 + 2 * turns renderings, the markers at most 6
+    if len(turns) > MARKED_TURNS:  # the prefixes cost 1 + 2 * turns renderings, the markers at most 12
         spans = _marked_spans(template, messages, turns, text, tools, kwargs)
         if spans is not None:
             return text, spans
@@ -474,16 +475,20 @@ def _marked_spans(template, messages, turns, text, tools, kwargs):
     """The spans _prefix_span gives every turn, in a number of renderings that does not grow with
     the turns, or None where this cannot be shown (the caller then renders the prefixes).
 
-    The conversation is rendered once more with each assistant content between markers that
-    occur nowhere in `text`; with the markers taken out, that rendering must be `text` itself,
-    which places each content in `text`. The first turn's prefixes then give what the template
-    writes between the generation prompt and the content (`lead`) and between the content and
-    the end of the turn (`tail`); every turn must have the same around its content, and the
-    last turn's prefixes must give the span so found."""
+    The conversation is rendered once more with each assistant content's markers inside its
+    own leading and trailing whitespace (see _marked_contents); with the markers taken out,
+    that rendering must be `text` itself, which places each content (less that whitespace, which
+    a template that trims drops) in `text`. The first turn's prefixes then give what the
+    template writes between the generation prompt and the content (`lead`) and between the
+    content and the end of the turn (`tail`). A template may write each content's whitespace or
+    trim it, so every turn must show around its content the same lead and tail, less the first
+    content's whitespace and with its own, or the same lead and tail as they are: each reading
+    (of either side) whose text agrees at every turn gives a list of spans (_edge_options), and
+    the prefixes of the last turn, and of any turn where the lists still differ, pick the one."""
     contents = _marked_contents(messages, turns, text)
     if contents is None:
         return None
-    nonce, marked = contents
+    nonce, marked, pads = contents
     try:
         marked_text, _ = template.render(marked, tools=tools, kwargs=kwargs)
     except RowError as e:
@@ -503,28 +508,73 @@ def _marked_spans(template, messages, turns, text, tools, kwargs):
         return None
     lead, tail = text[len(before):start], text[end:len(through)]
     del before, through
-    spans = []
-    for start, end in places:
-        begin, stop = start - len(lead), end + len(tail)
-        if begin < 0 or not (text.startswith(lead, begin) and text.startswith(tail, end)):
-            return None
-        spans.append(_trimmed(text, begin, stop))
-    last = _prefix_span(template, messages, turns[-1], text, tools, kwargs)
-    return spans if last == spans[-1] else None
+    begins = _edge_options(text, [s for s, _ in places], [p for p, _ in pads], lead, after=False)
+    stops = _edge_options(text, [e for _, e in places], [p for _, p in pads], tail, after=True)
+    options = []
+    for b in begins:
+        for s in stops:
+            spans = [_trimmed(text, x, y) for x, y in zip(b, s)]
+            if spans not in options:
+                options.append(spans)
+    return _confirmed(template, messages, turns, text, tools, kwargs, options)
+
+
+def _edge_options(text, bounds, pads, seen, after):
+    """The distinct lists of where each turn's span begins (after=False: `bounds` are the
+    contents' starts in `text`, `pads` their leading whitespace, `seen` the first turn's lead)
+    or ends (after=True: the contents' ends, their trailing whitespace, the first turn's tail),
+    read as a template that trims each content's whitespace and as one that writes it, where
+    the text around every turn's content agrees with that reading."""
+    options = []
+    for writes in (False, True):
+        own = pads[0] if writes else ""
+        if not (seen.startswith(own) if after else seen.endswith(own)):
+            continue
+        fixed = seen[len(own):] if after else seen[:len(seen) - len(own)]  # the template's own text
+        edges = []
+        for at, pad in zip(bounds, pads):
+            around = (pad if writes else "") + fixed if after else fixed + (pad if writes else "")
+            edge = at + len(around) if after else at - len(around)
+            if edge < 0 or not text.startswith(around, at if after else edge):
+                break
+            edges.append(edge)
+        else:
+            if edges not in options:
+                options.append(edges)
+    return options
+
+
+def _confirmed(template, messages, turns, text, tools, kwargs, options):
+    """The one of `options` (lists of every turn's span) whose span of the last turn, and of each
+    turn where the options left differ, is the prefixes' (_prefix_span); else None."""
+    k = len(turns) - 1
+    while options:
+        span = _prefix_span(template, messages, turns[k], text, tools, kwargs)
+        options = [spans for spans in options if spans[k] == span]
+        if len(options) <= 1:
+            break  # each round leaves out at least one of at most four options
+        k = next(j for j, span in enumerate(options[0]) if any(spans[j] != span for spans in options))
+    return options[0] if len(options) == 1 else None
 
 
 def _marked_contents(messages, turns, text):
-    """(nonce, messages with each assistant content between its markers), or None where an
-    assistant turn has no string content (a tool call alone, a list of parts)."""
+    """(nonce, messages with markers around each assistant content, [(leading, trailing)
+    whitespace of each]), or None where an assistant turn has no string content (a tool call
+    alone, a list of parts). The markers go inside the whitespace (as str.strip, and so
+    jinja's trim, takes it), so that a template that trims the content trims the same."""
     if any(not isinstance(messages[i].get("content"), str) for i in turns):
         return None
     nonce = f"\x00{os.urandom(12).hex()}:"
     if nonce in text:  # never, short of an attack on os.urandom
         return None
-    marked = list(messages)
+    marked, pads = list(messages), []
     for k, i in enumerate(turns):
-        marked[i] = dict(messages[i], content=f"{nonce}{k}<{messages[i]['content']}{nonce}{k}>")
-    return nonce, marked
+        content = messages[i]["content"]
+        begin = len(content) - len(content.lstrip())  # strip returns the string itself where it has
+        end = len(content.rstrip()) if begin < len(content) else begin  # no such whitespace: no copy
+        pads.append((content[:begin], content[end:]))
+        marked[i] = dict(messages[i], content=f"{pads[-1][0]}{nonce}{k}<{content[begin:end]}{nonce}{k}>{pads[-1][1]}")
+    return nonce, marked, pads
 
 
 def _unmark(marked_text, text, nonce, count):

@@ -9,6 +9,10 @@ import inputs
 
 CHAT = "prepare-data --tokenizer {hf}/llama-chat --workers 1 --out {w}/out"
 TURN = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+PADDED_TURN = [{"role": "user", "content": " hi\n"}, {"role": "assistant", "content": "\n\nyo "}]
+TRIMMING = ("{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n{{ m['content'] | trim }}"
+            "<|eot_id|>{% endfor %}{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n"
+            "{% endif %}")
 
 
 def files(**blobs):
@@ -45,6 +49,9 @@ def chat_cases():
                                        "{% for j in range(100000) %}{% endfor %}{% endfor %}")),
         ("prepare-data: 5,000 turns without generation blocks overran --template-seconds (a square cost)",
          CHAT + " --template-seconds 10 {w}/c.jsonl", "ok", [], files(c__jsonl=rows({"messages": TURN * 5000}))),
+        ("prepare-data: 5,000 padded turns of a template that trims them overran --template-seconds",
+         with_template + " --template-seconds 10", "ok", [],
+         files(c__jsonl=rows({"messages": PADDED_TURN * 5000}), t__jinja=TRIMMING)),
         ("prepare-data: a template that is a FIFO hung", with_template, "refuse", ["t.jinja"],
          files(c__jsonl=conversation, t__jinja=None)),
         ("prepare-data: a template writing gigabytes took gigabytes", with_template, "refuse", ["--template-max-output"],

@@ -56,9 +56,27 @@ ROWS = fixture_rows() + [
 ]
 
 
+def padded(n=6):
+    """n user/assistant pairs whose contents have leading or trailing whitespace of every kind
+    (none in the first answer, whitespace alone in one, whitespace that the template's own
+    text ends with in others), no system message (Gemma refuses one)."""
+    answers = ["It is 0.", "\n\nIt is 1.", "It is 2.\n", " \t It is 3. \n ", "   ", "", "\nIt is 6.", "It is 7."]
+    out = []
+    for k in range(n):
+        out += [{"role": "user", "content": f" Question {k}?\n" if k % 2 else f"Question {k}?"},
+                {"role": "assistant", "content": answers[k % len(answers)]}]
+    return out
+
+
+PADDED = [{"messages": padded()}, {"messages": padded(8)}, {"messages": padded(8)[2:]},
+          {"messages": turns(4, pad=True, system=False)}, {"messages": turns(3, system=False)}]
+ROWS += PADDED
+
+
 # the templates where the prefixes place several rows (Phi-3 writes EOS after the last turn alone,
 # Qwen3 thinks in the last turn alone, Gemma refuses a system message): the markers must place them
-MARKABLE = ("chatml.jinja", "headers.jinja", "reasoning.jinja", "llama3.jinja", "qwen2.jinja", "mistral.jinja")
+MARKABLE = ("chatml.jinja", "headers.jinja", "reasoning.jinja", "llama3.jinja", "qwen2.jinja", "mistral.jinja",
+            "gemma.jinja")
 
 
 def encoder(text):
@@ -115,16 +133,57 @@ def test_ten_thousand_turns_take_a_constant_number_of_renderings():
     assert sum(1 for t in range(len(mask)) if mask[t] and (t == 0 or not mask[t - 1])) == 5000
 
 
-@pytest.mark.parametrize("filter_", ["trim", "upper"])
-def test_a_template_that_changes_contents_falls_back_to_the_prefixes(filter_, monkeypatch):
-    text = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] | " + filter_ + " }}<|end|>\n"
-            "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
-    rows, template = encoder(text)
-    messages = chat_data._messages(turns(4, pad=True), "messages")
+def marked_spans(template, row):
+    messages = chat_data._messages(row["messages"], "messages")
     template.start_row()
-    rendered, _ = template.render(messages)
+    text, _ = template.render(messages, tools=row.get("tools"), kwargs=row.get("chat_template_kwargs"))
     at = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-    assert chat_data._marked_spans(template, messages, at, rendered, None, None) is None
-    got = outcome(rows, {"messages": messages})
+    return chat_data._marked_spans(template, messages, at, text, row.get("tools"), row.get("chat_template_kwargs"))
+
+
+TRIM = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] | trim }}<|end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+@pytest.mark.parametrize("text", [(FAMILIES / "llama3.jinja").read_text(), (FAMILIES / "gemma.jinja").read_text(),
+                                  TRIM, TRIM.replace("| trim", "| trim | trim")],
+                         ids=["llama3", "gemma", "trim", "trim_twice"])
+def test_a_template_that_trims_contents_takes_the_markers(text, monkeypatch):
+    rows, template = encoder(text)
+    for row in PADDED:
+        monkeypatch.setattr(chat_data, "MARKED_TURNS", 1 << 30)  # the prefixes alone
+        want = outcome(rows, row)
+        assert isinstance(want, tuple) and any(want[1]), row
+        monkeypatch.setattr(chat_data, "MARKED_TURNS", 0)
+        assert marked_spans(template, row) is not None, row
+        assert outcome(rows, row) == want, row
+
+
+@pytest.mark.parametrize("filter_", ["upper", "reverse"])
+def test_a_template_that_changes_contents_falls_back_to_the_prefixes(filter_, monkeypatch):
+    text = TRIM.replace("trim", filter_)
+    rows, template = encoder(text)
+    row = {"messages": turns(4, pad=True)}
+    assert marked_spans(template, row) is None
+    got = outcome(rows, row)
     monkeypatch.setattr(chat_data, "MARKED_TURNS", 1 << 30)
-    assert got == outcome(rows, {"messages": messages}) and isinstance(got, tuple) and any(got[1])
+    assert got == outcome(rows, row) and isinstance(got, tuple) and any(got[1])
+
+
+def test_ten_thousand_turns_of_a_trimming_template_take_a_constant_number_of_renderings():
+    tok = tokenizers.Tokenizer.from_file(str(CHAT / "tokenizer.json"))
+    text = (FAMILIES / "llama3.jinja").read_text()
+    plain = Counting(text, SPECIAL)
+    # the same template with the assistant turn (from the generation prompt on) in a generation block
+    turn = "{%- elif message['role'] in ['tool', 'ipython'] %}"
+    assert turn in text
+    tagged = chat_data.ChatTemplate(text.replace(turn, (
+        "{%- elif message['role'] == 'assistant' %}\n"
+        "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% generation %}"
+        "{{- message['content'] | trim + '<|eot_id|>' }}{% endgeneration %}\n" + turn)), SPECIAL)
+    row = {"messages": turns(5000, pad=True)}
+    plain.renders = 0
+    ids, mask = chat_data.RowEncoder(tok, plain, "auto", 1, 2).encode(row)
+    assert plain.renders <= 6
+    assert (ids, mask) == chat_data.RowEncoder(tok, tagged, "auto", 1, 2).encode(row)
+    assert sum(1 for t in range(len(mask)) if mask[t] and (t == 0 or not mask[t - 1])) == 5000
