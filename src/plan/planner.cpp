@@ -114,6 +114,9 @@ std::int64_t longest_fit_predicted(const cp_settings& cp, const std::function<do
   };
   const auto closed = [&] { return bad == 1 || good == top || (good > 0 && bad > 0 && bad - good <= 1); };
   std::int64_t k_a = std::clamp<std::int64_t>(start, 1, top);
+  // From a start further on, first the shortest length (its probe the cheapest): where it
+  // does not fit, nothing does.
+  if (k_a > 1 && need(1) > 1) return 0;
   double need_a = need(k_a);
   // The second probe: from nothing 64 granules on (a slope over a span), else one granule
   // past the first toward the boundary.
@@ -304,14 +307,14 @@ plan_entry plan_configuration(const plan_request& r, const cp_settings& cp, cons
       r.policy ? std::vector<checkpoint_policy>{*r.policy} : candidate_policies();
   std::int64_t best = 0;
   std::size_t chosen = 0;
-  e.searched.assign(policies.size(), 0);
+  e.searched.assign(policies.size(), -1);
   const std::int64_t g = granule(cp);
   for (std::size_t i = 0; i < policies.size(); ++i) {
     const auto need = [&](std::int64_t seq_len) { return overshoot(r, evaluate(r, cp, seq_len, policies[i])); };
     // A later policy is searched only if it beats the best so far by a granule, from there
     // or from where the neighbour found this policy's longest, the further.
-    const bool bounded = bounds && hint != nullptr && i < hint->searched.size() && hint->searched[i] > 0;
-    if (best > 0 && bounded && hint->searched[i] < best + g) continue;
+    const bool bounded = bounds && hint != nullptr && i < hint->searched.size() && hint->searched[i] >= 0;
+    if (bounded && hint->searched[i] < best + g) continue;
     if (best > 0 && (best + g > longest_searched || need(best + g) > 1)) continue;
     const std::int64_t near = hint == nullptr                       ? 0
                               : i < hint->searched.size() && hint->searched[i] > 0 ? hint->searched[i]

@@ -119,8 +119,8 @@ struct plan_entry {
   optimizer_state_options state;      // AdamW's state format
   std::optional<plan_point> longest;  // at the longest length that fits (none: nothing fits)
   std::optional<eval_point> longest_eval;  // the longest evaluable length (with plan_request::eval)
-  // Each policy's longest length where its search ran (0: not searched): where a
-  // neighbour's searches start.
+  // Each policy's longest length where its search ran (0: not even one granule fits; -1:
+  // not searched): where a neighbour's searches start.
   std::vector<std::int64_t> searched;
   std::optional<plan_point> at_request;  // at the requested length: the fastest policy that fits, or the
                                          // smallest footprint when none does
