@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <optional>
@@ -500,12 +501,18 @@ int run(const plan_flags& f) {
               r.rates.pcie_gbytes);
   for (const std::string& why : skipped) std::printf("# left out: %s\n", why.c_str());
   std::fflush(stdout);
-  r.progress = [start](int done, int total) {
+  r.progress = [start](const std::string& stage, int done, int total) {
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    std::fprintf(stderr, "\rupipe plan: %d of %d configurations searched (%.0f s)%s", done, total, seconds,
+    std::fprintf(stderr, "\rupipe plan: %d of %d %s (%.0f s)%s", done, total, stage.c_str(), seconds,
                  done == total ? "\n" : "");
   };
   const plan_result plan = make_plan(r);
+  // UPIPE_PLAN_STATS=1: what the plan cost, its meta probes counted.
+  if (const char* stats = std::getenv("UPIPE_PLAN_STATS"); stats != nullptr && *stats != '\0' && *stats != '0')
+    std::fprintf(stderr, "upipe plan: %ld training-step probes, %ld eval probes on the meta backend (%.1f s in them, "
+                 "over every thread), %ld answered by the cache, the longest at S = %lld\n",
+                 plan.stats.step_probes, plan.stats.eval_probes, plan.stats.probe_seconds, plan.stats.cache_hits,
+                 static_cast<long long>(plan.stats.longest_probed));
 
   // Beside each: the longest length `upipe eval` reaches (forward only, weights alone).
   const auto eval_text = [](const plan_entry& e) {

@@ -42,19 +42,36 @@ bool runs_at(const model_config& model, const cp_settings& cp, std::int64_t seq_
 // The policy that fits with the shortest modelled step, else the one closest to fitting
 // (its larger need over its budget smallest, as fastest_fit says): which checkpoints fit
 // moves with the mesh, and moving the attention's checkpoint through host memory can beat
-// recomputing it, so the policies' fixed order is not the model's. Each policy is probed
-// once.
-
+// recomputing it, so the policies' fixed order is not the model's. The model's time needs
+// no probe (the length and the policy alone), so the policies are probed in its order,
+// fastest first (ties in the policies' order), and the first that fits is the answer; only
+// where none fits is every policy probed.
 plan_point fastest_by_model(const plan_request& r, const cp_settings& cp, std::int64_t seq_len) {
-  const auto overshoot = [&](const plan_point& p) { return upipe::overshoot(r, p); };
-  std::optional<plan_point> best, closest;
+  std::vector<plan_point> by_time;
   for (const checkpoint_policy& policy : r.policy ? std::vector<checkpoint_policy>{*r.policy} : candidate_policies()) {
-    plan_point p = evaluate(r, cp, seq_len, policy);
+    plan_point p;
+    p.seq_len = seq_len;
+    p.policy = policy;
     p.time = model_step_time(r, cp, p);
-    if (p.fits && (!best || p.time->total() < best->time->total())) best = p;
-    if (!p.fits && (!closest || overshoot(p) < overshoot(*closest))) closest = std::move(p);
+    by_time.push_back(std::move(p));
   }
-  return best ? *best : *closest;
+  const std::vector<plan_point> unsorted = by_time;
+  std::stable_sort(by_time.begin(), by_time.end(),
+                   [](const plan_point& a, const plan_point& b) { return a.time->total() < b.time->total(); });
+  // None fits: every policy probed, the closest (ties to the earlier in the policies' order).
+  std::vector<plan_point> probed;
+  for (const plan_point& timed : by_time) {
+    plan_point p = evaluate(r, cp, seq_len, timed.policy);
+    p.time = timed.time;
+    if (p.fits) return p;
+    probed.push_back(std::move(p));
+  }
+  std::optional<plan_point> closest;
+  for (const plan_point& policy : unsorted) {
+    const plan_point& p = *std::find_if(probed.begin(), probed.end(), [&](const plan_point& q) { return q.policy.str() == policy.policy.str(); });
+    if (!closest || overshoot(r, p) < overshoot(r, *closest)) closest = p;
+  }
+  return *closest;
 }
 
 // One configuration's group (its sequence chunks ascending) on one mesh: the fewest chunks

@@ -1,6 +1,8 @@
 #include "plan/planner.hpp"
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <functional>
 #include <future>
@@ -91,47 +93,51 @@ std::int64_t longest_fit(const cp_settings& cp, const std::function<bool(std::in
   return good * g;
 }
 
-// The longest multiple of the granule whose need (overshoot: at most 1 fits) fits, from
-// nothing. A step's memory is close to affine in S, so the boundary is predicted from the
-// two latest probes (a secant) and probed there and one granule past it, a few rounds; then
-// bisection between the longest that fits and the shortest that does not. An exact
-// prediction costs four probes in all, where doubling then bisection costs about 2 log2(S/g).
-std::int64_t longest_fit_predicted(const cp_settings& cp, const std::function<double(std::int64_t seq_len)>& need_at) {
+// The longest multiple of the granule whose need (overshoot: at most 1 fits) fits, searched
+// from `start` granules: 1 from nothing, else a length near the answer (a neighbouring
+// configuration's, or the policy before's answer and one granule more). A step's memory is
+// close to affine in S (piecewise: its tiles and chunks are whole), so the boundary is
+// predicted from the two latest probes (a secant) and probed there and one granule past
+// it, a few rounds, each probe kept strictly between the longest known to fit and the
+// shortest known not to; where the rounds leave no bracket, steps doubling away from the
+// nearest probe find one; then bisection. An exact prediction costs three or four probes,
+// where doubling then bisection costs about 2 log2 of the distance in granules.
+std::int64_t longest_fit_predicted(const cp_settings& cp, const std::function<double(std::int64_t seq_len)>& need_at,
+                                   std::int64_t start = 1) {
   const std::int64_t g = granule(cp), top = longest_searched / g;
-  std::int64_t good = 1, bad = 0;  // bad 0: none known
-  double good_need = need_at(g);
-  if (good_need > 1) return 0;
-  std::int64_t k_a = 1, k_b = std::min<std::int64_t>(top, 64);
-  double need_a = good_need;
-  for (int round = 0; round < 8 && (bad == 0 || bad - good > 1) && k_b > good && (bad == 0 || k_b < bad); ++round) {
-    const double need_b = need_at(k_b * g);
-    (need_b <= 1 ? good : bad) = k_b;
-    if (need_b <= 1 && k_b == top) return top * g;
-    // The next probe: where the line through the two latest points reaches 1, alternately
-    // just under and just past it, kept strictly inside the bracket.
+  std::int64_t good = 0, bad = 0;  // the longest known to fit, the shortest known not to (0: none)
+  const auto need = [&](std::int64_t k) {
+    const double n = need_at(k * g);
+    if (n <= 1) good = std::max(good, k);
+    else bad = bad == 0 ? k : std::min(bad, k);
+    return n;
+  };
+  const auto closed = [&] { return bad == 1 || good == top || (good > 0 && bad > 0 && bad - good <= 1); };
+  std::int64_t k_a = std::clamp<std::int64_t>(start, 1, top);
+  // From a start further on, first the shortest length (its probe the cheapest): where it
+  // does not fit, nothing does.
+  if (k_a > 1 && need(1) > 1) return 0;
+  double need_a = need(k_a);
+  // The second probe: from nothing 64 granules on (a slope over a span), else one granule
+  // past the first toward the boundary.
+  std::int64_t k_b = need_a > 1 ? k_a - 1 : k_a == 1 ? 64 : k_a + 1;
+  for (int round = 0; round < 8 && !closed(); ++round) {
+    k_b = std::clamp<std::int64_t>(k_b, good + 1, bad == 0 ? top : bad - 1);
+    const double need_b = need(k_b);
+    if (closed()) break;
     const double slope = (need_b - need_a) / static_cast<double>(k_b - k_a);
     std::int64_t next = slope > 0 ? static_cast<std::int64_t>(std::floor(static_cast<double>(k_b) + (1 - need_b) / slope))
-                                  : good * 2;
+                        : need_b <= 1 ? k_b * 2
+                                      : (good + k_b) / 2;
     if (need_b > 1 && next >= k_b) next = k_b - 1;
     if (need_b <= 1 && next <= k_b) next = k_b + 1;
-    next = std::clamp<std::int64_t>(next, good + 1, bad == 0 ? top : bad - 1);
     k_a = k_b, need_a = need_b, k_b = next;
   }
-  if (bad == 0) {  // the line never crossed 1: on by doubling
-    while (bad == 0) {
-      const std::int64_t k = std::min(top, good * 2);
-      if (need_at(k * g) <= 1) {
-        if (k == top) return top * g;
-        good = k;
-      } else {
-        bad = k;
-      }
-    }
-  }
-  while (bad - good > 1) {
-    const std::int64_t mid = good + (bad - good) / 2;
-    (need_at(mid * g) <= 1 ? good : bad) = mid;
-  }
+  for (std::int64_t step = std::max<std::int64_t>(good, 1); !closed() && bad == 0; step *= 2)
+    need(std::min(top, good + step));  // every probe fit: on up
+  for (std::int64_t step = 1; !closed() && good == 0; step *= 2)
+    need(std::max<std::int64_t>(1, bad - step));  // none fit: on down
+  while (!closed()) need(good + (bad - good) / 2);
   return good * g;
 }
 
@@ -167,6 +173,7 @@ std::int64_t longest_fit_near(const cp_settings& cp, const std::function<bool(st
 struct probe_cache {
   std::mutex mutex;
   std::map<std::string, step_memory> memory;
+  plan_stats stats;  // under the mutex
 };
 
 namespace {
@@ -187,15 +194,35 @@ std::string probe_key(const plan_request& r, const cp_settings& cp, std::int64_t
   return key + policy.str() + "," + lora_text(r.lora) + "," + real_text(planned_arena_gib(r));
 }
 
+// Runs one meta step and counts it (and its seconds) in the plan's stats.
+template <typename Run>
+auto counted(const plan_request& r, std::int64_t seq_len, bool eval, Run&& run) {
+  const auto start = std::chrono::steady_clock::now();
+  auto out = run();
+  if (r.cache) {
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    std::lock_guard lock(r.cache->mutex);
+    plan_stats& st = r.cache->stats;
+    ++(eval ? st.eval_probes : st.step_probes);
+    st.probe_seconds += seconds;
+    st.longest_probed = std::max(st.longest_probed, seq_len);
+    }
+  return out;
+}
+
 step_memory probe_memory(const plan_request& r, const cp_settings& cp, std::int64_t seq_len,
                          const checkpoint_policy& policy) {
-  if (!r.cache) return measure_step_memory(probe_options(r, cp, seq_len, policy));
+  const auto run = [&] { return measure_step_memory(probe_options(r, cp, seq_len, policy)); };
+  if (!r.cache) return run();
   const std::string key = probe_key(r, cp, seq_len, policy);
   {
     std::lock_guard lock(r.cache->mutex);
-    if (auto it = r.cache->memory.find(key); it != r.cache->memory.end()) return it->second;
+    if (auto it = r.cache->memory.find(key); it != r.cache->memory.end()) {
+      ++r.cache->stats.cache_hits;
+      return it->second;
+    }
   }
-  step_memory m = measure_step_memory(probe_options(r, cp, seq_len, policy));
+  step_memory m = counted(r, seq_len, false, run);
   std::lock_guard lock(r.cache->mutex);
   return r.cache->memory.emplace(key, std::move(m)).first->second;
 }
@@ -261,8 +288,12 @@ step_time model_step_time(const plan_request& r, const cp_settings& cp, const pl
 namespace {
 
 // One configuration; `hint` is a neighbour's plan (the same strategy and U with fewer
-// chunks), whose lengths start the searches.
-plan_entry plan_configuration(const plan_request& r, const cp_settings& cp, const plan_entry* hint = nullptr) {
+// chunks, or a leaner state format), whose lengths start the searches. With `bounds`, the
+// neighbour holds no more than this configuration at any length (a leaner state format in
+// the same placement), so a policy it searched reaches no further here: one whose longest
+// there falls short of the best so far here by a granule is passed over unprobed.
+plan_entry plan_configuration(const plan_request& r, const cp_settings& cp, const plan_entry* hint = nullptr,
+                              bool bounds = false) {
   plan_entry e;
   e.strategy = cp.strategy;
   e.head_chunk = cp.head_chunk;
@@ -276,14 +307,21 @@ plan_entry plan_configuration(const plan_request& r, const cp_settings& cp, cons
       r.policy ? std::vector<checkpoint_policy>{*r.policy} : candidate_policies();
   std::int64_t best = 0;
   std::size_t chosen = 0;
+  e.searched.assign(policies.size(), -1);
+  const std::int64_t g = granule(cp);
   for (std::size_t i = 0; i < policies.size(); ++i) {
-    const auto fits = [&](std::int64_t seq_len) { return evaluate(r, cp, seq_len, policies[i]).fits; };
-    // A later policy is searched only if it beats the best so far by a granule, from there.
-    if (best > 0 && (best + granule(cp) > longest_searched || !fits(best + granule(cp)))) continue;
     const auto need = [&](std::int64_t seq_len) { return overshoot(r, evaluate(r, cp, seq_len, policies[i])); };
-    const std::int64_t s = best > 0 ? longest_fit(cp, fits, best + granule(cp))
-                           : hint != nullptr && hint->longest ? longest_fit_near(cp, fits, hint->longest->seq_len)
-                                                              : longest_fit_predicted(cp, need);
+    // A later policy is searched only if it beats the best so far by a granule, from there
+    // or from where the neighbour found this policy's longest, the further.
+    const bool bounded = bounds && hint != nullptr && i < hint->searched.size() && hint->searched[i] >= 0;
+    if (bounded && hint->searched[i] < best + g) continue;
+    if (best > 0 && (best + g > longest_searched || need(best + g) > 1)) continue;
+    const std::int64_t near = hint == nullptr                       ? 0
+                              : i < hint->searched.size() && hint->searched[i] > 0 ? hint->searched[i]
+                              : best == 0 && hint->longest                ? hint->longest->seq_len
+                                                                           : 0;
+    const std::int64_t s = longest_fit_predicted(cp, need, std::max(best > 0 ? best / g + 1 : 1, near / g));
+    e.searched[i] = s;
     if (s > best) best = s, chosen = i;  // ties keep the earlier (faster) policy
   }
   if (best > 0) {
@@ -378,7 +416,9 @@ eval_point evaluate_forward(const plan_request& r, const cp_settings& cp, std::i
   req.backend = backend_kind::meta;
   req.limits = o.limits;
   const host_weights none;
-  const eval_result m = upipe::evaluate(req, host_weight_source(none), {eval_sequence{{}, {}, {}, seq_len}});
+  const eval_result m = counted(r, seq_len, true, [&] {
+    return upipe::evaluate(req, host_weight_source(none), {eval_sequence{{}, {}, {}, seq_len}});
+  });
   eval_point p;
   p.seq_len = seq_len;
   p.peak_bytes = m.peak_bytes;
@@ -465,6 +505,25 @@ void validate(const plan_request& r) {
 
 namespace {
 
+// A stage's progress: each finished search reports, one at a time, to the request's callback.
+class stage_progress {
+ public:
+  stage_progress(const plan_request& r, std::string stage, int total) : r_(r), stage_(std::move(stage)), total_(total) {
+    if (r_.progress) r_.progress(stage_, 0, total_);
+  }
+  void tick() {
+    if (!r_.progress) return;
+    std::lock_guard lock(mutex_);
+    r_.progress(stage_, ++done_, total_);
+  }
+
+ private:
+  const plan_request& r_;
+  std::string stage_;
+  int total_ = 0, done_ = 0;
+  std::mutex mutex_;
+};
+
 plan_request with_placement(plan_request r, const offload_options& offload) {
   r.offload_optimizer = offload.optimizer;
   r.offload_params = offload.params;
@@ -493,10 +552,11 @@ std::vector<plan_entry> sweep(const plan_request& r) {
   // With the state formats tried afterwards (every placement among them), the sweep takes
   // the placement that leaves the GPU the most: the configuration is chosen for the GPU.
   if (r.try_offload && r.try_state) offloads = {placements(r.lora.enabled()).back()};
+  stage_progress progress(r, "configurations searched", static_cast<int>(groups.size() * offloads.size()));
   for (std::vector<cp_settings>& group : groups) {
     std::sort(group.begin(), group.end(), [](const cp_settings& a, const cp_settings& b) { return a.seq_chunks < b.seq_chunks; });
     for (const offload_options& offload : offloads) {
-      work.push_back(std::async(std::launch::async, [with = with_placement(r, offload), group] {
+      work.push_back(std::async(std::launch::async, [with = with_placement(r, offload), group, &progress] {
         std::vector<plan_entry> entries;
         for (const cp_settings& cp : group) {
           entries.push_back(plan_configuration(with, cp, entries.empty() ? nullptr : &entries.back()));
@@ -505,36 +565,37 @@ std::vector<plan_entry> sweep(const plan_request& r) {
           for (std::size_t i = 0; i + 1 < entries.size(); ++i) best = std::max(best, longest(entries[i]));
           if (entries.size() > 1 && longest(entries.back()) <= best) break;
         }
+        progress.tick();
         return entries;
       }));
     }
   }
   std::vector<plan_entry> entries;
-  int done = 0;
-  for (auto& w : work) {
+  for (auto& w : work)
     for (plan_entry& e : w.get()) entries.push_back(std::move(e));
-    if (r.progress) r.progress(++done, static_cast<int>(work.size()));
-  }
   return entries;
 }
 
 // Every state format in every placement at one configuration: a thread per placement,
-// which runs the formats from the most precise to the leanest, each search starting from
-// the previous format's answer (a leaner format holds no more, so it fits there too).
+// which runs the formats from the leanest to the most precise, each search starting from
+// the leaner format's answers and bounded by them (a more precise format holds more, so it
+// reaches no further); the leanest starts from `hint`, the sweep's entry.
 std::vector<plan_entry> sweep_states(const plan_request& r, const cp_settings& cp, const plan_entry* hint) {
   const std::vector<optimizer_state_options> ladder = state_ladder();
   const std::vector<offload_options> where = placements(r.lora.enabled());
   std::vector<std::future<std::vector<plan_entry>>> work;
+  stage_progress progress(r, "placements' state formats searched", static_cast<int>(where.size()));
   for (const offload_options& offload : where) {
     plan_request with = with_placement(r, offload);
     with.eval = false;  // the same weights whatever the optimizer: the sweep's eval S stands
-    work.push_back(std::async(std::launch::async, [with, cp, hint, ladder]() mutable {
-      std::vector<plan_entry> entries;
-      for (const optimizer_state_options& state : ladder) {
-        with.state = state;
-        const plan_entry* from = entries.empty() || !entries.back().longest ? hint : &entries.back();
-        entries.push_back(plan_configuration(with, cp, from));
+    work.push_back(std::async(std::launch::async, [with, cp, hint, ladder, &progress]() mutable {
+      std::vector<plan_entry> entries(ladder.size());
+      for (std::size_t f = ladder.size(); f-- > 0;) {
+        with.state = ladder[f];
+        const bool leaner = f + 1 < ladder.size();
+        entries[f] = plan_configuration(with, cp, leaner ? &entries[f + 1] : hint, leaner);
       }
+      progress.tick();
       return entries;
     }));
   }
@@ -556,10 +617,12 @@ std::optional<std::size_t> recommend_state(const std::vector<plan_entry>& entrie
 
 }  // namespace
 
+std::shared_ptr<probe_cache> make_probe_cache() { return std::make_shared<probe_cache>(); }
+
 plan_result make_plan(const plan_request& request) {
   validate(request);
   plan_request r = request;
-  if (!r.cache) r.cache = std::make_shared<probe_cache>();
+  if (!r.cache) r.cache = make_probe_cache();
   if (r.try_state) r.state = state_ladder().back();  // the sweep at the leanest format
   plan_result out;
   out.entries = sweep(r);
@@ -579,16 +642,23 @@ plan_result make_plan(const plan_request& request) {
     }
   }
   if (out.planned_seq_len > 0 && !r.dps.empty()) {
+    stage_progress progress(r, "meshes planned at S = " + std::to_string(out.planned_seq_len), 1);
     out.meshes = plan_meshes(r, out.planned_seq_len, &out.entries);
     recommend_mesh(out);
+    progress.tick();
   }
-  if (!r.try_state || chosen == nullptr) return out;
+  const auto with_stats = [&] {
+    std::lock_guard lock(r.cache->mutex);
+    out.stats = r.cache->stats;
+    return out;
+  };
+  if (!r.try_state || chosen == nullptr) return with_stats();
   const cp_settings cp{strategy_kind::upipe, r.gpus / r.dp, chosen->head_chunk, 1, chosen->seq_chunks};
   out.state_entries = sweep_states(r, cp, chosen);
   std::int64_t longest = 0;
   for (const plan_entry& e : out.state_entries) longest = std::max(longest, e.longest ? e.longest->seq_len : 0);
   out.recommended_state = recommend_state(out.state_entries, r.seq_len ? *r.seq_len : longest);
-  return out;
+  return with_stats();
 }
 
 plan_point fastest_fit(const plan_request& r, const cp_settings& cp, std::int64_t seq_len) {

@@ -68,9 +68,10 @@ struct plan_request {
   // The probes already run, shared by the copies of one plan's request (make_plan makes
   // it): the mesh sweep and the state sweep meet many of the sweep's points again.
   std::shared_ptr<probe_cache> cache;
-  // Called from the sweep as each configuration's search ends (done, of total): plan's
-  // progress line on stderr.
-  std::function<void(int done, int total)> progress;
+  // Called as each search of a stage ends (the sweep's configurations, the meshes, the
+  // state formats' placements), from the thread that ran it, one call at a time: `done` of
+  // `total` in the stage named. plan's progress line on stderr.
+  std::function<void(const std::string& stage, int done, int total)> progress;
 };
 
 // The libraries' share of a GPU: their workspaces (in the arena, reserved by the meta
@@ -118,6 +119,9 @@ struct plan_entry {
   optimizer_state_options state;      // AdamW's state format
   std::optional<plan_point> longest;  // at the longest length that fits (none: nothing fits)
   std::optional<eval_point> longest_eval;  // the longest evaluable length (with plan_request::eval)
+  // Each policy's longest length where its search ran (0: not even one granule fits; -1:
+  // not searched): where a neighbour's searches start.
+  std::vector<std::int64_t> searched;
   std::optional<plan_point> at_request;  // at the requested length: the fastest policy that fits, or the
                                          // smallest footprint when none does
 };
@@ -137,7 +141,18 @@ struct mesh_entry {
   }
 };
 
+// What a plan cost: the meta steps it ran (each a probe not found in its cache), the
+// probes the cache answered, and the seconds the meta steps took (summed over threads).
+struct plan_stats {
+  long step_probes = 0;        // training steps run on the meta backend
+  long eval_probes = 0;        // forward-only steps (eval) run on the meta backend
+  long cache_hits = 0;         // probes answered by the plan's cache
+  double probe_seconds = 0;    // in the meta steps, every thread's summed
+  std::int64_t longest_probed = 0;  // the longest S a probe ran at
+};
+
 struct plan_result {
+  plan_stats stats;  // what the plan cost (its probes); lora_instead's plan has its own
   std::vector<plan_entry> entries;  // CP over every GPU (D = 1)
   std::vector<mesh_entry> meshes;   // every D of the sweep at planned_seq_len, each strategy's fastest
   std::optional<std::size_t> recommended_mesh;  // index into meshes: the fastest that fits
@@ -183,6 +198,10 @@ eval_point evaluate_forward(const plan_request& request, const cp_settings& cp, 
 void validate(const plan_request& request);
 
 plan_result make_plan(const plan_request& request);
+
+// An empty cache of meta probes, to share between plans of one model and machine (make_plan
+// makes one where the request has none).
+std::shared_ptr<probe_cache> make_probe_cache();
 
 // The configurations a request plans on its CP groups of gpus / dp ranks: ulysses, upipe
 // at every valid U (sequence chunks at the smallest), fpdt, ring, and hybrid where a CP
