@@ -98,8 +98,10 @@ inline constexpr const char* loss_chunk_help =
     "tokens per cross-entropy chunk (0: f32 logits of up to 2 GiB, at most 1/64 of the GPU memory)";
 
 inline constexpr const char* host_memory_gib_help =
-    "host pool per rank, GiB: pinned, or pageable with where=host-pageable (0: 16 MiB, or --memory-gib when "
-    "checkpoints go to the host)";
+    "everything the process may hold in host memory, GiB (a node's ranks in one process: the node's budget): the "
+    "ranks' pools (pinned, or pageable with where=host-pageable) with the offloaded state, the mapped weight files, "
+    "the sequences and the process's own; each pool is what remains, checked against the machine before anything "
+    "is pinned (0: pools of 16 MiB, or --memory-gib when checkpoints go to the host, plus the offload)";
 
 // --offload none|optimizer|master[,params]: what of the sharded training state lives in
 // host memory.
