@@ -16,6 +16,7 @@
 
 #include "formats/safetensors.hpp"
 #include "model/model_step.hpp"
+#include "../support/compare.hpp"
 
 namespace upipe {
 namespace {
@@ -45,12 +46,7 @@ moe_case load(const std::string& name) {
 }
 
 double rel_error(const std::vector<float>& a, const std::vector<float>& b) {
-  double diff = 0, ref = 0;
-  for (std::size_t i = 0; i < b.size(); ++i) {
-    diff = std::max(diff, std::abs(static_cast<double>(a[i]) - b[i]));
-    ref = std::max(ref, std::abs(static_cast<double>(b[i])));
-  }
-  return a.size() == b.size() ? diff / ref : INFINITY;
+  return a.size() == b.size() ? upipe::testing::max_difference_over_max(a, b) : INFINITY;
 }
 
 double worst_error = 0;
