@@ -52,7 +52,7 @@ import transformers  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from make_hf_fixtures import BOS, EOS, PAD, TEXT_SAMPLES, TOKENS, VOCAB, build_tokenizer, jsonable  # noqa: E402
+from make_hf_fixtures import BOS, EOS, PAD, TEXT_SAMPLES, TOKENS, VOCAB, build_tokenizer, start_fixture_run, jsonable  # noqa: E402
 
 DOCUMENT_LENGTHS = [9, 1, 23, 5, 20, 4]
 LORA_SEED, LORA_RANK, LORA_ALPHA = 20261207, 4, 7
@@ -232,12 +232,7 @@ def make_lora(base_dir, out_dir, tokens, targets="all-linear"):
 
 
 def main():
-    root = Path(sys.argv[1]).resolve() if len(sys.argv) > 1 else Path(__file__).resolve().parent.parent
-    os.chdir(root)
-    torch.set_num_threads(1)
-    torch.use_deterministic_algorithms(True)
-    transformers.logging.set_verbosity_error()
-    tokenizer = build_tokenizer()
+    tokenizer = start_fixture_run()
     for fx in FIXTURES:
         base = Path("tests/golden/hf") / fx["name"]
         golden = make_base(base, fx, tokenizer)

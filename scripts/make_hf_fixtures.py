@@ -231,6 +231,17 @@ def make_one(out, fx, tokenizer):
     return golden, shard_files
 
 
+def start_fixture_run():
+    """The fixture scripts' common start: into the repository root (argv[1], else this script's repository),
+    deterministic single-threaded torch, transformers quiet; returns the fixtures' tokenizer."""
+    root = Path(sys.argv[1]).resolve() if len(sys.argv) > 1 else Path(__file__).resolve().parent.parent
+    os.chdir(root)
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    transformers.logging.set_verbosity_error()
+    return build_tokenizer()
+
+
 def main():
     if len(sys.argv) != 2:
         sys.exit(__doc__)

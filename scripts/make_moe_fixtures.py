@@ -53,7 +53,7 @@ from safetensors.torch import save_file  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from make_family_fixtures import make_lora  # noqa: E402
-from make_hf_fixtures import BOS, EOS, PAD, TEXT_SAMPLES, VOCAB, build_tokenizer  # noqa: E402
+from make_hf_fixtures import BOS, EOS, PAD, TEXT_SAMPLES, VOCAB, build_tokenizer, start_fixture_run  # noqa: E402
 
 TOKENS = 203
 AUX_COEF = 0.25
@@ -185,12 +185,7 @@ def make(out, fx, tokenizer):
 
 
 def main():
-    root = Path(sys.argv[1]).resolve() if len(sys.argv) > 1 else Path(__file__).resolve().parent.parent
-    os.chdir(root)
-    torch.set_num_threads(1)
-    torch.use_deterministic_algorithms(True)
-    transformers.logging.set_verbosity_error()
-    tokenizer = build_tokenizer()
+    tokenizer = start_fixture_run()
     for fx in FIXTURES:
         base = Path("tests/golden/moe") / fx["name"]
         golden = make(base, fx, tokenizer)
