@@ -27,7 +27,7 @@ int run(const export_flags& f) {
   // Which checkpoint a run directory or its latest or best meant, and where it went, in full.
   const std::string out = resolve_checkpoint_dir(f.out);
   if (!f.merge_adapter.empty()) {
-    const std::string adapter = merge_adapter(f.checkpoint, f.merge_adapter, f.out, options);
+    const std::string adapter = merge_adapter(resolve_checkpoint(f.checkpoint), f.merge_adapter, f.out, options);
     std::printf("merged %s into %s: %s (%s weights)\n", adapter.c_str(), f.checkpoint.c_str(), out.c_str(),
                 f.dtype.c_str());
     return 0;

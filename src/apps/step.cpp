@@ -54,11 +54,12 @@ lora_config choose_adapters(const step_flags& f, const model_config& model, bool
     if (data) adapters = initial_adapters(model, lora, c.seed);
     return lora;
   }
-  const lora_config lora = read_adapter_config(f.adapter, model).lora;
+  const std::string dir = resolve_checkpoint(f.adapter);  // a LoRA run directory, its latest or best
+  const lora_config lora = read_adapter_config(dir, model).lora;
   if (!c.lora.empty() && !(parse_lora(c.lora, model) == lora))
-    throw config_error("--lora " + c.lora + " differs from the adapters in " + f.adapter + " (" + lora_text(lora) +
+    throw config_error("--lora " + c.lora + " differs from the adapters in " + dir + " (" + lora_text(lora) +
                        "); drop --lora");
-  if (data) adapters = read_adapter_weights(f.adapter, model, lora);
+  if (data) adapters = read_adapter_weights(dir, model, lora);
   return lora;
 }
 
@@ -154,7 +155,8 @@ command_runner add_step(CLI::App& app) {
   app.add_option("--tokens", f->tokens_path, "flat little-endian uint32 token file; default: random tokens")
       ->check(path_flag());
   app.add_option("--adapter", f->adapter,
-                 "a LoRA step with this adapter directory's adapters (upipe's or PEFT's) on the base")
+                 "a LoRA step with this adapter directory's adapters (upipe's or PEFT's) on the base; a LoRA run "
+                 "directory means its latest checkpoint, RUN/best its best")
       ->check(path_flag());
   app.add_option("--json", f->json_path, "write the result as JSON")->check(output_file_flag("--json"));
   app.add_option("--save-grads", f->grads_path,

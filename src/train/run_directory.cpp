@@ -12,6 +12,7 @@
 
 #include "core/error.hpp"
 #include "core/files.hpp"
+#include "model/adapter_files.hpp"
 
 namespace upipe {
 
@@ -56,6 +57,46 @@ std::string pointer(const fs::path& dir, const char* name) {
 
 void write_pointer(const fs::path& dir, const char* name, const std::string& target) {
   write_file_atomically((dir / name).string(), target + "\n", std::string("the run directory's ") + name);
+}
+
+// The adapter files a LoRA run directory's root links to, for loaders that read a directory
+// as given (PeftModel.from_pretrained(base, "run1")).
+constexpr const char* root_adapter_files[] = {adapter_config_file, adapter_weights_file};
+
+// DIR/FILE made a relative symbolic link to `target` (checkpoint-N/FILE), atomically: a
+// link made under a temporary name, then renamed over the old one.
+void link_atomically(const fs::path& dir, const std::string& file, const std::string& target) {
+  const fs::path link = dir / file;
+  remove_stale_temporaries(link.string());
+  const fs::path tmp = dir / (file + ".tmp-" + std::to_string(::getpid()));
+  std::error_code ec;
+  fs::remove(tmp, ec);
+  fs::create_symlink(target, tmp, ec);
+  if (!ec) fs::rename(tmp, link, ec);
+  if (ec) {
+    fs::remove(tmp, ec);
+    throw io_error("cannot link " + link.string() + " to " + target + ": " + ec.message());
+  }
+}
+
+// The run directory's root adapter links follow its newest checkpoint: links to its adapter
+// files when it is an adapter directory, none otherwise (a full run saved over a LoRA run's
+// directory). A regular file of that name is the user's, left alone and said once.
+void update_root_adapter_links(const fs::path& dir, const std::string& checkpoint) {
+  for (const char* file : root_adapter_files) {
+    const fs::path link = dir / file;
+    std::error_code ec;
+    const bool ours = fs::is_symlink(link, ec), there = ours || fs::exists(link, ec);
+    if (there && !ours) {
+      std::fprintf(stderr, "upipe: warning: %s is not a link upipe made; it is left as it is (remove it to have the "
+                   "run directory load as its latest adapter)\n", link.string().c_str());
+      continue;
+    }
+    if (fs::exists(dir / checkpoint / file, ec))
+      link_atomically(dir, file, checkpoint + "/" + file);
+    else if (ours)
+      fs::remove(link, ec);
+  }
 }
 
 }  // namespace
@@ -187,6 +228,7 @@ void remove_unfinished_saves(const std::string& dir) {
   }
   remove_stale_temporaries((fs::path(dir) / "latest").string());
   remove_stale_temporaries((fs::path(dir) / "best").string());
+  for (const char* file : root_adapter_files) remove_stale_temporaries((fs::path(dir) / file).string());
 }
 
 std::vector<std::string> check_run_directory(const std::string& dir, const std::string& run_id, bool overwrite,
@@ -244,6 +286,7 @@ std::vector<std::string> publish_checkpoint(const std::string& dir, std::int64_t
                                             const rotation& keep) {
   const fs::path path(dir);
   write_pointer(path, "latest", checkpoint_name(step));
+  update_root_adapter_links(path, checkpoint_name(step));
   const std::vector<saved_checkpoint> all = list_checkpoints(dir);
   std::vector<saved_checkpoint> ours;
   for (const saved_checkpoint& c : all)

@@ -4,6 +4,10 @@
 //   DIR/checkpoint-40/
 //   DIR/latest           "checkpoint-40": the newest complete checkpoint
 //   DIR/best             "checkpoint-20": the lowest held-out loss (with --keep-best)
+//   DIR/adapter_config.json, DIR/adapter_model.safetensors
+//                        a LoRA run's: relative links to latest's, so that a loader that
+//                        reads the directory it is given (PeftModel.from_pretrained(base,
+//                        "DIR")) loads the latest adapter; each moved atomically at a save
 // Each checkpoint's manifest names its run (a random id kept across resumes), so a save
 // never replaces another run's checkpoints unless asked to (--overwrite). The pointers are
 // written atomically after the checkpoint they name is complete.
@@ -19,10 +23,13 @@ namespace upipe {
 // "checkpoint-20".
 std::string checkpoint_name(std::int64_t step);
 
-// The checkpoint a path means: the path itself when it is a checkpoint (it holds
-// trainer/manifest.json), else the checkpoint a run directory's `latest` names. Other paths
-// are returned as given (the caller's own checks name what is missing). Throws io_error
-// when `latest` names a checkpoint that is not there.
+// The one resolver of a checkpoint's or an adapter's name, which every command that reads
+// one calls (train --resume, --init, --init-adapter and --model; step --weights and
+// --adapter; eval --model, --weights and --adapter; export and --merge-adapter): the path
+// itself when it is a checkpoint (it holds trainer/manifest.json), the checkpoint a pointer
+// names (DIR/latest, DIR/best), else the checkpoint a run directory's `latest` names. Other
+// paths are returned as given (the caller's own checks name what is missing). Throws
+// io_error when a pointer names a checkpoint that is not there.
 std::string resolve_checkpoint(const std::string& path);
 
 // The step a checkpoint's name says (N of DIR/checkpoint-N), or -1 for another name.
@@ -74,7 +81,8 @@ struct rotation {
   bool keep_best = false;
   bool overwrite = false;      // remove other runs' checkpoints
 };
-// After checkpoint-`step` of `run_id` is complete: DIR/latest (and DIR/best) name it, then
+// After checkpoint-`step` of `run_id` is complete: DIR/latest (and DIR/best) name it, the
+// root's adapter links follow latest (or are removed for a full run's checkpoint), then
 // the checkpoints past `keep` are removed (the newest keep_last of this run, and the best;
 // with overwrite, every other run's). Returns the names removed.
 std::vector<std::string> publish_checkpoint(const std::string& dir, std::int64_t step, const std::string& run_id,

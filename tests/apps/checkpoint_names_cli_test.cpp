@@ -1,0 +1,162 @@
+// One way to name a checkpoint or an adapter (issue #47): a run directory (its latest),
+// RUN/latest, RUN/best or a checkpoint directory, the same in every command that reads one;
+// a LoRA run directory loads as its latest adapter in PEFT too (links at its root).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "run_upipe.hpp"
+
+namespace {
+
+namespace fs = std::filesystem;
+using upipe::testing::read_file;
+using upipe::testing::read_lines;
+using upipe::testing::run_result;
+using upipe::testing::run_upipe;
+using upipe::testing::source_path;
+using upipe::testing::temp_dir;
+
+// `count` uint32 token ids below 200 into `path`.
+void write_tokens(const fs::path& path, int count, int salt) {
+  std::ofstream out(path, std::ios::binary);
+  for (int t = 0; t < count; ++t) {
+    const std::uint32_t id = static_cast<std::uint32_t>((t * 37 + salt * 11 + t / 7) % 200);
+    out.write(reinterpret_cast<const char*>(&id), 4);
+  }
+}
+
+run_result run_ok(const std::string& args) {
+  const run_result r = run_upipe(args);
+  EXPECT_EQ(r.exit_code, 0) << args << "\n" << r.output;
+  return r;
+}
+
+double json_loss(const fs::path& file) { return nlohmann::json::parse(read_file(file))["loss"].get<double>(); }
+
+std::vector<nlohmann::json> steps_of(const fs::path& metrics) {
+  std::vector<nlohmann::json> steps;
+  for (const auto& r : read_lines(metrics))
+    if (r.contains("step")) steps.push_back(r);
+  return steps;
+}
+
+// A LoRA run with checkpoints at 2 and 4 (best: the lower held-out loss of the two): each
+// name of a checkpoint reads as that checkpoint in step, eval, export and train.
+TEST(checkpoint_names, every_command_reads_a_run_directory_latest_best_or_a_checkpoint) {
+  const fs::path dir = temp_dir("names");
+  write_tokens(dir / "data.bin", 4096, 1);
+  write_tokens(dir / "heldout.bin", 512, 2);
+  const std::string base = source_path("tests/golden/tiny-llama"), run = (dir / "run").string();
+  const std::string tokens = (dir / "heldout.bin").string();
+  run_ok("train --model " + base + " --data " + (dir / "data.bin").string() + " --seq-len 64 --steps 4 --cp 2 "
+         "--lr 1e-2 --lora r=4 --save " + run + " --save-every 2 --eval-every 2 --eval-data " + tokens +
+         " --keep-best");
+  const std::string best = read_file(dir / "run" / "best"), latest = read_file(dir / "run" / "latest");
+  ASSERT_EQ(latest, "checkpoint-4\n");
+  ASSERT_FALSE(best.empty());
+  const auto step_loss = [&](const std::string& adapter, const std::string& name) {
+    const fs::path json = dir / (name + ".json");
+    run_ok("step --model " + base + " --adapter " + adapter + " --tokens " + tokens + " --seq-len 64 --cp 1 --json " +
+           json.string());
+    return json_loss(json);
+  };
+  const double at4 = step_loss(run + "/checkpoint-4", "c4"), at2 = step_loss(run + "/checkpoint-2", "c2");
+  ASSERT_NE(at4, at2);
+  EXPECT_EQ(step_loss(run, "run"), at4);
+  EXPECT_EQ(step_loss(run + "/", "slash"), at4);
+  EXPECT_EQ(step_loss(run + "/latest", "latest"), at4);
+  EXPECT_EQ(step_loss(run + "/best", "best"), best == "checkpoint-4\n" ? at4 : at2);
+  // eval and export take the same names.
+  const auto eval_loss = [&](const std::string& adapter, const std::string& name) {
+    const fs::path json = dir / (name + "-eval.json");
+    run_ok("eval --model " + base + " --adapter " + adapter + " --data " + tokens + " --seq-len 64 --samples 1 "
+           "--json " + json.string());
+    return nlohmann::json::parse(read_file(json))["lengths"][0]["loss"].get<double>();
+  };
+  const double eval4 = eval_loss(run + "/checkpoint-4", "c4");
+  EXPECT_NE(eval_loss(run + "/checkpoint-2", "c2"), eval4);
+  EXPECT_EQ(eval_loss(run, "run"), eval4);
+  EXPECT_EQ(eval_loss(run + "/latest", "latest"), eval4);
+  run_ok("export " + base + " " + (dir / "merged").string() + " --merge-adapter " + run + "/latest");
+  EXPECT_TRUE(fs::exists(dir / "merged" / "model.safetensors"));
+  // train --init-adapter continues from it: step 1's loss is the adapted model's.
+  const fs::path metrics = dir / "continue.jsonl";
+  run_ok("train --model " + base + " --data " + tokens + " --seq-len 64 --steps 1 --cp 1 --eval-samples 0 "
+         "--init-adapter " + run + " --metrics-json " + metrics.string());
+  EXPECT_NEAR(steps_of(metrics)[0]["loss"].get<double>(), at4, 1e-6 * at4);
+  // A run directory whose latest names no checkpoint is refused naming it.
+  std::ofstream(dir / "run" / "latest") << "checkpoint-9\n";
+  const run_result gone = run_upipe("step --model " + base + " --adapter " + run + " --seq-len 64");
+  EXPECT_EQ(gone.exit_code, 2) << gone.output;
+  EXPECT_NE(gone.output.find("names 'checkpoint-9', which is not a complete checkpoint"), std::string::npos)
+      << gone.output;
+  fs::remove_all(dir);
+}
+
+// The root of a LoRA run directory links to its latest checkpoint's adapter files, moved at
+// every save; a full run saved over it (--overwrite) leaves no link behind.
+TEST(checkpoint_names, a_lora_run_directory_links_its_latest_adapter_at_its_root) {
+  const fs::path dir = temp_dir("links");
+  const std::string run = (dir / "run").string();
+  const std::string lora = "train --seq-len 64 --cp 2 --eval-samples 0 --lora r=4 --save-every 2 ";
+  run_ok(lora + "--steps 6 --stop-after 4 --save " + run);
+  for (const char* file : {"adapter_config.json", "adapter_model.safetensors"}) {
+    ASSERT_TRUE(fs::is_symlink(dir / "run" / file)) << file;
+    EXPECT_EQ(fs::read_symlink(dir / "run" / file), fs::path("checkpoint-4") / file);
+    EXPECT_EQ(read_file(dir / "run" / file), read_file(dir / "run" / "checkpoint-4" / file));
+  }
+  run_ok(lora + "--steps 6 --resume " + run);
+  EXPECT_EQ(fs::read_symlink(dir / "run" / "adapter_model.safetensors"),
+            fs::path("checkpoint-6") / "adapter_model.safetensors");
+  // A copy of the run directory links to its own checkpoints.
+  fs::copy(dir / "run", dir / "copy", fs::copy_options::recursive | fs::copy_options::copy_symlinks);
+  EXPECT_EQ(read_file(dir / "copy" / "adapter_model.safetensors"),
+            read_file(dir / "copy" / "checkpoint-6" / "adapter_model.safetensors"));
+  run_ok("train --seq-len 64 --cp 2 --eval-samples 0 --steps 2 --overwrite --save " + run);
+  for (const char* file : {"adapter_config.json", "adapter_model.safetensors"})
+    EXPECT_FALSE(fs::is_symlink(dir / "run" / file)) << file;
+  fs::remove_all(dir);
+}
+
+// PEFT loads a LoRA run directory as it is given (where PyTorch, transformers and PEFT are
+// installed): PeftModel.from_pretrained(base, RUN) has upipe step's loss with --adapter RUN.
+TEST(checkpoint_names, peft_loads_a_lora_run_directory_with_upipes_loss) {
+  if (std::system("python3 -c 'import torch, transformers, peft' >/dev/null 2>&1") != 0)
+    GTEST_SKIP() << "PyTorch, transformers and PEFT are not installed here";
+  const fs::path dir = temp_dir("peft_run");
+  write_tokens(dir / "data.bin", 2048, 3);
+  write_tokens(dir / "ids.bin", 64, 4);
+  const std::string base = source_path("tests/golden/hf/qwen3-tied"), run = (dir / "run").string();
+  run_ok("train --model " + base + " --data " + (dir / "data.bin").string() + " --seq-len 64 --steps 3 --cp 2 "
+         "--lr 1e-2 --eval-samples 0 --lora r=4,alpha=8 --save " + run);
+  const fs::path json = dir / "step.json";
+  run_ok("step --model " + base + " --adapter " + run + " --tokens " + (dir / "ids.bin").string() +
+         " --seq-len 64 --cp 1 --json " + json.string());
+  const std::string script =
+      "import sys, numpy, torch, transformers, peft\n"
+      "base = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32, "
+      "attn_implementation='eager')\n"
+      "model = peft.PeftModel.from_pretrained(base, sys.argv[2])\n"
+      "ids = torch.tensor(numpy.fromfile(sys.argv[3], dtype=numpy.uint32).astype('int64'))[None]\n"
+      "with torch.no_grad():\n"
+      "    print(float(model(input_ids=ids, labels=ids).loss))\n";
+  std::ofstream(dir / "load.py") << script;
+  const std::string command = "python3 " + (dir / "load.py").string() + " " + base + " " + run + " " +
+                              (dir / "ids.bin").string() + " > " + (dir / "peft.txt").string() + " 2> " +
+                              (dir / "peft.log").string();
+  ASSERT_EQ(std::system(command.c_str()), 0) << read_file(dir / "peft.log");
+  const double theirs = std::stod(read_file(dir / "peft.txt")), ours = json_loss(json);
+  EXPECT_LT(std::abs(ours - theirs) / theirs, 1e-5) << "upipe " << ours << ", PEFT " << theirs;
+  fs::remove_all(dir);
+}
+
+}  // namespace
