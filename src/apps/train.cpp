@@ -246,7 +246,10 @@ void derive_schedule(run_options& opts, train_options& o) {
     if (!opts.from_user("optimizer.warmup_ratio"))
       opts.set_derived("optimizer.warmup_ratio", 0.0);  // a warm-up in steps now replaces a stored or default ratio
   }
-  if (f.warmup_ratio > 0) opts.set_derived("optimizer.warmup", warmup_of_ratio());
+  // A resume keeps the warm-up its run derived (the checkpoint's steps), unless given anew.
+  const bool kept = opts.source(*find_row("optimizer.warmup")) == value_source::checkpoint &&
+                    !opts.from_user("optimizer.warmup_ratio");
+  if (f.warmup_ratio > 0 && !kept) opts.set_derived("optimizer.warmup", warmup_of_ratio());
   o.optim.total_steps = f.steps;
   o.optim.warmup_steps = std::min(f.warmup, f.steps);
   o.optim.min_lr_ratio = f.min_lr_ratio;
@@ -303,7 +306,12 @@ train_options to_options(run_options& opts, bool fine_tune) {
   o.batch = f.batch != -1 ? f.batch : (f.data.empty() ? 4 : 1);
   o.seed = f.seed;
   derive_schedule(opts, o);
-  o.seq_warmup = f.seq_warmup >= 0 ? f.seq_warmup : (f.data.empty() ? f.steps * 9 / 10 : 0);
+  // Derived once and recorded, so that a resume with more --steps keeps the run's warm-up.
+  const std::int64_t chosen = f.data.empty() ? f.steps * 9 / 10 : 0;
+  if (f.seq_warmup < 0) opts.set_derived("data.seq_warmup", chosen);
+  o.seq_warmup = f.seq_warmup < 0                       ? chosen
+                 : opts.from_user("data.seq_warmup") ? f.seq_warmup
+                                                     : std::min(f.seq_warmup, f.steps);
   o.seq_warmup_start = f.seq_warmup_start;
   o.zero = f.zero == 3 ? zero_stage::three : zero_stage::two;
   o.step = {f.mlp_tile, f.loss_chunk,

@@ -1,6 +1,7 @@
 // One way to name a checkpoint or an adapter (issue #47): a run directory (its latest),
 // RUN/latest, RUN/best or a checkpoint directory, the same in every command that reads one;
-// a LoRA run directory loads as its latest adapter in PEFT too (links at its root).
+// a LoRA run directory loads as its latest adapter in PEFT too (links at its root). A resume
+// keeps its schedule (the sequence and learning-rate warm-ups it derived).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -156,6 +157,45 @@ TEST(checkpoint_names, peft_loads_a_lora_run_directory_with_upipes_loss) {
   ASSERT_EQ(std::system(command.c_str()), 0) << read_file(dir / "peft.log");
   const double theirs = std::stod(read_file(dir / "peft.txt")), ours = json_loss(json);
   EXPECT_LT(std::abs(ours - theirs) / theirs, 1e-5) << "upipe " << ours << ", PEFT " << theirs;
+  fs::remove_all(dir);
+}
+
+// The passkey demo's sequence warm-up (9/10 of --steps) is derived once: resumed from step
+// 40 with --steps 50 (whose own warm-up would be 45 steps), steps 41-45 stay at the full
+// length, as in a run that was given that warm-up from the start, with its learning rates.
+TEST(resume_schedule, more_steps_keep_the_sequence_warmup) {
+  const fs::path dir = temp_dir("schedule");
+  const std::string train = "train --cp 2 --eval-samples 0 --seq-len 64 ";
+  run_ok(train + "--steps 40 --save " + (dir / "run").string() + " --metrics-json " + (dir / "m.jsonl").string());
+  const run_result resumed = run_ok(train + "--steps 50 --resume " + (dir / "run").string());
+  run_ok(train + "--steps 50 --seq-warmup 36 --metrics-json " + (dir / "whole.jsonl").string());
+  const std::vector<nlohmann::json> ran = steps_of(dir / "m.jsonl"), whole = steps_of(dir / "whole.jsonl");
+  ASSERT_EQ(ran.size(), 50u) << resumed.output;
+  ASSERT_EQ(whole.size(), 50u);
+  for (std::size_t i = 0; i < 50; ++i) EXPECT_EQ(ran[i]["seq_len"], whole[i]["seq_len"]) << "step " << i + 1;
+  EXPECT_EQ(ran[35]["seq_len"], 18);  // step 36: the warm-up's length
+  EXPECT_EQ(ran[40]["seq_len"], 64);  // step 41: the full length, not the warm-up's again
+  for (std::size_t i = 40; i < 50; ++i) EXPECT_EQ(ran[i]["lr"], whole[i]["lr"]) << "step " << i + 1;
+  fs::remove_all(dir);
+}
+
+// A warm-up given as a ratio of --steps is derived once too: a run stopped at step 2 of 40
+// (warm-up 4) and resumed to 80 trains as a run of 80 with --warmup 4, bit for bit.
+TEST(resume_schedule, more_steps_keep_the_learning_rate_warmup) {
+  const fs::path dir = temp_dir("schedule_lr");
+  const std::string train = "train --cp 2 --eval-samples 0 --seq-len 64 --seq-warmup 0 --lr 1e-3 ";
+  run_ok(train + "--steps 40 --warmup-ratio 0.1 --stop-after 2 --save " + (dir / "run").string() +
+         " --metrics-json " + (dir / "m.jsonl").string());
+  run_ok(train + "--steps 80 --stop-after 8 --resume " + (dir / "run").string());
+  run_ok(train + "--steps 80 --warmup 4 --stop-after 8 --metrics-json " + (dir / "whole.jsonl").string());
+  const std::vector<nlohmann::json> ran = steps_of(dir / "m.jsonl"), whole = steps_of(dir / "whole.jsonl");
+  ASSERT_EQ(ran.size(), 8u);
+  ASSERT_EQ(whole.size(), 8u);
+  for (std::size_t i = 0; i < 8; ++i) {
+    EXPECT_EQ(ran[i]["lr"], whole[i]["lr"]) << "step " << i + 1;
+    EXPECT_EQ(ran[i]["loss"], whole[i]["loss"]) << "step " << i + 1;
+  }
+  EXPECT_DOUBLE_EQ(ran[2]["lr"].get<double>(), 1e-3 * 3 / 4);  // warm-up 4, not 8
   fs::remove_all(dir);
 }
 
