@@ -402,6 +402,7 @@ nlohmann::json record_json(const train_options& o, const step_record& r) {
                       {"tokens_per_s", r.tokens_per_s}, {"targets", r.targets}, {"empty_sequences", r.empty_sequences},
                       {"skipped", r.skipped}, {"peak_bytes", r.peak_bytes}};
   if (!r.eval_losses.empty()) j["eval_losses"] = r.eval_losses;
+  if (!r.past_end.empty()) j["past_end_of_data"] = r.past_end;  // once: the data repeats from here
   if (r.aux_on) {  // both terms of a mixture of experts' loss
     j["lm_loss"] = r.lm_loss;
     j["aux_loss"] = r.aux_loss;

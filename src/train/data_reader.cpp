@@ -95,7 +95,7 @@ std::size_t data_layout::next_source(const data_position& at) const {
 
 void data_layout::advance(data_position& at, std::size_t i, std::int64_t length) const {
   ++at.sequences[i];
-  at.tokens[i] = wrap[i] > 0 ? (at.tokens[i] + seq_len) % wrap[i] : at.tokens[i] + length;
+  at.tokens[i] += wrap[i] > 0 ? seq_len : length;  // a token file's position counts on past its end (epochs)
 }
 
 // One source: a corpus of documents (packed as documents or as a stream) or a token file.
@@ -162,8 +162,7 @@ packed_sequence data_reader::next(data_position& at, std::int64_t length) const 
 }
 
 double data_reader::epoch(const data_position& at, std::size_t i) const {
-  const source& s = *sources_[i];
-  return s.corpus ? static_cast<double>(at.tokens[i]) / static_cast<double>(s.corpus->epoch_tokens()) : 0.0;
+  return static_cast<double>(at.tokens[i]) / static_cast<double>(epoch_tokens(i));
 }
 
 std::int64_t data_reader::epoch_tokens(std::size_t i) const {

@@ -37,7 +37,9 @@ std::string data_sources_text(const std::vector<data_source_spec>& sources);
 std::string data_source_text(const data_source_spec& source);
 
 // How far a run has read: per source, the sequences it gave and its position (the tokens
-// before the next window of a corpus; the next token of a token file, which wraps around).
+// before the next window of a corpus; the tokens read of a token file, whose next one is at
+// the position modulo the file's size: a file shorter than the run wraps around, and the
+// position divided by its size counts the passes).
 struct data_position {
   std::vector<std::int64_t> sequences, tokens;
   std::int64_t total_sequences() const;
@@ -85,7 +87,7 @@ class data_reader {
   packed_sequence next(data_position& at, std::int64_t length) const;
   // Source i's sequence at its position `tokens`, without moving anything (evaluation).
   packed_sequence read(std::size_t i, std::int64_t tokens, std::int64_t length) const;
-  // Passes over source i's documents (0 for a token file) at `at`.
+  // Passes over source i (its documents, or a token file's tokens) at `at`.
   double epoch(const data_position& at, std::size_t i) const;
   // Tokens in one pass over source i (a corpus's kept documents, a token file's tokens).
   std::int64_t epoch_tokens(std::size_t i) const;

@@ -35,7 +35,7 @@ namespace upipe {
 
 struct trainer_state {
   std::int64_t step = 0;           // steps done
-  std::int64_t data_position = 0;  // next token-file position (token files only)
+  std::int64_t data_position = 0;  // the data position (data_reader.hpp: a token file's counts its passes)
   std::uint64_t seed = 0;          // data and initialization seed
   std::int64_t total_steps = 0;    // the schedule's length when saved
   std::string data = "passkey";    // "passkey" or the token file's path

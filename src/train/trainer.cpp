@@ -342,6 +342,21 @@ std::vector<packed_sequence> replica_batch(const train_options& o, const run_dat
   return batch;
 }
 
+// A source whose position passed one pass over it in this step: the run is past its data,
+// said once (the step's `past_end`, and a line from rank 0).
+void note_past_end(const data_reader* reader, const data_position& after, step_record& record, bool say) {
+  for (std::size_t i = 0; reader != nullptr && i < reader->size(); ++i) {
+    const double now = reader->epoch(after, i);
+    if (record.sources[i].epoch > 1.0 || now <= 1.0) continue;
+    record.past_end.push_back(reader->spec(i).path);
+    if (say)
+      std::fprintf(stderr, "upipe: note: step %lld reads past the end of --data %s (%lld tokens a pass; epoch %.2f "
+                   "after it): from here the data repeats (--epochs sets --steps from the data)\n",
+                   static_cast<long long>(record.step), reader->spec(i).path.c_str(),
+                   static_cast<long long>(reader->epoch_tokens(i)), now);
+  }
+}
+
 void run_rank(const train_options& o, backend& be, const mesh_comms& mesh, const weight_sources& from,
               train_summary& summary, const std::function<void(const step_record&)>& on_step,
               clock_type::time_point start) {
@@ -392,6 +407,7 @@ void run_rank(const train_options& o, backend& be, const mesh_comms& mesh, const
       record.epoch = std::max(record.epoch, record.sources[i].epoch);
     }
     const std::vector<packed_sequence> batch = replica_batch(o, data, rc.replica(), step, position, record);
+    note_past_end(reader, position, record, comm.rank() == 0);
     run_step(rc, batch, step, record);
     if (record.skipped && comm.rank() == 0)
       std::fprintf(stderr, "upipe: note: step %lld has no target (the loss mask leaves out every token of its %s); "

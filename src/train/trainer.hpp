@@ -105,7 +105,10 @@ struct train_options {
 
 struct step_record {
   std::int64_t step = 0, seq_len = 0;
-  double epoch = 0;  // corpora: how many passes over the documents (a mixture: its most-read source's)
+  double epoch = 0;  // passes over the data at the step's start (a mixture: its most-read source's)
+  // The sources (--data paths) this step read past the end of, for the first time in the run:
+  // from here their data repeats.
+  std::vector<std::string> past_end;
   double model_flops = 0;  // of the step's sequences, attention counted over the attended pairs only
   std::optional<double> eval_loss;  // held-out loss after this step (--eval-every), over every eval source
   std::map<std::string, double> eval_losses;  // ... and per --eval-data source
@@ -113,7 +116,7 @@ struct step_record {
   std::int64_t empty_sequences = 0;  // sequences whose every target is masked: they add nothing and are not run
   bool skipped = false;              // no target in the whole step: no update (loss NaN), the data moves on
   // Per source of --data, in its order: this step's sequences and targets, and the passes
-  // over its documents at the step's start.
+  // over it (its documents, or a token file's tokens) at the step's start.
   struct source_counts {
     std::int64_t sequences = 0, targets = 0;
     double epoch = 0;

@@ -111,6 +111,10 @@ void check_resumed_position(const train_options& o, const saved_state& saved) {
   }
   data_position saved_at = saved_position(st, false);
   if (st.mixture.empty()) at.sequences = saved_at.sequences;  // one source records none
+  // Saves before a token file's position counted its passes recorded it wrapped, below the
+  // file's size: the same place in the file.
+  for (std::size_t i = 0; i < at.tokens.size(); ++i)
+    if (layout.wrap[i] > 0 && saved_at.tokens[i] < layout.wrap[i]) at.tokens[i] %= layout.wrap[i];
   if (st.data == "passkey") at.tokens = {0};                  // the task reads no file: its position stays 0
   if (!(at == saved_at))
     throw io_error("the trainer state in " + saved.dir() + " is damaged: its data position " +

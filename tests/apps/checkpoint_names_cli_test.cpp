@@ -1,7 +1,8 @@
 // One way to name a checkpoint or an adapter (issue #47): a run directory (its latest),
 // RUN/latest, RUN/best or a checkpoint directory, the same in every command that reads one;
 // a LoRA run directory loads as its latest adapter in PEFT too (links at its root). A resume
-// keeps its schedule (the sequence and learning-rate warm-ups it derived).
+// keeps its schedule (the sequence and learning-rate warm-ups it derived), and a token file
+// shorter than the run counts its passes and says once that the run is past its data.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -196,6 +197,55 @@ TEST(resume_schedule, more_steps_keep_the_learning_rate_warmup) {
     EXPECT_EQ(ran[i]["loss"], whole[i]["loss"]) << "step " << i + 1;
   }
   EXPECT_DOUBLE_EQ(ran[2]["lr"].get<double>(), 1e-3 * 3 / 4);  // warm-up 4, not 8
+  fs::remove_all(dir);
+}
+
+// A token file shorter than the run wraps around: the epoch counts on past 1.0, and the
+// step that reads past its end says so once (a line, and past_end_of_data in its metrics).
+TEST(data_epochs, a_short_token_file_counts_its_passes_and_says_once_that_it_repeats) {
+  const fs::path dir = temp_dir("epochs");
+  write_tokens(dir / "data.bin", 300, 5);  // 300 tokens; a step reads 2 x 64
+  const std::string data = (dir / "data.bin").string();
+  const std::string train = "train --cp 2 --eval-samples 0 --seq-len 64 --batch 2 --data " + data + " ";
+  const run_result r = run_ok(train + "--steps 6 --stop-after 4 --save " + (dir / "run").string() +
+                              " --metrics-json " + (dir / "m.jsonl").string());
+  const run_result more = run_ok(train + "--steps 6 --resume " + (dir / "run").string());
+  const std::vector<nlohmann::json> steps = steps_of(dir / "m.jsonl");
+  ASSERT_EQ(steps.size(), 6u);
+  for (std::size_t i = 0; i < steps.size(); ++i)
+    EXPECT_DOUBLE_EQ(steps[i]["epoch"].get<double>(), static_cast<double>(i) * 128 / 300) << "step " << i + 1;
+  // Step 3 reads tokens 256-383 of 300: past the end, said once.
+  const std::string said = "step 3 reads past the end of --data " + data;
+  EXPECT_NE(r.output.find(said), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("reads past the end", r.output.find(said) + said.size()), std::string::npos) << r.output;
+  EXPECT_EQ(more.output.find("reads past the end"), std::string::npos) << more.output;
+  for (std::size_t i = 0; i < steps.size(); ++i)
+    EXPECT_EQ(steps[i].contains("past_end_of_data"), i == 2) << "step " << i + 1;
+  EXPECT_EQ(steps[2]["past_end_of_data"], nlohmann::json::array({data}));
+  fs::remove_all(dir);
+}
+
+// A save of an upipe before positions counted passes recorded a token file's position
+// wrapped (below the file's size): it resumes, as the same place in the file; a position at
+// another place is still refused as damaged.
+TEST(data_epochs, a_wrapped_position_of_an_earlier_save_resumes) {
+  const fs::path dir = temp_dir("epochs_wrapped");
+  write_tokens(dir / "data.bin", 300, 5);
+  const std::string train = "train --cp 2 --eval-samples 0 --seq-len 64 --batch 2 --data " +
+                            (dir / "data.bin").string() + " ";
+  run_ok(train + "--steps 6 --stop-after 4 --save " + (dir / "run").string());
+  const fs::path manifest = dir / "run" / "checkpoint-4" / "trainer" / "manifest.json";
+  nlohmann::json m = nlohmann::json::parse(read_file(manifest));
+  ASSERT_EQ(m["data_position"], 4 * 128);
+  m["data_position"] = 4 * 128 % 300;
+  std::ofstream(manifest) << m.dump();
+  run_ok(train + "--steps 6 --resume " + (dir / "run").string() + " --save " + (dir / "again").string());
+  m["data_position"] = 4 * 128 % 300 + 1;
+  std::ofstream(manifest) << m.dump();
+  const run_result damaged = run_upipe(train + "--steps 6 --resume " + (dir / "run").string() + " --save " +
+                                       (dir / "third").string());
+  EXPECT_EQ(damaged.exit_code, 2) << damaged.output;
+  EXPECT_NE(damaged.output.find("is damaged: its data position 213"), std::string::npos) << damaged.output;
   fs::remove_all(dir);
 }
 
