@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Data preparation speed: scripts/prepare_data.py against a plain `tokenizers` loop.
+"""Data preparation speed: upipe prepare-data (upipe_tools.prepare_data) against a plain `tokenizers` loop.
 
 usage: bench_prepare_data.py OUT_DIR [--tokenizer MODEL_DIR] [--mb 64] [--seed 0]
                              [--workers N] [--skip-one-worker]
@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PREPARE = ROOT / "scripts" / "prepare_data.py"
+PACKAGE = ROOT / "python"  # upipe_tools, run as upipe runs it: python3 -m upipe_tools.prepare_data
 DEFAULT_TOKENIZER = ROOT / "tests" / "golden" / "hf" / "qwen3-tied"
 CHAT_MODEL = ROOT / "tests" / "golden" / "hf" / "llama-chat"
 
@@ -157,8 +157,9 @@ def make_chat_corpus(path, mb, seed):
 
 
 def timed(cmd):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(PACKAGE), os.environ.get("PYTHONPATH")) if p))
     t0 = time.perf_counter()
-    p = subprocess.run(cmd, capture_output=True, text=True)
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env)
     seconds = time.perf_counter() - t0
     if p.returncode != 0:
         sys.exit(f"failed ({p.returncode}): {' '.join(map(str, cmd))}\n{p.stderr}")
@@ -195,7 +196,7 @@ def main():
             pass
 
     def prepare(n, name, tokenizer=a.tokenizer, source=corpus, extra=()):
-        seconds, out = timed([sys.executable, str(PREPARE), "--tokenizer", str(tokenizer), "--out",
+        seconds, out = timed([sys.executable, "-m", "upipe_tools.prepare_data", "--tokenizer", str(tokenizer), "--out",
                               str(a.out_dir / name), "--workers", str(n), "--overwrite", *extra, str(source)])
         manifest = json.loads((a.out_dir / (name + ".json")).read_text())
         return seconds, manifest, out.strip().splitlines()[-1]

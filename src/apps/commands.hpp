@@ -18,6 +18,7 @@ command_runner add_bench_kernels(CLI::App& app);
 command_runner add_plan(CLI::App& app);
 command_runner add_bench(CLI::App& app);
 command_runner add_report(CLI::App& app);
+command_runner add_tensorboard(CLI::App& app);
 command_runner add_bench_comm(CLI::App& app);
 command_runner add_export(CLI::App& app);
 command_runner add_prepare_data(CLI::App& app);

@@ -31,7 +31,6 @@
 #include "apps/run_config.hpp"
 #include "apps/json_file.hpp"
 #include "apps/model_flags.hpp"
-#include "apps/niah_text_script.hpp"
 #include "apps/python.hpp"
 #include "apps/sizes.hpp"
 #include "core/error.hpp"
@@ -326,24 +325,24 @@ int held_out_loss(const eval_flags& f, const eval_setup& s) {
   return 0;
 }
 
-// The needles' text in the model tokenizer's tokens (scripts/niah_text.py), one per key.
+// The needles' text in the model tokenizer's tokens (python/upipe_tools/niah_text.py), one per key.
 struct tokenized_needles {
   std::vector<std::int32_t> prefix, haystack;
   std::vector<needle_text> needles;
 };
 
 tokenized_needles tokenize_needles(const std::string& model_dir, const std::vector<std::string>& keys, bool haystack) {
-  if (spawn({"python3", "-c", "import tokenizers"}, "upipe eval --niah") != 0)
+  if (!python_imports("tokenizers", "upipe eval --niah"))
     throw config_error("upipe eval --niah with text needs Hugging Face tokenizers for python3: scripts/setup-deps "
                        "installs it (or: python3 -m pip install tokenizers)");
   std::string joined;
   for (const std::string& k : keys) joined += (joined.empty() ? "" : ",") + k;
   std::vector<std::string> args = {"--tokenizer", model_dir, "--out", output_placeholder, "--keys", joined};
   if (!haystack) args.push_back("--no-haystack");
-  const python_result r = run_python_for_output(niah_text_script, "niah_text.py", args);
+  const python_result r = run_tool_for_output("niah_text", args);
   if (r.status != 0) throw config_error("the needles could not be tokenized (the message above says why)");
   const nlohmann::json doc = nlohmann::json::parse(r.output, nullptr, false);
-  if (doc.is_discarded()) throw io_error("niah_text.py wrote no JSON");
+  if (doc.is_discarded()) throw io_error("upipe_tools.niah_text wrote no JSON");
   tokenized_needles t;
   t.prefix = doc["prefix"].get<std::vector<std::int32_t>>();
   t.haystack = doc["haystack"].get<std::vector<std::int32_t>>();

@@ -89,6 +89,8 @@ int main(int argc, char** argv) {
       "bench", "Whole-step benchmarks over strategy x U x S: tokens/s/GPU, TFLOP/s, MFU, peak by tag, checked"));
   auto report = upipe::apps::add_report(*app.add_subcommand(
       "report", "Plots (SVG) of bench, bench-attention and plan results: memory by tag, throughput and peak vs S, U"));
+  auto tensorboard = upipe::apps::add_tensorboard(*app.add_subcommand(
+      "tensorboard", "Write a train --metrics-json file as TensorBoard scalars, once or as the run goes (--follow)"));
   auto comm = upipe::apps::add_bench_comm(*app.add_subcommand(
       "bench-comm", "The strategies' collectives at their message sizes: time, algorithm and bus bandwidth"));
   auto export_model = upipe::apps::add_export(*app.add_subcommand(
@@ -126,6 +128,7 @@ int main(int argc, char** argv) {
     if (app.got_subcommand("plan")) return plan();
     if (app.got_subcommand("bench")) return bench_steps();
     if (app.got_subcommand("report")) return report();
+    if (app.got_subcommand("tensorboard")) return tensorboard();
     if (app.got_subcommand("bench-comm")) return comm();
     if (app.got_subcommand("export")) return export_model();
     if (app.got_subcommand("prepare-data")) return prepare();

@@ -1,17 +1,13 @@
 // `upipe prepare-data`: tokenizes documents (text files or folders, JSONL, Parquet) and
 // instruction or chat examples (rendered with the model's chat template, with a loss mask)
 // with a model directory's tokenizer.json into a corpus for `upipe train --data PREFIX`,
-// through the Python helper this binary carries (scripts/prepare_data.py and its modules,
+// through the Python tools this binary carries (python/upipe_tools/prepare_data.py and its modules,
 // Hugging Face `tokenizers`, jinja2 for chat templates). Its flags pass through; `upipe
 // prepare-data --help` lists them.
 #include <string>
 #include <vector>
 
-#include "apps/chat_data_script.hpp"
 #include "apps/commands.hpp"
-#include "apps/corpus_writer_script.hpp"
-#include "apps/prepare_data_script.hpp"
-#include "apps/prepare_encode_script.hpp"
 #include "apps/python.hpp"
 #include "core/error.hpp"
 
@@ -24,14 +20,11 @@ command_runner add_prepare_data(CLI::App& app) {
   app.set_help_flag();  // --help goes to the script, which lists every flag
   return [&app, args] {
     *args = app.remaining();
-    if (spawn({"python3", "-c", "import tokenizers"}, "upipe prepare-data") != 0)
+    if (!python_imports("tokenizers", "upipe prepare-data"))
       throw config_error("upipe prepare-data needs Hugging Face tokenizers for python3: scripts/setup-deps installs "
                          "it (or: python3 -m pip install tokenizers)");
-    const python_module modules[] = {{"chat_data.py", chat_data_script},
-                                     {"corpus_writer.py", corpus_writer_script},
-                                     {"prepare_encode.py", prepare_encode_script}};
     run_scripts_for("prepare-data");
-    return script_exit_status(run_python_file(prepare_data_script, "prepare_data.py", *args, modules), "prepare-data");
+    return script_exit_status(run_tool("prepare_data", *args), "prepare-data");
   };
 }
 

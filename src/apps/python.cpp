@@ -5,12 +5,15 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 
+#include "apps/upipe_tools_files.hpp"
 #include "core/error.hpp"
 
 extern char** environ;
@@ -29,18 +32,36 @@ int script_exit_status(int status, const std::string& command) {
   return 2;
 }
 
-int spawn(const std::vector<std::string>& args, const std::string& needed_for) {
+int spawn(const std::vector<std::string>& args, const std::string& needed_for, const std::vector<std::string>& env) {
   std::vector<char*> argv;
   for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
   argv.push_back(nullptr);
+  // This process's environment, with `env`'s variables in place of those of the same name.
+  std::vector<char*> envp;
+  const auto name_of = [](const std::string& var) { return var.substr(0, var.find('=') + 1); };
+  for (char** e = environ; *e != nullptr; ++e) {
+    const std::string var = *e;
+    if (std::none_of(env.begin(), env.end(), [&](const std::string& v) { return name_of(v) == name_of(var); }))
+      envp.push_back(*e);
+  }
+  for (const std::string& v : env) envp.push_back(const_cast<char*>(v.c_str()));
+  envp.push_back(nullptr);
   pid_t pid = 0;
-  const int err = ::posix_spawnp(&pid, argv[0], nullptr, nullptr, argv.data(), environ);
+  const int err = ::posix_spawnp(&pid, argv[0], nullptr, nullptr, argv.data(), envp.data());
   if (err != 0)
     throw config_error(needed_for + " needs " + args[0] + " (" + std::strerror(err) + "); install Python 3");
   int status = 0;
   while (::waitpid(pid, &status, 0) < 0)
     if (errno != EINTR) throw io_error("waiting for " + args[0] + " failed: " + std::strerror(errno));
   return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+// PYTHONSAFEPATH: the working directory is not put first on the module path (Python 3.11+;
+// older ones ignore it), so that a user's file there cannot stand in for a module.
+constexpr const char* safe_path = "PYTHONSAFEPATH=1";
+
+bool python_imports(const std::string& module, const std::string& needed_for) {
+  return spawn({"python3", "-c", "import " + module}, needed_for, {safe_path}) == 0;
 }
 
 namespace {
@@ -65,30 +86,38 @@ class private_dir {
   std::string path_;
 };
 
-int run_in(const private_dir& dir, const char* script, const std::string& name, const std::vector<std::string>& args) {
-  const std::string file = dir.file(name);
-  std::ofstream(file) << script;
-  std::vector<std::string> argv = {"python3", file};
+// The package written into `dir` (dir/upipe_tools/...), then `python3 -m upipe_tools.TOOL
+// args...` with dir leading PYTHONPATH.
+int run_in(const private_dir& dir, const std::string& tool, const std::vector<std::string>& args) {
+  const std::string package = dir.file("upipe_tools");
+  std::filesystem::create_directory(package);
+  for (const python_file& f : upipe_tools_files) {
+    std::ofstream out(package + "/" + f.name);
+    out << f.text;
+    if (!out.flush()) throw io_error("cannot write the Python tools into " + package + " (a full disk?)");
+  }
+  std::vector<std::string> argv = {"python3", "-m", "upipe_tools." + tool};
   argv.insert(argv.end(), args.begin(), args.end());
-  return spawn(argv, "upipe");
+  const char* inherited = std::getenv("PYTHONPATH");
+  std::string path = dir.file("");
+  if (inherited != nullptr && *inherited != '\0') path.append(":").append(inherited);
+  return spawn(argv, "upipe", {"PYTHONPATH=" + path, safe_path});
 }
 
 }  // namespace
 
-int run_python_file(const char* script, const std::string& name, const std::vector<std::string>& args,
-                    std::span<const python_module> modules) {
-  const private_dir dir(name);
-  for (const python_module& m : modules) std::ofstream(dir.file(m.name)) << m.text;
-  return run_in(dir, script, name, args);
+int run_tool(const std::string& tool, const std::vector<std::string>& args) {
+  const private_dir dir(tool);
+  return run_in(dir, tool, args);
 }
 
-python_result run_python_for_output(const char* script, const std::string& name, std::vector<std::string> args) {
-  const private_dir dir(name);
+python_result run_tool_for_output(const std::string& tool, std::vector<std::string> args) {
+  const private_dir dir(tool);
   const std::string out = dir.file("output");
   for (std::string& a : args)
     if (a == output_placeholder) a = out;
   python_result r;
-  r.status = run_in(dir, script, name, args);
+  r.status = run_in(dir, tool, args);
   std::ifstream in(out, std::ios::binary);
   r.output.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
   return r;

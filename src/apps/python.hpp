@@ -1,8 +1,8 @@
-// Running the Python helpers this binary carries (scripts/report.py, scripts/prepare_data.py):
-// offline tools beside the engine; training itself never runs Python.
+// Running the Python tools this binary carries (the package python/upipe_tools: prepare-data,
+// report, eval --niah's text, tensorboard): offline tools beside the engine; training itself
+// never runs Python.
 #pragma once
 
-#include <span>
 #include <string>
 #include <vector>
 
@@ -17,28 +17,33 @@ void run_scripts_for(const std::string& command);
 int script_exit_status(int status, const std::string& command);
 
 // Runs args[0] (looked up on PATH) and returns its exit status; config_error naming
-// `needed_for` when it cannot be started.
-int spawn(const std::vector<std::string>& args, const std::string& needed_for);
+// `needed_for` when it cannot be started. `env` adds or replaces variables of this
+// process's environment for the child ("NAME=value").
+int spawn(const std::vector<std::string>& args, const std::string& needed_for, const std::vector<std::string>& env = {});
 
-// A module a script imports, written beside it.
-struct python_module {
-  const char* name;  // file name, e.g. "chat_data.py"
+// Whether python3 imports `module` (run from anywhere: a file of the working directory is not
+// taken for it); config_error naming `needed_for` when python3 cannot be started.
+bool python_imports(const std::string& module, const std::string& needed_for);
+
+// One file of the Python package this binary carries (python/upipe_tools, embedded by the
+// build: generated/apps/upipe_tools_files.hpp).
+struct python_file {
+  const char* name;  // file name in the package, e.g. "prepare_data.py"
   const char* text;
 };
 
-// Writes `script` (and the `modules` it imports) to a private temporary directory and runs
-// `python3 FILE args...` (a file, not -c, so that its worker processes can import it);
-// returns the exit status.
-int run_python_file(const char* script, const std::string& name, const std::vector<std::string>& args,
-                    std::span<const python_module> modules = {});
+// Writes the package to a private temporary directory and runs `python3 -m
+// upipe_tools.TOOL args...` with that directory leading PYTHONPATH (a module run by name, so
+// that its worker processes import it too); returns the exit status.
+int run_tool(const std::string& tool, const std::vector<std::string>& args);
 
 // The same, where an argument equal to output_placeholder becomes a file in that private
-// directory; returns the exit status and what the script wrote there (empty if nothing).
+// directory; returns the exit status and what the tool wrote there (empty if nothing).
 inline constexpr const char* output_placeholder = "{output}";
 struct python_result {
   int status = 0;
   std::string output;
 };
-python_result run_python_for_output(const char* script, const std::string& name, std::vector<std::string> args);
+python_result run_tool_for_output(const std::string& tool, std::vector<std::string> args);
 
 }  // namespace upipe::apps

@@ -2,7 +2,7 @@
 // its end. The model is scored on the key's tokens by teacher forcing: exact match (every
 // key token is the argmax prediction), the fraction of key tokens right, and their mean
 // log-probability. Two vocabularies: the passkey task's (the models the default run
-// trains) and a model tokenizer's own text (scripts/niah_text.py tokenizes it).
+// trains) and a model tokenizer's own text (python/upipe_tools/niah_text.py tokenizes it).
 #pragma once
 
 #include <cstdint>

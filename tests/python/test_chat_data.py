@@ -1,33 +1,29 @@
-"""Tests of prepare-data's instruction and chat rows (scripts/chat_data.py): the renderer and
+"""Tests of prepare-data's instruction and chat rows (upipe_tools.chat_data): the renderer and
 its masks against transformers' apply_chat_template, the mask file, the fixture
 tests/golden/hf/llama-chat, and rows that are refused or skipped.
 
 run: python3 -m pytest tests/python/test_chat_data.py
 """
-import importlib.util
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "scripts" / "prepare_data.py"
 CHAT = ROOT / "tests" / "golden" / "hf" / "llama-chat"
 TEMPLATES = CHAT / "templates"
 
 tokenizers = pytest.importorskip("tokenizers")
 np = pytest.importorskip("numpy")
 pytest.importorskip("jinja2")
-sys.path.insert(0, str(ROOT / "scripts"))
-import chat_data  # noqa: E402
+from upipe_tools import chat_data  # noqa: E402
+from tool_run import run_tool  # noqa: E402
 
 
 def run(*args, ok=True):
-    p = subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], capture_output=True, text=True,
-                       stdin=subprocess.DEVNULL, timeout=120)
+    p = run_tool("prepare_data", *args, stdin=subprocess.DEVNULL, timeout=120)
     if ok:
         assert p.returncode == 0, p.stderr
     return p

@@ -7,7 +7,6 @@ fixture's templates and on templates in the styles of real model families
 run: python3 -m pytest tests/python/test_chat_spans.py
 """
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,8 +17,7 @@ FAMILIES = Path(__file__).resolve().parent / "chat_templates"
 
 tokenizers = pytest.importorskip("tokenizers")
 pytest.importorskip("jinja2")
-sys.path.insert(0, str(ROOT / "scripts"))
-import chat_data  # noqa: E402
+from upipe_tools import chat_data  # noqa: E402
 
 TEMPLATES = sorted(CHAT.glob("templates/*.jinja")) + sorted(FAMILIES.glob("*.jinja"))
 SPECIAL = {"bos_token": "<s>", "eos_token": "</s>"}

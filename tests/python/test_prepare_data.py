@@ -1,24 +1,21 @@
-"""Tests of scripts/prepare_data.py: token files against the tokenizer itself, the manifest,
+"""Tests of upipe_tools.prepare_data (`upipe prepare-data`): token files against the tokenizer itself, the manifest,
 the held-out split, determinism across --workers, and the error paths.
 
 run: python3 -m pytest tests/python/test_prepare_data.py
 """
 import gzip
 import hashlib
-import importlib.util
 import json
 import os
 import random
 from fractions import Fraction
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "scripts" / "prepare_data.py"
 QWEN = ROOT / "tests" / "golden" / "hf" / "qwen3-tied"
 LLAMA = ROOT / "tests" / "golden" / "hf" / "llama-yarn-shards"
 
@@ -28,19 +25,12 @@ pq = pytest.importorskip("pyarrow.parquet")
 np = pytest.importorskip("numpy")
 
 
-def load_module():
-    spec = importlib.util.spec_from_file_location("prepare_data_under_test", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-pd = load_module()
+from upipe_tools import prepare_data as pd  # noqa: E402
+from tool_run import run_tool  # noqa: E402
 
 
 def run(*args, ok=True):
-    p = subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], capture_output=True, text=True,
-                       stdin=subprocess.DEVNULL, timeout=120)
+    p = run_tool("prepare_data", *args, stdin=subprocess.DEVNULL, timeout=120)
     if ok:
         assert p.returncode == 0, p.stderr
     return p

@@ -1,31 +1,27 @@
-"""scripts/report.py (`upipe report`): metrics curves, and bad input refused in one line.
+"""upipe_tools.report (`upipe report`): metrics curves, and bad input refused in one line.
 
 run: python3 -m pytest tests/python/test_report.py
 """
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "scripts" / "report.py"
-sys.path.insert(0, str(ROOT / "scripts"))
 
 pytest.importorskip("matplotlib")
-import report  # noqa: E402
+from upipe_tools import report  # noqa: E402
+from tool_run import run_tool  # noqa: E402
 
 
 def run_report(tmp_path, *inputs):
-    return subprocess.run([sys.executable, str(SCRIPT), str(tmp_path / "plots"), *map(str, inputs)],
-                          capture_output=True, text=True, timeout=120)
+    return run_tool("report", tmp_path / "plots", *inputs, timeout=120)
 
 
 def one_error_line(r):
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2, r.stderr
-    assert len(lines) == 1 and lines[0].startswith("report.py: error:"), r.stderr
+    assert len(lines) == 1 and lines[0].startswith("report: error:"), r.stderr
     return lines[0]
 
 

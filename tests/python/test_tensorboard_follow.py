@@ -1,16 +1,14 @@
-"""scripts/tensorboard_follow.py: a metrics file of upipe train as TensorBoard scalars."""
+"""upipe_tools.tensorboard_follow (`upipe tensorboard`): a metrics file of upipe train as TensorBoard scalars."""
 import json
 import os
 import struct
-import subprocess
-import sys
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SCRIPT = os.path.join(ROOT, "scripts", "tensorboard_follow.py")
 
 tensorboardX = pytest.importorskip("tensorboardX")
+from tool_run import run_tool  # noqa: E402
 
 
 def scalars(logdir):
@@ -38,8 +36,7 @@ def test_steps_become_scalars(tmp_path):
             {"step": 2, "loss": 5.0, "lr": 2e-4, "grad_norm": 1.5, "eval_loss": 5.2},
             {"final": True, "steps": 2}]
     metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    r = subprocess.run([sys.executable, SCRIPT, str(metrics), "--logdir", str(tmp_path / "tb")],
-                       capture_output=True, text=True)
+    r = run_tool("tensorboard_follow", str(metrics), "--logdir", str(tmp_path / "tb"))
     assert r.returncode == 0, r.stderr
     got = scalars(tmp_path / "tb")
     assert ("train/loss", 1, 5.5) in got
@@ -51,15 +48,13 @@ def test_steps_become_scalars(tmp_path):
 def test_a_broken_line_is_named(tmp_path):
     metrics = tmp_path / "m.jsonl"
     metrics.write_text('{"step": 1, "loss": 1.0, "lr": 0.1}\n{"step": 2, "lo\n')
-    r = subprocess.run([sys.executable, SCRIPT, str(metrics), "--logdir", str(tmp_path / "tb")],
-                       capture_output=True, text=True)
+    r = run_tool("tensorboard_follow", str(metrics), "--logdir", str(tmp_path / "tb"))
     assert r.returncode != 0
     assert "line 2 is not JSON" in r.stderr
 
 
 def run_follow(metrics, logdir):
-    return subprocess.run([sys.executable, SCRIPT, str(metrics), "--logdir", str(logdir)], capture_output=True,
-                          text=True)
+    return run_tool("tensorboard_follow", str(metrics), "--logdir", str(logdir))
 
 
 def one_error_line(r):

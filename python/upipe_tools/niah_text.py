@@ -1,7 +1,6 @@
-#!/usr/bin/env python3
 """The text of `upipe eval --niah` in a model tokenizer's own tokens (upipe runs this).
 
-usage: niah_text.py --tokenizer MODEL_DIR --out FILE.json --keys K1,K2,... [--haystack FILE]
+usage: python3 -m upipe_tools.niah_text --tokenizer MODEL_DIR --out FILE.json --keys K1,K2,... [--haystack FILE]
 
 For each key writes the needle sentence that states it, the question asked at the end of
 the context, and the answer: the tokens of the key, split from the question's at the
@@ -90,7 +89,11 @@ def main(argv):
                  "(or use --niah-vocab passkey for a model trained on the passkey task)")
     from tokenizers import Tokenizer  # noqa: PLC0415 (after the argument check)
 
-    tok = Tokenizer.from_file(path)
+    try:
+        tok = Tokenizer.from_file(path)
+    except Exception as e:  # the library's own error type: one line, never a traceback
+        sys.exit(f"upipe eval --niah: {path} is not a tokenizer the tokenizers library reads ({e}); restore the "
+                 "model's tokenizer.json (or use --niah-vocab passkey for a model trained on the passkey task)")
     needles = []
     for key in a.keys.split(","):
         if not key.isdigit():

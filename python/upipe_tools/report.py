@@ -1,7 +1,6 @@
-#!/usr/bin/env python3
 """Plots of upipe results (run by `upipe report`, which embeds this file).
 
-usage: report.py OUT_DIR RESULTS.json...
+usage: python3 -m upipe_tools.report OUT_DIR RESULTS.json...  (upipe report --out OUT_DIR RESULTS.json...)
 
 Reads the JSON of `upipe bench`, `upipe bench-attention` (lists of rows), `upipe plan`
 (an object with "entries") and `upipe eval` (an object with "lengths", or with "niah")
@@ -31,6 +30,7 @@ import matplotlib
 matplotlib.use("agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import matplotlib.ticker  # noqa: E402
+from . import error_line  # noqa: E402
 
 GIB = float(1 << 30)
 TAGS = ["weights", "grads", "optimizer", "activations", "attention", "comm", "workspace", "checkpoints_device"]
@@ -311,8 +311,7 @@ def niah_heatmap(rows, out_dir):
 
 def fail(message):
     """The one line upipe's refusals end with (upipe runs this script for `upipe report`), exit 2."""
-    command = os.environ.get("UPIPE_COMMAND")
-    print(f"upipe: error: {command}: {message}" if command else f"report.py: error: {message}", file=sys.stderr)
+    print(error_line("report", message), file=sys.stderr)
     sys.exit(2)
 
 

@@ -8,8 +8,8 @@ import time
 from array import array
 from collections import deque
 
-import chat_data
-from corpus_writer import SKIPPED
+from . import chat_data
+from .corpus_writer import SKIPPED
 
 # An array typecode of exactly 4 bytes for the token ids (uint32).
 TOKEN_TYPECODE = next(c for c in "IL" if array(c).itemsize == 4)

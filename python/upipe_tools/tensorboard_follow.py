@@ -1,8 +1,7 @@
-#!/usr/bin/env python3
 """Shows a training run in TensorBoard: follows `upipe train --metrics-json FILE` and writes
 each step's numbers as TensorBoard scalars (through tensorboardX's event writer).
 
-usage: tensorboard_follow.py METRICS.jsonl --logdir DIR [--follow] [--poll SECONDS]
+usage: upipe tensorboard METRICS.jsonl --logdir DIR [--follow] [--poll SECONDS]
 
   METRICS.jsonl  the file train --metrics-json writes (one JSON object per step, then a
                  final one; a resumed run appends to it)
@@ -23,6 +22,8 @@ import os
 import sys
 import time
 
+from . import error_line, program
+
 SCALARS = [("loss", "train/loss"), ("lr", "train/lr"), ("grad_norm", "train/grad_norm"),
            ("tokens_per_s", "train/tokens_per_s"), ("model_tflops_per_s", "train/model_tflops_per_s"),
            ("seq_len", "train/seq_len"), ("eval_loss", "eval/loss")]
@@ -39,7 +40,7 @@ class ArgumentParser(argparse.ArgumentParser):
 
 def fail(message):
     """Bad input ends as one line and status 2."""
-    print(f"tensorboard_follow: error: {message}", file=sys.stderr)
+    print(error_line("tensorboard_follow", message), file=sys.stderr)
     sys.exit(2)
 
 
@@ -104,7 +105,7 @@ def follow(path, writer, keep_following, poll):
 
 
 def main(argv):
-    parser = ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog=program("tensorboard_follow", "tensorboard"), description=__doc__.splitlines()[0])
     parser.add_argument("metrics")
     parser.add_argument("--logdir", required=True)
     parser.add_argument("--follow", action="store_true")

@@ -1,8 +1,7 @@
-#!/usr/bin/env python3
 """Tokenizes documents, instruction pairs and conversations into upipe's training files
 (`upipe prepare-data` runs this).
 
-usage: prepare_data.py --tokenizer MODEL_DIR --out PREFIX [options] INPUT...
+usage: upipe prepare-data --tokenizer MODEL_DIR --out PREFIX [options] INPUT...
 
 Inputs
 ------
@@ -108,10 +107,9 @@ import sys
 import time
 import zlib
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import chat_data  # noqa: E402  (the modules beside this script; the upipe binary carries them too)
-from corpus_writer import SplitWriter  # noqa: E402
-from prepare_encode import Consumer, PrepareError, encode_all, quiet_tokenizers_threads  # noqa: E402,F401
+from . import chat_data, error_line, program
+from .corpus_writer import SplitWriter
+from .prepare_encode import Consumer, PrepareError, encode_all, quiet_tokenizers_threads  # noqa: F401
 
 FORMAT = "upipe-tokens"
 VERSION = 1
@@ -501,10 +499,10 @@ class ArgumentParser(argparse.ArgumentParser):
 
 def parse_args(argv):
     p = ArgumentParser(
-        prog="prepare_data.py",
+        prog=program("prepare_data", "prepare-data"),
         description="Tokenize documents into upipe token files (PREFIX.tokens, PREFIX.index, PREFIX.json).",
-        epilog="The file format is described at the top of this script (python3 -c "
-               "\"import sys; sys.path.insert(0, 'scripts'); import prepare_data; help(prepare_data)\").")
+        epilog="The file format is described at the top of the module (from a checkout: "
+               "PYTHONPATH=python python3 -m pydoc upipe_tools.prepare_data).")
     p.add_argument("inputs", nargs="+", metavar="INPUT",
                    help="text files (one document each), folders (recursed), .jsonl, .jsonl.gz, .parquet")
     p.add_argument("--tokenizer", required=True, metavar="MODEL_DIR",
@@ -707,8 +705,7 @@ def main(argv=None):
 
 
 def fail(message):
-    command = os.environ.get("UPIPE_COMMAND")
-    print(f"upipe: error: {command}: {message}" if command else f"prepare_data: error: {message}", file=sys.stderr)
+    print(error_line("prepare_data", message), file=sys.stderr)
 
 
 if __name__ == "__main__":
