@@ -13,6 +13,8 @@ CPU in float32:
 - PeftModel.from_pretrained(base, adapter) has the loss of `upipe step --model BASE
   --adapter ADAPTER` on 64 fixed tokens within 1e-5 relative, and the adapters moved away
   from their initialization (B is not zero);
+- the run directory itself loads in PEFT as its latest checkpoint (the adapter links at its
+  root), and `upipe step --adapter` takes it and its `latest` with the same loss;
 - the export merged into the base (`upipe export BASE OUT --merge-adapter ADAPTER`, fp32)
   loads in transformers with PEFT's loss within 1e-5 relative, and PEFT's own
   merge_and_unload gives the same weights within 1e-6;
@@ -66,6 +68,15 @@ def main():
         rel = abs(ours - theirs) / abs(theirs)
         check(rel < 1e-5, f"{name}: upipe step with the adapter {ours:.7f}, PEFT {peft.__version__} "
                           f"PeftModel.from_pretrained {theirs:.7f}, relative {rel:.1e}")
+        run_dir = adapter.parent
+        from_run = loss_of(peft.PeftModel.from_pretrained(base_model(base), run_dir), torch_ids)
+        check(from_run == theirs, f"{name}: PeftModel.from_pretrained(base, the run directory) loads its latest "
+                                  f"adapter ({from_run:.7f})")
+        for named in (run_dir, run_dir / "latest"):
+            upipe(binary, "step", "--model", base, "--adapter", named, "--tokens", tokens, "--seq-len", 64, "--cp", 1,
+                  "--json", step)
+            again = json.loads(step.read_text())["loss"]
+            check(again == ours, f"{name}: upipe step --adapter {named.relative_to(work)}: {again:.7f}")
         base_loss = loss_of(base_model(base), torch_ids)
         check(abs(base_loss - theirs) > 1e-4, f"{name}: the adapter changes the loss ({base_loss:.7f} -> {theirs:.7f})")
         merged = work / f"{name}-merged"
