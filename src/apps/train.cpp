@@ -170,7 +170,7 @@ void show_fine_tune_defaults(CLI::App& app) {
              "saving a checkpoint (continue with --resume DIR); 128 + the signal when stopped with nothing saved.");
 }
 
-// The fine-tune set, for options that no flag, file or checkpoint gave (docs: README,
+// The fine-tune set, for options that no flag, file or checkpoint gave (docs/train.md,
 // "Fine-tuning defaults"); the rest (--seq-len, --steps) follow from the model and the data.
 void apply_fine_tune_defaults(run_options& opts) {
   const bool lora = !opts.config().lora.empty() || !opts.config().init_adapter.empty();
@@ -515,7 +515,7 @@ resolved_run resolve_run(run_options& opts) {
   if (f.config.empty() && !f.model.empty()) f.model = resolve_checkpoint(f.model);
   const std::string pretrained = pretrained_source(f);
   if (!pretrained.empty()) apply_fine_tune_defaults(opts);
-  out.defaults = pretrained.empty() ? "demo (the passkey task's; README: Fine-tuning defaults)"
+  out.defaults = pretrained.empty() ? "demo (the passkey task's; docs/train.md: Fine-tuning defaults)"
                                     : "fine-tune (the run starts from pretrained weights: " + pretrained + ")";
   opts.resolve_paths();
   out.options = to_options(opts, !pretrained.empty());

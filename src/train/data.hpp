@@ -44,8 +44,8 @@ class token_file {
   const std::uint32_t* tokens_ = nullptr;
 };
 
-// A tokenized corpus of documents as `upipe prepare-data` writes it (README, "Your
-// documents"): PREFIX.tokens (uint32 ids), PREFIX.index (uint64 offsets, documents + 1),
+// A tokenized corpus of documents as `upipe prepare-data` writes it (docs/data.md):
+// PREFIX.tokens (uint32 ids), PREFIX.index (uint64 offsets, documents + 1),
 // PREFIX.json (the manifest) and, where its examples mask tokens out of the loss,
 // PREFIX.mask (a byte per token, 1 for a target). Sequences are consecutive windows of S
 // tokens over the documents in a shuffled order, epoch after epoch: short documents are
