@@ -16,6 +16,16 @@ void run(const sdpa_backward_args& args);
 // FP8 attention (attention_fp8.cpp): run() hands a call with arithmetic fp8 to these.
 void run_fp8(const sdpa_forward_args& args);
 void run_fp8(const sdpa_backward_args& args);
+// The roundings FP8's fused kernels make inside a call (ops/fp8_attention.hpp): P in E4M3 at
+// fp8_probability_scale where it meets V (forward) or dO (backward), and dS in E5M2 at
+// d_s_scale where it meets K and Q. Off: exact attention.
+struct fp8_inner_rounding {
+  bool on = false;
+  float d_s_scale = 1.0f;
+};
+// Attention on the arguments' values as they are (attention.cpp), with those roundings.
+void run_attention(const sdpa_forward_args& args, const fp8_inner_rounding& fp8);
+void run_attention(const sdpa_backward_args& args, const fp8_inner_rounding& fp8);
 void run(const rope_args& args);
 void run(const rmsnorm_forward_args& args);
 void run(const rmsnorm_backward_args& args);

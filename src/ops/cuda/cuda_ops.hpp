@@ -9,6 +9,7 @@
 #include <cstddef>
 #include <functional>
 #include <memory>
+#include <string>
 
 #include "core/dtype.hpp"
 #include "ops/op_args.hpp"
@@ -116,6 +117,10 @@ class sdpa_engine {
   void backward(const sdpa_backward_args& args);
   // cudnnGetVersion() of the library loaded at run time.
   static std::size_t library_version();
+  // What the loaded cuDNN itself answers for FP8 attention at this head dim (a small causal
+  // grouped-query graph built and its plans checked, with none of upipe's rules in front):
+  // empty where it runs, else cuDNN's reason.
+  static std::string fp8_support(std::int64_t head_dim, bool backward);
 
  private:
   struct impl;
