@@ -111,7 +111,7 @@ def train(args, model, name):
            "--batch", "1", "--seq-warmup", "0", "--steps", str(args.steps), "--warmup", str(args.steps // 10),
            "--lr", str(args.lr), "--weight-decay", "0.1", "--max-grad-norm", "1.0", "--seed", "3",
            "--eval-samples", "0", "--eval-every", str(args.steps // 4), "--eval-data", str(args.out / "heldout.tokens"),
-           "--eval-sequences", "8", "--optimizer-state", moments, "--master-weights", master, "--grad-dtype", grads,
+           "--eval-sequences", str(args.eval_sequences), "--optimizer-state", moments, "--master-weights", master, "--grad-dtype", grads,
            "--attention-dtype", attention,
            "--memory-gib", str(args.memory_gib), "--metrics-json", str(metrics)]
     print("+", " ".join(cmd), flush=True)
@@ -135,6 +135,7 @@ def main():
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--corpus-mib", type=int, default=16)
+    p.add_argument("--eval-sequences", type=int, default=8, help="held-out sequences of --seq-len each eval reads")
     p.add_argument("--memory-gib", type=float, default=4)
     p.add_argument("--formats", default=",".join(LEAN_FORMATS))
     args = p.parse_args()

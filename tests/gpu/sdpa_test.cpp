@@ -25,6 +25,7 @@
 #include "backend/ops.hpp"
 #include "core/dtype.hpp"
 #include "core/error.hpp"
+#include "ops/cpu/cpu_ops.hpp"
 #include "ops/cuda/cuda_ops.hpp"
 #include "ops/fp8_attention.hpp"
 #include "gpu_support.hpp"
@@ -299,6 +300,57 @@ TEST(gpu_sdpa, fp8_matches_the_cpu_definition) {
       cases.push_back({1000, 1000, 4, 2, d, attn_mask::causal, d % 32 == 0, false, 0, 0, 0, {}, fp8, false});
   std::uint32_t seed = 41;
   for (const attention_case& c : cases) check_case(*gpu, *cpu, c, seed++);
+}
+
+// Which reading of the kernels' inner roundings the GPU follows: the GPU's outputs against
+// the cpu's FP8 attention under each reading (printed; the definition is the one asserted
+// above).
+TEST(gpu_sdpa, fp8_readings_of_the_kernels) {
+  if (!have_gpu()) GTEST_SKIP() << "no GPU";
+  auto gpu = make_backend(backend_kind::cuda, gpu_limits());
+  auto cpu = make_cpu_backend(cpu_limits());
+  const auto fp8 = attention_dtype::fp8;
+  const attention_case cases[] = {
+      {1000, 1000, 8, 4, 128, attn_mask::causal, false, false, 0, 0, 0, {}, fp8},
+      {128, 1000, 8, 1, 128, attn_mask::none, false, false, 0, 0, 0, {}, fp8},
+      {1000, 1000, 4, 4, 128, attn_mask::none, false, false, 0, 0, 0, {}, fp8},
+  };
+  const std::pair<const char*, cpu::fp8_inner_rounding> readings[] = {
+      {"definition", {}},
+      {"no P rounding", {.round_p = false}},
+      {"no dS rounding", {.round_d_s = false}},
+      {"neither", {.round_p = false, .round_d_s = false}},
+      {"P block 64", {.p_block = 64}},
+      {"P block 128", {.p_block = 128}},
+      {"P block 64 reversed", {.p_block = 64, .p_block_reverse = true}},
+      {"P block 128 reversed", {.p_block = 128, .p_block_reverse = true}},
+      {"P block 256", {.p_block = 256}},
+      {"dS unscaled", {.d_s_unscaled = true}},
+      {"dS unscaled, P block 128", {.p_block = 128, .d_s_unscaled = true}},
+      {"sum of rounded P", {.sum_rounded = true}},
+      {"sum of rounded P, block 128", {.p_block = 128, .sum_rounded = true}},
+      {"sum rounded, block 128, dS unscaled", {.p_block = 128, .d_s_unscaled = true, .sum_rounded = true}},
+  };
+  std::uint32_t seed = 71;
+  for (const attention_case& c : cases) {
+    const host_inputs in = make_inputs(c, seed++);
+    const attention_run g = make_run(*gpu, c, in);
+    run_attention(*gpu, g, c);
+    for (const auto& [name, reading] : readings) {
+      const attention_run r = make_run(*cpu, c, in);
+      const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(c.d)));
+      cpu::run_fp8(sdpa_forward_args{r.q.view, r.k.view, r.v.view, r.out.view, r.lse.view, c.mask, scale, {}, 0, fp8},
+                   reading);
+      sdpa_backward_args b{r.q.view, r.k.view, r.v.view, r.out.view, r.d_out.view, r.lse.view, r.d_q.view, r.d_k.view,
+                           r.d_v.view, c.mask, scale, {}, 0, fp8};
+      cpu::run_fp8(b, reading);
+      std::printf("reading %-26s %s:", name, name_of(c).c_str());
+      for (const auto& [label, got, want] : {std::tuple{"out", &g.out, &r.out}, std::tuple{"d_q", &g.d_q, &r.d_q},
+                                             std::tuple{"d_k", &g.d_k, &r.d_k}, std::tuple{"d_v", &g.d_v, &r.d_v}})
+        std::printf(" %s %.3e", label, compare(*gpu, *got, *cpu, *want).head_rms());
+      std::printf("\n");
+    }
+  }
 }
 
 // The rows of ops/fp8_attention.hpp are what the loaded cuDNN runs: every multiple of 16 up

@@ -52,10 +52,34 @@ void forward_row(const sdpa_forward_args& args, std::int64_t i, std::int64_t h, 
   }
   std::fill(acc.begin(), acc.end(), 0.0);
   double sum = 0.0;
+  if (fp8.on && fp8.p_block > 0) {
+    // The online softmax over key blocks: P rounded against the max seen so far.
+    const std::int64_t blocks = (keys + fp8.p_block - 1) / fp8.p_block;
+    double running = neg_inf;
+    for (std::int64_t n = 0; n < blocks; ++n) {
+      const std::int64_t b = fp8.p_block_reverse ? blocks - 1 - n : n;
+      const std::int64_t lo = std::max(first, b * fp8.p_block), hi = std::min(keys, (b + 1) * fp8.p_block);
+      if (lo >= hi) continue;
+      double top = running;
+      for (std::int64_t j = lo; j < hi; ++j) top = std::max(top, scores[j]);
+      const double rescale = running == neg_inf ? 0.0 : std::exp(running - top);
+      sum *= rescale;
+      for (double& a : acc) a *= rescale;
+      running = top;
+      for (std::int64_t j = lo; j < hi; ++j) {
+        const double p = std::exp(scores[j] - top);
+        const double p_v = fp8.round_p ? fp8_probability(p) : p;
+        sum += fp8.sum_rounded ? p_v : p;
+        const float* v = at(args.v, j, g);
+        for (std::int64_t x = 0; x < d; ++x) acc[x] += p_v * v[x];
+      }
+    }
+    max_score = running;
+  } else
   for (std::int64_t j = first; j < keys; ++j) {
     const double p = std::exp(scores[j] - max_score);
-    sum += p;
-    const double p_v = fp8.on ? fp8_probability(p) : p;
+    const double p_v = fp8.on && fp8.round_p ? fp8_probability(p) : p;
+    sum += fp8.on && fp8.sum_rounded ? p_v : p;
     const float* v = at(args.v, j, g);
     for (std::int64_t x = 0; x < d; ++x) acc[x] += p_v * v[x];
   }
@@ -91,10 +115,12 @@ void backward_row(const sdpa_backward_args& args, std::int64_t i, std::int64_t h
     double* d_k = kv.d_k.data() + j * d;
     double* d_v = kv.d_v.data() + j * d;
     if (fp8.on) {
-      const double d_s = round_to_fp8(static_cast<float>(args.scale * p * (d_p - row_dot)) * fp8.d_s_scale,
-                                      fp8_format::e5m2) /
-                         fp8.d_s_scale;
-      const double p_o = fp8_probability(p);
+      const double raw = fp8.d_s_unscaled ? p * (d_p - row_dot) : args.scale * p * (d_p - row_dot);
+      double d_s = fp8.round_d_s ? round_to_fp8(static_cast<float>(raw) * fp8.d_s_scale, fp8_format::e5m2) /
+                                       fp8.d_s_scale
+                                 : raw;
+      if (fp8.d_s_unscaled) d_s *= args.scale;
+      const double p_o = fp8.round_p ? fp8_probability(p) : p;
       for (std::int64_t x = 0; x < d; ++x) {
         d_q[x] += d_s * k[x];
         d_k[x] += d_s * q[x];

@@ -59,7 +59,10 @@ class quantized_copy {
 
 }  // namespace
 
-void run_fp8(const sdpa_forward_args& args) {
+void run_fp8(const sdpa_forward_args& args) { run_fp8(args, fp8_inner_rounding{}); }
+void run_fp8(const sdpa_backward_args& args) { run_fp8(args, fp8_inner_rounding{}); }
+
+void run_fp8(const sdpa_forward_args& args, const fp8_inner_rounding& reading) {
   const fp8_forward_scales s = fp8_forward_scales_of(amax_of(args.q), amax_of(args.k), amax_of(args.v));
   const quantized_copy q(args.q, s.q, fp8_format::e4m3), k(args.k, s.k, fp8_format::e4m3),
       v(args.v, s.v, fp8_format::e4m3);
@@ -67,11 +70,13 @@ void run_fp8(const sdpa_forward_args& args) {
   quantized.q = q.view();
   quantized.k = k.view();
   quantized.v = v.view();
-  run_attention(quantized, {.on = true});
+  fp8_inner_rounding inner = reading;
+  inner.on = true;
+  run_attention(quantized, inner);
   quantize_in_place(args.out, s.o, fp8_format::e4m3);
 }
 
-void run_fp8(const sdpa_backward_args& args) {
+void run_fp8(const sdpa_backward_args& args, const fp8_inner_rounding& reading) {
   const fp8_backward_amax a{amax_of(args.q), amax_of(args.k), amax_of(args.v), amax_of(args.out),
                             amax_of(args.d_out)};
   const fp8_backward_scales s = fp8_backward_scales_of(a, args.q.tokens, args.q.dim, args.scale);
@@ -84,7 +89,10 @@ void run_fp8(const sdpa_backward_args& args) {
   quantized.v = v.view();
   quantized.out = out.view();
   quantized.d_out = d_out.view();
-  run_attention(quantized, {.on = true, .d_s_scale = s.d_s});
+  fp8_inner_rounding inner = reading;
+  inner.on = true;
+  inner.d_s_scale = s.d_s;
+  run_attention(quantized, inner);
   quantize_in_place(args.d_q, s.d_q, fp8_format::e5m2);
   quantize_in_place(args.d_k, s.d_k, fp8_format::e5m2);
   quantize_in_place(args.d_v, s.d_v, fp8_format::e5m2);

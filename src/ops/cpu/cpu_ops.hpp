@@ -22,7 +22,15 @@ void run_fp8(const sdpa_backward_args& args);
 struct fp8_inner_rounding {
   bool on = false;
   float d_s_scale = 1.0f;
+  // Other readings of the kernels' order, measured against the GPU by a test: P rounded
+  // against the running max over key blocks of p_block (in reverse with p_block_reverse);
+  // dS rounded before the attention scale multiplies it; either rounding left out.
+  std::int64_t p_block = 0;
+  bool p_block_reverse = false, d_s_unscaled = false, round_p = true, round_d_s = true, sum_rounded = false;
 };
+// run_fp8 with a reading of the kernels other than the definition's (its scales filled in).
+void run_fp8(const sdpa_forward_args& args, const fp8_inner_rounding& reading);
+void run_fp8(const sdpa_backward_args& args, const fp8_inner_rounding& reading);
 // Attention on the arguments' values as they are (attention.cpp), with those roundings.
 void run_attention(const sdpa_forward_args& args, const fp8_inner_rounding& fp8);
 void run_attention(const sdpa_backward_args& args, const fp8_inner_rounding& fp8);
