@@ -14,6 +14,7 @@
 #include "apps/sizes.hpp"
 #include "backend/op_harness.hpp"
 #include "bench/kernel_bench.hpp"
+#include "bench/moe_gemm_bench.hpp"
 #include "core/error.hpp"
 #include "core/limits.hpp"
 #include "cp/attention_config.hpp"
@@ -28,7 +29,37 @@ struct kernel_flags {
   double memory_gib = 40;
   bool registry = false;
   std::vector<std::string> attention_lengths;  // --attention-dtypes: the bf16 against fp8 sweep
+  std::vector<std::string> moe_tokens;         // --moe: the expert GEMMs at these token counts
+  double moe_skew = 0.3;
 };
+
+// The expert GEMMs of Qwen3-30B-A3B and Mixtral at each token count: every form through the
+// per-expert loop and each grouped engine, beside a dense GEMM of the same FLOPs.
+int run_moe_gemms(backend& be, const kernel_flags& f) {
+  if (!(f.moe_skew >= 0.0 && f.moe_skew <= 8.0))
+    throw config_error("--moe-skew " + real_text(f.moe_skew) + " must lie between 0 (uniform routing) and 8; for "
+                       "example --moe-skew 0.3");
+  std::printf("# expert GEMMs: token t's k experts drawn by Gumbel top-k over (1 + e)^-%.2f (seeded); TFLOP/s over the "
+              "routed rows; vs_dense = over a dense GEMM of the same FLOPs in this run\n",
+              f.moe_skew);
+  std::printf("%-14s %8s %-12s %-8s %9s %9s %8s %10s %10s %9s\n", "model", "tokens", "form", "engine", "rows",
+              "busiest", "idle", "time_ms", "TFLOP/s", "vs_dense");
+  nlohmann::json rows = nlohmann::json::array();
+  for (const std::string& text : f.moe_tokens) {
+    const std::int64_t tokens = parse_seq_len(text, "--moe");
+    for (const moe_gemm_shape& shape : moe_gemm_shapes())
+      for (const moe_gemm_timing& t : run_moe_gemm_bench(be, shape, tokens, f.repeats, f.moe_skew)) {
+        std::printf("%-14s %8lld %-12s %-8s %9lld %9lld %8lld %10.3f %10.1f %8.2fx\n", t.model.c_str(),
+                    static_cast<long long>(t.tokens), t.form.c_str(), t.engine.c_str(), static_cast<long long>(t.rows),
+                    static_cast<long long>(t.busiest), static_cast<long long>(t.idle), t.ms, t.tflops, t.vs_dense);
+        rows.push_back({{"model", t.model}, {"tokens", t.tokens}, {"form", t.form}, {"engine", t.engine},
+                        {"rows", t.rows}, {"busiest_expert_rows", t.busiest}, {"idle_experts", t.idle},
+                        {"time_ms", t.ms}, {"tflops", t.tflops}, {"vs_dense", t.vs_dense}, {"skew", f.moe_skew}});
+      }
+  }
+  if (!f.json_path.empty()) write_json_file(f.json_path, rows);
+  return 0;
+}
 
 // Fused attention in bf16 and fp8 at each length: one row each, the speedup over bf16.
 int run_attention_dtypes(backend& be, const kernel_flags& f, const kernel_bench_options& o) {
@@ -65,6 +96,7 @@ int run(const kernel_flags& f) {
   std::printf("# upipe bench-kernels  backend=%s (%s)  tokens=%lld  repeats=%d  (Llama3-8B layer shapes)\n",
               f.backend.c_str(), be->library_versions().c_str(), static_cast<long long>(o.tokens), o.repeats);
   if (!f.attention_lengths.empty()) return run_attention_dtypes(*be, f, o);
+  if (!f.moe_tokens.empty()) return run_moe_gemms(*be, f);
   if (f.registry) {
     // Every registered op's perf case (backend/op_registry.cpp), against the device copy
     // bandwidth and the GEMM's rate.
@@ -105,6 +137,13 @@ command_runner add_bench_kernels(CLI::App& app) {
                  "time fused attention forward+backward (causal, d 128, Llama3-8B heads) in bf16 and in fp8 at these "
                  "lengths instead (comma list, K and M suffixes: 32K,128K,512K,1M)")
       ->delimiter(',');
+  app.add_option("--moe", f->moe_tokens,
+                 "time a mixture of experts' GEMMs instead, at Qwen3-30B-A3B's and Mixtral's expert shapes and these "
+                 "token counts (comma list, K suffix: 16K,32K,64K): the per-expert loop, CUTLASS's and cuBLAS's grouped "
+                 "GEMMs and a dense GEMM of the same FLOPs")
+      ->delimiter(',');
+  app.add_option("--moe-skew", f->moe_skew, "--moe's routing skew s: expert e drawn with weight (1 + e)^-s")
+      ->capture_default_str();
   app.add_option("--json", f->json_path, "write the rows as JSON")->check(output_file_flag("--json"));
   return [f] { return run(*f); };
 }

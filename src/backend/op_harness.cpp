@@ -76,6 +76,12 @@ std::vector<float> fetch(backend& be, const tensor& t) {
     std::copy(codes.begin(), codes.end(), out.begin());
     return out;
   }
+  if (t.type() == dtype::i32) {  // ids and rows (exact below 2^24), compared as numbers
+    std::vector<std::int32_t> ids(out.size());
+    be.download_bytes(ids.data(), t, ids.size() * sizeof(std::int32_t));
+    std::copy(ids.begin(), ids.end(), out.begin());
+    return out;
+  }
   be.download_f32(out.data(), t);
   return out;
 }

@@ -18,6 +18,7 @@ namespace upipe::cuda {
 
 class gemm_engine;
 class sdpa_engine;
+class grouped_gemm_engine;
 
 // What an op runs with on the GPU: the backend's stream, its library engines and its
 // device scratch. A launcher that needs only the stream takes context{.stream = s}.
@@ -26,6 +27,7 @@ struct context {
   gemm_engine* gemm = nullptr;    // gemm_args
   sdpa_engine* sdpa = nullptr;    // sdpa_forward_args, sdpa_backward_args
   double* sum_result = nullptr;   // (1) f64 device memory, sum_squares_args
+  grouped_gemm_engine* grouped = nullptr;  // moe_grouped_gemm_args
 };
 
 // One launcher per op, named run so that the CUDA backend dispatches an `op` with one
@@ -50,10 +52,14 @@ void run(const bias_add_args& args, const context& ctx);
 void run(const bias_grad_args& args, const context& ctx);
 void run(const moe_route_args& args, const context& ctx);
 void run(const moe_route_backward_args& args, const context& ctx);
-void run(const moe_gather_args& args, const context& ctx);
-void run(const moe_scatter_args& args, const context& ctx);
-void run(const moe_scatter_backward_args& args, const context& ctx);
-void run(const sigmoid_gate_forward_args& args, const context& ctx);
+void run(const moe_dispatch_args& args, const context& ctx);
+void run(const moe_permute_args& args, const context& ctx);
+void run(const moe_combine_args& args, const context& ctx);
+void run(const moe_combine_backward_args& args, const context& ctx);
+void run(const moe_balance_args& args, const context& ctx);
+// Through ctx.grouped: CUTLASS never waits; cuBLAS reads the groups' sizes on the host
+// (the stream synchronized once a call).
+void run(const moe_grouped_gemm_args& args, const context& ctx);
 void run(const sigmoid_gate_backward_args& args, const context& ctx);
 void run(const cross_entropy_args& args, const context& ctx);
 void run(const adamw_args& args, const context& ctx);
@@ -101,6 +107,21 @@ class gemm_engine {
   gemm_engine(cudaStream_t stream, const scratch_fn& scratch);
   ~gemm_engine();
   void run(const gemm_args& args);
+
+ private:
+  struct impl;
+  std::unique_ptr<impl> impl_;
+};
+
+// The grouped expert GEMMs (ops/cuda/grouped_gemm.hpp): CUTLASS's grouped GEMM, the groups'
+// sizes read on the device, or cuBLAS's grouped batched GEMM, the sizes read on the host.
+// Their device arrays and CUTLASS's workspace take grouped_gemm_workspace_bytes of the
+// arena at the first call, kept.
+class grouped_gemm_engine {
+ public:
+  grouped_gemm_engine(cudaStream_t stream, const scratch_fn& scratch);
+  ~grouped_gemm_engine();
+  void run(const moe_grouped_gemm_args& args);
 
  private:
   struct impl;
