@@ -70,6 +70,8 @@ struct gated_delta_case {
   bool initial_state = false;      // the case has an "initial_state" tensor
   std::vector<std::int64_t> starts;
   std::int64_t first = 0;
+  double scale = 0;  // 0: d_k^-0.5
+  bool l2 = true;    // q and k L2-normalized
 };
 // out and final_state.
 void gated_delta_forward(host_case& t, const gated_delta_case& c);
