@@ -338,9 +338,11 @@ double rel_error64(const std::vector<double>& got, const std::vector<double>& wa
   return scale > 0 ? err / scale : err;
 }
 
-TEST(gated_delta_cp_float64, four_segments_give_the_whole_to_rounding) {
+class gated_delta_cp_float64 : public ::testing::TestWithParam<std::int64_t> {};
+
+TEST_P(gated_delta_cp_float64, segments_give_the_whole_to_rounding) {
   const gdr_data d = cp_data();
-  const std::int64_t segments = 4, state = d.hv * d.dk * d.dv, square = d.hv * d.dk * d.dk;
+  const std::int64_t segments = GetParam(), state = d.hv * d.dk * d.dv, square = d.hv * d.dk * d.dk;
   const f64::gated_delta_case whole_case{d.s, d.hk, d.hv, d.dk, d.dv, false, d.starts, 0};
   f64::host_case whole = f64_segment(d, 0, d.s);
   f64::gated_delta_forward(whole, whole_case);
@@ -385,6 +387,66 @@ TEST(gated_delta_cp_float64, four_segments_give_the_whole_to_rounding) {
     EXPECT_LT(rel_error64(split[name], whole[name]), 1e-12) << name;
   EXPECT_LT(rel_error64(parts.back()["final_state"], whole["final_state"]), 1e-12);
 }
+
+INSTANTIATE_TEST_SUITE_P(segments, gated_delta_cp_float64, ::testing::Values(2, 4, 8));
+
+// The causal conv split as the ranks hold it: each segment with the K - 1 rows before it as
+// its halo gives the whole's outputs; its d_halo, added to the rows it came from, and the
+// segments' d_weight summed, give the whole's gradients.
+struct conv_run {
+  std::vector<float> y, d_x, d_halo, d_weight;
+};
+
+conv_run run_conv(backend& be, const std::vector<float>& x, const std::vector<float>& w, const std::vector<float>& d_y,
+                  std::int64_t channels, std::int64_t taps, std::int64_t r0, std::int64_t r1,
+                  const std::vector<std::int64_t>& starts) {
+  const gdr_data none{};
+  segment sg{be, r1 - r0, r0, none, {}};
+  const std::int64_t halo_rows = std::min(r0, taps - 1);
+  const std::vector<float> xs = rows_of(x, channels, r0, r1), dys = rows_of(d_y, channels, r0, r1);
+  const std::vector<float> halo = rows_of(x, channels, r0 - halo_rows, r0);
+  const mat_view xv = sg.make({sg.rows, channels}, &xs, "x").matrix();
+  const mat_view hv = halo_rows > 0 ? sg.make({halo_rows, channels}, &halo, "halo").matrix() : mat_view{};
+  const mat_view wv = sg.make({channels, taps}, &w, "weight").matrix();
+  const mat_view yv = sg.make({sg.rows, channels}, nullptr, "y").matrix();
+  const mat_view dyv = sg.make({sg.rows, channels}, &dys, "d_y").matrix();
+  const mat_view dxv = sg.make({sg.rows, channels}, nullptr, "d_x").matrix();
+  const mat_view dhv = halo_rows > 0 ? sg.make({halo_rows, channels}, nullptr, "d_halo").matrix() : mat_view{};
+  const mat_view dwv = sg.make({channels, taps}, nullptr, "d_weight").matrix();
+  const sequence_documents documents{starts, r0};
+  ops::causal_conv_forward(be, {xv, hv, wv, yv, documents});
+  ops::causal_conv_backward(be, {xv, hv, wv, dyv, dxv, dhv, dwv, documents});
+  return {sg.read(yv), sg.read(dxv), halo_rows > 0 ? sg.read(dhv) : std::vector<float>{}, sg.read(dwv)};
+}
+
+class causal_conv_cp : public ::testing::TestWithParam<std::int64_t> {};
+
+TEST_P(causal_conv_cp, segments_with_halos_give_the_whole) {
+  auto be = op_test::make_test_backend();
+  const std::int64_t rows = 50, channels = 6, taps = 4, segments = GetParam();
+  const std::vector<std::int64_t> starts = {0, 13, 25, 40};  // 25: the 2-way segment edge
+  std::mt19937 rng(11);
+  std::uniform_real_distribution<float> dist(-1, 1);
+  std::vector<float> x(rows * channels), w(channels * taps), d_y(x.size());
+  for (auto* v : {&x, &w, &d_y})
+    for (float& e : *v) e = dist(rng);
+  const conv_run whole = run_conv(*be, x, w, d_y, channels, taps, 0, rows, starts);
+  std::vector<float> y, d_x(x.size(), 0.0f), d_w(w.size(), 0.0f);
+  const std::vector<std::int64_t> edges = segment_edges(rows, segments);
+  for (std::int64_t r = 0; r < segments; ++r) {
+    const conv_run part = run_conv(*be, x, w, d_y, channels, taps, edges[r], edges[r + 1], starts);
+    append(y, part.y);
+    for (std::size_t i = 0; i < part.d_x.size(); ++i) d_x[edges[r] * channels + i] += part.d_x[i];
+    const std::int64_t halo_first = edges[r] - static_cast<std::int64_t>(part.d_halo.size()) / channels;
+    for (std::size_t i = 0; i < part.d_halo.size(); ++i) d_x[halo_first * channels + i] += part.d_halo[i];
+    for (std::size_t i = 0; i < d_w.size(); ++i) d_w[i] += part.d_weight[i];
+  }
+  EXPECT_LT(rel_error(y, whole.y), 1e-6);
+  EXPECT_LT(rel_error(d_x, whole.d_x), 1e-6);
+  EXPECT_LT(rel_error(d_w, whole.d_weight), 1e-6);
+}
+
+INSTANTIATE_TEST_SUITE_P(segments, causal_conv_cp, ::testing::Values(2, 4, 8));
 
 // Bad arguments: the entry names the value and the rule.
 TEST(gated_delta_entries, refuse_a_chunk_size_a_head_ratio_and_a_workspace_that_do_not_fit) {
