@@ -448,6 +448,28 @@ TEST_P(causal_conv_cp, segments_with_halos_give_the_whole) {
 
 INSTANTIATE_TEST_SUITE_P(segments, causal_conv_cp, ::testing::Values(2, 4, 8));
 
+// The workspace's size and the passes it allows agree, for every op; a pass of all the
+// chunks is the most, and a workspace too small for any pass allows none.
+TEST(gated_delta_workspace, sizes_and_pass_lengths_agree) {
+  const gated_delta_shape shape{1000, 2, 6, 32, 48};
+  const std::int64_t chunks = gated_delta_chunks(shape.tokens);
+  EXPECT_EQ(chunks, 16);
+  for (const gated_delta_pass pass : {gated_delta_pass::forward, gated_delta_pass::backward, gated_delta_pass::summary,
+                                      gated_delta_pass::summary_backward}) {
+    for (const std::int64_t p : {std::int64_t{1}, std::int64_t{5}, chunks}) {
+      const std::int64_t floats = gated_delta_workspace_floats(shape, pass, p);
+      EXPECT_GE(gated_delta_chunks_per_pass(shape, pass, floats), p);
+      EXPECT_GT(floats, 0);
+    }
+    EXPECT_EQ(gated_delta_chunks_per_pass(shape, pass, 1 << 30), chunks);
+    EXPECT_EQ(gated_delta_chunks_per_pass(shape, pass, 100), 0);
+    EXPECT_GT(gated_delta_flops(shape, pass), 0.0);
+  }
+  // The backward's pass buffers grow with the pass and its boundary states shrink.
+  EXPECT_GT(gated_delta_workspace_floats(shape, gated_delta_pass::backward, chunks),
+            gated_delta_workspace_floats(shape, gated_delta_pass::forward, chunks));
+}
+
 // Bad arguments: the entry names the value and the rule.
 TEST(gated_delta_entries, refuse_a_chunk_size_a_head_ratio_and_a_workspace_that_do_not_fit) {
   auto be = op_test::make_test_backend();
