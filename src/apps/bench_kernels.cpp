@@ -181,6 +181,7 @@ command_runner add_bench_kernels(CLI::App& app) {
                  "GEMMs and a dense GEMM of the same FLOPs")
       ->delimiter(',');
   app.add_option("--moe-skew", f->moe_skew, "--moe's routing skew s: expert e drawn with weight (1 + e)^-s")
+      ->capture_default_str();
   app.add_option("--gdn", f->gdn_lengths,
                  "time a Gated DeltaNet layer's gated delta rule forward+backward beside its model's full-attention "
                  "layer at these lengths instead (comma list, K and M suffixes: 32K,128K,512K,1M)")

@@ -568,12 +568,9 @@ using op = std::variant<gemm_args, sdpa_forward_args, sdpa_backward_args, rope_a
                         bias_add_args, bias_grad_args, cross_entropy_args, adamw_args, sum_squares_args,
                         moe_route_args, moe_route_backward_args, moe_dispatch_args, moe_permute_args,
                         moe_combine_args, moe_combine_backward_args, moe_balance_args, moe_grouped_gemm_args,
-                        sigmoid_gate_backward_args>;
-                        moe_route_args, moe_route_backward_args, moe_gather_args, moe_scatter_args,
-                        moe_scatter_backward_args, sigmoid_gate_forward_args, sigmoid_gate_backward_args,
-                        gated_delta_forward_args, gated_delta_backward_args, gated_delta_summary_args,
-                        gated_delta_summary_backward_args, gated_delta_scan_args, causal_conv_forward_args,
-                        causal_conv_backward_args, gated_delta_gates_forward_args,
+                        sigmoid_gate_backward_args, gated_delta_forward_args, gated_delta_backward_args,
+                        gated_delta_summary_args, gated_delta_summary_backward_args, gated_delta_scan_args,
+                        causal_conv_forward_args, causal_conv_backward_args, gated_delta_gates_forward_args,
                         gated_delta_gates_backward_args>;
 
 // Does the CUDA implementation of an op hold device memory of its own beside its
