@@ -303,9 +303,10 @@ TEST(gpu_sdpa, fp8_matches_the_cpu_definition) {
 }
 
 // Which reading of the kernels' inner roundings the GPU follows: the GPU's outputs against
-// the cpu's FP8 attention under each reading (printed; the definition is the one asserted
-// above).
-TEST(gpu_sdpa, fp8_readings_of_the_kernels) {
+// the cpu's FP8 attention under each reading (each printed). The definition must be the
+// closest of them (its worst per-head error within 10% of the best reading's), or the
+// failure names the reading the kernels follow more closely.
+TEST(gpu_sdpa, fp8_definition_is_the_closest_reading_of_the_kernels) {
   if (!have_gpu()) GTEST_SKIP() << "no GPU";
   auto gpu = make_backend(backend_kind::cuda, gpu_limits());
   auto cpu = make_cpu_backend(cpu_limits());
@@ -331,12 +332,15 @@ TEST(gpu_sdpa, fp8_readings_of_the_kernels) {
       {"sum of rounded P, block 128", {.p_block = 128, .sum_rounded = true}},
       {"sum rounded, block 128, dS unscaled", {.p_block = 128, .d_s_unscaled = true, .sum_rounded = true}},
   };
+  // Each reading's worst per-head relative RMS error over the cases and the four outputs.
+  std::vector<double> worst(std::size(readings), 0.0);
   std::uint32_t seed = 71;
   for (const attention_case& c : cases) {
     const host_inputs in = make_inputs(c, seed++);
     const attention_run g = make_run(*gpu, c, in);
     run_attention(*gpu, g, c);
-    for (const auto& [name, reading] : readings) {
+    for (std::size_t n = 0; n < std::size(readings); ++n) {
+      const auto& [name, reading] = readings[n];
       const attention_run r = make_run(*cpu, c, in);
       const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(c.d)));
       cpu::run_fp8(sdpa_forward_args{r.q.view, r.k.view, r.v.view, r.out.view, r.lse.view, c.mask, scale, {}, 0, fp8},
@@ -344,13 +348,19 @@ TEST(gpu_sdpa, fp8_readings_of_the_kernels) {
       sdpa_backward_args b{r.q.view, r.k.view, r.v.view, r.out.view, r.d_out.view, r.lse.view, r.d_q.view, r.d_k.view,
                            r.d_v.view, c.mask, scale, {}, 0, fp8};
       cpu::run_fp8(b, reading);
-      std::printf("reading %-26s %s:", name, name_of(c).c_str());
+      std::printf("reading %-36s %s:", name, name_of(c).c_str());
       for (const auto& [label, got, want] : {std::tuple{"out", &g.out, &r.out}, std::tuple{"d_q", &g.d_q, &r.d_q},
-                                             std::tuple{"d_k", &g.d_k, &r.d_k}, std::tuple{"d_v", &g.d_v, &r.d_v}})
-        std::printf(" %s %.3e", label, compare(*gpu, *got, *cpu, *want).head_rms());
+                                             std::tuple{"d_k", &g.d_k, &r.d_k}, std::tuple{"d_v", &g.d_v, &r.d_v}}) {
+        const double e = compare(*gpu, *got, *cpu, *want).head_rms();
+        worst[n] = std::max(worst[n], e);
+        std::printf(" %s %.3e", label, e);
+      }
       std::printf("\n");
     }
   }
+  const std::size_t best = static_cast<std::size_t>(std::min_element(worst.begin(), worst.end()) - worst.begin());
+  EXPECT_LE(worst[0], 1.1 * worst[best]) << "the kernels follow \"" << readings[best].first << "\" (worst head "
+                                         << worst[best] << ") more closely than the definition (" << worst[0] << ")";
 }
 
 // The rows of ops/fp8_attention.hpp are what the loaded cuDNN runs: every multiple of 16 up
