@@ -157,7 +157,7 @@ def check_segment(words, where, problems, loose=False):
             return
         rest = rest[1:]
     known = every_flag() if command == "*" else flags(command or None)
-    if command == "" and any(w.startswith("--") and FLAG.match(w).group() not in flags(None) for w in rest):
+    if command == "" and any(FLAG.match(w) and FLAG.match(w).group() not in flags(None) for w in rest):
         known = every_flag()  # `upipe --seq-chunks N` names the strategy with a flag, not a command line
     for word in rest:
         m = FLAG.match(word.strip("\"'("))
