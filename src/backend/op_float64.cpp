@@ -39,6 +39,42 @@ void gemm(host_case& t, std::int64_t m, std::int64_t n, std::int64_t k, bool a_t
     }
 }
 
+namespace {
+
+// FP8's online softmax over one row's scores: key tiles of fp8_key_tile from key 0, each
+// exp(s - m) against the running max m, rounded to E4M3 at the probability scale where it
+// meets V; the sum of the exact exponentials. Writes the row's out and lse.
+template <class value_row, class visible>
+void fp8_tiled_softmax(const std::vector<double>& scores, value_row v_row, std::int64_t d, visible sees, double* out,
+                         double& lse) {
+  const auto keys = static_cast<std::int64_t>(scores.size());
+  std::vector<double> acc(static_cast<std::size_t>(d), 0.0);
+  double running = -std::numeric_limits<double>::infinity(), sum = 0.0;
+  for (std::int64_t lo = 0; lo < keys; lo += fp8_key_tile) {
+    const std::int64_t hi = std::min(keys, lo + fp8_key_tile);
+    double top = running;
+    for (std::int64_t j = lo; j < hi; ++j)
+      if (sees(j)) top = std::max(top, scores[j]);
+    if (top == -std::numeric_limits<double>::infinity()) continue;  // no visible key yet
+    const double rescale = running == -std::numeric_limits<double>::infinity() ? 0.0 : std::exp(running - top);
+    sum *= rescale;
+    for (double& a : acc) a *= rescale;
+    running = top;
+    for (std::int64_t j = lo; j < hi; ++j) {
+      if (!sees(j)) continue;
+      const double e = std::exp(scores[j] - top);
+      sum += e;
+      const double e8 = rounded(e, fp8_probability_scale, fp8_format::e4m3);
+      const auto* v = v_row(j);
+      for (std::int64_t x = 0; x < d; ++x) acc[x] += e8 * v[x];
+    }
+  }
+  for (std::int64_t x = 0; x < d; ++x) out[x] = sum > 0.0 ? acc[x] / sum : 0.0;
+  lse = sum > 0.0 ? running + std::log(sum) : -std::numeric_limits<double>::infinity();
+}
+
+}  // namespace
+
 void sdpa_forward(host_case& t, std::int64_t sq, std::int64_t skv, std::int64_t hq, std::int64_t hk, std::int64_t d,
                   bool causal, double scale, attention_rows rows, bool fp8_probabilities) {
   const auto& q = t["q"];
@@ -63,16 +99,17 @@ void sdpa_forward(host_case& t, std::int64_t sq, std::int64_t skv, std::int64_t 
         p[j] = scale * s;
         top = std::max(top, p[j]);
       }
+      if (fp8_probabilities) {
+        fp8_tiled_softmax(p, [&](std::int64_t j) { return &v[(j * hk + g) * d]; }, d, sees,
+                                &out[(i * hq + h) * d], lse[i * hq + h]);
+        continue;
+      }
       double sum = 0;
       for (std::int64_t j = 0; j < skv; ++j) sum += sees(j) ? std::exp(p[j] - top) : 0.0;
       for (std::int64_t x = 0; x < d; ++x) {
         double o = 0;
         for (std::int64_t j = 0; j < skv; ++j)
-          if (sees(j)) {
-            const double e = std::exp(p[j] - top);
-            o += (fp8_probabilities ? rounded(e, fp8_probability_scale, fp8_format::e4m3) : e) / sum *
-                 v[(j * hk + g) * d + x];
-          }
+          if (sees(j)) o += std::exp(p[j] - top) / sum * v[(j * hk + g) * d + x];
         out[(i * hq + h) * d + x] = o;
       }
       lse[i * hq + h] = top + std::log(sum);

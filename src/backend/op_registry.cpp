@@ -155,7 +155,14 @@ op_case sdpa_backward_case(const attention_shape& a) {
   op_case c;
   c.size = attention_text(a);
   c.tensors = attention_tensors(a, true);
-  c.prepare = [a](backend& be, const case_tensors& t) { attention_forward(be, t, a); };
+  // FP8's backward starts from bf16 attention's forward state: the backends' O and lse then
+  // agree to bf16's rounding, where FP8's forward would round O one E4M3 step apart here and
+  // there and count that against the backward.
+  c.prepare = [a](backend& be, const case_tensors& t) {
+    attention_shape forward = a;
+    forward.arithmetic = attention_dtype::bf16;
+    attention_forward(be, t, forward);
+  };
   c.run = [a](backend& be, const case_tensors& t) {
     const float scale = 1.0f / std::sqrt(static_cast<float>(a.d));
     ops::sdpa_backward(be, {t["q"].heads(), t["k"].heads(), t["v"].heads(), t["out"].heads(), t["d_out"].heads(),

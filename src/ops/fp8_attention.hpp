@@ -3,7 +3,10 @@
 // numbers. Every scale is a power of two (dequantizing is exact in fp32) and per tensor,
 // from the current call's amax ("current scaling"): x8 = fp8(x * scale), x = x8 / scale.
 //   forward: Q, K, V in E4M3 scaled to their amax; the softmax probabilities (at most 1) in
-//            E4M3 at 256; O in E4M3 at V's scale (a convex combination of V's rows).
+//            E4M3 at 256, each exp(s - m) against the running max m of the row's keys in
+//            tiles of 256 from key 0 (the online softmax's order, measured on an H100: the
+//            reading closest to cuDNN 9.14's kernels, docs/design.md); O in E4M3 at V's scale
+//            (a convex combination of V's rows).
 //   backward: Q, K, V, O in E4M3 at their amax; dO in E5M2 at its amax; cuDNN's dS =
 //            scale P (dP - D) and the outputs dQ, dK, dV in E5M2 at scales from bounds
 //            that the inputs' amaxes give, since Hopper's kernels write them in FP8 and their
@@ -36,6 +39,8 @@ UPIPE_FP8_HOST_DEVICE inline bool fp8_attention_runs(std::int64_t head_dim, bool
   return backward ? head_dim == fp8_backward_head_dim : head_dim <= fp8_forward_max_head_dim;
 }
 inline constexpr float fp8_probability_scale = 256.0f;  // P <= 1 lands at most at 256 < 448
+// The forward's key tile: P meets V rounded against the max over the tiles seen so far.
+inline constexpr std::int64_t fp8_key_tile = 256;
 
 // The largest power of two s with amax s <= largest (1 for a zero or non-finite amax),
 // its exponent kept within [-100, 100]. Read from the quotient's exponent bits, so that the

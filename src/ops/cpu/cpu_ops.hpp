@@ -4,6 +4,7 @@
 
 #include <cstdint>
 
+#include "ops/fp8_attention.hpp"
 #include "ops/op_args.hpp"
 
 namespace upipe::cpu {
@@ -22,10 +23,12 @@ void run_fp8(const sdpa_backward_args& args);
 struct fp8_inner_rounding {
   bool on = false;
   float d_s_scale = 1.0f;
-  // Other readings of the kernels' order, measured against the GPU by a test: P rounded
-  // against the running max over key blocks of p_block (in reverse with p_block_reverse);
-  // dS rounded before the attention scale multiplies it; either rounding left out.
-  std::int64_t p_block = 0;
+  // The forward's key tile (fp8_key_tile): P rounded against the running max over tiles of
+  // p_block keys (0: the whole row's max; p_block_reverse: the tiles from the last). The
+  // other fields are readings of the kernels other than the definition, measured against
+  // the GPU by tests/gpu/sdpa_test.cpp: dS rounded before the attention scale multiplies it;
+  // the row's sum of the rounded P; either rounding left out.
+  std::int64_t p_block = fp8_key_tile;
   bool p_block_reverse = false, d_s_unscaled = false, round_p = true, round_d_s = true, sum_rounded = false;
 };
 // run_fp8 with a reading of the kernels other than the definition's (its scales filled in).

@@ -141,10 +141,21 @@ void grouped_gemm_engine::impl::run_cublas(const moe_grouped_gemm_args& a) {
     ++used;
   }
   if (used == 0) return;
+  const cudaDataType_t out_type = library_type(gradient ? w0.type : a.out.type);
+  if (out_type != CUDA_R_16BF) {
+    // cuBLAS's grouped GEMM takes bf16 in with bf16 out only (an H100 refuses fp32 out with
+    // "the requested functionality is not supported"): fp32 outputs go one cublasGemmEx a
+    // group, the same products in fp32.
+    for (int g = 0; g < used; ++g)
+      UPIPE_CUBLAS_CHECK(cublasGemmEx(cublas, op_a[g], op_b[g], m[g], n[g], k[g], &alpha[g], host_pointers[g],
+                                      CUDA_R_16BF, lda[g], host_pointers[max_groups + g], CUDA_R_16BF, ldb[g], &beta[g],
+                                      host_pointers[2 * max_groups + g], out_type, ldc[g], CUBLAS_COMPUTE_32F,
+                                      CUBLAS_GEMM_DEFAULT));
+    return;
+  }
   auto** device_pointers = reinterpret_cast<void**>(workspace + cublas_part);
   UPIPE_CUDA_CHECK(cudaMemcpyAsync(device_pointers, host_pointers, 3 * max_groups * sizeof(void*),
                                    cudaMemcpyHostToDevice, stream));
-  const cudaDataType_t out_type = library_type(gradient ? w0.type : a.out.type);
   UPIPE_CUBLAS_CHECK(cublasGemmGroupedBatchedEx(
       cublas, op_a.data(), op_b.data(), m.data(), n.data(), k.data(), alpha.data(),
       const_cast<const void* const*>(device_pointers), CUDA_R_16BF, lda.data(),
