@@ -580,8 +580,10 @@ void moe_gather(backend& be, const moe_gather_args& args) {
   const char* op = "moe_gather";
   check_matrix(op, "src", args.src);
   check_matrix(op, "dst", args.dst);
-  check_type(op, "src", args.src, be.work_dtype(), be.work_dtype());
-  check_type(op, "dst", args.dst, be.work_dtype(), be.work_dtype());
+  // The working dtype (a tile's rows), or f32 (expert parallelism's gradients and routing
+  // weights on their way to the experts' ranks), the same on both sides.
+  check_type(op, "src", args.src, be.work_dtype(), dtype::f32);
+  check_type(op, "dst", args.dst, args.src.type, args.src.type);
   check_dims(op, "dst", args.dst, args.dst.rows, args.src.cols);
   check_index_column(op, "index", args.index, args.dst.rows);
   be.run(args);

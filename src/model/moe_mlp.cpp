@@ -4,6 +4,7 @@
 
 #include "backend/ops.hpp"
 #include "core/error.hpp"
+#include "model/moe_exchange.hpp"
 
 namespace upipe {
 
@@ -13,7 +14,11 @@ void router_balance::reset(int experts) {
   rows = 0;
 }
 
-moe_mlp::moe_mlp(const model_config& model, backend& be) : model_(model), be_(be) {}
+moe_mlp::moe_mlp(const model_config& model, backend& be, communicator* experts) : model_(model), be_(be) {
+  if (experts != nullptr && experts->size() > 1) exchange_ = std::make_unique<moe_exchange>(model_, be_, *experts);
+}
+
+moe_mlp::~moe_mlp() = default;
 
 tensor working_copy(backend& be, const mat_view& src, const char* label) {
   tensor t = be.allocate(mem_tag::activations, be.work_dtype(), {src.rows, src.cols}, label);
@@ -80,16 +85,29 @@ void moe_mlp::add_balance(const routing& r, std::span<const std::uint8_t> counte
 
 void moe_mlp::forward(const moe_weights& w, const mat_view& h, const mat_view& y, std::span<const std::uint8_t> counted,
                       router_balance* balance) {
-  const std::int64_t D = model_.hidden_size, I = model_.moe.expert_width;
   routing r = route(w, h);
   if (balance != nullptr) add_balance(r, counted, *balance);
   const std::int64_t m = r.index.matrix().rows;
-  tensor x = be_.allocate(mem_tag::activations, be_.work_dtype(), {m, D}, "moe_gathered");
+  tensor x = be_.allocate(mem_tag::activations, be_.work_dtype(), {m, model_.hidden_size}, "moe_gathered");
   ops::moe_gather(be_, {h, r.index.matrix(), x.matrix()});
-  for (int e = 0; e < model_.moe.experts; ++e) {
-    const std::int64_t first = r.offsets[static_cast<std::size_t>(e)], c = r.offsets[static_cast<std::size_t>(e) + 1] - first;
+  if (exchange_)
+    exchanged_forward(w, r, std::move(x), y, h.rows);
+  else
+    experts_forward(w, x.matrix(), r.offsets, {r.index.matrix(), r.slot.matrix(), r.weights.matrix(), y, {}, {}});
+  if (!w.has_shared()) return;
+  x.reset();
+  shared_out s = shared_forward(w, h);
+  ops::sigmoid_gate_forward(be_, {s.z.matrix(), s.s.matrix(), y});
+}
+
+// Each expert's gated MLP on its block of rows, its output scattered as `to` says.
+void moe_mlp::experts_forward(const moe_weights& w, const mat_view& x, std::span<const std::int64_t> offsets,
+                              const expert_rows& to) {
+  const std::int64_t D = model_.hidden_size, I = model_.moe.expert_width;
+  for (std::size_t e = 0; e < w.gate.size(); ++e) {
+    const std::int64_t first = offsets[e], c = offsets[e + 1] - first;
     if (c == 0) continue;
-    const mat_view rows = x.matrix().row_block(first, c);
+    const mat_view rows = x.row_block(first, c);
     tensor gate = be_.allocate(mem_tag::activations, be_.work_dtype(), {c, I}, "moe_expert_gate");
     tensor up = be_.allocate(mem_tag::activations, be_.work_dtype(), {c, I}, "moe_expert_up");
     linear_forward(be_, rows, w.gate[e], gate.matrix());
@@ -98,13 +116,9 @@ void moe_mlp::forward(const moe_weights& w, const mat_view& h, const mat_view& y
     up.reset();
     tensor out = be_.allocate(mem_tag::activations, be_.work_dtype(), {c, D}, "moe_expert_out");
     linear_forward(be_, gate.matrix(), w.down[e], out.matrix());
-    ops::moe_scatter(be_, {out.matrix(), r.index.matrix().row_block(first, c), r.slot.matrix().row_block(first, c),
-                           r.weights.matrix(), y});
+    ops::moe_scatter(be_, {out.matrix(), to.index.row_block(first, c),
+                           to.weights.rows > 0 ? to.slot.row_block(first, c) : mat_view{}, to.weights, to.dst});
   }
-  if (!w.has_shared()) return;
-  x.reset();
-  shared_out s = shared_forward(w, h);
-  ops::sigmoid_gate_forward(be_, {s.z.matrix(), s.s.matrix(), y});
 }
 
 moe_mlp::shared_out moe_mlp::shared_forward(const moe_weights& w, const mat_view& h) {
@@ -125,11 +139,9 @@ moe_mlp::shared_out moe_mlp::shared_forward(const moe_weights& w, const mat_view
   return out;
 }
 
-// Each expert's block is recomputed (gate, up, their activation and the down projection,
-// whose output the routing weight's gradient needs), then gone back through.
 void moe_mlp::backward(const moe_weights& w, const moe_grads& g, const mat_view& h, const mat_view& d_y,
                        const mat_view& d_h, std::span<const std::uint8_t> counted, const tensor* aux_grad) {
-  const std::int64_t n = h.rows, D = model_.hidden_size, I = model_.moe.expert_width, k = model_.moe.top_k;
+  const std::int64_t n = h.rows, D = model_.hidden_size, k = model_.moe.top_k;
   routing r = route(w, h);
   const std::int64_t m = r.index.matrix().rows;
   ops::fill_heads(be_, ops::as_heads(d_h), 0.0f);
@@ -137,36 +149,11 @@ void moe_mlp::backward(const moe_weights& w, const moe_grads& g, const mat_view&
   {
     tensor x = be_.allocate(mem_tag::activations, be_.work_dtype(), {m, D}, "moe_gathered");
     ops::moe_gather(be_, {h, r.index.matrix(), x.matrix()});
-    for (int e = 0; e < model_.moe.experts; ++e) {
-      const std::int64_t first = r.offsets[static_cast<std::size_t>(e)],
-                         c = r.offsets[static_cast<std::size_t>(e) + 1] - first;
-      if (c == 0) continue;
-      const mat_view rows = x.matrix().row_block(first, c);
-      const mat_view index = r.index.matrix().row_block(first, c), slot = r.slot.matrix().row_block(first, c);
-      tensor gate = be_.allocate(mem_tag::activations, be_.work_dtype(), {c, I}, "moe_expert_gate");
-      tensor up = be_.allocate(mem_tag::activations, be_.work_dtype(), {c, I}, "moe_expert_up");
-      linear_forward(be_, rows, w.gate[e], gate.matrix());
-      linear_forward(be_, rows, w.up[e], up.matrix());
-      tensor act = be_.allocate(mem_tag::activations, be_.work_dtype(), {c, I}, "moe_expert_act");
-      ops::swiglu_forward(be_, {gate.matrix(), up.matrix(), act.matrix(), model_.activation});
-      tensor d_out = be_.allocate(mem_tag::activations, be_.work_dtype(), {c, D}, "moe_expert_d_out");
-      {
-        tensor out = be_.allocate(mem_tag::activations, be_.work_dtype(), {c, D}, "moe_expert_out");
-        linear_forward(be_, act.matrix(), w.down[e], out.matrix());
-        ops::moe_scatter_backward(be_, {d_y, index, slot, r.weights.matrix(), out.matrix(), d_out.matrix(),
-                                        d_weights.matrix()});
-      }
-      tensor d_act = be_.allocate(mem_tag::activations, be_.work_dtype(), {c, I}, "moe_expert_d_act");
-      linear_backward(be_, act.matrix(), d_out.matrix(), w.down[e], g.down[e], d_act.matrix(), 0.0f);
-      act.reset();
-      d_out.reset();
-      ops::swiglu_backward(be_, {gate.matrix(), up.matrix(), d_act.matrix(), gate.matrix(), up.matrix(), model_.activation});
-      d_act.reset();
-      tensor d_x = be_.allocate(mem_tag::activations, dtype::f32, {c, D}, "moe_expert_d_in");
-      linear_backward(be_, rows, gate.matrix(), w.gate[e], g.gate[e], d_x.matrix(), 0.0f);
-      linear_backward(be_, rows, up.matrix(), w.up[e], g.up[e], d_x.matrix(), 1.0f);
-      ops::moe_scatter(be_, {d_x.matrix(), index, {}, {}, d_h});
-    }
+    if (exchange_)
+      exchanged_backward(w, g, r, std::move(x), d_y, d_h, d_weights.matrix(), n);
+    else
+      experts_backward(w, g, x.matrix(), r.offsets,
+                       {r.index.matrix(), r.slot.matrix(), r.weights.matrix(), d_y, d_weights.matrix(), d_h});
   }
   // Through the router: the aux term only on counted rows, in runs of like rows.
   tensor d_logits = be_.allocate(mem_tag::activations, dtype::f32, {n, model_.moe.experts}, "moe_d_router_logits");
@@ -189,6 +176,41 @@ void moe_mlp::backward(const moe_weights& w, const moe_grads& g, const mat_view&
   if (g.router.rows > 0)
     ops::gemm(be_, {d_logits_work.matrix(), transpose::yes, h, transpose::none, g.router, 1.0f, 1.0f});
   if (w.has_shared()) shared_backward(w, g, h, d_y, d_h);
+}
+
+// Each expert's block is recomputed (gate, up, their activation and the down projection,
+// whose output the routing weight's gradient needs), then gone back through.
+void moe_mlp::experts_backward(const moe_weights& w, const moe_grads& g, const mat_view& x,
+                               std::span<const std::int64_t> offsets, const expert_rows& to) {
+  const std::int64_t D = model_.hidden_size, I = model_.moe.expert_width;
+  for (std::size_t e = 0; e < w.gate.size(); ++e) {
+    const std::int64_t first = offsets[e], c = offsets[e + 1] - first;
+    if (c == 0) continue;
+    const mat_view rows = x.row_block(first, c);
+    const mat_view index = to.index.row_block(first, c), slot = to.slot.row_block(first, c);
+    tensor gate = be_.allocate(mem_tag::activations, be_.work_dtype(), {c, I}, "moe_expert_gate");
+    tensor up = be_.allocate(mem_tag::activations, be_.work_dtype(), {c, I}, "moe_expert_up");
+    linear_forward(be_, rows, w.gate[e], gate.matrix());
+    linear_forward(be_, rows, w.up[e], up.matrix());
+    tensor act = be_.allocate(mem_tag::activations, be_.work_dtype(), {c, I}, "moe_expert_act");
+    ops::swiglu_forward(be_, {gate.matrix(), up.matrix(), act.matrix(), model_.activation});
+    tensor d_out = be_.allocate(mem_tag::activations, be_.work_dtype(), {c, D}, "moe_expert_d_out");
+    {
+      tensor out = be_.allocate(mem_tag::activations, be_.work_dtype(), {c, D}, "moe_expert_out");
+      linear_forward(be_, act.matrix(), w.down[e], out.matrix());
+      ops::moe_scatter_backward(be_, {to.dst, index, slot, to.weights, out.matrix(), d_out.matrix(), to.d_weights});
+    }
+    tensor d_act = be_.allocate(mem_tag::activations, be_.work_dtype(), {c, I}, "moe_expert_d_act");
+    linear_backward(be_, act.matrix(), d_out.matrix(), w.down[e], g.down[e], d_act.matrix(), 0.0f);
+    act.reset();
+    d_out.reset();
+    ops::swiglu_backward(be_, {gate.matrix(), up.matrix(), d_act.matrix(), gate.matrix(), up.matrix(), model_.activation});
+    d_act.reset();
+    tensor d_x = be_.allocate(mem_tag::activations, dtype::f32, {c, D}, "moe_expert_d_in");
+    linear_backward(be_, rows, gate.matrix(), w.gate[e], g.gate[e], d_x.matrix(), 0.0f);
+    linear_backward(be_, rows, up.matrix(), w.up[e], g.up[e], d_x.matrix(), 1.0f);
+    ops::moe_scatter(be_, {d_x.matrix(), index, {}, {}, to.d_src});
+  }
 }
 
 void moe_mlp::shared_backward(const moe_weights& w, const moe_grads& g, const mat_view& h, const mat_view& d_y,

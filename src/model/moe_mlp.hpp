@@ -13,6 +13,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <vector>
 
@@ -34,9 +35,14 @@ struct router_balance {
   void reset(int experts);
 };
 
+class moe_exchange;
+
 class moe_mlp {
  public:
-  moe_mlp(const model_config& model, backend& be);
+  // With `experts` (an EP group: expert parallelism, model/moe_exchange.hpp) the weights
+  // hold this rank's experts alone and the tile's rows travel to their experts' ranks.
+  moe_mlp(const model_config& model, backend& be, communicator* experts = nullptr);
+  ~moe_mlp();
 
   // y += MoE(h) over one tile: h (n, D) normed rows, y (n, D) the residual. Where
   // `counted` is given (a byte per row, 1 for a row the loss counts), the routing's
@@ -58,6 +64,23 @@ class moe_mlp {
   };
   routing route(const moe_weights& w, const mat_view& h);
   void dispatch(routing& r, std::int64_t n);
+  // Where the experts' row blocks go (rows of the expert order, `offsets` per expert of the
+  // weights): forward, moe_scatter's index, slot and weights into dst; backward, the same
+  // addressing of the incoming gradient (dst), the routing weights' gradients at the
+  // slots (d_weights), and each row's input gradient scattered by index into d_src.
+  struct expert_rows {
+    mat_view index, slot, weights, dst, d_weights, d_src;
+  };
+  void experts_forward(const moe_weights& w, const mat_view& x, std::span<const std::int64_t> offsets,
+                       const expert_rows& to);
+  void experts_backward(const moe_weights& w, const moe_grads& g, const mat_view& x,
+                        std::span<const std::int64_t> offsets, const expert_rows& to);
+  // Expert parallelism (model/moe_exchange.cpp): the gathered tile (m, D) to the experts'
+  // ranks and back around the experts, then scattered as without it.
+  void exchanged_forward(const moe_weights& w, const routing& r, tensor gathered, const mat_view& y,
+                         std::int64_t n);
+  void exchanged_backward(const moe_weights& w, const moe_grads& g, const routing& r, tensor gathered,
+                          const mat_view& d_y, const mat_view& d_h, const mat_view& d_weights, std::int64_t n);
   void add_balance(const routing& r, std::span<const std::uint8_t> counted, router_balance& balance);
   // The shared expert's forward (its output s (n, D) and gate logit z (n, 1) f32).
   struct shared_out {
@@ -69,6 +92,7 @@ class moe_mlp {
 
   const model_config& model_;
   backend& be_;
+  std::unique_ptr<moe_exchange> exchange_;  // expert parallelism; null without
 };
 
 }  // namespace upipe

@@ -311,7 +311,8 @@ struct moe_route_backward_args {
   mat_view d_logits;   // (n, E) f32, out
   bool normalize = false;
 };
-// dst[i] = src[index[i]]: a tile's rows in the experts' order.
+// dst[i] = src[index[i]]: a tile's rows in the experts' order (src and dst both the working
+// dtype or both f32).
 struct moe_gather_args {
   mat_view src;    // (n, D)
   mat_view index;  // (m, 1) i32, each in [0, n)
