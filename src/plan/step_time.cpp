@@ -66,9 +66,9 @@ double expert_weights(const model_config& m) {
 
 // Expert parallelism's exchanges (model/moe_exchange.hpp): each of a rank's s k routed rows
 // of a sparse layer leaves for its expert's rank, E - 1 of E times, out and back: in the
-// forward (and its recompute) the row and its output (bf16), in the backward the row again,
-// its incoming gradient and its routing weight out, the row's input gradient and the
-// weight's back (f32). Inside a node when the EP group is, else its share across nodes.
+// forward (and its recompute) the row with its expert id and its output (bf16), in the
+// backward the row, its output, the output's gradient (bf16) and the row's input gradient
+// (f32). Inside a node when the EP group is, else its share across nodes.
 double expert_exchange_seconds(const step_time_request& r, const throughput_rates& rates, double s,
                                double recompute) {
   const model_config& m = r.model;
@@ -76,7 +76,7 @@ double expert_exchange_seconds(const step_time_request& r, const throughput_rate
   if (E <= 1 || m.sparse_layer_count() == 0) return 0;
   const double D = m.hidden_size, rows = s * m.moe.top_k * m.sparse_layer_count();
   const double leaving = static_cast<double>(E - 1) / E;
-  const double bytes = rows * leaving * ((1 + recompute) * 2 * 2 * D + (2 * D + 4 * D + 4 + 4 * D + 4));
+  const double bytes = rows * leaving * ((1 + recompute) * (2 * 2 * D + 4) + (3 * 2 * D + 4 * D + 4));
   const int G = r.gpus_per_node;
   const double off_node = E <= G ? 0.0 : static_cast<double>(E - G) / (E - 1);
   return std::max(bytes * (1 - off_node) / (rates.nvlink_gbytes * giga),
