@@ -22,7 +22,13 @@ moe_exchange::moe_exchange(const model_config& model, backend& be, communicator&
     : model_(model), be_(be), peers_(peers), local_(model.moe.experts / std::max(peers.size(), 1)) {
   UPIPE_CHECK(peers.size() >= 1 && model.moe.experts % peers.size() == 0,
               "the EP group of " + std::to_string(peers.size()) + " ranks must divide the " +
-                  std::to_string(model.moe.experts) + " experts");
+                  std::to_string(model.moe.experts) + " experts");  // Rank 0 alone (an emulated mesh) receives its own rows for every EP rank's experts, ids
+  // of experts it does not hold: the planner's meta runs take this group, a run with data
+  // does not yet.
+  if (peers.is_loopback() && be.has_data())
+    throw config_error("--ep " + std::to_string(peers.size()) +
+                       " with an emulated mesh (rank 0 alone) is not supported: rank 0 would receive rows for "
+                       "experts it does not hold; run every rank of the mesh (without --emulate-cp) or drop --ep");
 }
 
 namespace {

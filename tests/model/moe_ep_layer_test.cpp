@@ -8,9 +8,11 @@
 // source's rows dropped as without EP).
 #include <gtest/gtest.h>
 
+#include <memory>
 #include <string>
 #include <vector>
 
+#include "core/error.hpp"
 #include "model/hf_model.hpp"
 #include "../support/moe_layer.hpp"
 
@@ -58,6 +60,32 @@ TEST(moe_layer_ep, the_per_expert_loop_and_a_capacity_carry_over) {
   o.gemm = moe_gemm::grouped;
   o.capacity_factor = 1.0;  // some experts drop rows of each source's tile
   expect_ep_matches_alone(m, 4, o);
+}
+
+// Without data (the meta backend: the planner, rank 0 of an emulated mesh) the exchange
+// sizes its buffers for the worst case, P n min(k, L) rows received, so the layer's arena
+// reaches higher with each P; with data, rank 0 alone is refused with the reason.
+TEST(moe_layer_ep, without_data_the_buffers_hold_the_worst_case) {
+  const model_config m = fixture("qwen3-moe");  // 8 experts, top-2: 1024, 2048, 4096 rows
+  const auto high_water = [&](int P) {
+    const std::unique_ptr<backend> be = make_meta_backend({std::size_t{1} << 30, std::size_t{16} << 20});
+    testing::moe_layer layer(m, *be, 512);
+    const std::unique_ptr<communicator> peers = make_loopback_communicator(*be, P);
+    layer.run({}, nullptr, 0, P > 1 ? peers.get() : nullptr);
+    return be->device_arena().high_water();
+  };
+  const std::size_t alone = high_water(1), two = high_water(2), four = high_water(4);
+  EXPECT_GT(two, alone);
+  EXPECT_GT(four, two);
+  const std::unique_ptr<backend> cpu = make_cpu_backend({std::size_t{128} << 20, std::size_t{16} << 20});
+  testing::moe_layer layer(m, *cpu, 45);
+  const std::unique_ptr<communicator> rank0 = make_loopback_communicator(*cpu, 2);
+  try {
+    layer.run({}, nullptr, 0, rank0.get());
+    ADD_FAILURE() << "an emulated EP group ran with data";
+  } catch (const config_error& e) {
+    EXPECT_NE(std::string(e.what()).find("--emulate-cp"), std::string::npos) << e.what();
+  }
 }
 
 }  // namespace
