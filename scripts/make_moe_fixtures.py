@@ -15,6 +15,9 @@ make_hf_fixtures.py:
   qwen2-moe/   Qwen2MoeForCausalLM: two layers of 6 experts, top-3 not renormalized, a shared
                expert of width 48 behind sigmoid(shared_expert_gate), q/k/v biases;
                output_router_logits true in its config.json
+  qwen3-moe-12/  Qwen3MoeForCausalLM of other sizes (the general mechanism, not the first
+               fixture's numbers): hidden 48, head_dim 12, two sparse layers of 12 experts of
+               width 16, top-3 not renormalized (12 experts split over 1, 2, 3, 4 or 6 EP ranks)
 
 Each config sets router_aux_loss_coef 0.25, so that the load-balancing term weighs in the
 gradients (transformers' default 0.001 would hide an error in it below the tolerance).
@@ -30,6 +33,14 @@ eager attention (the router's softmax stays in float32 inside, as transformers c
                           the tokenizer's ids of three sample texts
   grads.safetensors       every parameter's gradient without the term (float32)
   aux_grads.safetensors   the same with the term (output_router_logits=True)
+  documents.json, documents_grads.safetensors, documents_aux_grads.safetensors
+                          the same tokens packed as six documents (31, 1, 57, 12, 70, 32), each
+                          run by itself (attention inside a document, positions restarting):
+                          the loss the sum of the documents' cross-entropies over their targets
+                          (none across a boundary), and with the term the load-balancing loss
+                          of transformers' load_balancing_loss_func over the router logits of
+                          every document's tokens together (the packed sequence's, as one
+                          sequence counts them), its gradients and the loss's
 Gradients are stored under the names save_pretrained writes (per expert), the fused
 experts.gate_up_proj (E, 2I, D) / down_proj (E, D, I) of transformers 5 split back.
 And under tests/golden/lora/qwen3-moe/, PEFT's LoRA on the Qwen3-MoE base (make_family_fixtures.py's
@@ -71,6 +82,11 @@ FIXTURES = [
          config=lambda: transformers.MixtralConfig(
              **COMMON, intermediate_size=48, num_hidden_layers=2, rms_norm_eps=1e-5, num_local_experts=8,
              num_experts_per_tok=2, sliding_window=None)),
+    dict(name="qwen3-moe-12", seed=4104, block="mlp", roles=("gate_proj", "up_proj", "down_proj"),
+         config=lambda: transformers.Qwen3MoeConfig(
+             **dict(COMMON, hidden_size=48), intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+             head_dim=12, rms_norm_eps=1e-6, num_experts=12, num_experts_per_tok=3, norm_topk_prob=False,
+             mlp_only_layers=[], decoder_sparse_step=1, use_sliding_window=False)),
     dict(name="qwen2-moe", seed=4103, block="mlp", roles=("gate_proj", "up_proj", "down_proj"),
          config=lambda: transformers.Qwen2MoeConfig(
              **COMMON, intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=48,
@@ -134,9 +150,51 @@ def reference(out, fx, ids, router_logits):
     model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="eager",
                                                               experts_implementation="eager")
     model = model.to(torch.float64).eval()
+    if ids is None:
+        return model, None
     result = model(input_ids=ids, labels=ids, output_router_logits=router_logits)
     result.loss.backward()
     return model, result
+
+
+DOCUMENT_LENGTHS = [31, 1, 57, 12, 70, 32]
+
+
+def make_documents(out, fx, tokens, saved):
+    """The tokens as packed documents, each run by itself: the cross-entropy summed over the
+    documents' targets, and the load-balancing loss over all their tokens' router logits."""
+    assert sum(DOCUMENT_LENGTHS) == len(tokens)
+    record = {"starts": [], "lengths": DOCUMENT_LENGTHS, "reference_dtype": "float64",
+              "transformers": transformers.__version__, "torch": torch.__version__.split("+")[0]}
+    for aux in (False, True):
+        model, _ = reference(out, fx, None, False)
+        total, targets, at, logits = 0.0, 0, 0, []
+        for length in DOCUMENT_LENGTHS:
+            if not aux:
+                record["starts"].append(at)
+            ids = torch.tensor(tokens[at:at + length])[None]
+            at += length
+            result = model(input_ids=ids, output_router_logits=True)
+            logits.append(result.router_logits)
+            if length < 2:
+                continue
+            total = total + torch.nn.functional.cross_entropy(result.logits[0, :-1], ids[0, 1:], reduction="sum")
+            targets += length - 1
+        loss = total / targets
+        if aux:
+            gate = tuple(torch.cat([doc[layer] for doc in logits]) for layer in range(len(logits[0])))
+            modeling = sys.modules[type(model).__module__]
+            aux_loss = modeling.load_balancing_loss_func(gate, model.num_experts, model.num_experts_per_tok, None)
+            loss = loss + AUX_COEF * aux_loss
+            record["aux_loss"] = aux_loss.item()
+            record["loss_with_aux"] = loss.item()
+        else:
+            record["loss"] = loss.item()
+        record["targets"] = targets
+        loss.backward()
+        save_grads(fx, model, out / ("documents_aux_grads.safetensors" if aux else "documents_grads.safetensors"), saved)
+    (out / "documents.json").write_text(json.dumps(record, indent=1) + "\n")
+    return record
 
 
 def make(out, fx, tokenizer):
@@ -181,6 +239,7 @@ def make(out, fx, tokenizer):
     }
     assert abs(golden["loss_with_aux"] - golden["loss"] - AUX_COEF * golden["aux_loss"]) < 1e-6  # the aux sums run in float32
     (out / "golden.json").write_text(json.dumps(golden, indent=1) + "\n")
+    make_documents(out, fx, golden["tokens"], saved)
     return golden
 
 

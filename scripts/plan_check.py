@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Runs `upipe plan`'s recommended command on the meta backend and compares its memory with
-the plan's: for each machine, the plan (JSON), then its recommended_command as printed with
+the plan's: for each machine (and model), the plan (JSON), then its recommended_command as printed with
 `--steps 1 --backend meta` added, then planned against measured arena high water and host
 bytes, their ratio, and whether the host memory stays within the command's
 --host-memory-gib. Exits 1 where a ratio leaves [0.98, 1.02], the host passes the budget,
@@ -23,6 +23,17 @@ CASES = {
     "h200-128g": ["--model", "llama3-8b", "--gpus", "1", "--gpu-memory", "141GB", "--host-memory", "128GiB"],
     "80g-256g": ["--model", "llama3-8b", "--gpus", "1", "--gpu-memory", "80GiB", "--host-memory", "256GiB"],
     "8x80g": ["--model", "llama3-8b", "--gpus", "8", "--gpu-memory", "80GiB", "--host-memory", "1.9TiB"],
+    # Issue #45's item 6: Qwen3-30B-A3B full fine-tune on eight 80 GiB GPUs and on eight H200s
+    # (the plan sweeps --ep and recommends the E that reaches furthest), LoRA on the attention
+    # on one H200; beside them dense Qwen3-32B on eight 80 GiB GPUs (ALST's 1.55M tokens on
+    # 8 H100).
+    "qwen3-30b-a3b-8x80g": ["--model", "qwen3-30b-a3b", "--gpus", "8", "--gpu-memory", "80GiB", "--host-memory",
+                            "1.9TiB"],
+    "qwen3-30b-a3b-8xh200": ["--model", "qwen3-30b-a3b", "--gpus", "8", "--gpu-memory", "141GB", "--host-memory",
+                             "1.9TiB"],
+    "qwen3-30b-a3b-lora-h200": ["--model", "qwen3-30b-a3b", "--gpus", "1", "--gpu-memory", "141GB", "--host-memory",
+                                "256GiB", "--lora", "r=16,targets=q,k,v,o"],
+    "qwen3-32b-8x80g": ["--model", "qwen3-32b", "--gpus", "8", "--gpu-memory", "80GiB", "--host-memory", "1.9TiB"],
 }
 
 

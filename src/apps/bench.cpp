@@ -71,18 +71,23 @@ void print_phases(const std::map<std::string, double>& phases) {
   std::printf("#   phases (ms, %% of the step):");
   for (const auto& [name, ms] : sorted) std::printf("  %s %.2f (%.1f%%)", name.c_str(), ms, 100.0 * ms / total);
   std::printf("\n");
-  // A mixture of experts' step in four: its expert GEMMs (and activations), the routing
-  // around them (router, dispatch, permute, combine, statistics), attention, the rest.
-  double experts = 0, routing = 0, attention = 0;
+  // A mixture of experts' step in four (five under expert parallelism): its expert GEMMs
+  // (and activations), the routing around them (router, dispatch, permute, combine,
+  // statistics), the exchange with the experts' ranks, attention, the rest.
+  double experts = 0, routing = 0, exchange = 0, attention = 0;
   for (const auto& [name, ms] : sorted) {
     if (name == "moe_experts") experts += ms;
     if (name == "moe_routing") routing += ms;
+    if (name == "moe_exchange") exchange += ms;
     if (name.rfind("attn_", 0) == 0) attention += ms;
   }
-  if (experts + routing > 0 && total > 0)
-    std::printf("#   shares: expert GEMMs %.1f%%, routing/permute %.1f%%, attention %.1f%%, the rest %.1f%%\n",
-                100.0 * experts / total, 100.0 * routing / total, 100.0 * attention / total,
-                100.0 * (total - experts - routing - attention) / total);
+  if (experts + routing > 0 && total > 0) {
+    std::printf("#   shares: expert GEMMs %.1f%%, routing/permute %.1f%%, ", 100.0 * experts / total,
+                100.0 * routing / total);
+    if (exchange > 0) std::printf("expert exchange %.1f%%, ", 100.0 * exchange / total);
+    std::printf("attention %.1f%%, the rest %.1f%%\n", 100.0 * attention / total,
+                100.0 * (total - experts - routing - exchange - attention) / total);
+  }
 }
 
 // With data parallelism (which run_model_step does not run): the loss of step 1 on a short sequence under `o`'s strategy and mesh with every rank

@@ -40,6 +40,7 @@ struct plan_flags {
   std::vector<std::string> attention;  // default: ulysses, upipe, ring, fpdt (and hybrid on several nodes)
   std::vector<int> seq_chunks;          // default: the planner's
   std::vector<int> dps;                 // the mesh sweep's replica counts (default: every divisor of the GPUs)
+  std::vector<int> eps;                 // expert parallelism tried (default: every E the GPUs and experts allow)
   throughput_rates rates;               // the step-time model's
   int gpus = 8, gpus_per_node = 0, nodes = 1;
   bool gpus_given = false, nodes_given = false;  // given on the command line (checked against each other)
@@ -221,6 +222,7 @@ std::string train_command(const plan_flags& f, const plan_request& r, const plan
   const strategy_row& row = row_of(e.cp.strategy);
   std::string c = "upipe train " + model_flags_text(f) + " --dp " + std::to_string(e.dp) + " --cp " +
                   std::to_string(e.cp.cp) + " --attention " + std::string(strategy_name(e.cp.strategy));
+  if (r.ep > 1) c += " --ep " + std::to_string(r.ep);
   if (row.heads == head_stages::chosen) c += " --head-chunk " + std::to_string(e.cp.head_chunk);
   if (row.mesh) c += " --ring " + std::to_string(e.cp.ring);
   if (e.cp.seq_chunks > 1) c += " --seq-chunks " + std::to_string(e.cp.seq_chunks);
@@ -373,6 +375,63 @@ std::optional<std::string> lora_instead(const plan_flags& f, const plan_request&
   return train_command(f, lora, *run);
 }
 
+// Expert parallelism: the E a plan tries for a mixture of experts (--ep's, else every
+// divisor of the GPUs that divides the experts), 1 alone for a dense model.
+std::vector<int> expert_parallel_choices(const plan_request& r, const std::vector<int>& given) {
+  if (!given.empty()) return given;
+  std::vector<int> out{1};
+  if (r.model.sparse_layer_count() == 0) return out;
+  for (int e = 2; e <= r.gpus; ++e)
+    if (r.gpus % e == 0 && r.model.moe.experts % e == 0) out.push_back(e);
+  return out;
+}
+
+// One E's plan in the sweep: how far it reaches and how fast its recommendation runs.
+struct ep_outcome {
+  int ep = 1;
+  std::int64_t seq_len = 0;  // the planned length (requested, or UPipe's longest)
+  std::optional<planned_run> run;
+};
+
+// Plans each E in full (the probes shared through the request's cache) and returns the one
+// recommended: without --seq-len the E whose UPipe reaches the longest S (the faster
+// recommendation on a tie), with it the fastest recommendation that fits.
+int sweep_expert_parallel(const plan_flags& f, const plan_request& r, const std::vector<int>& eps) {
+  std::vector<ep_outcome> outcomes;
+  for (const int e : eps) {
+    plan_request one = r;
+    one.ep = e;
+    validate(one);
+    const plan_result plan = make_plan(one);
+    outcomes.push_back({e, plan.planned_seq_len, recommend(one, plan)});
+  }
+  const auto speed = [](const ep_outcome& o) {
+    return o.run && o.run->point.time ? static_cast<double>(o.run->point.seq_len) / o.run->point.time->total() /
+                                            (o.run->cp.cp * o.run->dp)
+                                      : 0.0;
+  };
+  const auto better = [&](const ep_outcome& a, const ep_outcome& b) {
+    if (r.seq_len) return (a.run.has_value() != b.run.has_value()) ? a.run.has_value() : speed(a) > speed(b);
+    return a.seq_len != b.seq_len ? a.seq_len > b.seq_len : speed(a) > speed(b);
+  };
+  const ep_outcome* best = &outcomes.front();
+  for (const ep_outcome& o : outcomes)
+    if (better(o, *best)) best = &o;
+  std::printf("\nexpert parallelism (--ep E: each sparse layer's %d experts over EP groups of E GPUs), each E planned "
+              "in full:\n%4s %12s %10s  %s\n", r.model.moe.experts, "E", r.seq_len ? "S" : "longest S", "tok/s/GPU",
+              "recommended run");
+  for (const ep_outcome& o : outcomes) {
+    plan_request one = r;
+    one.ep = o.ep;
+    std::printf("%4d %12s %10.0f  %s\n", o.ep, tokens_text(o.seq_len).c_str(), speed(o),
+                o.run ? train_command(f, one, *o.run).c_str() : "none fits");
+  }
+  std::printf("recommended: --ep %d (%s)\n", best->ep,
+              r.seq_len ? "the fastest that fits the length" : "the longest S, then the fastest step");
+  std::fflush(stdout);
+  return best->ep;
+}
+
 // The state formats at the recommended configuration, and the command to run.
 void print_states(const plan_request& r, const plan_result& plan) {
   if (plan.state_entries.empty()) return;
@@ -506,6 +565,12 @@ int run(const plan_flags& f) {
     std::fprintf(stderr, "\rupipe plan: %d of %d %s (%.0f s)%s", done, total, stage.c_str(), seconds,
                  done == total ? "\n" : "");
   };
+  r.cache = make_probe_cache();
+  if (const std::vector<int> eps = expert_parallel_choices(r, f.eps); eps.size() > 1)
+    r.ep = sweep_expert_parallel(f, r, eps);
+  else
+    r.ep = eps.front();
+  validate(r);
   const plan_result plan = make_plan(r);
   // UPIPE_PLAN_STATS=1: what the plan cost, its meta probes counted.
   if (const char* stats = std::getenv("UPIPE_PLAN_STATS"); stats != nullptr && *stats != '\0' && *stats != '0')
@@ -610,6 +675,7 @@ int run(const plan_flags& f) {
         {"host_memory_default", host_default},
         {"margin", r.margin},
         {"planned_seq_len", plan.planned_seq_len},
+        {"ep", r.ep},
         {"recommended_head_chunk",
          plan.recommended_head_chunk ? nlohmann::json(*plan.recommended_head_chunk) : nlohmann::json(nullptr)},
         {"recommended_seq_chunks", plan.recommended_seq_chunks},
@@ -661,6 +727,10 @@ command_runner add_plan(CLI::App& app) {
   app.add_option("--dp", f->dps,
                  "replica counts D the mesh sweep tries at the planned length, each a CP group of gpus / D "
                  "(comma list; default every divisor of the GPUs)")
+      ->delimiter(',');
+  app.add_option("--ep", f->eps,
+                 "expert parallelism E to plan for a mixture of experts, each a plan of its own; the E that reaches "
+                 "furthest is recommended (comma list; default every divisor of the GPUs that divides the experts)")
       ->delimiter(',');
   app.add_option("--optimizer", f->optimizer, "adamw (a training step) or none (forward and backward only)")
       ->capture_default_str();

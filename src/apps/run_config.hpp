@@ -39,7 +39,7 @@ struct run_config {
   // [parallel]
   std::string attention = "upipe", comm = "auto";
   std::string head_chunk = "auto";
-  int cp = 4, ring = 1, seq_chunks = 0, zero = 2, dp = 1, gpus_per_node = 0;
+  int cp = 4, ring = 1, seq_chunks = 0, zero = 2, dp = 1, ep = 1, gpus_per_node = 0;
   double comm_timeout = 600;
   bool overlap_comm = false, prefetch_weights = false;
   // [optimizer]

@@ -189,6 +189,10 @@ std::vector<option_row> make_rows() {
        "data-parallel replicas, each a CP group of --cp ranks reading its own --batch sequences (D x C ranks in all, "
        "ZeRO over every one; a step takes dp x batch sequences)",
        for_train, r::changes},
+      {"--ep", "parallel.ep", UPIPE_FIELD(ep), range(1, INT_MAX, "2"),
+       "expert parallelism: each sparse layer's experts split over EP groups of E consecutive ranks of the dp x cp "
+       "mesh, tokens sent to their experts' ranks (E divides dp x cp and the model's experts)",
+       for_train, r::changes},
       {"--gpus-per-node", "parallel.gpus_per_node", UPIPE_FIELD(gpus_per_node), range(0, INT_MAX, "8"),
        "GPUs per node, for the mesh's placement check: a CP group inside a node or over whole nodes (0: every rank "
        "on one node)",

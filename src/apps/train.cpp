@@ -299,6 +299,7 @@ train_options to_options(run_options& opts, bool fine_tune) {
   o.allow_tokenizer_mismatch = f.allow_tokenizer_mismatch;
   o.cp = cp_of(f);
   o.dp = f.dp;
+  o.ep = f.ep;
   o.gpus_per_node = f.gpus_per_node;
   if (fine_tune) {
     opts.set_default("data.seq_len", std::to_string(fine_tune_seq_len(o)), value_source::fine_tune_default);
@@ -580,7 +581,7 @@ int run(train_command& command) {
               o.cp.cp, mesh_text(f).c_str(), f.zero,
               static_cast<long long>(o.optim.total_steps), o.optim.lr, f.backend.c_str());
   print_start(o, resolved.defaults);
-  if (o.dp > 1 || o.gpus_per_node > 0) std::printf("%s", mesh_placement(o).c_str());
+  if (o.dp > 1 || o.ep > 1 || o.gpus_per_node > 0) std::printf("%s", mesh_placement(o).c_str());
   if (o.step.lora.enabled())
     std::printf("# LoRA %s: %lld adapter parameters trained, the base frozen (no gradients, masters or moments)\n",
                 lora_text(o.step.lora).c_str(), static_cast<long long>(lora_parameter_count(o.model, o.step.lora)));

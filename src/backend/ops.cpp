@@ -609,8 +609,10 @@ void moe_permute(backend& be, const moe_permute_args& args) {
   const char* op = "moe_permute";
   check_matrix(op, "src", args.src);
   check_matrix(op, "dst", args.dst);
-  check_type(op, "src", args.src, be.work_dtype(), be.work_dtype());
-  check_type(op, "dst", args.dst, be.work_dtype(), be.work_dtype());
+  // The working dtype (a tile's rows), or f32 on both sides (a copy bit for bit: expert
+  // parallelism's expert ids ride it as 4-byte words, model/moe_exchange.cpp).
+  check_type(op, "src", args.src, be.work_dtype(), dtype::f32);
+  check_type(op, "dst", args.dst, args.src.type, args.src.type);
   check_dims(op, "dst", args.dst, args.dst.rows, args.src.cols);
   check_slots(op, "position", args.position, args.src.rows, args.position.cols);
   be.run(args);

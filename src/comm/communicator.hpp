@@ -24,7 +24,9 @@ namespace upipe {
 
 class backend;
 
-enum class collective : std::uint8_t { all_to_all, all_reduce, reduce_scatter, all_gather, send, recv, barrier, count };
+enum class collective : std::uint8_t {
+  all_to_all, all_reduce, reduce_scatter, all_gather, send, recv, barrier, all_to_all_v, count
+};
 constexpr std::size_t collective_count = static_cast<std::size_t>(collective::count);
 std::string_view collective_name(collective c);
 
@@ -80,6 +82,13 @@ class communicator {
     all_to_all(send, recv, chunk_bytes, label);
     return {};
   }
+  // An all-to-all of chunks of any size (expert parallelism's token exchange): chunk j of
+  // `send` (send_bytes[j] bytes, the chunks back to back in rank order) goes to rank j, and
+  // chunk j of `recv` (recv_bytes[j] bytes, back to back) comes from rank j, which must send
+  // exactly that many (a rank learns its sizes beforehand, e.g. by an all_to_all of them).
+  // send and recv must not overlap. Counted under all_to_all_v: the bytes this rank sends.
+  virtual void all_to_all_v(const void* send, std::span<const std::size_t> send_bytes, void* recv,
+                            std::span<const std::size_t> recv_bytes, std::string_view label) = 0;
   // In-place sum of `count` f32 values over all ranks.
   virtual void all_reduce_sum(float* data, std::size_t count, std::string_view label) = 0;
   // send: size() chunks of chunk_count f32; recv (chunk_count) = sum over ranks of chunk rank().
@@ -118,6 +127,12 @@ class communicator {
     if (send_bytes > 0) counters_.add(collective::send, send_bytes, label);
     if (recv_bytes > 0) counters_.add(collective::recv, recv_bytes, label);
   }
+  // all_to_all_v as rounds of `parent`'s point-to-point sends (round k sends to the rank k
+  // places on and receives from the rank k places back), this group's rank j being parent
+  // rank parent_rank(j); the own chunk is copied on `be`. Counted here.
+  void relay_all_to_all_v(communicator& parent, const std::function<int(int)>& parent_rank, backend& be,
+                          const void* send, std::span<const std::size_t> send_bytes, void* recv,
+                          std::span<const std::size_t> recv_bytes, std::string_view label);
   void relay_barrier(communicator& parent) {
     parent.barrier();
     counters_.add(collective::barrier, 0, "");
@@ -159,6 +174,10 @@ struct comm_options {
 };
 // Throws config_error for a timeout that is not a positive number of seconds.
 void validate(const comm_options& options);
+
+// The offsets of all_to_all_v's chunks (one more than the ranks: the last is the total);
+// throws internal_error unless there is one size per rank.
+std::vector<std::size_t> chunk_offsets(std::span<const std::size_t> bytes, int ranks);
 
 // The fp64 sum over the group of one value per rank, identical on every rank: the values
 // travel as raw bytes and every rank adds them in rank order.

@@ -15,6 +15,7 @@ std::string_view collective_name(collective c) {
     case collective::send: return "send";
     case collective::recv: return "recv";
     case collective::barrier: return "barrier";
+    case collective::all_to_all_v: return "all_to_all_v";
     case collective::count: break;
   }
   return "unknown";

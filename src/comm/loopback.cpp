@@ -1,7 +1,9 @@
 // The loopback communicator: rank 0 of a group of `size` alone. Each collective moves
 // rank 0's own bytes into the shapes it would receive and counts the bytes a real
 // group would put on the wire, so memory, compute and counters are exactly rank 0's.
+#include <algorithm>
 #include <cstdint>
+#include <vector>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -38,6 +40,25 @@ class loopback_communicator final : public communicator {
     UPIPE_CHECK(!overlaps(send, total, recv, total), "all_to_all: send and recv overlap");
     be_.copy_bytes(recv, send, total);
     counters_.add(collective::all_to_all, total, label);
+  }
+
+  // Chunk j of recv takes chunk j of send. A real group's sizes come from an exchange of
+  // them, which here returns rank 0's own, so they agree; where a caller sizes the receive
+  // otherwise (the meta backend's planning bound of expert parallelism, which moves no
+  // data) the common part moves.
+  void all_to_all_v(const void* send, std::span<const std::size_t> send_bytes, void* recv,
+                    std::span<const std::size_t> recv_bytes, std::string_view label) override {
+    const std::vector<std::size_t> out = chunk_offsets(send_bytes, size_), in = chunk_offsets(recv_bytes, size_);
+    UPIPE_CHECK(!overlaps(send, out.back(), recv, in.back()), "all_to_all_v: send and recv overlap");
+    UPIPE_CHECK(!be_.has_data() || send_bytes.size() == 0 ||
+                    std::equal(send_bytes.begin(), send_bytes.end(), recv_bytes.begin()),
+                "loopback all_to_all_v: rank 0 alone receives its own chunks, so each receive must be the size it "
+                "sends");
+    for (int j = 0; j < size_; ++j) {
+      const std::size_t n = std::min(send_bytes[j], recv_bytes[j]);
+      if (n > 0) be_.copy_bytes(byte_at(recv, in[j]), byte_at(const_cast<void*>(send), out[j]), n);
+    }
+    counters_.add(collective::all_to_all_v, out.back(), label);
   }
 
   void all_reduce_sum(float* /*data*/, std::size_t count, std::string_view label) override {

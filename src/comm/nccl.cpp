@@ -310,6 +310,24 @@ class nccl_communicator final : public communicator {
     return r;
   }
 
+  // Grouped sends and receives of each peer's size (none where it is 0).
+  void all_to_all_v(const void* send, std::span<const std::size_t> send_bytes, void* recv,
+                    std::span<const std::size_t> recv_bytes, std::string_view label) override {
+    const std::vector<std::size_t> out = chunk_offsets(send_bytes, size_), in = chunk_offsets(recv_bytes, size_);
+    run(collective::all_to_all_v, label, [&](ncclComm_t comm) {
+      return grouped([&](ncclResult_t& status) {
+        for (int j = 0; j < size_ && enqueued(status); ++j) {
+          if (send_bytes[j] > 0)
+            status = ncclSend(static_cast<const std::byte*>(send) + out[j], send_bytes[j], ncclUint8, j, comm,
+                              comm_stream_);
+          if (recv_bytes[j] > 0 && enqueued(status))
+            status = ncclRecv(static_cast<std::byte*>(recv) + in[j], recv_bytes[j], ncclUint8, j, comm, comm_stream_);
+        }
+      });
+    });
+    counters_.add(collective::all_to_all_v, out.back(), label);
+  }
+
   comm_request all_gather_start(const void* send, void* recv, std::size_t chunk_bytes,
                                 std::string_view label) override {
     comm_request r = in_flight(collective::all_gather, label, [&](ncclComm_t comm) {

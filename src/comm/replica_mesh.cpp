@@ -73,6 +73,11 @@ class shard_communicator final : public communicator {
     counters_.add(collective::all_to_all, chunk_bytes * static_cast<std::size_t>(n), label);
   }
 
+  void all_to_all_v(const void* send, std::span<const std::size_t> send_bytes, void* recv,
+                    std::span<const std::size_t> recv_bytes, std::string_view label) override {
+    relay_all_to_all_v(world_, [this](int r) { return world_rank(r); }, be_, send, send_bytes, recv, recv_bytes, label);
+  }
+
   void send_recv(const void* send, std::size_t send_bytes, int dst, void* recv, std::size_t recv_bytes, int src,
                  std::string_view label) override {
     relay_send_recv(world_, send, send_bytes, send_bytes > 0 ? world_rank(dst) : -1, recv, recv_bytes,
@@ -113,6 +118,22 @@ replica_groups split_replicas(communicator& world, backend& be, int cp) {
   g.cp = make_subgroup(world, be, group);
   if (cp == 1) return g;  // replicas of one rank: the world reduces across them itself
   g.shards = std::make_unique<shard_communicator>(world, *g.cp, make_subgroup(world, be, across), be);
+  return g;
+}
+
+expert_groups split_experts(communicator& world, backend& be, int ep) {
+  const int W = world.size();
+  if (ep < 1 || W % ep != 0)
+    throw config_error("--ep " + std::to_string(ep) + " must divide the " + std::to_string(W) +
+                       " ranks of the mesh (dp x cp); for example --ep 1");
+  expert_groups g;
+  if (ep == 1) return g;
+  const int group = world.rank() / ep, place = world.rank() % ep;
+  std::vector<int> peers, replicas;
+  for (int j = 0; j < ep; ++j) peers.push_back(group * ep + j);
+  for (int j = 0; j < W / ep; ++j) replicas.push_back(j * ep + place);
+  g.peers = make_subgroup(world, be, peers);
+  g.replicas = make_subgroup(world, be, replicas);
   return g;
 }
 

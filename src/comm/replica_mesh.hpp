@@ -27,4 +27,16 @@ struct replica_groups {
 // Loopbacks split into loopbacks. Throws config_error when cp does not divide the world.
 replica_groups split_replicas(communicator& world, backend& be, int cp);
 
+// Expert parallelism's groups over the same world (docs/design.md section 12), both null
+// when ep = 1 (every rank holds every expert):
+//   peers     its EP group: the ep consecutive world ranks g ep .. g ep + ep - 1, which send
+//             one another the tokens routed to their experts (EP rank b = world rank mod ep);
+//   replicas  the world / ep ranks at its place b in every EP group (b, ep + b, 2 ep + b,
+//             ...): they hold the same experts and reduce (ZeRO-shard) their gradients.
+// Loopbacks split into loopbacks. Throws config_error when ep does not divide the world.
+struct expert_groups {
+  std::unique_ptr<communicator> peers, replicas;
+};
+expert_groups split_experts(communicator& world, backend& be, int ep);
+
 }  // namespace upipe

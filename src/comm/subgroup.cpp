@@ -24,6 +24,11 @@ class subgroup_communicator final : public communicator {
     counters_.add(collective::all_to_all, chunk_bytes * members_.size(), label);
   }
 
+  void all_to_all_v(const void* send, std::span<const std::size_t> send_bytes, void* recv,
+                    std::span<const std::size_t> recv_bytes, std::string_view label) override {
+    relay_all_to_all_v(parent_, [this](int r) { return member(r); }, be_, send, send_bytes, recv, recv_bytes, label);
+  }
+
   void all_gather(const void* send, void* recv, std::size_t chunk_bytes, std::string_view label) override {
     exchange(send, recv, chunk_bytes, false, label);
     counters_.add(collective::all_gather, chunk_bytes * members_.size(), label);

@@ -44,6 +44,7 @@ struct posted_call {
   std::size_t size = 0;  // chunk bytes, or the f32 count of a reduction
   const void* send = nullptr;
   void* recv = nullptr;
+  const std::size_t* send_offsets = nullptr;  // all_to_all_v: where each chunk of send begins (size() + 1)
 };
 
 // One direction of send_recv between an ordered pair of ranks.
@@ -213,6 +214,32 @@ class thread_communicator final : public communicator {
       group_.arrive_and_wait(rank_);
     });
     counters_.add(collective::all_to_all, total, label);
+  }
+
+  // Each rank pulls chunk rank_ of every rank's send, sized as that rank posted it.
+  void all_to_all_v(const void* send, std::span<const std::size_t> send_bytes, void* recv,
+                    std::span<const std::size_t> recv_bytes, std::string_view label) override {
+    const std::vector<std::size_t> out = chunk_offsets(send_bytes, size()), in = chunk_offsets(recv_bytes, size());
+    guarded([&] {
+      UPIPE_CHECK(!overlaps(send, out.back(), recv, in.back()), "all_to_all_v: send and recv overlap");
+      posted_call mine{collective::all_to_all_v, 0, send, recv};
+      mine.send_offsets = out.data();
+      meet(mine);
+      {
+        const reading_scope reading(group_, rank_);
+        for (int j = 0; j < size(); ++j) {
+          const std::size_t* theirs = group_.slot(j).send_offsets;
+          const std::size_t bytes = theirs[rank_ + 1] - theirs[rank_];
+          UPIPE_CHECK(bytes == recv_bytes[j], "all_to_all_v: rank " + std::to_string(rank_) + " expects " +
+                                                  std::to_string(recv_bytes[j]) + " bytes from rank " +
+                                                  std::to_string(j) + ", which sends " + std::to_string(bytes));
+          if (bytes > 0) be_.copy_bytes(advance(as_bytes(recv), in[j]), advance(as_bytes(group_.slot(j).send), theirs[rank_]), bytes);
+        }
+        be_.synchronize();
+      }
+      group_.arrive_and_wait(rank_);
+    });
+    counters_.add(collective::all_to_all_v, out.back(), label);
   }
 
   void all_reduce_sum(float* data, std::size_t count, std::string_view label) override {

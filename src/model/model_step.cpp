@@ -58,32 +58,33 @@ struct rank_result {
 };
 
 void run_rank(const model_step_request& req, const prepared_sequence& seq, std::int64_t seq_len,
-              const host_weights& weights, const host_weights& adapter_weights, backend& be, communicator& comm,
+              const host_weights& weights, const host_weights& adapter_weights, backend& be, const mesh_comms& mesh,
               rank_result& out, model_step_result* measured) {
   const lora_config& lora = req.options.lora;
-  parameter_store params(req.model, parameter_specs(req.model), be, comm, zero_stage::replicated, {},
-                         lora.enabled() ? weight_role::frozen : weight_role::trained);
+  communicator& comm = mesh.cp;
+  parameter_store params(req.model, parameter_specs(req.model), be, mesh.shards, zero_stage::replicated, {},
+                         lora.enabled() ? weight_role::frozen : weight_role::trained, {}, experts_of(mesh));
   params.load(weights);
   std::unique_ptr<parameter_store> adapters;
   if (lora.enabled()) {
-    adapters = std::make_unique<parameter_store>(req.model, lora_parameter_specs(req.model, lora), be, comm,
+    adapters = std::make_unique<parameter_store>(req.model, lora_parameter_specs(req.model, lora), be, mesh.shards,
                                                  zero_stage::replicated, offload_options{}, weight_role::trained);
     adapters->load(adapter_weights);
   }
-  transformer model(req.model, req.cp, seq_len, be, {&comm, &comm}, req.options);
+  transformer model(req.model, req.cp, seq_len, be, {&comm, &comm}, req.options, mesh.expert_peers);
   const auto runs = model.local_positions(comm.rank());
   const bool host_ids = be.has_data();  // meta reads no ids
   const auto ids = host_ids ? shard_rows(seq.ids, 1, runs, model.local_tokens()) : std::vector<std::int32_t>{};
   const auto labels = host_ids ? shard_rows(seq.labels, 1, runs, model.local_tokens()) : std::vector<std::int32_t>{};
   const double scale = seq.counted > 0 ? 1.0 / static_cast<double>(seq.counted) : 0.0;
   be.ledger().record_timeline(measured != nullptr && req.record_timeline);
-  comm.barrier();
+  mesh.world.barrier();
   const auto start = std::chrono::steady_clock::now();
   const backend::gemm_flops before = be.gemm_count();
   out.loss_sum = model.forward_backward(params, {ids, labels, scale, seq.documents, seq.tokens}, adapters.get());
   out.aux_loss = model.aux_loss();
   be.synchronize();
-  comm.barrier();
+  mesh.world.barrier();
   if (measured != nullptr) {
     measured->gemm_flops = {be.gemm_count().all - before.all, be.gemm_count().left_transposed - before.left_transposed};
     measured->time_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
@@ -95,6 +96,11 @@ void run_rank(const model_step_request& req, const prepared_sequence& seq, std::
 }
 
 }  // namespace
+
+expert_sharding experts_of(const mesh_comms& mesh) {
+  if (mesh.expert_peers == nullptr) return {};
+  return {mesh.expert_peers->size(), mesh.expert_peers->rank(), mesh.expert_peers, mesh.expert_replicas};
+}
 
 std::size_t peak_of_labels(const std::vector<ledger_event>& timeline, std::initializer_list<std::string_view> prefixes) {
   std::int64_t live = 0, peak = 0;
@@ -128,11 +134,14 @@ model_step_result run_model_step(const model_step_request& req, const host_weigh
   }
   result.counted = seq.counted;
   attention_config_for(req.model, req.cp, result.seq_len);  // refuse a bad CP shape before any thread starts
-  std::vector<rank_result> per_rank(static_cast<std::size_t>(req.cp.cp));
-  run_cp_group(req.backend, req.limits, req.cp.cp, [&](int rank, backend& be, communicator& comm) {
-    run_rank(req, seq, result.seq_len, weights, adapters.empty() ? initial : adapters, be, comm, per_rank[rank],
+  const mesh_shape mesh{req.dp, req.cp.cp, req.ep};
+  std::vector<rank_result> per_rank(static_cast<std::size_t>(mesh.ranks()));
+  run_mesh(req.backend, req.limits, mesh, [&](int rank, backend& be, const mesh_comms& comms) {
+    run_rank(req, seq, result.seq_len, weights, adapters.empty() ? initial : adapters, be, comms, per_rank[rank],
              rank == 0 ? &result : nullptr);
   }, group_run::every_rank, req.comm);
+  // Every replica ran the sequence: the sums over all ranks are dp times one replica's (an
+  // expert's gradient lies on the ranks that hold it, each the part of its EP group's tokens).
   double loss_sum = 0;
   for (rank_result& r : per_rank) {
     loss_sum += r.loss_sum;
@@ -141,6 +150,11 @@ model_step_result run_model_step(const model_step_request& req, const host_weigh
       if (!fresh)
         for (std::size_t i = 0; i < values.size(); ++i) it->second[i] += values[i];
     }
+  }
+  if (req.dp > 1) {
+    loss_sum /= req.dp;
+    for (auto& [name, values] : result.grads)
+      for (float& v : values) v /= static_cast<float>(req.dp);
   }
   result.lm_loss = seq.counted > 0 ? loss_sum / static_cast<double>(seq.counted) : 0.0;
   result.aux_loss = per_rank.front().aux_loss;

@@ -15,6 +15,7 @@
 #include "comm/communicator.hpp"
 #include "model/transformer.hpp"
 #include "model/weights.hpp"
+#include "runtime/cp_group.hpp"
 
 namespace upipe {
 
@@ -40,6 +41,9 @@ std::int64_t layout_unit(const cp_settings& cp);
 struct model_step_request {
   model_config model;
   cp_settings cp;
+  // A mesh of dp replicas of the CP group, each running the same sequence (the result is
+  // their mean), with expert parallelism over EP groups of ep ranks (ep divides dp x cp).
+  int dp = 1, ep = 1;
   step_options options;
   backend_kind backend = backend_kind::cpu;
   memory_limits limits;
@@ -58,13 +62,17 @@ struct model_step_result {
   double aux_loss = 0;        // a mixture of experts' load-balancing loss (0 when off)
   std::int64_t counted = 0;   // unmasked labels
   std::int64_t seq_len = 0;   // after padding
-  host_weights grads;         // summed over ranks (empty on meta); with LoRA the adapters'
+  host_weights grads;         // summed over a replica's ranks (empty on meta); with LoRA the adapters'
   backend::gemm_flops gemm_flops;  // rank 0's GEMMs in forward + backward
   std::map<std::string, std::size_t> peak_bytes;  // rank 0, tag -> bytes
   std::size_t device_peak_bytes = 0;              // rank 0
   double time_ms = 0;                             // rank 0, forward + backward
   std::vector<ledger_event> timeline;             // rank 0, when asked for
 };
+
+// A mesh rank's expert sharding for its stores: its EP group's place (mesh.expert_peers),
+// or every expert where there is none.
+expert_sharding experts_of(const mesh_comms& mesh);
 
 // The highest sum of live bytes, over a timeline, of the allocations whose label starts
 // with one of `prefixes` (the working set of one part of the step, such as "mlp_").

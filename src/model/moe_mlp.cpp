@@ -7,6 +7,7 @@
 
 #include "backend/ops.hpp"
 #include "core/error.hpp"
+#include "model/moe_exchange.hpp"
 
 namespace upipe {
 
@@ -16,6 +17,8 @@ namespace {
 // everything that routes, dispatches, permutes and combines the rows around them.
 constexpr const char* routing_phase = "moe_routing";
 constexpr const char* experts_phase = "moe_experts";
+// Expert parallelism's exchange of the rows with their experts' ranks, sizes included.
+constexpr const char* exchange_phase = "moe_exchange";
 
 std::vector<mat_view> matrices(const std::vector<projection>& p) {
   std::vector<mat_view> out;
@@ -70,9 +73,26 @@ router_balance read_router_balance(backend& be, const tensor& sums, std::int64_t
   return b;
 }
 
-moe_mlp::moe_mlp(const model_config& model, backend& be, const moe_options& options, int rank)
+moe_mlp::moe_mlp(const model_config& model, backend& be, const moe_options& options, int rank,
+                 communicator* experts)
     : model_(model), be_(be), options_(options), rank_(rank) {
   validate_moe_options(options);
+  if (experts != nullptr && experts->size() > 1) exchange_ = std::make_unique<moe_exchange>(model_, be_, *experts);
+}
+
+moe_mlp::~moe_mlp() = default;
+
+// The experts' side of a tile's pass: the exchange's plan under expert parallelism, the
+// rows' groups, and what the backward keeps of the forward (the operands and activation).
+struct moe_mlp::experts_side {
+  moe_exchange::plan plan;
+  expert_groups groups;
+  expert_pass pass;
+  tensor act;
+};
+
+moe_mlp::expert_groups moe_mlp::groups_of(const dispatch_plan& d) {
+  return {d.offsets.matrix(), d.host_offsets, d.rows};
 }
 
 tensor working_copy(backend& be, const mat_view& src, const char* label) {
@@ -107,7 +127,8 @@ moe_mlp::routing moe_mlp::route(const moe_weights& w, const tile& at, const mat_
 }
 
 // 2. Each slot's row in the experts' order, on the device. The per-expert loop reads the
-// experts' offsets back (a synchronization); on meta it spreads the rows evenly, which gives
+// experts' offsets back (a synchronization; under expert parallelism the exchange's host
+// read gives the local experts' instead); on meta it spreads the rows evenly, which gives
 // the same buffers as any routing: the dispatched rows are n k (or E capacity) whatever it is.
 moe_mlp::dispatch_plan moe_mlp::dispatch(const routing& r, std::int64_t n) {
   const phase_scope phase(be_, routing_phase);
@@ -122,7 +143,7 @@ moe_mlp::dispatch_plan moe_mlp::dispatch(const routing& r, std::int64_t n) {
         be_.allocate(mem_tag::activations, dtype::i32, {moe_dispatch_scratch_rows(n), E}, "moe_dispatch_scratch");
     ops::moe_dispatch(be_, {r.experts.matrix(), d.position.matrix(), d.offsets.matrix(), scratch.matrix(), capacity});
   }
-  if (options_.gemm != moe_gemm::loop) return d;
+  if (options_.gemm != moe_gemm::loop || exchange_) return d;
   d.host_offsets.assign(static_cast<std::size_t>(E + 1), 0);
   if (!be_.has_data()) {
     for (std::int64_t e = 0; e <= E; ++e) d.host_offsets[static_cast<std::size_t>(e)] = d.rows * e / E;
@@ -142,7 +163,7 @@ tensor moe_mlp::permute(const dispatch_plan& d, const mat_view& h) {
 }
 
 // 3. The experts, on the dispatched rows (expert parallelism exchanges them before this).
-void moe_mlp::expert_gemm(const dispatch_plan& d, grouped_form form, const mat_view& rows, const mat_view& other,
+void moe_mlp::expert_gemm(const expert_groups& d, grouped_form form, const mat_view& rows, const mat_view& other,
                           std::vector<mat_view> weights, const mat_view& out, float beta) {
   const phase_scope phase(be_, experts_phase);
   if (options_.gemm != moe_gemm::loop) {
@@ -151,7 +172,7 @@ void moe_mlp::expert_gemm(const dispatch_plan& d, grouped_form form, const mat_v
     a.rows = rows;
     a.other = other;
     a.weights = std::move(weights);
-    a.offsets = d.offsets.matrix();
+    a.offsets = d.offsets;
     a.out = out;
     a.beta = form == grouped_form::weight_gradient ? 1.0f : beta;
     a.engine = options_.gemm == moe_gemm::cublas ? grouped_engine::cublas : grouped_engine::cutlass;
@@ -171,7 +192,7 @@ void moe_mlp::expert_gemm(const dispatch_plan& d, grouped_form form, const mat_v
   }
 }
 
-moe_mlp::expert_pass moe_mlp::experts_in(const moe_weights& w, const dispatch_plan& d, tensor x) {
+moe_mlp::expert_pass moe_mlp::experts_in(const moe_weights& w, const expert_groups& d, tensor x) {
   const std::int64_t I = model_.moe.expert_width;
   expert_pass p;
   p.x = std::move(x);
@@ -182,28 +203,61 @@ moe_mlp::expert_pass moe_mlp::experts_in(const moe_weights& w, const dispatch_pl
   return p;
 }
 
-void moe_mlp::forward(const moe_weights& w, const tile& at, const mat_view& h, const mat_view& y) {
-  const std::int64_t n = h.rows, D = model_.hidden_size;
-  const routing r = route(w, at, h);
-  if (at.balance != nullptr) {
-    const phase_scope phase(be_, routing_phase);
-    ops::moe_balance(be_, {r.probs.matrix(), r.experts.matrix(), at.counted, at.balance->matrix()});
+// The experts' outputs (d.rows, D) at this rank's dispatched rows. Expert parallelism sends
+// the permuted rows to their experts' ranks here and brings the outputs back. The forward
+// keeps nothing (`kept` null); the backward keeps the experts' side for expert_gradients.
+tensor moe_mlp::experts_out(const moe_weights& w, const dispatch_plan& d, const routing& r, const mat_view& h,
+                            experts_side* kept) {
+  const std::int64_t D = model_.hidden_size, I = model_.moe.expert_width;
+  experts_side own;
+  experts_side& side = kept != nullptr ? *kept : own;
+  tensor x = permute(d, h);
+  if (exchange_) {
+    const phase_scope phase(be_, exchange_phase);
+    const std::int64_t capacity = moe_capacity(options_.capacity_factor, h.rows, model_.moe.top_k, model_.moe.experts);
+    side.plan = exchange_->make_plan(d.offsets.matrix(), d.position.matrix(), r.experts.matrix(), d.rows, capacity);
+    x = exchange_->to_experts(side.plan, x.matrix(), "ep_dispatch");
+    side.groups = {exchange_->group_offsets(side.plan), side.plan.host_offsets, side.plan.received};
+  } else {
+    side.groups = groups_of(d);
   }
-  const dispatch_plan d = dispatch(r, n);
+  expert_pass& p = side.pass;
+  p = experts_in(w, side.groups, std::move(x));
+  const std::int64_t rows = side.groups.rows;
   tensor out;
-  {
-    // Expert parallelism exchanges the permuted rows (and the offsets) here, and the
-    // experts' outputs back before the combine.
-    expert_pass p = experts_in(w, d, permute(d, h));
+  if (kept == nullptr) {
     p.x.reset();
     {
       const phase_scope phase(be_, experts_phase);
       ops::swiglu_forward(be_, {p.gate.matrix(), p.up.matrix(), p.gate.matrix(), model_.activation});  // in place
     }
     p.up.reset();
-    out = be_.allocate(mem_tag::activations, be_.work_dtype(), {d.rows, D}, "moe_expert_out");
-    expert_gemm(d, grouped_form::rows_by_weight_t, p.gate.matrix(), {}, matrices(w.down), out.matrix());
+    out = be_.allocate(mem_tag::activations, be_.work_dtype(), {rows, D}, "moe_expert_out");
+    expert_gemm(side.groups, grouped_form::rows_by_weight_t, p.gate.matrix(), {}, matrices(w.down), out.matrix());
+    p = {};
+  } else {
+    side.act = be_.allocate(mem_tag::activations, be_.work_dtype(), {rows, I}, "moe_expert_act");
+    {
+      const phase_scope phase(be_, experts_phase);
+      ops::swiglu_forward(be_, {p.gate.matrix(), p.up.matrix(), side.act.matrix(), model_.activation});
+    }
+    out = be_.allocate(mem_tag::activations, be_.work_dtype(), {rows, D}, "moe_expert_out");
+    expert_gemm(side.groups, grouped_form::rows_by_weight_t, side.act.matrix(), {}, matrices(w.down), out.matrix());
   }
+  if (!exchange_) return out;
+  const phase_scope phase(be_, exchange_phase);
+  return exchange_->to_sources(side.plan, out.matrix(), d.rows, "ep_combine");
+}
+
+void moe_mlp::forward(const moe_weights& w, const tile& at, const mat_view& h, const mat_view& y) {
+  const std::int64_t n = h.rows;
+  const routing r = route(w, at, h);
+  if (at.balance != nullptr) {
+    const phase_scope phase(be_, routing_phase);
+    ops::moe_balance(be_, {r.probs.matrix(), r.experts.matrix(), at.counted, at.balance->matrix()});
+  }
+  const dispatch_plan d = dispatch(r, n);
+  const tensor out = experts_out(w, d, r, h, nullptr);
   const shared_out s = w.has_shared() ? shared_forward(w, h) : shared_out{};
   // 4. Each token's k outputs weighted, and the shared expert's, summed in fp32 and added once.
   const phase_scope phase(be_, routing_phase);
@@ -244,27 +298,41 @@ void moe_mlp::backward(const moe_weights& w, const moe_grads& g, const tile& at,
   if (w.has_shared()) shared_backward(w, g, h, d_y, d_h);
 }
 
-// d_h = the experts' input gradients combined per token; d_weights from the combine.
+// d_h = the experts' input gradients combined per token; d_weights from the combine. Under
+// expert parallelism the outputs come back for the combine's backward here, and its
+// gradient goes out to the experts' ranks and their input gradients come back.
 void moe_mlp::experts_backward(const moe_weights& w, const moe_grads& g, const dispatch_plan& d, const routing& r,
                                const mat_view& h, const mat_view& d_y, const mat_view& d_h, const mat_view& d_weights) {
-  const std::int64_t D = model_.hidden_size, I = model_.moe.expert_width;
-  expert_pass p = experts_in(w, d, permute(d, h));
-  tensor act = be_.allocate(mem_tag::activations, be_.work_dtype(), {d.rows, I}, "moe_expert_act");
-  {
-    const phase_scope phase(be_, experts_phase);
-    ops::swiglu_forward(be_, {p.gate.matrix(), p.up.matrix(), act.matrix(), model_.activation});
-  }
+  const std::int64_t D = model_.hidden_size;
+  experts_side side;
   tensor d_out = be_.allocate(mem_tag::activations, be_.work_dtype(), {d.rows, D}, "moe_expert_d_out");
   {
-    tensor out = be_.allocate(mem_tag::activations, be_.work_dtype(), {d.rows, D}, "moe_expert_out");
-    expert_gemm(d, grouped_form::rows_by_weight_t, act.matrix(), {}, matrices(w.down), out.matrix());
+    const tensor out = experts_out(w, d, r, h, &side);
     const phase_scope phase(be_, routing_phase);
     ops::moe_combine_backward(be_, {d_y, d.position.matrix(), r.weights.matrix(), out.matrix(), d_out.matrix(), d_weights});
   }
+  if (exchange_) {
+    const phase_scope phase(be_, exchange_phase);
+    d_out = exchange_->to_experts(side.plan, d_out.matrix(), "ep_dispatch_grad");
+  }
+  tensor d_x = expert_gradients(w, g, side, std::move(d_out));
+  if (exchange_) {
+    const phase_scope phase(be_, exchange_phase);
+    d_x = exchange_->to_sources(side.plan, d_x.matrix(), d.rows, "ep_combine_grad");
+  }
+  const phase_scope phase(be_, routing_phase);
+  ops::fill_heads(be_, ops::as_heads(d_h), 0.0f);
+  ops::moe_combine(be_, {d_x.matrix(), d.position.matrix(), {}, {}, {}, d_h});
+}
+
+tensor moe_mlp::expert_gradients(const moe_weights& w, const moe_grads& g, experts_side& side, tensor d_out) {
+  const std::int64_t D = model_.hidden_size, I = model_.moe.expert_width;
+  const expert_groups& d = side.groups;
+  expert_pass& p = side.pass;
   tensor d_act = be_.allocate(mem_tag::activations, be_.work_dtype(), {d.rows, I}, "moe_expert_d_act");
   expert_gemm(d, grouped_form::rows_by_weight, d_out.matrix(), {}, matrices(w.down), d_act.matrix());
-  if (trains(g.down)) expert_gemm(d, grouped_form::weight_gradient, d_out.matrix(), act.matrix(), matrices(g.down), {});
-  act.reset();
+  if (trains(g.down)) expert_gemm(d, grouped_form::weight_gradient, d_out.matrix(), side.act.matrix(), matrices(g.down), {});
+  side.act.reset();
   d_out.reset();
   {
     const phase_scope phase(be_, experts_phase);
@@ -279,9 +347,7 @@ void moe_mlp::experts_backward(const moe_weights& w, const moe_grads& g, const d
   if (trains(g.gate)) expert_gemm(d, grouped_form::weight_gradient, p.gate.matrix(), p.x.matrix(), matrices(g.gate), {});
   if (trains(g.up)) expert_gemm(d, grouped_form::weight_gradient, p.up.matrix(), p.x.matrix(), matrices(g.up), {});
   p = {};
-  const phase_scope phase(be_, routing_phase);
-  ops::fill_heads(be_, ops::as_heads(d_h), 0.0f);
-  ops::moe_combine(be_, {d_x.matrix(), d.position.matrix(), {}, {}, {}, d_h});
+  return d_x;
 }
 
 // Through the router: the routing weights' gradient and, on the counted rows, the aux term.

@@ -9,9 +9,10 @@
 //                per-expert loop);
 //   4. combine:  the expert outputs weighted by the routing, summed per token in fp32 and
 //                added to the residual once, with Qwen2-MoE's shared expert.
-// Expert parallelism exchanges the dispatched rows between steps 2 and 3 (and the outputs
-// back between 3 and 4). Attention is untouched, so every CP strategy carries over: each
-// rank routes its own tokens.
+// Expert parallelism (model/moe_exchange.hpp) exchanges the dispatched rows between steps 2
+// and 3 (and the outputs back between 3 and 4): one host read of the exchange's sizes per
+// tile and direction. Attention is untouched, so every CP strategy carries over: each rank
+// routes its own tokens.
 //
 // The load-balancing loss (transformers' load_balancing_loss_func) needs, over every
 // sparse layer and every token of the sequence, each expert's top-k count and summed
@@ -21,10 +22,13 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
+#include <span>
 #include <string_view>
 #include <vector>
 
 #include "backend/backend.hpp"
+#include "comm/communicator.hpp"
 #include "model/config.hpp"
 #include "model/moe_routing_log.hpp"
 #include "model/parameters.hpp"
@@ -63,9 +67,15 @@ struct router_balance {
 };
 router_balance read_router_balance(backend& be, const tensor& sums, std::int64_t experts);
 
+class moe_exchange;
+
 class moe_mlp {
  public:
-  moe_mlp(const model_config& model, backend& be, const moe_options& options, int rank);
+  // With `experts` (an EP group of more than one rank: expert parallelism) the weights hold
+  // this rank's experts alone and the tile's dispatched rows travel to their experts' ranks.
+  moe_mlp(const model_config& model, backend& be, const moe_options& options, int rank,
+          communicator* experts = nullptr);
+  ~moe_mlp();
 
   // Where a tile sits, and what the load-balancing loss asks of it: its rows that count
   // ((n, 1) u8 on the device; no rows: every row), the step's sums (forward; null: none
@@ -94,6 +104,15 @@ class moe_mlp {
     std::int64_t rows = 0;     // rows laid out at most (n k, or E x capacity)
     std::vector<std::int64_t> host_offsets;  // the per-expert loop's copy of offsets
   };
+  // The rows the experts' GEMMs run on, group g (this rank's g-th expert) at
+  // [offsets[g], offsets[g + 1]): this rank's dispatch, or under expert parallelism the rows
+  // its EP group sent here.
+  struct expert_groups {
+    mat_view offsets;                         // (1, G + 1) i32 on the device
+    std::span<const std::int64_t> host_offsets;  // the per-expert loop's copy
+    std::int64_t rows = 0;
+  };
+  static expert_groups groups_of(const dispatch_plan& d);
   // The expert GEMMs' operands over the dispatched rows.
   struct expert_pass {
     tensor x, gate, up;  // (rows, D), (rows, I), (rows, I)
@@ -102,12 +121,21 @@ class moe_mlp {
   dispatch_plan dispatch(const routing& r, std::int64_t n);
   tensor permute(const dispatch_plan& d, const mat_view& h);
   // gate and up of the permuted rows x (kept in the pass for the weight gradients).
-  expert_pass experts_in(const moe_weights& w, const dispatch_plan& d, tensor x);
+  expert_pass experts_in(const moe_weights& w, const expert_groups& d, tensor x);
   // One grouped GEMM of the experts (or the per-expert loop).
-  void expert_gemm(const dispatch_plan& d, grouped_form form, const mat_view& rows, const mat_view& other,
+  void expert_gemm(const expert_groups& d, grouped_form form, const mat_view& rows, const mat_view& other,
                    std::vector<mat_view> weights, const mat_view& out, float beta = 0.0f);
+  // The experts' outputs (d.rows, D) at this rank's dispatched rows: run here, or under
+  // expert parallelism on the experts' ranks and returned. The backward keeps the experts'
+  // side of the pass (`kept`, its rows `groups`) for expert_gradients.
+  struct experts_side;
+  tensor experts_out(const moe_weights& w, const dispatch_plan& d, const routing& r, const mat_view& h,
+                     experts_side* kept);
   void experts_backward(const moe_weights& w, const moe_grads& g, const dispatch_plan& d, const routing& r,
                         const mat_view& h, const mat_view& d_y, const mat_view& d_h, const mat_view& d_weights);
+  // From the outputs' gradient d_out at the experts' rows: the weights' gradients into g,
+  // and the rows' input gradients (f32) at the same rows.
+  tensor expert_gradients(const moe_weights& w, const moe_grads& g, experts_side& side, tensor d_out);
   void router_backward(const moe_weights& w, const moe_grads& g, const tile& at, const routing& r, const mat_view& h,
                        const mat_view& d_weights, const mat_view& d_h);
   // The shared expert's forward (its output s (n, D) and gate logit z (n, 1) f32).
@@ -122,6 +150,7 @@ class moe_mlp {
   backend& be_;
   moe_options options_;
   int rank_;
+  std::unique_ptr<moe_exchange> exchange_;  // expert parallelism; null without
 };
 
 }  // namespace upipe

@@ -16,12 +16,29 @@ namespace upipe {
 
 namespace {
 
-int unit_of(const std::string& name, int layers) {
+// The unit of a sparse layer's routed experts: after the head, in layer order.
+int expert_unit(const model_config& config, int layer) {
+  int sparse_below = 0;
+  for (int l = 0; l < layer; ++l) sparse_below += config.sparse_layer(l) ? 1 : 0;
+  return config.num_layers + 2 + sparse_below;
+}
+
+int unit_of(const model_config& config, const std::string& name) {
+  const int layers = config.num_layers;
+  if (const std::optional<expert_place> expert = expert_of(config, name)) return expert_unit(config, expert->layer);
   if (const std::optional<std::int64_t> layer = layer_of(name)) {
     UPIPE_CHECK(*layer >= 0 && *layer < layers, "parameter " + name + " lies outside the model's layers");
     return 1 + static_cast<int>(*layer);
   }
   return name == "model.embed_tokens.weight" ? 0 : layers + 1;
+}
+
+// The units of `specs`: the embedding, the layers, the head, and the routed experts of each
+// sparse layer where the specs hold experts.
+int unit_total(const model_config& config, const std::vector<parameter_spec>& specs) {
+  const bool experts =
+      std::any_of(specs.begin(), specs.end(), [&](const parameter_spec& p) { return expert_of(config, p.name).has_value(); });
+  return config.num_layers + 2 + (experts ? config.sparse_layer_count() : 0);
 }
 
 // A (1, count) view at element `offset` of a (1, n) tensor.
@@ -32,10 +49,11 @@ mat_view slice(const tensor& t, std::int64_t offset, std::int64_t count) {
 }  // namespace
 
 std::vector<std::vector<unit_parameter>> parameter_units(const model_config& config) {
-  std::vector<std::vector<unit_parameter>> units(static_cast<std::size_t>(config.num_layers + 2));
+  const std::vector<parameter_spec> specs = parameter_specs(config);
+  std::vector<std::vector<unit_parameter>> units(static_cast<std::size_t>(unit_total(config, specs)));
   std::vector<std::int64_t> sizes(units.size(), 0);
-  for (const parameter_spec& spec : parameter_specs(config)) {
-    const int u = unit_of(spec.name, config.num_layers);
+  for (const parameter_spec& spec : specs) {
+    const int u = unit_of(config, spec.name);
     units[u].push_back({spec.name, sizes[u], element_count(spec.shape)});
     sizes[u] += element_count(spec.shape);
   }
@@ -79,14 +97,15 @@ std::size_t offloaded_bytes(const model_config& config, int ranks, dtype work, z
 }
 
 parameter_store::parameter_store(const model_config& config, backend& be, communicator& comm, zero_stage stage,
-                                 offload_options offload, const optimizer_state_options& state)
-    : parameter_store(config, parameter_specs(config), be, comm, stage, offload, weight_role::trained, state) {}
+                                 offload_options offload, const optimizer_state_options& state,
+                                 const expert_sharding& experts)
+    : parameter_store(config, parameter_specs(config), be, comm, stage, offload, weight_role::trained, state, experts) {}
 
 parameter_store::parameter_store(const model_config& config, std::vector<parameter_spec> specs, backend& be,
                                  communicator& comm, zero_stage stage, offload_options offload, weight_role role,
-                                 const optimizer_state_options& state)
+                                 const optimizer_state_options& state, const expert_sharding& experts)
     : config_(config), be_(be), comm_(comm), stage_(stage), offload_(offload), state_(state), role_(role),
-      specs_(std::move(specs)) {
+      experts_(experts) {
   UPIPE_CHECK(!offload.master_on_host() || stage == zero_stage::two || stage == zero_stage::three,
               "the optimizer is offloaded only when it is sharded (ZeRO-2 or ZeRO-3)");
   UPIPE_CHECK(!offload.params || offload.master_on_host(), "the parameters are offloaded only with the master weights");
@@ -94,16 +113,36 @@ parameter_store::parameter_store(const model_config& config, std::vector<paramet
               "gradient shards are kept in f32 or bf16");
   const bool trains = role == weight_role::trained && (stage == zero_stage::two || stage == zero_stage::three);
   if (!trains) state_ = {};  // no optimizer state: the format has nothing to hold
-  for (int u = 0; u < config.num_layers + 2; ++u) units_.push_back(std::make_unique<unit>());
+  check_expert_sharding(config, experts_);
+  // Under expert parallelism the store holds its EP rank's experts alone.
+  const expert_range mine = local_experts();
+  for (parameter_spec& spec : specs) {
+    const std::optional<expert_place> expert = expert_of(config, spec.name);
+    if (!expert || mine.count < 0 || (expert->expert >= mine.first && expert->expert < mine.first + mine.count))
+      specs_.push_back(std::move(spec));
+  }
+  for (int u = unit_total(config, specs_); u > 0; --u) units_.push_back(std::make_unique<unit>());
   for (std::size_t i = 0; i < specs_.size(); ++i) {
-    unit& u = *units_[unit_of(specs_[i].name, config.num_layers)];
+    unit& u = *units_[unit_of(config, specs_[i].name)];
     u.params.push_back(i);
     u.offsets.push_back(u.numel);
     u.numel += element_count(specs_[i].shape);
   }
-  const int C = comm.size();
-  for (auto& up : units_) {
-    unit& u = *up;
+  for (int l = 0; l < config.num_layers; ++l)
+    if (config.sparse_layer(l) && units_.size() > static_cast<std::size_t>(config.num_layers + 2))
+      units_[static_cast<std::size_t>(layer_unit(l))]->companion = expert_unit(config, l);
+  for (std::size_t i = 0; i < units_.size(); ++i) {
+    unit& u = *units_[i];
+    const bool routed = static_cast<int>(i) >= config.num_layers + 2;
+    u.comm = routed && experts_.replicas != nullptr ? experts_.replicas : &comm;
+    u.canonical_numel = routed ? u.numel * experts_.groups : u.numel;
+    u.canonical_offset = routed ? u.numel * experts_.group : 0;
+    // q8's absmax blocks of a saved unit must not straddle two EP ranks' experts.
+    if (routed && experts_.groups > 1 && state_.format.moments == moment_format::q8 && u.numel % q8_block != 0)
+      throw config_error("--optimizer-state 8bit with --ep " + std::to_string(experts_.groups) + ": a rank's " +
+                         std::to_string(u.numel) + " expert parameters of a layer are not whole blocks of " +
+                         std::to_string(q8_block) + "; use --optimizer-state bf16, or --ep 1");
+    const int C = u.comm->size();
     u.padded = padded_unit(u.numel, C, state_);
     u.shard = u.padded / C;
     const mem_tag weights = offload.params ? mem_tag::weights_host : mem_tag::weights;
@@ -123,6 +162,25 @@ parameter_store::parameter_store(const model_config& config, std::vector<paramet
   }
 }
 
+void check_expert_sharding(const model_config& config, const expert_sharding& e) {
+  if (e.groups == 1) return;
+  UPIPE_CHECK(e.groups > 1 && e.group >= 0 && e.group < e.groups && e.peers != nullptr && e.replicas != nullptr &&
+                  e.peers->size() == e.groups && e.peers->rank() == e.group,
+              "expert sharding over " + std::to_string(e.groups) + " groups needs this rank's EP group and replicas");
+  if (config.sparse_layer_count() == 0 || config.moe.experts % e.groups != 0)
+    throw config_error("--ep " + std::to_string(e.groups) + " must divide the model's " +
+                       std::to_string(config.moe.experts) + " experts (" + config.name +
+                       (config.sparse_layer_count() == 0 ? " has no sparse layer: use --ep 1)" : ")"));
+}
+
+expert_range parameter_store::local_experts() const {
+  if (experts_.groups == 1) return {};
+  const int count = config_.moe.experts / experts_.groups;
+  return {experts_.group * count, count};
+}
+
+bool parameter_store::is_expert_unit(int u) const { return u >= config_.num_layers + 2 && u < unit_count(); }
+
 parameter_store::~parameter_store() { wait_all_host(); }
 
 parameter_store::unit& parameter_store::at(int u) const {
@@ -131,9 +189,16 @@ parameter_store::unit& parameter_store::at(int u) const {
 }
 
 void parameter_store::acquire(int index) {
+  for (unit* u : with_companion(index)) {
+    if (offload_.master_on_host()) acquire_offloaded(*u);
+    else gather_on_first_acquire(*u);
+  }
+}
+
+std::vector<parameter_store::unit*> parameter_store::with_companion(int index) const {
   unit& u = at(index);
-  if (offload_.master_on_host()) return acquire_offloaded(u);
-  gather_on_first_acquire(u);
+  if (u.companion < 0) return {&u};
+  return {&u, &at(u.companion)};
 }
 
 void parameter_store::gather_on_first_acquire(unit& u) {
@@ -143,47 +208,64 @@ void parameter_store::gather_on_first_acquire(unit& u) {
     return;
   }
   u.weights = be_.allocate(mem_tag::weights, be_.work_dtype(), {1, u.padded}, "gathered_weights");
-  comm_.all_gather(u.weight_shard.data(), u.weights.data(), u.weight_shard.bytes(), "zero3_all_gather");
+  u.comm->all_gather(u.weight_shard.data(), u.weights.data(), u.weight_shard.bytes(), "zero3_all_gather");
 }
 
 void parameter_store::prefetch(int index) {
-  unit& u = at(index);
-  if (offload_.master_on_host()) return prefetch_offloaded(u);
-  if (stage_ != zero_stage::three || u.acquired > 0 || !u.weights.empty()) return;
-  u.weights = be_.allocate(mem_tag::weights, be_.work_dtype(), {1, u.padded}, "gathered_weights");
-  u.gathering =
-      comm_.all_gather_start(u.weight_shard.data(), u.weights.data(), u.weight_shard.bytes(), "zero3_all_gather");
+  for (unit* up : with_companion(index)) {
+    unit& u = *up;
+    if (offload_.master_on_host()) {
+      prefetch_offloaded(u);
+      continue;
+    }
+    if (stage_ != zero_stage::three || u.acquired > 0 || !u.weights.empty()) continue;
+    u.weights = be_.allocate(mem_tag::weights, be_.work_dtype(), {1, u.padded}, "gathered_weights");
+    u.gathering =
+        u.comm->all_gather_start(u.weight_shard.data(), u.weights.data(), u.weight_shard.bytes(), "zero3_all_gather");
+  }
 }
 
 void parameter_store::release(int index) {
-  unit& u = at(index);
-  if (offload_.params) return release_offloaded(u);
-  if (stage_ != zero_stage::three) return;
-  UPIPE_CHECK(u.acquired > 0, "release of a unit that was not acquired");
-  if (--u.acquired == 0) u.weights.reset();
+  for (unit* up : with_companion(index)) {
+    unit& u = *up;
+    if (offload_.params) {
+      release_offloaded(u);
+      continue;
+    }
+    if (stage_ != zero_stage::three) continue;
+    UPIPE_CHECK(u.acquired > 0, "release of a unit that was not acquired");
+    if (--u.acquired == 0) u.weights.reset();
+  }
 }
 
 void parameter_store::open_grads(int index) {
-  unit& u = at(index);
   UPIPE_CHECK(stage_ != zero_stage::inference, "an inference store has no gradients");
   if (stage_ == zero_stage::replicated || role_ == weight_role::frozen) return;
-  UPIPE_CHECK(u.grads.empty(), "a unit's gradients open once per micro-batch");
-  u.grads = be_.allocate_zeroed(mem_tag::grads, dtype::f32, {1, u.padded}, "unit_grads");
+  for (unit* u : with_companion(index)) {
+    UPIPE_CHECK(u->grads.empty(), "a unit's gradients open once per micro-batch");
+    u->grads = be_.allocate_zeroed(mem_tag::grads, dtype::f32, {1, u->padded}, "unit_grads");
+  }
 }
 
 // Each unit's gradients are complete once its backward is done: reduce-scatter them in
 // fp32 into this rank's shard (kept, on the device or the host) or into an update
 // (streamed), and free the full copy.
 void parameter_store::close_grads(int index) {
-  unit& u = at(index);
   if (stage_ == zero_stage::replicated || role_ == weight_role::frozen) return;
-  UPIPE_CHECK(!u.grads.empty(), "close of gradients that are not open");
-  if (offload_.moments_on_host()) return close_offloaded(index);
-  close_on_device(index);
+  const int companion = at(index).companion;
+  for (const int i : {index, companion}) {
+    if (i < 0) continue;
+    UPIPE_CHECK(!at(i).grads.empty(), "close of gradients that are not open");
+    if (offload_.moments_on_host()) close_offloaded(i);
+    else close_on_device(i);
+  }
 }
 
 bool parameter_store::grads_open(int index) const {
-  return stage_ == zero_stage::replicated || role_ == weight_role::frozen || !at(index).grads.empty();
+  if (stage_ == zero_stage::replicated || role_ == weight_role::frozen) return true;
+  for (const unit* u : with_companion(index))
+    if (u->grads.empty()) return false;
+  return true;
 }
 
 mat_view parameter_store::param_view(const unit& u, const tensor& flat, std::size_t k) const {
@@ -195,7 +277,7 @@ mat_view parameter_store::param_view(const unit& u, const tensor& flat, std::siz
 
 mat_view parameter_store::named(const std::string& name, bool grad) const {
   if (grad && role_ == weight_role::frozen) return {};
-  const unit& u = at(unit_of(name, config_.num_layers));
+  const unit& u = at(unit_of(config_, name));
   for (std::size_t k = 0; k < u.params.size(); ++k) {
     if (specs_[u.params[k]].name != name) continue;
     const tensor& flat = grad ? u.grads : u.weights;
@@ -206,10 +288,10 @@ mat_view parameter_store::named(const std::string& name, bool grad) const {
 }
 
 layer_params parameter_store::layer(int l) const {
-  return make_layer_params(config_, l, [&](const std::string& n) { return named(n, false); });
+  return make_layer_params(config_, l, [&](const std::string& n) { return named(n, false); }, local_experts());
 }
 layer_params parameter_store::layer_grads(int l) const {
-  return make_layer_params(config_, l, [&](const std::string& n) { return named(n, true); });
+  return make_layer_params(config_, l, [&](const std::string& n) { return named(n, true); }, local_experts());
 }
 mat_view parameter_store::embedding() const { return named("model.embed_tokens.weight", false); }
 mat_view parameter_store::embedding_grad() const { return named("model.embed_tokens.weight", true); }
@@ -261,9 +343,9 @@ void parameter_store::load(const weight_source& source) {
   wait_all_host();
   for (auto& up : units_) up->stale = false;
   if (!be_.has_data()) return;
-  const std::int64_t r = comm_.rank();
   for (auto& up : units_) {
     unit& u = *up;
+    const std::int64_t r = u.comm->rank();
     if (stage_ == zero_stage::three) {
       const std::vector<float> mine = unit_range(u, source, r * u.shard, (r + 1) * u.shard);
       check_finite(u, mine, r * u.shard, "the weights");
@@ -281,7 +363,7 @@ void parameter_store::load(const weight_source& source) {
   }
 }
 
-std::int64_t parameter_store::unit_numel(int u) const { return at(u).numel; }
+std::int64_t parameter_store::unit_numel(int u) const { return at(u).canonical_numel; }
 std::int64_t parameter_store::unit_shard(int u) const { return at(u).shard; }
 
 std::vector<std::pair<std::string, std::int64_t>> parameter_store::unit_parameters(int u) const {
@@ -293,7 +375,7 @@ std::vector<std::pair<std::string, std::int64_t>> parameter_store::unit_paramete
 
 std::vector<float> parameter_store::gather_flat(const unit& u, const tensor& shard) {
   tensor full = be_.allocate(mem_tag::workspace, dtype::f32, {1, u.padded}, "gathered_state");
-  comm_.all_gather(shard.data(), full.data(), shard.bytes(), "gather_state");
+  u.comm->all_gather(shard.data(), full.data(), shard.bytes(), "gather_state");
   std::vector<float> flat(static_cast<std::size_t>(u.padded));
   be_.download_f32(flat.data(), full);
   return flat;
@@ -329,8 +411,8 @@ double parameter_store::grad_norm() {
 
 void parameter_store::share_weight_slice(unit& u) {
   const std::size_t bytes = static_cast<std::size_t>(u.shard) * dtype_size(u.weights.type());
-  void* mine = u.weights.data() == nullptr ? nullptr : static_cast<char*>(u.weights.data()) + comm_.rank() * bytes;
-  comm_.all_gather(mine, u.weights.data(), bytes, "zero2_all_gather");
+  void* mine = u.weights.data() == nullptr ? nullptr : static_cast<char*>(u.weights.data()) + u.comm->rank() * bytes;
+  u.comm->all_gather(mine, u.weights.data(), bytes, "zero2_all_gather");
 }
 
 void parameter_store::adamw_step(const adamw_config& config, std::int64_t step, double lr, double grad_scale) {

@@ -56,8 +56,10 @@ namespace upipe {
 enum class zero_stage : std::uint8_t { replicated, two, three, inference };
 
 // The units a model's parameters are held in: the embedding, each layer, then the final
-// norm with the head. Each lists its parameters (Hugging Face name, element offset in the
-// unit's flat vector, element count) in parameter_specs order.
+// norm with the head, then each sparse layer's routed experts (expert by expert: gate, up,
+// down), which expert parallelism shards otherwise than the rest. Each lists its
+// parameters (Hugging Face name, element offset in the unit's flat vector, element count)
+// in parameter_specs order.
 struct unit_parameter {
   std::string name;
   std::int64_t offset = 0, numel = 0;
@@ -124,15 +126,31 @@ const char* state_name(shard_state which);
 // Whether a store's weights are trained (gradients and, sharded, optimizer state) or frozen.
 enum class weight_role : std::uint8_t { trained, frozen };
 
+// Expert parallelism (docs/design.md section 12): the store holds its EP rank's routed
+// experts alone, [group L, (group + 1) L) of each sparse layer's (L = experts / groups),
+// each layer's experts one unit (the whole layer's, as parameter_units lists it, is the
+// EP ranks' blocks in EP order), sharded over `replicas`, the ranks that hold the same
+// experts, instead of the store's group; `peers` (the EP group) gathers a unit whole.
+// With groups = 1 every rank holds every expert and the expert units shard as any other.
+struct expert_sharding {
+  int groups = 1, group = 0;
+  communicator* peers = nullptr;     // the EP group (rank = group)
+  communicator* replicas = nullptr;  // the ranks holding this rank's experts
+};
+// Throws config_error when the model's experts do not split over `groups` (internal_error
+// when the groups are not this rank's).
+void check_expert_sharding(const model_config& config, const expert_sharding& experts);
+
 class parameter_store {
  public:
   parameter_store(const model_config& config, backend& be, communicator& comm, zero_stage stage,
-                  offload_options offload = {}, const optimizer_state_options& state = {});
+                  offload_options offload = {}, const optimizer_state_options& state = {},
+                  const expert_sharding& experts = {});
   // A store of the parameters `specs` (units by layer as above: the embedding's and the
   // head's units hold those of their names, possibly none), e.g. LoRA's adapters.
   parameter_store(const model_config& config, std::vector<parameter_spec> specs, backend& be, communicator& comm,
                   zero_stage stage, offload_options offload, weight_role role,
-                  const optimizer_state_options& state = {});
+                  const optimizer_state_options& state = {}, const expert_sharding& experts = {});
   ~parameter_store();  // waits for the host's work on the shards
 
   zero_stage stage() const { return stage_; }
@@ -142,6 +160,12 @@ class parameter_store {
   int embedding_unit() const { return 0; }
   int layer_unit(int layer) const { return 1 + layer; }
   int head_unit() const { return config_.num_layers + 1; }
+  // Expert parallelism: the sharding, this rank's experts of each sparse layer, and whether
+  // unit u holds routed experts. A sparse layer's unit carries its experts' unit along:
+  // acquire, release, prefetch and the gradients' open and close of the layer do both.
+  const expert_sharding& experts() const { return experts_; }
+  expert_range local_experts() const;
+  bool is_expert_unit(int u) const;
 
   // Full weights of a unit: resident unless ZeRO-3, which gathers them here and frees
   // them in release(). Calls nest (a tied embedding is both input and head).
@@ -177,9 +201,10 @@ class parameter_store {
   void load(const weight_source& source);
   void load(const host_weights& weights) { load(host_weight_source(weights)); }
 
-  // The units as saved state sees them: their unpadded sizes, this rank's shard of a
-  // unit's optimizer state (shard elements, padding included), and the parameters of a
-  // unit with their offsets in its flat vector.
+  // The units as saved state sees them: their unpadded sizes (an expert unit's whole, all
+  // EP ranks' experts), this rank's shard of a unit's optimizer state (shard elements,
+  // padding included; an expert unit's of its own experts' block), and the parameters of a
+  // unit with their offsets in its flat vector (this rank's).
   int unit_count() const { return static_cast<int>(units_.size()); }
   std::int64_t unit_numel(int u) const;
   std::int64_t unit_shard(int u) const;
@@ -196,7 +221,8 @@ class parameter_store {
   using state_reader = std::function<void(int, shard_state, std::int64_t, std::int64_t, float*)>;
   void load_state(const state_reader& read, const adamw_state_format& saved = {});
   // Collective: the unit's master (the weights when replicated) in f32, padded, on every
-  // rank (bf16-kahan: the weights plus their compensation).
+  // rank (bf16-kahan: the weights plus their compensation); an expert unit's under expert
+  // parallelism whole, every EP rank's experts (unpadded).
   std::vector<float> gather_unit(int u);
   host_weights local_grads();  // replicated only: this rank's full gradients
 
@@ -221,6 +247,8 @@ class parameter_store {
  private:
   struct unit;
   unit& at(int u) const;
+  std::vector<unit*> with_companion(int u) const;  // the unit, and a sparse layer's experts
+  std::vector<float> gather_experts(const unit& u, const std::vector<float>& block);
   mat_view param_view(const unit& u, const tensor& flat, std::size_t index) const;
   mat_view named(const std::string& name, bool grad) const;
   std::vector<float> unit_range(const unit& u, const weight_source& source, std::int64_t lo, std::int64_t hi) const;
@@ -276,6 +304,7 @@ class parameter_store {
   offload_options offload_;
   optimizer_state_options state_;
   weight_role role_ = weight_role::trained;
+  expert_sharding experts_;
   std::optional<host_adamw> announced_;  // announce_update's, until adamw_step
   std::deque<int> incoming_units_;  // units whose host buffers (gradients, steps) are in flight, oldest first
   std::vector<parameter_spec> specs_;

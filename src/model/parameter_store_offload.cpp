@@ -107,7 +107,7 @@ void parameter_store::close_offloaded(int index) {
   unit& u = at(index);
   const bool streamed = state_.grads == grad_keeping::streamed;
   tensor staging = be_.allocate(mem_tag::grads, dtype::f32, {1, u.shard}, "grad_shard_staging");
-  comm_.reduce_scatter_sum(u.grads.as<float>(), staging.as<float>(), static_cast<std::size_t>(u.shard),
+  u.comm->reduce_scatter_sum(u.grads.as<float>(), staging.as<float>(), static_cast<std::size_t>(u.shard),
                            "zero_reduce_scatter");
   u.grads.reset();
   wait_host(u);  // the host no longer reads this shard (the last update, the last add)
@@ -215,7 +215,7 @@ void parameter_store::return_weights(unit& u) {
     return;
   }
   char* weights = static_cast<char*>(u.weights.data());
-  be_.copy_bytes(weights == nullptr ? nullptr : weights + comm_.rank() * u.host_weights.bytes(), u.host_weights.data(),
+  be_.copy_bytes(weights == nullptr ? nullptr : weights + u.comm->rank() * u.host_weights.bytes(), u.host_weights.data(),
                  u.host_weights.bytes());
   share_weight_slice(u);
 }
@@ -228,11 +228,11 @@ void parameter_store::bring_params(unit& u) {
   u.weights = be_.allocate(mem_tag::weights, be_.work_dtype(), {1, u.padded}, "offloaded_weights");
   if (!be_.has_data()) return;
   const std::size_t slice = static_cast<std::size_t>(u.shard) * dtype_size(be_.work_dtype());
-  char* device = static_cast<char*>(u.weights.data()) + comm_.rank() * slice;
+  char* device = static_cast<char*>(u.weights.data()) + u.comm->rank() * slice;
   if (stage_ == zero_stage::three)
     be_.copy_bytes_side(device, u.weight_shard.data(), slice);
   else if (u.stale)
-    be_.copy_bytes_side(device, static_cast<char*>(u.host_copy.data()) + comm_.rank() * slice, slice);
+    be_.copy_bytes_side(device, static_cast<char*>(u.host_copy.data()) + u.comm->rank() * slice, slice);
   else
     be_.copy_bytes_side(u.weights.data(), u.host_copy.data(), u.host_copy.bytes());
   u.arriving = be_.side_point();
@@ -250,8 +250,8 @@ void parameter_store::acquire_offloaded(unit& u) {
   u.arriving = 0;
   if (stage_ == zero_stage::three) {
     const std::size_t slice = u.weight_shard.bytes();
-    void* mine = u.weights.data() == nullptr ? nullptr : static_cast<char*>(u.weights.data()) + comm_.rank() * slice;
-    comm_.all_gather(mine, u.weights.data(), slice, "zero3_all_gather");
+    void* mine = u.weights.data() == nullptr ? nullptr : static_cast<char*>(u.weights.data()) + u.comm->rank() * slice;
+    u.comm->all_gather(mine, u.weights.data(), slice, "zero3_all_gather");
   } else if (u.stale) {
     share_weight_slice(u);
     // The other ranks' slices back into the host copy, beside the compute.
@@ -271,7 +271,7 @@ void parameter_store::prefetch_offloaded(unit& u) {
     if (u.stale) return_weights(u);
     u.weights = be_.allocate(mem_tag::weights, be_.work_dtype(), {1, u.padded}, "gathered_weights");
     u.gathering =
-        comm_.all_gather_start(u.weight_shard.data(), u.weights.data(), u.weight_shard.bytes(), "zero3_all_gather");
+        u.comm->all_gather_start(u.weight_shard.data(), u.weights.data(), u.weight_shard.bytes(), "zero3_all_gather");
     return;
   }
   if (u.acquired > 0 || !u.weights.empty()) return;

@@ -108,7 +108,7 @@ void parameter_store::allocate_state(unit& u) {
 // the padding past the last parameter decays not. AdamW's weight decay applies to matrices
 // and embeddings, not to norms and biases (as transformers' Trainer excludes them).
 std::vector<adamw_run> parameter_store::decay_runs(const unit& u) const {
-  const std::int64_t lo = comm_.rank() * u.shard, hi = lo + u.shard;
+  const std::int64_t lo = u.comm->rank() * u.shard, hi = lo + u.shard;
   std::vector<adamw_run> runs;
   const auto add = [&](std::int64_t end, bool decay) {
     if (!runs.empty() && runs.back().decay == decay) runs.back().end = end;
@@ -126,7 +126,7 @@ std::vector<adamw_run> parameter_store::decay_runs(const unit& u) const {
 }
 
 mat_view parameter_store::working_shard(unit& u) const {
-  const std::int64_t r = comm_.rank();
+  const std::int64_t r = u.comm->rank();
   if (offload_.master_on_host() && !offload_.params) return u.host_weights.matrix();
   if (stage_ == zero_stage::three) return u.weight_shard.matrix();
   const tensor& whole = offload_.params ? u.host_copy : u.weights;
@@ -206,14 +206,14 @@ void parameter_store::close_on_device(int index) {
   unit& u = at(index);
   const bool streamed = state_.grads == grad_keeping::streamed;
   if (!streamed && !u.reduced && state_.grad_type == dtype::f32) {
-    comm_.reduce_scatter_sum(u.grads.as<float>(), u.grad_shard.as<float>(), static_cast<std::size_t>(u.shard),
+    u.comm->reduce_scatter_sum(u.grads.as<float>(), u.grad_shard.as<float>(), static_cast<std::size_t>(u.shard),
                              "zero_reduce_scatter");
     u.grads.reset();
     u.reduced = true;
     return;
   }
   tensor staging = be_.allocate(mem_tag::grads, dtype::f32, {1, u.shard}, "grad_shard_staging");
-  comm_.reduce_scatter_sum(u.grads.as<float>(), staging.as<float>(), static_cast<std::size_t>(u.shard),
+  u.comm->reduce_scatter_sum(u.grads.as<float>(), staging.as<float>(), static_cast<std::size_t>(u.shard),
                            "zero_reduce_scatter");
   u.grads.reset();
   if (streamed) {
@@ -277,19 +277,33 @@ std::vector<float> parameter_store::shard_values(int index, shard_state which) c
 std::vector<float> parameter_store::gather_unit(int index) {
   unit& u = at(index);
   wait_host(u);
+  std::vector<float> flat;
   if (stage_ == zero_stage::replicated) {
-    std::vector<float> flat(static_cast<std::size_t>(u.padded));
+    flat.resize(static_cast<std::size_t>(u.padded));
     if (be_.has_data()) be_.download_f32(flat.data(), u.weights);
-    return flat;
+  } else if (state_.format.master == master_format::f32) {
+    flat = gather_flat(u, u.master);
+  } else {
+    // bf16-kahan: the master's value is the weight plus its compensation.
+    std::vector<float> value = shard_values(index, shard_state::master);
+    const std::vector<float> comp = shard_values(index, shard_state::master_comp);
+    for (std::size_t i = 0; i < value.size(); ++i) value[i] += comp[i];
+    tensor mine = be_.allocate(mem_tag::workspace, dtype::f32, {1, u.shard}, "master_f32");
+    if (be_.has_data()) be_.upload_f32(mine, value.data());
+    flat = gather_flat(u, mine);
   }
-  if (state_.format.master == master_format::f32) return gather_flat(u, u.master);
-  // bf16-kahan: the master's value is the weight plus its compensation.
-  std::vector<float> value = shard_values(index, shard_state::master);
-  const std::vector<float> comp = shard_values(index, shard_state::master_comp);
-  for (std::size_t i = 0; i < value.size(); ++i) value[i] += comp[i];
-  tensor mine = be_.allocate(mem_tag::workspace, dtype::f32, {1, u.shard}, "master_f32");
-  if (be_.has_data()) be_.upload_f32(mine, value.data());
-  return gather_flat(u, mine);
+  return u.canonical_numel == u.numel ? flat : gather_experts(u, flat);
+}
+
+// An expert unit under expert parallelism: every EP rank's block of experts, in EP order.
+std::vector<float> parameter_store::gather_experts(const unit& u, const std::vector<float>& block) {
+  tensor mine = be_.allocate(mem_tag::workspace, dtype::f32, {1, u.numel}, "expert_block");
+  tensor all = be_.allocate(mem_tag::workspace, dtype::f32, {1, u.canonical_numel}, "expert_blocks");
+  if (be_.has_data()) be_.upload_f32(mine, block.data());
+  experts_.peers->all_gather(mine.data(), all.data(), mine.bytes(), "gather_experts");
+  std::vector<float> flat(static_cast<std::size_t>(u.canonical_numel));
+  if (be_.has_data()) be_.download_f32(flat.data(), all);
+  return flat;
 }
 
 namespace {
@@ -347,15 +361,20 @@ void encode_moment(std::vector<float>& values, std::vector<float>& absmax, momen
 
 }  // namespace
 
-void parameter_store::load_state(const state_reader& read, const adamw_state_format& saved) {
+void parameter_store::load_state(const state_reader& read_all, const adamw_state_format& saved) {
   UPIPE_CHECK(stage_ != zero_stage::replicated, "no optimizer state when replicated");
   wait_all_host();
   for (auto& up : units_) up->stale = false;
   if (!be_.has_data()) return;
-  const std::int64_t r = comm_.rank();
   for (int i = 0; i < unit_count(); ++i) {
     unit& u = *units_[static_cast<std::size_t>(i)];
-    const std::int64_t lo = r * u.shard, hi = lo + u.shard;
+    const std::int64_t r = u.comm->rank(), lo = r * u.shard, hi = lo + u.shard;
+    // An expert unit under expert parallelism: this rank's experts are a block of the
+    // whole unit as saved (q8's absmax blocks align with it: check_expert_sharding).
+    const state_reader read = [&outer = read_all, &u](int unit, shard_state which, std::int64_t begin,
+                                                      std::int64_t count, float* out) {
+      outer(unit, which, begin + (is_absmax(which) ? u.canonical_offset / q8_block : u.canonical_offset), count, out);
+    };
     std::vector<float> master;
     if (saved == state_.format) {
       for (shard_state which : state_tensors(saved)) {
@@ -394,7 +413,7 @@ void parameter_store::load_state(const state_reader& read, const adamw_state_for
 
 // A saved state of another format: decoded to f32, encoded in this store's.
 void parameter_store::load_converted(unit& u, int index, const state_reader& read, const adamw_state_format& saved) {
-  const std::int64_t lo = comm_.rank() * u.shard, hi = lo + u.shard;
+  const std::int64_t lo = u.comm->rank() * u.shard, hi = lo + u.shard;
   std::vector<float> master = decoded(read, saved, index, shard_state::master, lo, hi, u.numel);
   check_finite(u, master, lo, "the saved master weights");
   if (state_.format.master == master_format::bf16_kahan) {

@@ -14,6 +14,11 @@ struct parameter_store::unit {
   std::vector<std::size_t> params;    // indices into specs_
   std::vector<std::int64_t> offsets;  // element offset of each parameter in the flat vector
   std::int64_t numel = 0, padded = 0, shard = 0;
+  communicator* comm = nullptr;  // the ranks it is sharded over: the store's, or (experts under EP) their replicas
+  int companion = -1;            // a sparse layer's unit: its routed experts' unit
+  // This rank's elements are [canonical_offset, canonical_offset + numel) of the unit as
+  // saved (canonical_numel): all of it, but for an expert unit under expert parallelism.
+  std::int64_t canonical_offset = 0, canonical_numel = 0;
   tensor weights;       // (1, padded) working dtype on the device: resident, or while acquired (ZeRO-3, offloaded params)
   tensor weight_shard;  // ZeRO-3: (1, shard) working dtype (in host memory with the parameters offloaded)
   int acquired = 0;

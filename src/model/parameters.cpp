@@ -89,6 +89,18 @@ fused_expert_place fused_expert(const model_config& c, int layer, int expert, in
   return {experts + "gate_up_proj", (std::int64_t{expert} * 2 + role) * I * D};
 }
 
+std::optional<expert_place> expert_of(const model_config& c, std::string_view name) {
+  const std::optional<std::int64_t> layer = layer_of(name);
+  if (!layer || *layer < 0 || *layer >= c.num_layers || !c.sparse_layer(static_cast<int>(*layer))) return std::nullopt;
+  const std::string experts = layer_prefix(static_cast<int>(*layer)) + c.traits().moe_block + ".experts.";
+  if (!name.starts_with(experts)) return std::nullopt;
+  const std::string_view rest = name.substr(experts.size());
+  int expert = -1;
+  const auto [end, ec] = std::from_chars(rest.data(), rest.data() + rest.size(), expert);
+  if (ec != std::errc() || end == rest.data() || *end != '.' || expert < 0 || expert >= c.moe.experts) return std::nullopt;
+  return expert_place{static_cast<int>(*layer), expert};
+}
+
 std::pair<std::int64_t, std::int64_t> projection_shape(const model_config& c, layer_projection p) {
   const std::int64_t D = c.hidden_size, F = c.intermediate_size;
   const std::int64_t q = std::int64_t{c.num_heads} * c.head_dim, kv = std::int64_t{c.num_kv_heads} * c.head_dim;
@@ -148,7 +160,7 @@ std::vector<parameter_spec> parameter_specs(const model_config& config) {
 }
 
 layer_params make_layer_params(const model_config& config, int index,
-                               const std::function<mat_view(const std::string&)>& view) {
+                               const std::function<mat_view(const std::string&)>& view, expert_range experts) {
   const family_row& row = config.traits();
   const std::string p = layer_prefix(index);
   const auto weight = [&](layer_projection which) {
@@ -173,7 +185,9 @@ layer_params make_layer_params(const model_config& config, int index,
   if (config.sparse_layer(index)) {
     moe_weights& m = l.moe;
     m.router = view(router_name(config, index));
-    for (int e = 0; e < config.moe.experts; ++e) {
+    m.first_expert = experts.first;
+    const int last = experts.count < 0 ? config.moe.experts : experts.first + experts.count;
+    for (int e = experts.first; e < last; ++e) {
       m.gate.emplace_back(view(expert_name(config, index, e, 0)));
       m.up.emplace_back(view(expert_name(config, index, e, 1)));
       m.down.emplace_back(view(expert_name(config, index, e, 2)));

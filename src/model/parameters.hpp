@@ -21,7 +21,10 @@ namespace upipe {
 // Qwen2-MoE's shared expert with its gate; a dense layer's are empty.
 struct moe_weights {
   mat_view router;                          // (E, D)
-  std::vector<projection> gate, up, down;   // per expert: (I, D), (I, D), (D, I)
+  // Per expert that this rank holds, experts first_expert, first_expert + 1, ... (every
+  // expert but under expert parallelism): (I, D), (I, D), (D, I).
+  std::vector<projection> gate, up, down;
+  int first_expert = 0;
   projection shared_gate, shared_up, shared_down;  // (S, D), (S, D), (D, S); no rows without a shared expert
   mat_view shared_expert_gate;              // (1, D)
   bool sparse() const { return router.rows > 0; }
@@ -29,7 +32,7 @@ struct moe_weights {
 };
 struct moe_grads {
   mat_view router;
-  std::vector<projection_grads> gate, up, down;
+  std::vector<projection_grads> gate, up, down;  // the experts of moe_weights' range
   projection_grads shared_gate, shared_up, shared_down;
   mat_view shared_expert_gate;
 };
@@ -60,10 +63,17 @@ struct layer_gradients {
 // outside the layers.
 std::optional<std::int64_t> layer_of(std::string_view name);
 
+// Which of a sparse layer's experts a rank holds: [first, first + count); every one when
+// count < 0.
+struct expert_range {
+  int first = 0, count = -1;
+};
+
 // Layer `index`'s views, each looked up by its name in `view` (which gives a 1-D tensor as
-// one row); the blocks of a fused tensor are its rows.
+// one row); the blocks of a fused tensor are its rows; a sparse layer's experts those of
+// `experts`.
 layer_params make_layer_params(const model_config& config, int index,
-                               const std::function<mat_view(const std::string&)>& view);
+                               const std::function<mat_view(const std::string&)>& view, expert_range experts = {});
 
 // The gradients of a layer whose views make_layer_params looked up in a store's gradients.
 layer_gradients as_gradients(const layer_params& g);
@@ -92,5 +102,12 @@ struct fused_expert_place {
   std::int64_t offset = 0;  // elements
 };
 fused_expert_place fused_expert(const model_config& config, int layer, int expert, int role);
+
+// The sparse layer and expert of a routed expert's tensor (expert_name's), nothing for any
+// other parameter (the router and the shared expert included).
+struct expert_place {
+  int layer = 0, expert = 0;
+};
+std::optional<expert_place> expert_of(const model_config& config, std::string_view name);
 
 }  // namespace upipe

@@ -63,12 +63,12 @@ attention_config with_step_options(attention_config c, const step_options& optio
 }  // namespace
 
 transformer::transformer(const model_config& model, const cp_settings& cp, std::int64_t seq_len, backend& be,
-                         const cp_groups& groups, const step_options& options)
+                         const cp_groups& groups, const step_options& options, communicator* experts)
     : model_(model), be_(be), store_(be, options.policy, model.num_layers), tokens_(seq_len / cp.cp),
       prefetch_weights_(options.prefetch_weights), lora_(options.lora),
       attention_input_tile_(options.attention_input_tile), meta_tiles_(options.meta_tiles),
       cp_comm_(groups.all_to_all),
-      moe_(model_, be, options.moe, groups.all_to_all != nullptr ? groups.all_to_all->rank() : 0) {
+      moe_(model_, be, options.moe, groups.all_to_all != nullptr ? groups.all_to_all->rank() : 0, experts) {
   aux_on_ = model.sparse_layer_count() > 0 &&
             (options.router_aux == router_aux_loss::on ||
              (options.router_aux == router_aux_loss::config && model.moe.output_router_logits));
@@ -87,12 +87,14 @@ transformer::transformer(const model_config& model, const cp_settings& cp, std::
     }
     layer_attention_.push_back(static_cast<int>(i));
   }
-  const step_options sized = with_default_sizes(options, model, be.device_arena().capacity());
+  const step_options sized =
+      with_default_sizes(options, model, be.device_arena().capacity(), experts == nullptr ? 1 : experts->size());
   mlp_tile_ = std::min(sized.mlp_tile, tokens_);
   loss_chunk_ = std::min(sized.loss_chunk, tokens_);
 }
 
-step_options with_default_sizes(step_options o, const model_config& model, std::size_t device_bytes) {
+step_options with_default_sizes(step_options o, const model_config& model, std::size_t device_bytes,
+                                int expert_parallel) {
   if (o.mlp_tile < 0 || o.loss_chunk < 0)
     throw config_error("--mlp-tile " + std::to_string(o.mlp_tile) + " and --loss-chunk " +
                        std::to_string(o.loss_chunk) + " must be positive token counts, or 0 for the default");
@@ -110,9 +112,15 @@ step_options with_default_sizes(step_options o, const model_config& model, std::
   if (o.mlp_tile == 0) {
     // A tile's backward holds gate, up, their activation and its gradient (n x F each),
     // the normed rows and the incoming gradient's working copy (n x D each), in bf16.
-    const std::int64_t routed =
+    std::int64_t routed =
         sparse ? std::int64_t{moe.top_k} * (6 * D + 6 * moe.expert_width) + 12 * std::int64_t{moe.experts} + 24 * moe.top_k
                : 0;
+    // Expert parallelism: a rank receives at most P min(k, L) rows a token of the tile
+    // (model/moe_exchange.hpp), each held twice on arrival (received, then ordered), with
+    // its experts' activations and gradients as a dispatched row's, and its expert id.
+    if (sparse && expert_parallel > 1)
+      routed += std::int64_t{expert_parallel} * std::min(moe.top_k, moe.experts / expert_parallel) *
+                (10 * D + 6 * moe.expert_width + 12);
     const std::int64_t per_token = 2 * (4 * F + 2 * D) + 4 + routed;
     const std::int64_t granule = 256;
     o.mlp_tile = std::clamp(share / per_token / granule * granule, granule, max_mlp_tile);

@@ -75,7 +75,10 @@ struct step_options {
 // sequence length.
 inline constexpr std::int64_t max_mlp_tile = 8192;
 inline constexpr std::size_t max_logits_bytes = std::size_t{2} << 30;
-step_options with_default_sizes(step_options o, const model_config& model, std::size_t device_bytes);
+// Under expert parallelism over `expert_parallel` ranks a tile's share also holds what its
+// rank may receive from the EP group (model/moe_exchange.hpp's worst case).
+step_options with_default_sizes(step_options o, const model_config& model, std::size_t device_bytes,
+                                int expert_parallel = 1);
 
 // This rank's shard of one sequence: token ids and next-token labels (negative = masked).
 struct local_batch {
@@ -98,8 +101,10 @@ attention_config attention_config_for(const model_config& model, const cp_settin
 
 class transformer {
  public:
+  // `experts`: the EP group under expert parallelism (the stores then hold this rank's
+  // experts alone: parameter_store's expert_sharding), null without.
   transformer(const model_config& model, const cp_settings& cp, std::int64_t seq_len, backend& be,
-              const cp_groups& groups, const step_options& options);
+              const cp_groups& groups, const step_options& options, communicator* experts = nullptr);
 
   std::int64_t local_tokens() const { return tokens_; }
   // Global positions of rank r's local tokens (the strategy's sequence layout).

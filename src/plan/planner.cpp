@@ -38,6 +38,7 @@ train_options probe_options(const plan_request& r, const cp_settings& cp, std::i
   o.seq_len = seq_len;
   o.cp = cp;
   o.dp = r.dp;
+  o.ep = r.ep;
   o.zero = r.zero;
   o.offload_optimizer = r.offload_optimizer;
   o.offload_params = r.offload_params;
@@ -184,7 +185,7 @@ std::string probe_key(const plan_request& r, const cp_settings& cp, std::int64_t
   for (const long long v : {static_cast<long long>(cp.strategy), static_cast<long long>(cp.cp),
                             static_cast<long long>(cp.head_chunk), static_cast<long long>(cp.ring),
                             static_cast<long long>(cp.seq_chunks), static_cast<long long>(seq_len),
-                            static_cast<long long>(r.dp), static_cast<long long>(r.zero),
+                            static_cast<long long>(r.dp), static_cast<long long>(r.ep), static_cast<long long>(r.zero),
                             static_cast<long long>(r.offload_optimizer), static_cast<long long>(r.offload_params),
                             static_cast<long long>(r.offload_master), static_cast<long long>(r.state.format.moments),
                             static_cast<long long>(r.state.format.master), static_cast<long long>(r.state.grad_type),
@@ -273,6 +274,7 @@ step_time model_step_time(const plan_request& r, const cp_settings& cp, const pl
   t.model = r.model;
   t.cp = cp;
   t.dp = r.dp;
+  t.ep = r.ep;
   t.gpus_per_node = r.gpus / r.nodes;
   t.seq_len = p.seq_len;
   t.policy = p.policy;
@@ -460,6 +462,12 @@ void validate(const plan_request& r) {
     if (d < 1 || r.gpus % d != 0)
       throw config_error("--dp " + std::to_string(d) + " must divide the " + std::to_string(r.gpus) +
                          " GPUs into replicas of equal CP groups (for example --dp 1,2,4)");
+  if (r.ep != 1) {
+    const int experts = r.model.sparse_layer_count() > 0 ? r.model.moe.experts : 1;
+    if (r.ep < 1 || r.gpus % r.ep != 0 || experts % r.ep != 0)
+      throw config_error("--ep " + std::to_string(r.ep) + " must divide the " + std::to_string(r.gpus) + " GPUs and " +
+                         r.model.name + "'s " + std::to_string(experts) + " experts (for example --ep 1)");
+  }
   if (r.gpu_memory == 0) throw config_error("--gpu-memory must be positive (for example --gpu-memory 80GiB)");
   if (static_cast<double>(r.gpu_memory) > limits::max_memory_gib * (1 << 30))
     throw config_error("--gpu-memory " + std::to_string(r.gpu_memory) +

@@ -29,6 +29,10 @@ struct plan_request {
   int gpus = 8;                        // every GPU: gpus / nodes per node
   int nodes = 1;                       // M; hybrid's ring is one all-to-all group per node
   int dp = 1;                          // replicas: each a CP group of C = gpus / dp GPUs, ZeRO over all
+  // Expert parallelism of the planned runs (--ep E: a sparse layer's experts over EP groups of
+  // E ranks; E divides the GPUs and the experts). `upipe plan` sweeps it for a mixture of
+  // experts (each E a plan of its own) and recommends the E that reaches furthest.
+  int ep = 1;
   // The replica counts D the mesh sweep tries at the planned length (plan_meshes); empty:
   // no sweep (`upipe plan` asks for every divisor of gpus unless --dp says otherwise).
   std::vector<int> dps;

@@ -59,6 +59,30 @@ pass_bytes bytes_of(const pass_plan& pass, const step_time_request& r) {
   return b;
 }
 
+// A mixture's routed experts' parameters, every sparse layer's.
+double expert_weights(const model_config& m) {
+  return static_cast<double>(m.sparse_layer_count()) * m.moe.experts * 3.0 * m.moe.expert_width * m.hidden_size;
+}
+
+// Expert parallelism's exchanges (model/moe_exchange.hpp): each of a rank's s k routed rows
+// of a sparse layer leaves for its expert's rank, E - 1 of E times, out and back: in the
+// forward (and its recompute) the row with its expert id and its output (bf16), in the
+// backward the row, its output, the output's gradient (bf16) and the row's input gradient
+// (f32). Inside a node when the EP group is, else its share across nodes.
+double expert_exchange_seconds(const step_time_request& r, const throughput_rates& rates, double s,
+                               double recompute) {
+  const model_config& m = r.model;
+  const int E = r.ep;
+  if (E <= 1 || m.sparse_layer_count() == 0) return 0;
+  const double D = m.hidden_size, rows = s * m.moe.top_k * m.sparse_layer_count();
+  const double leaving = static_cast<double>(E - 1) / E;
+  const double bytes = rows * leaving * ((1 + recompute) * (2 * 2 * D + 4) + (3 * 2 * D + 4 * D + 4));
+  const int G = r.gpus_per_node;
+  const double off_node = E <= G ? 0.0 : static_cast<double>(E - G) / (E - 1);
+  return std::max(bytes * (1 - off_node) / (rates.nvlink_gbytes * giga),
+                  bytes * off_node / (rates.network_gbits / 8 * giga));
+}
+
 }  // namespace
 
 step_time layer_attention_time(const attention_config& layer, const step_time_request& r,
@@ -119,15 +143,23 @@ step_time estimate_step_time(const step_time_request& r, const throughput_rates&
   // two levels: over the CP group (its ring across nodes at the network's pace), then the
   // group's 1/C of the unit across the D replicas (data parallelism: across nodes unless the
   // whole mesh shares one).
-  const int D = r.dp, W = D * C;
-  const double weights = L * p.layer + p.head * (m.tie_embeddings ? 1 : 2);  // with the embedding
+  // Every stored weight takes part (a mixture's every expert, not the k a token passes);
+  // under expert parallelism a rank's experts (1 / E of them) go over the W / E ranks that
+  // hold them instead (their ranks spread over the EP groups: across nodes when the mesh is).
+  const int D = r.dp, W = D * C, E = std::max(r.ep, 1);
+  const double experts = expert_weights(m);
+  const double weights = static_cast<double>(m.parameter_count()) - (E > 1 ? experts : 0.0);
   const double gathers = r.zero == zero_stage::three ? 2 : (r.zero == zero_stage::two ? 1 : 0);
   const bool reduces = r.zero != zero_stage::replicated && !r.lora;  // a LoRA base has no gradients
-  const double zero_bytes = (gathers * 2 + (reduces ? 4 : 0)) * weights;
+  const double per_weight = gathers * 2 + (reduces ? 4 : 0);
+  const double zero_bytes = per_weight * weights;
   const double in_group = C > 1 ? static_cast<double>(C - 1) / C : 0.0;
   const double across = D > 1 ? static_cast<double>(D - 1) / D / C : 0.0;
   t.zero = zero_bytes * in_group / (multi_node ? network : nvlink);
   t.data_parallel = zero_bytes * across / (W > r.gpus_per_node ? network : nvlink);
+  if (E > 1 && W > E)
+    t.zero += per_weight * experts / E * (W / E - 1) / (W / E) / (W > r.gpus_per_node ? network : nvlink);
+  t.experts = expert_exchange_seconds(r, rates, s, recompute_attention);
 
   // Host copies: the attention's chunks (above), the checkpoints (out and back) and the
   // offloaded optimizer's gradients and weights.

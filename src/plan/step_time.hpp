@@ -1,7 +1,7 @@
 // The planner's step-time model: how long one training step of a configuration takes on C
 // GPUs over M nodes (each of D replicas running one sequence at once), from the model's FLOPs at measured compute rates and the bytes the
 // step moves (the attention's stage plan, ZeRO's gathers and reduce-scatters, the host
-// copies) at stated link bandwidths. Every rate is a parameter the planner prints; the
+// copies, expert parallelism's token exchanges) at stated link bandwidths. Every rate is a parameter the planner prints; the
 // defaults are the H200 measurements in docs/benchmarks.md and the paper's 400 Gb/s per
 // GPU across nodes. Nothing overlaps in this model (compute, then every transfer): it is
 // the step time without overlap, an upper bound for the engine's schedule.
@@ -31,13 +31,15 @@ struct step_time {
   double zero = 0;                        // ZeRO's weight gathers and gradient reduce-scatters in the CP group
   double data_parallel = 0;               // the same collectives' second level, across the replicas
   double host = 0;                        // copies between device and host memory
-  double total() const { return gemm + attention + all_to_all + ring + zero + data_parallel + host; }
+  double experts = 0;                     // expert parallelism's token exchanges
+  double total() const { return gemm + attention + all_to_all + ring + zero + data_parallel + host + experts; }
 };
 
 struct step_time_request {
   model_config model;
   cp_settings cp;
   int dp = 1;             // replicas of the CP group: ZeRO's collectives span dp x cp.cp ranks
+  int ep = 1;             // expert parallelism: EP groups of ep consecutive ranks
   int gpus_per_node = 8;  // the CP group spans cp.cp / gpus_per_node nodes
   std::int64_t seq_len = 0;
   checkpoint_policy policy;

@@ -115,8 +115,9 @@ std::vector<std::unique_ptr<backend>> run_mesh(backend_kind kind, const memory_l
       kind, limits, mesh.ranks(),
       [&](int rank, backend& be, communicator& world) {
         const replica_groups groups = split_replicas(world, be, mesh.cp);
+        const expert_groups experts = split_experts(world, be, mesh.ep);
         communicator& cp = groups.cp ? *groups.cp : world;
-        fn(rank, be, {world, cp, groups.shards ? *groups.shards : world});
+        fn(rank, be, {world, cp, groups.shards ? *groups.shards : world, experts.peers.get(), experts.replicas.get()});
       },
       ranks, comm);
 }

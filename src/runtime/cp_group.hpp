@@ -29,16 +29,20 @@ std::vector<std::unique_ptr<backend>> run_cp_group(backend_kind kind, const memo
 // (docs/design.md section 11).
 struct mesh_shape {
   int dp = 1, cp = 1;
+  int ep = 1;  // expert parallelism: EP groups of ep consecutive ranks (ep divides dp x cp)
   int ranks() const { return dp * cp; }
 };
 
 // What a rank of a mesh talks through: the world (D x C ranks), its replica's CP group
 // (the world when D = 1) and ZeRO's group over every rank (comm/replica_mesh.hpp; the world
-// when D = 1 or C = 1).
+// when D = 1 or C = 1); with expert parallelism its EP group and the ranks holding its
+// experts (split_experts; null when ep = 1).
 struct mesh_comms {
   communicator& world;
   communicator& cp;
   communicator& shards;
+  communicator* expert_peers = nullptr;
+  communicator* expert_replicas = nullptr;
 };
 using mesh_rank_fn = std::function<void(int rank, backend& be, const mesh_comms& comms)>;
 

@@ -80,7 +80,37 @@ std::string meshes_text(const std::vector<mesh_shape>& meshes) {
   return text.empty() ? "none" : text;
 }
 
+std::vector<int> valid_expert_parallel(const train_options& o) {
+  std::vector<int> out{1};
+  const int ranks = o.dp * o.cp.cp, experts = o.model.sparse_layer_count() > 0 ? o.model.moe.experts : 1;
+  for (int e = 2; e <= ranks; ++e)
+    if (ranks % e == 0 && experts % e == 0) out.push_back(e);
+  return out;
+}
+
+// --ep E: EP groups of E consecutive ranks of the mesh, each rank E-th of a sparse layer's
+// experts (docs/design.md section 12).
+void validate_expert_parallel(const train_options& o) {
+  if (o.ep == 1) return;
+  std::string valid;
+  for (const int e : valid_expert_parallel(o)) valid += (valid.empty() ? "" : ", ") + std::to_string(e);
+  const int ranks = o.dp * o.cp.cp;
+  if (o.model.sparse_layer_count() == 0)
+    throw config_error("--ep " + std::to_string(o.ep) + ": " + o.model.name + " has no sparse (mixture-of-experts) "
+                       "layer, so there are no experts to split; use --ep 1");
+  if (o.ep < 1 || ranks % o.ep != 0 || o.model.moe.experts % o.ep != 0)
+    throw config_error("--ep " + std::to_string(o.ep) + " must divide the mesh's --dp " + std::to_string(o.dp) +
+                       " x --cp " + std::to_string(o.cp.cp) + " = " + std::to_string(ranks) + " ranks and " +
+                       o.model.name + "'s " + std::to_string(o.model.moe.experts) + " experts; valid: --ep " + valid);
+  const std::int64_t block = std::int64_t{o.model.moe.experts / o.ep} * 3 * o.model.moe.expert_width * o.model.hidden_size;
+  if (o.state_format.moments == moment_format::q8 && block % q8_block != 0)
+    throw config_error("--optimizer-state 8bit with --ep " + std::to_string(o.ep) + ": a rank's " + std::to_string(block) +
+                       " expert parameters of a layer are not whole blocks of " + std::to_string(q8_block) +
+                       "; use --optimizer-state bf16, or --ep 1");
+}
+
 void validate_mesh(const train_options& o) {
+  validate_expert_parallel(o);
   if (o.dp < 1 || o.dp > max_replicas)
     throw config_error("--dp " + std::to_string(o.dp) + " must lie between 1 and " + std::to_string(max_replicas) +
                        " (data-parallel replicas, each a CP group of --cp ranks; for example --dp 2)");
@@ -134,6 +164,12 @@ std::string mesh_placement(const train_options& o) {
             (d + 1 < D && d + 1 < 8 ? ";" : "");
   }
   if (D > 8) text += " ... replica " + std::to_string(D - 1);
+  if (o.ep > 1)
+    text += "\n# experts: EP groups of " + std::to_string(o.ep) + " consecutive ranks (0-" + std::to_string(o.ep - 1) +
+            (D * C > o.ep ? ", " + std::to_string(o.ep) + "-" + std::to_string(2 * o.ep - 1) + ", ..." : std::string()) +
+            "), each rank " + std::to_string(o.model.moe.experts / o.ep) + " of a sparse layer's " +
+            std::to_string(o.model.moe.experts) + " experts; ranks b, " + std::to_string(o.ep) + " + b, ... hold the same "
+            "experts and reduce their gradients";
   text += "\n# global batch = dp " + std::to_string(D) + " x batch " + std::to_string(o.batch) + " = " +
           std::to_string(global_batch(o)) + " sequences of " + std::to_string(o.seq_len) +
           " tokens per step (each replica accumulates its " + std::to_string(o.batch) +

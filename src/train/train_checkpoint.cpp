@@ -14,6 +14,7 @@
 #include <fstream>
 #include <functional>
 #include <map>
+#include <numeric>
 #include <optional>
 #include <set>
 
@@ -143,8 +144,22 @@ void remove_save_leftovers(const fs::path& dir) {
   remove_stale_temporaries(dir.string());
 }
 
+// Expert parallelism: each rank's place (its EP rank, and its rank among the ranks that hold
+// the same experts), in the order of the rank files; empty without it.
+std::vector<std::pair<int, int>> expert_placement(const parameter_store& params, communicator& comm) {
+  const expert_sharding& e = params.experts();
+  if (e.groups == 1) return {};
+  const std::int32_t mine[2] = {e.group, e.replicas->rank()};
+  std::vector<std::int32_t> all(2 * static_cast<std::size_t>(comm.size()));
+  comm.all_gather(mine, all.data(), sizeof mine, "expert_placement");
+  std::vector<std::pair<int, int>> out;
+  for (std::size_t r = 0; r < all.size(); r += 2) out.emplace_back(all[r], all[r + 1]);
+  return out;
+}
+
 nlohmann::ordered_json manifest_json(const checkpoint_request& r, const parameter_store& params, int ranks,
-                                     const std::vector<std::string>& files) {
+                                     const std::vector<std::string>& files,
+                                     const std::vector<std::pair<int, int>>& placement) {
   std::vector<std::int64_t> units;
   for (int u = 0; u < params.unit_count(); ++u) units.push_back(params.unit_numel(u));
   const char* zero = params.stage() == zero_stage::three ? "3" : "2";
@@ -184,10 +199,31 @@ nlohmann::ordered_json manifest_json(const checkpoint_request& r, const paramete
   if (!r.run_id.empty()) j["run_id"] = r.run_id;
   if (r.eval_loss) j["eval_loss"] = *r.eval_loss;
   j["units"] = units;
+  if (!placement.empty()) {
+    // The expert units' state lies in blocks: EP rank b's experts, sharded over the rank
+    // files whose place is (b, i), i = 0, 1, ... (parameter_store's expert_sharding).
+    std::vector<int> expert_units;
+    for (int u = 0; u < params.unit_count(); ++u)
+      if (params.is_expert_unit(u)) expert_units.push_back(u);
+    j["expert_parallel"] = params.experts().groups;
+    j["expert_units"] = expert_units;
+    j["expert_placement"] = placement;
+  }
   j["files"] = files;
   const adamw_state_format& f = params.state_options().format;
   j["optimizer_state"] = {{"moments", moments_word(f.moments)}, {"master", master_word(f.master)}};
   return j;
+}
+
+// Every parameter's unit and place in it, in the model's order (parameter_specs').
+std::vector<std::pair<int, const unit_parameter*>> in_model_order(const model_config& config,
+                                                                  const std::vector<std::vector<unit_parameter>>& units) {
+  std::map<std::string, std::pair<int, const unit_parameter*>> where;
+  for (std::size_t u = 0; u < units.size(); ++u)
+    for (const unit_parameter& p : units[u]) where.emplace(p.name, std::pair{static_cast<int>(u), &p});
+  std::vector<std::pair<int, const unit_parameter*>> out;
+  for (const parameter_spec& spec : parameter_specs(config)) out.push_back(where.at(spec.name));
+  return out;
 }
 
 // The model, a unit at a time through rank 0, as a model directory in `tmp`; returns the
@@ -197,12 +233,18 @@ std::vector<std::string> write_model(const fs::path& tmp, const checkpoint_reque
   const bool writes = comm.rank() == 0;
   std::unique_ptr<hf_model_writer> writer;
   if (writes) writer = std::make_unique<hf_model_writer>(tmp.string(), r.config, r.model);
+  // The files take the tensors in the model's order, where a sparse layer's experts (a unit
+  // of their own) lie between its router and its shared expert: each unit is gathered when
+  // its first tensor comes (the same order on every rank) and let go after its last.
   const auto units = parameter_units(r.config);
-  for (int u = 0; u < params.unit_count(); ++u) {
-    const std::vector<float> flat = params.gather_unit(u);
-    if (!writes) continue;
-    for (const unit_parameter& p : units[static_cast<std::size_t>(u)])
-      writer->write(p.name, std::span<const float>(flat.data() + p.offset, static_cast<std::size_t>(p.numel)));
+  std::vector<std::size_t> left(units.size(), 0);
+  for (std::size_t u = 0; u < units.size(); ++u) left[u] = units[u].size();
+  std::map<int, std::vector<float>> held;
+  for (const auto& [u, p] : in_model_order(r.config, units)) {
+    auto it = held.find(u);
+    if (it == held.end()) it = held.emplace(u, params.gather_unit(u)).first;
+    if (writes) writer->write(p->name, std::span<const float>(it->second.data() + p->offset, static_cast<std::size_t>(p->numel)));
+    if (--left[static_cast<std::size_t>(u)] == 0) held.erase(it);
   }
   if (!writes) return {};
   std::vector<std::string> files = writer->commit();
@@ -342,10 +384,16 @@ void save_checkpoint(const std::string& dir_text, const checkpoint_request& r, p
       for (shard_state which : state_tensors(format))
         declared.push_back({tensor_name(u, which), {is_absmax(which) ? params.unit_shard(u) / q8_block : params.unit_shard(u)},
                             {}, state_dtype(format, which)});
-    safetensors_writer shard_file(
-        (tmp / trainer_dir / rank_file(comm.rank(), C)).string(), std::move(declared),
-        {{"format", "upipe-zero-shard"}, {"rank", std::to_string(comm.rank())}, {"ranks", std::to_string(C)},
-         {"step", std::to_string(r.state.step)}, {"run_id", r.run_id}});
+    const std::vector<std::pair<int, int>> placement = expert_placement(params, comm);
+    std::map<std::string, std::string> metadata{{"format", "upipe-zero-shard"}, {"rank", std::to_string(comm.rank())},
+                                                {"ranks", std::to_string(C)}, {"step", std::to_string(r.state.step)},
+                                                {"run_id", r.run_id}};
+    if (!placement.empty()) {
+      metadata["expert_group"] = std::to_string(placement[static_cast<std::size_t>(comm.rank())].first);
+      metadata["expert_replica"] = std::to_string(placement[static_cast<std::size_t>(comm.rank())].second);
+    }
+    safetensors_writer shard_file((tmp / trainer_dir / rank_file(comm.rank(), C)).string(), std::move(declared),
+                                  std::move(metadata));
     for (int u = 0; u < params.unit_count(); ++u)
       for (shard_state which : state_tensors(format)) shard_file.write(tensor_name(u, which), params.shard_values(u, which));
     shard_file.commit();
@@ -357,7 +405,7 @@ void save_checkpoint(const std::string& dir_text, const checkpoint_request& r, p
         for (const std::string& f : copy_companion_files(r.source_dir, tmp.string())) files.push_back(f);
       else
         for (const std::string& f : copy_companion_files(dir.string(), tmp.string())) files.push_back(f);
-      nlohmann::ordered_json manifest = manifest_json(r, params, C, files);
+      nlohmann::ordered_json manifest = manifest_json(r, params, C, files, placement);
       if (!r.run_config.empty()) {
         const fs::path run_toml = tmp / trainer_dir / run_config_file;
         write_text(run_toml, r.run_config);
@@ -387,7 +435,12 @@ struct saved_state::impl {
   std::vector<safetensors_view> ranks;
   std::vector<std::vector<unit_parameter>> layout;  // the units' parameters, from check_units
   std::vector<std::int64_t> units;  // unpadded sizes
-  std::vector<std::int64_t> shards;  // per unit, elements per saved rank
+  std::vector<std::int64_t> shards;  // per unit, elements per saved rank (an expert unit's per rank of its block)
+  // Saved under expert parallelism over E ranks: an expert unit is E blocks (EP rank b's
+  // experts), block b sharded over the rank files expert_files[b][0, 1, ...].
+  int expert_parallel = 1;
+  std::vector<bool> expert_unit;
+  std::vector<std::vector<int>> expert_files;
 };
 
 saved_state::saved_state(const std::string& text) : impl_(std::make_unique<impl>()) {
@@ -443,11 +496,24 @@ saved_state::saved_state(const std::string& text) : impl_(std::make_unique<impl>
       format_.master = master == "f32" ? master_format::f32 : master_format::bf16_kahan;
     }
     read_mixture(j, manifest.string());
+    read_expert_placement(j, manifest.string());
   } catch (const nlohmann::json::exception& e) {
     throw io_error("cannot read " + manifest.string() + ": " + e.what());
   }
   check_manifest_ranges(manifest.string());
-  for (std::int64_t n : impl_->units) impl_->shards.push_back(padded_unit(n, ranks_, {format_}) / ranks_);
+  const int E = impl_->expert_parallel;
+  for (std::size_t u = 0; u < impl_->units.size(); ++u) {
+    const std::int64_t n = impl_->units[u];
+    if (!impl_->expert_unit[u]) {
+      impl_->shards.push_back(padded_unit(n, ranks_, {format_}) / ranks_);
+      continue;
+    }
+    if (n % E != 0 || (format_.moments == moment_format::q8 && n / E % q8_block != 0))
+      throw io_error(manifest.string() + " is damaged: expert unit " + std::to_string(u) + " of " + std::to_string(n) +
+                     " elements does not split into " + std::to_string(E) + " EP blocks" +
+                     (format_.moments == moment_format::q8 ? " of whole 8-bit blocks" : ""));
+    impl_->shards.push_back(padded_unit(n / E, ranks_ / E, {format_}) / (ranks_ / E));
+  }
   for (int r = 0; r < ranks_; ++r) {
     const fs::path file = dir / trainer_dir / rank_file(r, ranks_);
     if (!fs::exists(file, ec))
@@ -494,6 +560,40 @@ void saved_state::check_shard_rank(const safetensors_view& shard, const std::str
     throw io_error(file + " was written by run " + *written_run + " (its metadata), but " + dir_ +
                    "/trainer/manifest.json names run " + run_id_ +
                    ": the shard comes from another run's checkpoint; restore the checkpoint's trainer/ directory");
+}
+
+// Expert parallelism at save (absent: none): E, the expert units and each rank file's place,
+// every (EP rank, replica rank) once.
+void saved_state::read_expert_placement(const nlohmann::json& j, const std::string& manifest) {
+  impl_->expert_unit.assign(impl_->units.size(), false);
+  if (!j.contains("expert_parallel")) return;
+  const auto damaged = [&](const std::string& what) {
+    throw io_error(manifest + " is damaged: " + what + "; restore the checkpoint, or start from its weights with --init " +
+                   dir_);
+  };
+  const auto& ep = j.at("expert_parallel");
+  if (!ep.is_number_integer() || ep.get<std::int64_t>() < 2 || ranks_ < 1 || ranks_ % ep.get<std::int64_t>() != 0)
+    damaged("expert_parallel = " + ep.dump().substr(0, 40) + " does not divide its " + std::to_string(ranks_) + " ranks");
+  const int E = static_cast<int>(ep.get<std::int64_t>()), M = ranks_ / E;
+  impl_->expert_parallel = E;
+  for (const auto& u : j.at("expert_units")) {
+    if (!u.is_number_integer() || u.get<std::int64_t>() < 0 || u.get<std::uint64_t>() >= impl_->units.size())
+      damaged("expert_units holds " + u.dump().substr(0, 40));
+    impl_->expert_unit[u.get<std::size_t>()] = true;
+  }
+  const auto& places = j.at("expert_placement");
+  if (!places.is_array() || places.size() != static_cast<std::size_t>(ranks_))
+    damaged("expert_placement must give each of the " + std::to_string(ranks_) + " rank files its place");
+  impl_->expert_files.assign(static_cast<std::size_t>(E), std::vector<int>(static_cast<std::size_t>(M), -1));
+  for (int r = 0; r < ranks_; ++r) {
+    const auto& p = places[static_cast<std::size_t>(r)];
+    const bool pair = p.is_array() && p.size() == 2 && p[0].is_number_integer() && p[1].is_number_integer();
+    const std::int64_t b = pair ? p[0].get<std::int64_t>() : -1, i = pair ? p[1].get<std::int64_t>() : -1;
+    if (b < 0 || b >= E || i < 0 || i >= M || impl_->expert_files[b][i] >= 0)
+      damaged("expert_placement[" + std::to_string(r) + "] = " + p.dump().substr(0, 40) + " is not a free place (EP rank < " +
+              std::to_string(E) + ", replica < " + std::to_string(M) + ")");
+    impl_->expert_files[b][i] = r;
+  }
 }
 
 // A mixture's sources as the manifest lists them, every number checked as the others are.
@@ -566,6 +666,11 @@ void saved_state::check_units(const model_config& config, const lora_config& lor
     }
   }
   const bool same = sizes == impl_->units;
+  const auto sum = [](const std::vector<std::int64_t>& v) { return std::accumulate(v.begin(), v.end(), std::int64_t{0}); };
+  if (!same && !lora.enabled() && config.sparse_layer_count() > 0 && sum(sizes) == sum(impl_->units))
+    throw config_error("cannot resume " + config.name + " from " + dir_ + ": it was saved by an upipe that kept a "
+                       "sparse layer's experts in the layer's unit (before expert parallelism); start from its weights "
+                       "with --init " + dir_ + " (the optimizer state starts afresh)");
   if (!same)
     throw config_error("cannot resume " + config.name + " from " + dir_ +
                        ": its trainer state holds parameter units of another model; pass that model (--model " + dir_ + ")");
@@ -602,8 +707,14 @@ void saved_state::read(int unit, shard_state which, std::int64_t begin, std::int
               std::string("saved_state::read of ") + state_name(which) + ", which this format has not");
   const std::int64_t shard = blocks ? impl_->shards[unit] / q8_block : impl_->shards[unit];
   const std::string name = tensor_name(unit, which);
+  // An expert unit saved under expert parallelism: its EP blocks, each over its own files.
+  const bool by_blocks = impl_->expert_unit[static_cast<std::size_t>(unit)] && impl_->expert_parallel > 1;
+  const std::int64_t block = by_blocks ? length / impl_->expert_parallel : length;
   while (count > 0) {
-    const std::int64_t r = begin / shard, offset = begin % shard, n = std::min(count, shard - offset);
+    const std::int64_t b = begin / block, within = begin % block;
+    const std::int64_t offset = within % shard, n = std::min({count, shard - offset, block - within});
+    const std::int64_t r = by_blocks ? impl_->expert_files[static_cast<std::size_t>(b)][static_cast<std::size_t>(within / shard)]
+                                     : begin / shard;
     impl_->ranks[r].read(name, offset, n, out);
     // A second moment (a mean of squares) and a block's absmax (a largest magnitude) are
     // never negative in a state a run wrote.
@@ -666,17 +777,16 @@ std::string export_checkpoint(const std::string& given, const std::string& out_t
   write_export(out_text, [&](const fs::path& tmp) {
     hf_model_writer writer(tmp.string(), config, options);
     const auto units = parameter_units(config);
-    for (std::size_t u = 0; u < units.size(); ++u)
-      for (const unit_parameter& p : units[u]) {
-        std::vector<float> values(static_cast<std::size_t>(p.numel));
-        saved.read(static_cast<int>(u), shard_state::master, p.offset, p.numel, values.data());  // checks finiteness
-        if (saved.state_format().master == master_format::bf16_kahan) {  // the weights plus their compensation
-          std::vector<float> comp(values.size());
-          saved.read(static_cast<int>(u), shard_state::master_comp, p.offset, p.numel, comp.data());
-          for (std::size_t i = 0; i < values.size(); ++i) values[i] += comp[i];
-        }
-        writer.write(p.name, values);
+    for (const auto& [u, p] : in_model_order(config, units)) {
+      std::vector<float> values(static_cast<std::size_t>(p->numel));
+      saved.read(u, shard_state::master, p->offset, p->numel, values.data());  // checks finiteness
+      if (saved.state_format().master == master_format::bf16_kahan) {  // the weights plus their compensation
+        std::vector<float> comp(values.size());
+        saved.read(u, shard_state::master_comp, p->offset, p->numel, comp.data());
+        for (std::size_t i = 0; i < values.size(); ++i) values[i] += comp[i];
       }
+      writer.write(p->name, values);
+    }
     writer.commit();
     write_hf_config(config, (tmp / "config.json").string(), saved.dir(), hf_dtype_name(options.type));
     copy_companion_files(saved.dir(), tmp.string());

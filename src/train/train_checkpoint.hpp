@@ -138,6 +138,7 @@ class saved_state {
   void check_manifest_ranges(const std::string& manifest) const;
   void check_shard_rank(const safetensors_view& shard, const std::string& file, int rank) const;
   void read_mixture(const nlohmann::json& manifest, const std::string& path);
+  void read_expert_placement(const nlohmann::json& manifest, const std::string& path);
   [[noreturn]] void bad_value(int unit, shard_state which, std::int64_t rank, std::int64_t element, float value) const;
 
   struct impl;

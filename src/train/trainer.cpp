@@ -51,14 +51,15 @@ struct rank_context {
   communicator& comm;  // the world: D x C ranks
   communicator& cp;    // this rank's replica: C ranks (the world when D = 1)
   communicator& shards;  // ZeRO's: the stores' shards and saved files are numbered by it
+  communicator* experts;  // expert parallelism's EP group (null without)
   parameter_store params;                     // the model; frozen under LoRA
   std::unique_ptr<parameter_store> adapters;  // LoRA's adapters, the trained store then
   std::map<std::int64_t, std::unique_ptr<transformer>> models;
 
   rank_context(const train_options& o, backend& b, const mesh_comms& mesh)
-      : options(o), be(b), comm(mesh.world), cp(mesh.cp), shards(mesh.shards),
+      : options(o), be(b), comm(mesh.world), cp(mesh.cp), shards(mesh.shards), experts(mesh.expert_peers),
         params(o.model, parameter_specs(o.model), b, mesh.shards, o.zero, uses_lora(o) ? offload_options{} : offload_of(o),
-               uses_lora(o) ? weight_role::frozen : weight_role::trained, state_options_of(o)) {
+               uses_lora(o) ? weight_role::frozen : weight_role::trained, state_options_of(o), experts_of(mesh)) {
     if (uses_lora(o))
       adapters = std::make_unique<parameter_store>(o.model, lora_parameter_specs(o.model, o.step.lora), b, mesh.shards,
                                                    adapter_stage(o), offload_options{o.offload_optimizer, false},
@@ -73,7 +74,9 @@ struct rank_context {
 
   transformer& model(std::int64_t seq_len) {
     auto& m = models[seq_len];
-    if (!m) m = std::make_unique<transformer>(options.model, options.cp, seq_len, be, cp_groups{&cp, &cp}, options.step);
+    if (!m)
+      m = std::make_unique<transformer>(options.model, options.cp, seq_len, be, cp_groups{&cp, &cp}, options.step,
+                                        experts);
     return *m;
   }
 };
@@ -629,7 +632,7 @@ step_timing time_steps(const train_options& options, std::int64_t warmup_len, in
                                     ? host_weights{}
                                     : initial_adapters(o.model, o.step.lora, o.seed);
   run_mesh(
-      o.backend, o.limits, {o.dp, o.cp.cp},
+      o.backend, o.limits, {o.dp, o.cp.cp, o.ep},
       [&](int rank, backend& be, const mesh_comms& mesh) {
         rank_context rc(o, be, mesh);
         communicator& comm = mesh.world;
@@ -799,7 +802,7 @@ train_summary train(const train_options& options, const std::function<void(const
   summary.peak_bytes.resize(static_cast<std::size_t>(o.dp * o.cp.cp));
   try {
     run_mesh(
-        o.backend, o.limits, {o.dp, o.cp.cp},
+        o.backend, o.limits, {o.dp, o.cp.cp, o.ep},
         [&](int, backend& be, const mesh_comms& mesh) {
           run_rank(o, be, mesh, {resume.get(), init.get(), adapter_init.get()}, summary, on_step, start);
         },

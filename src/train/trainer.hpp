@@ -55,6 +55,10 @@ struct train_options {
   // ranks reading its own sequences; ZeRO shards over all dp x cp ranks. A step takes
   // dp x batch sequences (global_batch).
   int dp = 1;
+  // Expert parallelism (docs/design.md section 12): each sparse layer's routed experts split
+  // over EP groups of ep consecutive ranks of the dp x cp mesh (ep divides dp x cp and the
+  // model's experts); the ranks at one place of every EP group hold the same experts.
+  int ep = 1;
   // GPUs per node, for the mesh's placement check (a CP group inside a node, or whole
   // nodes); 0: every rank on one node.
   int gpus_per_node = 0;

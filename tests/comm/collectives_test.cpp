@@ -223,6 +223,8 @@ std::vector<comm_counters> run_mixed_steps(backend_group& group, int steps, cons
     }
     for (int step = 0; step < steps; ++step) {
       comm.all_to_all(a2a_send.data(), a2a_recv.data(), s.chunk_bytes, "a2a_q");
+      const std::vector<std::size_t> chunks(static_cast<std::size_t>(n), s.chunk_bytes);
+      comm.all_to_all_v(a2a_send.data(), chunks, a2a_recv.data(), chunks, "a2a_v");
       comm.all_reduce_sum(grad.as<float>(), s.reduce_count, "grad");
       comm.reduce_scatter_sum(rs_send.as<float>(), rs_recv.as<float>(), s.scatter_count, "grad");
       comm.all_gather(a2a_send.data(), ag_recv.data(), s.chunk_bytes, "params");
@@ -240,6 +242,7 @@ void expect_analytic_counters(const comm_counters& c, int n, int steps, const st
   auto bytes = [&](collective col) { return c.bytes[static_cast<std::size_t>(col)]; };
   auto calls = [&](collective col) { return c.calls[static_cast<std::size_t>(col)]; };
   EXPECT_EQ(bytes(collective::all_to_all), k * s.chunk_bytes * n);
+  EXPECT_EQ(bytes(collective::all_to_all_v), k * s.chunk_bytes * n);
   EXPECT_EQ(bytes(collective::all_reduce), k * s.reduce_count * 4);
   EXPECT_EQ(bytes(collective::reduce_scatter), k * s.scatter_count * 4 * n);
   EXPECT_EQ(bytes(collective::all_gather), k * s.chunk_bytes * n);
@@ -252,7 +255,8 @@ void expect_analytic_counters(const comm_counters& c, int n, int steps, const st
   EXPECT_EQ(c.label_bytes("grad"), k * (s.reduce_count * 4 + s.scatter_count * 4 * n));
   EXPECT_EQ(c.label_bytes("params"), k * s.chunk_bytes * n);
   EXPECT_EQ(c.label_bytes("ring_kv"), k * s.message_bytes);  // labels count sent bytes
-  EXPECT_EQ(c.bytes_by_label.size(), 4u);
+  EXPECT_EQ(c.label_bytes("a2a_v"), k * s.chunk_bytes * n);
+  EXPECT_EQ(c.bytes_by_label.size(), 5u);
 }
 
 TEST_P(collectives, counters_hold_the_analytic_bytes_per_collective_and_label) {

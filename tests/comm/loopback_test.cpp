@@ -149,12 +149,15 @@ TEST_P(loopback, meta_backend_moves_nothing_and_counts_everything) {
   tensor a = f32_buffer(*be, 16 * n, "a"), b = f32_buffer(*be, 16 * n, "b");
   ASSERT_EQ(a.data(), nullptr);
   comm->all_to_all(a.data(), b.data(), 64, "a2a_q");
+  const std::vector<std::size_t> sent(static_cast<std::size_t>(n), 64), planned(static_cast<std::size_t>(n), 32);
+  comm->all_to_all_v(a.data(), sent, b.data(), planned, "a2a_v");  // without data the sizes may differ
   comm->all_reduce_sum(a.as<float>(), 16, "grad");
   comm->reduce_scatter_sum(a.as<float>(), b.as<float>(), 16, "grad");
   comm->all_gather(a.data(), b.data(), 64, "params");
   comm->send_recv(a.data(), 64, 0, b.data(), 64, 0, "ring_kv");
   comm->barrier();
   EXPECT_EQ(bytes_of(*comm, collective::all_to_all), 64u * n);
+  EXPECT_EQ(bytes_of(*comm, collective::all_to_all_v), 64u * n);
   EXPECT_EQ(comm->counters().label_bytes("grad"), 64u + 64u * n);
   EXPECT_EQ(bytes_of(*comm, collective::all_gather), 64u * n);
   EXPECT_EQ(comm->counters().label_bytes("ring_kv"), 64u);

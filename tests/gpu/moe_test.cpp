@@ -3,7 +3,7 @@
 // expert-GEMM engine against the cpu layer routed with the cpu's choices; the combine's
 // one rounding into a bf16 residual; and, on real text (tests/golden/moe/text_ids.json,
 // scripts/make_moe_text_ids.py), how often bf16 routing chooses other experts than the
-// cpu's fp32 routing.
+// cpu's fp32 routing; expert parallelism on virtual ranks against each rank alone.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -80,6 +80,32 @@ TEST_F(moe_gpu, every_gemm_engine_matches_the_cpu_layer) {
       for (std::size_t i = 0; i < want.grads.size(); ++i)
         EXPECT_LT(testing::max_difference_over_max(got.grads[i], want.grads[i]), 5e-2) << "gradient " << i;
     }
+  }
+}
+
+// Expert parallelism on virtual ranks of the GPU (P CUDA backends, the threads
+// communicator): each rank's output and input gradient are what its tokens give alone on
+// the GPU, each expert's gradient at its rank the sum of every rank's alone, and the layer
+// waits on the host once a direction (the exchange's sizes, which all_to_all_v takes on
+// the host), the communicator's own waits taken off.
+TEST_F(moe_gpu, expert_parallel_ranks_compute_what_their_tokens_give_alone) {
+  for (const model_config& m : {read_hf_config(golden_dir("qwen2-moe")), wide_router()}) {
+    const int P = m.moe.experts % 4 == 0 ? 4 : 2;
+    SCOPED_TRACE(std::to_string(m.moe.experts) + " experts over " + std::to_string(P) + " ranks");
+    const testing::ep_group group(
+        m, P, 600, [] { return make_cuda_backend({std::size_t{512} << 20, std::size_t{16} << 20}, 0); }, {});
+    const std::vector<testing::moe_layer::result>& alone = group.alone;
+    const testing::ep_run ep = group.run({});
+    for (int r = 0; r < P; ++r) {
+      const auto i = static_cast<std::size_t>(r);
+      std::printf("moe layer E=%d over %d ranks, rank %d: %llu host synchronizations in forward + backward\n",
+                  m.moe.experts, P, r, static_cast<unsigned long long>(ep.own_syncs[i]));
+      EXPECT_EQ(ep.own_syncs[i], 2u);
+      EXPECT_LT(testing::max_difference_over_max(ep.results[i].y, alone[i].y), bf16_tolerance);
+      EXPECT_LT(testing::max_difference_over_max(ep.results[i].d_h, alone[i].d_h), bf16_tolerance);
+      EXPECT_LT(testing::max_difference_over_max(ep.results[i].grads[0], alone[i].grads[0]), bf16_tolerance);
+    }
+    EXPECT_LT(testing::expert_gradient_error(m, ep, alone), 1e-2);
   }
 }
 

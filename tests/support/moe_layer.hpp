@@ -9,12 +9,16 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <functional>
+#include <memory>
 #include <numeric>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "backend/backend.hpp"
 #include "backend/ops.hpp"
+#include "comm/communicator.hpp"
 #include "core/random.hpp"
 #include "model/config.hpp"
 #include "model/moe_mlp.hpp"
@@ -74,20 +78,39 @@ class moe_layer {
     std::vector<float> y, d_h;
     std::vector<std::vector<float>> grads;  // router, then each expert's gate, up and down
   };
+  // The tile's rows drawn again from `seed`: ranks of an EP group, each with these weights
+  // and tokens of its own.
+  void draw_tokens(std::uint64_t seed) {
+    fill_normal(h_host_, seed, 0, 1.0f);
+    if (bf16_values_)
+      for (float& x : h_host_) x = round_to_bf16(x);
+    be_.upload_f32(h_, h_host_.data());
+  }
+
   // Forward then backward of one tile (layer 1, its first token 0), the statistics
   // collected and the aux gradient taken on the counted rows; the host waits counted apart.
-  result run(const moe_options& options, std::uint64_t* syncs_inside = nullptr, int rank = 0) {
-    moe_mlp layer(model_, be_, options, rank);
+  // With `experts` (an EP group) the layer runs this rank's experts alone (the others'
+  // gradients stay 0) and exchanges the rows with the group.
+  result run(const moe_options& options, std::uint64_t* syncs_inside = nullptr, int rank = 0,
+             communicator* experts = nullptr) {
+    moe_mlp layer(model_, be_, options, rank, experts);
+    moe_weights w = w_;
+    moe_grads g = g_;
+    if (experts != nullptr) {
+      const int L = model_.moe.experts / experts->size(), first = experts->rank() * L;
+      const auto mine = [&](auto& v) { v = std::decay_t<decltype(v)>(v.begin() + first, v.begin() + first + L); };
+      mine(w.gate), mine(w.up), mine(w.down), mine(g.gate), mine(g.up), mine(g.down);
+    }
     tensor y = be_.allocate(mem_tag::activations, be_.work_dtype(), {n_, model_.hidden_size}, "y");
     be_.upload_f32(y, y0_.data());
     tensor d_h = be_.allocate(mem_tag::activations, dtype::f32, {n_, model_.hidden_size}, "d_h");
     zero_grads();
     moe_mlp::tile at{1, 0, counted_.matrix(), &balance_, nullptr};
     const std::uint64_t before = be_.host_syncs();
-    layer.forward(w_, at, h_.matrix(), y.matrix());
+    layer.forward(w, at, h_.matrix(), y.matrix());
     at.balance = nullptr;
     at.aux_grad = &aux_grad_;
-    layer.backward(w_, g_, at, h_.matrix(), d_y_.matrix(), d_h.matrix());
+    layer.backward(w, g, at, h_.matrix(), d_y_.matrix(), d_h.matrix());
     if (syncs_inside != nullptr) *syncs_inside = be_.host_syncs() - before;
     result r{host(y), host(d_h), {}};
     for (const tensor& g : grads_) r.grads.push_back(host(g));
@@ -212,5 +235,77 @@ class moe_layer {
   std::vector<std::string> names_;
   std::vector<std::vector<float>> hosts_;
 };
+
+// An EP group's run of `layers` (rank r's on its own backend: the same weights, tokens of
+// their own) on threads, each rank exchanging its rows with the others: each rank's result,
+// its own host waits (the threads communicator's two a collective taken off: it waits
+// before posting and after reading, as virtual ranks of a GPU must, where NCCL waits for
+// nothing) and its collectives' calls.
+struct ep_run {
+  std::vector<moe_layer::result> results;
+  std::vector<std::uint64_t> own_syncs, all_to_all_calls, all_to_all_v_calls;
+};
+inline ep_run run_expert_parallel(const std::vector<moe_layer*>& layers, const std::vector<backend*>& backends,
+                                  const moe_options& options) {
+  const std::size_t P = layers.size();
+  ep_run out{std::vector<moe_layer::result>(P), std::vector<std::uint64_t>(P), std::vector<std::uint64_t>(P),
+             std::vector<std::uint64_t>(P)};
+  run_threads(backends, [&](int rank, communicator& comm) {
+    const auto r = static_cast<std::size_t>(rank);
+    std::uint64_t syncs = 0;
+    out.results[r] = layers[r]->run(options, &syncs, 0, &comm);
+    out.all_to_all_calls[r] = comm.counters().calls[static_cast<std::size_t>(collective::all_to_all)];
+    out.all_to_all_v_calls[r] = comm.counters().calls[static_cast<std::size_t>(collective::all_to_all_v)];
+    out.own_syncs[r] = syncs - 2 * (out.all_to_all_calls[r] + out.all_to_all_v_calls[r]);
+  });
+  return out;
+}
+
+// P ranks of one EP group, each a layer of `model` (n tokens) on a backend of its own
+// (`make`): the same weights, tokens of their own (seeds 100 + r), and each rank's result
+// alone under `options`.
+struct ep_group {
+  std::vector<std::unique_ptr<backend>> owned;
+  std::vector<backend*> backends;
+  std::vector<std::unique_ptr<moe_layer>> layers;
+  std::vector<moe_layer*> views;
+  std::vector<moe_layer::result> alone;
+
+  ep_group(const model_config& model, int P, std::int64_t n, const std::function<std::unique_ptr<backend>()>& make,
+           const moe_options& options) {
+    for (int r = 0; r < P; ++r) {
+      owned.push_back(make());
+      backends.push_back(owned.back().get());
+      layers.push_back(std::make_unique<moe_layer>(model, *backends.back(), n));
+      layers.back()->draw_tokens(100 + static_cast<std::uint64_t>(r));
+      views.push_back(layers.back().get());
+      alone.push_back(layers.back()->run(options));
+    }
+  }
+  ep_run run(const moe_options& options) const { return run_expert_parallel(views, backends, options); }
+};
+
+// The largest error over max of the experts' gradients under EP: each expert's at its EP
+// rank against the sum of what every rank's tokens give it alone (`alone`, rank by rank),
+// and 0 at the other ranks. Gradients are the router's, then each expert's gate, up, down.
+inline double expert_gradient_error(const model_config& m, const ep_run& ep, const std::vector<moe_layer::result>& alone) {
+  const std::size_t P = alone.size(), L = static_cast<std::size_t>(m.moe.experts) / P;
+  double worst = 0;
+  for (std::size_t r = 0; r < P; ++r)
+    for (std::size_t g = 1; g < 1 + 3 * static_cast<std::size_t>(m.moe.experts); ++g) {
+      const std::vector<float>& got = ep.results[r].grads[g];
+      std::vector<double> want(got.size(), 0.0);
+      if ((g - 1) / 3 / L == r)
+        for (const auto& a : alone)
+          for (std::size_t i = 0; i < want.size(); ++i) want[i] += a.grads[g][i];
+      double err = 0, scale = 0;
+      for (std::size_t i = 0; i < want.size(); ++i) {
+        err = std::max(err, std::abs(static_cast<double>(got[i]) - want[i]));
+        scale = std::max(scale, std::abs(want[i]));
+      }
+      worst = std::max(worst, scale > 0 ? err / scale : err);
+    }
+  return worst;
+}
 
 }  // namespace upipe::testing
