@@ -160,6 +160,7 @@ double run_step(rank_context& rc, const std::vector<packed_sequence>& batch, std
   record.aux_on = model.aux_loss_on();
   record.loss = record.lm_loss + (record.aux_on ? o.model.moe.router_aux_loss_coef * record.aux_loss : 0.0);
   if (!update) return record.loss;
+  rc.be.set_stage("update");
   record.grad_norm = trained.grad_norm();
   if (!std::isfinite(record.grad_norm))
     throw config_error("the gradient norm is not finite at step " + std::to_string(step) +
@@ -342,6 +343,57 @@ std::vector<packed_sequence> replica_batch(const train_options& o, const run_dat
   return batch;
 }
 
+// --phases on rank 0: each step's phase table (step_phases), and each stage's time on
+// stderr as the stage ends, so that a step longer than a sitting shows how far it came.
+// The stage ends synchronize the step's stream (a kernel launch's worth of idle GPU each).
+class phase_recorder {
+ public:
+  phase_recorder(rank_context& rc, bool on) : rc_(rc), on_(on) {
+    if (!on_) return;
+    rc_.be.set_stage_listener([this](const char* ended) { stage_ended(ended); });
+    rc_.be.set_phase_timing(true);
+    rc_.trained().set_host_timing(true);
+  }
+  ~phase_recorder() {
+    if (!on_) return;
+    rc_.be.set_stage_listener(nullptr);
+    rc_.be.set_phase_timing(false);
+    rc_.trained().set_host_timing(false);
+  }
+  phase_recorder(const phase_recorder&) = delete;
+  phase_recorder& operator=(const phase_recorder&) = delete;
+
+  void begin(std::int64_t step) {
+    step_ = step;
+    table_ = {};
+    if (on_) rc_.be.take_phases();  // what ran between the steps (held-out loss, saves) is no step's
+  }
+  // The rest of the step's stream and its host work, into the record (before its clock stops).
+  void end(step_record& record) {
+    if (!on_) return;
+    rc_.be.set_stage(nullptr);  // the last stage ends (printed)
+    add_phases(table_, rc_.be.take_phases());
+    table_.host = rc_.trained().take_host_times();
+    record.phases = std::move(table_);
+  }
+
+ private:
+  void stage_ended(const char* stage) {
+    const backend::phase_times take = rc_.be.take_phases();
+    add_phases(table_, take);
+    double waits = 0;
+    for (const auto& [name, ms] : take.stages_ms)
+      if (name.rfind("wait_", 0) == 0) waits += ms;
+    std::fprintf(stderr, "upipe: phases: step %lld, %s done: %.3f s of the GPU's stream (%.3f s of it waiting)\n",
+                 static_cast<long long>(step_), stage, take.span_ms / 1e3, waits / 1e3);
+  }
+
+  rank_context& rc_;
+  bool on_;
+  std::int64_t step_ = 0;
+  step_phases table_;
+};
+
 void run_rank(const train_options& o, backend& be, const mesh_comms& mesh, const weight_sources& from,
               train_summary& summary, const std::function<void(const step_record&)>& on_step,
               clock_type::time_point start) {
@@ -381,8 +433,10 @@ void run_rank(const train_options& o, backend& be, const mesh_comms& mesh, const
       source = path;
     saved_step = step;
   };
+  phase_recorder phases(rc, o.phases && comm.rank() == 0);
   for (std::int64_t step = first; step <= last; ++step) {
     const auto start = clock_type::now();
+    phases.begin(step);
     step_record record;
     record.step = step;
     record.seq_len = step_seq_len(o, step);
@@ -397,7 +451,11 @@ void run_rank(const train_options& o, backend& be, const mesh_comms& mesh, const
       std::fprintf(stderr, "upipe: note: step %lld has no target (the loss mask leaves out every token of its %s); "
                    "skipped: no update, the data moves on\n", static_cast<long long>(step),
                    describe_documents(batch, reader).c_str());
+    // An offloaded update goes on beside the next step's forward; the last step's is its own.
+    if (step == last) rc.trained().finish_host_work();
+    phases.end(record);
     record.seconds = std::chrono::duration<double>(clock_type::now() - start).count();
+    record.phases.wall_ms = record.phases.empty() ? 0 : 1e3 * record.seconds;
     record.tokens_per_s = static_cast<double>(record.seq_len * global_batch(o)) / record.seconds;
     eval_loss.reset();
     if (held_out && be.has_data() && (step % o.eval_every == 0 || step == last)) {
@@ -479,7 +537,25 @@ std::int64_t step_seq_len(const train_options& o, std::int64_t step) {
 }
 
 offload_options offload_of(const train_options& o) {
-  return {o.offload_optimizer, o.offload_params, o.offload_master && !o.offload_optimizer};
+  return {o.offload_optimizer, o.offload_params, o.offload_master && !o.offload_optimizer, o.offload_overlap};
+}
+
+double step_phases::gpu_ms() const {
+  double ms = 0;
+  for (const auto& [stage, t] : stages_ms)
+    if (stage.rfind("wait_", 0) != 0 && stage.rfind("copy_", 0) != 0) ms += t;
+  return ms;
+}
+
+void add_phases(step_phases& into, const backend::phase_times& take) {
+  into.span_ms += take.span_ms;
+  for (const auto& [stage, ms] : take.stages_ms) into.stages_ms[stage] += ms;
+  for (const auto& [what, t] : take.side_copies) {
+    backend::side_copy_time& c = into.side_copies[what];
+    c.ms += t.ms;
+    c.bytes += t.bytes;
+    c.count += t.count;
+  }
 }
 
 optimizer_state_options state_options_of(const train_options& o) {
@@ -620,7 +696,12 @@ step_timing time_steps(const train_options& options, std::int64_t warmup_len, in
         rc.params.load(init);
         if (rc.adapters) rc.adapters->load(adapters);
         step_record record;
-        if (warmup_len > 0) run_step(rc, {tokens(be, warmup_len, 0)}, 1, record);
+        if (warmup_len > 0) {
+          run_step(rc, {tokens(be, warmup_len, 0)}, 1, record);
+          // Overlapped, the warm-up's update goes on beside the first timed step, as each
+          // step's beside the next; a lone timed step is timed with its own update alone.
+          if (repeats == 1) rc.trained().finish_host_work();
+        }
         for (int i = 0; i < repeats; ++i) {
           // Step i's global batch is sequences i G .. i G + G - 1 of the stream (G = dp x batch),
           // replica r taking its run of `batch`: one rank with dp x batch reads the same.
@@ -630,18 +711,31 @@ step_timing time_steps(const train_options& options, std::int64_t warmup_len, in
                                    1 + static_cast<std::uint64_t>(i * global_batch(o) + rc.replica() * o.batch + k)));
           be.synchronize();
           comm.barrier();
-          be.set_phase_timing(phases == phase_timing::by_phase);
+          const bool timed = phases == phase_timing::by_phase;
+          // The step's clock holds its phase timing: it starts before the first mark and
+          // stops after the last.
           const auto start = clock_type::now();
+          be.set_phase_timing(timed);
+          rc.trained().set_host_timing(timed);
           run_step(rc, batch, 1 + i, record);
-          rc.params.finish_host_work();  // an offloaded update belongs to its step
+          // An offloaded update belongs to its step, and overlapped goes on beside the next
+          // timed step's forward (as the previous one's beside this one's): the last waits.
+          if (i + 1 == repeats || !o.offload_overlap) rc.trained().finish_host_work();
           be.synchronize();
           comm.barrier();
+          step_phases table;
+          const backend::phase_times take = be.take_phases();
           const double seconds = std::chrono::duration<double>(clock_type::now() - start).count();
-          std::map<std::string, double> by_phase = be.take_phase_ms();
+          add_phases(table, take);
+          table.wall_ms = 1e3 * seconds;
+          table.host = rc.trained().take_host_times();
           be.set_phase_timing(false);
+          rc.trained().set_host_timing(false);
           if (rank == 0) {
-            if (out.seconds.empty() || seconds < *std::min_element(out.seconds.begin(), out.seconds.end()))
-              out.phases_ms = std::move(by_phase);
+            if (out.seconds.empty() || seconds < *std::min_element(out.seconds.begin(), out.seconds.end())) {
+              out.phases_ms = take.phases_ms;
+              out.step = std::move(table);
+            }
             out.seconds.push_back(seconds);
             out.losses.push_back(record.loss);
             out.grad_norms.push_back(record.grad_norm);
