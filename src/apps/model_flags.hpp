@@ -27,7 +27,12 @@ inline model_config slice_layers(model_config m, int layers) {
   if (layers < 0 || layers > m.num_layers)
     throw config_error("--layers " + std::to_string(layers) + " must lie between 1 and the model's " +
                        std::to_string(m.num_layers) + " layers (a slice of the first N layers)");
-  if (layers > 0) m.num_layers = layers;
+  if (layers == 0) return m;
+  m.num_layers = layers;
+  // The per-layer lists describe the first N layers too (a sparse layer's, a window's).
+  const auto n = static_cast<std::size_t>(layers);
+  if (m.moe.sparse_layers.size() > n) m.moe.sparse_layers.resize(n);
+  if (m.windowed_layers.size() > n) m.windowed_layers.resize(n);
   return m;
 }
 

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <span>
 #include <variant>
+#include <vector>
 
 #include "core/tensor.hpp"
 
@@ -292,56 +293,110 @@ struct sum_squares_args {
 // implementations, one per alternative.
 // Mixture of experts (docs/design.md section 11). The router's top-k as transformers
 // computes it: probs = softmax(logits) in fp32, the k largest per row in descending order
-// (ties to the lower expert, as torch.topk), divided by their sum where `normalize`.
+// (ties to the lower expert, as torch.topk), divided by their sum where `normalize`. With
+// `given`, `experts` is an input (choices made elsewhere, e.g. by another backend's run):
+// the probabilities are this call's, and the weights are this call's probabilities at the
+// given experts (renormalized likewise).
 struct moe_route_args {
   mat_view logits;   // (n, E) f32
   mat_view probs;    // (n, E) f32, out
   mat_view weights;  // (n, k) f32, out
-  mat_view experts;  // (n, k) i32, out
+  mat_view experts;  // (n, k) i32, out (in with `given`)
   bool normalize = false;
+  bool given = false;
 };
 // The routing's backward: d_weights back through the normalization and the top-k's gather,
-// plus aux_grad (1, E) on every row's probabilities (the load-balancing loss's gradient; no
-// rows: none), back through the softmax into d_logits (overwritten).
+// plus aux_grad (1, E) on the probabilities of the rows marked in `counted` (a byte a row;
+// no rows: every row) (the load-balancing loss's gradient; no rows: none), back through
+// the softmax into d_logits (overwritten).
 struct moe_route_backward_args {
   mat_view probs;      // (n, E) f32
   mat_view experts;    // (n, k) i32
   mat_view d_weights;  // (n, k) f32
   mat_view aux_grad;   // (1, E) f32, or no rows
+  mat_view counted;    // (n, 1) u8, or no rows: every row takes aux_grad
   mat_view d_logits;   // (n, E) f32, out
   bool normalize = false;
 };
-// dst[i] = src[index[i]]: a tile's rows in the experts' order.
-struct moe_gather_args {
-  mat_view src;    // (n, D)
-  mat_view index;  // (m, 1) i32, each in [0, n)
-  mat_view dst;    // (m, D)
+// The dispatch of a tile's (token, slot) pairs to their experts, on the device: expert e
+// keeps at most `capacity` of the tokens that chose it (0: all, dropless), the first in
+// token order; the kept rows are laid out expert by expert, each expert's tokens in order,
+// expert e's at [offsets[e], offsets[e + 1]). position[t][j] is the row of token t's j-th
+// choice, -1 where it was dropped. `scratch` holds per-chunk counts
+// (moe_dispatch_scratch_rows(n) rows of E).
+struct moe_dispatch_args {
+  mat_view experts;   // (n, k) i32, each in [0, E)
+  mat_view position;  // (n, k) i32, out
+  mat_view offsets;   // (1, E + 1) i32, out
+  mat_view scratch;   // (moe_dispatch_scratch_rows(n), E) i32
+  std::int64_t capacity = 0;
 };
-// dst[index[i]] += weights[slot[i]] * src[i] (weights read flat, (n, k) f32; no rows: 1). No
-// index repeats within one call (a token meets an expert once).
-struct moe_scatter_args {
-  mat_view src;      // (m, D)
-  mat_view index;    // (m, 1) i32
-  mat_view slot;     // (m, 1) i32 into weights' n * k, or no rows without weights
-  mat_view weights;  // (n, k) f32, or no rows
-  mat_view dst;      // (n, D), accumulated
+// Tokens per chunk of the dispatch's device scan, and the scratch rows it needs for n tokens.
+inline constexpr std::int64_t moe_dispatch_chunk = 256;
+inline std::int64_t moe_dispatch_scratch_rows(std::int64_t n) {
+  return (n + moe_dispatch_chunk - 1) / moe_dispatch_chunk;
+}
+// The rows a dispatch lays out at most: n k, or E capacity where that is fewer.
+inline std::int64_t moe_dispatch_rows(std::int64_t n, std::int64_t k, std::int64_t experts, std::int64_t capacity) {
+  return capacity > 0 && experts * capacity < n * k ? experts * capacity : n * k;
+}
+// Permute: dst[position[t][j]] = src[t] for every kept (token, slot).
+struct moe_permute_args {
+  mat_view src;       // (n, D)
+  mat_view position;  // (n, k) i32
+  mat_view dst;       // (m, D): the rows no position names are left as they are
 };
-// The weighted scatter's backward: d_src[i] = weights[slot[i]] * d_dst[index[i]] and
-// d_weights[slot[i]] = src[i] . d_dst[index[i]] (written).
-struct moe_scatter_backward_args {
+// Combine (unpermute): dst[t] += sum_j weights[t][j] src[position[t][j]] over the kept
+// slots (weights no rows: 1), plus sigmoid(shared_gate[t]) shared[t] where a shared expert
+// is given (Qwen2-MoE), summed in fp32 and added to dst once.
+struct moe_combine_args {
+  mat_view src;          // (m, D)
+  mat_view position;     // (n, k) i32
+  mat_view weights;      // (n, k) f32, or no rows
+  mat_view shared;       // (n, D), or no rows
+  mat_view shared_gate;  // (n, 1) f32 logits, with shared
+  mat_view dst;          // (n, D), accumulated
+};
+// The weighted combine's backward: d_src[position[t][j]] = weights[t][j] d_dst[t] and
+// d_weights[t][j] = src[position[t][j]] . d_dst[t] (0 where the slot was dropped).
+struct moe_combine_backward_args {
   mat_view d_dst;      // (n, D)
-  mat_view index, slot;  // (m, 1) i32
+  mat_view position;   // (n, k) i32
   mat_view weights;    // (n, k) f32
   mat_view src;        // (m, D): the forward's src
-  mat_view d_src;      // (m, D), out
-  mat_view d_weights;  // (n, k) f32, out at the slots
+  mat_view d_src;      // (m, D), out at the kept rows
+  mat_view d_weights;  // (n, k) f32, out
 };
-// Qwen2-MoE's shared expert: y += sigmoid(z) * s, z one logit per row.
-struct sigmoid_gate_forward_args {
-  mat_view z;  // (n, 1) f32
-  mat_view s;  // (n, D)
-  mat_view y;  // (n, D), accumulated
+// The load-balancing statistics of a tile, accumulated over the rows marked in `counted`
+// (no rows: every row): per expert the top-k assignments (exact, u64) and the summed
+// probabilities (fp64), in `sums`: 4E i32 words, read as E u64 then E f64.
+struct moe_balance_args {
+  mat_view probs;    // (n, E) f32
+  mat_view experts;  // (n, k) i32
+  mat_view counted;  // (n, 1) u8, or no rows
+  mat_view sums;     // (1, 4E) i32 words, accumulated
 };
+// Grouped GEMMs over a dispatched tile: group g is rows [offsets[g], offsets[g + 1]) of
+// the row matrices (offsets on the device), and weights[g] its own matrix.
+//   rows_by_weight_t: out_g = alpha rows_g weights[g]^T + beta out_g  (an expert's projection)
+//   rows_by_weight:   out_g = alpha rows_g weights[g] + beta out_g    (its input gradient)
+//   weight_gradient:  weights[g] = alpha rows_g^T other_g + beta weights[g]
+// `engine` picks the CUDA library (the cpu and meta backends have one definition each):
+// CUTLASS's grouped GEMM reads the groups' sizes on the device; cuBLAS's grouped batched
+// GEMM needs them on the host (a download: a comparison point, not the default).
+enum class grouped_form : std::uint8_t { rows_by_weight_t, rows_by_weight, weight_gradient };
+enum class grouped_engine : std::uint8_t { cutlass, cublas };
+struct moe_grouped_gemm_args {
+  grouped_form form = grouped_form::rows_by_weight_t;
+  mat_view rows;                  // (m, K) the working dtype
+  mat_view other;                 // weight_gradient: (m, N) the working dtype
+  std::vector<mat_view> weights;  // one per group, of one shape and ld; f32 and out for weight_gradient
+  mat_view offsets;               // (1, G + 1) i32
+  mat_view out;                   // the row forms: (m, N), working dtype or f32
+  float alpha = 1.0f, beta = 0.0f;
+  grouped_engine engine = grouped_engine::cutlass;
+};
+// Qwen2-MoE's shared expert's gate backward (its forward is moe_combine's shared term):
 // d_s = sigmoid(z) d_y (written); d_z = sigmoid(z) (1 - sigmoid(z)) (s . d_y) (written).
 struct sigmoid_gate_backward_args {
   mat_view z, s, d_y;  // (n, 1) f32, (n, D), (n, D)
@@ -349,12 +404,174 @@ struct sigmoid_gate_backward_args {
   mat_view d_z;        // (n, 1) f32, out
 };
 
+// ---------------------------------------------------------------------------------------
+// Gated DeltaNet (Qwen3-Next, Qwen3.5): the gated delta rule, its causal conv and its gates,
+// as transformers 5.25 defines them (torch_recurrent_gated_delta_rule, causal_conv1d_fn,
+// Qwen3NextGatedDeltaNet.forward). docs/design.md "Gated DeltaNet ops" has the math.
+
+// Packed documents of a recurrence over one segment of the sequence: `starts` as in
+// document_mask (global indices where documents begin, sorted, the first 0; empty: one
+// document), and row 0 of the segment at global index `first`. The state resets to zero at
+// every document start inside the segment, row 0 included: what enters row 0 from before
+// (an initial state, a conv's halo) is read only where row 0 continues a document (no
+// start at `first`; with no starts at all, always).
+struct sequence_documents {
+  std::span<const std::int64_t> starts;
+  std::int64_t first = 0;
+};
+
+// q and k L2-normalized over d_k inside the op (transformers' use_qk_l2norm_in_kernel, on
+// in both families), x / sqrt(sum x^2 + eps), or taken as they are.
+enum class qk_norm : std::uint8_t { none, l2 };
+
+// What every gated-delta-rule op shares. The state is fp32 (its views are f32; nothing
+// else is allowed), the chunk size 64 (the chunked algorithm's; nothing else is allowed).
+struct gated_delta_options {
+  float scale = 0.0f;  // q's scale; 0: d_k^-0.5, transformers' (which no config changes)
+  qk_norm norm = qk_norm::l2;
+  float l2_eps = 1e-6f;  // transformers' l2norm eps
+  std::int64_t chunk_size = 64;
+};
+inline constexpr std::int64_t gated_delta_chunk = 64;
+
+// The gated delta rule over one segment (docs/design.md): per value head h, with
+// q_t, k_t the (normalized) rows of query/key head h / (H_v / H_k) (transformers'
+// repeat_interleave) and S the (d_k, d_v) state of transformers' layout,
+//   S <- exp(g_t) S;  S <- S + k_t (beta_t (v_t - S^T k_t))^T;  o_t = S^T (scale q_t).
+// Views of states are stacks of matrices: (H_v, d_k, d_v) as head_view (tokens = matrices,
+// heads = rows, dim = columns). `workspace` is f32 device memory for the chunk buffers,
+// at least gated_delta_workspace_floats(...) (ops/gated_delta/workspace.hpp) for one chunk
+// a pass; a larger one lets a pass hold more chunks. The caller allocates it (the arena,
+// so the meta backend counts it) and may free it once the op returns.
+struct gated_delta_forward_args {
+  head_view q, k;              // (s, H_k, d_k)
+  head_view v;                 // (s, H_v, d_v)
+  mat_view g, beta;            // (s, H_v) f32: log-decay (<= 0) and beta (sigmoid's, in (0, 1))
+  head_view initial_state;     // (H_v, d_k, d_v) f32, or empty (data null): zero
+  head_view out;               // (s, H_v, d_v), written
+  head_view final_state;       // (H_v, d_k, d_v) f32, written (the state after row s - 1), or empty
+  sequence_documents documents;
+  gated_delta_options options;
+  mat_view workspace;          // (1, n) f32
+};
+
+// The gradients of the forward's inputs from d_out and d_final_state; the forward's
+// states are recomputed (nothing but its inputs is kept between the two).
+struct gated_delta_backward_args {
+  head_view q, k, v;           // as in forward
+  mat_view g, beta;            // as in forward
+  head_view initial_state;     // as in forward (empty: zero)
+  head_view d_out;             // (s, H_v, d_v)
+  head_view d_final_state;     // (H_v, d_k, d_v) f32, or empty: zero
+  head_view d_q, d_k;          // (s, H_k, d_k), written (a key head's value heads summed)
+  head_view d_v;               // (s, H_v, d_v), written
+  mat_view d_g, d_beta;        // (s, H_v) f32, written
+  head_view d_initial_state;   // (H_v, d_k, d_v) f32, written, or empty: not wanted
+  sequence_documents documents;
+  gated_delta_options options;
+  mat_view workspace;          // (1, n) f32
+};
+
+// Context parallelism (docs/design.md): a segment's summary. The final state is linear in
+// the initial one, final = transition · initial + local_state per head (transition (d_k,
+// d_k), applied on the left of transformers' (d_k, d_v) state); local_state is the final
+// state from a zero initial state. A document start in the segment (row 0 included) makes
+// the transition zero.
+struct gated_delta_summary_args {
+  head_view q, k, v;           // as in forward
+  mat_view g, beta;            // as in forward
+  head_view transition;        // (H_v, d_k, d_k) f32, written
+  head_view local_state;       // (H_v, d_k, d_v) f32, written
+  sequence_documents documents;
+  gated_delta_options options;
+  mat_view workspace;          // (1, n) f32
+};
+
+// The backward's summary: d_initial_state is linear in d_final_state,
+// d_initial = transition^T · d_final + local_d_initial, where local_d_initial is the
+// gradient by the initial state from d_out alone (a zero d_final_state). It reads neither
+// v nor any state. A document start at row 0 makes both zero.
+struct gated_delta_summary_backward_args {
+  head_view q, k;              // as in forward
+  mat_view g, beta;            // as in forward
+  head_view d_out;             // (s, H_v, d_v)
+  head_view local_d_initial;   // (H_v, d_k, d_v) f32, written
+  sequence_documents documents;
+  gated_delta_options options;
+  mat_view workspace;          // (1, n) f32
+};
+
+// Combines the R segments' summaries, in fp32 and in segment order (every rank computes
+// the same bits). forward: states[r] is the state entering segment r, from locals = each
+// segment's local_state:
+//   states[0] = 0; states[r + 1] = transitions[r] states[r] + locals[r].
+// backward: states[r] is the d_final_state segment r receives, from locals = each
+// segment's local_d_initial:
+//   states[R - 1] = 0; states[r] = transitions[r + 1]^T states[r + 1] + locals[r + 1].
+// A segment that begins a document has a zero transition and local_d_initial and ignores
+// the state it is given, so no flags are needed. Segment r's head h is matrix r * heads + h.
+enum class scan_direction : std::uint8_t { forward, backward };
+struct gated_delta_scan_args {
+  head_view transitions;       // (R * H_v, d_k, d_k) f32
+  head_view locals;            // (R * H_v, d_k, d_v) f32
+  head_view states;            // (R * H_v, d_k, d_v) f32, written
+  std::int64_t heads = 0;      // H_v
+  scan_direction direction = scan_direction::forward;
+};
+
+// The depthwise causal conv over the mixed q/k/v channels, then SiLU (transformers'
+// causal_conv1d_fn with activation "silu"):
+//   y[t, c] = silu(sum_j weight[c, j] x[t - (K - 1) + j, c]),
+// rows before row 0 read `halo` (the previous K - 1 rows, a neighbour rank's last ones;
+// no rows: zero), and a row never reads a row of an earlier document (zero instead; the
+// halo is of an earlier document where one starts at row 0).
+struct causal_conv_forward_args {
+  mat_view x;       // (s, C)
+  mat_view halo;    // (K - 1, C), or no rows: zeros
+  mat_view weight;  // (C, K): conv1d.weight (C, 1, K) squeezed
+  mat_view y;       // (s, C), written
+  sequence_documents documents;
+};
+
+// d_x and d_halo written (d_halo: the gradient the neighbour's rows receive, to be sent
+// back to it; no rows: not wanted); d_weight (C, K) f32 accumulated, or no rows: frozen.
+struct causal_conv_backward_args {
+  mat_view x, halo, weight;  // as in forward
+  mat_view d_y;              // (s, C)
+  mat_view d_x;              // (s, C), written
+  mat_view d_halo;           // (K - 1, C), written, or no rows
+  mat_view d_weight;         // (C, K) f32, accumulated, or no rows
+  sequence_documents documents;
+};
+
+// The per-head decay and beta of a Gated DeltaNet layer (fp32 math, as transformers'):
+//   g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b),
+// softplus as torch's (x above 20 taken as it is).
+struct gated_delta_gates_forward_args {
+  mat_view a, b;             // (s, H_v): in_proj_a's and in_proj_b's outputs
+  mat_view a_log, dt_bias;   // (1, H_v)
+  mat_view g, beta;          // (s, H_v) f32, written
+};
+
+// d_a and d_b written; d_a_log and d_dt_bias (1, H_v) f32 accumulated (summed over rows),
+// or no rows: frozen.
+struct gated_delta_gates_backward_args {
+  mat_view a, b, a_log, dt_bias;  // as in forward
+  mat_view d_g, d_beta;           // (s, H_v) f32
+  mat_view d_a, d_b;              // (s, H_v), written
+  mat_view d_a_log, d_dt_bias;    // (1, H_v) f32, accumulated, or no rows
+};
+
 using op = std::variant<gemm_args, sdpa_forward_args, sdpa_backward_args, rope_args, rmsnorm_forward_args,
                         rmsnorm_backward_args, copy_heads_args, add_heads_args, fill_heads_args, lse_merge_args,
                         embedding_forward_args, embedding_backward_args, swiglu_forward_args, swiglu_backward_args,
                         bias_add_args, bias_grad_args, cross_entropy_args, adamw_args, sum_squares_args,
-                        moe_route_args, moe_route_backward_args, moe_gather_args, moe_scatter_args,
-                        moe_scatter_backward_args, sigmoid_gate_forward_args, sigmoid_gate_backward_args>;
+                        moe_route_args, moe_route_backward_args, moe_dispatch_args, moe_permute_args,
+                        moe_combine_args, moe_combine_backward_args, moe_balance_args, moe_grouped_gemm_args,
+                        sigmoid_gate_backward_args, gated_delta_forward_args, gated_delta_backward_args,
+                        gated_delta_summary_args, gated_delta_summary_backward_args, gated_delta_scan_args,
+                        causal_conv_forward_args, causal_conv_backward_args, gated_delta_gates_forward_args,
+                        gated_delta_gates_backward_args>;
 
 // Does the CUDA implementation of an op hold device memory of its own beside its
 // arguments (a library's workspace)? The meta backend must then model that memory: an op
@@ -367,5 +584,7 @@ template <>
 inline constexpr bool holds_device_workspace<sdpa_forward_args> = true;  // cuDNN's, grown per plan
 template <>
 inline constexpr bool holds_device_workspace<sdpa_backward_args> = true;
+template <>
+inline constexpr bool holds_device_workspace<moe_grouped_gemm_args> = true;  // the groups' arrays, reserved with the backend
 
 }  // namespace upipe
