@@ -39,12 +39,12 @@ TEST(bench_cli, rows_json_and_checks_on_the_cpu) {
 
 // An offloaded step timed by phase: the table under the row and in the JSON, the step-time
 // model's prediction beside it, both overlaps; and the offload refused where there is no
-// optimizer state.
+// optimizer state. One timed step, so that its whole update is within its own take.
 TEST(bench_cli, the_offloaded_step_by_phase) {
   const auto dir = temp_dir("bench_offload");
   for (const char* overlap : {"off", "on"}) {
     const auto path = (dir / (std::string(overlap) + ".json")).string();
-    const run_result r = run_upipe(std::string("bench --cp 2 --attention upipe --seq-len 128 --repeats 2 --zero 3 "
+    const run_result r = run_upipe(std::string("bench --cp 2 --attention upipe --seq-len 128 --repeats 1 --zero 3 "
                                                "--offload master,params --optimizer-state 8bit --master-weights "
                                                "bf16-kahan --grad-dtype bf16 --no-check --phases --offload-overlap ") +
                                    overlap + " --json " + path);
