@@ -21,6 +21,7 @@
 #include "runtime/cp_group.hpp"
 #include "train/data.hpp"
 #include "train/mesh.hpp"
+#include "train/phase_recorder.hpp"
 #include "train/run_directory.hpp"
 #include "train/run_memory.hpp"
 #include "train/train_checkpoint.hpp"
@@ -343,57 +344,6 @@ std::vector<packed_sequence> replica_batch(const train_options& o, const run_dat
   return batch;
 }
 
-// --phases on rank 0: each step's phase table (step_phases), and each stage's time on
-// stderr as the stage ends, so that a step longer than a sitting shows how far it came.
-// The stage ends synchronize the step's stream (a kernel launch's worth of idle GPU each).
-class phase_recorder {
- public:
-  phase_recorder(rank_context& rc, bool on) : rc_(rc), on_(on) {
-    if (!on_) return;
-    rc_.be.set_stage_listener([this](const char* ended) { stage_ended(ended); });
-    rc_.be.set_phase_timing(true);
-    rc_.trained().set_host_timing(true);
-  }
-  ~phase_recorder() {
-    if (!on_) return;
-    rc_.be.set_stage_listener(nullptr);
-    rc_.be.set_phase_timing(false);
-    rc_.trained().set_host_timing(false);
-  }
-  phase_recorder(const phase_recorder&) = delete;
-  phase_recorder& operator=(const phase_recorder&) = delete;
-
-  void begin(std::int64_t step) {
-    step_ = step;
-    table_ = {};
-    if (on_) rc_.be.take_phases();  // what ran between the steps (held-out loss, saves) is no step's
-  }
-  // The rest of the step's stream and its host work, into the record (before its clock stops).
-  void end(step_record& record) {
-    if (!on_) return;
-    rc_.be.set_stage(nullptr);  // the last stage ends (printed)
-    add_phases(table_, rc_.be.take_phases());
-    table_.host = rc_.trained().take_host_times();
-    record.phases = std::move(table_);
-  }
-
- private:
-  void stage_ended(const char* stage) {
-    const backend::phase_times take = rc_.be.take_phases();
-    add_phases(table_, take);
-    double waits = 0;
-    for (const auto& [name, ms] : take.stages_ms)
-      if (name.rfind("wait_", 0) == 0) waits += ms;
-    std::fprintf(stderr, "upipe: phases: step %lld, %s done: %.3f s of the GPU's stream (%.3f s of it waiting)\n",
-                 static_cast<long long>(step_), stage, take.span_ms / 1e3, waits / 1e3);
-  }
-
-  rank_context& rc_;
-  bool on_;
-  std::int64_t step_ = 0;
-  step_phases table_;
-};
-
 void run_rank(const train_options& o, backend& be, const mesh_comms& mesh, const weight_sources& from,
               train_summary& summary, const std::function<void(const step_record&)>& on_step,
               clock_type::time_point start) {
@@ -433,7 +383,7 @@ void run_rank(const train_options& o, backend& be, const mesh_comms& mesh, const
       source = path;
     saved_step = step;
   };
-  phase_recorder phases(rc, o.phases && comm.rank() == 0);
+  phase_recorder phases(rc.be, rc.trained(), o.phases && comm.rank() == 0);
   for (std::int64_t step = first; step <= last; ++step) {
     const auto start = clock_type::now();
     phases.begin(step);
@@ -538,24 +488,6 @@ std::int64_t step_seq_len(const train_options& o, std::int64_t step) {
 
 offload_options offload_of(const train_options& o) {
   return {o.offload_optimizer, o.offload_params, o.offload_master && !o.offload_optimizer, o.offload_overlap};
-}
-
-double step_phases::gpu_ms() const {
-  double ms = 0;
-  for (const auto& [stage, t] : stages_ms)
-    if (stage.rfind("wait_", 0) != 0 && stage.rfind("copy_", 0) != 0) ms += t;
-  return ms;
-}
-
-void add_phases(step_phases& into, const backend::phase_times& take) {
-  into.span_ms += take.span_ms;
-  for (const auto& [stage, ms] : take.stages_ms) into.stages_ms[stage] += ms;
-  for (const auto& [what, t] : take.side_copies) {
-    backend::side_copy_time& c = into.side_copies[what];
-    c.ms += t.ms;
-    c.bytes += t.bytes;
-    c.count += t.count;
-  }
 }
 
 optimizer_state_options state_options_of(const train_options& o) {
