@@ -34,7 +34,9 @@ def summary(plan_path, meta_path, gpu_path, rss_kib):
     _, meta = final(meta_path)
     step, gpu = final(gpu_path)
     gib = 2**30
-    model = planned["step_seconds_model"]["total"] if planned.get("step_seconds_model") else float("nan")
+    # A run of one step waits for its whole offloaded update (the model's lone_step_extra).
+    modelled = planned.get("step_seconds_model") or {}
+    model = modelled["total"] + modelled.get("lone_step_extra", 0) if modelled else float("nan")
     seconds = step["seq_len"] / step["tokens_per_s"]  # one sequence a step
     print(f"S = {step['seq_len']} (planned at {planned['seq_len']}): loss {step['loss']:.4f}, step {seconds:.0f} s "
           f"(the model's at the planned S: {model:.0f} s), {step['tokens_per_s']:.0f} tok/s")

@@ -18,14 +18,17 @@
 #include "apps/json_file.hpp"
 #include "apps/comm_flags.hpp"
 #include "apps/model_flags.hpp"
+#include "apps/phase_table.hpp"
 #include "apps/policy_flags.hpp"
 #include "apps/run_config.hpp"
 #include "apps/sizes.hpp"
+#include "apps/state_flags.hpp"
 #include "core/error.hpp"
 #include "core/limits.hpp"
 #include "cp/strategy_table.hpp"
 #include "model/config.hpp"
 #include "model/model_step.hpp"
+#include "plan/planner.hpp"
 #include "train/trainer.hpp"
 
 namespace upipe::apps {
@@ -58,6 +61,8 @@ struct row {
   bool check_pass = true;
   std::string check_error;  // why the check could not run, if it could not
   std::map<std::string, double> phases_ms;  // --phases: the fastest step by phase
+  step_phases step;                          // ... and its phase table
+  step_time model;                           // the step-time model's prediction for the row
 };
 
 double gib(std::size_t bytes) { return static_cast<double>(bytes) / (1 << 30); }
@@ -203,6 +208,9 @@ int run(const bench_flags& f) {
                        "that is a target of the loss (e.g. 0.0625: an answer after a prompt 15 times longer)");
   if (f.optimizer != "adamw" && f.optimizer != "none")
     throw config_error("--optimizer " + f.optimizer + " is not known: use adamw or none (forward and backward only)");
+  if (f.optimizer == "none" && f.cfg().offload != "none")
+    throw config_error("--offload " + f.cfg().offload + " with --optimizer none: forward and backward alone keep no "
+                       "optimizer state to offload; drop --offload or time a training step (--optimizer adamw)");
   const backend_kind kind = parse_backend_kind(f.cfg().backend);
   const bool auto_policy = is_auto_policy(f.cfg().checkpoint_policy);
   const checkpoint_policy fixed_policy = auto_policy ? checkpoint_policy{} : parse_checkpoint_policy(f.cfg().checkpoint_policy);
@@ -250,7 +258,17 @@ int run(const bench_flags& f) {
                      {"check_seq_len", r.check_seq_len == 0 ? nlohmann::json(nullptr) : nlohmann::json(r.check_seq_len)},
                      {"check_pass", r.check_pass},
                      {"check_error", r.check_error.empty() ? nlohmann::json(nullptr) : nlohmann::json(r.check_error)},
-                     {"phases_ms", r.phases_ms.empty() ? nlohmann::json(nullptr) : nlohmann::json(r.phases_ms)}});
+                     {"phases_ms", r.phases_ms.empty() ? nlohmann::json(nullptr) : nlohmann::json(r.phases_ms)},
+                     {"step_phases", r.step.empty() ? nlohmann::json(nullptr) : step_phases_json(r.step)},
+                     {"step_seconds_model", step_time_json(r.model)},
+                     {"step_rates", rates_json(throughput_rates{})},
+                     {"zero", f.cfg().zero},
+                     {"offload", f.cfg().offload},
+                     {"offload_overlap", f.cfg().offload_overlap},
+                     {"optimizer_state", f.cfg().optimizer_state},
+                     {"master_weights", f.cfg().master_weights},
+                     {"grad_dtype", f.cfg().grad_dtype},
+                     {"max_grad_norm", f.cfg().max_grad_norm}});
     write_json_file(f.json_path, all, 1);
   };
   std::printf("# upipe bench  model=%s  layers=%d of %d (a slice: per-layer time and working set)  backend=%s  %s "
@@ -292,6 +310,14 @@ int run(const bench_flags& f) {
         o.eval_samples = 0;
         o.backend = kind;
         o.comm = comm_of(f.cfg());
+        const offload_options offload = parse_offload(f.cfg().offload);
+        o.offload_optimizer = offload.optimizer;
+        o.offload_params = offload.params;
+        o.offload_master = offload.master;
+        o.offload_overlap = f.cfg().offload_overlap == "on";
+        o.state_format = {parse_moments(f.cfg().optimizer_state), parse_master(f.cfg().master_weights)};
+        o.grad_type = parse_grad_dtype(f.cfg().grad_dtype);
+        o.optim.max_grad_norm = f.cfg().max_grad_norm;
         size_step(o, f.cfg());
         if (u == 0) {  // --head-chunk auto: "# head chunk U = ..." under the row's name
           const std::string why = choose_head_chunk(o, f.cfg(), auto_policy);
@@ -326,6 +352,8 @@ int run(const bench_flags& f) {
         r.memory = t.memory;
         r.driver_peak = t.driver_peak;
         r.phases_ms = t.phases_ms;
+        r.step = t.step;
+        r.model = model_step_time(o);
         if (!f.no_check && kind != backend_kind::meta) {
           // A check that cannot run (memory, say) fails its row but keeps the timing.
           try {
@@ -362,6 +390,7 @@ int run(const bench_flags& f) {
                     r.layers, f.dp, C, repeats, times, gib(r.memory.device_peak), gib(r.memory.arena_high_water), check);
         std::fflush(stdout);
         if (!r.phases_ms.empty()) print_phases(r.phases_ms);
+        if (!r.step.empty()) print_step_phases(r.step, r.model);
         rows.push_back(std::move(r));
         write_json();
       }
@@ -398,7 +427,10 @@ command_runner add_bench(CLI::App& app) {
   app.add_option("--single-pass-from", f->single_pass_from, "one timed step from this length on")->capture_default_str();
   app.add_option("--warmup-seq-len", f->warmup_len, "length of the warm-up step (default 256 layout units)");
   app.add_flag("--no-check", f->no_check, "skip the correctness check after timing");
-  app.add_flag("--phases", f->phases, "also time each phase of the fastest step (attention parts, MLP, loss)");
+  app.add_flag("--phases", f->phases,
+               "also time each phase of the fastest step (attention parts, MLP, loss) and print its phase table (the "
+               "GPU's forward, loss, backward and update, its waits on the host and on copies, the copies each way, the "
+               "host's AdamW) beside the step-time model's");
   app.add_option("--peak-tflops", f->peak_tflops, "the card's measured bf16 GEMM peak, for MFU")->capture_default_str();
   app.add_option("--targets", f->targets,
                  "the fraction of each sequence that is a target of the loss, its last tokens (fine-tuning's shape: a "

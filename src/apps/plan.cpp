@@ -17,6 +17,7 @@
 #include "apps/flag_checks.hpp"
 #include "apps/json_file.hpp"
 #include "apps/model_flags.hpp"
+#include "apps/phase_table.hpp"
 #include "apps/policy_flags.hpp"
 #include "apps/run_config.hpp"
 #include "apps/sizes.hpp"
@@ -158,12 +159,7 @@ nlohmann::json point_json(const plan_point& p) {
                                  {"what", content_name(p.policy.what)},
                                  {"every", p.policy.every},
                                  {"where", location_name(p.policy.where)}};
-  nlohmann::json time = nullptr;
-  if (p.time)
-    time = {{"total", p.time->total()}, {"gemm", p.time->gemm},         {"attention", p.time->attention},
-            {"all_to_all", p.time->all_to_all}, {"ring", p.time->ring}, {"zero", p.time->zero},
-            {"data_parallel", p.time->data_parallel},
-            {"host", p.time->host}};
+  const nlohmann::json time = p.time ? step_time_json(*p.time) : nlohmann::json(nullptr);
   return {{"seq_len", p.seq_len},
           {"fits", p.fits},
           {"step_seconds_model", time},
@@ -336,6 +332,20 @@ std::string rule_text(const plan_request& r, const plan_result& plan) {
                                 : "at " + length + ", the mesh with the fastest modelled step";
 }
 
+// The recommendation's step in the step-time model: the seconds a step takes, and where
+// they go (compute, collectives, host copies, the offloaded update and its overlap).
+void print_expected_step(const step_time& t) {
+  std::printf("  expected: %.1f s a step (the step-time model): compute %.1f s (GEMMs %.1f, attention %.1f, the rest "
+              "%.1f, the device's AdamW %.2f), collectives %.1f, host copies %.2f",
+              t.total(), t.compute(), t.gemm, t.attention, t.elementwise, t.update,
+              t.all_to_all + t.ring + t.zero + t.data_parallel, t.host);
+  if (t.host_adamw > 0)
+    std::printf(", the offload's copies %.2f, the host's AdamW %.2f s of which the step waits %.2f (a run of one step "
+                "waits for all of it: %.1f s)", t.offload_copies + t.weights_in, t.host_adamw, t.host_adamw_exposed,
+                t.total() + t.lone_step_extra);
+  std::printf("\n");
+}
+
 void print_recommendation(const plan_flags& f, const plan_request& r, const plan_result& plan) {
   const std::optional<planned_run> run = recommend(r, plan);
   if (!run) {
@@ -350,6 +360,7 @@ void print_recommendation(const plan_flags& f, const plan_request& r, const plan
               "--host-memory-gib %.2f (everything the process holds in host memory%s)\n",
               gib(p.arena_bytes), planned_arena_gib(r), gib(p.gpu_bytes), gib(p.host_bytes), gib(p.host_budget),
               r.nodes > 1 ? "; one process per GPU on several nodes" : "; one process runs the node's ranks");
+  if (p.time) print_expected_step(*p.time);
   std::printf("  add --backend cuda to run it on the GPUs; --backend meta runs it here, shapes only, and prints its "
               "arena high water and host memory\n");
 }
@@ -493,6 +504,7 @@ int run(const plan_flags& f) {
   if (!r.try_state) r.state.format = {parse_moments(moments), parse_master(f.master)};
   r.state.grad_type = parse_grad_dtype(f.grads);
   r.max_grad_norm = f.max_grad_norm;
+  r.offload_overlap = f.cfg().offload_overlap == "on";
   r.mlp_tile = f.cfg().mlp_tile;
   r.loss_chunk = f.cfg().loss_chunk;
   r.attention_arithmetic = parse_attention_dtype(f.cfg().attention_dtype);
@@ -503,11 +515,11 @@ int run(const plan_flags& f) {
       if (r.gpus % d == 0) r.dps.push_back(d);
   r.rates = f.rates;
   for (const double rate : {f.rates.gemm_tflops, f.rates.attention_tflops, f.rates.nvlink_gbytes, f.rates.network_gbits,
-                            f.rates.pcie_gbytes})
+                            f.rates.pcie_gbytes, f.rates.host_adamw_gbytes, f.rates.elementwise_ns})
     if (!(rate > 0) || !std::isfinite(rate))
       throw config_error("the step-time model's rates (--gemm-tflops, --attention-tflops, --nvlink-gbytes, "
-                         "--network-gbits, --pcie-gbytes) must be positive and finite, not " + std::to_string(rate) +
-                         " (for example --network-gbits 400)");
+                         "--network-gbits, --pcie-gbytes, --host-adamw-gbytes, --elementwise-ns) must be positive and "
+                         "finite, not " + std::to_string(rate) + " (for example --network-gbits 400)");
   if (!f.cfg().lora.empty()) r.lora = parse_lora(f.cfg().lora, r.model);
   // The default strategies that cannot run on this group (Ulysses and UPipe need C to
   // divide the heads: 1024 GPUs plan hybrid and ring) are left out and named; a strategy
@@ -553,11 +565,12 @@ int run(const plan_flags& f) {
               r.gpus / r.nodes);
   std::printf("# GPU bytes = the step's arena high water (meta backend, with cuBLASLt's and cuDNN's workspaces "
               "taken as on the GPU) + %.2f GiB of CUDA context\n", gib(estimate_overheads(step_memory{}).context));
-  std::printf("# step s: the step-time model (plan/step_time.hpp), nothing overlapped: GEMMs at %.0f TFLOP/s, causal "
-              "attention at %.0f, all-to-all inside a node at %.0f GB/s, %.0f Gb/s per GPU across nodes, host copies "
-              "at %.0f GB/s\n",
-              r.rates.gemm_tflops, r.rates.attention_tflops, r.rates.nvlink_gbytes, r.rates.network_gbits,
-              r.rates.pcie_gbytes);
+  std::printf("# step s: the step-time model (plan/step_time.hpp; rates measured, plan/step_rates.hpp): GEMMs at %.0f "
+              "TFLOP/s, causal attention at %.0f, the rest %.0f ns a token and layer, all-to-all inside a node at %.0f "
+              "GB/s, %.0f Gb/s per GPU across nodes, host copies at %.0f GB/s (not overlapped), the host's AdamW at "
+              "%.0f GB/s of state (the offload's overlap %s)\n",
+              r.rates.gemm_tflops, r.rates.attention_tflops, r.rates.elementwise_ns, r.rates.nvlink_gbytes,
+              r.rates.network_gbits, r.rates.pcie_gbytes, r.rates.host_adamw_gbytes, r.offload_overlap ? "on" : "off");
   for (const std::string& why : skipped) std::printf("# left out: %s\n", why.c_str());
   std::fflush(stdout);
   r.progress = [start](const std::string& stage, int done, int total) {
@@ -759,6 +772,12 @@ command_runner add_plan(CLI::App& app) {
   app.add_option("--network-gbits", f->rates.network_gbits, "step-time model: bandwidth per GPU across nodes, Gb/s")
       ->capture_default_str();
   app.add_option("--pcie-gbytes", f->rates.pcie_gbytes, "step-time model: host <-> device copies, GB/s each way")
+      ->capture_default_str();
+  app.add_option("--host-adamw-gbytes", f->rates.host_adamw_gbytes,
+                 "step-time model: the host's AdamW over its cores, GB/s of state read and written")
+      ->capture_default_str();
+  app.add_option("--elementwise-ns", f->rates.elementwise_ns,
+                 "step-time model: the memory-bound rest of a layer, ns per token and layer")
       ->capture_default_str();
   return [f, gpus, nodes] {
     f->gpus_given = gpus->count() > 0;

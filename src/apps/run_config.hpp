@@ -53,13 +53,15 @@ struct run_config {
   std::int64_t save_every = 0, keep_last = 0;
   bool keep_best = false, overwrite = false;
   // [system]
-  std::string backend = "cpu", offload = "none", checkpoint_policy = "auto", attention_dtype = "bf16";
+  std::string backend = "cpu", offload = "none", offload_overlap = "on", checkpoint_policy = "auto",
+              attention_dtype = "bf16";
   std::int64_t mlp_tile = 0, loss_chunk = 0;
   double memory_gib = 8, host_memory_gib = 0;
   std::string moe_gemm = "grouped";
   double moe_capacity_factor = 0;
   // [metrics]
   std::string metrics_json;
+  bool phases = false;
 };
 
 // Which commands take an option.

@@ -226,22 +226,22 @@ std::vector<option_row> make_rows() {
       {"--weight-decay", "optimizer.weight_decay", UPIPE_FIELD(weight_decay), range(0, HUGE_VAL, "0.1"),
        "AdamW weight decay on matrices", for_train, r::changes},
       {"--max-grad-norm", "optimizer.max_grad_norm", UPIPE_FIELD(max_grad_norm), range(0, HUGE_VAL, "1.0"),
-       "global-norm clipping (0: off)", for_train, r::changes},
+       "global-norm clipping (0: off)", for_train | for_bench, r::changes},
       {"--seed", "optimizer.seed", UPIPE_FIELD(seed), text(), "seed of the initialization and the data",
        model_commands & ~for_plan, r::kept},
       {"--optimizer-state", "optimizer.state", UPIPE_FIELD(optimizer_state), words("fp32, bf16, 8bit", "bf16"),
        "AdamW's moments: fp32, bf16 (round to nearest even), or 8bit (block-wise quantized, 256 a block with an f32 "
        "absmax each, bitsandbytes' AdamW8bit); a resume in another format needs --convert-optimizer-state",
-       for_train, r::changes},
+       for_train | for_bench, r::changes},
       {"--master-weights", "optimizer.master_weights", UPIPE_FIELD(master_weights),
        words("fp32, bf16-kahan", "bf16-kahan"),
        "fp32, or bf16-kahan: the bf16 weights are the master, a bf16 compensation keeps what rounding lost (4 bytes a "
        "parameter instead of 6 on the GPU)",
-       for_train, r::changes},
+       for_train | for_bench, r::changes},
       {"--grad-dtype", "optimizer.grad_dtype", UPIPE_FIELD(grad_dtype), words("fp32, bf16", "bf16"),
        "the gradient shards kept for the norm or a later micro-batch: fp32 or bf16 (none are kept without clipping "
        "at --batch 1)",
-       for_train, r::changes},
+       for_train | for_bench, r::changes},
       {"--convert-optimizer-state", "optimizer.convert_state", UPIPE_FIELD(convert_optimizer_state), text(),
        "--resume from a checkpoint of another state format: decode it to fp32 and encode it in this run's (else "
        "refused)",
@@ -277,8 +277,12 @@ std::vector<option_row> make_rows() {
        "arena per rank (cpu or GPU memory), GiB", run_commands, r::changes},
       {"--host-memory-gib", "system.host_memory_gib", UPIPE_FIELD(host_memory_gib),
        range(0, limits::max_memory_gib, "16"), host_memory_gib_help, for_train | for_step | for_bench, r::changes},
-      {"--offload", "system.offload", UPIPE_FIELD(offload), parsed(offload_rule, "optimizer"), offload_help, for_train,
-       r::changes},  // plan's adds auto
+      {"--offload", "system.offload", UPIPE_FIELD(offload), parsed(offload_rule, "optimizer"), offload_help,
+       for_train | for_bench, r::changes},  // plan's adds auto
+      {"--offload-overlap", "system.offload_overlap", UPIPE_FIELD(offload_overlap), words("on, off", "off"),
+       "with --offload: on, each unit's update goes on beside the next step's forward, which waits for that unit's "
+       "alone; off, a step's update is done within the step (the step without overlap, to measure against)",
+       for_train | for_bench | for_plan, r::changes},
       {"--checkpoint-policy", "system.checkpoint_policy", UPIPE_FIELD(checkpoint_policy), parsed(policy_rule, "auto"),
        "auto (the planner's fastest that fits --memory-gib and --host-memory-gib) or "
        "what=input|input+attention,every=K,where=device|host-pinned|host-pageable",
@@ -303,6 +307,11 @@ std::vector<option_row> make_rows() {
       {"--metrics-json", "metrics.json", UPIPE_FIELD(metrics_json), parsed(output_file_rule, "metrics.jsonl"),
        "one JSON object per step (with its time), then a final one; appended to on --resume", for_train, r::changes,
        true},
+      {"--phases", "metrics.phases", UPIPE_FIELD(phases), text(),
+       "time each step by phase (the GPU's forward, loss, backward and update, its waits on the host and on copies, "
+       "the copies each way, the host's AdamW) and print the table; each stage's time on stderr as it ends; in "
+       "--metrics-json too",
+       for_train, r::changes, false, true},
   };
 }
 

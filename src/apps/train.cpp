@@ -23,6 +23,7 @@
 #include "apps/cp_flags.hpp"
 #include "apps/comm_flags.hpp"
 #include "apps/model_flags.hpp"
+#include "apps/phase_table.hpp"
 #include "apps/policy_flags.hpp"
 #include "apps/run_config.hpp"
 #include "apps/sizes.hpp"
@@ -339,6 +340,8 @@ train_options to_options(run_options& opts, bool fine_tune) {
   o.offload_optimizer = offload.optimizer;
   o.offload_params = offload.params;
   o.offload_master = offload.master;
+  o.offload_overlap = f.offload_overlap == "on";
+  o.phases = f.phases;
   o.state_format = {parse_moments(f.optimizer_state), parse_master(f.master_weights)};
   o.grad_type = parse_grad_dtype(f.grad_dtype);
   o.convert_state = f.convert_optimizer_state;
@@ -402,10 +405,12 @@ nlohmann::json record_json(const train_options& o, const step_record& r) {
                       {"loss", r.skipped ? nlohmann::json(nullptr) : nlohmann::json(r.loss)}, {"lr", r.lr},
                       {"grad_norm", r.grad_norm}, {"model_tflops_per_s", r.model_flops / std::max(r.seconds, 1e-9) / 1e12},
                       {"eval_loss", r.eval_loss ? nlohmann::json(*r.eval_loss) : nlohmann::json(nullptr)},
-                      {"tokens_per_s", r.tokens_per_s}, {"targets", r.targets}, {"empty_sequences", r.empty_sequences},
+                      {"tokens_per_s", r.tokens_per_s}, {"seconds", r.seconds}, {"targets", r.targets},
+                      {"empty_sequences", r.empty_sequences},
                       {"skipped", r.skipped}, {"peak_bytes", r.peak_bytes}};
   if (!r.eval_losses.empty()) j["eval_losses"] = r.eval_losses;
   if (!r.past_end.empty()) j["past_end_of_data"] = r.past_end;  // once: the data repeats from here
+  if (!r.phases.empty()) j["phases"] = step_phases_json(r.phases);
   if (r.aux_on) {  // both terms of a mixture of experts' loss
     j["lm_loss"] = r.lm_loss;
     j["aux_loss"] = r.aux_loss;
@@ -609,10 +614,18 @@ int run(train_command& command) {
   stop_requested.store(0);
   o.stop_signal = &stop_requested;
   train_summary s;
+  // The step-time model's prediction for this run, beside each measured step (--phases) and
+  // in the metrics' final record.
+  const step_time model = model_step_time(o);
   {
     const stop_handlers handlers;
     s = train(o, [&](const step_record& r) {
       bar(r);
+      if (!r.phases.empty()) {
+        std::printf("# phases of step %lld:\n", static_cast<long long>(r.step));
+        print_step_phases(r.phases, model);
+        std::fflush(stdout);
+      }
       if (!metrics.is_open()) return;
       nlohmann::json line = record_json(o, r);
       line["time"] = utc_now();
@@ -628,6 +641,8 @@ int run(train_command& command) {
                                   {"time", utc_now()}, {"run_id", s.run_id}};
     last_record["loss"] = s.steps.empty() ? nlohmann::json(nullptr) : nlohmann::json(s.steps.back().loss);
     last_record["retrieval_accuracy"] = s.retrieval_accuracy ? nlohmann::json(*s.retrieval_accuracy) : nlohmann::json(nullptr);
+    last_record["step_seconds_model"] = step_time_json(model);
+    last_record["step_rates"] = rates_json(throughput_rates{});
     if (s.stopped_by_signal) last_record["stopped_by_signal"] = s.stopped_by_signal;
     metrics << last_record.dump() << "\n";
     if (!metrics) throw io_error("writing --metrics-json " + f.metrics_json + " failed");

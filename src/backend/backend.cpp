@@ -33,11 +33,18 @@ backend::~backend() = default;
 void backend::set_phase_timing(bool on) {
   phase_timing_ = on && has_data();
   phase_stack_.clear();
-  phase_of_mark_.clear();
+  owner_of_mark_.clear();
   host_marks_.clear();
+  side_copies_.clear();
+  side_host_marks_.clear();
+  stage_ = nullptr;
   if (!phase_timing_) return;
-  record_mark(0);
-  phase_of_mark_.emplace_back("other");
+  mark_now();
+}
+
+void backend::mark_now() {
+  record_mark(owner_of_mark_.size());
+  owner_of_mark_.push_back({phase_stack_.empty() ? "other" : phase_stack_.back(), stage_});
 }
 
 void backend::change_phase(const char* name, bool push) {
@@ -46,22 +53,47 @@ void backend::change_phase(const char* name, bool push) {
   } else if (!phase_stack_.empty()) {
     phase_stack_.pop_back();
   }
-  record_mark(phase_of_mark_.size());
-  phase_of_mark_.emplace_back(phase_stack_.empty() ? "other" : phase_stack_.back());
+  mark_now();
 }
 
-std::map<std::string, double> backend::take_phase_ms() {
-  std::map<std::string, double> out;
+void backend::set_stage(const char* name) {
+  if (!phase_timing_) return;
+  const char* ended = stage_;
+  stage_ = name;
+  mark_now();
+  if (stage_listener_ && ended != nullptr) stage_listener_(ended);
+}
+
+bool backend::is_stage_phase(std::string_view phase) {
+  for (const char* p : {"wait_host", "wait_copy", "copy_out", "copy_in", "adamw", "grad_norm"})
+    if (phase == p) return true;
+  return false;
+}
+
+backend::phase_times backend::take_phases() {
+  phase_times out;
   if (!phase_timing_) return out;
-  record_mark(phase_of_mark_.size());  // closes the last phase
+  record_mark(owner_of_mark_.size());  // closes the last interval
   synchronize();
-  for (std::size_t i = 0; i + 1 <= phase_of_mark_.size(); ++i)
-    out[phase_of_mark_[i]] += mark_interval_ms(i, i + 1);
-  phase_of_mark_.clear();
+  for (std::size_t i = 0; i < owner_of_mark_.size(); ++i) {
+    const double ms = mark_interval_ms(i, i + 1);
+    const mark_owner& o = owner_of_mark_[i];
+    out.phases_ms[o.phase] += ms;
+    out.stages_ms[is_stage_phase(o.phase) ? o.phase : std::string(o.stage != nullptr ? o.stage : "other")] += ms;
+    out.span_ms += ms;
+  }
+  for (std::size_t i = 0; i < side_copies_.size(); ++i) {
+    side_copy_time& t = out.side_copies[side_copies_[i].what];
+    t.ms += side_copy_ms(i);
+    t.bytes += static_cast<double>(side_copies_[i].bytes);
+    ++t.count;
+  }
+  owner_of_mark_.clear();
   host_marks_.clear();
-  // The open scopes go on from here: their phase owns the time until the next change.
-  record_mark(0);
-  phase_of_mark_.emplace_back(phase_stack_.empty() ? "other" : phase_stack_.back());
+  side_copies_.clear();
+  side_host_marks_.clear();
+  // The open scopes and the stage go on from here: they own the time until the next change.
+  mark_now();
   return out;
 }
 
@@ -72,6 +104,38 @@ void backend::record_mark(std::size_t index) {
 
 double backend::mark_interval_ms(std::size_t from, std::size_t to) {
   return std::chrono::duration<double, std::milli>(host_marks_[to] - host_marks_[from]).count();
+}
+
+void backend::copy_bytes_side(void* dst, const void* src, std::size_t bytes, const char* what) {
+  if (!phase_timing_ || bytes == 0 || dst == src) return side_copy(dst, src, bytes, no_side_mark);
+  side_copies_.push_back({what, bytes});
+  side_copy(dst, src, bytes, side_copies_.size() - 1);
+}
+
+void backend::side_copy(void* dst, const void* src, std::size_t bytes, std::size_t timed) {
+  record_side_copy_mark(timed, false);
+  copy_bytes(dst, src, bytes);
+  record_side_copy_mark(timed, true);
+}
+
+void backend::record_side_copy_mark(std::size_t timed, bool end) {
+  if (timed == no_side_mark) return;
+  if (side_host_marks_.size() < 2 * timed + 2) side_host_marks_.resize(2 * timed + 2);
+  side_host_marks_[2 * timed + (end ? 1 : 0)] = std::chrono::steady_clock::now();
+}
+
+double backend::side_copy_ms(std::size_t timed) {
+  return std::chrono::duration<double, std::milli>(side_host_marks_[2 * timed + 1] - side_host_marks_[2 * timed]).count();
+}
+
+void backend::join_side_copies() {
+  const phase_scope wait(*this, "wait_copy");
+  join_all_side_copies();
+}
+
+void backend::join_side_point(std::uint64_t point) {
+  const phase_scope wait(*this, "wait_copy");
+  join_one_side_point(point);
 }
 
 std::string backend::breakdown() const {

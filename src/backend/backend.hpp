@@ -85,15 +85,17 @@ class backend {
   // A copy beside the compute: it starts once the work issued so far is done and runs
   // while later work computes (on a GPU, on a copy stream). Neither buffer may be
   // written, nor src freed, before join_side_copies(). The defaults copy in order.
-  virtual void copy_bytes_side(void* dst, const void* src, std::size_t bytes) { copy_bytes(dst, src, bytes); }
-  // Work issued after this call waits for every side copy issued before it.
-  virtual void join_side_copies() {}
+  // `what` names it in the phase timing's table of side copies ("weights_in", ...).
+  void copy_bytes_side(void* dst, const void* src, std::size_t bytes, const char* what = "side_copy");
+  // Work issued after this call waits for every side copy issued before it. Under phase
+  // timing the time the step's stream waits there is the phase "wait_copy".
+  void join_side_copies();
   // A point in the side copies: side_point() stands for those issued so far, and
   // join_side_point() makes the work issued after it wait for those alone, not for side
   // copies issued since (a weights prefetch joined without waiting for a checkpoint's
   // offload that started after it). Each point is joined once. The defaults join all.
   virtual std::uint64_t side_point() { return 0; }
-  virtual void join_side_point(std::uint64_t /*point*/) { join_side_copies(); }
+  void join_side_point(std::uint64_t point);
   // Runs fn on a host thread once the work issued so far is done, without the caller
   // waiting: on a GPU from the CUDA runtime's callback thread, in the order of the step's
   // stream (fn must be short and must not call the backend). Where work is done as it is
@@ -130,7 +132,34 @@ class backend {
     if (phase_timing_) change_phase(nullptr, false);
     close_range();
   }
-  std::map<std::string, double> take_phase_ms();
+  // The step's stage ("forward", "loss", "backward", "update"; nullptr: none, "other"):
+  // under phase timing each interval also belongs to the stage in force when it began. A
+  // no-op while timing is off.
+  void set_stage(const char* name);
+  // Phases that own their intervals in the stage table too (stage_phase_names): the step's
+  // stream waiting on the host's work (wait_host) or on side copies (wait_copy), copies
+  // between host and device on the step's stream (copy_out, copy_in), the device's AdamW
+  // (adamw) and the gradient norm's sums (grad_norm).
+  static bool is_stage_phase(std::string_view phase);
+  struct side_copy_time {
+    double ms = 0, bytes = 0;  // on the copy stream, beside the compute
+    int count = 0;
+  };
+  // What take_phases() measured since timing began or the last take: the step's stream cut
+  // into intervals between marks, summed by innermost phase and by stage (both sum to
+  // span_ms, the stream's time from the first mark to the last), and the side copies by
+  // what they move. Synchronizes.
+  struct phase_times {
+    std::map<std::string, double> phases_ms, stages_ms;
+    std::map<std::string, side_copy_time> side_copies;
+    double span_ms = 0;
+  };
+  phase_times take_phases();
+  std::map<std::string, double> take_phase_ms() { return take_phases().phases_ms; }
+  // Called by set_stage() on a change of stage while timing is on (train --phases prints
+  // each stage's time as it ends); nullptr: none.
+  void set_stage_listener(std::function<void(const char* ended)> listener) { stage_listener_ = std::move(listener); }
+  bool phase_timing() const { return phase_timing_; }
 
   // The GEMM FLOPs issued so far (2 m n k each, on every backend, meta included), and those
   // of the GEMMs whose left operand is transposed: dY^T X, the form of every weight
@@ -168,6 +197,18 @@ class backend {
   // right where ops run synchronously on the host (cpu).
   virtual void record_mark(std::size_t index);
   virtual double mark_interval_ms(std::size_t from, std::size_t to);
+  // The side copies themselves (copy_bytes_side's and the joins' work): `timed` is the
+  // index of the copy's pair of side marks under phase timing (side_marks_from(timed),
+  // recorded on the copy's own stream right around it), or no_side_mark. The defaults copy
+  // in order and join nothing.
+  static constexpr std::size_t no_side_mark = static_cast<std::size_t>(-1);
+  virtual void side_copy(void* dst, const void* src, std::size_t bytes, std::size_t timed);
+  virtual void join_all_side_copies() {}
+  virtual void join_one_side_point(std::uint64_t /*point*/) { join_all_side_copies(); }
+  // Side copy `timed`'s duration once synchronize() returned; the default reads the host
+  // clocks record_side_copy_marks() kept.
+  virtual double side_copy_ms(std::size_t timed);
+  void record_side_copy_mark(std::size_t timed, bool end);
   // A phase's range for a profiler's timeline (Nsight Systems), opened and closed on the
   // host as the phase's work is issued; none by default.
   virtual void open_range(const char* /*name*/) {}
@@ -189,10 +230,23 @@ class backend {
   gemm_flops gemm_count_;
   std::uint64_t host_syncs_ = 0;
   std::vector<const char*> phase_stack_;
-  std::vector<std::string> phase_of_mark_;  // the phase that starts at mark i
+  const char* stage_ = nullptr;
+  struct mark_owner {
+    std::string phase;
+    const char* stage = nullptr;
+  };
+  std::vector<mark_owner> owner_of_mark_;  // the phase and stage that start at mark i
   std::vector<std::chrono::steady_clock::time_point> host_marks_;
+  struct timed_side_copy {
+    const char* what;
+    std::size_t bytes;
+  };
+  std::vector<timed_side_copy> side_copies_;  // since the last take
+  std::vector<std::chrono::steady_clock::time_point> side_host_marks_;  // two a copy
+  std::function<void(const char*)> stage_listener_;
 
   void change_phase(const char* name, bool push);
+  void mark_now();  // a mark owned by the current phase and stage from here
 };
 
 // Brackets one phase of work for the backend's phase timing (a no-op while it is off).

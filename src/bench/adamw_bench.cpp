@@ -24,17 +24,19 @@ void fill(float* x, std::int64_t n, float scale, std::uint64_t seed) {
 
 }  // namespace
 
-std::size_t host_adamw_bench::host_bytes(std::int64_t params, dtype work, adamw_state_format format) {
+std::size_t host_adamw_bench::host_bytes(std::int64_t params, dtype work, adamw_state_format format,
+                                         adamw_part part) {
   const double moments = format.moments == moment_format::f32 ? 8 : format.moments == moment_format::bf16 ? 4
                                                                                                           : 2 + 8.0 / q8_block;
   const double master = 4;  // f32, or bf16 with its bf16 compensation
-  return static_cast<std::size_t>(static_cast<double>(params) * (sizeof(float) + moments + master +
+  const double steps = part == adamw_part::master ? 4 : 0;  // the f32 steps of the master's half
+  return static_cast<std::size_t>(static_cast<double>(params) * (sizeof(float) + moments + master + steps +
                                                                  static_cast<double>(dtype_size(work))));
 }
 
 host_adamw_bench::host_adamw_bench(backend& be, std::int64_t params, int tensors, int threads,
-                                   adamw_state_format format)
-    : be_(be), params_(params) {
+                                   adamw_state_format format, adamw_part part)
+    : be_(be), params_(params), part_(part) {
   if (params < 1 || tensors < 1 || tensors > params || threads < 0)
     throw config_error("bench-adamw: --params " + std::to_string(params) + ", --tensors " + std::to_string(tensors) +
                        " and --threads " + std::to_string(threads) +
@@ -71,6 +73,11 @@ host_adamw_bench::host_adamw_bench(backend& be, std::int64_t params, int tensors
     s.weights = aliased ? nullptr : buffer(be.work_dtype(), n, "working_copy");
     s.weights_type = be.work_dtype();
     s.runs = {{n, true}};
+    if (part == adamw_part::master) {  // steps of an update's size, as the moments' half writes them
+      auto* steps = static_cast<float*>(buffer(dtype::f32, n, "direction"));
+      fill(steps, n, 1e-2f, 1000 + static_cast<std::uint64_t>(t));
+      s.direction = steps;
+    }
     std::vector<float> values(static_cast<std::size_t>(n));
     fill(values.data(), n, 0.02f, 2 * static_cast<std::uint64_t>(t));
     if (kahan)
@@ -90,6 +97,7 @@ double host_adamw_bench::step(bool working_copy) {
   update.lr = 1e-4;
   host_work work;
   work.adamw = update;
+  work.part = part_;
   const auto start = std::chrono::steady_clock::now();
   host_batch batch(*pool_);
   for (host_shard s : shards_) {

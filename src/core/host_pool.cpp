@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <exception>
+#include <utility>
 
 namespace upipe {
 
@@ -92,6 +93,50 @@ void host_batch::wait() {
     error_ = nullptr;
     std::rethrow_exception(error);
   }
+}
+
+void host_work_log::add(const char* kind, clock::time_point start, clock::time_point end) {
+  std::lock_guard lock(mutex_);
+  pieces_.push_back({kind, start, end});
+}
+
+namespace {
+
+// The length of the union of intervals, in ms (sorts them).
+template <class Piece>
+double union_ms(std::vector<Piece>& pieces) {
+  std::sort(pieces.begin(), pieces.end(), [](const Piece& a, const Piece& b) { return a.start < b.start; });
+  double ms = 0;
+  auto begin = pieces.empty() ? host_work_log::clock::time_point{} : pieces.front().start, end = begin;
+  for (const Piece& p : pieces) {
+    if (p.start > end) {
+      ms += std::chrono::duration<double, std::milli>(end - begin).count();
+      begin = p.start;
+    }
+    end = std::max(end, p.end);
+  }
+  return ms + std::chrono::duration<double, std::milli>(end - begin).count();
+}
+
+}  // namespace
+
+std::map<std::string, host_work_log::times> host_work_log::take() {
+  std::vector<piece> all;
+  {
+    std::lock_guard lock(mutex_);
+    all.swap(pieces_);
+  }
+  std::map<std::string, std::vector<piece>> by_kind;
+  for (const piece& p : all) by_kind[p.kind].push_back(p);
+  if (!all.empty()) by_kind["host"] = all;
+  std::map<std::string, times> out;
+  for (auto& [kind, pieces] : by_kind) {
+    times& t = out[kind];
+    t.pieces = static_cast<int>(pieces.size());
+    for (const piece& p : pieces) t.cpu_ms += std::chrono::duration<double, std::milli>(p.end - p.start).count();
+    t.busy_ms = union_ms(pieces);
+  }
+  return out;
 }
 
 }  // namespace upipe

@@ -4,12 +4,15 @@
 // order given and never wait on one another.
 #pragma once
 
+#include <chrono>
 #include <condition_variable>
 #include <cstddef>
 #include <deque>
 #include <exception>
 #include <functional>
+#include <map>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -61,6 +64,30 @@ class host_batch {
   std::condition_variable finished_;
   std::size_t pending_ = 0;
   std::exception_ptr error_;
+};
+
+// The host's work timed for a step's phase table (the offloaded optimizer's pieces): each
+// piece's start and end on the steady clock, by kind. Pieces run on many threads at once:
+// a kind's busy time is the union of its pieces' intervals (the wall time the host spent
+// on it), its cpu time their sum.
+class host_work_log {
+ public:
+  using clock = std::chrono::steady_clock;
+  void add(const char* kind, clock::time_point start, clock::time_point end);
+  struct times {
+    double busy_ms = 0, cpu_ms = 0;
+    int pieces = 0;
+  };
+  // The pieces that ended since the last take, by kind, and all kinds together ("host").
+  std::map<std::string, times> take();
+
+ private:
+  struct piece {
+    const char* kind;
+    clock::time_point start, end;
+  };
+  std::mutex mutex_;
+  std::vector<piece> pieces_;
 };
 
 }  // namespace upipe

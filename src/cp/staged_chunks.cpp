@@ -41,7 +41,7 @@ namespace {
 
 // A side copy between device and host memory, on a backend with data.
 void copy_side(backend& be, const tensor& dst, const tensor& src) {
-  if (be.has_data()) be.copy_bytes_side(dst.data(), src.data(), src.bytes());
+  if (be.has_data()) be.copy_bytes_side(dst.data(), src.data(), src.bytes(), "chunks_kv");
 }
 
 tensor to_host(backend& be, const tensor& src, const char* label) {
@@ -128,16 +128,16 @@ void staged_all_to_all::fetch_part(const std::vector<host_block>& resident, cons
   if (!be_.has_data()) return;
   for (std::size_t n = 0; n < step.used_blocks.size(); ++n) {
     const host_block& h = resident[step.used_blocks[n]];
-    be_.copy_bytes_side(set.k[n].data(), h.k[j].data(), h.k[j].bytes());
-    be_.copy_bytes_side(set.v[n].data(), h.v[j].data(), h.v[j].bytes());
+    be_.copy_bytes_side(set.k[n].data(), h.k[j].data(), h.k[j].bytes(), "chunks_kv");
+    be_.copy_bytes_side(set.v[n].data(), h.v[j].data(), h.v[j].bytes(), "chunks_kv");
     if (set.dk.empty()) continue;
     const std::size_t grad_bytes = static_cast<std::size_t>(h.k[j].numel()) * sizeof(float);
     if (h.dk[j].empty()) {
       be_.fill_bytes(set.dk[n].data(), 0, grad_bytes);
       be_.fill_bytes(set.dv[n].data(), 0, grad_bytes);
     } else {
-      be_.copy_bytes_side(set.dk[n].data(), h.dk[j].data(), grad_bytes);
-      be_.copy_bytes_side(set.dv[n].data(), h.dv[j].data(), grad_bytes);
+      be_.copy_bytes_side(set.dk[n].data(), h.dk[j].data(), grad_bytes, "chunks_kv");
+      be_.copy_bytes_side(set.dv[n].data(), h.dv[j].data(), grad_bytes, "chunks_kv");
     }
   }
 }
@@ -325,8 +325,8 @@ void staged_all_to_all::backward_chunk(int t, std::size_t i, std::vector<host_bl
           h.dv[j] = be_.allocate(mem_tag::attention_host, dtype::f32, h.k[j].dims(), "attn_dv_host");
         }
         if (be_.has_data()) {
-          be_.copy_bytes_side(h.dk[j].data(), cur.dk[n].data(), h.dk[j].bytes());  // part j's rows
-          be_.copy_bytes_side(h.dv[j].data(), cur.dv[n].data(), h.dv[j].bytes());
+          be_.copy_bytes_side(h.dk[j].data(), cur.dk[n].data(), h.dk[j].bytes(), "chunks_kv");  // part j's rows
+          be_.copy_bytes_side(h.dv[j].data(), cur.dv[n].data(), h.dv[j].bytes(), "chunks_kv");
         }
       }
     }

@@ -70,7 +70,7 @@ void checkpoint_store::start_offload(int layer, item which, const tensor& t) {
   const std::size_t i = index(layer, which);
   UPIPE_CHECK(items_[i].empty(), "checkpoint of layer " + std::to_string(layer) + " saved twice");
   items_[i] = be_.allocate(mem_tag::checkpoints_host, t.type(), t.dims(), "checkpoint");
-  if (be_.has_data()) be_.copy_bytes_side(items_[i].data(), t.data(), t.bytes());
+  if (be_.has_data()) be_.copy_bytes_side(items_[i].data(), t.data(), t.bytes(), "checkpoint_out");
   offloading_[i] = true;
 }
 
@@ -95,7 +95,7 @@ void checkpoint_store::prefetch(int layer, item which, mem_tag device_tag) {
   UPIPE_CHECK(!stored.empty(), "no checkpoint for layer " + std::to_string(layer) + " to prefetch");
   if (!prefetched_[i].empty()) return;
   prefetched_[i] = be_.allocate(device_tag, stored.type(), stored.dims(), "restored");
-  if (be_.has_data()) be_.copy_bytes_side(prefetched_[i].data(), stored.data(), stored.bytes());
+  if (be_.has_data()) be_.copy_bytes_side(prefetched_[i].data(), stored.data(), stored.bytes(), "checkpoint_in");
 }
 
 tensor checkpoint_store::take(int layer, item which, mem_tag device_tag) {

@@ -189,10 +189,21 @@ parameter_store::unit& parameter_store::at(int u) const {
 }
 
 void parameter_store::acquire(int index) {
+  // One unit ahead: its update's host half runs while this one computes.
+  if (!pending_updates_.empty()) issue_updates_through(update_bound(index, 1));
   for (unit* u : with_companion(index)) {
     if (offload_.master_on_host()) acquire_offloaded(*u);
     else gather_on_first_acquire(*u);
   }
+}
+
+// The last unit whose pending update must be issued before unit `index` (and `ahead` more)
+// is used: a sparse layer's experts live in a unit numbered after the layers and the head,
+// so their update, and those queued before it, go with the layer's.
+int parameter_store::update_bound(int index, int ahead) const {
+  const int bound = std::min(index + ahead, unit_count() - 1);
+  const int companion = at(index).companion;
+  return companion < 0 ? bound : std::max(bound, companion);
 }
 
 std::vector<parameter_store::unit*> parameter_store::with_companion(int index) const {
@@ -212,6 +223,7 @@ void parameter_store::gather_on_first_acquire(unit& u) {
 }
 
 void parameter_store::prefetch(int index) {
+  if (!pending_updates_.empty()) issue_updates_through(update_bound(index, 0));
   for (unit* up : with_companion(index)) {
     unit& u = *up;
     if (offload_.master_on_host()) {
@@ -252,6 +264,7 @@ void parameter_store::open_grads(int index) {
 // (streamed), and free the full copy.
 void parameter_store::close_grads(int index) {
   if (stage_ == zero_stage::replicated || role_ == weight_role::frozen) return;
+  issue_all_updates();  // the last step's update reads the kept shard this overwrites
   const int companion = at(index).companion;
   for (const int i : {index, companion}) {
     if (i < 0) continue;
@@ -340,7 +353,7 @@ host_weights parameter_store::split(const unit& u, const std::vector<float>& fla
 }
 
 void parameter_store::load(const weight_source& source) {
-  wait_all_host();
+  wait_all_host();  // the pending updates issued too
   for (auto& up : units_) up->stale = false;
   if (!be_.has_data()) return;
   for (auto& up : units_) {
@@ -395,6 +408,8 @@ host_weights parameter_store::local_grads() {
 // The fp64 partial sums are added exactly, in rank order, on every rank.
 double parameter_store::grad_norm() {
   UPIPE_CHECK(stage_ != zero_stage::replicated, "grad_norm needs sharded gradients");
+  issue_all_updates();
+  const phase_scope phase(be_, "grad_norm");
   double local = 0;
   if (offload_.moments_on_host()) {
     local = offloaded_grad_norm();
@@ -418,30 +433,49 @@ void parameter_store::share_weight_slice(unit& u) {
 void parameter_store::adamw_step(const adamw_config& config, std::int64_t step, double lr, double grad_scale) {
   UPIPE_CHECK(stage_ != zero_stage::replicated, "the optimizer needs sharded state");
   if (offload_.moments_on_host()) return offloaded_adamw_step(config, step, lr, grad_scale);
+  issue_all_updates();
   const host_adamw update{config, step, lr, grad_scale};
-  for (auto& up : units_) {
-    unit& u = *up;
+  // The master alone on the host, overlapped: each unit's update is issued as the next
+  // forward reaches it (issue_updates_through), in forward order.
+  const bool defer = offload_.master_on_host() && offload_.overlap;
+  for (int index = 0; index < unit_count(); ++index) {
+    unit& u = *units_[static_cast<std::size_t>(index)];
     if (u.numel == 0) continue;  // a unit with no parameters (LoRA's embedding and head units)
     UPIPE_CHECK(u.reduced, "adamw_step before every unit's gradients were closed");
     if (u.updated) {  // streamed: updated as its gradients arrived
       UPIPE_CHECK(announced_ && announced_->step == step && announced_->lr == lr && grad_scale == 1.0,
                   "an early update ran with another step, learning rate or scale than adamw_step's");
+    } else if (defer) {
+      pending_updates_.push_back(index);
     } else {
       update_on_device(u, u.grad_shard.matrix(), update);
     }
     u.updated = false;
     if (offload_.master_on_host()) u.stale = true;  // the host writes the working copy
   }
+  pending_update_ = update;
   announced_.reset();
   if (stage_ == zero_stage::two && !offload_.master_on_host())
     for (auto& up : units_) share_weight_slice(*up);
+  if (offload_.master_on_host() && !offload_.overlap) finish_host_work();  // the step without overlap
+}
+
+void parameter_store::issue_updates_through(int index) {
+  while (!pending_updates_.empty() && pending_updates_.front() <= index) {
+    unit& u = *units_[static_cast<std::size_t>(pending_updates_.front())];
+    pending_updates_.pop_front();
+    update_on_device(u, u.grad_shard.matrix(), pending_update_);
+  }
 }
 
 void parameter_store::zero_grads() {
-  for (auto& up : units_) {
+  for (int index = 0; index < unit_count(); ++index) {
+    const auto& up = units_[static_cast<std::size_t>(index)];
     up->reduced = false;
-    // Offloaded: the first micro-batch's gradients overwrite the host shard (close_grads).
+    // Offloaded: the first micro-batch's gradients overwrite the host shard (close_grads);
+    // so do they a kept device shard that the last step's pending update still reads.
     if (offload_.moments_on_host()) continue;
+    if (std::find(pending_updates_.begin(), pending_updates_.end(), index) != pending_updates_.end()) continue;
     tensor& g = stage_ == zero_stage::replicated ? up->grads : up->grad_shard;
     if (be_.has_data() && !g.empty()) be_.fill_bytes(g.data(), 0, g.bytes());
   }

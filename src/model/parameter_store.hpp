@@ -30,12 +30,16 @@
 // master's half runs (parameter_store_state.cpp). With the parameters offloaded too, the
 // working-dtype weights live in host memory (tag weights_host): each unit comes to the
 // device (ZeRO-3: its shard, then gathered) on the copy stream ahead of its use and leaves
-// it when released.
+// it when released. Overlapped (offload_options::overlap, the default), a step's update
+// goes on beside the next step's forward, which waits for each unit's own (with the master
+// alone on the host even the device's half of a unit's update is issued only when the
+// next forward reaches the unit); off, adamw_step() returns with the update done.
 #pragma once
 
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <map>
 #include <optional>
 #include <string>
 #include <utility>
@@ -71,6 +75,11 @@ struct offload_options {
   bool optimizer = false;  // master weights, AdamW's moments, gradient shards; AdamW on the host
   bool params = false;     // the working-dtype weights too (with the master)
   bool master = false;     // the master weights alone (the moments and gradients stay on the device)
+  // The update beside the next step's work (docs/design.md section 5): each unit's update
+  // goes on while the next forward runs, which waits for that unit's alone; a weight copy
+  // starts once its update is done, never holding up the issue of the compute. Off: the
+  // step's update is done when adamw_step() returns (the step without overlap).
+  bool overlap = true;
   bool master_on_host() const { return optimizer || master; }
   bool moments_on_host() const { return optimizer; }
 };
@@ -210,7 +219,7 @@ class parameter_store {
   std::int64_t unit_shard(int u) const;
   // One state tensor of this rank's shard as stored (codes and bf16 values as floats; the
   // absmax by block); offloaded: after the host's update.
-  std::vector<float> shard_values(int u, shard_state which) const;
+  std::vector<float> shard_values(int u, shard_state which);
   std::vector<std::pair<std::string, std::int64_t>> unit_parameters(int u) const;
   // Loads the optimizer state and the weights from a saved state of any rank count:
   // read(unit, which, begin, count, out) gives elements [begin, begin + count) of the
@@ -240,9 +249,17 @@ class parameter_store {
   // is. adamw_step() must follow with the same step and lr.
   void announce_update(const adamw_config& config, std::int64_t step, double lr);
   // Offloaded: AdamW runs on the host after adamw_step() returns, each unit's weights
-  // going back when the device next asks for them; this waits until the host is done
+  // going back when the device next asks for them (with the master alone on the host and
+  // the overlap on, even the device's half of a unit's update is issued only as the next
+  // forward reaches the unit); this issues what is left and waits until the host is done
   // (benchmarks time a step with its update). Nothing needs it for correctness.
   void finish_host_work();
+
+  // The host's work on the shards timed for the step's phase table: while on, every piece
+  // is logged; take_host_times() hands over those that ended since the last take, by kind
+  // (host_adamw, host_adamw_master, host_grad_sums, and "host" for all).
+  void set_host_timing(bool on) { host_timing_ = on; }
+  std::map<std::string, host_work_log::times> take_host_times() { return host_log_.take(); }
 
  private:
   struct unit;
@@ -294,6 +311,12 @@ class parameter_store {
   // in u.direction_host, once they have landed.
   void start_master_half(unit& u, const host_adamw& update);
   double offloaded_grad_norm();
+  // Master on the host, moments on the device, kept gradients, overlap on: adamw_step()
+  // leaves each unit's update to be issued when the next forward reaches it; this issues
+  // those of the units up to `index` (all: unit_count() - 1) in order.
+  void issue_updates_through(int index);
+  int update_bound(int index, int ahead) const;
+  void issue_all_updates() { issue_updates_through(unit_count() - 1); }
   void offloaded_adamw_step(const adamw_config& config, std::int64_t step, double lr, double grad_scale);
   void wait_all_host() noexcept;
 
@@ -307,6 +330,10 @@ class parameter_store {
   expert_sharding experts_;
   std::optional<host_adamw> announced_;  // announce_update's, until adamw_step
   std::deque<int> incoming_units_;  // units whose host buffers (gradients, steps) are in flight, oldest first
+  std::deque<int> pending_updates_;  // units whose update waits to be issued (issue_updates_through), in order
+  host_adamw pending_update_;        // ... and that update
+  bool host_timing_ = false;
+  host_work_log host_log_;
   std::vector<parameter_spec> specs_;
   std::vector<std::unique_ptr<unit>> units_;
 };

@@ -6,7 +6,8 @@
 // the global norm and then runs unit by unit in forward order while the next step's
 // forward starts: a unit's weights go back to the device only when the device asks for
 // them (acquire), which waits for that unit's update alone. Without clipping a unit is
-// updated as soon as its gradients land, beside the rest of the backward. Every host
+// updated as soon as its gradients land, beside the rest of the backward. With the
+// overlap off, adamw_step waits for the host (the step measured without overlap). Every host
 // value is the cpu backend's (same ops, elementwise or in fixed blocks), so where AdamW
 // runs changes no bit. Which collective runs when never depends on the host's progress:
 // waits are for values, never for a choice.
@@ -60,7 +61,12 @@ void parameter_store::start_master_half(unit& u, const host_adamw& update) {
 
 void parameter_store::wait_host(unit& u) const {
   if (u.task) {
-    u.task->wait();
+    if (u.task->done()) {
+      u.task->wait();  // its error, if any
+    } else {  // the step's stream runs dry while this thread waits: the phase table's wait_host
+      const phase_scope wait(be_, "wait_host");
+      u.task->wait();
+    }
     u.task.reset();
   }
   u.incoming.reset();
@@ -68,6 +74,12 @@ void parameter_store::wait_host(unit& u) const {
 }
 
 void parameter_store::wait_all_host() noexcept {
+  try {
+    issue_all_updates();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "upipe: the update of a parameter unit could not be issued: %s\n", e.what());
+    pending_updates_.clear();
+  }
   for (auto& up : units_) {
     if (!up->task) continue;
     try {
@@ -86,14 +98,16 @@ void parameter_store::wait_all_host() noexcept {
 void parameter_store::start_host_work(unit& u, const host_work& work, bool after_device) {
   u.task = std::make_unique<host_batch>();
   const host_shard s = host_shard_of(u);
+  host_work timed = work;
+  timed.log = host_timing_ ? &host_log_ : nullptr;
   if (!after_device) {
-    submit_host_work(*u.task, s, work);
+    submit_host_work(*u.task, s, timed);
     return;
   }
   host_batch* task = u.task.get();
   task->hold();
-  be_.when_done([task, s, work] {
-    submit_host_work(*task, s, work);
+  be_.when_done([task, s, timed] {
+    submit_host_work(*task, s, timed);
     task->unhold();
   });
 }
@@ -112,13 +126,17 @@ void parameter_store::close_offloaded(int index) {
   u.grads.reset();
   wait_host(u);  // the host no longer reads this shard (the last update, the last add)
   host_work work;
+  const auto copy_out = [&](void* dst, const tensor& src) {  // on the step's stream
+    const phase_scope copy(be_, "copy_out");
+    be_.copy_bytes(dst, src.data(), src.bytes());
+  };
   if (!u.reduced && !streamed) {
     if (state_.grad_type == dtype::f32) {
-      be_.copy_bytes(u.grad_shard.data(), staging.data(), staging.bytes());
+      copy_out(u.grad_shard.data(), staging);
     } else {
       tensor half = be_.allocate(mem_tag::grads, dtype::bf16, {1, u.shard}, "grad_shard_bf16");
       ops::copy_heads(be_, ops::as_heads(half.matrix()), ops::as_heads(staging.matrix()));
-      be_.copy_bytes(u.grad_shard.data(), half.data(), half.bytes());
+      copy_out(u.grad_shard.data(), half);
     }
   } else {
     UPIPE_CHECK(!streamed || (announced_ && !u.reduced),
@@ -129,7 +147,7 @@ void parameter_store::close_offloaded(int index) {
     }
     u.incoming = be_.allocate(mem_tag::optimizer_host, dtype::f32, {1, u.shard}, "grad_shard_incoming");
     incoming_units_.push_back(index);
-    be_.copy_bytes(u.incoming.data(), staging.data(), staging.bytes());
+    copy_out(u.incoming.data(), staging);
     if (!streamed) work.incoming = u.incoming.as<float>();
   }
   staging.reset();
@@ -197,9 +215,11 @@ void parameter_store::offloaded_adamw_step(const adamw_config& config, std::int6
     u.stale = true;
   }
   announced_.reset();
+  if (!offload_.overlap) finish_host_work();  // the step without overlap: its update done here
 }
 
 void parameter_store::finish_host_work() {
+  issue_all_updates();
   for (auto& up : units_) wait_host(*up);
   incoming_units_.clear();
 }
@@ -210,13 +230,16 @@ void parameter_store::finish_host_work() {
 void parameter_store::return_weights(unit& u) {
   wait_host(u);
   u.stale = false;
-  if (stage_ == zero_stage::three) {
-    be_.copy_bytes(u.weight_shard.data(), u.host_weights.data(), u.host_weights.bytes());
-    return;
+  {
+    const phase_scope copy(be_, "copy_in");  // on the step's stream
+    if (stage_ == zero_stage::three) {
+      be_.copy_bytes(u.weight_shard.data(), u.host_weights.data(), u.host_weights.bytes());
+      return;
+    }
+    char* weights = static_cast<char*>(u.weights.data());
+    be_.copy_bytes(weights == nullptr ? nullptr : weights + u.comm->rank() * u.host_weights.bytes(),
+                   u.host_weights.data(), u.host_weights.bytes());
   }
-  char* weights = static_cast<char*>(u.weights.data());
-  be_.copy_bytes(weights == nullptr ? nullptr : weights + u.comm->rank() * u.host_weights.bytes(), u.host_weights.data(),
-                 u.host_weights.bytes());
   share_weight_slice(u);
 }
 
@@ -230,11 +253,11 @@ void parameter_store::bring_params(unit& u) {
   const std::size_t slice = static_cast<std::size_t>(u.shard) * dtype_size(be_.work_dtype());
   char* device = static_cast<char*>(u.weights.data()) + u.comm->rank() * slice;
   if (stage_ == zero_stage::three)
-    be_.copy_bytes_side(device, u.weight_shard.data(), slice);
+    be_.copy_bytes_side(device, u.weight_shard.data(), slice, "weights_in");
   else if (u.stale)
-    be_.copy_bytes_side(device, static_cast<char*>(u.host_copy.data()) + u.comm->rank() * slice, slice);
+    be_.copy_bytes_side(device, static_cast<char*>(u.host_copy.data()) + u.comm->rank() * slice, slice, "weights_in");
   else
-    be_.copy_bytes_side(u.weights.data(), u.host_copy.data(), u.host_copy.bytes());
+    be_.copy_bytes_side(u.weights.data(), u.host_copy.data(), u.host_copy.bytes(), "weights_in");
   u.arriving = be_.side_point();
 }
 
@@ -256,18 +279,22 @@ void parameter_store::acquire_offloaded(unit& u) {
     share_weight_slice(u);
     // The other ranks' slices back into the host copy, beside the compute.
     if (be_.has_data()) {
-      be_.copy_bytes_side(u.host_copy.data(), u.weights.data(), u.weights.bytes());
+      be_.copy_bytes_side(u.host_copy.data(), u.weights.data(), u.weights.bytes(), "weights_out");
       u.leaving = be_.side_point();
     }
   }
   u.stale = false;
 }
 
-// Deterministic on every rank (what is issued depends on the flags alone, never on how
-// far the host has come), so that the collectives of the ranks stay in step.
+// The collectives issued are deterministic on every rank (they depend on the flags and the
+// units' states alone, never on how far the host has come), so that the ranks stay in
+// step; with the parameters offloaded, only whether a copy starts here or at acquire()
+// depends on the host: overlapped, a unit whose update is still running comes at
+// acquire(), so that this thread never waits here ahead of the current unit's compute.
 void parameter_store::prefetch_offloaded(unit& u) {
   if (!offload_.params) {
     if (stage_ != zero_stage::three || u.acquired > 0 || !u.weights.empty()) return;
+    if (u.stale && offload_.overlap) return;  // its update comes back at acquire(), after the compute issued so far
     if (u.stale) return_weights(u);
     u.weights = be_.allocate(mem_tag::weights, be_.work_dtype(), {1, u.padded}, "gathered_weights");
     u.gathering =
@@ -275,6 +302,7 @@ void parameter_store::prefetch_offloaded(unit& u) {
     return;
   }
   if (u.acquired > 0 || !u.weights.empty()) return;
+  if (offload_.overlap && u.task && !u.task->done()) return;  // still updating: copied at acquire()
   bring_params(u);
 }
 

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <optional>
 
 #include "backend/ops.hpp"
 #include "core/error.hpp"
@@ -162,6 +163,8 @@ void parameter_store::update_on_device(unit& u, const mat_view& grad, const host
   const mat_view master = halves ? mat_view{} : master_view(u);
   const mat_view weights = halves || master_aliased() ? mat_view{} : working_shard(u);
   const std::vector<std::int64_t> bounds = adamw_call_bounds(u.runs, u.shard, q8 ? q8_block : 1);
+  std::optional<phase_scope> phase;
+  phase.emplace(be_, "adamw");
   for (std::size_t i = 0; i + 1 < bounds.size(); ++i) {
     const std::int64_t a = bounds[i], n = bounds[i + 1] - a;
     const std::vector<adamw_run> runs = runs_within(u.runs, a, a + n);
@@ -185,6 +188,7 @@ void parameter_store::update_on_device(unit& u, const mat_view& grad, const host
     args.runs = runs;
     ops::adamw(be_, args);
   }
+  phase.reset();
   if (!halves) return;
   // The steps go to the host in stream order; the master's half runs there once they
   // land. At most two units' steps wait in host memory.
@@ -196,7 +200,10 @@ void parameter_store::update_on_device(unit& u, const mat_view& grad, const host
   u.direction_host = be_.allocate(mem_tag::optimizer_host, dtype::f32, {1, u.shard}, "direction_host");
   const auto index = std::find_if(units_.begin(), units_.end(), [&](const auto& p) { return p.get() == &u; });
   incoming_units_.push_back(static_cast<int>(index - units_.begin()));
-  be_.copy_bytes(u.direction_host.data(), direction.data(), direction.bytes());
+  {
+    const phase_scope copy(be_, "copy_out");  // on the step's stream
+    be_.copy_bytes(u.direction_host.data(), direction.data(), direction.bytes());
+  }
   start_master_half(u, update);
 }
 
@@ -262,8 +269,9 @@ std::vector<float> parameter_store::get_values(const tensor& t) const {
   return out;
 }
 
-std::vector<float> parameter_store::shard_values(int index, shard_state which) const {
+std::vector<float> parameter_store::shard_values(int index, shard_state which) {
   UPIPE_CHECK(stage_ != zero_stage::replicated, "no optimizer state when replicated");
+  issue_all_updates();
   unit& u = at(index);
   wait_host(u);  // AdamW's last update is in
   if (which != shard_state::master || !master_aliased()) return get_values(state_tensor(u, which));
@@ -275,6 +283,7 @@ std::vector<float> parameter_store::shard_values(int index, shard_state which) c
 }
 
 std::vector<float> parameter_store::gather_unit(int index) {
+  issue_all_updates();
   unit& u = at(index);
   wait_host(u);
   std::vector<float> flat;
@@ -363,7 +372,7 @@ void encode_moment(std::vector<float>& values, std::vector<float>& absmax, momen
 
 void parameter_store::load_state(const state_reader& read_all, const adamw_state_format& saved) {
   UPIPE_CHECK(stage_ != zero_stage::replicated, "no optimizer state when replicated");
-  wait_all_host();
+  wait_all_host();  // the pending updates issued too
   for (auto& up : units_) up->stale = false;
   if (!be_.has_data()) return;
   for (int i = 0; i < unit_count(); ++i) {

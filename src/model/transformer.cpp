@@ -175,12 +175,16 @@ double transformer::forward_backward(parameter_store& params, const local_batch&
   set_documents(batch.documents);
   tensor ids = upload_ids(batch.ids, "token_ids");
   tensor labels = upload_ids(batch.labels, "labels");
+  // The step's stages for its phase table (backend::set_stage).
+  be_.set_stage("forward");
   start_balance(batch);
   forward_layers(params, adapters, embed(params, ids), &store_);
   finish_balance(batch.aux_scale);
   tensor d = be_.allocate(mem_tag::activations, dtype::f32, {tokens_, model_.hidden_size}, "d_hidden");
+  be_.set_stage("loss");
   const double loss = loss_forward_backward(params, final_hidden_, labels, batch.grad_scale, d);
   final_hidden_.reset();
+  be_.set_stage("backward");
   backward_layers(params, adapters, ids, d);
   aux_grad_.reset();
   counted_.reset();

@@ -107,11 +107,20 @@ std::vector<std::int64_t> adamw_call_bounds(std::span<const adamw_run> runs, std
   return bounds;
 }
 
+const char* host_work_kind(const host_work& w) {
+  if (!w.adamw) return "host_grad_sums";
+  return w.part == adamw_part::master ? "host_adamw_master" : "host_adamw";
+}
+
 void submit_host_work(host_batch& batch, const host_shard& s, const host_work& w) {
   const std::int64_t piece = piece_blocks * cpu::sum_squares_block;
   for (std::int64_t a = 0; a < s.n; a += piece) {
     const std::int64_t b = std::min(s.n, a + piece);
-    batch.add([s, w, a, b] { run_piece(s, w, a, b); });
+    batch.add([s, w, a, b] {
+      const auto start = host_work_log::clock::now();
+      run_piece(s, w, a, b);
+      if (w.log != nullptr) w.log->add(host_work_kind(w), start, host_work_log::clock::now());
+    });
   }
 }
 

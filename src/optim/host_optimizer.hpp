@@ -67,7 +67,12 @@ struct host_work {
   double* block_sums = nullptr;     // the squares' sums per cpu::sum_squares_block, when wanted
   std::optional<host_adamw> adamw;  // the update, when wanted
   adamw_part part = adamw_part::whole;  // master: the master's half, from the shard's direction
+  host_work_log* log = nullptr;         // where each piece's time goes (a step's phase table), or none
 };
+
+// The kind a piece of `work` is logged as: host_adamw (the whole update), host_adamw_master
+// (the master's half) or host_grad_sums (a later micro-batch's add and the norm's sums alone).
+const char* host_work_kind(const host_work& work);
 
 // Blocks of the sum of squares a shard of n elements has.
 std::int64_t sum_blocks(std::int64_t n);

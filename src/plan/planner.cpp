@@ -43,6 +43,7 @@ train_options probe_options(const plan_request& r, const cp_settings& cp, std::i
   o.offload_optimizer = r.offload_optimizer;
   o.offload_params = r.offload_params;
   o.offload_master = r.offload_master;
+  o.offload_overlap = r.offload_overlap;
   o.state_format = r.state.format;
   o.grad_type = r.state.grad_type;
   o.optim.max_grad_norm = r.max_grad_norm;
@@ -284,7 +285,31 @@ step_time model_step_time(const plan_request& r, const cp_settings& cp, const pl
   t.offload_master = r.offload_master;
   t.grad_bytes = r.max_grad_norm > 0 && r.state.grad_type == dtype::bf16 ? 2 : 4;
   t.lora = r.lora.enabled();
+  t.state = r.state.format;
+  t.streamed = r.max_grad_norm <= 0;  // plan's runs take one sequence a step
+  t.overlap = r.offload_overlap;
   return estimate_step_time(t, r.rates);
+}
+
+step_time model_step_time(const train_options& o) {
+  step_time_request t;
+  t.model = o.model;
+  t.cp = o.cp;
+  t.dp = o.dp;
+  t.gpus_per_node = o.gpus_per_node > 0 ? o.gpus_per_node : std::max(8, o.dp * o.cp.cp);
+  t.seq_len = o.seq_len;
+  t.policy = o.step.policy;
+  t.zero = o.zero;
+  t.offload_optimizer = o.offload_optimizer;
+  t.offload_params = o.offload_params;
+  t.offload_master = o.offload_master && !o.offload_optimizer;
+  const optimizer_state_options state = state_options_of(o);
+  t.streamed = state.grads == grad_keeping::streamed;
+  t.grad_bytes = !t.streamed && state.grad_type == dtype::bf16 ? 2 : 4;
+  t.lora = o.step.lora.enabled();
+  t.state = o.state_format;
+  t.overlap = o.offload_overlap;
+  return estimate_step_time(t, throughput_rates{});
 }
 
 namespace {

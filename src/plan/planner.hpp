@@ -60,6 +60,7 @@ struct plan_request {
   bool offload_master = false;         // --offload master: the master weights alone in host memory
   optimizer_state_options state;       // AdamW's state format and kept gradients' dtype (grads from max_grad_norm)
   double max_grad_norm = 1.0;          // as train's: 0 keeps no gradient shard (each unit updated as it arrives)
+  bool offload_overlap = true;         // as train's --offload-overlap: the update beside the next forward
   // --optimizer-state auto: after the sweep (at the leanest format; with try_offload, in
   // the placement that leaves the GPU the most), every format of state_ladder() in every
   // placement at the recommended configuration.
@@ -214,6 +215,9 @@ std::vector<cp_settings> plan_configurations(const plan_request& request);
 
 // The step-time model at one point of a configuration (plan/step_time.hpp).
 step_time model_step_time(const plan_request& request, const cp_settings& cp, const plan_point& point);
+// ... and of a run's options (its resolved checkpoint policy; one node of gpus_per_node,
+// or 8, GPUs unless the options say): what train and bench print beside a measured step.
+step_time model_step_time(const train_options& options);
 
 // Every mesh of the request's sweep (each D of its dps, ascending, whose CP group of
 // C = gpus / D sits inside a node or over whole nodes) at `seq_len`: per D and strategy (and

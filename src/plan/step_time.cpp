@@ -15,13 +15,14 @@ constexpr double giga = 1e9, tera = 1e12;
 
 // Weights that take part in a matmul: a layer's projections and MLP, and the lm head.
 struct matmul_params {
-  double layer = 0, attention_inputs = 0, head = 0;
+  double layer = 0, attention_inputs = 0, attention_output = 0, head = 0;
 };
 
 matmul_params params_of(const model_config& m) {
   const double D = m.hidden_size, d = m.head_dim;
   matmul_params p;
   p.attention_inputs = D * d * (m.num_heads + 2.0 * m.num_kv_heads);  // q, k, v
+  p.attention_output = D * d * m.num_heads;                           // o
   p.head = D * static_cast<double>(m.vocab_size);
   // A layer's share of the active matrices (the experts a token passes, in a mixture of
   // experts; o, gate, up and down in a dense model), averaged over the layers.
@@ -88,9 +89,11 @@ double expert_exchange_seconds(const step_time_request& r, const throughput_rate
 step_time layer_attention_time(const attention_config& layer, const step_time_request& r,
                                const throughput_rates& rates, double passes_forward) {
   step_time t;
-  // 4 H d FLOPs a scored pair forward, twice that backward (docs/design.md section 7).
+  // 4 H d FLOPs a scored pair forward, twice that backward (docs/design.md section 7); head
+  // dim 64 runs slower than 128 (step_rates.hpp).
   const double forward = 4 * attention_pairs(layer.seq_len, layer.window) * layer.heads * layer.head_dim / layer.cp;
-  t.attention = forward * (2 + passes_forward) / (rates.attention_tflops * tera);
+  const double rate = rates.attention_tflops * (layer.head_dim <= 64 ? step_rates::attention_d64_share : 1.0);
+  t.attention = forward * (2 + passes_forward) / (rate * tera);
   const stage_plan plan = make_stage_plan(layer, 0);
   const pass_bytes fwd = bytes_of(plan.forward, r), bwd = bytes_of(plan.backward, r);
   const double network = rates.network_gbits / 8 * giga, nvlink = rates.nvlink_gbytes * giga,
@@ -103,38 +106,140 @@ step_time layer_attention_time(const attention_config& layer, const step_time_re
   return t;
 }
 
+layer_passes forward_passes(const checkpoint_policy& policy, int layers, int layer) {
+  const int k = std::max(1, policy.every);
+  const int last_of_block = std::min(layer - layer % k + k, layers) - 1;
+  const double block = layer < last_of_block ? 1 : 0;  // re-forwarded to rebuild the next layer's input
+  const bool kept = layer % k == 0 && policy.what == checkpoint_content::layer_input_and_attention;
+  layer_passes f;
+  f.attention = 1 + (kept ? 0 : 1) + block;
+  f.inputs = f.attention + 1;
+  f.rest = 2 + block;
+  f.down = 1 + block;
+  return f;
+}
+
+double step_gemm_flops(const step_time_request& r) {
+  const model_config& m = r.model;
+  const double s = static_cast<double>(r.seq_len) / r.cp.cp;
+  const matmul_params p = params_of(m);
+  // Backward: the input gradients and (but a frozen base's) the weight gradients.
+  const double backward = r.lora ? 2 : 4;
+  double flops = (2 + backward) * p.head * s;
+  for (int l = 0; l < m.num_layers; ++l) {
+    const layer_passes f = forward_passes(r.policy, m.num_layers, l);
+    // The MLP's matrices (a mixture of experts': those a token passes) in thirds: gate and
+    // up, then down.
+    const double mlp = p.layer - p.attention_inputs - p.attention_output;
+    flops += 2 * s * (p.attention_inputs * f.inputs + (p.attention_output + mlp * 2 / 3) * f.rest + mlp / 3 * f.down);
+    flops += backward * s * p.layer;
+  }
+  return flops;
+}
+
+namespace {
+
+// The elements of the rank's shard of every unit (ZeRO over D x C ranks), and of the first
+// unit the next forward needs (the embedding) and the last the backward closes (the same).
+struct shard_elements {
+  double all = 0, embedding = 0;
+};
+
+shard_elements shard_elements_of(const step_time_request& r) {
+  const double W = static_cast<double>(r.dp) * r.cp.cp;
+  shard_elements e;
+  const auto units = parameter_units(r.model);
+  for (std::size_t u = 0; u < units.size(); ++u) {
+    double numel = 0;
+    for (const unit_parameter& p : units[u]) numel += static_cast<double>(p.numel);
+    e.all += numel / W;
+    if (u == 0) e.embedding = numel / W;
+  }
+  return e;
+}
+
+// Bytes a parameter's update reads and writes: on the host (the whole update, or the
+// master's half from the f32 steps) and on the device (the whole update, or the moments'
+// half writing the steps). Working weights in bf16; bf16-kahan's master is the working copy.
+struct update_bytes {
+  double host = 0, device = 0;
+};
+
+update_bytes update_bytes_of(const step_time_request& r) {
+  const double moments = r.state.moments == moment_format::f32 ? 16 : r.state.moments == moment_format::bf16 ? 8 : 4;
+  const bool kahan = r.state.master == master_format::bf16_kahan;
+  const double master = 8;        // f32 read and written, or bf16 weights and bf16 compensation read and written
+  const double working = kahan ? 0 : 2;  // the bf16 copy written beside an f32 master
+  const double grad = r.grad_bytes;
+  update_bytes b;
+  if (r.offload_optimizer) {
+    b.host = grad + master + moments + working;
+  } else if (r.offload_master) {
+    b.host = 4 + master + working;  // the steps, the master's half
+    b.device = grad + moments + 4;  // the moments' half, its steps written
+  } else {
+    b.device = grad + master + moments + working;
+  }
+  return b;
+}
+
+// The update: the device's AdamW (or its moments' half) and, offloaded, the host's AdamW
+// and what of it the step waits for, and its copies on the step's stream.
+void add_update(step_time& t, const step_time_request& r, const throughput_rates& rates) {
+  const shard_elements e = shard_elements_of(r);
+  const update_bytes b = update_bytes_of(r);
+  const double host_seconds_per_element = b.host / (rates.host_adamw_gbytes * 1e9);
+  t.update = e.all * b.device / (rates.device_gbytes * 1e9);
+  if (r.lora || !(r.offload_optimizer || r.offload_master)) return;
+  const double pcie = rates.pcie_gbytes * 1e9;
+  t.host_adamw = e.all * host_seconds_per_element;
+  // On the step's stream: the gradient shards (the optimizer on the host) or the master's
+  // steps (the master alone) out, and AdamW's bf16 output back unless the weights live on
+  // the host (then they come in beside the compute, below).
+  t.offload_copies = e.all * (r.offload_optimizer ? r.grad_bytes : 4) / pcie;
+  if (!r.offload_params) t.offload_copies += e.all * 2 / pcie;
+  // What the step waits for: all of it without the overlap; with it, the first unit's
+  // update (the next forward needs it first; the backward closes it last without clipping)
+  // and whatever the host needs beyond the compute it runs beside.
+  const double first = e.embedding * host_seconds_per_element;
+  const double beside = r.streamed ? t.compute() - t.forward : t.forward;
+  t.host_adamw_exposed =
+      r.overlap ? std::min(t.host_adamw, first + std::max(0.0, t.host_adamw - first - beside)) : t.host_adamw;
+  t.lone_step_extra = r.streamed ? 0 : t.host_adamw - t.host_adamw_exposed;
+}
+
+}  // namespace
+
 step_time estimate_step_time(const step_time_request& r, const throughput_rates& rates) {
   const model_config& m = r.model;
   const int C = r.cp.cp;
   const bool multi_node = C > r.gpus_per_node;
   const double s = static_cast<double>(r.seq_len) / C, L = m.num_layers;
   const matmul_params p = params_of(m);
-  // Recompute from the checkpoints: every layer's forward again, but for the attention of
-  // the layers whose attention output is kept (the first of each block of `every`).
-  const bool keeps_attention = r.policy.what == checkpoint_content::layer_input_and_attention;
-  const double recompute_attention = keeps_attention ? 1.0 - 1.0 / r.policy.every : 1.0;
-  const double recompute_gemm =
-      L * (p.layer - (keeps_attention ? p.attention_inputs / r.policy.every : 0.0));
   step_time t;
-  // Forward 2, backward 4 (input and weight gradients; a frozen base's weight gradients are
-  // not run), and the recompute's forward.
-  const double passes = r.lora ? 4 : 6;
-  t.gemm = (passes * (L * p.layer + p.head) * s + 2 * recompute_gemm * s) / (rates.gemm_tflops * tera);
+  const double gemm = rates.gemm_tflops * tera;
+  t.gemm = step_gemm_flops(r) / gemm;
+  t.elementwise = s * L * rates.elementwise_ns * 1e-9;
   // The attention, its collectives and its host copies, layer by layer: a family's layers
-  // may differ in their window (Gemma 3's local and global layers), and layers alike cost
-  // alike, so each distinct window is timed once.
-  std::map<std::int64_t, step_time> by_window;
-  double attention_host = 0;  // seconds: the attention's chunks to and from the host, every layer
+  // may differ in their window (Gemma 3's local and global layers) and in how often a
+  // checkpoint policy runs them, and layers alike cost alike, so each distinct pair is
+  // timed once.
+  std::map<std::pair<std::int64_t, double>, step_time> by_layer;
+  double attention_host = 0, attention_forward = 0;  // seconds
   for (int l = 0; l < m.num_layers; ++l) {
     const attention_config layer = attention_config_for(m, r.cp, r.seq_len, l);
-    auto it = by_window.find(layer.window);
-    if (it == by_window.end())
-      it = by_window.emplace(layer.window, layer_attention_time(layer, r, rates, 1 + recompute_attention)).first;
+    const double passes = forward_passes(r.policy, m.num_layers, l).attention;
+    auto it = by_layer.find({layer.window, passes});
+    if (it == by_layer.end())
+      it = by_layer.emplace(std::pair{layer.window, passes}, layer_attention_time(layer, r, rates, passes)).first;
     t.attention += it->second.attention;
     t.all_to_all += it->second.all_to_all;
     t.ring += it->second.ring;
     attention_host += it->second.host;
+    attention_forward += it->second.attention / (2 + passes);
   }
+  // The first forward alone: its GEMMs and attention (what the overlap hides the update behind).
+  t.forward = 2 * s * (L * p.layer + p.head) / gemm + attention_forward + t.elementwise / 3;
   const double network = rates.network_gbits / 8 * giga, nvlink = rates.nvlink_gbytes * giga,
                pcie = rates.pcie_gbytes * giga;
 
@@ -161,21 +266,26 @@ step_time estimate_step_time(const step_time_request& r, const throughput_rates&
     t.zero += per_weight * experts / E * (W / E - 1) / (W / E) / (W > r.gpus_per_node ? network : nvlink);
   t.experts = expert_exchange_seconds(r, rates, s, recompute_attention);
 
-  // Host copies: the attention's chunks (above), the checkpoints (out and back) and the
-  // offloaded optimizer's gradients and weights.
+  // Host copies: the attention's chunks (above) and the checkpoints (out and back).
   double host = attention_host * pcie;
   if (r.policy.where != checkpoint_location::device) {
     const double kept_layers = std::max(0.0, std::ceil(L / r.policy.every) - 1);  // layer 0's input is not kept
     double per_layer = s * m.hidden_size * 2;
-    if (keeps_attention) per_layer += s * m.num_heads * m.head_dim * 2 + s * m.num_heads * 4;
+    if (r.policy.what == checkpoint_content::layer_input_and_attention)
+      per_layer += s * m.num_heads * m.head_dim * 2 + s * m.num_heads * 4;
     host += 2 * kept_layers * per_layer;
   }
-  // The offloaded optimizer's gradients out (f32, or bf16 kept shards) and bf16 weights
-  // back; the master alone: the moments' f32 steps out, the weights back.
-  if (r.offload_optimizer && !r.lora) host += weights / W * (r.grad_bytes + 2);
-  if (r.offload_master && !r.offload_optimizer && !r.lora) host += weights / W * (4 + 2);
-  if (r.offload_params) host += weights / W * 2 * (r.zero == zero_stage::three ? 2 : 1);
   t.host = host / pcie;
+  add_update(t, r, rates);
+  // The weights in host memory come in beside the compute, a unit for every acquire
+  // (ZeRO-3: forward, the blocks' re-forward, backward; ZeRO-2: forward and backward):
+  // the step waits only where the copies outlast the compute.
+  if (r.offload_params && !r.lora) {
+    double acquires = 0;
+    for (int l = 0; l < m.num_layers; ++l) acquires += forward_passes(r.policy, m.num_layers, l).rest;
+    const double per_layer = weights / L / (r.zero == zero_stage::three ? W : 1) * 2;
+    t.weights_in = std::max(0.0, acquires * per_layer / pcie - t.compute());
+  }
   return t;
 }
 

@@ -21,6 +21,7 @@
 #include "runtime/cp_group.hpp"
 #include "train/data.hpp"
 #include "train/mesh.hpp"
+#include "train/phase_recorder.hpp"
 #include "train/run_directory.hpp"
 #include "train/run_memory.hpp"
 #include "train/train_checkpoint.hpp"
@@ -163,6 +164,7 @@ double run_step(rank_context& rc, const std::vector<packed_sequence>& batch, std
   record.aux_on = model.aux_loss_on();
   record.loss = record.lm_loss + (record.aux_on ? o.model.moe.router_aux_loss_coef * record.aux_loss : 0.0);
   if (!update) return record.loss;
+  rc.be.set_stage("update");
   record.grad_norm = trained.grad_norm();
   if (!std::isfinite(record.grad_norm))
     throw config_error("the gradient norm is not finite at step " + std::to_string(step) +
@@ -399,8 +401,10 @@ void run_rank(const train_options& o, backend& be, const mesh_comms& mesh, const
       source = path;
     saved_step = step;
   };
+  phase_recorder phases(rc.be, rc.trained(), o.phases && comm.rank() == 0);
   for (std::int64_t step = first; step <= last; ++step) {
     const auto start = clock_type::now();
+    phases.begin(step);
     step_record record;
     record.step = step;
     record.seq_len = step_seq_len(o, step);
@@ -416,7 +420,11 @@ void run_rank(const train_options& o, backend& be, const mesh_comms& mesh, const
       std::fprintf(stderr, "upipe: note: step %lld has no target (the loss mask leaves out every token of its %s); "
                    "skipped: no update, the data moves on\n", static_cast<long long>(step),
                    describe_documents(batch, reader).c_str());
+    // An offloaded update goes on beside the next step's forward; the last step's is its own.
+    if (step == last) rc.trained().finish_host_work();
+    phases.end(record);
     record.seconds = std::chrono::duration<double>(clock_type::now() - start).count();
+    record.phases.wall_ms = record.phases.empty() ? 0 : 1e3 * record.seconds;
     record.tokens_per_s = static_cast<double>(record.seq_len * global_batch(o)) / record.seconds;
     eval_loss.reset();
     if (held_out && be.has_data() && (step % o.eval_every == 0 || step == last)) {
@@ -498,7 +506,7 @@ std::int64_t step_seq_len(const train_options& o, std::int64_t step) {
 }
 
 offload_options offload_of(const train_options& o) {
-  return {o.offload_optimizer, o.offload_params, o.offload_master && !o.offload_optimizer};
+  return {o.offload_optimizer, o.offload_params, o.offload_master && !o.offload_optimizer, o.offload_overlap};
 }
 
 optimizer_state_options state_options_of(const train_options& o) {
@@ -639,7 +647,12 @@ step_timing time_steps(const train_options& options, std::int64_t warmup_len, in
         rc.params.load(init);
         if (rc.adapters) rc.adapters->load(adapters);
         step_record record;
-        if (warmup_len > 0) run_step(rc, {tokens(be, warmup_len, 0)}, 1, record);
+        if (warmup_len > 0) {
+          run_step(rc, {tokens(be, warmup_len, 0)}, 1, record);
+          // Overlapped, the warm-up's update goes on beside the first timed step, as each
+          // step's beside the next; a lone timed step is timed with its own update alone.
+          if (repeats == 1) rc.trained().finish_host_work();
+        }
         for (int i = 0; i < repeats; ++i) {
           // Step i's global batch is sequences i G .. i G + G - 1 of the stream (G = dp x batch),
           // replica r taking its run of `batch`: one rank with dp x batch reads the same.
@@ -649,18 +662,31 @@ step_timing time_steps(const train_options& options, std::int64_t warmup_len, in
                                    1 + static_cast<std::uint64_t>(i * global_batch(o) + rc.replica() * o.batch + k)));
           be.synchronize();
           comm.barrier();
-          be.set_phase_timing(phases == phase_timing::by_phase);
+          const bool timed = phases == phase_timing::by_phase;
+          // The step's clock holds its phase timing: it starts before the first mark and
+          // stops after the last.
           const auto start = clock_type::now();
+          be.set_phase_timing(timed);
+          rc.trained().set_host_timing(timed);
           run_step(rc, batch, 1 + i, record);
-          rc.params.finish_host_work();  // an offloaded update belongs to its step
+          // An offloaded update belongs to its step, and overlapped goes on beside the next
+          // timed step's forward (as the previous one's beside this one's): the last waits.
+          if (i + 1 == repeats || !o.offload_overlap) rc.trained().finish_host_work();
           be.synchronize();
           comm.barrier();
+          step_phases table;
+          const backend::phase_times take = be.take_phases();
           const double seconds = std::chrono::duration<double>(clock_type::now() - start).count();
-          std::map<std::string, double> by_phase = be.take_phase_ms();
+          add_phases(table, take);
+          table.wall_ms = 1e3 * seconds;
+          table.host = rc.trained().take_host_times();
           be.set_phase_timing(false);
+          rc.trained().set_host_timing(false);
           if (rank == 0) {
-            if (out.seconds.empty() || seconds < *std::min_element(out.seconds.begin(), out.seconds.end()))
-              out.phases_ms = std::move(by_phase);
+            if (out.seconds.empty() || seconds < *std::min_element(out.seconds.begin(), out.seconds.end())) {
+              out.phases_ms = take.phases_ms;
+              out.step = std::move(table);
+            }
             out.seconds.push_back(seconds);
             out.losses.push_back(record.loss);
             out.grad_norms.push_back(record.grad_norm);

@@ -71,6 +71,12 @@ struct train_options {
   bool offload_optimizer = false;  // master weights, moments and gradient shards in host memory; AdamW on the host
   bool offload_params = false;     // the working-dtype weights in host memory too (with the master there)
   bool offload_master = false;     // the master weights alone in host memory (the moments on the GPU)
+  // The offloaded update beside the next step's forward (offload_options::overlap); off:
+  // each step's update is done within the step (--offload-overlap off).
+  bool offload_overlap = true;
+  // Rank 0's phase table of every step (step_record::phases; --phases): the step's stream
+  // timed by stage, its waits and copies, the side copies and the host's work.
+  bool phases = false;
   // AdamW's state (docs/design.md section 5, "Lean optimizer state"): the moments' and the
   // master's formats, and the kept gradient shards' dtype. Without clipping and with one
   // sequence a step no gradient shard is kept: each unit is updated as its gradients arrive.
@@ -107,6 +113,28 @@ struct train_options {
   int eval_sequences = 4;
 };
 
+// A step's phase table (docs/design.md section 5, "The offloaded step's phases"): the step's
+// stream cut at every change of stage and phase and summed by stage, the waits and the
+// copies on the stream apart (backend::take_phases), the side copies beside it, and the
+// host's work on the shards (parameter_store::take_host_times: the pieces that ended within
+// the step, so that with the overlap a step's row holds the previous step's update's rest and
+// the part of its own that ended before its end). The stages sum to span_ms, the stream's
+// time between the step's first and last marks; wall_ms is the step's clock.
+struct step_phases {
+  double wall_ms = 0, span_ms = 0;
+  std::map<std::string, double> stages_ms;
+  std::map<std::string, backend::side_copy_time> side_copies;
+  std::map<std::string, host_work_log::times> host;
+  // The wall time the stages do not account for (launches before the first mark, the host
+  // after the last).
+  double rest_ms() const { return wall_ms - span_ms; }
+  // The GPU's own work: the stages but the waits and the copies on the step's stream.
+  double gpu_ms() const;
+  bool empty() const { return stages_ms.empty(); }
+};
+// Adds a take of the backend's phase timing (a stage's, or the rest of a step's).
+void add_phases(step_phases& into, const backend::phase_times& take);
+
 struct step_record {
   std::int64_t step = 0, seq_len = 0;
   double epoch = 0;  // passes over the data at the step's start (a mixture: its most-read source's)
@@ -132,6 +160,7 @@ struct step_record {
   bool aux_on = false;
   double lm_loss = 0, aux_loss = 0;
   std::map<std::string, std::size_t> peak_bytes;  // rank 0
+  step_phases phases;  // rank 0's, with train_options::phases
 };
 
 struct train_summary {
@@ -183,7 +212,9 @@ step_memory measure_step_memory(const train_options& options);
 
 // Timed steps for benchmarks: one warm-up step at warmup_len tokens (0: none), then
 // `repeats` steps at options.seq_len on random tokens (one sequence per replica), each timed
-// on rank 0 between device synchronizations. With `emulate`, rank 0 alone over loopback
+// on rank 0 between device synchronizations. An offloaded update belongs to its step; with
+// the overlap on it goes on beside the next step's forward, and the last step waits for
+// its own. With `emulate`, rank 0 alone over loopback
 // communicators (one GPU measures rank 0 of a mesh of options.dp x options.cp.cp).
 struct step_timing {
   std::vector<double> seconds;  // per timed step
@@ -192,6 +223,7 @@ struct step_timing {
   step_memory memory;           // rank 0, over the whole run
   std::size_t driver_peak = 0;  // rank 0's device, bytes the driver reported in use (0: not a GPU)
   std::map<std::string, double> phases_ms;  // with `phases`: rank 0's fastest step by phase
+  step_phases step;                          // ... and its phase table
 };
 // Times `repeats` steps after one warm-up step of warmup_len tokens (0: none), on every rank
 // or on rank 0 alone (emulated); by_phase: also the fastest step's time by phase

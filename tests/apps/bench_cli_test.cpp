@@ -37,6 +37,62 @@ TEST(bench_cli, rows_json_and_checks_on_the_cpu) {
   std::filesystem::remove_all(dir);
 }
 
+// An offloaded step timed by phase: the table under the row and in the JSON, the step-time
+// model's prediction beside it, both overlaps; and the offload refused where there is no
+// optimizer state. One timed step, so that its whole update is within its own take.
+TEST(bench_cli, the_offloaded_step_by_phase) {
+  const auto dir = temp_dir("bench_offload");
+  for (const char* overlap : {"off", "on"}) {
+    const auto path = (dir / (std::string(overlap) + ".json")).string();
+    const run_result r = run_upipe(std::string("bench --cp 2 --attention upipe --seq-len 128 --repeats 1 --zero 3 "
+                                               "--offload master,params --optimizer-state 8bit --master-weights "
+                                               "bf16-kahan --grad-dtype bf16 --no-check --phases --offload-overlap ") +
+                                   overlap + " --json " + path);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("the GPU's own work"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("model (plan/step_time)"), std::string::npos) << r.output;
+    std::ifstream in(path);
+    const nlohmann::json row = nlohmann::json::parse(in).at(0);
+    const nlohmann::json& p = row["step_phases"];
+    double sum = 0;
+    for (const auto& [stage, ms] : p["stages_ms"].items()) sum += ms.get<double>();
+    EXPECT_NEAR(sum, p["span_ms"].get<double>(), 1e-6 * sum);
+    EXPECT_LE(p["span_ms"].get<double>(), p["wall_ms"].get<double>());
+    EXPECT_GT(p["host"]["host_adamw_master"]["pieces"].get<int>(), 0);
+    EXPECT_GT(row["step_seconds_model"]["host_adamw"].get<double>(), 0.0);
+    EXPECT_EQ(row["offload"], "master,params");
+    EXPECT_EQ(row["offload_overlap"], overlap);
+  }
+  const run_result none = run_upipe("bench --cp 2 --seq-len 128 --optimizer none --offload optimizer");
+  EXPECT_EQ(none.exit_code, 2);
+  EXPECT_NE(none.output.find("--optimizer none"), std::string::npos) << none.output;
+  std::filesystem::remove_all(dir);
+}
+
+// bench-adamw times the host's AdamW in a lean state format and in the master's half alone
+// (what --offload master runs on the host), says which in its header and JSON, and refuses
+// a part it does not know.
+TEST(bench_cli, host_adamw_in_each_state_format_and_part) {
+  const auto dir = temp_dir("bench_adamw");
+  for (const char* part : {"whole", "master"}) {
+    const auto path = (dir / (std::string(part) + ".json")).string();
+    const run_result r = run_upipe(std::string("bench-adamw --params 1M --tensors 4 --repeats 1 --threads 2 "
+                                               "--optimizer-state 8bit --master-weights bf16-kahan --part ") +
+                                   part + " --json " + path);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("--optimizer-state 8bit --master-weights bf16-kahan"), std::string::npos) << r.output;
+    std::ifstream in(path);
+    const nlohmann::json j = nlohmann::json::parse(in);
+    EXPECT_EQ(j["part"], part);
+    EXPECT_EQ(j["optimizer_state"], "8bit");
+    EXPECT_GT(j["copy_seconds"].get<double>(), 0.0);
+  }
+  const run_result bad = run_upipe("bench-adamw --params 1M --part moments");
+  EXPECT_EQ(bad.exit_code, 2);
+  EXPECT_NE(bad.output.find("--part moments"), std::string::npos) << bad.output;
+  std::filesystem::remove_all(dir);
+}
+
 TEST(bench_cli, emulated_rank_zero_on_meta_reports_memory_only) {
   const auto dir = temp_dir("bench_meta");
   const auto path = (dir / "bench.json").string();

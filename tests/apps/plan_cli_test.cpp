@@ -79,6 +79,10 @@ void check_recommended_runs_as_planned(const std::string& plan_args, const std::
     return measured.get<double>() / plan.get<double>();
   };
   EXPECT_NEAR(ratio(last["arena_high_water_bytes"], planned["arena_bytes"]), 1.0, 0.02) << command;
+  // The seconds plan expects a step to take, printed under the command, are the run's own
+  // model's (train's final record).
+  EXPECT_NE(r.output.find("  expected: "), std::string::npos) << r.output;
+  EXPECT_NEAR(ratio(last["step_seconds_model"]["total"], planned["step_seconds_model"]["total"]), 1.0, 1e-9) << command;
   EXPECT_NEAR(ratio(last["host_bytes"], planned["host_bytes"]), 1.0, 0.02) << command;
   EXPECT_LE(last["host_bytes"].get<double>(), planned["host_budget_bytes"].get<double>()) << command;
   std::filesystem::remove_all(dir);

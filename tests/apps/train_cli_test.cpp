@@ -67,6 +67,39 @@ TEST(train_cli, offloaded_training_logs_the_same_steps) {
   fs::remove_all(dir);
 }
 
+// --phases: each step's phase table printed and in the metrics, the step-time model's
+// prediction in the final record; overlapped or not (--offload-overlap), the same steps.
+TEST(train_cli, phases_and_the_overlap_are_printed_and_logged) {
+  const auto dir = temp_dir("train_phases");
+  std::vector<nlohmann::json> runs[2];
+  for (int i = 0; i < 2; ++i) {
+    const fs::path metrics = dir / ("m" + std::to_string(i) + ".jsonl");
+    const run_result r = run_upipe(quick + "--stop-after 2 --zero 3 --offload master,params --phases --metrics-json " +
+                                   metrics.string() + " --offload-overlap " + (i == 0 ? "off" : "on"));
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("# phases of step 2:"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("the GPU's own work"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("upipe: phases: step 1, forward done"), std::string::npos) << r.output;
+    runs[i] = read_lines(metrics);
+  }
+  ASSERT_EQ(runs[1].size(), 3u);
+  for (std::size_t i = 0; i < 2; ++i) {
+    EXPECT_EQ(runs[1][i]["loss"], runs[0][i]["loss"]) << i;
+    const nlohmann::json& p = runs[1][i]["phases"];
+    EXPECT_GT(p["stages_ms"]["forward"].get<double>(), 0.0);
+    EXPECT_LE(p["span_ms"].get<double>(), p["wall_ms"].get<double>());
+    EXPECT_GT(p["side_copies"]["weights_in"]["bytes"].get<double>(), 0.0);
+  }
+  const nlohmann::json& model = runs[1].back()["step_seconds_model"];
+  EXPECT_GT(model["total"].get<double>(), 0.0);
+  EXPECT_GT(model["host_adamw"].get<double>(), 0.0);
+  EXPECT_GE(model["host_adamw"].get<double>(), model["host_adamw_exposed"].get<double>());
+  const run_result bad = run_upipe(quick + "--offload-overlap sometimes");
+  EXPECT_EQ(bad.exit_code, 2);
+  EXPECT_NE(bad.output.find("--offload-overlap"), std::string::npos) << bad.output;
+  fs::remove_all(dir);
+}
+
 // The data position a save records follows from its steps (batch x sequence length, here
 // over a token file): a manifest whose position was changed is refused as damaged, and a
 // resume of another batch continues from the saved position, saying so.

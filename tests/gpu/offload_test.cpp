@@ -85,6 +85,13 @@ train_options tiny_run(zero_stage zero, std::int64_t batch) {
   return o;
 }
 
+// Step by step, the losses of two runs within bf16's tolerance.
+void expect_losses_near(const train_summary& got, const train_summary& want) {
+  ASSERT_EQ(got.steps.size(), want.steps.size());
+  for (std::size_t i = 0; i < got.steps.size(); ++i)
+    EXPECT_LT(std::abs(got.steps[i].loss - want.steps[i].loss) / want.steps[i].loss, bf16_tolerance) << "step " << i + 1;
+}
+
 std::size_t peak(const train_summary& s, const char* tag) {
   return s.peak_bytes[0].count(tag) ? s.peak_bytes[0].at(tag) : 0;
 }
@@ -122,6 +129,57 @@ TEST(gpu_offload, offloaded_steps_follow_the_device_steps) {
           if (z == zero_stage::two) EXPECT_LT(peak(host, "weights"), peak(device, "weights"));
         }
       }
+}
+
+// The update beside the next forward (--offload-overlap on) follows the one within its step
+// (off), with the master alone and with the whole optimizer on the host, and the phase table
+// on the GPU accounts for the step: its stages (CUDA events on the step's stream) sum to the
+// stream's span, which the step's clock holds; the weights brought in are every unit's
+// bf16 shard at each acquire; the host's AdamW ran.
+TEST(gpu_offload, the_overlapped_update_follows_the_one_within_its_step_and_its_phases_add_up) {
+  if (!have_gpu()) GTEST_SKIP() << "no GPU";
+  const offload_options placements[] = {{true, true}, {false, true, true}};
+  for (const offload_options& where : placements) {
+    train_options o = tiny_run(zero_stage::three, 1);
+    o.offload_optimizer = where.optimizer;
+    o.offload_params = where.params;
+    o.offload_master = where.master;
+    o.state_format = {moment_format::q8, master_format::bf16_kahan};
+    o.grad_type = dtype::bf16;
+    SCOPED_TRACE(where.optimizer ? "optimizer,params" : "master,params");
+    o.offload_overlap = false;
+    const train_summary before = train(o, nullptr);
+    o.offload_overlap = true;
+    expect_losses_near(train(o, nullptr), before);
+    // One timed step: its whole update within its clock (with more, which step's take holds
+    // a piece that ends at a step's boundary is the host's race).
+    const step_timing t = time_steps(o, 64, 1, group_run::rank_zero_emulated, phase_timing::by_phase);
+    const step_phases& p = t.step;
+    double sum = 0;
+    for (const auto& [stage, ms] : p.stages_ms) {
+      EXPECT_GE(ms, 0.0) << stage;
+      sum += ms;
+    }
+    EXPECT_NEAR(sum, p.span_ms, 1e-6 * p.span_ms);
+    EXPECT_LE(p.span_ms, p.wall_ms);
+    for (const char* stage : {"forward", "loss", "backward", "update", "copy_out"})
+      EXPECT_GT(p.stages_ms.count(stage), 0u) << stage;
+    const auto units = parameter_units(o.model);
+    double bytes = 0;
+    for (std::size_t u = 0; u < units.size(); ++u) {
+      std::int64_t numel = 0;
+      for (const unit_parameter& q : units[u]) numel += q.numel;
+      const double shard = static_cast<double>(padded_unit(numel, 2, state_options_of(o)) / 2 * 2);
+      const bool embedding = u == 0, head = u + 1 == units.size();
+      bytes += shard * (head ? 1 : 2) + (embedding && o.model.tie_embeddings ? shard : 0);
+    }
+    ASSERT_TRUE(p.side_copies.count("weights_in"));
+    EXPECT_DOUBLE_EQ(p.side_copies.at("weights_in").bytes, bytes);
+    EXPECT_GT(p.side_copies.at("weights_in").ms, 0.0);
+    const char* adamw = where.optimizer ? "host_adamw" : "host_adamw_master";
+    ASSERT_TRUE(p.host.count(adamw));
+    EXPECT_GT(p.host.at(adamw).busy_ms, 0.0);
+  }
 }
 
 }  // namespace

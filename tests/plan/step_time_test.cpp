@@ -28,10 +28,14 @@ TEST(step_time, compute_is_the_model_flops_at_the_stated_rates) {
   const step_time t = estimate_step_time(r, rates);
   const model_config& m = r.model;
   const double S = 1 << 20, s = S / 8, D = m.hidden_size, d = m.head_dim;
-  const double layer = D * d * (2 * m.num_heads + 2 * m.num_kv_heads) + 3 * D * m.intermediate_size;
+  const double qkv = D * d * (m.num_heads + 2 * m.num_kv_heads), down = D * m.intermediate_size;
+  const double layer = qkv + D * d * m.num_heads + 3 * down;
   const double head = D * static_cast<double>(m.vocab_size);
-  // 6 N s for the step, and the recompute's forward of every layer (2 N_layer s).
-  EXPECT_NEAR(t.gemm, (6 * (m.num_layers * layer + head) * s + 2 * m.num_layers * layer * s) / (rates.gemm_tflops * 1e12),
+  // 6 N s for the step, and the recompute's forward of every layer (2 N_layer s) but the
+  // MLP's down projection, with q, k and v projected once more for the attention's backward.
+  EXPECT_NEAR(t.gemm,
+              (6 * (m.num_layers * layer + head) * s + 2 * m.num_layers * (layer - down + qkv) * s) /
+                  (rates.gemm_tflops * 1e12),
               1e-9 * t.gemm);
   // Causal attention: 2 S^2 H d forward, twice that backward, and the recompute's forward.
   EXPECT_NEAR(t.attention, m.num_layers * 8 * S * S * m.num_heads * d / 8 / (rates.attention_tflops * 1e12),
@@ -144,6 +148,98 @@ TEST(step_time, a_window_caps_the_attention_and_its_messages) {
     EXPECT_EQ(whole.ring, g.ring);
     EXPECT_EQ(whole.host, g.host);
   }
+}
+
+}  // namespace
+}  // namespace upipe
+
+#include "model/model_step.hpp"
+
+namespace upipe {
+namespace {
+
+// The model's GEMM FLOPs are the engine's: every forward a checkpoint policy runs (the
+// first; each layer's again in its own backward, but a kept attention's q, k, v and the
+// MLP's down projection; q, k, v once more in the attention's backward; a block's
+// re-forward of all but its last layer), the backward's two GEMMs and the head, against
+// the meta backend's count of 2 m n k over a step of five layers (a partial last block).
+TEST(step_time, the_gemm_flops_are_those_the_step_runs_under_every_policy) {
+  for (const char* text : {"what=input,every=1", "what=input,every=2", "what=input,every=3",
+                           "what=input+attention,every=1", "what=input+attention,every=2",
+                           "what=input+attention,every=4"}) {
+    model_step_request req;
+    req.model = preset("llama3-8b");
+    req.model.num_layers = 5;
+    req.cp = {strategy_kind::ulysses, 4, 0};
+    req.backend = backend_kind::meta;
+    req.options.policy = parse_checkpoint_policy(text);
+    req.limits = {std::size_t{1} << 40, std::size_t{1} << 40};
+    const model_step_result measured = run_model_step(req, {}, std::vector<std::int32_t>(8192, 0));
+    step_time_request r;
+    r.model = req.model;
+    r.cp = req.cp;
+    r.seq_len = 8192;
+    r.policy = req.options.policy;
+    EXPECT_DOUBLE_EQ(step_gemm_flops(r), measured.gemm_flops.all) << text;
+  }
+  // Every 4 layers of 32: 24 of them re-forwarded once more than every 1's.
+  checkpoint_policy every4{checkpoint_content::layer_input, 4, checkpoint_location::device};
+  double block = 0;
+  for (int l = 0; l < 32; ++l) block += forward_passes(every4, 32, l).attention - 2;
+  EXPECT_EQ(block, 24);
+}
+
+step_time_request offloaded(bool optimizer, bool params, bool overlap) {
+  step_time_request r = request("llama3-8b", strategy_kind::upipe, 1, 8, 512 << 10);
+  r.cp = {strategy_kind::upipe, 1, 1};
+  r.policy = {checkpoint_content::layer_input, 4, checkpoint_location::host_pinned};
+  r.offload_optimizer = optimizer;
+  r.offload_master = !optimizer;
+  r.offload_params = params;
+  r.state = {moment_format::q8, master_format::bf16_kahan};
+  r.grad_bytes = 2;
+  r.overlap = overlap;
+  return r;
+}
+
+// The host's AdamW: the shard's elements at the bytes its part reads and writes, over the
+// host's rate; without the overlap the step waits for all of it, with it for the first
+// unit's alone while the next forward is longer than the rest; a step with no next step
+// waits for all of it either way.
+TEST(step_time, the_offloaded_update_is_the_host_adamw_less_what_the_overlap_hides) {
+  throughput_rates rates;
+  const model_config m = preset("llama3-8b");
+  double elements = 0;
+  for (const auto& unit : parameter_units(m))
+    for (const unit_parameter& p : unit) elements += static_cast<double>(p.numel);
+  const double embedding = static_cast<double>(m.vocab_size) * m.hidden_size;
+  for (const bool optimizer : {true, false}) {
+    const step_time off = estimate_step_time(offloaded(optimizer, true, false), rates);
+    const step_time on = estimate_step_time(offloaded(optimizer, true, true), rates);
+    // Whole (gradient 2, master and compensation 8, q8 moments 4) or the master's half (its
+    // f32 steps 4, master and compensation 8); bf16-kahan's master is the working copy.
+    const double bytes = optimizer ? 2 + 8 + 4 : 4 + 8;
+    EXPECT_NEAR(off.host_adamw, elements * bytes / (rates.host_adamw_gbytes * 1e9), 1e-9 * off.host_adamw);
+    EXPECT_DOUBLE_EQ(off.host_adamw_exposed, off.host_adamw);
+    EXPECT_DOUBLE_EQ(on.host_adamw, off.host_adamw);
+    EXPECT_NEAR(on.host_adamw_exposed, embedding * bytes / (rates.host_adamw_gbytes * 1e9), 1e-9 * on.host_adamw);
+    EXPECT_NEAR(on.total() + on.lone_step_extra, off.total(), 1e-9 * off.total());
+    EXPECT_DOUBLE_EQ(off.lone_step_extra, 0);
+    // The steps (or the gradient shards) out on the step's stream; the weights come in beside it.
+    EXPECT_NEAR(on.offload_copies, elements * (optimizer ? 2 : 4) / (rates.pcie_gbytes * 1e9), 1e-9 * on.offload_copies);
+    EXPECT_EQ(on.weights_in, 0);
+  }
+  // A host slower than the forward: the overlap hides a forward's worth.
+  throughput_rates slow = rates;
+  slow.host_adamw_gbytes = 1e-3;
+  const step_time crawl = estimate_step_time(offloaded(true, true, true), slow);
+  EXPECT_NEAR(crawl.host_adamw - crawl.host_adamw_exposed, crawl.forward, 1e-9 * crawl.host_adamw);
+  // Nothing offloaded: the device's AdamW alone.
+  step_time_request none = offloaded(true, false, true);
+  none.offload_optimizer = none.offload_master = false;
+  const step_time device = estimate_step_time(none, rates);
+  EXPECT_EQ(device.host_adamw, 0);
+  EXPECT_GT(device.update, 0);
 }
 
 }  // namespace

@@ -235,11 +235,12 @@ class cuda_backend final : public backend {
     after_host_copies(dst, src);
     UPIPE_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream_));
   }
-  void copy_bytes_side(void* dst, const void* src, std::size_t bytes) override {
+  void side_copy(void* dst, const void* src, std::size_t bytes, std::size_t timed) override {
     if (bytes == 0 || dst == src) return;
     use_device();
     UPIPE_CUDA_CHECK(cudaEventRecord(compute_done_, stream_));
     UPIPE_CUDA_CHECK(cudaStreamWaitEvent(copy_stream_, compute_done_, 0));
+    record_side_event(timed, false);  // after the wait: the copy's own time from here
     if (pageable_ && in_host_pool(dst) && !in_host_pool(src)) {
       pageable_->to_host(static_cast<std::byte*>(dst), static_cast<const std::byte*>(src), bytes);
     } else if (pageable_ && in_host_pool(src) && !in_host_pool(dst)) {
@@ -247,8 +248,9 @@ class cuda_backend final : public backend {
     } else {
       UPIPE_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, copy_stream_));
     }
+    record_side_event(timed, true);
   }
-  void join_side_copies() override {
+  void join_all_side_copies() override {
     use_device();
     UPIPE_CUDA_CHECK(cudaEventRecord(copies_done_, copy_stream_));
     UPIPE_CUDA_CHECK(cudaStreamWaitEvent(stream_, copies_done_, 0));
@@ -261,7 +263,7 @@ class cuda_backend final : public backend {
     side_points_.emplace(++last_side_point_, e);
     return last_side_point_;
   }
-  void join_side_point(std::uint64_t point) override {
+  void join_one_side_point(std::uint64_t point) override {
     use_device();
     const auto it = side_points_.find(point);
     UPIPE_CHECK(it != side_points_.end(), "side copy point " + std::to_string(point) + " is unknown or joined");
@@ -366,6 +368,11 @@ class cuda_backend final : public backend {
     UPIPE_CUDA_CHECK(cudaEventElapsedTime(&ms, marks_[from], marks_[to]));
     return ms;
   }
+  double side_copy_ms(std::size_t timed) override {
+    float ms = 0;
+    UPIPE_CUDA_CHECK(cudaEventElapsedTime(&ms, side_marks_[2 * timed], side_marks_[2 * timed + 1]));
+    return ms;
+  }
 
  private:
   // Host conversions go through device staging of at most this many elements, so an
@@ -382,6 +389,18 @@ class cuda_backend final : public backend {
     for (std::int64_t first = 0; first < n; first += most) chunk(staging, first, std::min(most, n - first));
     UPIPE_CUDA_CHECK(cudaFreeAsync(staging, stream_));
     synchronize();
+  }
+
+  // A side copy's start or end mark (phase timing), on the copy stream; events reused.
+  void record_side_event(std::size_t timed, bool end) {
+    if (timed == no_side_mark) return;
+    const std::size_t index = 2 * timed + (end ? 1 : 0);
+    while (side_marks_.size() <= index) {
+      cudaEvent_t e = nullptr;
+      UPIPE_CUDA_CHECK(cudaEventCreate(&e));
+      side_marks_.push_back(e);
+    }
+    UPIPE_CUDA_CHECK(cudaEventRecord(side_marks_[index], copy_stream_));
   }
 
   // Any thread may drive a backend; the device is per thread in the CUDA runtime.
@@ -417,6 +436,7 @@ class cuda_backend final : public backend {
   cuda::context context_;  // what the ops run with: stream_, the engines, sum_result_
   std::size_t driver_peak_ = 0;
   std::vector<cudaEvent_t> marks_;  // phase timing's events, reused
+  std::vector<cudaEvent_t> side_marks_;  // phase timing's side copy events (two a copy), reused
   std::map<std::uint64_t, cudaEvent_t> side_points_;  // side_point()s not yet joined
   std::uint64_t last_side_point_ = 0;
 };
@@ -484,6 +504,8 @@ void cuda_backend::release_all() noexcept {
   if (stream_ != nullptr) log_cuda(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
   for (cudaEvent_t e : marks_) log_cuda(cudaEventDestroy(e), "cudaEventDestroy");
   marks_.clear();
+  for (cudaEvent_t e : side_marks_) log_cuda(cudaEventDestroy(e), "cudaEventDestroy");
+  side_marks_.clear();
   for (const auto& [point, e] : side_points_) log_cuda(cudaEventDestroy(e), "cudaEventDestroy");
   side_points_.clear();
   grouped_engine_.reset();  // engines before the workspaces they hold (their destructors only log)
