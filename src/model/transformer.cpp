@@ -71,6 +71,9 @@ transformer::transformer(const model_config& model, const cp_settings& cp, std::
   aux_on_ = model.sparse_layer_count() > 0 &&
             (options.router_aux == router_aux_loss::on ||
              (options.router_aux == router_aux_loss::config && model.moe.output_router_logits));
+  if (model.linear_layer_count() > 0)
+    throw config_error("model '" + model.name + "' has " + std::to_string(model.linear_layer_count()) +
+                       " Gated DeltaNet (linear_attention) layers, which this build does not run yet");
   if (attention_input_tile_ <= 0)
     throw config_error("attention_input_tile " + std::to_string(attention_input_tile_) +
                        " must be a positive row count");
@@ -306,7 +309,7 @@ tensor transformer::layer_forward(int layer, const layer_params& p, const tensor
   return out;
 }
 
-attention_layer::context transformer::attention_into_residual(int layer, const layer_params& p, const mat_view& h,
+attention_layer::context transformer::attention_into_residual(int layer, const layer_params& p, const normed_input& h,
                                                               const tensor& residual,
                                                               const attention_layer::context* kept,
                                                               tensor* projection_out, tensor* rstd) {
@@ -314,17 +317,17 @@ attention_layer::context transformer::attention_into_residual(int layer, const l
   attention_layer::context ctx;
   if (!post_norms()) {
     if (kept != nullptr)
-      attention.project_output(*kept, p.attention, residual.matrix(), projection_mode::accumulate);
+      attention.project_output(*kept, h, p.attention, residual.matrix(), projection_mode::accumulate);
     else
-      ctx = attention.forward(h, p.attention, residual.matrix(), projection_mode::accumulate);
+      ctx = attention.forward(h.whole, p.attention, residual.matrix(), projection_mode::accumulate);
     return ctx;
   }
   // Gemma 3: residual += RMSNorm(attention's projection).
   tensor a = be_.allocate(mem_tag::activations, be_.work_dtype(), residual.dims(), "attn_proj_out");
   if (kept != nullptr)
-    attention.project_output(*kept, p.attention, a.matrix(), projection_mode::overwrite);
+    attention.project_output(*kept, h, p.attention, a.matrix(), projection_mode::overwrite);
   else
-    ctx = attention.forward(h, p.attention, a.matrix(), projection_mode::overwrite);
+    ctx = attention.forward(h.whole, p.attention, a.matrix(), projection_mode::overwrite);
   tensor normed = be_.allocate(mem_tag::activations, be_.work_dtype(), residual.dims(), "attn_post_norm_out");
   tensor a_rstd = be_.allocate(mem_tag::activations, dtype::f32, {tokens_, 1}, "attn_post_norm_rstd");
   ops::rmsnorm_forward(be_, {a.matrix(), p.attention_post_norm, normed.matrix(), a_rstd.matrix(), norm_eps(), norm_offset()});
@@ -456,7 +459,7 @@ void transformer::layer_backward(int layer, const layer_params& p, const layer_g
     // The checkpoint kept the attention output: only the output projection reruns.
     ctx.out = store_.take(layer, checkpoint_store::item::attention_out, mem_tag::activations);
     ctx.saved.lse = store_.take(layer, checkpoint_store::item::attention_lse, mem_tag::activations);
-    attention_into_residual(layer, p, {}, x2, &ctx, &projected, &projected_rstd);
+    attention_into_residual(layer, p, tiled ? tiles : normed_input(h.matrix()), x2, &ctx, &projected, &projected_rstd);
   } else {
     ctx = attention_into_residual(layer, p, h.matrix(), x2, nullptr, &projected, &projected_rstd);
   }

@@ -146,7 +146,7 @@ class transformer {
   // The layer's attention (its output projection included) added to `residual`, through the
   // norm after attention where the family has one; with `keep_projection` the projection
   // before that norm is returned (and its 1/rms in *rstd) for the backward.
-  attention_layer::context attention_into_residual(int layer, const layer_params& p, const mat_view& h,
+  attention_layer::context attention_into_residual(int layer, const layer_params& p, const normed_input& h,
                                                    const tensor& residual, const attention_layer::context* kept,
                                                    tensor* projection_out, tensor* rstd);
   void mlp_forward(const layer_params& p, const tensor& x);
