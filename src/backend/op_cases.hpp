@@ -46,6 +46,9 @@ inline std::string dims_text(std::initializer_list<std::pair<const char*, std::i
 std::vector<op_entry> model_op_entries();
 // The mixture of experts' entries (op_registry_moe.cpp): the router, dispatch and sigmoid gate.
 std::vector<op_entry> moe_op_entries();
+// Gated DeltaNet's (op_registry_gated_delta.cpp): the gated delta rule, its context-parallel
+// summaries and scan, the causal conv, the gates.
+std::vector<op_entry> gated_delta_op_entries();
 // The optimizer's (op_registry_optim.cpp): AdamW in every state format, the sum of squares.
 std::vector<op_entry> optimizer_op_entries();
 

@@ -61,4 +61,41 @@ void adamw(host_case& t, const adamw_args& a, std::int64_t n);
 // sum = the sum of squares of x's columns [0, cols) of (rows, width).
 void sum_squares(host_case& t, std::int64_t rows, std::int64_t cols, std::int64_t width);
 
+// Gated DeltaNet (op_float64_gated_delta.cpp). The gated delta rule token by token
+// (ops/gated_delta/recurrent.hpp in double), on contiguous q, k (tokens, k_heads, d_k), v
+// (tokens, v_heads, d_v), g and beta (tokens, v_heads), states (v_heads, d_k, d_v); the
+// documents as sequence_documents (starts, the segment's first row).
+struct gated_delta_case {
+  std::int64_t tokens = 0, k_heads = 0, v_heads = 0, d_k = 0, d_v = 0;
+  bool initial_state = false;      // the case has an "initial_state" tensor
+  std::vector<std::int64_t> starts;
+  std::int64_t first = 0;
+};
+// out and final_state.
+void gated_delta_forward(host_case& t, const gated_delta_case& c);
+// d_q, d_k, d_v, d_g, d_beta, d_initial_state from d_out and d_final_state.
+void gated_delta_backward(host_case& t, const gated_delta_case& c);
+// transition (the final state from the identity on zero values) and local_state.
+void gated_delta_summary(host_case& t, const gated_delta_case& c);
+// local_d_initial: d_initial_state from d_out on zero values and a zero d_final_state.
+void gated_delta_summary_backward(host_case& t, const gated_delta_case& c);
+// states from transitions and locals, R segments of `heads` heads, forward or backward.
+void gated_delta_scan(host_case& t, std::int64_t segments, std::int64_t heads, std::int64_t d_k, std::int64_t d_v,
+                      bool backward);
+// y (rows, channels) = silu(causal depthwise conv of x with weight (channels, taps)), rows
+// before 0 from halo (taps - 1, channels) where `halo`; no row reads an earlier document.
+struct causal_conv_case {
+  std::int64_t rows = 0, channels = 0, taps = 0;
+  bool halo = false;
+  std::vector<std::int64_t> starts;
+  std::int64_t first = 0;
+};
+void causal_conv_forward(host_case& t, const causal_conv_case& c);
+// d_x, d_halo (where `halo`) written and d_weight accumulated, from d_y.
+void causal_conv_backward(host_case& t, const causal_conv_case& c);
+// g = -exp(a_log) softplus(a + dt_bias), beta = sigmoid(b), (rows, heads).
+void gated_delta_gates_forward(host_case& t, std::int64_t rows, std::int64_t heads);
+// d_a, d_b written; d_a_log, d_dt_bias accumulated.
+void gated_delta_gates_backward(host_case& t, std::int64_t rows, std::int64_t heads);
+
 }  // namespace upipe::f64

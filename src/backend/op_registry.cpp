@@ -717,6 +717,7 @@ std::vector<op_entry> build_registry() {
           cross_entropy_entry()};
   for (op_entry& e : model_op_entries()) entries.push_back(std::move(e));
   for (op_entry& e : moe_op_entries()) entries.push_back(std::move(e));
+  for (op_entry& e : gated_delta_op_entries()) entries.push_back(std::move(e));
   for (op_entry& e : optimizer_op_entries()) entries.push_back(std::move(e));
   return entries;
 }

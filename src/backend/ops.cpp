@@ -9,12 +9,14 @@
 #include <utility>
 #include <vector>
 
+#include "backend/op_checks.hpp"
 #include "core/error.hpp"
 #include "ops/rope_frequencies.hpp"
 
 namespace upipe::ops {
 
-namespace {
+// The checks every entry shares (backend/op_checks.hpp declares those other entry files use).
+namespace checks {
 
 // Built by appending, which also keeps GCC 12's -Wrestrict false positive away.
 std::string describe(const mat_view& m) {
@@ -45,12 +47,6 @@ std::string describe(const head_view& v) {
   s += dtype_name(v.type);
   s += ")";
   return s;
-}
-
-// "ops::gemm: c (2 x 3, ld 3, f32): <rule>"
-template <class View>
-std::string fail(const char* op, const char* name, const View& v, const std::string& rule) {
-  return std::string("ops::") + op + ": " + name + " " + describe(v) + ": " + rule;
 }
 
 void check_finite_scalar(const char* op, const char* name, float value, const char* example) {
@@ -249,7 +245,9 @@ void check_adamw_scalars(const adamw_args& args) {
                                                   " must be finite (e.g. the clipping coefficient)");
 }
 
-}  // namespace
+}  // namespace checks
+
+using namespace checks;
 
 void gemm(backend& be, const gemm_args& args) {
   const char* op = "gemm";

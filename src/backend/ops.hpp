@@ -35,6 +35,17 @@ void moe_scatter_backward(backend& be, const moe_scatter_backward_args& args);
 void sigmoid_gate_forward(backend& be, const sigmoid_gate_forward_args& args);
 void sigmoid_gate_backward(backend& be, const sigmoid_gate_backward_args& args);
 void cross_entropy(backend& be, const cross_entropy_args& args);
+// Gated DeltaNet (ops/op_args.hpp; backend/ops_gated_delta.cpp): the gated delta rule, its
+// context-parallel summaries and their scan, the causal conv, the gates.
+void gated_delta_forward(backend& be, const gated_delta_forward_args& args);
+void gated_delta_backward(backend& be, const gated_delta_backward_args& args);
+void gated_delta_summary(backend& be, const gated_delta_summary_args& args);
+void gated_delta_summary_backward(backend& be, const gated_delta_summary_backward_args& args);
+void gated_delta_scan(backend& be, const gated_delta_scan_args& args);
+void causal_conv_forward(backend& be, const causal_conv_forward_args& args);
+void causal_conv_backward(backend& be, const causal_conv_backward_args& args);
+void gated_delta_gates_forward(backend& be, const gated_delta_gates_forward_args& args);
+void gated_delta_gates_backward(backend& be, const gated_delta_gates_backward_args& args);
 void adamw(backend& be, const adamw_args& args);
 double sum_squares(backend& be, const mat_view& x);
 

@@ -353,12 +353,174 @@ struct sigmoid_gate_backward_args {
   mat_view d_z;        // (n, 1) f32, out
 };
 
+// ---------------------------------------------------------------------------------------
+// Gated DeltaNet (Qwen3-Next, Qwen3.5): the gated delta rule, its causal conv and its gates,
+// as transformers 5.25 defines them (torch_recurrent_gated_delta_rule, causal_conv1d_fn,
+// Qwen3NextGatedDeltaNet.forward). docs/design.md "Gated DeltaNet ops" has the math.
+
+// Packed documents of a recurrence over one segment of the sequence: `starts` as in
+// document_mask (global indices where documents begin, sorted, the first 0; empty: one
+// document), and row 0 of the segment at global index `first`. The state resets to zero at
+// every document start inside the segment, row 0 included: what enters row 0 from before
+// (an initial state, a conv's halo) is read only where row 0 continues a document (no
+// start at `first`; with no starts at all, always).
+struct sequence_documents {
+  std::span<const std::int64_t> starts;
+  std::int64_t first = 0;
+};
+
+// q and k L2-normalized over d_k inside the op (transformers' use_qk_l2norm_in_kernel, on
+// in both families), x / sqrt(sum x^2 + eps), or taken as they are.
+enum class qk_norm : std::uint8_t { none, l2 };
+
+// What every gated-delta-rule op shares. The state is fp32 (its views are f32; nothing
+// else is allowed), the chunk size 64 (the chunked algorithm's; nothing else is allowed).
+struct gated_delta_options {
+  float scale = 0.0f;  // q's scale; 0: d_k^-0.5, transformers' (which no config changes)
+  qk_norm norm = qk_norm::l2;
+  float l2_eps = 1e-6f;  // transformers' l2norm eps
+  std::int64_t chunk_size = 64;
+};
+inline constexpr std::int64_t gated_delta_chunk = 64;
+
+// The gated delta rule over one segment (docs/design.md): per value head h, with
+// q_t, k_t the (normalized) rows of query/key head h / (H_v / H_k) (transformers'
+// repeat_interleave) and S the (d_k, d_v) state of transformers' layout,
+//   S <- exp(g_t) S;  S <- S + k_t (beta_t (v_t - S^T k_t))^T;  o_t = S^T (scale q_t).
+// Views of states are stacks of matrices: (H_v, d_k, d_v) as head_view (tokens = matrices,
+// heads = rows, dim = columns). `workspace` is f32 device memory for the chunk buffers,
+// at least gated_delta_workspace_floats(...) (ops/gated_delta/workspace.hpp) for one chunk
+// a pass; a larger one lets a pass hold more chunks. The caller allocates it (the arena,
+// so the meta backend counts it) and may free it once the op returns.
+struct gated_delta_forward_args {
+  head_view q, k;              // (s, H_k, d_k)
+  head_view v;                 // (s, H_v, d_v)
+  mat_view g, beta;            // (s, H_v) f32: log-decay (<= 0) and beta (sigmoid's, in (0, 1))
+  head_view initial_state;     // (H_v, d_k, d_v) f32, or empty (data null): zero
+  head_view out;               // (s, H_v, d_v), written
+  head_view final_state;       // (H_v, d_k, d_v) f32, written (the state after row s - 1), or empty
+  sequence_documents documents;
+  gated_delta_options options;
+  mat_view workspace;          // (1, n) f32
+};
+
+// The gradients of the forward's inputs from d_out and d_final_state; the forward's
+// states are recomputed (nothing but its inputs is kept between the two).
+struct gated_delta_backward_args {
+  head_view q, k, v;           // as in forward
+  mat_view g, beta;            // as in forward
+  head_view initial_state;     // as in forward (empty: zero)
+  head_view d_out;             // (s, H_v, d_v)
+  head_view d_final_state;     // (H_v, d_k, d_v) f32, or empty: zero
+  head_view d_q, d_k;          // (s, H_k, d_k), written (a key head's value heads summed)
+  head_view d_v;               // (s, H_v, d_v), written
+  mat_view d_g, d_beta;        // (s, H_v) f32, written
+  head_view d_initial_state;   // (H_v, d_k, d_v) f32, written, or empty: not wanted
+  sequence_documents documents;
+  gated_delta_options options;
+  mat_view workspace;          // (1, n) f32
+};
+
+// Context parallelism (docs/design.md): a segment's summary. The final state is linear in
+// the initial one, final = transition · initial + local_state per head (transition (d_k,
+// d_k), applied on the left of transformers' (d_k, d_v) state); local_state is the final
+// state from a zero initial state. A document start in the segment (row 0 included) makes
+// the transition zero.
+struct gated_delta_summary_args {
+  head_view q, k, v;           // as in forward
+  mat_view g, beta;            // as in forward
+  head_view transition;        // (H_v, d_k, d_k) f32, written
+  head_view local_state;       // (H_v, d_k, d_v) f32, written
+  sequence_documents documents;
+  gated_delta_options options;
+  mat_view workspace;          // (1, n) f32
+};
+
+// The backward's summary: d_initial_state is linear in d_final_state,
+// d_initial = transition^T · d_final + local_d_initial, where local_d_initial is the
+// gradient by the initial state from d_out alone (a zero d_final_state). It reads neither
+// v nor any state. A document start at row 0 makes both zero.
+struct gated_delta_summary_backward_args {
+  head_view q, k;              // as in forward
+  mat_view g, beta;            // as in forward
+  head_view d_out;             // (s, H_v, d_v)
+  head_view local_d_initial;   // (H_v, d_k, d_v) f32, written
+  sequence_documents documents;
+  gated_delta_options options;
+  mat_view workspace;          // (1, n) f32
+};
+
+// Combines the R segments' summaries, in fp32 and in segment order (every rank computes
+// the same bits). forward: states[r] is the state entering segment r, from locals = each
+// segment's local_state:
+//   states[0] = 0; states[r + 1] = transitions[r] states[r] + locals[r].
+// backward: states[r] is the d_final_state segment r receives, from locals = each
+// segment's local_d_initial:
+//   states[R - 1] = 0; states[r] = transitions[r + 1]^T states[r + 1] + locals[r + 1].
+// A segment that begins a document has a zero transition and local_d_initial and ignores
+// the state it is given, so no flags are needed. Segment r's head h is matrix r * heads + h.
+enum class scan_direction : std::uint8_t { forward, backward };
+struct gated_delta_scan_args {
+  head_view transitions;       // (R * H_v, d_k, d_k) f32
+  head_view locals;            // (R * H_v, d_k, d_v) f32
+  head_view states;            // (R * H_v, d_k, d_v) f32, written
+  std::int64_t heads = 0;      // H_v
+  scan_direction direction = scan_direction::forward;
+};
+
+// The depthwise causal conv over the mixed q/k/v channels, then SiLU (transformers'
+// causal_conv1d_fn with activation "silu"):
+//   y[t, c] = silu(sum_j weight[c, j] x[t - (K - 1) + j, c]),
+// rows before row 0 read `halo` (the previous K - 1 rows, a neighbour rank's last ones;
+// no rows: zero), and a row never reads a row of an earlier document (zero instead; the
+// halo is of an earlier document where one starts at row 0).
+struct causal_conv_forward_args {
+  mat_view x;       // (s, C)
+  mat_view halo;    // (K - 1, C), or no rows: zeros
+  mat_view weight;  // (C, K): conv1d.weight (C, 1, K) squeezed
+  mat_view y;       // (s, C), written
+  sequence_documents documents;
+};
+
+// d_x and d_halo written (d_halo: the gradient the neighbour's rows receive, to be sent
+// back to it; no rows: not wanted); d_weight (C, K) f32 accumulated, or no rows: frozen.
+struct causal_conv_backward_args {
+  mat_view x, halo, weight;  // as in forward
+  mat_view d_y;              // (s, C)
+  mat_view d_x;              // (s, C), written
+  mat_view d_halo;           // (K - 1, C), written, or no rows
+  mat_view d_weight;         // (C, K) f32, accumulated, or no rows
+  sequence_documents documents;
+};
+
+// The per-head decay and beta of a Gated DeltaNet layer (fp32 math, as transformers'):
+//   g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b),
+// softplus as torch's (x above 20 taken as it is).
+struct gated_delta_gates_forward_args {
+  mat_view a, b;             // (s, H_v): in_proj_a's and in_proj_b's outputs
+  mat_view a_log, dt_bias;   // (1, H_v)
+  mat_view g, beta;          // (s, H_v) f32, written
+};
+
+// d_a and d_b written; d_a_log and d_dt_bias (1, H_v) f32 accumulated (summed over rows),
+// or no rows: frozen.
+struct gated_delta_gates_backward_args {
+  mat_view a, b, a_log, dt_bias;  // as in forward
+  mat_view d_g, d_beta;           // (s, H_v) f32
+  mat_view d_a, d_b;              // (s, H_v), written
+  mat_view d_a_log, d_dt_bias;    // (1, H_v) f32, accumulated, or no rows
+};
+
 using op = std::variant<gemm_args, sdpa_forward_args, sdpa_backward_args, rope_args, rmsnorm_forward_args,
                         rmsnorm_backward_args, copy_heads_args, add_heads_args, fill_heads_args, lse_merge_args,
                         embedding_forward_args, embedding_backward_args, swiglu_forward_args, swiglu_backward_args,
                         bias_add_args, bias_grad_args, cross_entropy_args, adamw_args, sum_squares_args,
                         moe_route_args, moe_route_backward_args, moe_gather_args, moe_scatter_args,
-                        moe_scatter_backward_args, sigmoid_gate_forward_args, sigmoid_gate_backward_args>;
+                        moe_scatter_backward_args, sigmoid_gate_forward_args, sigmoid_gate_backward_args,
+                        gated_delta_forward_args, gated_delta_backward_args, gated_delta_summary_args,
+                        gated_delta_summary_backward_args, gated_delta_scan_args, causal_conv_forward_args,
+                        causal_conv_backward_args, gated_delta_gates_forward_args,
+                        gated_delta_gates_backward_args>;
 
 // Does the CUDA implementation of an op hold device memory of its own beside its
 // arguments (a library's workspace)? The meta backend must then model that memory: an op

@@ -37,6 +37,16 @@ void run(const moe_scatter_backward_args& args);
 void run(const sigmoid_gate_forward_args& args);
 void run(const sigmoid_gate_backward_args& args);
 void run(const cross_entropy_args& args);
+// Gated DeltaNet (gated_delta.cpp, causal_conv.cpp).
+void run(const gated_delta_forward_args& args);
+void run(const gated_delta_backward_args& args);
+void run(const gated_delta_summary_args& args);
+void run(const gated_delta_summary_backward_args& args);
+void run(const gated_delta_scan_args& args);
+void run(const causal_conv_forward_args& args);
+void run(const causal_conv_backward_args& args);
+void run(const gated_delta_gates_forward_args& args);
+void run(const gated_delta_gates_backward_args& args);
 void run(const adamw_args& args);
 void run(const sum_squares_args& args);
 // sum_squares adds the sums of blocks of this many elements in order; block_sums[b] gets

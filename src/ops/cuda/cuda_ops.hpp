@@ -57,6 +57,16 @@ void run(const sigmoid_gate_backward_args& args, const context& ctx);
 void run(const cross_entropy_args& args, const context& ctx);
 void run(const adamw_args& args, const context& ctx);
 void run(const sum_squares_args& args, const context& ctx);
+// Gated DeltaNet (kernels_gated_delta.cu, kernels_causal_conv.cu).
+void run(const gated_delta_forward_args& args, const context& ctx);
+void run(const gated_delta_backward_args& args, const context& ctx);
+void run(const gated_delta_summary_args& args, const context& ctx);
+void run(const gated_delta_summary_backward_args& args, const context& ctx);
+void run(const gated_delta_scan_args& args, const context& ctx);
+void run(const causal_conv_forward_args& args, const context& ctx);
+void run(const causal_conv_backward_args& args, const context& ctx);
+void run(const gated_delta_gates_forward_args& args, const context& ctx);
+void run(const gated_delta_gates_backward_args& args, const context& ctx);
 
 // Attention where the one query row sees one key (a one-token document), which cuDNN
 // refuses: out = v, lse = scale q.k; backward d_v = the group's summed d_out, d_q = d_k = 0.
