@@ -37,14 +37,25 @@ The references are computed from the saved directory re-loaded and cast to float
 attention (transformers' chunked gated delta rule, its gated RMSNorm and the decay run in
 float32 inside, as its code casts them):
   golden.json                 loss, tokens, layer types, versions, parameter names, the
-                              tokenizer's ids of three sample texts
+                              tokenizer's ids of three sample texts, and float32_error: how
+                              far transformers itself lands from this reference in float32
+                              (the worst of the loss and every gradient, relative to the
+                              largest); the golden tests allow upipe, an fp32 engine, twice that
+                              where it exceeds their 1e-5
   grads.safetensors           every parameter's gradient (float32) under the names
                               save_pretrained writes (the experts per expert)
   documents.json, documents_grads.safetensors
                               the same tokens as six packed documents (37, 1, 60, 24, 50, 31),
                               each run by itself: the state and the convolution start afresh
-                              at every document
+                              at every document (with its float32_error: a document's first
+                              outputs are small differences that the gated norm rescales, which
+                              fp32 rounding shows up to about 3e-5 here)
 qwen3-5-vl/ has golden.json alone (its loss: the text model's through the multimodal class).
+And under tests/golden/lora/hybrid-<name>/, PEFT's LoRA on each base (make_family_fixtures.py's
+make_lora: r 4, alpha 7, B drawn N(0, 0.05^2)): every linear module of the dense Qwen3.5's
+(the attention's q_proj with its gate rows, k, v, o; the Gated DeltaNet's in_proj_qkv,
+in_proj_z, in_proj_b, in_proj_a, out_proj; the MLP's), and on the mixtures of experts the
+attention's and the Gated DeltaNet's (Qwen3-Next's fused in_proj_qkvz and in_proj_ba).
 Runs on the CPU, one thread; deterministic for given versions.
 """
 import json
@@ -58,6 +69,7 @@ from safetensors import safe_open  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from make_family_fixtures import make_lora  # noqa: E402
 from make_hf_fixtures import BOS, EOS, PAD, TEXT_SAMPLES, VOCAB, start_fixture_run  # noqa: E402
 from make_moe_fixtures import stored_names  # noqa: E402
 
@@ -73,14 +85,18 @@ TEXT = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention
             rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25))
 MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24)
 
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+LINEAR_35 = ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"]
 FIXTURES = [
-    dict(name="qwen3-5", seed=4601, config=lambda: transformers.Qwen3_5TextConfig(**TEXT, intermediate_size=96)),
-    dict(name="qwen3-5-attention", seed=4605,
+    dict(name="qwen3-5", seed=4601, lora="all-linear",
+         config=lambda: transformers.Qwen3_5TextConfig(**TEXT, intermediate_size=96)),
+    dict(name="qwen3-5-attention", seed=4605, lora="all-linear",
          config=lambda: transformers.Qwen3_5TextConfig(**dict(TEXT, num_hidden_layers=2,
                                                               layer_types=["full_attention"] * 2),
                                                        intermediate_size=96)),
-    dict(name="qwen3-5-moe", seed=4602, config=lambda: transformers.Qwen3_5MoeTextConfig(**TEXT, **MOE)),
-    dict(name="qwen3-next", seed=4603,
+    dict(name="qwen3-5-moe", seed=4602, lora=ATTENTION + LINEAR_35,
+         config=lambda: transformers.Qwen3_5MoeTextConfig(**TEXT, **MOE)),
+    dict(name="qwen3-next", seed=4603, lora=ATTENTION + ["in_proj_qkvz", "in_proj_ba", "out_proj"],
          config=lambda: transformers.Qwen3NextConfig(**TEXT, **MOE, intermediate_size=96, mlp_only_layers=[1],
                                                      decoder_sparse_step=1, norm_topk_prob=True)),
 ]
@@ -117,11 +133,44 @@ def tokens_for(seed):
     return torch.randint(0, VOCAB, (TOKENS,), generator=gen)
 
 
+def load_f32(directory):
+    return transformers.AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32,
+                                                             attn_implementation="eager",
+                                                             experts_implementation="eager").eval()
+
+
 def load_f64(directory):
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32,
-                                                              attn_implementation="eager",
-                                                              experts_implementation="eager")
-    return model.to(torch.float64).eval()
+    return load_f32(directory).to(torch.float64)
+
+
+def documents_loss(model, tokens, lengths):
+    """The mean loss over packed documents, each run by itself (a one-token document has no target)."""
+    total, targets, at = 0.0, 0, 0
+    for length in lengths:
+        ids = torch.tensor(tokens[at:at + length])[None]
+        at += length
+        if length < 2:
+            continue
+        logits = model(input_ids=ids).logits[0, :-1]
+        total = total + torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="sum")
+        targets += length - 1
+    return total / targets, targets
+
+
+def float32_error(directory, reference, loss, tokens, lengths):
+    """How far transformers itself lands from the float64 reference when it runs in float32: the
+    worst over the loss and every gradient of max |difference| / max |reference|. At a document's
+    first tokens the gated norm rescales outputs that are small differences of rounded products,
+    so an fp32 engine cannot be closer than about this (the golden tests bound upipe by it)."""
+    model = load_f32(directory)
+    f32_loss, _ = documents_loss(model, tokens, lengths)
+    f32_loss.backward()
+    worst = abs(f32_loss.item() - loss) / abs(loss)
+    grads = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        want = grads[name].grad.detach()
+        worst = max(worst, ((p.grad.double() - want).abs().max() / want.abs().max()).item())
+    return worst
 
 
 FX_ROLES = dict(block="mlp", roles=("gate_proj", "up_proj", "down_proj"))
@@ -166,6 +215,7 @@ def make_base(out, fx, tokenizer):
     result = model(input_ids=ids, labels=ids)
     result.loss.backward()
     save_grads(model, out / "grads.safetensors", saved)
+    f32 = float32_error(out, model, result.loss.item(), ids[0].tolist(), [TOKENS])
     golden = {
         "model": fx["name"],
         "architecture": type(model).__name__,
@@ -173,6 +223,7 @@ def make_base(out, fx, tokenizer):
         "torch": torch.__version__.split("+")[0],
         "dtype": "bfloat16",
         "reference_dtype": "float64",
+        "float32_error": f32,
         "tokens": ids[0].tolist(),
         "loss": result.loss.item(),
         "layer_types": model.config.layer_types,
@@ -188,21 +239,14 @@ def make_base(out, fx, tokenizer):
 def make_documents(out, tokens, saved):
     model = load_f64(out)
     assert sum(DOCUMENT_LENGTHS) == len(tokens)
-    starts, total, targets, at = [], 0.0, 0, 0
-    for length in DOCUMENT_LENGTHS:
-        starts.append(at)
-        ids = torch.tensor(tokens[at:at + length])[None]
-        at += length
-        if length < 2:
-            continue
-        logits = model(input_ids=ids).logits[0, :-1]
-        total = total + torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="sum")
-        targets += length - 1
-    loss = total / targets
+    starts = [sum(DOCUMENT_LENGTHS[:i]) for i in range(len(DOCUMENT_LENGTHS))]
+    loss, targets = documents_loss(model, tokens, DOCUMENT_LENGTHS)
     loss.backward()
     save_grads(model, out / "documents_grads.safetensors", saved)
     record = {"starts": starts, "lengths": DOCUMENT_LENGTHS, "loss": float(loss), "targets": targets,
-              "reference_dtype": "float64", "transformers": transformers.__version__, "torch": torch.__version__}
+              "reference_dtype": "float64",
+              "float32_error": float32_error(out, model, float(loss), tokens, DOCUMENT_LENGTHS),
+              "transformers": transformers.__version__, "torch": torch.__version__}
     (out / "documents.json").write_text(json.dumps(record, indent=1) + "\n")
 
 
@@ -242,8 +286,10 @@ def main():
         base = root / fx["name"]
         golden, saved = make_base(base, fx, tokenizer)
         make_documents(base, golden["tokens"], saved)
+        lora = make_lora(base, Path("tests/golden/lora") / ("hybrid-" + fx["name"]), golden["tokens"], targets=fx["lora"])
         size = sum(p.stat().st_size for p in base.iterdir())
-        print(f"{fx['name']}: {golden['architecture']} loss={golden['loss']:.9f} bytes={size}")
+        print(f"{fx['name']}: {golden['architecture']} loss={golden['loss']:.9f} lora loss={lora['loss']:.9f} "
+              f"modules={lora['target_modules']} bytes={size}")
     golden = make_multimodal(root / "qwen3-5-vl", 4604, tokenizer)
     print(f"qwen3-5-vl: {golden['architecture']} loss={golden['loss']:.9f}")
 

@@ -27,7 +27,11 @@ inline model_config slice_layers(model_config m, int layers) {
   if (layers < 0 || layers > m.num_layers)
     throw config_error("--layers " + std::to_string(layers) + " must lie between 1 and the model's " +
                        std::to_string(m.num_layers) + " layers (a slice of the first N layers)");
-  if (layers > 0) m.num_layers = layers;
+  if (layers == 0) return m;
+  m.num_layers = layers;
+  // The per-layer lists keep the slice's layers: its windows, sparse MLPs and linear layers.
+  for (std::vector<bool>* list : {&m.windowed_layers, &m.moe.sparse_layers, &m.linear.layers})
+    if (!list->empty()) list->resize(static_cast<std::size_t>(layers));
   return m;
 }
 
