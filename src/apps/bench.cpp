@@ -57,9 +57,19 @@ struct row {
   bool check_pass = true;
   std::string check_error;  // why the check could not run, if it could not
   std::map<std::string, double> phases_ms;  // --phases: the fastest step by phase
+  std::map<std::string, std::uint64_t> sent_bytes;  // rank 0's bytes sent over the CP group a step, by label
 };
 
 double gib(std::size_t bytes) { return static_cast<double>(bytes) / (1 << 30); }
+
+// One line under a row: the bytes rank 0 sent over its CP group in a step, by label, most first.
+void print_sent_bytes(const std::map<std::string, std::uint64_t>& sent) {
+  std::vector<std::pair<std::string, std::uint64_t>> sorted(sent.begin(), sent.end());
+  std::sort(sorted.begin(), sorted.end(), [](const auto& a, const auto& b) { return a.second > b.second; });
+  std::printf("#   sent (MiB a step):");
+  for (const auto& [label, bytes] : sorted) std::printf(" %s %.2f", label.c_str(), static_cast<double>(bytes) / (1 << 20));
+  std::printf("\n");
+}
 
 // One line under a row: the fastest step's time by phase, longest first, and its share.
 void print_phases(const std::map<std::string, double>& phases) {
@@ -232,7 +242,8 @@ int run(const bench_flags& f) {
                      {"check_seq_len", r.check_seq_len == 0 ? nlohmann::json(nullptr) : nlohmann::json(r.check_seq_len)},
                      {"check_pass", r.check_pass},
                      {"check_error", r.check_error.empty() ? nlohmann::json(nullptr) : nlohmann::json(r.check_error)},
-                     {"phases_ms", r.phases_ms.empty() ? nlohmann::json(nullptr) : nlohmann::json(r.phases_ms)}});
+                     {"phases_ms", r.phases_ms.empty() ? nlohmann::json(nullptr) : nlohmann::json(r.phases_ms)},
+                     {"sent_bytes_by_label", r.sent_bytes}});
     write_json_file(f.json_path, all, 1);
   };
   std::printf("# upipe bench  model=%s  layers=%d of %d (a slice: per-layer time and working set)  backend=%s  %s "
@@ -307,6 +318,7 @@ int run(const bench_flags& f) {
         r.memory = t.memory;
         r.driver_peak = t.driver_peak;
         r.phases_ms = t.phases_ms;
+        r.sent_bytes = t.sent_bytes_by_label;
         if (!f.no_check && kind != backend_kind::meta) {
           // A check that cannot run (memory, say) fails its row but keeps the timing.
           try {
@@ -340,6 +352,7 @@ int run(const bench_flags& f) {
                     r.layers, f.dp, C, repeats, times, gib(r.memory.device_peak), gib(r.memory.arena_high_water), check);
         std::fflush(stdout);
         if (!r.phases_ms.empty()) print_phases(r.phases_ms);
+        if (f.phases && !r.sent_bytes.empty()) print_sent_bytes(r.sent_bytes);
         rows.push_back(std::move(r));
         write_json();
       }
@@ -376,7 +389,9 @@ command_runner add_bench(CLI::App& app) {
   app.add_option("--single-pass-from", f->single_pass_from, "one timed step from this length on")->capture_default_str();
   app.add_option("--warmup-seq-len", f->warmup_len, "length of the warm-up step (default 256 layout units)");
   app.add_flag("--no-check", f->no_check, "skip the correctness check after timing");
-  app.add_flag("--phases", f->phases, "also time each phase of the fastest step (attention parts, MLP, loss)");
+  app.add_flag("--phases", f->phases,
+               "also time each phase of the fastest step (attention parts, the linear layers', MLP, loss) and print the "
+               "bytes rank 0 sent over the CP group, by label");
   app.add_option("--peak-tflops", f->peak_tflops, "the card's measured bf16 GEMM peak, for MFU")->capture_default_str();
   app.add_option("--targets", f->targets,
                  "the fraction of each sequence that is a target of the loss, its last tokens (fine-tuning's shape: a "

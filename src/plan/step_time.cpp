@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
+#include <optional>
 
 #include "cp/stage_plan.hpp"
 #include "cp/strategy_table.hpp"
@@ -79,6 +80,39 @@ step_time layer_attention_time(const attention_config& layer, const step_time_re
   return t;
 }
 
+step_time layer_linear_time(const attention_config& layer, const step_time_request& r, const throughput_rates& rates,
+                            double passes_forward) {
+  const linear_attention_config& l = r.model.linear;
+  const int C = layer.cp, G = std::min(r.gpus_per_node, C);
+  const double s = static_cast<double>(layer.seq_len) / C, Hv = l.value_heads, dk = l.key_dim, dv = l.value_dim;
+  step_time t;
+  // 6 Hv dk dv FLOPs a token forward (2 each for S^T k, the update and S^T q), 12 backward.
+  t.attention = 6 * Hv * dk * dv * s * (2 + passes_forward) / (rates.attention_tflops * tera);
+  if (C == 1) return t;
+  const double network = rates.network_gbits / 8 * giga, nvlink = rates.nvlink_gbytes * giga;
+  const bool heads = (layer.strategy == strategy_kind::ulysses || layer.strategy == strategy_kind::upipe) &&
+                     layer.seq_chunks <= 1;
+  if (heads) {
+    // bf16 rows of q | k | v | b | a out and o back, per pass; backward: d_o out, the stage's
+    // inputs again, and their gradients home.
+    const double in = s * (static_cast<double>(l.conv_channels()) + 2 * Hv) * 2, out = s * Hv * dv * 2;
+    const double leaving = (passes_forward * (in + out) + out + 2 * in) * (C - 1) / C;
+    const double off_node = leaving * (C - G) / std::max(C - 1, 1);
+    t.all_to_all = std::max((leaving - off_node) / nvlink, off_node / network);
+    return t;
+  }
+  // Sequence layouts: every segment's summary reaches every rank (an all-gather receives C - 1
+  // ranks' segments); ring layouts hold two segments a rank, chunked ones N.
+  const double segments = layer.strategy == strategy_kind::ring || layer.strategy == strategy_kind::hybrid
+                              ? 2
+                              : std::max(layer.seq_chunks, 1);
+  const double forward = segments * Hv * dk * (dk + dv) * 4, backward = segments * Hv * dk * dv * 4;
+  const double halos = 2 * segments * (l.conv_kernel - 1) * static_cast<double>(l.conv_channels()) * 2;
+  const double received = (passes_forward * forward + backward + halos) * (C - 1);
+  t.ring = received / (C > r.gpus_per_node ? network : nvlink);
+  return t;
+}
+
 step_time estimate_step_time(const step_time_request& r, const throughput_rates& rates) {
   const model_config& m = r.model;
   const int C = r.cp.cp;
@@ -101,8 +135,16 @@ step_time estimate_step_time(const step_time_request& r, const throughput_rates&
   // alike, so each distinct window is timed once.
   std::map<std::int64_t, step_time> by_window;
   double attention_host = 0;  // seconds: the attention's chunks to and from the host, every layer
+  std::optional<step_time> linear;  // the hybrids' Gated DeltaNet layers, alike
   for (int l = 0; l < m.num_layers; ++l) {
     const attention_config layer = attention_config_for(m, r.cp, r.seq_len, l);
+    if (m.linear_layer(l)) {
+      if (!linear) linear = layer_linear_time(layer, r, rates, 1 + recompute_attention);
+      t.attention += linear->attention;
+      t.all_to_all += linear->all_to_all;
+      t.ring += linear->ring;
+      continue;
+    }
     auto it = by_window.find(layer.window);
     if (it == by_window.end())
       it = by_window.emplace(layer.window, layer_attention_time(layer, r, rates, 1 + recompute_attention)).first;

@@ -58,4 +58,13 @@ step_time estimate_step_time(const step_time_request& request, const throughput_
 step_time layer_attention_time(const attention_config& layer, const step_time_request& request,
                                const throughput_rates& rates, double passes_forward);
 
+// One Gated DeltaNet layer of a hybrid (docs/design.md section 13): its recurrence's compute
+// (three dk x dv products a token and value head, forward, twice in backward, at the
+// attention's rate: its chunked kernels are tensor-core products of the same shapes), and
+// its exchange: in the head layouts the all-to-alls of the projections (q, k, v, b, a) and of
+// o, both ways; in the sequence layouts the summaries' all-gathers (fp32, Hv dk (dk + dv) a
+// segment forward, Hv dk dv backward) and the halos'.
+step_time layer_linear_time(const attention_config& layer, const step_time_request& request,
+                            const throughput_rates& rates, double passes_forward);
+
 }  // namespace upipe

@@ -630,6 +630,7 @@ step_timing time_steps(const train_options& options, std::int64_t warmup_len, in
                                    1 + static_cast<std::uint64_t>(i * global_batch(o) + rc.replica() * o.batch + k)));
           be.synchronize();
           comm.barrier();
+          mesh.cp.reset_counters();
           be.set_phase_timing(phases == phase_timing::by_phase);
           const auto start = clock_type::now();
           run_step(rc, batch, 1 + i, record);
@@ -643,6 +644,7 @@ step_timing time_steps(const train_options& options, std::int64_t warmup_len, in
             if (out.seconds.empty() || seconds < *std::min_element(out.seconds.begin(), out.seconds.end()))
               out.phases_ms = std::move(by_phase);
             out.seconds.push_back(seconds);
+            out.sent_bytes_by_label = {mesh.cp.counters().bytes_by_label.begin(), mesh.cp.counters().bytes_by_label.end()};
             out.losses.push_back(record.loss);
             out.grad_norms.push_back(record.grad_norm);
           }
