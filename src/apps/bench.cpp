@@ -12,6 +12,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "apps/moe_flags.hpp"
 #include "apps/commands.hpp"
 #include "apps/flag_checks.hpp"
 #include "apps/json_file.hpp"
@@ -80,6 +81,18 @@ void print_phases(const std::map<std::string, double>& phases) {
   std::printf("#   phases (ms, %% of the step):");
   for (const auto& [name, ms] : sorted) std::printf("  %s %.2f (%.1f%%)", name.c_str(), ms, 100.0 * ms / total);
   std::printf("\n");
+  // A mixture of experts' step in four: its expert GEMMs (and activations), the routing
+  // around them (router, dispatch, permute, combine, statistics), attention, the rest.
+  double experts = 0, routing = 0, attention = 0;
+  for (const auto& [name, ms] : sorted) {
+    if (name == "moe_experts") experts += ms;
+    if (name == "moe_routing") routing += ms;
+    if (name.rfind("attn_", 0) == 0) attention += ms;
+  }
+  if (experts + routing > 0 && total > 0)
+    std::printf("#   shares: expert GEMMs %.1f%%, routing/permute %.1f%%, attention %.1f%%, the rest %.1f%%\n",
+                100.0 * experts / total, 100.0 * routing / total, 100.0 * attention / total,
+                100.0 * (total - experts - routing - attention) / total);
 }
 
 // With data parallelism (which run_model_step does not run): the loss of step 1 on a short sequence under `o`'s strategy and mesh with every rank
@@ -278,6 +291,7 @@ int run(const bench_flags& f) {
         apply_comm(f.cfg(), o.step);
         o.step.attention_arithmetic = parse_attention_dtype(f.cfg().attention_dtype);
         o.step.lora = lora;
+        apply_moe(f.cfg(), o.step);
         o.optim.total_steps = 1 + f.repeats;
         o.optim.warmup_steps = 0;
         o.seed = f.cfg().seed;
@@ -322,7 +336,10 @@ int run(const bench_flags& f) {
         if (!f.no_check && kind != backend_kind::meta) {
           // A check that cannot run (memory, say) fails its row but keeps the timing.
           try {
-            const step_check c = check_against_cp1(o, unit * 64);
+            // Dropless: a capacity drops tokens per rank's tile, which C = 1 tiles otherwise.
+            train_options checked = o;
+            checked.step.moe.capacity_factor = 0;
+            const step_check c = check_against_cp1(checked, unit * 64);
             r.check_seq_len = c.seq_len;
             r.check_rel_diff = c.loss_rel_diff;
             r.check_grad_rel_diff = c.grad_rel_diff;

@@ -25,6 +25,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "apps/moe_flags.hpp"
 #include "apps/commands.hpp"
 #include "apps/flag_checks.hpp"
 #include "apps/cp_flags.hpp"
@@ -176,6 +177,7 @@ eval_setup setup(const eval_flags& f) {
   const resolved_step resolved = resolve_step(sizes_of(s.req, longest, f.cfg().memory_gib, 0));
   s.req.options = resolved.step;
   s.req.options.lora = lora;
+  apply_moe(f.cfg(), s.req.options);
   s.req.limits = resolved.limits;
   s.directory = model_directory(model, f.cfg().config);
   const std::string weights_path =

@@ -56,6 +56,8 @@ struct run_config {
   std::string backend = "cpu", offload = "none", checkpoint_policy = "auto", attention_dtype = "bf16";
   std::int64_t mlp_tile = 0, loss_chunk = 0;
   double memory_gib = 8, host_memory_gib = 0;
+  std::string moe_gemm = "grouped";
+  double moe_capacity_factor = 0;
   // [metrics]
   std::string metrics_json;
 };

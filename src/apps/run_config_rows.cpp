@@ -283,6 +283,14 @@ std::vector<option_row> make_rows() {
        model_commands, r::changes},
       {"--loss-chunk", "system.loss_chunk", UPIPE_FIELD(loss_chunk), range(0, max_seq_len, "8192"), loss_chunk_help,
        model_commands, r::changes},
+      {"--moe-gemm", "system.moe_gemm", UPIPE_FIELD(moe_gemm), words("grouped, cublas, loop", "loop"),
+       "a mixture of experts' expert GEMMs: grouped (CUTLASS's grouped GEMM, the experts' row counts read on the "
+       "device), cublas (cuBLAS's grouped GEMM, the counts read on the host) or loop (one GEMM per expert)",
+       run_commands, r::changes},
+      {"--moe-capacity-factor", "system.moe_capacity_factor", UPIPE_FIELD(moe_capacity_factor), range(0, 1e6, "1.25"),
+       "a mixture of experts' capacity: each expert takes at most ceil(F n k / E) of an MLP tile's n tokens, the rest "
+       "of its tokens dropped in token order (Switch, GShard); 0: dropless",
+       run_commands, r::changes},
       {"--attention-dtype", "system.attention_dtype", UPIPE_FIELD(attention_dtype), words("bf16, fp8", "fp8"),
        "the fused attention's arithmetic: bf16, or fp8 (E4M3 Q, K, V, O and E5M2 gradients with per-tensor scales, "
        "fp32 softmax statistics; docs/design.md section 6)",

@@ -6,6 +6,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "apps/moe_flags.hpp"
 #include "apps/commands.hpp"
 #include "apps/flag_checks.hpp"
 #include "apps/cp_flags.hpp"
@@ -99,6 +100,7 @@ int run(step_flags& f) {
   const resolved_step resolved = resolve_step(sizes_of(req, S, c.memory_gib, c.host_memory_gib));
   req.options = resolved.step;
   req.options.router_aux = parse_router_aux_loss(c.router_aux_loss);
+  apply_moe(c, req.options);
   req.limits = resolved.limits;
   const bool data = req.backend != backend_kind::meta;
   const std::string weights_path =

@@ -17,6 +17,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "apps/moe_flags.hpp"
 #include "apps/commands.hpp"
 #include "apps/flag_checks.hpp"
 #include "apps/cp_flags.hpp"
@@ -312,6 +313,7 @@ train_options to_options(run_options& opts, bool fine_tune) {
   o.step.attention_arithmetic = parse_attention_dtype(f.attention_dtype);
   o.step.lora = lora;
   o.step.router_aux = parse_router_aux_loss(f.router_aux_loss);
+  apply_moe(f, o.step);
   o.optim.lr = f.lr;
   o.optim.weight_decay = f.weight_decay;
   o.optim.max_grad_norm = f.max_grad_norm;

@@ -148,7 +148,14 @@ class backend {
   // entries in backend/ops.hpp, which check the arguments first.
   virtual void run(const op& args) = 0;
 
+  // Host synchronizations so far: each time the host waited for the device's work (a
+  // download or upload, a synchronize(), an op whose result the host reads). The CUDA
+  // backend counts every wait; the cpu backend counts the same calls, which would wait on
+  // a device, so that code held to none on the cpu issues none on the GPU; meta counts none.
+  std::uint64_t host_syncs() const { return host_syncs_; }
+
  protected:
+  void note_host_sync() { ++host_syncs_; }
   // Base addresses of the two arenas; nullptr on meta. Set by the derived constructor.
   void set_bases(std::byte* device_base, std::byte* host_base) {
     device_base_ = device_base;
@@ -180,6 +187,7 @@ class backend {
   memory_ledger ledger_;
   bool phase_timing_ = false;
   gemm_flops gemm_count_;
+  std::uint64_t host_syncs_ = 0;
   std::vector<const char*> phase_stack_;
   std::vector<std::string> phase_of_mark_;  // the phase that starts at mark i
   std::vector<std::chrono::steady_clock::time_point> host_marks_;

@@ -44,11 +44,18 @@ inline std::string dims_text(std::initializer_list<std::pair<const char*, std::i
 // The entries of the ops the model families brought (op_registry_model.cpp): the bias's
 // add and gradient, GeGLU.
 std::vector<op_entry> model_op_entries();
-// The mixture of experts' entries (op_registry_moe.cpp): the router, dispatch and sigmoid gate.
+// The mixture of experts' entries (op_registry_moe.cpp): the router, dispatch, permute,
+// combine, balance statistics and sigmoid gate, with the grouped expert GEMMs'
+// (op_registry_moe_gemm.cpp).
 std::vector<op_entry> moe_op_entries();
+std::vector<op_entry> moe_gemm_op_entries();
 // Gated DeltaNet's (op_registry_gated_delta.cpp): the gated delta rule, its context-parallel
 // summaries and scan, the causal conv, the gates.
 std::vector<op_entry> gated_delta_op_entries();
+// The gated delta rule's ops at Qwen3.5-27B's and Qwen3-Next-80B's head shapes (d 128, 16 key
+// heads, 48 and 32 value heads): the GPU tests' (tests/gpu/gated_delta_test.cpp), too slow
+// for the cpu suite's harness.
+std::vector<op_case> gated_delta_model_cases();
 // The optimizer's (op_registry_optim.cpp): AdamW in every state format, the sum of squares.
 std::vector<op_entry> optimizer_op_entries();
 

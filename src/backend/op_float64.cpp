@@ -4,6 +4,8 @@
 #include <cmath>
 #include <limits>
 
+#include "core/dtype.hpp"
+#include "ops/fp8_attention.hpp"
 #include "ops/rope_frequencies.hpp"
 
 namespace upipe::f64 {
@@ -13,6 +15,9 @@ namespace {
 double silu(double x) { return x / (1.0 + std::exp(-x)); }
 
 double sigmoid(double x) { return 1.0 / (1.0 + std::exp(-x)); }
+double rounded(double x, double scale, fp8_format format) {
+  return round_to_fp8(static_cast<float>(x) * static_cast<float>(scale), format) / scale;
+}
 
 double gelu_tanh(double x) {
   const double pi = std::acos(-1.0);
@@ -36,7 +41,7 @@ void gemm(host_case& t, std::int64_t m, std::int64_t n, std::int64_t k, bool a_t
 }
 
 void sdpa_forward(host_case& t, std::int64_t sq, std::int64_t skv, std::int64_t hq, std::int64_t hk, std::int64_t d,
-                  bool causal, double scale, attention_rows rows) {
+                  bool causal, double scale, attention_rows rows, bool fp8_probabilities) {
   const auto& q = t["q"];
   const auto& k = t["k"];
   const auto& v = t["v"];
@@ -64,10 +69,53 @@ void sdpa_forward(host_case& t, std::int64_t sq, std::int64_t skv, std::int64_t 
       for (std::int64_t x = 0; x < d; ++x) {
         double o = 0;
         for (std::int64_t j = 0; j < skv; ++j)
-          if (sees(j)) o += std::exp(p[j] - top) / sum * v[(j * hk + g) * d + x];
+          if (sees(j)) {
+            const double e = std::exp(p[j] - top);
+            o += (fp8_probabilities ? rounded(e, fp8_probability_scale, fp8_format::e4m3) : e) / sum *
+                 v[(j * hk + g) * d + x];
+          }
         out[(i * hq + h) * d + x] = o;
       }
       lse[i * hq + h] = top + std::log(sum);
+    }
+}
+
+void sdpa_backward_fp8(host_case& t, std::int64_t sq, std::int64_t skv, std::int64_t hq, std::int64_t hk,
+                       std::int64_t d, bool causal, double scale, double d_s_scale) {
+  const auto& q = t["q"];
+  const auto& k = t["k"];
+  const auto& v = t["v"];
+  const auto& out = t["out"];
+  const auto& d_out = t["d_out"];
+  const auto& lse = t["lse"];
+  auto& d_q = t["d_q"];
+  auto& d_k = t["d_k"];
+  auto& d_v = t["d_v"];
+  std::fill(d_k.begin(), d_k.end(), 0.0);
+  std::fill(d_v.begin(), d_v.end(), 0.0);
+  const auto dot = [d](const std::vector<double>& a, std::int64_t a_row, const std::vector<double>& b,
+                       std::int64_t b_row) {
+    double s = 0;
+    for (std::int64_t x = 0; x < d; ++x) s += a[a_row * d + x] * b[b_row * d + x];
+    return s;
+  };
+  for (std::int64_t i = 0; i < sq; ++i)
+    for (std::int64_t h = 0; h < hq; ++h) {
+      const std::int64_t g = h / (hq / hk), row = i * hq + h;
+      const double row_dot = dot(d_out, row, out, row);
+      std::vector<double> dq(static_cast<std::size_t>(d), 0.0);
+      for (std::int64_t j = 0; j < (causal ? std::min(i + 1, skv) : skv); ++j) {
+        const std::int64_t key = j * hk + g;
+        const double p = std::exp(scale * dot(q, row, k, key) - lse[row]);
+        const double d_s = rounded(scale * p * (dot(d_out, row, v, key) - row_dot), d_s_scale, fp8_format::e5m2);
+        const double p8 = rounded(p, fp8_probability_scale, fp8_format::e4m3);
+        for (std::int64_t x = 0; x < d; ++x) {
+          dq[x] += d_s * k[key * d + x];
+          d_k[key * d + x] += d_s * q[row * d + x];
+          d_v[key * d + x] += p8 * d_out[row * d + x];
+        }
+      }
+      for (std::int64_t x = 0; x < d; ++x) d_q[row * d + x] = dq[x];
     }
 }
 

@@ -27,8 +27,16 @@ void gemm(host_case& t, std::int64_t m, std::int64_t n, std::int64_t k, bool a_t
 struct attention_rows {
   std::int64_t q_first = 0, k_first = 0, window = 0;
 };
+// With fp8_probabilities, P meets v as FP8's fused kernels multiply it (E4M3 at
+// fp8_probability_scale, the row's max at 1; the sum stays exact): inputs already quantized.
 void sdpa_forward(host_case& t, std::int64_t sq, std::int64_t skv, std::int64_t hq, std::int64_t hk, std::int64_t d,
-                  bool causal, double scale, attention_rows rows = {});
+                  bool causal, double scale, attention_rows rows = {}, bool fp8_probabilities = false);
+// FP8 attention's backward on quantized q, k, v, out, d_out and the forward's lse: d_v = P^T
+// d_out with P = exp(scale q k^T - lse) in E4M3 at fp8_probability_scale; dS = scale P (d_out
+// v^T - rowsum(d_out out)) in E5M2 at d_s_scale; d_q = dS k, d_k = dS^T q (before the outputs'
+// own quantization).
+void sdpa_backward_fp8(host_case& t, std::int64_t sq, std::int64_t skv, std::int64_t hq, std::int64_t hk,
+                       std::int64_t d, bool causal, double scale, double d_s_scale);
 // out and lse (f32 accumulators) merged with a block's (out_part, lse_part): lse' = log(e^lse +
 // e^lse_part), out' = out e^(lse - lse') + out_part e^(lse_part - lse'); a -inf side adds nothing.
 void lse_merge(host_case& t, std::int64_t tokens, std::int64_t heads, std::int64_t dim);
@@ -70,6 +78,8 @@ struct gated_delta_case {
   bool initial_state = false;      // the case has an "initial_state" tensor
   std::vector<std::int64_t> starts;
   std::int64_t first = 0;
+  double scale = 0;  // 0: d_k^-0.5
+  bool l2 = true;    // q and k L2-normalized
 };
 // out and final_state.
 void gated_delta_forward(host_case& t, const gated_delta_case& c);

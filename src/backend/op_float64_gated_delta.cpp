@@ -36,6 +36,8 @@ recurrence inputs_of(host_case& t, const gated_delta_case& c, bool with_v, bool 
   if (with_initial && c.initial_state)
     r.in.initial = contiguous3<const double>(t.at("initial_state").data(), c.v_heads, c.d_k, c.d_v);
   r.in.reset = r.reset.data();
+  r.in.scale = c.scale;
+  r.in.l2 = c.l2;
   return r;
 }
 

@@ -76,6 +76,12 @@ std::vector<float> fetch(backend& be, const tensor& t) {
     std::copy(codes.begin(), codes.end(), out.begin());
     return out;
   }
+  if (t.type() == dtype::i32) {  // ids and rows (exact below 2^24), compared as numbers
+    std::vector<std::int32_t> ids(out.size());
+    be.download_bytes(ids.data(), t, ids.size() * sizeof(std::int32_t));
+    std::copy(ids.begin(), ids.end(), out.begin());
+    return out;
+  }
   be.download_f32(out.data(), t);
   return out;
 }
@@ -127,6 +133,25 @@ double normalized_error(const std::vector<float>& got, const std::vector<float>&
   return scale > 0.0 ? err / scale : err;
 }
 
+double head_rms_error(const std::vector<float>& got, const std::vector<float>& want, const shape& dims) {
+  const double inf = std::numeric_limits<double>::infinity();
+  if (got.size() != want.size() || dims.rank != 3) return inf;
+  const std::int64_t tokens = dims[0], heads = dims[1], dim = dims[2];
+  std::vector<double> err(static_cast<std::size_t>(heads), 0.0), ref(static_cast<std::size_t>(heads), 0.0);
+  for (std::int64_t t = 0; t < tokens; ++t)
+    for (std::int64_t h = 0; h < heads; ++h)
+      for (std::int64_t x = 0; x < dim; ++x) {
+        const auto i = static_cast<std::size_t>((t * heads + h) * dim + x);
+        const double diff = static_cast<double>(got[i]) - want[i];
+        err[static_cast<std::size_t>(h)] += std::isnan(diff) ? inf : diff * diff;
+        ref[static_cast<std::size_t>(h)] += static_cast<double>(want[i]) * want[i];
+      }
+  double worst = 0.0;
+  for (std::size_t h = 0; h < err.size(); ++h)
+    worst = std::max(worst, ref[h] > 0.0 ? std::sqrt(err[h] / ref[h]) : std::sqrt(err[h]));
+  return worst;
+}
+
 std::vector<output_error> compare_with_reference(backend& reference, backend& tested, const op_case& c,
                                                  std::uint64_t seed) {
   const case_tensors want = make_case_tensors(reference, c, seed);
@@ -138,7 +163,8 @@ std::vector<output_error> compare_with_reference(backend& reference, backend& te
     const case_tensor& spec = c.tensors[i];
     if (spec.bf16_tolerance <= 0.0) continue;
     const tensor& g = got.list()[i];
-    errors.push_back({spec.name, normalized_error(fetch(tested, g), fetch(reference, want.list()[i])),
+    const std::vector<float> a = fetch(tested, g), b = fetch(reference, want.list()[i]);
+    errors.push_back({spec.name, spec.per_head_rms ? head_rms_error(a, b, spec.dims) : normalized_error(a, b),
                       g.type() == dtype::bf16 && spec.type != case_dtype::bf16 ? spec.bf16_tolerance
                                                                                 : spec.f32_tolerance});
   }

@@ -23,6 +23,10 @@ case_tensors make_case_tensors(backend& be, const op_case& c, std::uint64_t seed
 // side has not the same one, is an infinite error.
 double normalized_error(const std::vector<float>& got, const std::vector<float>& want);
 
+// Over a (tokens, heads, dim) tensor: the worst head's sqrt(sum (got - want)^2 / sum want^2);
+// NaN is an infinite error.
+double head_rms_error(const std::vector<float>& got, const std::vector<float>& want, const shape& dims);
+
 struct output_error {
   std::string output;
   double error = 0.0, tolerance = 0.0;

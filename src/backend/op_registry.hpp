@@ -39,6 +39,10 @@ struct case_tensor {
   // reference does (f32, or a bf16 or u8 tensor on every backend).
   double bf16_tolerance = 0.0;
   double f32_tolerance = 1e-5;
+  // How the error is measured: the normalized error above, or (for outputs of FP8 attention,
+  // where an element may land one FP8 step away) the worst head's relative RMS error over a
+  // (tokens, heads, dim) tensor.
+  bool per_head_rms = false;
 };
 
 // A case's tensors on one backend, found by name.

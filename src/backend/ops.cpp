@@ -545,18 +545,39 @@ double sum_squares(backend& be, const mat_view& x) {
 
 namespace upipe::ops {
 
+namespace {
+
+// An (n, k) i32 matrix of expert ids or rows, and an optional (n, 1) u8 row mask.
+void check_slots(const char* op, const char* name, const mat_view& m, std::int64_t n, std::int64_t k) {
+  check_matrix(op, name, m);
+  check_type(op, name, m, dtype::i32, dtype::i32);
+  check_dims(op, name, m, n, k);
+}
+void check_row_mask(const char* op, const mat_view& counted, std::int64_t n) {
+  if (counted.rows == 0) return;
+  check_matrix(op, "counted", counted);
+  check_type(op, "counted", counted, dtype::u8, dtype::u8);
+  check_dims(op, "counted", counted, n, 1);
+}
+void check_f32(const char* op, const char* name, const mat_view& m, std::int64_t rows, std::int64_t cols) {
+  check_matrix(op, name, m);
+  check_type(op, name, m, dtype::f32, dtype::f32);
+  check_dims(op, name, m, rows, cols);
+}
+// The routing kernels keep a row's E probabilities in a warp's registers.
+constexpr std::int64_t max_experts = 1024;
+
+}  // namespace
+
 void moe_route(backend& be, const moe_route_args& args) {
   const char* op = "moe_route";
   const std::int64_t n = args.logits.rows, E = args.logits.cols, k = args.weights.cols;
-  for (const auto& [name, view] : {std::pair{"logits", &args.logits}, std::pair{"probs", &args.probs},
-                                   std::pair{"weights", &args.weights}, std::pair{"experts", &args.experts}})
-    check_matrix(op, name, *view);
-  check_type(op, "logits", args.logits, dtype::f32, dtype::f32);
-  check_type(op, "probs", args.probs, dtype::f32, dtype::f32);
-  check_type(op, "weights", args.weights, dtype::f32, dtype::f32);
-  check_type(op, "experts", args.experts, dtype::i32, dtype::i32);
-  check_dims(op, "probs", args.probs, n, E);
-  check_dims(op, "experts", args.experts, n, k);
+  check_f32(op, "logits", args.logits, n, E);
+  check_f32(op, "probs", args.probs, n, E);
+  check_f32(op, "weights", args.weights, n, k);
+  check_slots(op, "experts", args.experts, n, k);
+  UPIPE_CHECK(E >= 1 && E <= max_experts, "ops::moe_route: E = " + std::to_string(E) + " experts must lie in [1, " +
+                                              std::to_string(max_experts) + "]");
   UPIPE_CHECK(k >= 1 && k <= E, "ops::moe_route: k = " + std::to_string(k) + " experts per token must lie in [1, E = " +
                                     std::to_string(E) + "]");
   be.run(args);
@@ -565,87 +586,127 @@ void moe_route(backend& be, const moe_route_args& args) {
 void moe_route_backward(backend& be, const moe_route_backward_args& args) {
   const char* op = "moe_route_backward";
   const std::int64_t n = args.probs.rows, E = args.probs.cols, k = args.experts.cols;
-  for (const auto& [name, view] : {std::pair{"probs", &args.probs}, std::pair{"d_weights", &args.d_weights},
-                                   std::pair{"d_logits", &args.d_logits}}) {
-    check_matrix(op, name, *view);
-    check_type(op, name, *view, dtype::f32, dtype::f32);
-  }
-  check_matrix(op, "experts", args.experts);
-  check_type(op, "experts", args.experts, dtype::i32, dtype::i32);
-  check_dims(op, "experts", args.experts, n, k);
-  check_dims(op, "d_weights", args.d_weights, n, k);
-  check_dims(op, "d_logits", args.d_logits, n, E);
-  if (args.aux_grad.rows > 0) {
-    check_type(op, "aux_grad", args.aux_grad, dtype::f32, dtype::f32);
-    check_dims(op, "aux_grad", args.aux_grad, 1, E);
-  }
+  check_f32(op, "probs", args.probs, n, E);
+  check_f32(op, "d_weights", args.d_weights, n, k);
+  check_f32(op, "d_logits", args.d_logits, n, E);
+  check_slots(op, "experts", args.experts, n, k);
+  if (args.aux_grad.rows > 0) check_f32(op, "aux_grad", args.aux_grad, 1, E);
+  check_row_mask(op, args.counted, n);
+  UPIPE_CHECK(E <= max_experts, "ops::moe_route_backward: E = " + std::to_string(E) + " experts exceeds " +
+                                    std::to_string(max_experts));
   be.run(args);
 }
 
-void moe_gather(backend& be, const moe_gather_args& args) {
-  const char* op = "moe_gather";
+void moe_dispatch(backend& be, const moe_dispatch_args& args) {
+  const char* op = "moe_dispatch";
+  const std::int64_t n = args.experts.rows, k = args.experts.cols, E = args.offsets.cols - 1;
+  check_slots(op, "experts", args.experts, n, k);
+  check_slots(op, "position", args.position, n, k);
+  check_slots(op, "offsets", args.offsets, 1, E + 1);
+  check_slots(op, "scratch", args.scratch, moe_dispatch_scratch_rows(n), E);
+  UPIPE_CHECK(E >= 1 && E <= max_experts, "ops::moe_dispatch: E = " + std::to_string(E) + " experts must lie in [1, " +
+                                              std::to_string(max_experts) + "]");
+  UPIPE_CHECK(args.capacity >= 0, "ops::moe_dispatch: capacity " + std::to_string(args.capacity) +
+                                      " must be 0 (dropless) or a row count");
+  UPIPE_CHECK(n * k < (std::int64_t{1} << 31), "ops::moe_dispatch: " + std::to_string(n * k) +
+                                                   " rows exceed the i32 positions; use a smaller --mlp-tile");
+  be.run(args);
+}
+
+void moe_permute(backend& be, const moe_permute_args& args) {
+  const char* op = "moe_permute";
   check_matrix(op, "src", args.src);
   check_matrix(op, "dst", args.dst);
   check_type(op, "src", args.src, be.work_dtype(), be.work_dtype());
   check_type(op, "dst", args.dst, be.work_dtype(), be.work_dtype());
   check_dims(op, "dst", args.dst, args.dst.rows, args.src.cols);
-  check_index_column(op, "index", args.index, args.dst.rows);
+  check_slots(op, "position", args.position, args.src.rows, args.position.cols);
   be.run(args);
 }
 
-namespace {
-// The rows and slots of a scatter: an index per row, and a slot into the (n, k) weights.
-void check_scatter_rows(const char* op, const mat_view& index, const mat_view& slot, const mat_view& weights,
-                        std::int64_t rows) {
-  check_index_column(op, "index", index, rows);
-  if (weights.rows == 0) return;
-  check_index_column(op, "slot", slot, rows);
-  check_matrix(op, "weights", weights);
-  check_type(op, "weights", weights, dtype::f32, dtype::f32);
-  UPIPE_CHECK(weights.ld == weights.cols, "ops::" + std::string(op) + ": weights must be contiguous (read flat)");
-}
-}  // namespace
-
-void moe_scatter(backend& be, const moe_scatter_args& args) {
-  const char* op = "moe_scatter";
+void moe_combine(backend& be, const moe_combine_args& args) {
+  const char* op = "moe_combine";
+  const std::int64_t n = args.dst.rows, D = args.dst.cols;
   check_matrix(op, "src", args.src);
   check_matrix(op, "dst", args.dst);
   check_type(op, "src", args.src, be.work_dtype(), dtype::f32);
   check_type(op, "dst", args.dst, be.work_dtype(), dtype::f32);
-  check_dims(op, "src", args.src, args.src.rows, args.dst.cols);
-  check_scatter_rows(op, args.index, args.slot, args.weights, args.src.rows);
+  check_dims(op, "src", args.src, args.src.rows, D);
+  check_slots(op, "position", args.position, n, args.position.cols);
+  if (args.weights.rows > 0) check_f32(op, "weights", args.weights, n, args.position.cols);
+  if (args.shared.rows > 0) {
+    check_matrix(op, "shared", args.shared);
+    check_type(op, "shared", args.shared, be.work_dtype(), dtype::f32);
+    check_dims(op, "shared", args.shared, n, D);
+    check_f32(op, "shared_gate", args.shared_gate, n, 1);
+  }
   be.run(args);
 }
 
-void moe_scatter_backward(backend& be, const moe_scatter_backward_args& args) {
-  const char* op = "moe_scatter_backward";
-  const std::int64_t m = args.src.rows, D = args.src.cols;
+void moe_combine_backward(backend& be, const moe_combine_backward_args& args) {
+  const char* op = "moe_combine_backward";
+  const std::int64_t n = args.d_dst.rows, k = args.position.cols, m = args.src.rows, D = args.d_dst.cols;
   for (const auto& [name, view] : {std::pair{"d_dst", &args.d_dst}, std::pair{"src", &args.src},
                                    std::pair{"d_src", &args.d_src}}) {
     check_matrix(op, name, *view);
     check_type(op, name, *view, be.work_dtype(), dtype::f32);
   }
-  check_dims(op, "d_dst", args.d_dst, args.d_dst.rows, D);
+  check_dims(op, "src", args.src, m, D);
   check_dims(op, "d_src", args.d_src, m, D);
-  UPIPE_CHECK(args.weights.rows > 0, "ops::moe_scatter_backward: the forward's weights are needed");
-  check_scatter_rows(op, args.index, args.slot, args.weights, m);
-  check_matrix(op, "d_weights", args.d_weights);
-  check_type(op, "d_weights", args.d_weights, dtype::f32, dtype::f32);
-  check_dims(op, "d_weights", args.d_weights, args.weights.rows, args.weights.cols);
-  UPIPE_CHECK(args.d_weights.ld == args.d_weights.cols, "ops::moe_scatter_backward: d_weights must be contiguous");
+  check_slots(op, "position", args.position, n, k);
+  check_f32(op, "weights", args.weights, n, k);
+  check_f32(op, "d_weights", args.d_weights, n, k);
   be.run(args);
 }
 
-void sigmoid_gate_forward(backend& be, const sigmoid_gate_forward_args& args) {
-  const char* op = "sigmoid_gate_forward";
-  check_matrix(op, "z", args.z);
-  check_type(op, "z", args.z, dtype::f32, dtype::f32);
-  check_dims(op, "z", args.z, args.s.rows, 1);
-  for (const auto& [name, view] : {std::pair{"s", &args.s}, std::pair{"y", &args.y}}) {
-    check_matrix(op, name, *view);
-    check_type(op, name, *view, be.work_dtype(), dtype::f32);
-    check_dims(op, name, *view, args.s.rows, args.s.cols);
+void moe_balance(backend& be, const moe_balance_args& args) {
+  const char* op = "moe_balance";
+  const std::int64_t n = args.probs.rows, E = args.probs.cols;
+  check_f32(op, "probs", args.probs, n, E);
+  check_slots(op, "experts", args.experts, n, args.experts.cols);
+  check_row_mask(op, args.counted, n);
+  check_slots(op, "sums", args.sums, 1, 4 * E);
+  UPIPE_CHECK(E <= max_experts, "ops::moe_balance: E = " + std::to_string(E) + " experts exceeds " +
+                                    std::to_string(max_experts));
+  be.run(args);
+}
+
+void moe_grouped_gemm(backend& be, const moe_grouped_gemm_args& args) {
+  const char* op = "moe_grouped_gemm";
+  const auto groups = static_cast<std::int64_t>(args.weights.size());
+  UPIPE_CHECK(groups >= 1, "ops::moe_grouped_gemm: at least one group");
+  check_slots(op, "offsets", args.offsets, 1, groups + 1);
+  check_matrix(op, "rows", args.rows);
+  check_type(op, "rows", args.rows, be.work_dtype(), be.work_dtype());
+  const mat_view& w0 = args.weights.front();
+  const bool gradient = args.form == grouped_form::weight_gradient;
+  for (const mat_view& w : args.weights) {
+    check_matrix(op, "weights", w);
+    UPIPE_CHECK(w.rows == w0.rows && w.cols == w0.cols && w.ld == w0.ld && w.type == w0.type,
+                fail(op, "weights", w, "every group's matrix must have the first's shape, ld and dtype " + describe(w0)));
   }
+  check_type(op, "weights", w0, gradient ? dtype::f32 : be.work_dtype(), gradient ? dtype::f32 : be.work_dtype());
+  const std::int64_t m = args.rows.rows;
+  if (gradient) {
+    check_matrix(op, "other", args.other);
+    check_type(op, "other", args.other, be.work_dtype(), be.work_dtype());
+    check_dims(op, "other", args.other, m, w0.cols);
+    check_dims(op, "weights", w0, args.rows.cols, w0.cols);
+    UPIPE_CHECK(args.beta == 1.0f, "ops::moe_grouped_gemm: a weight gradient accumulates (beta 1), got beta " +
+                                       std::to_string(args.beta));
+  } else {
+    const bool t = args.form == grouped_form::rows_by_weight_t;
+    check_matrix(op, "out", args.out);
+    check_type(op, "out", args.out, be.work_dtype(), dtype::f32);
+    check_dims(op, "weights", w0, t ? w0.rows : args.rows.cols, t ? args.rows.cols : w0.cols);
+    check_dims(op, "out", args.out, m, t ? w0.rows : w0.cols);
+  }
+  check_finite_scalar(op, "alpha", args.alpha, "1");
+  check_finite_scalar(op, "beta", args.beta, "0");
+  // Every row of the tile as a GEMM row: the work of a dropless dispatch, a bound with a capacity.
+  const auto d = [](std::int64_t v) { return static_cast<double>(v); };
+  be.count_gemm(gradient ? 2.0 * d(w0.rows) * d(w0.cols) * d(m) : 2.0 * d(m) * d(args.out.cols) * d(args.rows.cols),
+                gradient);
   be.run(args);
 }
 

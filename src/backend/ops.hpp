@@ -29,10 +29,13 @@ void bias_grad(backend& be, const bias_grad_args& args);
 // Mixture of experts (ops/op_args.hpp).
 void moe_route(backend& be, const moe_route_args& args);
 void moe_route_backward(backend& be, const moe_route_backward_args& args);
-void moe_gather(backend& be, const moe_gather_args& args);
-void moe_scatter(backend& be, const moe_scatter_args& args);
-void moe_scatter_backward(backend& be, const moe_scatter_backward_args& args);
-void sigmoid_gate_forward(backend& be, const sigmoid_gate_forward_args& args);
+void moe_dispatch(backend& be, const moe_dispatch_args& args);
+void moe_permute(backend& be, const moe_permute_args& args);
+void moe_combine(backend& be, const moe_combine_args& args);
+void moe_combine_backward(backend& be, const moe_combine_backward_args& args);
+void moe_balance(backend& be, const moe_balance_args& args);
+// Counts 2 m n k over all of the tile's rows (the dropless work; a bound under a capacity).
+void moe_grouped_gemm(backend& be, const moe_grouped_gemm_args& args);
 void sigmoid_gate_backward(backend& be, const sigmoid_gate_backward_args& args);
 void cross_entropy(backend& be, const cross_entropy_args& args);
 // Gated DeltaNet (ops/op_args.hpp; backend/ops_gated_delta.cpp): the gated delta rule, its

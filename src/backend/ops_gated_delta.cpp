@@ -74,6 +74,7 @@ gdr_dims check_inputs(const backend& be, const char* op, const head_view& q, con
   UPIPE_CHECK(d.hk > 0 && d.hv % d.hk == 0,
               fail(op, "k", k, "key heads must divide the value heads (" + std::to_string(d.hv) + ")"));
   UPIPE_CHECK(d.dk > 0 && d.dv > 0, fail(op, "q", q, "head dims must be positive"));
+  UPIPE_CHECK(d.s > 0, fail(op, "q", q, "the segment must hold at least one row"));
   check_rows(op, "g", g, dtype::f32, d.s, d.hv);
   check_rows(op, "beta", beta, dtype::f32, d.s, d.hv);
   return d;

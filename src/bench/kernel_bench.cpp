@@ -47,40 +47,11 @@ void bench_gemms(backend& be, const kernel_bench_options& o, std::vector<kernel_
   }
 }
 
-struct attention_ms {
-  double forward = 0, backward = 0;
-};
-
-// Causal fused attention forward and backward at s tokens, d, in `arithmetic`, on standard
-// normal inputs.
-attention_ms time_attention(backend& be, std::int64_t s, int heads, int kv_heads, int d, attention_dtype arithmetic,
-                            int repeats) {
-  const dtype w = be.work_dtype();
-  tensor q = random_filled(be, w, {s, heads, d}, 1, "bench_q"), k = random_filled(be, w, {s, kv_heads, d}, 2, "bench_k");
-  tensor v = random_filled(be, w, {s, kv_heads, d}, 3, "bench_v"), out_t = be.allocate(mem_tag::activations, w, {s, heads, d}, "bench_o");
-  tensor lse = be.allocate(mem_tag::activations, dtype::f32, {s, heads, 1}, "bench_lse");
-  tensor d_o = random_filled(be, w, {s, heads, d}, 4, "bench_do"), d_q = be.allocate(mem_tag::activations, w, q.dims(), "bench_dq");
-  tensor d_k = be.allocate(mem_tag::activations, w, k.dims(), "bench_dk"), d_v = be.allocate(mem_tag::activations, w, v.dims(), "bench_dv");
-  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-  const sdpa_forward_args fwd{q.heads(), k.heads(), v.heads(), out_t.heads(), lse.heads(), attn_mask::causal, scale,
-                              {}, 0, arithmetic};
-  const sdpa_backward_args bwd{q.heads(), k.heads(), v.heads(), out_t.heads(), d_o.heads(), lse.heads(), d_q.heads(),
-                               d_k.heads(), d_v.heads(), attn_mask::causal, scale, {}, 0, arithmetic};
-  attention_ms ms;
-  ms.forward = time_mean_ms(be, repeats, [&] { ops::sdpa_forward(be, fwd); });
-  ms.backward = time_mean_ms(be, repeats, [&] { ops::sdpa_backward(be, bwd); });
-  return ms;
-}
-
-// Causal: half of the 4 s^2 h d forward FLOPs; backward 2.5x the forward.
-double causal_forward_flops(std::int64_t s, int heads, int d) {
-  return 2.0 * static_cast<double>(s) * static_cast<double>(s) * heads * d;
-}
 
 void bench_attention(backend& be, const kernel_bench_options& o, std::vector<kernel_timing>& out) {
   const std::int64_t s = o.tokens;
   for (int d : {128, 64}) {
-    const attention_ms ms = time_attention(be, s, o.heads, o.kv_heads, d, attention_dtype::bf16, o.repeats);
+    const attention_ms ms = time_causal_attention(be, s, o.heads, o.kv_heads, d, attention_dtype::bf16, o.repeats);
     const double f_ms = ms.forward, b_ms = ms.backward, fwd_flops = causal_forward_flops(s, o.heads, d);
     const std::string tag = "sdpa d=" + std::to_string(d);
     out.push_back({tag + " forward", f_ms, fwd_flops / (f_ms * 1e9), 0});
@@ -122,13 +93,38 @@ void bench_memory_bound(backend& be, const kernel_bench_options& o, std::vector<
 
 }  // namespace
 
+double causal_forward_flops(std::int64_t s, int heads, int d) {
+  return 2.0 * static_cast<double>(s) * static_cast<double>(s) * heads * d;
+}
+
+// Causal fused attention forward and backward at s tokens, d, in `arithmetic`, on standard
+// normal inputs.
+attention_ms time_causal_attention(backend& be, std::int64_t s, int heads, int kv_heads, int d,
+                                   attention_dtype arithmetic, int repeats) {
+  const dtype w = be.work_dtype();
+  tensor q = random_filled(be, w, {s, heads, d}, 1, "bench_q"), k = random_filled(be, w, {s, kv_heads, d}, 2, "bench_k");
+  tensor v = random_filled(be, w, {s, kv_heads, d}, 3, "bench_v"), out_t = be.allocate(mem_tag::activations, w, {s, heads, d}, "bench_o");
+  tensor lse = be.allocate(mem_tag::activations, dtype::f32, {s, heads, 1}, "bench_lse");
+  tensor d_o = random_filled(be, w, {s, heads, d}, 4, "bench_do"), d_q = be.allocate(mem_tag::activations, w, q.dims(), "bench_dq");
+  tensor d_k = be.allocate(mem_tag::activations, w, k.dims(), "bench_dk"), d_v = be.allocate(mem_tag::activations, w, v.dims(), "bench_dv");
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  const sdpa_forward_args fwd{q.heads(), k.heads(), v.heads(), out_t.heads(), lse.heads(), attn_mask::causal, scale,
+                              {}, 0, arithmetic};
+  const sdpa_backward_args bwd{q.heads(), k.heads(), v.heads(), out_t.heads(), d_o.heads(), lse.heads(), d_q.heads(),
+                               d_k.heads(), d_v.heads(), attn_mask::causal, scale, {}, 0, arithmetic};
+  attention_ms ms;
+  ms.forward = time_mean_ms(be, repeats, [&] { ops::sdpa_forward(be, fwd); });
+  ms.backward = time_mean_ms(be, repeats, [&] { ops::sdpa_backward(be, bwd); });
+  return ms;
+}
+
 std::vector<attention_dtype_timing> run_attention_dtype_bench(backend& be, const std::vector<std::int64_t>& lengths,
                                                               const kernel_bench_options& o) {
   std::vector<attention_dtype_timing> rows;
   constexpr int d = 128;
   for (const std::int64_t s : lengths)
     for (const attention_dtype arithmetic : {attention_dtype::bf16, attention_dtype::fp8}) {
-      const attention_ms ms = time_attention(be, s, o.heads, o.kv_heads, d, arithmetic, o.repeats);
+      const attention_ms ms = time_causal_attention(be, s, o.heads, o.kv_heads, d, arithmetic, o.repeats);
       const double flops = 3.5 * causal_forward_flops(s, o.heads, d);
       rows.push_back({s, arithmetic, ms.forward, ms.backward, flops / ((ms.forward + ms.backward) * 1e9)});
     }

@@ -92,7 +92,8 @@ transformer::transformer(const model_config& model, const cp_settings& cp, std::
     : model_(model), be_(be), store_(be, options.policy, model.num_layers), tokens_(seq_len / cp.cp),
       prefetch_weights_(options.prefetch_weights), lora_(options.lora),
       attention_input_tile_(options.attention_input_tile), meta_tiles_(options.meta_tiles),
-      cp_comm_(groups.all_to_all), moe_(model_, be) {
+      cp_comm_(groups.all_to_all),
+      moe_(model_, be, options.moe, groups.all_to_all != nullptr ? groups.all_to_all->rank() : 0) {
   aux_on_ = model.sparse_layer_count() > 0 &&
             (options.router_aux == router_aux_loss::on ||
              (options.router_aux == router_aux_loss::config && model.moe.output_router_logits));
@@ -128,9 +129,10 @@ step_options with_default_sizes(step_options o, const model_config& model, std::
                        std::to_string(o.loss_chunk) + " must be positive token counts, or 0 for the default");
   const std::int64_t share = static_cast<std::int64_t>(device_bytes / 64);
   const std::int64_t D = model.hidden_size, V = model.vocab_size;
-  // A sparse layer's tile holds an expert's block (at most the tile) at the width of the
-  // widest MLP, the tile gathered in the experts' order (k rows a token) and the router's
-  // logits, probabilities and their gradient (f32, E a token).
+  // A sparse layer's tile holds its k dispatched rows a token at once (the grouped GEMMs'
+  // operands: in backward the rows, their output and its gradient at D and gate, up, the
+  // activation and its gradient at I, bf16; d_x f32 once those went), the router's logits,
+  // probabilities and their gradient (f32, E a token) and the routing (k i32 and f32 each).
   const moe_config& moe = model.moe;
   const bool sparse = model.sparse_layer_count() > 0;
   const std::int64_t F = sparse ? std::max({std::int64_t{model.sparse_layer_count() < model.num_layers ? model.intermediate_size : 0},
@@ -139,7 +141,9 @@ step_options with_default_sizes(step_options o, const model_config& model, std::
   if (o.mlp_tile == 0) {
     // A tile's backward holds gate, up, their activation and its gradient (n x F each),
     // the normed rows and the incoming gradient's working copy (n x D each), in bf16.
-    const std::int64_t routed = sparse ? 2 * std::int64_t{moe.top_k} * D + 12 * std::int64_t{moe.experts} + 16 * moe.top_k : 0;
+    const std::int64_t routed =
+        sparse ? std::int64_t{moe.top_k} * (6 * D + 6 * moe.expert_width) + 12 * std::int64_t{moe.experts} + 24 * moe.top_k
+               : 0;
     const std::int64_t per_token = 2 * (4 * F + 2 * D) + 4 + routed;
     const std::int64_t granule = 256;
     o.mlp_tile = std::clamp(share / per_token / granule * granule, granule, max_mlp_tile);
@@ -203,6 +207,7 @@ double transformer::forward_backward(parameter_store& params, const local_batch&
   final_hidden_.reset();
   backward_layers(params, adapters, ids, d);
   aux_grad_.reset();
+  counted_.reset();
   set_current_layer(-1);
   if (params.role() == weight_role::frozen) return loss;  // no gradient for the embedding
   const int embedding = params.embedding_unit();
@@ -338,7 +343,7 @@ tensor transformer::layer_forward(int layer, const layer_params& p, const tensor
       if (keep != nullptr) *keep = std::move(ctx);
     }
   }
-  mlp_forward(p, out);
+  mlp_forward(layer, p, out);
   return out;
 }
 
@@ -405,8 +410,8 @@ void transformer::mlp_output(const layer_params& p, const mat_view& act, const m
 
 // x += down(act(gate(norm(x))) * up(norm(x))), one tile of tokens at a time, so the MLP's
 // working set is a tile whatever the sequence length.
-void transformer::mlp_forward(const layer_params& p, const tensor& x) {
-  if (p.moe.sparse()) return moe_forward(p, x);
+void transformer::mlp_forward(int layer, const layer_params& p, const tensor& x) {
+  if (p.moe.sparse()) return moe_forward(layer, p, x);
   const phase_scope phase(be_, "mlp");
   for (std::int64_t t0 = 0; t0 < tokens_; t0 = next_tile(t0, mlp_tile_)) {
     const mat_view xt = x.matrix().row_block(t0, std::min(mlp_tile_, tokens_ - t0));
@@ -422,8 +427,9 @@ void transformer::mlp_forward(const layer_params& p, const tensor& x) {
 
 // d (f32) holds d(layer output) and becomes d(x2), the gradient at the MLP's input
 // residual; x2 is the recomputed input of the MLP block.
-void transformer::mlp_backward(const layer_params& p, const layer_gradients& g, const tensor& x2, const tensor& d) {
-  if (p.moe.sparse()) return moe_backward(p, g, x2, d);
+void transformer::mlp_backward(int layer, const layer_params& p, const layer_gradients& g, const tensor& x2,
+                               const tensor& d) {
+  if (p.moe.sparse()) return moe_backward(layer, p, g, x2, d);
   const phase_scope phase(be_, "mlp");
   const std::int64_t D = model_.hidden_size, F = model_.intermediate_size;
   for (std::int64_t t0 = 0; t0 < tokens_; t0 = next_tile(t0, mlp_tile_)) {
@@ -501,7 +507,7 @@ void transformer::layer_backward(int layer, const layer_params& p, const layer_g
   }
   const normed_input attention_input = tiled ? tiles : normed_input(h.matrix());
   if (tiled) h.reset();
-  mlp_backward(p, g, x2, d);
+  mlp_backward(layer, p, g, x2, d);
   x2.reset();
   tensor d_y;
   if (post_norms()) {

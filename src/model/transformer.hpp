@@ -65,6 +65,7 @@ struct step_options {
   lora_config lora{};
   tile_sweep meta_tiles = tile_sweep::distinct_shapes;
   router_aux_loss router_aux = router_aux_loss::config;
+  moe_options moe{};  // a sparse layer's GEMMs, capacity and routing log
 };
 
 // The MLP tile and the loss chunk where `o` gives none (0). Their GEMMs want a few
@@ -154,17 +155,17 @@ class transformer {
   attention_layer::context attention_into_residual(int layer, const layer_params& p, const normed_input& h,
                                                    const tensor& residual, const attention_layer::context* kept,
                                                    tensor* projection_out, tensor* rstd);
-  void mlp_forward(const layer_params& p, const tensor& x);
+  void mlp_forward(int layer, const layer_params& p, const tensor& x);
   // A sparse layer's MLP, a tile at a time as the dense one's.
-  void moe_forward(const layer_params& p, const tensor& x);
-  void moe_backward(const layer_params& p, const layer_gradients& g, const tensor& x, const tensor& d);
+  void moe_forward(int layer, const layer_params& p, const tensor& x);
+  void moe_backward(int layer, const layer_params& p, const layer_gradients& g, const tensor& x, const tensor& d);
   // The load-balancing loss: which local rows count (before forward), and after the forward
   // the routing's statistics summed over the CP group, the loss and its gradient.
   void start_balance(const local_batch& batch);
   void finish_balance(double aux_scale);
   // y (+)= a tile's down projection, through the norm after the MLP where the family has one.
   void mlp_output(const layer_params& p, const mat_view& act, const mat_view& y);
-  void mlp_backward(const layer_params& p, const layer_gradients& g, const tensor& x, const tensor& d);
+  void mlp_backward(int layer, const layer_params& p, const layer_gradients& g, const tensor& x, const tensor& d);
   // checkpoint_ahead > 0: prefetch that layer's input checkpoint once past the peak.
   void layer_backward(int layer, const layer_params& p, const layer_gradients& g, const tensor& x, const tensor& d,
                       int checkpoint_ahead = 0);
@@ -212,7 +213,9 @@ class transformer {
   bool aux_on_ = false;
   bool collect_balance_ = false;       // the forward pass of forward_backward (not a recompute)
   std::vector<std::uint8_t> counted_rows_;  // local rows the load-balancing loss counts
-  router_balance balance_;
+  tensor counted_;                          // the same on the device: (s, 1) u8
+  tensor balance_;                          // the step's sums (moe_balance_args::sums), read once a step
+  double balance_rows_ = 0;                 // counted rows, over the sparse layers
   double aux_loss_ = 0;
   tensor aux_grad_;  // (1, E) f32: the loss's gradient on a counted row's router probabilities
 };

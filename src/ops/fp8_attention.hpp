@@ -22,6 +22,19 @@
 namespace upipe {
 
 inline constexpr float fp8_e4m3_largest = 448.0f, fp8_e5m2_largest = 57344.0f;
+
+// The head dims cuDNN's FP8 fused attention runs on Hopper (sm 9.x, the H100 and H200), as
+// cudnn-frontend 1.32's support checks state them for every cuDNN 9 behind it: the forward
+// at head dims up to 256 in multiples of 16, the backward at 128 alone. A newer cuDNN does not
+// lift the backward's rule on Hopper (the frontend lifts it on Blackwell only).
+// tests/gpu/sdpa_test.cpp asks the loaded cuDNN at every multiple of 16 up to 256 and holds it
+// to these rows.
+inline constexpr std::int64_t fp8_head_dim_multiple = 16, fp8_forward_max_head_dim = 256,
+                              fp8_backward_head_dim = 128;
+UPIPE_FP8_HOST_DEVICE inline bool fp8_attention_runs(std::int64_t head_dim, bool backward) {
+  if (head_dim <= 0 || head_dim % fp8_head_dim_multiple != 0) return false;
+  return backward ? head_dim == fp8_backward_head_dim : head_dim <= fp8_forward_max_head_dim;
+}
 inline constexpr float fp8_probability_scale = 256.0f;  // P <= 1 lands at most at 256 < 448
 
 // The largest power of two s with amax s <= largest (1 for a zero or non-finite amax),

@@ -9,4 +9,9 @@ namespace upipe {
 
 inline constexpr std::size_t cublaslt_workspace_bytes = std::size_t{32} << 20;
 
+// The grouped expert GEMMs' device arrays (each group's sizes, pointers and strides) and
+// the library's own workspace, taken from the arena at the first grouped GEMM and kept; the
+// meta backend reserves the same bytes at the same moment.
+inline constexpr std::size_t grouped_gemm_workspace_bytes = std::size_t{8} << 20;
+
 }  // namespace upipe

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <span>
 #include <variant>
+#include <vector>
 
 #include "core/tensor.hpp"
 
@@ -296,56 +297,110 @@ struct sum_squares_args {
 // implementations, one per alternative.
 // Mixture of experts (docs/design.md section 11). The router's top-k as transformers
 // computes it: probs = softmax(logits) in fp32, the k largest per row in descending order
-// (ties to the lower expert, as torch.topk), divided by their sum where `normalize`.
+// (ties to the lower expert, as torch.topk), divided by their sum where `normalize`. With
+// `given`, `experts` is an input (choices made elsewhere, e.g. by another backend's run):
+// the probabilities are this call's, and the weights are this call's probabilities at the
+// given experts (renormalized likewise).
 struct moe_route_args {
   mat_view logits;   // (n, E) f32
   mat_view probs;    // (n, E) f32, out
   mat_view weights;  // (n, k) f32, out
-  mat_view experts;  // (n, k) i32, out
+  mat_view experts;  // (n, k) i32, out (in with `given`)
   bool normalize = false;
+  bool given = false;
 };
 // The routing's backward: d_weights back through the normalization and the top-k's gather,
-// plus aux_grad (1, E) on every row's probabilities (the load-balancing loss's gradient; no
-// rows: none), back through the softmax into d_logits (overwritten).
+// plus aux_grad (1, E) on the probabilities of the rows marked in `counted` (a byte a row;
+// no rows: every row) (the load-balancing loss's gradient; no rows: none), back through
+// the softmax into d_logits (overwritten).
 struct moe_route_backward_args {
   mat_view probs;      // (n, E) f32
   mat_view experts;    // (n, k) i32
   mat_view d_weights;  // (n, k) f32
   mat_view aux_grad;   // (1, E) f32, or no rows
+  mat_view counted;    // (n, 1) u8, or no rows: every row takes aux_grad
   mat_view d_logits;   // (n, E) f32, out
   bool normalize = false;
 };
-// dst[i] = src[index[i]]: a tile's rows in the experts' order.
-struct moe_gather_args {
-  mat_view src;    // (n, D)
-  mat_view index;  // (m, 1) i32, each in [0, n)
-  mat_view dst;    // (m, D)
+// The dispatch of a tile's (token, slot) pairs to their experts, on the device: expert e
+// keeps at most `capacity` of the tokens that chose it (0: all, dropless), the first in
+// token order; the kept rows are laid out expert by expert, each expert's tokens in order,
+// expert e's at [offsets[e], offsets[e + 1]). position[t][j] is the row of token t's j-th
+// choice, -1 where it was dropped. `scratch` holds per-chunk counts
+// (moe_dispatch_scratch_rows(n) rows of E).
+struct moe_dispatch_args {
+  mat_view experts;   // (n, k) i32, each in [0, E)
+  mat_view position;  // (n, k) i32, out
+  mat_view offsets;   // (1, E + 1) i32, out
+  mat_view scratch;   // (moe_dispatch_scratch_rows(n), E) i32
+  std::int64_t capacity = 0;
 };
-// dst[index[i]] += weights[slot[i]] * src[i] (weights read flat, (n, k) f32; no rows: 1). No
-// index repeats within one call (a token meets an expert once).
-struct moe_scatter_args {
-  mat_view src;      // (m, D)
-  mat_view index;    // (m, 1) i32
-  mat_view slot;     // (m, 1) i32 into weights' n * k, or no rows without weights
-  mat_view weights;  // (n, k) f32, or no rows
-  mat_view dst;      // (n, D), accumulated
+// Tokens per chunk of the dispatch's device scan, and the scratch rows it needs for n tokens.
+inline constexpr std::int64_t moe_dispatch_chunk = 256;
+inline std::int64_t moe_dispatch_scratch_rows(std::int64_t n) {
+  return (n + moe_dispatch_chunk - 1) / moe_dispatch_chunk;
+}
+// The rows a dispatch lays out at most: n k, or E capacity where that is fewer.
+inline std::int64_t moe_dispatch_rows(std::int64_t n, std::int64_t k, std::int64_t experts, std::int64_t capacity) {
+  return capacity > 0 && experts * capacity < n * k ? experts * capacity : n * k;
+}
+// Permute: dst[position[t][j]] = src[t] for every kept (token, slot).
+struct moe_permute_args {
+  mat_view src;       // (n, D)
+  mat_view position;  // (n, k) i32
+  mat_view dst;       // (m, D): the rows no position names are left as they are
 };
-// The weighted scatter's backward: d_src[i] = weights[slot[i]] * d_dst[index[i]] and
-// d_weights[slot[i]] = src[i] . d_dst[index[i]] (written).
-struct moe_scatter_backward_args {
+// Combine (unpermute): dst[t] += sum_j weights[t][j] src[position[t][j]] over the kept
+// slots (weights no rows: 1), plus sigmoid(shared_gate[t]) shared[t] where a shared expert
+// is given (Qwen2-MoE), summed in fp32 and added to dst once.
+struct moe_combine_args {
+  mat_view src;          // (m, D)
+  mat_view position;     // (n, k) i32
+  mat_view weights;      // (n, k) f32, or no rows
+  mat_view shared;       // (n, D), or no rows
+  mat_view shared_gate;  // (n, 1) f32 logits, with shared
+  mat_view dst;          // (n, D), accumulated
+};
+// The weighted combine's backward: d_src[position[t][j]] = weights[t][j] d_dst[t] and
+// d_weights[t][j] = src[position[t][j]] . d_dst[t] (0 where the slot was dropped).
+struct moe_combine_backward_args {
   mat_view d_dst;      // (n, D)
-  mat_view index, slot;  // (m, 1) i32
+  mat_view position;   // (n, k) i32
   mat_view weights;    // (n, k) f32
   mat_view src;        // (m, D): the forward's src
-  mat_view d_src;      // (m, D), out
-  mat_view d_weights;  // (n, k) f32, out at the slots
+  mat_view d_src;      // (m, D), out at the kept rows
+  mat_view d_weights;  // (n, k) f32, out
 };
-// Qwen2-MoE's shared expert: y += sigmoid(z) * s, z one logit per row.
-struct sigmoid_gate_forward_args {
-  mat_view z;  // (n, 1) f32
-  mat_view s;  // (n, D)
-  mat_view y;  // (n, D), accumulated
+// The load-balancing statistics of a tile, accumulated over the rows marked in `counted`
+// (no rows: every row): per expert the top-k assignments (exact, u64) and the summed
+// probabilities (fp64), in `sums`: 4E i32 words, read as E u64 then E f64.
+struct moe_balance_args {
+  mat_view probs;    // (n, E) f32
+  mat_view experts;  // (n, k) i32
+  mat_view counted;  // (n, 1) u8, or no rows
+  mat_view sums;     // (1, 4E) i32 words, accumulated
 };
+// Grouped GEMMs over a dispatched tile: group g is rows [offsets[g], offsets[g + 1]) of
+// the row matrices (offsets on the device), and weights[g] its own matrix.
+//   rows_by_weight_t: out_g = alpha rows_g weights[g]^T + beta out_g  (an expert's projection)
+//   rows_by_weight:   out_g = alpha rows_g weights[g] + beta out_g    (its input gradient)
+//   weight_gradient:  weights[g] = alpha rows_g^T other_g + beta weights[g]
+// `engine` picks the CUDA library (the cpu and meta backends have one definition each):
+// CUTLASS's grouped GEMM reads the groups' sizes on the device; cuBLAS's grouped batched
+// GEMM needs them on the host (a download: a comparison point, not the default).
+enum class grouped_form : std::uint8_t { rows_by_weight_t, rows_by_weight, weight_gradient };
+enum class grouped_engine : std::uint8_t { cutlass, cublas };
+struct moe_grouped_gemm_args {
+  grouped_form form = grouped_form::rows_by_weight_t;
+  mat_view rows;                  // (m, K) the working dtype
+  mat_view other;                 // weight_gradient: (m, N) the working dtype
+  std::vector<mat_view> weights;  // one per group, of one shape and ld; f32 and out for weight_gradient
+  mat_view offsets;               // (1, G + 1) i32
+  mat_view out;                   // the row forms: (m, N), working dtype or f32
+  float alpha = 1.0f, beta = 0.0f;
+  grouped_engine engine = grouped_engine::cutlass;
+};
+// Qwen2-MoE's shared expert's gate backward (its forward is moe_combine's shared term):
 // d_s = sigmoid(z) d_y (written); d_z = sigmoid(z) (1 - sigmoid(z)) (s . d_y) (written).
 struct sigmoid_gate_backward_args {
   mat_view z, s, d_y;  // (n, 1) f32, (n, D), (n, D)
@@ -515,11 +570,11 @@ using op = std::variant<gemm_args, sdpa_forward_args, sdpa_backward_args, rope_a
                         rmsnorm_backward_args, copy_heads_args, add_heads_args, fill_heads_args, lse_merge_args,
                         embedding_forward_args, embedding_backward_args, swiglu_forward_args, swiglu_backward_args,
                         bias_add_args, bias_grad_args, cross_entropy_args, adamw_args, sum_squares_args,
-                        moe_route_args, moe_route_backward_args, moe_gather_args, moe_scatter_args,
-                        moe_scatter_backward_args, sigmoid_gate_forward_args, sigmoid_gate_backward_args,
-                        gated_delta_forward_args, gated_delta_backward_args, gated_delta_summary_args,
-                        gated_delta_summary_backward_args, gated_delta_scan_args, causal_conv_forward_args,
-                        causal_conv_backward_args, gated_delta_gates_forward_args,
+                        moe_route_args, moe_route_backward_args, moe_dispatch_args, moe_permute_args,
+                        moe_combine_args, moe_combine_backward_args, moe_balance_args, moe_grouped_gemm_args,
+                        sigmoid_gate_backward_args, gated_delta_forward_args, gated_delta_backward_args,
+                        gated_delta_summary_args, gated_delta_summary_backward_args, gated_delta_scan_args,
+                        causal_conv_forward_args, causal_conv_backward_args, gated_delta_gates_forward_args,
                         gated_delta_gates_backward_args>;
 
 // Does the CUDA implementation of an op hold device memory of its own beside its
@@ -533,5 +588,7 @@ template <>
 inline constexpr bool holds_device_workspace<sdpa_forward_args> = true;  // cuDNN's, grown per plan
 template <>
 inline constexpr bool holds_device_workspace<sdpa_backward_args> = true;
+template <>
+inline constexpr bool holds_device_workspace<moe_grouped_gemm_args> = true;  // the groups' arrays, reserved with the backend
 
 }  // namespace upipe

@@ -57,6 +57,30 @@ TEST(bench_cli, emulated_rank_zero_on_meta_reports_memory_only) {
   std::filesystem::remove_all(dir);
 }
 
+// Issue 45's slice: Qwen3-30B-A3B's first layers (its per-layer sparse list cut with them),
+// rank 0 of 8 emulated, the model FLOPs those of its active parameters (8 of 128 experts).
+TEST(bench_cli, a_slice_of_a_mixture_of_experts_on_meta) {
+  const auto dir = temp_dir("bench_moe");
+  const auto path = (dir / "bench.json").string();
+  const run_result r = run_upipe("bench --backend meta --emulate-cp 8 --model qwen3-30b-a3b --layers 2 --attention "
+                                 "upipe --seq-len 128K,512K --memory-gib 70 --moe-gemm grouped --json " + path);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  std::ifstream in(path);
+  const nlohmann::json rows = nlohmann::json::parse(in);
+  ASSERT_EQ(rows.size(), 2u);
+  for (const auto& row : rows) {
+    EXPECT_EQ(row["layers"], 2);
+    EXPECT_GT(row["arena_high_water_bytes"].get<double>(), 0.0);
+  }
+  // 6 N_active S + 6 L H d S^2: per layer q, k, v, o (2048 x (4096 + 512 + 512 + 4096)), the
+  // router (128 x 2048) and 8 experts' gate, up and down (3 x 768 x 2048), and the lm head.
+  const double S = 131072, layer = 2048.0 * 9216 + 128.0 * 2048 + 8.0 * 3 * 768 * 2048;
+  const double active = 2 * layer + 151936.0 * 2048;
+  const double want = 6 * active * S + 6.0 * 2 * 32 * 128 * S * S;
+  EXPECT_NEAR(rows[0]["model_flops_per_step"].get<double>() / want, 1.0, 1e-9);
+  std::filesystem::remove_all(dir);
+}
+
 // --checkpoint-policy auto: each row runs the planner's fastest policy that fits the GPU
 // arena (meta predicts the GPU's choice), names it, and keeps it in the JSON; at a length no
 // policy fits the row is measured with the default policy and says why, with the way out.

@@ -14,6 +14,7 @@
 
 #include "model/adapter_files.hpp"
 #include "model/model_step.hpp"
+#include "model/moe_routing_log.hpp"
 
 #include "../support/compare.hpp"
 #include "gpu_support.hpp"
@@ -104,9 +105,10 @@ TEST(gpu_family, peft_adapters_match_the_cpu_backend) {
 
 // Qwen3-MoE (a dense layer below sparse ones), Mixtral and Qwen2-MoE (shared expert) with
 // the load-balancing loss. The router reads bf16 activations on the GPU and fp32 on the
-// cpu, so a token whose k-th and (k+1)-th experts are nearly tied may be routed apart: the
-// loss and the attention's and norms' gradients are held to the families' bounds, the
-// experts' and routers' (whose gradients such a token moves whole) to their size only.
+// cpu, so a token whose k-th and (k+1)-th experts are nearly tied may be routed apart
+// (moe_test.cpp counts how often): the GPU run takes the cpu run's choices
+// (model/moe_routing_log.hpp), its routing weights from its own probabilities at them, and
+// every gradient, the experts' and routers' too, is held to the families' bounds.
 TEST(gpu_family, mixtures_of_experts_match_the_cpu_backend) {
   if (!have_gpu()) GTEST_SKIP() << "no GPU";
   const std::vector<std::int32_t> tokens = sequence();
@@ -120,23 +122,28 @@ TEST(gpu_family, mixtures_of_experts_match_the_cpu_backend) {
     for (const cp_settings& cp : {cp_settings{strategy_kind::upipe, 2, 2}, cp_settings{strategy_kind::ring, 2, 0}}) {
       req.cp = cp;
       SCOPED_TRACE(std::string(name) + " " + std::string(strategy_name(cp.strategy)));
+      moe_routing_log log(moe_routing_log::mode::record);
+      req.options.moe.routing_log = &log;
       req.backend = backend_kind::cpu;
       req.limits = {std::size_t{256} << 20, std::size_t{64} << 20};
       const model_step_result cpu = run_model_step(req, w, tokens);
+      log.set_mode(moe_routing_log::mode::replay);
       req.backend = backend_kind::cuda;
       req.limits = {std::size_t{1} << 30, std::size_t{64} << 20};
       const model_step_result gpu = run_model_step(req, w, tokens);
       EXPECT_LT(std::abs(gpu.loss - cpu.loss) / cpu.loss, bf16_tolerance);
-      EXPECT_LT(std::abs(gpu.aux_loss - cpu.aux_loss) / cpu.aux_loss, 5e-2);
+      // The same choices: the same counts, the probability sums of bf16 inputs.
+      EXPECT_LT(std::abs(gpu.aux_loss - cpu.aux_loss) / cpu.aux_loss, 1e-2);
       ASSERT_EQ(gpu.grads.size(), cpu.grads.size());
+      double worst = 0;
       for (const auto& [param, values] : cpu.grads) {
         const double error = testing::max_difference_over_max(gpu.grads.at(param), values);
-        const bool routed = param.find(".experts.") != std::string::npos || param.find(".gate.weight") != std::string::npos;
         const bool norm_weight = param.find("norm.weight") != std::string::npos;
-        EXPECT_LT(error, routed ? 1.0 : norm_weight ? 8e-2 : 5e-2) << param;
+        EXPECT_LT(error, norm_weight ? 8e-2 : 5e-2) << param;
+        worst = std::max(worst, error);
       }
-      std::printf("family %s %s: loss cuda %.6f, cpu %.6f; aux %.6f, %.6f\n", name, std::string(strategy_name(cp.strategy)).c_str(),
-                  gpu.loss, cpu.loss, gpu.aux_loss, cpu.aux_loss);
+      std::printf("family %s %s: loss cuda %.6f, cpu %.6f; aux %.6f, %.6f; worst gradient error %.2e\n", name,
+                  std::string(strategy_name(cp.strategy)).c_str(), gpu.loss, cpu.loss, gpu.aux_loss, cpu.aux_loss, worst);
     }
   }
 }

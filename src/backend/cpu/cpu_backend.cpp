@@ -44,8 +44,9 @@ class cpu_backend final : public backend {
     for (std::size_t i = 0; i < count; ++i) dst[i] += src[i];
   }
   void fill_bytes(void* dst, int value, std::size_t bytes) override { std::memset(dst, value, bytes); }
-  void synchronize() override {}
+  void synchronize() override { note_host_sync(); }
   void upload_f32(const tensor& dst, const float* host) override {
+    note_host_sync();
     const std::int64_t n = dst.numel();
     UPIPE_CHECK(dst.type() == dtype::f32 || dst.type() == dtype::bf16,
                 std::string("upload_f32 into the ") + std::string(dtype_name(dst.type())) + " tensor " + dst.label() +
@@ -59,14 +60,17 @@ class cpu_backend final : public backend {
     for (std::int64_t i = 0; i < n; ++i) out[i] = float_to_bf16(host[i]);
   }
   void upload_bytes(const tensor& dst, const void* host, std::size_t bytes) override {
+    note_host_sync();
     UPIPE_CHECK(bytes <= dst.bytes(), "upload larger than the tensor");
     if (bytes > 0) std::memcpy(dst.data(), host, bytes);
   }
   void download_bytes(void* host, const tensor& src, std::size_t bytes) override {
+    note_host_sync();
     UPIPE_CHECK(bytes <= src.bytes(), "download larger than the tensor");
     if (bytes > 0) std::memcpy(host, src.data(), bytes);
   }
   void download_f32(float* host, const tensor& src) override {
+    note_host_sync();
     const std::int64_t n = src.numel();
     UPIPE_CHECK(src.type() == dtype::f32 || src.type() == dtype::bf16,
                 std::string("download_f32 from the ") + std::string(dtype_name(src.type())) + " tensor " +
@@ -82,6 +86,8 @@ class cpu_backend final : public backend {
 
   void run(const op& args) override {
     std::visit([](const auto& a) { cpu::run(a); }, args);
+    // The host reads sum_squares' result, which waits on a device.
+    if (std::holds_alternative<sum_squares_args>(args)) note_host_sync();
   }
 
  protected:

@@ -298,6 +298,7 @@ class cuda_backend final : public backend {
     UPIPE_CUDA_CHECK(cudaMemsetAsync(dst, value, bytes, stream_));
   }
   void synchronize() override {
+    note_host_sync();
     use_device();
     UPIPE_CUDA_CHECK(cudaStreamSynchronize(stream_));
     UPIPE_CUDA_CHECK(cudaStreamSynchronize(copy_stream_));
@@ -342,6 +343,9 @@ class cuda_backend final : public backend {
     // The host reads sum_squares' result once run() returns.
     if (const auto* s = std::get_if<sum_squares_args>(&args); s != nullptr && s->x.rows > 0 && s->x.cols > 0)
       synchronize();
+    // cuBLAS's grouped GEMM read the groups' sizes back (the stream synchronized).
+    if (const auto* g = std::get_if<moe_grouped_gemm_args>(&args); g != nullptr && g->engine == grouped_engine::cublas)
+      note_host_sync();
   }
 
  protected:
@@ -409,6 +413,7 @@ class cuda_backend final : public backend {
   std::vector<tensor> scratch_;       // the engines' cached workspaces (tag workspace)
   std::unique_ptr<cuda::gemm_engine> gemm_engine_;
   std::unique_ptr<cuda::sdpa_engine> sdpa_engine_;
+  std::unique_ptr<cuda::grouped_gemm_engine> grouped_engine_;
   cuda::context context_;  // what the ops run with: stream_, the engines, sum_result_
   std::size_t driver_peak_ = 0;
   std::vector<cudaEvent_t> marks_;  // phase timing's events, reused
@@ -467,7 +472,9 @@ void cuda_backend::acquire(std::size_t device_bytes, std::size_t host_bytes, boo
       stream_, [this](std::size_t bytes) { return engine_scratch(bytes, "cublaslt_workspace"); });
   sdpa_engine_ = std::make_unique<cuda::sdpa_engine>(
       stream_, [this](std::size_t bytes) { return engine_scratch(bytes, "cudnn_workspace"); });
-  context_ = {stream_, gemm_engine_.get(), sdpa_engine_.get(), sum_result_};
+  grouped_engine_ = std::make_unique<cuda::grouped_gemm_engine>(
+      stream_, [this](std::size_t bytes) { return engine_scratch(bytes, "grouped_gemm_workspace"); });
+  context_ = {stream_, gemm_engine_.get(), sdpa_engine_.get(), sum_result_, grouped_engine_.get()};
 }
 
 // Never throws: a destructor (and a failed constructor) only logs.
@@ -479,7 +486,8 @@ void cuda_backend::release_all() noexcept {
   marks_.clear();
   for (const auto& [point, e] : side_points_) log_cuda(cudaEventDestroy(e), "cudaEventDestroy");
   side_points_.clear();
-  sdpa_engine_.reset();  // engines before the workspaces they hold (their destructors only log)
+  grouped_engine_.reset();  // engines before the workspaces they hold (their destructors only log)
+  sdpa_engine_.reset();
   gemm_engine_.reset();
   context_ = {};
   scratch_.clear();

@@ -44,6 +44,10 @@ class meta_backend final : public backend {
   void model(const args_type&) {}
   // cuBLASLt's workspace is one fixed reservation, made with the backend (constructor).
   void model(const gemm_args&) {}
+  // The grouped GEMMs' arrays and workspace: one reservation at the first.
+  void model(const moe_grouped_gemm_args&) {
+    if (gpu_workspaces_) grow(grouped_bytes_, grouped_gemm_workspace_bytes, "grouped_gemm_workspace");
+  }
   // As the CUDA engine, no plan (and no workspace) for a call where nothing attends.
   // FP8 attention first grows its operands' buffer, then the plan its workspace.
   void model(const sdpa_forward_args& a) {
@@ -74,7 +78,7 @@ class meta_backend final : public backend {
   }
 
   bool gpu_workspaces_;
-  std::size_t cudnn_bytes_ = 0, fp8_bytes_ = 0;
+  std::size_t cudnn_bytes_ = 0, fp8_bytes_ = 0, grouped_bytes_ = 0;
   std::vector<tensor> workspaces_;
 };
 

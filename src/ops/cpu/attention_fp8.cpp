@@ -1,7 +1,9 @@
 // FP8 attention on the cpu backend, its definition (ops/fp8_attention.hpp): the inputs
 // quantized with the scales cuDNN's FP8 kernels are given (round to nearest even,
-// saturating) and dequantized, exact attention on those values (attention.cpp), and the
-// outputs quantized as the Hopper kernels write them. The softmax statistics stay fp32.
+// saturating) and dequantized, attention on those values (attention.cpp) with the roundings
+// the kernels make inside (P in E4M3 where it meets V or dO, dS in E5M2 where it meets K and
+// Q), and the outputs quantized as the Hopper kernels write them. The softmax statistics
+// stay fp32.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -57,34 +59,40 @@ class quantized_copy {
 
 }  // namespace
 
-void run_fp8(const sdpa_forward_args& args) {
+void run_fp8(const sdpa_forward_args& args) { run_fp8(args, fp8_inner_rounding{}); }
+void run_fp8(const sdpa_backward_args& args) { run_fp8(args, fp8_inner_rounding{}); }
+
+void run_fp8(const sdpa_forward_args& args, const fp8_inner_rounding& reading) {
   const fp8_forward_scales s = fp8_forward_scales_of(amax_of(args.q), amax_of(args.k), amax_of(args.v));
   const quantized_copy q(args.q, s.q, fp8_format::e4m3), k(args.k, s.k, fp8_format::e4m3),
       v(args.v, s.v, fp8_format::e4m3);
-  sdpa_forward_args exact = args;
-  exact.q = q.view();
-  exact.k = k.view();
-  exact.v = v.view();
-  exact.arithmetic = attention_dtype::bf16;
-  run(exact);
+  sdpa_forward_args quantized = args;
+  quantized.q = q.view();
+  quantized.k = k.view();
+  quantized.v = v.view();
+  fp8_inner_rounding inner = reading;
+  inner.on = true;
+  run_attention(quantized, inner);
   quantize_in_place(args.out, s.o, fp8_format::e4m3);
 }
 
-void run_fp8(const sdpa_backward_args& args) {
+void run_fp8(const sdpa_backward_args& args, const fp8_inner_rounding& reading) {
   const fp8_backward_amax a{amax_of(args.q), amax_of(args.k), amax_of(args.v), amax_of(args.out),
                             amax_of(args.d_out)};
   const fp8_backward_scales s = fp8_backward_scales_of(a, args.q.tokens, args.q.dim, args.scale);
   const quantized_copy q(args.q, s.q, fp8_format::e4m3), k(args.k, s.k, fp8_format::e4m3),
       v(args.v, s.v, fp8_format::e4m3), out(args.out, s.o, fp8_format::e4m3),
       d_out(args.d_out, s.d_o, fp8_format::e5m2);
-  sdpa_backward_args exact = args;
-  exact.q = q.view();
-  exact.k = k.view();
-  exact.v = v.view();
-  exact.out = out.view();
-  exact.d_out = d_out.view();
-  exact.arithmetic = attention_dtype::bf16;
-  run(exact);
+  sdpa_backward_args quantized = args;
+  quantized.q = q.view();
+  quantized.k = k.view();
+  quantized.v = v.view();
+  quantized.out = out.view();
+  quantized.d_out = d_out.view();
+  fp8_inner_rounding inner = reading;
+  inner.on = true;
+  inner.d_s_scale = s.d_s;
+  run_attention(quantized, inner);
   quantize_in_place(args.d_q, s.d_q, fp8_format::e5m2);
   quantize_in_place(args.d_k, s.d_k, fp8_format::e5m2);
   quantize_in_place(args.d_v, s.d_v, fp8_format::e5m2);

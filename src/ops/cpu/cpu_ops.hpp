@@ -16,6 +16,24 @@ void run(const sdpa_backward_args& args);
 // FP8 attention (attention_fp8.cpp): run() hands a call with arithmetic fp8 to these.
 void run_fp8(const sdpa_forward_args& args);
 void run_fp8(const sdpa_backward_args& args);
+// The roundings FP8's fused kernels make inside a call (ops/fp8_attention.hpp): P in E4M3 at
+// fp8_probability_scale where it meets V (forward) or dO (backward), and dS in E5M2 at
+// d_s_scale where it meets K and Q. Off: exact attention.
+struct fp8_inner_rounding {
+  bool on = false;
+  float d_s_scale = 1.0f;
+  // Other readings of the kernels' order, measured against the GPU by a test: P rounded
+  // against the running max over key blocks of p_block (in reverse with p_block_reverse);
+  // dS rounded before the attention scale multiplies it; either rounding left out.
+  std::int64_t p_block = 0;
+  bool p_block_reverse = false, d_s_unscaled = false, round_p = true, round_d_s = true, sum_rounded = false;
+};
+// run_fp8 with a reading of the kernels other than the definition's (its scales filled in).
+void run_fp8(const sdpa_forward_args& args, const fp8_inner_rounding& reading);
+void run_fp8(const sdpa_backward_args& args, const fp8_inner_rounding& reading);
+// Attention on the arguments' values as they are (attention.cpp), with those roundings.
+void run_attention(const sdpa_forward_args& args, const fp8_inner_rounding& fp8);
+void run_attention(const sdpa_backward_args& args, const fp8_inner_rounding& fp8);
 void run(const rope_args& args);
 void run(const rmsnorm_forward_args& args);
 void run(const rmsnorm_backward_args& args);
@@ -31,10 +49,12 @@ void run(const bias_add_args& args);
 void run(const bias_grad_args& args);
 void run(const moe_route_args& args);
 void run(const moe_route_backward_args& args);
-void run(const moe_gather_args& args);
-void run(const moe_scatter_args& args);
-void run(const moe_scatter_backward_args& args);
-void run(const sigmoid_gate_forward_args& args);
+void run(const moe_dispatch_args& args);
+void run(const moe_permute_args& args);
+void run(const moe_combine_args& args);
+void run(const moe_combine_backward_args& args);
+void run(const moe_balance_args& args);
+void run(const moe_grouped_gemm_args& args);
 void run(const sigmoid_gate_backward_args& args);
 void run(const cross_entropy_args& args);
 // Gated DeltaNet (gated_delta.cpp, causal_conv.cpp).

@@ -9,6 +9,7 @@
 #include <cstddef>
 #include <functional>
 #include <memory>
+#include <string>
 
 #include "core/dtype.hpp"
 #include "ops/op_args.hpp"
@@ -17,6 +18,7 @@ namespace upipe::cuda {
 
 class gemm_engine;
 class sdpa_engine;
+class grouped_gemm_engine;
 
 // What an op runs with on the GPU: the backend's stream, its library engines and its
 // device scratch. A launcher that needs only the stream takes context{.stream = s}.
@@ -25,6 +27,7 @@ struct context {
   gemm_engine* gemm = nullptr;    // gemm_args
   sdpa_engine* sdpa = nullptr;    // sdpa_forward_args, sdpa_backward_args
   double* sum_result = nullptr;   // (1) f64 device memory, sum_squares_args
+  grouped_gemm_engine* grouped = nullptr;  // moe_grouped_gemm_args
 };
 
 // One launcher per op, named run so that the CUDA backend dispatches an `op` with one
@@ -49,10 +52,14 @@ void run(const bias_add_args& args, const context& ctx);
 void run(const bias_grad_args& args, const context& ctx);
 void run(const moe_route_args& args, const context& ctx);
 void run(const moe_route_backward_args& args, const context& ctx);
-void run(const moe_gather_args& args, const context& ctx);
-void run(const moe_scatter_args& args, const context& ctx);
-void run(const moe_scatter_backward_args& args, const context& ctx);
-void run(const sigmoid_gate_forward_args& args, const context& ctx);
+void run(const moe_dispatch_args& args, const context& ctx);
+void run(const moe_permute_args& args, const context& ctx);
+void run(const moe_combine_args& args, const context& ctx);
+void run(const moe_combine_backward_args& args, const context& ctx);
+void run(const moe_balance_args& args, const context& ctx);
+// Through ctx.grouped: CUTLASS never waits; cuBLAS reads the groups' sizes on the host
+// (the stream synchronized once a call).
+void run(const moe_grouped_gemm_args& args, const context& ctx);
 void run(const sigmoid_gate_backward_args& args, const context& ctx);
 void run(const cross_entropy_args& args, const context& ctx);
 void run(const adamw_args& args, const context& ctx);
@@ -116,6 +123,21 @@ class gemm_engine {
   std::unique_ptr<impl> impl_;
 };
 
+// The grouped expert GEMMs (ops/cuda/grouped_gemm.hpp): CUTLASS's grouped GEMM, the groups'
+// sizes read on the device, or cuBLAS's grouped batched GEMM, the sizes read on the host.
+// Their device arrays and CUTLASS's workspace take grouped_gemm_workspace_bytes of the
+// arena at the first call, kept.
+class grouped_gemm_engine {
+ public:
+  grouped_gemm_engine(cudaStream_t stream, const scratch_fn& scratch);
+  ~grouped_gemm_engine();
+  void run(const moe_grouped_gemm_args& args);
+
+ private:
+  struct impl;
+  std::unique_ptr<impl> impl_;
+};
+
 // Fused attention through cuDNN: causal or unmasked, grouped-query heads, log-sum-exp
 // output, strided views; plans built once per shape and cached.
 class sdpa_engine {
@@ -126,6 +148,10 @@ class sdpa_engine {
   void backward(const sdpa_backward_args& args);
   // cudnnGetVersion() of the library loaded at run time.
   static std::size_t library_version();
+  // What the loaded cuDNN itself answers for FP8 attention at this head dim (a small causal
+  // grouped-query graph built and its plans checked, with none of upipe's rules in front):
+  // empty where it runs, else cuDNN's reason.
+  static std::string fp8_support(std::int64_t head_dim, bool backward);
 
  private:
   struct impl;

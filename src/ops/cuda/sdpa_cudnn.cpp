@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -29,6 +30,7 @@
 #include "ops/cuda/cuda_check.hpp"
 #include "ops/cuda/cuda_ops.hpp"
 #include "ops/cuda/sdpa_pieces.hpp"
+#include "ops/fp8_attention.hpp"
 #include "ops/sdpa_workspace.hpp"
 
 namespace upipe::cuda {
@@ -48,9 +50,6 @@ static_assert(fp8_slot::count * sizeof(float) <= sdpa_fp8_scalar_bytes, "FP8's s
 
 // The largest head dim cuDNN's fused bf16 attention runs, forward and backward, on Hopper.
 constexpr std::int64_t max_head_dim = 256;
-// cuDNN's FP8 attention on Hopper: head dims up to 128, in 16-byte (16-element) vectors.
-constexpr std::int64_t max_fp8_head_dim = 128;
-constexpr std::int64_t fp8_per_vector = 16;
 // The fused kernels move Q, K, V, O and their gradients in 16-byte vectors (and TMA tiles):
 // every such pointer and outer stride must be a multiple of 16 bytes.
 constexpr std::uintptr_t operand_alignment = 16;
@@ -168,9 +167,11 @@ void check_layouts(const plan_key& key) {
                         "); use a model with head dim <= 256");
   if (d % bf16_per_vector != 0)
     cannot_run(key, "head dim " + std::to_string(d) + " is not a multiple of 8 (the fused kernels load 16 bytes)");
-  if (key.arithmetic == attention_dtype::fp8 && (d > max_fp8_head_dim || d % fp8_per_vector != 0))
-    cannot_run(key, "head dim " + std::to_string(d) + " (FP8 attention runs head dims up to " +
-                        std::to_string(max_fp8_head_dim) + " in multiples of 16); use --attention-dtype bf16");
+  if (key.arithmetic == attention_dtype::fp8 && !fp8_attention_runs(d, key.direction == pass::backward))
+    cannot_run(key, "head dim " + std::to_string(d) + " (on Hopper FP8 attention runs the forward at head dims up to " +
+                        std::to_string(fp8_forward_max_head_dim) + " in multiples of " +
+                        std::to_string(fp8_head_dim_multiple) + " and the backward at " +
+                        std::to_string(fp8_backward_head_dim) + " only); use --attention-dtype bf16");
   const std::pair<const char*, const bhsd*> operands[] = {
       {"q", &key.q},         {"k", &key.k},     {"v", &key.v},     {"out", &key.o},
       {"d_out", &key.d_o},   {"d_q", &key.d_q}, {"d_k", &key.d_k}, {"d_v", &key.d_v}};
@@ -738,6 +739,35 @@ void sdpa_engine::backward(const sdpa_backward_args& a) {
     }
     written = std::max(written, p.k.first + p.k.count);
   });
+}
+
+std::string sdpa_engine::fp8_support(std::int64_t head_dim, bool backward) {
+  cudnnHandle_t handle = nullptr;
+  UPIPE_LIBRARY_CHECK("cuDNN", cudnnCreate(&handle), cudnnGetErrorString);
+  const std::int64_t tokens = 256, q_heads = 2, kv_heads = 1;
+  const auto packed = [&](std::int64_t heads) {
+    return layout_of({nullptr, dtype::u8, tokens, heads, head_dim, heads * head_dim, head_dim});
+  };
+  plan_key key;
+  key.direction = backward ? pass::backward : pass::forward;
+  key.mask = attn_mask::causal;
+  key.scale_bits = std::bit_cast<std::uint32_t>(1.0f / std::sqrt(static_cast<float>(head_dim)));
+  key.arithmetic = attention_dtype::fp8;
+  key.q = key.o = packed(q_heads);
+  key.k = key.v = packed(kv_heads);
+  key.stats = packed_stats(q_heads, tokens);
+  if (backward) {
+    key.d_o = key.d_q = key.q;
+    key.d_k = key.d_v = key.k;
+  }
+  std::string refusal;
+  try {
+    build_plan(key, handle);
+  } catch (const std::exception& e) {
+    refusal = e.what();
+  }
+  cudnnDestroy(handle);
+  return refusal;
 }
 
 }  // namespace upipe::cuda

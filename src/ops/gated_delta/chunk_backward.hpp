@@ -24,18 +24,11 @@ inline std::int64_t intra_backward_smem_floats(std::int64_t dk, std::int64_t dv)
 // One block per (chunk of the pass, value head).
 template <class B>
 UPIPE_HD void intra_backward(const B& b, const stage_params& p, std::int64_t local, std::int64_t h, float* smem) {
-  const std::int64_t kh = h / (p.hv / p.hk), base = local * chunk, first = chunk_first_row(p, local);
-  const int rows = chunk_rows(p, local), dk = static_cast<int>(p.dk), dv = static_cast<int>(p.dv);
-  const chunk_vectors cv = carve_vectors(smem);
-  float* q_tile = smem + chunk_vector_count * chunk;
-  float* k_tile = q_tile + tile_floats(dk);
-  float* p_tile = k_tile + tile_floats(dk);
-  float* o_tile = p_tile + tile_floats(chunk);
-  const int kl = tile_ld(dk), cl = tile_ld(chunk), vl = tile_ld(dv);
-  load_chunk_vectors(b, p, local, h, cv);
-  load_normalized(b, p, p.q, local, kh, p.scale, nullptr, q_tile, kl, cv.inv);
-  load_normalized(b, p, p.k, local, kh, 1.0f, nullptr, k_tile, kl, cv.inv);
-  intra_scores(b, p, cv, q_tile, k_tile, p_tile);
+  const std::int64_t base = local * chunk, first = chunk_first_row(p, local);
+  const int rows = chunk_rows(p, local), dv = static_cast<int>(p.dv);
+  const intra_tiles t = load_intra(b, p, local, h, smem);
+  float* o_tile = t.rest;
+  const int cl = tile_ld(chunk), vl = tile_ld(dv);
   b.for_each(static_cast<std::int64_t>(chunk) * dv, [&](std::int64_t e) {
     const int r = static_cast<int>(e / dv), c = static_cast<int>(e % dv);
     o_tile[r * vl + c] = r < rows ? p.d_out.load(first + r, h, c) : 0.0f;
@@ -44,7 +37,7 @@ UPIPE_HD void intra_backward(const B& b, const stage_params& p, std::int64_t loc
   b.for_each(static_cast<std::int64_t>(chunk) * dv, [&](std::int64_t e) {
     const int j = static_cast<int>(e / dv), c = static_cast<int>(e % dv);
     float sum = 0.0f;
-    for (int i = j; i < chunk; ++i) sum += p_tile[i * cl + j] * o_tile[i * vl + c];
+    for (int i = j; i < chunk; ++i) sum += t.p[i * cl + j] * o_tile[i * vl + c];
     p.d_delta[row_head(p, base + j, h, dv) + c] = sum;
   });
 }

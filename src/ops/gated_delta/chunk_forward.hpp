@@ -177,21 +177,36 @@ UPIPE_HD void intra_scores(const B& b, const stage_params& p, const chunk_vector
   b.sync();
 }
 
+// The chunk's vectors, its normalized q (scaled) and k, and (q k^T) o M on and below the
+// diagonal, in shared memory; `rest` is where the stage's own buffers begin.
+struct intra_tiles {
+  chunk_vectors cv;
+  float *q, *k, *p, *rest;
+};
+template <class B>
+UPIPE_HD intra_tiles load_intra(const B& b, const stage_params& p, std::int64_t local, std::int64_t h, float* smem) {
+  const std::int64_t kh = h / (p.hv / p.hk);
+  intra_tiles t;
+  t.cv = carve_vectors(smem);
+  t.q = smem + chunk_vector_count * chunk;
+  t.k = t.q + tile_floats(p.dk);
+  t.p = t.k + tile_floats(p.dk);
+  t.rest = t.p + tile_floats(chunk);
+  load_chunk_vectors(b, p, local, h, t.cv);
+  load_normalized(b, p, p.q, local, kh, p.scale, nullptr, t.q, tile_ld(p.dk), t.cv.inv);
+  load_normalized(b, p, p.k, local, kh, 1.0f, nullptr, t.k, tile_ld(p.dk), t.cv.inv);
+  intra_scores(b, p, t.cv, t.q, t.k, t.p);
+  return t;
+}
+
 // One block per (chunk of the pass, value head).
 template <class B>
 UPIPE_HD void output(const B& b, const stage_params& p, std::int64_t local, std::int64_t h, float* smem) {
-  const std::int64_t kh = h / (p.hv / p.hk), base = local * chunk, first = chunk_first_row(p, local);
+  const std::int64_t base = local * chunk, first = chunk_first_row(p, local);
   const int rows = chunk_rows(p, local), dk = static_cast<int>(p.dk), dv = static_cast<int>(p.dv);
-  const chunk_vectors cv = carve_vectors(smem);
-  float* q_tile = smem + chunk_vector_count * chunk;
-  float* k_tile = q_tile + tile_floats(dk);
-  float* p_tile = k_tile + tile_floats(dk);
-  float* d_tile = p_tile + tile_floats(chunk);
+  const intra_tiles t = load_intra(b, p, local, h, smem);
+  float* d_tile = t.rest;
   const int kl = tile_ld(dk), cl = tile_ld(chunk), vl = tile_ld(dv);
-  load_chunk_vectors(b, p, local, h, cv);
-  load_normalized(b, p, p.q, local, kh, p.scale, nullptr, q_tile, kl, cv.inv);
-  load_normalized(b, p, p.k, local, kh, 1.0f, nullptr, k_tile, kl, cv.inv);
-  intra_scores(b, p, cv, q_tile, k_tile, p_tile);
   b.for_each(static_cast<std::int64_t>(chunk) * dv, [&](std::int64_t e) {
     const int r = static_cast<int>(e / dv), c = static_cast<int>(e % dv);
     d_tile[r * vl + c] = p.u[row_head(p, base + r, h, dv) + c];
@@ -201,9 +216,9 @@ UPIPE_HD void output(const B& b, const stage_params& p, std::int64_t local, std:
   b.for_each(static_cast<std::int64_t>(rows) * dv, [&](std::int64_t e) {
     const int i = static_cast<int>(e / dv), c = static_cast<int>(e % dv);
     float inter = 0.0f, intra = 0.0f;
-    for (int m = 0; m < dk; ++m) inter += q_tile[i * kl + m] * state[m * dv + c];
-    for (int j = 0; j <= i; ++j) intra += p_tile[i * cl + j] * d_tile[j * vl + c];
-    p.out.store(first + i, h, c, cv.gam[i] * inter + intra);
+    for (int m = 0; m < dk; ++m) inter += t.q[i * kl + m] * state[m * dv + c];
+    for (int j = 0; j <= i; ++j) intra += t.p[i * cl + j] * d_tile[j * vl + c];
+    p.out.store(first + i, h, c, t.cv.gam[i] * inter + intra);
   });
 }
 

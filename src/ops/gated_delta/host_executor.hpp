@@ -1,8 +1,10 @@
 // The chunked stages on the host: the cpu backend's executor, block after block, each
 // block's phases index by index (in reverse where asked: the race check of
-// ops/gated_delta/block.hpp).
+// ops/gated_delta/block.hpp). Shared memory starts as NaN for every block, as a GPU's
+// holds what the last block left: a stage that reads what it has not written shows.
 #pragma once
 
+#include <limits>
 #include <vector>
 
 #include "ops/gated_delta/chunk_backward.hpp"
@@ -15,9 +17,12 @@ class host_executor final : public stage_executor {
   explicit host_executor(bool reverse_phases = false) : block_{reverse_phases} {}
 
   void launch(stage s, std::int64_t grid_x, std::int64_t grid_y, const stage_params& p) override {
-    smem_.assign(static_cast<std::size_t>(stage_smem_floats(s, p.dk, p.dv)), 0.0f);
+    const auto floats = static_cast<std::size_t>(stage_smem_floats(s, p.dk, p.dv));
     for (std::int64_t y = 0; y < grid_y; ++y)
-      for (std::int64_t x = 0; x < grid_x; ++x) run(s, p, x, y);
+      for (std::int64_t x = 0; x < grid_x; ++x) {
+        smem_.assign(floats, std::numeric_limits<float>::quiet_NaN());
+        run(s, p, x, y);
+      }
   }
 
  private:

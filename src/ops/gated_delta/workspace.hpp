@@ -26,6 +26,12 @@ std::int64_t gated_delta_workspace_floats(const gated_delta_shape& shape, gated_
 std::int64_t gated_delta_chunks_per_pass(const gated_delta_shape& shape, gated_delta_pass pass,
                                          std::int64_t floats);
 
+// The FLOPs (2 per multiply-add) of the chunked algorithm's stages for one call, from their
+// loops: per chunk of C = 64 rows and value head, the C x C products (k k^T, q k^T, the WY
+// factors and their inverse, the in-chunk outputs) and the state's d_k x d_v ones; the
+// backward recomputes the forward's states (prepare and state_pass twice).
+double gated_delta_flops(const gated_delta_shape& shape, gated_delta_pass pass);
+
 // The sequence's chunks: ceil(tokens / 64), at least 1.
 std::int64_t gated_delta_chunks(std::int64_t tokens);
 
