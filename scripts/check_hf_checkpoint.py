@@ -8,7 +8,10 @@ For each model directory in tests/golden/hf/ (Llama with YaRN in bf16 shards, a 
 an fp16 Llama with linear scaling, and the families of make_family_fixtures.py: Qwen2 with
 biases and with a window, Mistral, Phi-3 with fused projections saved fused again, Gemma 3's
 text model), the mixtures of experts of make_moe_fixtures.py (tests/golden/moe/: Qwen3-MoE,
-Mixtral, Qwen2-MoE with its load-balancing loss in the loss) and for the tiny-llama preset
+Mixtral, Qwen2-MoE with its load-balancing loss in the loss), the hybrids of
+make_hybrid_fixtures.py (tests/golden/hybrid/: Qwen3.5 with and without its Gated DeltaNet
+layers, Qwen3.5-MoE, Qwen3-Next, and the multimodal Qwen3.5 directory, saved as its text
+model: its config.json the input's text_config) and for the tiny-llama preset
 (NAMES: a comma-separated selection of these runs): trains a few steps with
 upipe starting from it (4 CP ranks, UPipe), saving in bf16 (the default) and in fp32, and
 once with the context extended (--rope-theta and --rope-scaling yarn). For every saved
@@ -57,6 +60,8 @@ def main():
                                                       "qwen2-bias", "qwen2-window", "mistral-window", "phi3-fused",
                                                       "gemma3-text")]
     sources += [ROOT / "tests/golden/moe" / n for n in ("qwen3-moe", "mixtral", "qwen2-moe")]
+    sources += [ROOT / "tests/golden/hybrid" / n for n in ("qwen3-5-attention", "qwen3-5", "qwen3-5-moe", "qwen3-next",
+                                                           "qwen3-5-vl")]
     runs = [(s, s.name, []) for s in sources] + [("tiny-llama", "tiny-llama", [])]
     runs.append((sources[0], "llama-yarn-extended",
                  ["--rope-theta", "20000", "--rope-scaling", "type=yarn,factor=8,original_max_position_embeddings=32"]))
@@ -85,6 +90,11 @@ def main():
         if not isinstance(source, Path):
             continue
         base = json.loads((source / "config.json").read_text())
+        if "text_config" in base:  # a multimodal input: what upipe trained and saved is its text model
+            base = dict(base["text_config"], bos_token_id=base["text_config"].get("bos_token_id"),
+                        eos_token_id=base["text_config"].get("eos_token_id"))
+            base.pop("architectures", None)
+            base.pop("model_type", None)
         for directory in saved.values():
             got = json.loads((directory / "config.json").read_text())
             rope_keys = {"rope_parameters", "rope_scaling", "rope_theta"} if extra else set()
@@ -97,8 +107,8 @@ def main():
             check(gen.get("bos_token_id") == base["bos_token_id"], f"{directory.name}: generation_config.json copied")
             golden = json.loads((source / "golden.json").read_text())
             tok = transformers.AutoTokenizer.from_pretrained(directory)
-            encoded = [tok.encode(t) for t in golden["text_samples"]]
-            check(encoded == golden["text_ids"], f"{directory.name}: the tokenizer encodes as the input's did")
+            encoded = [tok.encode(t) for t in golden.get("text_samples", [])]
+            check(encoded == golden.get("text_ids", []), f"{directory.name}: the tokenizer encodes as the input's did")
             if extra:
                 rope = got.get("rope_parameters") or got.get("rope_scaling")
                 check(rope.get("rope_type") == "yarn" and rope.get("factor") == 8.0 and

@@ -63,9 +63,19 @@ struct row {
   std::map<std::string, double> phases_ms;  // --phases: the fastest step by phase
   step_phases step;                          // ... and its phase table
   step_time model;                           // the step-time model's prediction for the row
+  std::map<std::string, std::uint64_t> sent_bytes;  // rank 0's bytes sent over the CP group a step, by label
 };
 
 double gib(std::size_t bytes) { return static_cast<double>(bytes) / (1 << 30); }
+
+// One line under a row: the bytes rank 0 sent over its CP group in a step, by label, most first.
+void print_sent_bytes(const std::map<std::string, std::uint64_t>& sent) {
+  std::vector<std::pair<std::string, std::uint64_t>> sorted(sent.begin(), sent.end());
+  std::sort(sorted.begin(), sorted.end(), [](const auto& a, const auto& b) { return a.second > b.second; });
+  std::printf("#   sent (MiB a step):");
+  for (const auto& [label, bytes] : sorted) std::printf(" %s %.2f", label.c_str(), static_cast<double>(bytes) / (1 << 20));
+  std::printf("\n");
+}
 
 // One line under a row: the fastest step's time by phase, longest first, and its share.
 void print_phases(const std::map<std::string, double>& phases) {
@@ -268,7 +278,8 @@ int run(const bench_flags& f) {
                      {"optimizer_state", f.cfg().optimizer_state},
                      {"master_weights", f.cfg().master_weights},
                      {"grad_dtype", f.cfg().grad_dtype},
-                     {"max_grad_norm", f.cfg().max_grad_norm}});
+                     {"max_grad_norm", f.cfg().max_grad_norm},
+                     {"sent_bytes_by_label", r.sent_bytes}});
     write_json_file(f.json_path, all, 1);
   };
   std::printf("# upipe bench  model=%s  layers=%d of %d (a slice: per-layer time and working set)  backend=%s  %s "
@@ -354,6 +365,7 @@ int run(const bench_flags& f) {
         r.phases_ms = t.phases_ms;
         r.step = t.step;
         r.model = model_step_time(o);
+        r.sent_bytes = t.sent_bytes_by_label;
         if (!f.no_check && kind != backend_kind::meta) {
           // A check that cannot run (memory, say) fails its row but keeps the timing.
           try {
@@ -391,6 +403,7 @@ int run(const bench_flags& f) {
         std::fflush(stdout);
         if (!r.phases_ms.empty()) print_phases(r.phases_ms);
         if (!r.step.empty()) print_step_phases(r.step, r.model);
+        if (f.phases && !r.sent_bytes.empty()) print_sent_bytes(r.sent_bytes);
         rows.push_back(std::move(r));
         write_json();
       }
@@ -428,9 +441,10 @@ command_runner add_bench(CLI::App& app) {
   app.add_option("--warmup-seq-len", f->warmup_len, "length of the warm-up step (default 256 layout units)");
   app.add_flag("--no-check", f->no_check, "skip the correctness check after timing");
   app.add_flag("--phases", f->phases,
-               "also time each phase of the fastest step (attention parts, MLP, loss) and print its phase table (the "
-               "GPU's forward, loss, backward and update, its waits on the host and on copies, the copies each way, the "
-               "host's AdamW) beside the step-time model's");
+               "also time each phase of the fastest step (attention parts, the linear layers', MLP, loss) and print its "
+               "phase table (the GPU's forward, loss, backward and update, its waits on the host and on copies, the "
+               "copies each way, the host's AdamW) beside the step-time model's, and the bytes rank 0 sent over the CP "
+               "group, by label");
   app.add_option("--peak-tflops", f->peak_tflops, "the card's measured bf16 GEMM peak, for MFU")->capture_default_str();
   app.add_option("--targets", f->targets,
                  "the fraction of each sequence that is a target of the loss, its last tokens (fine-tuning's shape: a "

@@ -29,10 +29,11 @@ inline model_config slice_layers(model_config m, int layers) {
                        std::to_string(m.num_layers) + " layers (a slice of the first N layers)");
   if (layers == 0) return m;
   m.num_layers = layers;
-  // The per-layer lists describe the first N layers too (a sparse layer's, a window's).
+  // The per-layer lists describe the first N layers too (a sparse layer's, a window's, a
+  // hybrid's linear layers).
   const auto n = static_cast<std::size_t>(layers);
-  if (m.moe.sparse_layers.size() > n) m.moe.sparse_layers.resize(n);
-  if (m.windowed_layers.size() > n) m.windowed_layers.resize(n);
+  for (std::vector<bool>* list : {&m.windowed_layers, &m.moe.sparse_layers, &m.linear.layers})
+    if (list->size() > n) list->resize(n);
   return m;
 }
 

@@ -14,6 +14,7 @@ namespace {
 
 double silu(double x) { return x / (1.0 + std::exp(-x)); }
 
+double sigmoid(double x) { return 1.0 / (1.0 + std::exp(-x)); }
 double rounded(double x, double scale, fp8_format format) {
   return round_to_fp8(static_cast<float>(x) * static_cast<float>(scale), format) / scale;
 }
@@ -174,8 +175,9 @@ void lse_merge(host_case& t, std::int64_t tokens, std::int64_t heads, std::int64
 void rope(host_case& t, std::int64_t heads, std::int64_t dim, std::int64_t token_stride, std::int64_t head_stride,
           const std::vector<position_run>& runs, const rope_config& config, bool inverse) {
   auto& x = t["x"];
-  const std::int64_t half = dim / 2;
-  const std::vector<double> inv_freq = ops::rope_inverse_frequencies(config, dim);
+  // Partial RoPE: the first rotary_dim dimensions rotate, at a head of rotary_dim's frequencies.
+  const std::int64_t rotary = config.rotary_dim > 0 ? config.rotary_dim : dim, half = rotary / 2;
+  const std::vector<double> inv_freq = ops::rope_inverse_frequencies(config, rotary);
   const double factor = ops::rope_attention_factor(config), sign = inverse ? -1.0 : 1.0;
   for (const position_run& run : runs)
     for (std::int64_t n = 0; n < run.count; ++n)
@@ -234,9 +236,10 @@ void swiglu_forward(host_case& t, std::int64_t rows, std::int64_t cols, std::int
   auto& out = t["out"];
   for (std::int64_t r = 0; r < rows; ++r)
     for (std::int64_t c = first; c < first + cols; ++c)
-      out[r * width + c] =
-          (activation == gate_activation::silu ? silu(gate[r * width + c]) : gelu_tanh(gate[r * width + c])) *
-          up[r * width + c];
+      out[r * width + c] = (activation == gate_activation::silu      ? silu(gate[r * width + c])
+                            : activation == gate_activation::sigmoid ? sigmoid(gate[r * width + c])
+                                                                     : gelu_tanh(gate[r * width + c])) *
+                           up[r * width + c];
 }
 
 void cross_entropy(host_case& t, std::int64_t n, std::int64_t vocab, double grad_scale) {

@@ -270,17 +270,20 @@ std::vector<position_run> spread_runs(std::int64_t tokens) {
   return runs;
 }
 
-op_case rope_case(const rope_shape& r, std::vector<position_run> runs, double bytes) {
+// rotary > 0: partial RoPE (the hybrids'), the first `rotary` dimensions of each head.
+op_case rope_case(const rope_shape& r, std::vector<position_run> runs, double bytes, int rotary = 0) {
   const std::int64_t head_stride = r.head_major ? r.tokens * r.dim + 8 : r.dim;
   const std::int64_t token_stride = r.head_major ? r.dim : r.heads * r.dim + 4;
   const std::int64_t size = r.head_major ? r.heads * head_stride : r.tokens * token_stride;
   rope_config config;
   config.scaling.kind = r.scaling;
   if (r.scaling == rope_kind::linear || r.scaling == rope_kind::yarn) config.scaling.factor = 4.0;
+  config.rotary_dim = rotary;
   op_case c;
   c.size = dims_text({{"tokens", r.tokens}, {"heads", r.heads}, {"dim", r.dim}}) +
            (r.head_major ? " head-major" : " token-major") +
-           (r.direction == rope_direction::inverse ? " inverse" : "");
+           (r.direction == rope_direction::inverse ? " inverse" : "") +
+           (rotary > 0 ? " rotary " + std::to_string(rotary) : "");
   c.tensors = {out({.name = "x", .type = r.type, .dims = {size}})};
   c.run = [=](backend& be, const case_tensors& t) {
     const tensor& x = t["x"];
@@ -305,6 +308,9 @@ op_entry rope_entry() {
                   rope_shape{40, 4, 128, true, case_dtype::work, rope_kind::none, rope_direction::forward},
                   rope_shape{40, 3, 72, false, case_dtype::work, rope_kind::none, rope_direction::inverse}})
               cases.push_back(rope_case(r, spread_runs(r.tokens), 0.0));
+            // Partial RoPE as the hybrids' (a quarter of head_dim 256), in both directions.
+            for (rope_direction d : {rope_direction::forward, rope_direction::inverse})
+              cases.push_back(rope_case({40, 3, 256, false, case_dtype::work, rope_kind::none, d}, spread_runs(40), 0.0, 64));
             return cases;
           },
           [](std::int64_t tokens, dtype work) {
@@ -537,7 +543,8 @@ op_case swiglu_backward_case(const swiglu_shape& s, double bytes) {
 
 const swiglu_shape swiglu_test_shapes[] = {{33, 200, 0, 0, case_dtype::work}, {17, 333, 5, 1, case_dtype::f32}};
 
-// The gated unit's entries for one activation: swiglu_* (silu) and geglu_* (gelu_tanh) are
+// The gated unit's entries for one activation: swiglu_* (silu), geglu_* (gelu_tanh) and
+// sigmoid_gate_mul_* (sigmoid, the hybrids' attention output gate) are
 // one op each way, registered per activation so that each has its tests and perf row.
 op_entry gated_forward_entry(const char* name, gate_activation activation) {
   return {name,
@@ -718,6 +725,8 @@ std::vector<op_entry> build_registry() {
           gated_backward_entry("swiglu_backward", gate_activation::silu),
           gated_forward_entry("geglu_forward", gate_activation::gelu_tanh),
           gated_backward_entry("geglu_backward", gate_activation::gelu_tanh),
+          gated_forward_entry("sigmoid_gate_mul_forward", gate_activation::sigmoid),
+          gated_backward_entry("sigmoid_gate_mul_backward", gate_activation::sigmoid),
           cross_entropy_entry()};
   for (op_entry& e : model_op_entries()) entries.push_back(std::move(e));
   for (op_entry& e : moe_op_entries()) entries.push_back(std::move(e));

@@ -321,7 +321,15 @@ void rope(backend& be, const rope_args& args) {
   UPIPE_CHECK(args.x.dim % 2 == 0, fail("rope", "x", args.x, "head dim must be even (rotate-half pairs i, i + d/2)"));
   check_rope_config(args.config);
   check_position_runs(args);
-  be.run(args);
+  const int rotary = args.config.rotary_dim;
+  if (rotary == 0 || rotary == args.x.dim) return be.run(args);
+  UPIPE_CHECK(rotary > 0 && rotary < args.x.dim && rotary % 2 == 0,
+              fail("rope", "x", args.x, "rotary_dim " + std::to_string(rotary) +
+                                            " must be even and at most the head dim (partial RoPE)"));
+  // Partial RoPE: the kernels rotate the narrowed heads, whose frequencies are a head of rotary_dim's.
+  rope_args narrowed = args;
+  narrowed.x.dim = rotary;
+  be.run(narrowed);
 }
 
 void rmsnorm_forward(backend& be, const rmsnorm_forward_args& args) {

@@ -1,5 +1,7 @@
 // The attention layer under CP: QKV projection, RoPE and attention (the strategy), then
-// the output projection. Input and weight gradients in backward.
+// the output projection, through the hybrids' output gate where the weights have one
+// (out * sigmoid(x W_gate^T), the gate made a tile of x at a time). Input and weight
+// gradients in backward.
 #pragma once
 
 #include <memory>
@@ -25,8 +27,9 @@ class attention_layer {
   context forward(const mat_view& x, const attention_weights& w, const mat_view& y,
                   projection_mode mode = projection_mode::overwrite);
   // Only the output projection, from a context whose `out` was kept (a checkpoint that
-  // saved the attention output): y (+)= out W_o^T.
-  void project_output(const context& ctx, const attention_weights& w, const mat_view& y, projection_mode mode);
+  // saved the attention output): y (+)= out W_o^T, or through the gate made from x.
+  void project_output(const context& ctx, const normed_input& x, const attention_weights& w, const mat_view& y,
+                      projection_mode mode);
   // d_x (s, D, f32) and the weight gradients are accumulated.
   void backward(const context& ctx, const normed_input& x, const attention_weights& w, const mat_view& d_y,
                 const mat_view& d_x, const attention_grads& grads);
@@ -40,9 +43,12 @@ class attention_layer {
   attention_strategy& strategy() { return *strategy_; }
 
  private:
-  // dW_o += d_y^T out; returns d_out = d_y W_o.
-  tensor output_backward(const context& ctx, const attention_weights& w, const mat_view& d_y,
-                         const attention_grads& grads);
+  // dW_o += d_y^T out; returns d_out = d_y W_o. Through a gate: the gate's backward too
+  // (its input and weight gradients), d_out the gradient of the ungated output.
+  tensor output_backward(const context& ctx, const normed_input& x, const attention_weights& w, const mat_view& d_y,
+                         const mat_view& d_x, const attention_grads& grads);
+  tensor gated_output_backward(const context& ctx, const normed_input& x, const attention_weights& w,
+                               const mat_view& d_y, const mat_view& d_x, const attention_grads& grads);
 
   attention_config config_;
   backend& be_;

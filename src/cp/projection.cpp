@@ -22,11 +22,14 @@ projection_forward::projection_forward(backend& be, const projection& w, const m
 }
 
 void projection_forward::rows(std::int64_t first, std::int64_t count, const mat_view& y, float beta) const {
-  ops::gemm(be_, {x_, transpose::none, w_.weight.row_block(first, count), transpose::yes, y, 1.0f, beta});
-  if (w_.bias.rows > 0) ops::bias_add(be_, {y, w_.bias.col_block(first, count)});
-  if (w_.adapted())
-    ops::gemm(be_, {xa_.matrix(), transpose::none, w_.lora_b.row_block(first, count), transpose::yes, y,
-                    w_.lora_scale, 1.0f});
+  w_.rows.for_each_run(first, count, [&](std::int64_t stored, std::int64_t offset, std::int64_t n) {
+    const mat_view yr = y.col_block(offset, n);
+    ops::gemm(be_, {x_, transpose::none, w_.weight.row_block(stored, n), transpose::yes, yr, 1.0f, beta});
+    if (w_.bias.rows > 0) ops::bias_add(be_, {yr, w_.bias.col_block(stored, n)});
+    if (w_.adapted())
+      ops::gemm(be_, {xa_.matrix(), transpose::none, w_.lora_b.row_block(stored, n), transpose::yes, yr,
+                      w_.lora_scale, 1.0f});
+  });
 }
 
 projection_backward::projection_backward(backend& be, const projection& w, const projection_grads& g,
@@ -39,10 +42,14 @@ projection_backward::projection_backward(backend& be, const projection& w, const
 }
 
 void projection_backward::input_grad(const mat_view& dy, std::int64_t first, const mat_view& d_x, float beta) {
-  ops::gemm(be_, {dy, transpose::none, w_.weight.row_block(first, dy.cols), transpose::none, d_x, 1.0f, beta});
-  if (w_.adapted())
-    ops::gemm(be_, {dy, transpose::none, w_.lora_b.row_block(first, dy.cols), transpose::none, gb_.matrix(), 1.0f,
-                    1.0f});
+  w_.rows.for_each_run(first, dy.cols, [&](std::int64_t stored, std::int64_t offset, std::int64_t n) {
+    const mat_view dyr = dy.col_block(offset, n);
+    ops::gemm(be_, {dyr, transpose::none, w_.weight.row_block(stored, n), transpose::none, d_x, 1.0f,
+                    offset == 0 ? beta : 1.0f});
+    if (w_.adapted())
+      ops::gemm(be_, {dyr, transpose::none, w_.lora_b.row_block(stored, n), transpose::none, gb_.matrix(), 1.0f,
+                      1.0f});
+  });
 }
 
 void projection_backward::finish_input_grad(const mat_view& d_x) {
@@ -63,12 +70,15 @@ void projection_backward::start_tile(std::int64_t t0, const mat_view& x) {
 }
 
 void projection_backward::weight_grad(const mat_view& dy, std::int64_t first) {
-  if (g_.weight.rows > 0)
-    ops::gemm(be_, {dy, transpose::yes, tile_, transpose::none, g_.weight.row_block(first, dy.cols), 1.0f, 1.0f});
-  if (g_.bias.rows > 0) ops::bias_grad(be_, {dy, g_.bias.col_block(first, dy.cols)});
-  if (w_.adapted())
-    ops::gemm(be_, {dy, transpose::yes, tile_xa_.matrix(), transpose::none, g_.lora_b.row_block(first, dy.cols),
-                    w_.lora_scale, 1.0f});
+  w_.rows.for_each_run(first, dy.cols, [&](std::int64_t stored, std::int64_t offset, std::int64_t n) {
+    const mat_view dyr = dy.col_block(offset, n);
+    if (g_.weight.rows > 0)
+      ops::gemm(be_, {dyr, transpose::yes, tile_, transpose::none, g_.weight.row_block(stored, n), 1.0f, 1.0f});
+    if (g_.bias.rows > 0) ops::bias_grad(be_, {dyr, g_.bias.col_block(stored, n)});
+    if (w_.adapted())
+      ops::gemm(be_, {dyr, transpose::yes, tile_xa_.matrix(), transpose::none, g_.lora_b.row_block(stored, n),
+                      w_.lora_scale, 1.0f});
+  });
 }
 
 void linear_forward(backend& be, const mat_view& x, const projection& w, const mat_view& y, float beta) {
@@ -80,6 +90,14 @@ void linear_forward(backend& be, const mat_view& x, const projection& w, const m
 // the step holds fewer and smaller buffers.
 void linear_backward(backend& be, const mat_view& x, const mat_view& dy, const projection& w,
                      const projection_grads& g, const mat_view& d_x, float beta) {
+  if (w.rows.interleaved()) {  // the blocks' GEMMs, as a stage's heads take them
+    projection_backward pass(be, w, g, x.rows);
+    pass.input_grad(dy, 0, d_x, beta);
+    pass.finish_input_grad(d_x);
+    pass.start_tile(0, x);
+    pass.weight_grad(dy, 0);
+    return;
+  }
   ops::gemm(be, {dy, transpose::none, w.weight, transpose::none, d_x, 1.0f, beta});
   if (g.weight.rows > 0) ops::gemm(be, {dy, transpose::yes, x, transpose::none, g.weight, 1.0f, 1.0f});
   if (g.bias.rows > 0) ops::bias_grad(be, {dy, g.bias});

@@ -7,21 +7,50 @@
 // never run (docs/design.md section 10).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 
 #include "backend/backend.hpp"
 
 namespace upipe {
 
+// Where a projection's output rows lie in the tensor that stores them: contiguous, or in
+// blocks of `block` rows every `stride` rows (a fused tensor interleaved by heads: the
+// hybrids' gated q_proj holds each head's query rows then its gate rows, Qwen3-Next's
+// in_proj_qkvz each key head's q, k, v and z rows). Logical row r is stored row
+// (r / block) stride + r % block of the views, which begin at the projection's first row.
+struct row_blocks {
+  std::int64_t block = 0, stride = 0;  // 0: contiguous
+  bool interleaved() const { return block > 0 && stride != block; }
+  // The logical rows of a view of `stored` rows.
+  std::int64_t logical_rows(std::int64_t stored) const {
+    return interleaved() ? (stored + stride - block) / stride * block : stored;
+  }
+  // fn(stored first row, logical offset from `first`, rows) over the stored runs of logical
+  // rows [first, first + count).
+  template <class Fn>
+  void for_each_run(std::int64_t first, std::int64_t count, Fn&& fn) const {
+    if (!interleaved()) return fn(first, std::int64_t{0}, count);
+    for (std::int64_t r = first; r < first + count;) {
+      const std::int64_t n = std::min(block - r % block, first + count - r);
+      fn(r / block * stride + r % block, r - first, n);
+      r += n;
+    }
+  }
+  bool operator==(const row_blocks&) const = default;
+};
+
 struct projection {
   mat_view weight;          // (out, in), working dtype
   mat_view bias;            // (1, out), working dtype; no rows without a bias
   mat_view lora_a, lora_b;  // (r, in) and (out, r), working dtype; no rows without an adapter
   float lora_scale = 0.0f;  // alpha / r
+  row_blocks rows;          // where the output rows lie in weight, bias and lora_b
 
   projection() = default;
   projection(const mat_view& w) : weight(w) {}  // NOLINT(google-explicit-constructor): a plain weight
   bool adapted() const { return lora_a.rows > 0; }
+  std::int64_t out_rows() const { return rows.logical_rows(weight.rows); }
 };
 
 // The gradients of a projection, f32, accumulated (+=). A frozen weight has none (no rows):
@@ -44,7 +73,7 @@ class projection_forward {
   // y (x.rows, count) = beta y + x W[first, first + count)^T (+ b[first, first + count))
   // (+ s (x A^T) B[first, first + count)^T).
   void rows(std::int64_t first, std::int64_t count, const mat_view& y, float beta = 0.0f) const;
-  void all(const mat_view& y, float beta = 0.0f) const { rows(0, w_.weight.rows, y, beta); }
+  void all(const mat_view& y, float beta = 0.0f) const { rows(0, w_.out_rows(), y, beta); }
 
  private:
   backend& be_;

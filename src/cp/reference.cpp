@@ -44,8 +44,8 @@ matrix weight_grad(const matrix& a, const matrix& b, std::int64_t m, std::int64_
 // Rotate-half RoPE on (S, heads, d) at positions s - start[s] (start[s]: the first row of
 // row s's document); sign -1 is the inverse.
 void rotate(matrix& t, const attention_config& c, int heads, double sign, const std::vector<std::int64_t>& start) {
-  const int d = c.head_dim, half = d / 2;
-  const auto inv = ops::rope_inverse_frequencies(c.rope, d);
+  const int d = c.head_dim, rotary = c.rope.rotary_dim > 0 ? c.rope.rotary_dim : d, half = rotary / 2;
+  const auto inv = ops::rope_inverse_frequencies(c.rope, rotary);
   const double factor = ops::rope_attention_factor(c.rope);
   for (std::int64_t s = 0; s < c.seq_len; ++s)
     for (int h = 0; h < heads; ++h) {

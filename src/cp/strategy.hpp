@@ -25,6 +25,10 @@ struct attention_weights {
   projection wv;  // (K*d, D)
   projection wo;  // (D, H*d)
   mat_view q_norm, k_norm;  // (1, d) each, only with config.qk_norm
+  // The hybrids' output gate (H*d, D): rows of q_proj beside each head's query rows; the
+  // attention's output is multiplied by sigmoid(x W_gate^T) before wo (attention_layer).
+  projection gate;
+  bool gated() const { return gate.weight.rows > 0; }
 };
 
 // Weight gradients, f32, accumulated (+=) by backward; a frozen weight's are empty (no
@@ -32,6 +36,7 @@ struct attention_weights {
 struct attention_grads {
   projection_grads wq, wk, wv, wo;
   mat_view q_norm, k_norm;  // only with config.qk_norm
+  projection_grads gate;    // with a gated attention
 };
 
 // The communicators a strategy runs over. One group today; a 2-D mesh (all-to-all

@@ -60,6 +60,23 @@ model_config gemma3_preset(std::string name, std::int64_t vocab, int hidden, int
   return c;
 }
 
+// The hybrids (Qwen3.5, Qwen3-Next): three Gated DeltaNet layers to one gated full-attention
+// layer of head_dim 256 whose RoPE (base 1e7) rotates a quarter of each head, zero-centred
+// norms, a context of 262144 tokens.
+model_config hybrid_preset(std::string name, model_family family, std::int64_t vocab, int hidden, int intermediate,
+                           int layers, int heads, int kv_heads, linear_attention_config linear) {
+  rope_config rope = plain_rope(10000000.0);
+  rope.rotary_dim = 64;
+  model_config c{.name = std::move(name), .family = family, .vocab_size = vocab, .hidden_size = hidden,
+                 .intermediate_size = intermediate, .num_layers = layers, .num_heads = heads, .num_kv_heads = kv_heads,
+                 .head_dim = 256, .rms_norm_eps = 1e-6, .rope = rope, .tie_embeddings = false, .qk_norm = true,
+                 .max_position_embeddings = 262144};
+  for (int l = 0; l < layers; ++l) linear.layers.push_back((l + 1) % 4 != 0);
+  c.linear = std::move(linear);
+  c.attention_gate = true;
+  return c;
+}
+
 // The published Hugging Face configs (meta-llama/Llama-3.1-*, meta-llama/Llama-3.2-*,
 // Qwen/Qwen3-*, Qwen/Qwen2.5-7B, mistralai/Mistral-7B-v0.1, google/gemma-3-*-it's text
 // models) and small models for tests.
@@ -127,6 +144,19 @@ std::vector<model_config> all_presets() {
                      .max_position_embeddings = 40960,
                      .moe = {.experts = 128, .top_k = 8, .expert_width = 768, .normalize_top_k = true,
                              .sparse_layers = std::vector<bool>(48, true)}});
+  // Qwen/Qwen3.5-27B's text model (a multimodal checkpoint: model_type qwen3_5, its text_config):
+  // 64 layers (48 Gated DeltaNet: 16 key heads, 48 value heads of 128), 24 heads over 4 kv heads.
+  presets.push_back(hybrid_preset("qwen3.5-27b", qwen3_5, 248320, 5120, 17408, 64, 24, 4, {16, 48, 128, 128, 4}));
+  // Qwen/Qwen3.5-35B-A3B's: 40 sparse layers of 256 experts (width 512), 8 per token, a shared expert.
+  model_config q35_moe = hybrid_preset("qwen3.5-35b-a3b", qwen3_5_moe, 248320, 2048, 512, 40, 16, 2, {16, 32, 128, 128, 4});
+  q35_moe.moe = {.experts = 256, .top_k = 8, .expert_width = 512, .shared_width = 512, .normalize_top_k = true,
+                 .sparse_layers = std::vector<bool>(40, true)};
+  presets.push_back(std::move(q35_moe));
+  // Qwen/Qwen3-Next-80B-A3B-Instruct: 48 sparse layers of 512 experts (width 512), 10 per token, a shared expert.
+  model_config next = hybrid_preset("qwen3-next-80b-a3b", qwen3_next, 151936, 2048, 5120, 48, 16, 2, {16, 32, 128, 128, 4});
+  next.moe = {.experts = 512, .top_k = 10, .expert_width = 512, .shared_width = 512, .normalize_top_k = true,
+              .sparse_layers = std::vector<bool>(48, true)};
+  presets.push_back(std::move(next));
   // A tiny one for tests: a dense layer below two sparse ones, 8 experts, 2 per token.
   presets.push_back({.name = "tiny-qwen3-moe", .family = qwen3_moe, .vocab_size = 256, .hidden_size = 64,
                      .intermediate_size = 96, .num_layers = 3, .num_heads = 4, .num_kv_heads = 2, .head_dim = 16,
@@ -307,16 +337,22 @@ double model_config::model_flops(std::int64_t seq_len) const {
 }
 
 double model_config::model_flops(std::int64_t seq_len, std::span<const std::int64_t> documents) const {
-  double squares = 0;  // over the layers and documents
+  double squares = 0;  // over the attention layers and documents
   for (int l = 0; l < num_layers; ++l) {
+    if (linear_layer(l)) continue;  // a Gated DeltaNet layer's cost is linear in S (below)
     if (documents.empty()) squares += attended_square(static_cast<double>(seq_len), layer_window(l));
     for (std::size_t i = 0; i < documents.size(); ++i) {
       const auto length = static_cast<double>((i + 1 < documents.size() ? documents[i + 1] : seq_len) - documents[i]);
       squares += attended_square(length, layer_window(l));
     }
   }
+  // A Gated DeltaNet layer's recurrence: three dk x dv products a token and value head (the
+  // state's read S^T k, its update and the output S^T q), 2 FLOPs each, forward and twice in
+  // backward; whatever the documents, as the state resets but does its work all the same.
+  const double recurrence = 18.0 * linear.value_heads * static_cast<double>(linear.key_dim) * linear.value_dim;
   return 6.0 * static_cast<double>(matmul_parameter_count()) * static_cast<double>(seq_len) +
-         6.0 * num_heads * static_cast<double>(head_dim) * squares;
+         6.0 * num_heads * static_cast<double>(head_dim) * squares +
+         recurrence * linear_layer_count() * static_cast<double>(seq_len);
 }
 
 std::int64_t default_max_position_embeddings(const model_config& c) {
@@ -369,6 +405,7 @@ void validate(const model_config& c) {
   require_within(c.head_dim, 1, limits::head_dim, model + "head_dim d", "128");
   require_within(c.max_position_embeddings, 0, limits::context, model + "max_position_embeddings", "131072");
   validate_moe(c);
+  validate_hybrid(c);
   // Each dimension is bounded, so this cannot overflow; the total is bounded too.
   require_within(c.parameter_count(), 1, limits::parameters, model + "the parameter count", "8030261248 (llama3-8b)");
   if (c.num_heads % c.num_kv_heads != 0)

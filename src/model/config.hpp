@@ -32,6 +32,25 @@ struct moe_config {
   double router_aux_loss_coef = 0.001;
 };
 
+// A hybrid model's Gated DeltaNet layers (docs/design.md section 11; key_heads == 0: none).
+// Each holds Hk key heads of dk and Hv = G Hk value heads of dv (value head h reads key head
+// h / G, transformers' repeat_interleave), a causal depthwise convolution of Kc taps over the
+// q, k and v channels, and a dk x dv state per value head.
+struct linear_attention_config {
+  int key_heads = 0;    // Hk: linear_num_key_heads
+  int value_heads = 0;  // Hv: linear_num_value_heads
+  int key_dim = 0;      // dk: linear_key_head_dim
+  int value_dim = 0;    // dv: linear_value_head_dim
+  int conv_kernel = 0;  // Kc: linear_conv_kernel_dim
+  std::vector<bool> layers{};  // layer l is a Gated DeltaNet layer (layer_types' linear_attention)
+
+  std::int64_t key_width() const { return std::int64_t{key_heads} * key_dim; }        // Hk dk
+  std::int64_t value_width() const { return std::int64_t{value_heads} * value_dim; }  // Hv dv
+  // The convolution's channels: q, k and v side by side, 2 Hk dk + Hv dv.
+  std::int64_t conv_channels() const { return 2 * key_width() + value_width(); }
+  bool operator==(const linear_attention_config&) const = default;
+};
+
 struct model_config {
   std::string name;  // preset name, or the config file's path
   model_family family = model_family::llama;
@@ -57,6 +76,10 @@ struct model_config {
   double query_pre_attn_scalar = 0;   // > 0: scores scaled by its inverse square root (Gemma 3), else 1/sqrt(d)
   std::int32_t padding_id = -1;       // pad_token_id: its embedding row is not trained by lookups (-1: none)
   moe_config moe{};                   // experts == 0: every MLP dense
+  linear_attention_config linear{};   // key_heads == 0: every layer attends
+  // The hybrids' full attention: q_proj yields each head's query and its output gate, the
+  // attention's output multiplied by sigmoid(gate) before o_proj (Qwen3.5, Qwen3-Next).
+  bool attention_gate = false;
 
   const family_row& traits() const { return family_traits(family); }
   bool has_bias(layer_projection p) const { return (biases & projection_bit(p)) != 0; }
@@ -65,6 +88,11 @@ struct model_config {
     return layer >= 0 && layer < static_cast<int>(moe.sparse_layers.size()) && moe.sparse_layers[layer];
   }
   int sparse_layer_count() const;
+  // Is layer l a Gated DeltaNet layer (a hybrid's linear_attention)?
+  bool linear_layer(int layer) const {
+    return layer >= 0 && layer < static_cast<int>(linear.layers.size()) && linear.layers[layer];
+  }
+  int linear_layer_count() const;
   // Layer l's window (0: global attention) and RoPE.
   std::int64_t layer_window(int layer) const;
   const rope_config& layer_rope(int layer) const;
@@ -76,7 +104,8 @@ struct model_config {
   // lookup or the norms): docs/design.md section 7's N_matmul.
   std::int64_t matmul_parameter_count() const;
   // Model FLOPs of one forward+backward over S tokens, recompute not counted:
-  // 6 N_matmul S + 6 L H d S^2 (causal attention).
+  // 6 N_matmul S + 6 L H d S^2 (causal attention), over the attention layers; a hybrid's
+  // Gated DeltaNet layers add 18 Hv dk dv S each (their recurrence).
   double model_flops(std::int64_t seq_len) const;
   // The same over packed documents (`documents`: where each begins): attention counts only
   // the pairs inside a document, 6 L H d sum_i L_i^2.
@@ -96,7 +125,8 @@ struct parameter_spec {
 std::vector<parameter_spec> parameter_specs(const model_config& config);
 
 // Names of the presets: llama3-8b, llama3-70b, llama3.2-1b, llama3.2-3b, qwen3-8b,
-// qwen3-32b, qwen2.5-7b, mistral-7b, gemma3-4b, gemma3-12b, gemma3-27b, qwen3-30b-a3b, and the tiny
+// qwen3-32b, qwen2.5-7b, mistral-7b, gemma3-4b, gemma3-12b, gemma3-27b, qwen3-30b-a3b, the hybrids
+// qwen3.5-27b, qwen3.5-35b-a3b and qwen3-next-80b-a3b, and the tiny
 // models of the tests: tiny-llama, tiny-qwen3, tiny-qwen2, tiny-mistral, tiny-phi3,
 // tiny-gemma3, tiny-qwen3-moe.
 std::vector<std::string> preset_names();
@@ -131,6 +161,12 @@ void read_moe_fields(model_config& c, const nlohmann::json& root, const std::str
 void write_moe_fields(const model_config& c, nlohmann::ordered_json& j);
 // The experts' checks (sizes, k <= E, the layers' list); part of validate.
 void validate_moe(const model_config& c);
+// A hybrid's fields of config.json as Qwen3_5TextConfig / Qwen3NextConfig read them
+// (model/hybrid_config.cpp: layer_types, the linear_* sizes, partial_rotary_factor), what a
+// written config.json says of them, and their checks (part of validate).
+void read_hybrid_fields(model_config& c, const nlohmann::json& root, const std::string& path);
+void write_hybrid_fields(const model_config& c, nlohmann::ordered_json& j);
+void validate_hybrid(const model_config& c);
 // Checks the configuration's own consistency (positive sizes, H divisible by K, even d, the
 // family's fixed traits, the windows); throws config_error naming the value, the rule and a
 // valid alternative.

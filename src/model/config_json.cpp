@@ -4,7 +4,9 @@
 #include "model/config.hpp"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <cstdio>
 #include <filesystem>
 #include <limits>
 #include <nlohmann/json.hpp>
@@ -157,7 +159,8 @@ void refuse_unsupported_features(const field_reader& fields, const std::string& 
       throw config_error("model config '" + path + "': " + key + " = " + v->dump() +
                          ": upipe's attention and loss take no soft-capping, and a model trained with it would "
                          "compute another loss; use a model whose config sets " + key + " = null (Gemma 3's do)");
-  if (const json* v = fields.find("partial_rotary_factor"); v && fields.number("partial_rotary_factor", *v) != 1.0)
+  if (const json* v = fields.find("partial_rotary_factor");
+      v && row.mixers != mixer_rule::hybrid && fields.number("partial_rotary_factor", *v) != 1.0)
     throw config_error("model config '" + path + "': partial_rotary_factor = " + v->dump() +
                        " is not supported (RoPE rotates every dimension of a head); use 1.0");
 }
@@ -315,7 +318,7 @@ nlohmann::ordered_json to_hf_json(const model_config& c) {
   j["model_type"] = std::string(row.model_type);
   j["vocab_size"] = c.vocab_size;
   j["hidden_size"] = c.hidden_size;
-  j["intermediate_size"] = c.intermediate_size;
+  if (!row.dense_width_optional) j["intermediate_size"] = c.intermediate_size;
   j["num_hidden_layers"] = c.num_layers;
   j["num_attention_heads"] = c.num_heads;
   j["num_key_value_heads"] = c.num_kv_heads;
@@ -342,6 +345,7 @@ nlohmann::ordered_json to_hf_json(const model_config& c) {
     j["attn_logit_softcapping"] = nullptr;
   }
   write_moe_fields(c, j);
+  write_hybrid_fields(c, j);
   j["pad_token_id"] = c.padding_id >= 0 ? nlohmann::ordered_json(c.padding_id) : nlohmann::ordered_json(nullptr);
   j["initializer_range"] = 0.02;
   j["use_cache"] = true;
@@ -371,6 +375,15 @@ nlohmann::ordered_json updated_hf_json(const model_config& c, const std::string&
     throw io_error("model config '" + base_path + "' is not valid JSON: " + e.what());
   }
   const model_config base = read_hf_config(base_path);
+  // A multimodal base: what upipe trained and writes is its text model, a config of its own.
+  if (const auto type = j.find("model_type"); type != j.end() && type->is_string())
+    if (const family_row* row = find_multimodal_family(type->get<std::string>()); row != nullptr) {
+      nlohmann::ordered_json text = j["text_config"];
+      text["architectures"] = {std::string(row->architecture)};
+      text["model_type"] = std::string(row->model_type);
+      text["tie_word_embeddings"] = c.tie_embeddings;
+      j = std::move(text);
+    }
   // A scaling whose original context the base left to max_position_embeddings would change
   // with it: then the RoPE object is written out in full.
   const bool context_changes = c.max_position_embeddings > 0 && c.max_position_embeddings != base.max_position_embeddings;
@@ -505,6 +518,29 @@ void read_ropes(model_config& c, const field_reader& fields, const std::string& 
   c.local_rope = parse_rope(fields, local, path);
 }
 
+// The Hub's multimodal checkpoints of a hybrid family (model_type qwen3_5 or qwen3_5_moe with a
+// text_config): upipe trains their text model, and says once that the vision tower stays out.
+const json* multimodal_text_config(const json& root, const std::string& path) {
+  const auto type = root.find("model_type");
+  if (type == root.end() || !type->is_string()) return nullptr;
+  const family_row* row = find_multimodal_family(type->get<std::string>());
+  if (row == nullptr) return nullptr;
+  const auto text = root.find("text_config");
+  if (text == root.end() || !text->is_object())
+    throw io_error("model config '" + path + "': model_type '" + type->get<std::string>() +
+                   "' holds its text model in a \"text_config\" object, which this file lacks: pass the checkpoint's "
+                   "config.json as the Hub serves it, or a " + std::string(row->architecture) + " directory (model_type " +
+                   std::string(row->model_type) + ")");
+  static std::atomic<bool> noted{false};
+  if (!noted.exchange(true))
+    std::fprintf(stderr,
+                 "note: %s is a multimodal %s checkpoint: upipe trains its text model (text_config, the weights "
+                 "under model.language_model.*) and leaves the vision tower (model.visual.*) and the MTP head out; "
+                 "a checkpoint it saves is the text model (%s)\n",
+                 path.c_str(), type->get<std::string>().c_str(), std::string(row->architecture).c_str());
+  return &*text;
+}
+
 // As transformers reads them: without an original context the model's own is taken, and
 // a yarn factor given as null is the stretch from the original context to the model's.
 void complete_scaling(rope_config& rope, std::int64_t context) {
@@ -551,8 +587,10 @@ void read_family_fields(model_config& c, const field_reader& fields, const std::
 
 model_config read_hf_config(const std::string& given) {
   const std::string path = hf_config_file(given);
-  const json root = parse_json_file(path);
-  const field_reader fields(root, path);
+  const json file = parse_json_file(path);
+  const json* text = multimodal_text_config(file, path);
+  const json& root = text != nullptr ? *text : file;
+  const field_reader fields(root, path, text != nullptr ? "text_config." : "");
 
   model_config c;
   c.name = path;
@@ -561,7 +599,11 @@ model_config read_hf_config(const std::string& given) {
   refuse_unsupported_features(fields, path, row);
   c.vocab_size = fields.integer("vocab_size", fields.required("vocab_size"));
   c.hidden_size = fields.required_int("hidden_size");
-  c.intermediate_size = fields.required_int("intermediate_size");
+  // A family whose every layer is sparse has no dense width (Qwen3_5MoeTextConfig): its
+  // experts' width stands in (read_moe_fields).
+  c.intermediate_size = row.dense_width_optional && fields.find("intermediate_size") == nullptr
+                            ? 0
+                            : fields.required_int("intermediate_size");
   c.num_layers = fields.required_int("num_hidden_layers");
   c.num_heads = fields.required_int("num_attention_heads");
   c.rms_norm_eps = fields.required_number("rms_norm_eps");
@@ -585,13 +627,20 @@ model_config read_hf_config(const std::string& given) {
     c.max_position_embeddings = fields.integer("max_position_embeddings", *m);
   read_family_fields(c, fields, path, row);
   read_moe_fields(c, root, path);
+  if (c.intermediate_size == 0) c.intermediate_size = c.moe.expert_width;
+  read_hybrid_fields(c, root, path);
   complete_scaling(c.rope, c.max_position_embeddings);
   if (c.local_rope) complete_scaling(*c.local_rope, c.max_position_embeddings);
-  for (const char* key : {"dtype", "torch_dtype"})
-    if (const json* d = fields.find(key); d && d->is_string()) c.stored_dtype = d->get<std::string>();
+  // A multimodal checkpoint's dtype and tied embedding are its top level's (transformers ties
+  // by the composite config's tie_word_embeddings, false unless it says so).
+  const field_reader top(file, path);
+  for (const field_reader* source : {&fields, &top})
+    for (const char* key : {"dtype", "torch_dtype"})
+      if (const json* d = source->find(key); d && d->is_string() && c.stored_dtype.empty())
+        c.stored_dtype = d->get<std::string>();
   c.tie_embeddings = row.default_tied;
-  if (const json* tie = fields.find("tie_word_embeddings"))
-    c.tie_embeddings = fields.boolean("tie_word_embeddings", *tie);
+  if (const json* tie = (text != nullptr ? top : fields).find("tie_word_embeddings"))
+    c.tie_embeddings = (text != nullptr ? top : fields).boolean("tie_word_embeddings", *tie);
   validate(c);
   return c;
 }

@@ -8,7 +8,8 @@ namespace {
 
 // Each row against transformers' configuration and modeling classes of the family
 // (LlamaConfig, Qwen2Config, Qwen3Config, MistralConfig, Phi3Config, Gemma3TextConfig,
-// Qwen3MoeConfig, MixtralConfig, Qwen2MoeConfig).
+// Qwen3MoeConfig, MixtralConfig, Qwen2MoeConfig, Qwen3_5TextConfig, Qwen3_5MoeTextConfig,
+// Qwen3NextConfig).
 std::vector<family_row> make_table() {
   using enum model_family;
   return {
@@ -48,6 +49,27 @@ std::vector<family_row> make_table() {
        .models = "Qwen1.5-MoE / Qwen2-MoE", .windows = window_rule::qwen_layers, .default_kv_heads = 16,
        .default_context = 32768, .moe = moe_rule::sparse_step, .shared_expert = true, .qkv_bias_key = "qkv_bias",
        .default_experts = 60, .default_top_k = 4, .default_expert_width = 1408, .default_shared_width = 5632},
+      // The hybrids: three Gated DeltaNet layers to one gated full-attention layer (q/k norms,
+      // partial RoPE, head_dim 256), zero-centred (1 + w) RMSNorms. Qwen3.5's text model is
+      // also read from the Hub's multimodal checkpoints (model_type qwen3_5, its text_config).
+      {.family = qwen3_5, .model_type = "qwen3_5_text", .architecture = "Qwen3_5ForCausalLM",
+       .models = "Qwen3.5 / Qwen3.6 dense (text)", .qk_norm = true, .config_biases = true, .norm_offset = 1.0f,
+       .default_kv_heads = 4, .default_head_dim = 256, .default_context = 32768, .mixers = mixer_rule::hybrid,
+       .attention_gate = true, .default_rotary_factor = 0.25, .multimodal_type = "qwen3_5"},
+      {.family = qwen3_5_moe, .model_type = "qwen3_5_moe_text", .architecture = "Qwen3_5MoeForCausalLM",
+       .models = "Qwen3.5 / Qwen3.6 MoE (text)", .qk_norm = true, .config_biases = true, .norm_offset = 1.0f,
+       .default_kv_heads = 2, .default_head_dim = 256, .default_context = 32768, .moe = moe_rule::every_layer,
+       .topk_normalization = topk_norm::always, .shared_expert = true, .default_experts = 256, .default_top_k = 8,
+       .default_expert_width = 512, .default_shared_width = 512, .dense_width_optional = true,
+       .mixers = mixer_rule::hybrid, .attention_gate = true, .default_rotary_factor = 0.25,
+       .multimodal_type = "qwen3_5_moe"},
+      {.family = qwen3_next, .model_type = "qwen3_next", .architecture = "Qwen3NextForCausalLM",
+       .models = "Qwen3-Next", .qk_norm = true, .config_biases = true, .norm_offset = 1.0f, .default_kv_heads = 2,
+       .default_head_dim = 256, .default_context = 32768, .moe = moe_rule::sparse_step, .shared_expert = true,
+       .default_experts = 512, .default_top_k = 10, .default_expert_width = 512, .default_shared_width = 512,
+       .default_norm_topk = true, .mixers = mixer_rule::hybrid, .attention_gate = true,
+       .default_rotary_factor = 0.25, .linear_qkvz_fused = "linear_attn.in_proj_qkvz",
+       .linear_ba_fused = "linear_attn.in_proj_ba"},
   };
 }
 
@@ -67,6 +89,12 @@ const family_row& family_traits(model_family family) {
 const family_row* find_family(std::string_view model_type) {
   for (const family_row& row : family_table())
     if (row.model_type == model_type) return &row;
+  return nullptr;
+}
+
+const family_row* find_multimodal_family(std::string_view model_type) {
+  for (const family_row& row : family_table())
+    if (row.multimodal_type != nullptr && row.multimodal_type == model_type) return &row;
   return nullptr;
 }
 

@@ -15,11 +15,16 @@
 
 namespace upipe {
 
-enum class model_family : std::uint8_t { llama, qwen2, qwen3, mistral, phi3, gemma3, qwen3_moe, mixtral, qwen2_moe };
+enum class model_family : std::uint8_t {
+  llama, qwen2, qwen3, mistral, phi3, gemma3, qwen3_moe, mixtral, qwen2_moe, qwen3_5, qwen3_5_moe, qwen3_next
+};
 
-// What a parameter is. Initialization, weight decay (matrices and embeddings only), LoRA's
-// targets (a layer's matrices) and the checks of files read it.
-enum class param_kind : std::uint8_t { matrix, norm, bias, embedding };
+// What a parameter is. Initialization, weight decay (matrices, embeddings and convolutions
+// only), LoRA's targets (a layer's matrices) and the checks of files read it. The hybrids'
+// Gated DeltaNet layers add a depthwise convolution, the decay's A_log (the log of its rate
+// per value head) and the gated RMSNorm's weight, which scales by w whatever offset the
+// family's other norms take.
+enum class param_kind : std::uint8_t { matrix, norm, bias, embedding, conv, log_decay, gated_norm };
 
 // Where a block's RMSNorms sit: before attention and before the MLP (Llama), or also after
 // each, on the block's output before the residual add (Gemma 3's sandwich).
@@ -47,6 +52,11 @@ enum class moe_rule : std::uint8_t {
   sparse_step,   // layer l is sparse unless in mlp_only_layers, when (l + 1) % decoder_sparse_step == 0 (Qwen)
 };
 enum class topk_norm : std::uint8_t { always, config };  // Mixtral renormalizes; Qwen reads norm_topk_prob
+
+// Which token mixer each layer has (docs/design.md section 11): attention in every layer, or
+// the hybrids' Gated DeltaNet layers beside full-attention ones (layer_types' linear_attention
+// and full_attention, or without it every full_attention_interval-th layer full).
+enum class mixer_rule : std::uint8_t { attention, hybrid };
 
 // The linear projections of a decoder layer (also LoRA's targets).
 enum class layer_projection : std::uint8_t { q, k, v, o, gate, up, down };
@@ -101,6 +111,20 @@ struct family_row {
   bool shared_expert = false;                        // Qwen2-MoE's shared_expert behind sigmoid(shared_expert_gate)
   const char* qkv_bias_key = nullptr;                // Qwen2-MoE's qkv_bias: q, k and v biases when true (default)
   int default_experts = 0, default_top_k = 0, default_expert_width = 0, default_shared_width = 0;
+  bool default_norm_topk = false;                    // norm_topk_prob where config.json is silent (Qwen3-Next: true)
+  bool dense_width_optional = false;                 // no intermediate_size: every layer sparse (Qwen3.5-MoE)
+
+  // Hybrid linear attention (mixers == hybrid): Gated DeltaNet layers (`linear_attn.*`) beside
+  // gated full-attention ones whose q_proj yields each head's query and its output gate.
+  mixer_rule mixers = mixer_rule::attention;
+  bool attention_gate = false;             // q_proj (2 H d, D): per head d query rows, then d gate rows
+  double default_rotary_factor = 1.0;      // partial_rotary_factor where config.json is silent
+  const char* linear_qkvz_fused = nullptr;  // Qwen3-Next's in_proj_qkvz / in_proj_ba, grouped by key head
+  const char* linear_ba_fused = nullptr;
+  int default_linear_key_heads = 16, default_linear_value_heads = 32, default_linear_dim = 128, default_conv = 4;
+  // The multimodal model_type whose text_config holds this family's text model (the Hub's
+  // Qwen3.5 checkpoints: "qwen3_5" with its weights under model.language_model.*).
+  const char* multimodal_type = nullptr;
 };
 
 // Every family, one row each.
@@ -108,6 +132,8 @@ const std::vector<family_row>& family_table();
 const family_row& family_traits(model_family family);
 // The row of a config.json model_type, or nullptr.
 const family_row* find_family(std::string_view model_type);
+// The row whose text model a multimodal model_type holds (its text_config), or nullptr.
+const family_row* find_multimodal_family(std::string_view model_type);
 // "llama, qwen2, ..., mixtral and qwen2_moe".
 std::string family_names();
 

@@ -93,6 +93,12 @@ void host_weight_source::read(const std::string& name, std::int64_t offset, std:
 struct hf_model_files::impl {
   std::vector<safetensors_view> views;
   std::map<std::string, std::size_t> where;  // tensor -> views index
+  // The multimodal checkpoints' text model: model.language_model.X read as model.X.
+  std::map<std::string, std::string> stored;  // the name read -> the name in the file, where they differ
+  const std::string& file_name(const std::string& name) const {
+    const auto it = stored.find(name);
+    return it == stored.end() ? name : it->second;
+  }
   std::set<std::string> used;                // the model's parameters (the fused tensors holding experts)
   std::map<std::string, fused_expert_place> fused;  // an expert's tensor -> its place in a fused one
 };
@@ -119,7 +125,7 @@ bool find_fused_expert(const model_config& config, const parameter_spec& spec, h
   const std::int64_t E = config.moe.experts, D = config.hidden_size, I = config.moe.expert_width;
   const std::vector<std::int64_t> want =
       role == 2 ? std::vector<std::int64_t>{E, D, I} : std::vector<std::int64_t>{E, 2 * I, D};
-  const safetensors_info& info = *files.views[it->second].find(place.name);
+  const safetensors_info& info = *files.views[it->second].find(files.file_name(place.name));
   if (info.shape != want)
     throw io_error(where + ": tensor " + place.name + " has shape " + shape_text(info.shape) + " but " + config.name +
                    " needs " + shape_text(want) + " (experts, rows, columns): pass the matching configuration");
@@ -180,6 +186,19 @@ hf_model_files::hf_model_files(const std::string& path, const model_config& conf
   } else {
     for (const auto& [tensor, info] : impl_->views[0].tensors()) impl_->where.emplace(tensor, 0);
   }
+  // A multimodal checkpoint (the Hub's Qwen3.5) holds its text model under
+  // model.language_model.*: read as the text model's names, as transformers' PrefixChange does.
+  constexpr std::string_view text_prefix = "model.language_model.";
+  for (auto it = impl_->where.begin(); it != impl_->where.end();) {
+    if (!it->first.starts_with(text_prefix) || !config.traits().multimodal_type) {
+      ++it;
+      continue;
+    }
+    const std::string name = "model." + it->first.substr(text_prefix.size());
+    impl_->stored.emplace(name, it->first);
+    impl_->where.emplace(name, it->second);
+    it = impl_->where.erase(it);
+  }
   const std::string where = index.empty() ? files_[0] : index.string();
   std::set<std::string>& used = impl_->used;
   for (const parameter_spec& spec : parameter_specs(config)) {
@@ -188,7 +207,7 @@ hf_model_files::hf_model_files(const std::string& path, const model_config& conf
     if (it == impl_->where.end())
       throw io_error(where + " has no tensor " + spec.name + " (shape " + shape_text(spec.shape) + "), which " +
                      config.name + " needs: are these weights for another model? (pass their config.json: --model DIR)");
-    const safetensors_info& info = *impl_->views[it->second].find(spec.name);
+    const safetensors_info& info = *impl_->views[it->second].find(impl_->file_name(spec.name));
     if (info.shape != spec.shape)
       throw io_error(impl_->views[it->second].path() + ": tensor " + spec.name + " has shape " + shape_text(info.shape) +
                      " but " + config.name + " needs " + shape_text(spec.shape) + ": pass the matching configuration");
@@ -217,12 +236,13 @@ void hf_model_files::read(const std::string& name, std::int64_t offset, std::int
   const auto it = impl_->where.find(name);
   if (it == impl_->where.end()) throw io_error("the model files hold no tensor " + name);
   const safetensors_view& view = impl_->views[it->second];
-  view.read_finite(name, static_cast<std::uint64_t>(offset), static_cast<std::uint64_t>(count), out);
+  view.read_finite(impl_->file_name(name), static_cast<std::uint64_t>(offset), static_cast<std::uint64_t>(count), out);
 }
 
 std::string hf_model_files::stored_dtype() const {
   std::set<std::string> types;
-  for (const std::string& name : impl_->used) types.insert(impl_->views[impl_->where.at(name)].find(name)->dtype);
+  for (const std::string& name : impl_->used)
+    types.insert(impl_->views[impl_->where.at(name)].find(impl_->file_name(name))->dtype);
   return types.size() == 1 ? *types.begin() : "mixed";
 }
 

@@ -13,20 +13,54 @@ namespace upipe {
 
 namespace {
 
-constexpr lora_target all_targets[] = {lora_target::q,    lora_target::k,  lora_target::v,   lora_target::o,
-                                       lora_target::gate, lora_target::up, lora_target::down};
-constexpr std::uint8_t every_target = (1u << lora_target_count) - 1;
-constexpr std::uint8_t mlp_targets = every_target & ~((1u << 4) - 1);  // gate, up, down
+constexpr lora_target all_targets[] = {
+    lora_target::q,        lora_target::k,        lora_target::v,        lora_target::o,
+    lora_target::gate,     lora_target::up,       lora_target::down,     lora_target::linear_q,
+    lora_target::linear_k, lora_target::linear_v, lora_target::linear_z, lora_target::linear_b,
+    lora_target::linear_a, lora_target::linear_out};
+constexpr lora_target_bits bit(lora_target t) { return static_cast<lora_target_bits>(1u << static_cast<int>(t)); }
+constexpr lora_target_bits every_target = (1u << lora_target_count) - 1;
+constexpr lora_target_bits attention_targets = bit(lora_target::q) | bit(lora_target::k) | bit(lora_target::v) |
+                                               bit(lora_target::o);
+constexpr lora_target_bits mlp_targets = bit(lora_target::gate) | bit(lora_target::up) | bit(lora_target::down);
+constexpr lora_target_bits linear_targets = every_target & ~attention_targets & ~mlp_targets;
 
-// What LoRA may adapt in `model`: every projection, or on a mixture of experts the attention's
-// alone. Its experts are 3-D parameters (transformers 5's experts.gate_up_proj), which PEFT
-// adapts only through target_parameters, not the modules upipe's adapters are.
-std::uint8_t adaptable_targets(const model_config& model) {
-  return model.sparse_layer_count() > 0 ? every_target & ~mlp_targets : every_target;
+bool is_linear(lora_target t) { return static_cast<int>(t) >= layer_projection_count; }
+layer_projection as_layer(lora_target t) { return static_cast<layer_projection>(t); }
+linear_projection as_linear(lora_target t) {
+  return static_cast<linear_projection>(static_cast<int>(t) - layer_projection_count);
+}
+
+// Where a target's rows lie, its (out, in), and its module's stored rows.
+stored_rows target_rows(const model_config& m, lora_target t) {
+  return is_linear(t) ? linear_rows(m, as_linear(t)) : projection_rows(m, as_layer(t));
+}
+std::pair<std::int64_t, std::int64_t> target_shape(const model_config& m, lora_target t) {
+  return is_linear(t) ? linear_shape(m, as_linear(t)) : projection_shape(m, as_layer(t));
+}
+
+// Does layer `layer` hold the target: the linear ones on a hybrid's Gated DeltaNet layers,
+// the attention's on the others, the MLP's on the dense layers.
+bool layer_has(const model_config& m, int layer, lora_target t) {
+  if (is_linear(t)) return m.linear_layer(layer);
+  if (bit(t) & attention_targets) return !m.linear_layer(layer);
+  return !m.sparse_layer(layer);
+}
+
+// What LoRA may adapt in `model`: every projection its layers have, but on a mixture of
+// experts not the MLP. Its experts are 3-D parameters (transformers 5's
+// experts.gate_up_proj), which PEFT adapts only through target_parameters, not the modules
+// upipe's adapters are.
+lora_target_bits adaptable_targets(const model_config& model) {
+  lora_target_bits bits = model.sparse_layer_count() > 0 ? every_target & ~mlp_targets : every_target;
+  if (model.linear_layer_count() == 0) bits &= ~linear_targets;
+  if (model.linear_layer_count() == model.num_layers) bits &= ~attention_targets;
+  return bits;
 }
 
 const char* short_name(lora_target t) {
-  static const char* names[] = {"q", "k", "v", "o", "gate", "up", "down"};
+  static const char* names[] = {"q",        "k",        "v",        "o",        "gate",     "up",       "down",
+                                "linear_q", "linear_k", "linear_v", "linear_z", "linear_b", "linear_a", "linear_out"};
   return names[static_cast<int>(t)];
 }
 
@@ -34,24 +68,23 @@ const char* short_name(lora_target t) {
 std::string leaf(const std::string& module) { return module.substr(module.rfind('.') + 1); }
 
 // The targets stored in the same module as t (t alone unless the family fuses it).
-std::uint8_t module_targets(const model_config& m, lora_target t) {
-  const std::string module = projection_rows(m, t).module;
-  std::uint8_t bits = 0;
+lora_target_bits module_targets(const model_config& m, lora_target t) {
+  const std::string module = target_rows(m, t).module;
+  lora_target_bits bits = 0;
   for (lora_target other : all_targets)
-    if (projection_rows(m, other).module == module) bits |= projection_bit(other);
+    if (is_linear(other) == is_linear(t) && target_rows(m, other).module == module) bits |= bit(other);
   return bits;
 }
 
-// (out, in) of a target's module: a fused module's rows are its projections' together.
+// (out, in) of a target's module: a fused module's rows are its projections' together (a
+// gated q_proj's gate rows too).
 std::pair<std::int64_t, std::int64_t> module_shape(const model_config& m, lora_target t) {
-  std::int64_t out = 0;
-  for (lora_target other : all_targets)
-    if (module_targets(m, t) & projection_bit(other)) out += projection_shape(m, other).first;
-  return {out, projection_shape(m, t).second};
+  const std::int64_t out = is_linear(t) ? linear_module_rows(m, as_linear(t)) : module_rows(m, as_layer(t));
+  return {out, target_shape(m, t).second};
 }
 
 std::string adapter_name(const model_config& m, int layer, lora_target t, char which) {
-  return layer_prefix(layer) + projection_rows(m, t).module + ".lora_" + which + ".weight";
+  return layer_prefix(layer) + target_rows(m, t).module + ".lora_" + which + ".weight";
 }
 
 std::string number_text(double v) {
@@ -64,10 +97,10 @@ std::string number_text(double v) {
 std::string valid_targets_text(const model_config& m) {
   std::string modules;
   for (lora_target t : all_targets) {
-    if (projection_rows(m, t).first > 0) continue;  // named by its module's first projection
-    modules += (modules.empty() ? "" : ", ") + leaf(projection_rows(m, t).module);
+    if ((adaptable_targets(m) & bit(t)) == 0 || target_rows(m, t).first > 0) continue;  // named by its module's first
+    modules += (modules.empty() ? "" : ", ") + leaf(target_rows(m, t).module);
   }
-  const bool fused = m.traits().qkv_fused != nullptr || m.traits().gate_up_fused != nullptr;
+  const bool fused = m.traits().qkv_fused != nullptr || m.traits().gate_up_fused != nullptr || m.linear_layer_count() > 0;
   return (fused ? modules : "q, k, v, o, gate, up, down (or " + modules + ")") + ", or all";
 }
 
@@ -83,7 +116,7 @@ bool names_another_architecture(const std::string& name, const model_config& mod
 
 }  // namespace
 
-std::string lora_module_name(const model_config& model, lora_target t) { return leaf(projection_rows(model, t).module); }
+std::string lora_module_name(const model_config& model, lora_target t) { return leaf(target_rows(model, t).module); }
 
 std::vector<std::string> lora_module_names(const model_config& model, const lora_config& lora) {
   std::vector<std::string> out;
@@ -112,9 +145,9 @@ std::string lora_text(const lora_config& lora) {
   return text;
 }
 
-std::uint8_t parse_lora_targets(const std::vector<std::string>& names, const model_config& model,
-                                const std::string& what) {
-  std::uint8_t bits = 0;
+lora_target_bits parse_lora_targets(const std::vector<std::string>& names, const model_config& model,
+                                    const std::string& what) {
+  lora_target_bits bits = 0;
   const std::string valid = valid_targets_text(model);
   for (const std::string& name : names) {
     if (name == "all" || name == "all-linear") {
@@ -124,11 +157,12 @@ std::uint8_t parse_lora_targets(const std::vector<std::string>& names, const mod
     // A projection's short name, or the module holding it (a fused one stands for all of its
     // projections: PEFT adapts the module whole).
     const auto it = std::find_if(std::begin(all_targets), std::end(all_targets), [&](lora_target t) {
+      if ((adaptable_targets(model) & bit(t)) == 0 && (bit(t) & mlp_targets) == 0) return false;  // none in this model
       return name == short_name(t) || name == lora_module_name(model, t) ||
-             (name + "_proj" == lora_module_name(model, t) && projection_rows(model, t).first == 0);
+             (name + "_proj" == lora_module_name(model, t) && target_rows(model, t).first == 0);
     });
     if (it != std::end(all_targets)) {
-      bits |= name == short_name(*it) ? projection_bit(*it) : module_targets(model, *it);
+      bits |= name == short_name(*it) ? bit(*it) : module_targets(model, *it);
       continue;
     }
     const std::string family(model.traits().model_type);
@@ -165,7 +199,7 @@ void validate(const lora_config& lora, const model_config& model, const std::str
                        "experts are 3-D parameters that PEFT adapts only through target_parameters, which upipe's "
                        "adapters do not express; use targets=q,k,v,o");
   for (lora_target t : lora.target_list()) {
-    const std::uint8_t together = module_targets(model, t);
+    const lora_target_bits together = module_targets(model, t);
     if ((lora.targets & together) != together)
       throw config_error(what + " adapts " + short_name(t) + " alone, but " + model.name + " stores it in " +
                          lora_module_name(model, t) + " with other projections, which PEFT adapts whole: target " +
@@ -212,7 +246,7 @@ std::vector<parameter_spec> lora_parameter_specs(const model_config& model, cons
   std::vector<parameter_spec> specs;
   for (int l = 0; l < model.num_layers; ++l)
     for (lora_target t : lora.target_list()) {
-      if (projection_rows(model, t).first > 0) continue;  // a fused module's later block: one adapter
+      if (!layer_has(model, l, t) || target_rows(model, t).first > 0) continue;  // a fused module's later block: one adapter
       const auto [out, in] = module_shape(model, t);
       specs.push_back({adapter_name(model, l, t, 'A'), {lora.rank, in}});
       specs.push_back({adapter_name(model, l, t, 'B'), {out, lora.rank}});
@@ -220,20 +254,27 @@ std::vector<parameter_spec> lora_parameter_specs(const model_config& model, cons
   return specs;
 }
 
-std::int64_t lora_parameter_count(const model_config& model, const lora_config& lora) {
+std::int64_t lora_layer_parameter_count(const model_config& model, const lora_config& lora, int layer) {
   std::int64_t n = 0;
   for (lora_target t : lora.target_list()) {
-    if (projection_rows(model, t).first > 0) continue;
+    if (!layer_has(model, layer, t) || target_rows(model, t).first > 0) continue;
     const auto [out, in] = module_shape(model, t);
     n += lora.rank * (in + out);
   }
-  return n * model.num_layers;
+  return n;
+}
+
+std::int64_t lora_parameter_count(const model_config& model, const lora_config& lora) {
+  std::int64_t n = 0;
+  for (int l = 0; l < model.num_layers; ++l) n += lora_layer_parameter_count(model, lora, l);
+  return n;
 }
 
 std::size_t lora_offloaded_optimizer_bytes(const model_config& model, const lora_config& lora, int ranks, dtype work) {
-  const std::int64_t per_layer = lora_parameter_count(model, lora) / std::max(model.num_layers, 1);
-  const auto shard = static_cast<std::size_t>((per_layer + ranks - 1) / ranks);
-  return static_cast<std::size_t>(model.num_layers) * shard * (4 * sizeof(float) + dtype_size(work));
+  std::size_t shards = 0;  // elements
+  for (int l = 0; l < model.num_layers; ++l)
+    shards += static_cast<std::size_t>((lora_layer_parameter_count(model, lora, l) + ranks - 1) / ranks);
+  return shards * (4 * sizeof(float) + dtype_size(work));
 }
 
 double lora_model_flops(const model_config& model, const lora_config& lora, std::int64_t seq_len,
@@ -260,7 +301,9 @@ host_weights initial_adapters(const model_config& model, const lora_config& lora
 
 namespace {
 
-projection& target_of(layer_params& p, lora_target t) {
+// The projection of a target in a layer's weights or gradients (layer_params or layer_gradients).
+template <class Layer>
+auto& target_of(Layer& p, lora_target t) {
   switch (t) {
     case lora_target::q: return p.attention.wq;
     case lora_target::k: return p.attention.wk;
@@ -268,35 +311,33 @@ projection& target_of(layer_params& p, lora_target t) {
     case lora_target::o: return p.attention.wo;
     case lora_target::gate: return p.gate;
     case lora_target::up: return p.up;
-    case lora_target::down: break;
+    case lora_target::down: return p.down;
+    case lora_target::linear_q: return p.linear.q;
+    case lora_target::linear_k: return p.linear.k;
+    case lora_target::linear_v: return p.linear.v;
+    case lora_target::linear_z: return p.linear.z;
+    case lora_target::linear_b: return p.linear.b;
+    case lora_target::linear_a: return p.linear.a;
+    case lora_target::linear_out: break;
   }
-  return p.down;
-}
-
-projection_grads& target_of(layer_gradients& g, lora_target t) {
-  switch (t) {
-    case lora_target::q: return g.attention.wq;
-    case lora_target::k: return g.attention.wk;
-    case lora_target::v: return g.attention.wv;
-    case lora_target::o: return g.attention.wo;
-    case lora_target::gate: return g.gate;
-    case lora_target::up: return g.up;
-    case lora_target::down: break;
-  }
-  return g.down;
+  return p.linear.out;
 }
 
 // Each target's A and its rows of B from `view`, into the layer's weights or their
-// gradients; `also` finishes the projection.
+// gradients; `also` finishes the projection. A gated attention's gate shares q_proj's adapter.
 template <class Layer, class Also>
 void attach_each(Layer& p, const model_config& model, const lora_config& lora, int layer, const named_view& view,
                  Also&& also) {
   for (lora_target t : lora.target_list()) {
-    auto& w = target_of(p, t);
-    const stored_rows rows = projection_rows(model, t);
-    w.lora_a = view(adapter_name(model, layer, t, 'A'));
-    w.lora_b = view(adapter_name(model, layer, t, 'B')).row_block(rows.first, rows.count);
-    also(w);
+    if (!layer_has(model, layer, t)) continue;
+    const mat_view a = view(adapter_name(model, layer, t, 'A')), b = view(adapter_name(model, layer, t, 'B'));
+    const auto attach = [&](auto& w, const stored_rows& rows) {
+      w.lora_a = a;
+      w.lora_b = b.row_block(rows.first, rows.extent());
+      also(w);
+    };
+    attach(target_of(p, t), target_rows(model, t));
+    if (t == lora_target::q && model.attention_gate) attach(p.attention.gate, attention_gate_rows(model));
   }
 }
 

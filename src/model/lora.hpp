@@ -19,12 +19,20 @@
 namespace upipe {
 
 // The linear projections of a decoder layer an adapter may target (model/family.hpp), in
-// PEFT's module names q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj. Where
-// the family stores some fused (Phi-3's qkv_proj, gate_up_proj), PEFT adapts the fused
-// module with one adapter: its projections are targeted together, share its A and take
-// their rows of its B.
-using lora_target = layer_projection;
-inline constexpr int lora_target_count = layer_projection_count;
+// PEFT's module names q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, and the
+// hybrids' Gated DeltaNet projections (model/parameters.hpp's linear_projection: in_proj_qkv,
+// in_proj_z, in_proj_b, in_proj_a, out_proj, or Qwen3-Next's in_proj_qkvz and in_proj_ba).
+// Where the family stores some fused (Phi-3's qkv_proj, gate_up_proj; the linear layers'
+// in_proj_qkv), PEFT adapts the fused module with one adapter: its projections are targeted
+// together, share its A and take their rows of its B. A gated attention's q_proj adapter
+// covers its gate's rows too. A target adapts the layers that have it (a hybrid's attention
+// targets its full-attention layers, its linear ones the Gated DeltaNet layers).
+enum class lora_target : std::uint8_t {
+  q, k, v, o, gate, up, down,                                                         // layer_projection's
+  linear_q, linear_k, linear_v, linear_z, linear_b, linear_a, linear_out              // linear_projection's
+};
+inline constexpr int lora_target_count = layer_projection_count + linear_projection_count;
+using lora_target_bits = std::uint16_t;
 // The largest rank read (a rank above min(out, in) of every target is refused anyway).
 inline constexpr int max_lora_rank = 1 << 20;
 // The largest alpha / r: beyond it the adapters' output swamps the frozen weights' and the
@@ -34,7 +42,7 @@ inline constexpr double max_lora_scale = 1024;
 struct lora_config {
   int rank = 0;           // r; 0: no LoRA (every weight trained)
   double alpha = 0;       // lora_alpha: the adapter's output is scaled by alpha / r
-  std::uint8_t targets = 0;  // one bit per lora_target
+  lora_target_bits targets = 0;  // one bit per lora_target
 
   bool enabled() const { return rank > 0; }
   float scale() const { return static_cast<float>(alpha / rank); }
@@ -58,8 +66,8 @@ lora_config parse_lora(std::string_view text, const model_config& model);
 // The checks parse_lora makes on a configuration from elsewhere (an adapter_config.json).
 void validate(const lora_config& lora, const model_config& model, const std::string& what = "--lora");
 // Parses the target names of `names` (short or PEFT's, or all / all-linear) for `model`.
-std::uint8_t parse_lora_targets(const std::vector<std::string>& names, const model_config& model,
-                                const std::string& what = "--lora targets");
+lora_target_bits parse_lora_targets(const std::vector<std::string>& names, const model_config& model,
+                                    const std::string& what = "--lora targets");
 
 // The adapters' parameters: for each layer and each adapted module in target order,
 // lora_A (r, in) then lora_B (out, r) (a fused module's out is its projections' together),
@@ -69,6 +77,8 @@ std::vector<parameter_spec> lora_parameter_specs(const model_config& model, cons
 // PEFT's prefix of every tensor name in adapter_model.safetensors.
 inline constexpr std::string_view peft_name_prefix = "base_model.model.";
 std::int64_t lora_parameter_count(const model_config& model, const lora_config& lora);
+// The adapters of one layer (a hybrid's layers of each kind hold different ones).
+std::int64_t lora_layer_parameter_count(const model_config& model, const lora_config& lora, int layer);
 
 // The host memory one rank's offloaded optimizer holds for the adapters (as
 // offloaded_optimizer_bytes does for a whole model): per layer unit, its shard of the fp32

@@ -2,57 +2,22 @@
 // family's transformers config class reads them (Qwen3MoeConfig, MixtralConfig,
 // Qwen2MoeConfig) and checked; what a written config.json says of them.
 #include <cmath>
-#include <limits>
 #include <nlohmann/json.hpp>
 
 #include "core/error.hpp"
 #include "model/config.hpp"
+#include "model/config_fields.hpp"
 
 namespace upipe {
 namespace {
 
 using json = nlohmann::json;
-
-// The field, or nullptr when absent or null.
-const json* find(const json& root, const char* key) {
-  const auto it = root.find(key);
-  return it == root.end() || it->is_null() ? nullptr : &*it;
-}
-
-io_error type_error(const std::string& path, const char* key, const char* expected, const json& value) {
-  return io_error("model config '" + path + "': field \"" + key + "\" must be " + expected + ", found " +
-                  value.type_name() + " " + value.dump());
-}
-
-int int_field(const json& value, const std::string& path, const char* key) {
-  const bool integral = value.is_number_integer() ||
-                        (value.is_number_float() && std::isfinite(value.get<double>()) &&
-                         value.get<double>() == std::floor(value.get<double>()));
-  if (!integral) throw type_error(path, key, "an integer", value);
-  const double v = value.get<double>();
-  if (v < std::numeric_limits<int>::min() || v > std::numeric_limits<int>::max())
-    throw config_error("model config '" + path + "': field \"" + key + "\" = " + value.dump() + " is out of range");
-  return static_cast<int>(v);
-}
-
-int int_or(const json& root, const std::string& path, const char* key, int fallback) {
-  const json* v = find(root, key);
-  return v == nullptr ? fallback : int_field(*v, path, key);
-}
-
-bool bool_or(const json& root, const std::string& path, const char* key, bool fallback) {
-  const json* v = find(root, key);
-  if (v == nullptr) return fallback;
-  if (!v->is_boolean()) throw type_error(path, key, "true or false", *v);
-  return v->get<bool>();
-}
-
-double number_or(const json& root, const std::string& path, const char* key, double fallback) {
-  const json* v = find(root, key);
-  if (v == nullptr) return fallback;
-  if (!v->is_number()) throw type_error(path, key, "a number", *v);
-  return v->get<double>();
-}
+using config_fields::bool_or;
+using config_fields::find;
+using config_fields::int_field;
+using config_fields::int_or;
+using config_fields::number_or;
+using config_fields::type_error;
 
 // Which layers are sparse: every one (Mixtral), or Qwen's rule: not in mlp_only_layers, E > 0
 // and (l + 1) % decoder_sparse_step == 0. Entries of mlp_only_layers past the layers name
@@ -108,7 +73,8 @@ void read_moe_fields(model_config& c, const json& root, const std::string& path)
   m.top_k = int_or(root, path, "num_experts_per_tok", row.default_top_k);
   m.expert_width = int_or(root, path, row.expert_width_key, row.default_expert_width);
   m.shared_width = row.shared_expert ? int_or(root, path, "shared_expert_intermediate_size", row.default_shared_width) : 0;
-  m.normalize_top_k = row.topk_normalization == topk_norm::always || bool_or(root, path, "norm_topk_prob", false);
+  m.normalize_top_k =
+      row.topk_normalization == topk_norm::always || bool_or(root, path, "norm_topk_prob", row.default_norm_topk);
   m.output_router_logits = bool_or(root, path, "output_router_logits", false);
   m.router_aux_loss_coef = number_or(root, path, "router_aux_loss_coef", 0.001);
   if (const double jitter = number_or(root, path, "router_jitter_noise", 0.0); jitter != 0.0)

@@ -120,7 +120,8 @@ std::vector<adamw_run> parameter_store::decay_runs(const unit& u) const {
     std::int64_t numel = 1;
     for (auto d : spec.shape) numel *= d;
     const std::int64_t a = std::max(lo, u.offsets[k]), b = std::min(hi, u.offsets[k] + numel);
-    if (a < b) add(b - lo, spec.kind == param_kind::matrix || spec.kind == param_kind::embedding);
+    if (a < b)
+      add(b - lo, spec.kind == param_kind::matrix || spec.kind == param_kind::embedding || spec.kind == param_kind::conv);
   }
   if (runs.empty() || runs.back().end < u.shard) add(u.shard, false);
   return runs;

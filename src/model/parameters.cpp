@@ -43,14 +43,31 @@ void add_projections(const model_config& c, const std::string& layer, std::span<
                      std::vector<parameter_spec>& specs) {
   for (layer_projection p : group) {
     const stored_rows rows = projection_rows(c, p);
-    if (rows.first == 0) {  // not a later block of a fused module
-      std::int64_t total = 0;
-      for (layer_projection other : group)
-        if (projection_rows(c, other).module == rows.module) total += projection_shape(c, other).first;
-      specs.push_back({layer + rows.module + ".weight", {total, projection_shape(c, p).second}, param_kind::matrix});
-    }
-    if (c.has_bias(p)) specs.push_back({layer + module_name(p) + ".bias", {projection_shape(c, p).first}, param_kind::bias});
+    if (rows.first == 0)  // not a later block of a fused module
+      specs.push_back({layer + rows.module + ".weight", {module_rows(c, p), projection_shape(c, p).second},
+                       param_kind::matrix});
+    if (c.has_bias(p)) specs.push_back({layer + module_name(p) + ".bias", {module_rows(c, p)}, param_kind::bias});
   }
+}
+
+constexpr linear_projection linear_projections[] = {linear_projection::q, linear_projection::k, linear_projection::v,
+                                                     linear_projection::z, linear_projection::b, linear_projection::a,
+                                                     linear_projection::out};
+
+// A Gated DeltaNet layer's tensors: each stored module once, the convolution (C, 1, Kc) as
+// nn.Conv1d holds it, the decay's dt_bias and A_log, the gated norm's weight.
+void add_linear(const model_config& c, const std::string& layer, std::vector<parameter_spec>& specs) {
+  const linear_attention_config& l = c.linear;
+  for (linear_projection p : linear_projections) {
+    const stored_rows rows = linear_rows(c, p);
+    if (rows.first == 0)
+      specs.push_back({layer + rows.module + ".weight", {linear_module_rows(c, p), linear_shape(c, p).second},
+                       param_kind::matrix});
+  }
+  specs.push_back({layer + "linear_attn.conv1d.weight", {l.conv_channels(), 1, l.conv_kernel}, param_kind::conv});
+  specs.push_back({layer + "linear_attn.dt_bias", {l.value_heads}, param_kind::bias});
+  specs.push_back({layer + "linear_attn.A_log", {l.value_heads}, param_kind::log_decay});
+  specs.push_back({layer + "linear_attn.norm.weight", {l.value_dim}, param_kind::gated_norm});
 }
 
 // A sparse layer's router, experts (each one's gate, up and down) and shared expert.
@@ -118,10 +135,83 @@ std::pair<std::int64_t, std::int64_t> projection_shape(const model_config& c, la
 
 std::string layer_prefix(int layer) { return "model.layers." + std::to_string(layer) + "."; }
 
+std::int64_t stored_rows::extent() const {
+  return blocks.interleaved() ? (count / blocks.block - 1) * blocks.stride + blocks.block : count;
+}
+
+stored_rows attention_gate_rows(const model_config& c) {
+  const std::int64_t d = c.head_dim;
+  return {module_name(layer_projection::q), d, std::int64_t{c.num_heads} * d, {d, 2 * d}};
+}
+
+std::int64_t module_rows(const model_config& c, layer_projection p) {
+  const std::string module = projection_rows(c, p).module;
+  std::int64_t total = 0;
+  for (layer_projection other : {layer_projection::q, layer_projection::k, layer_projection::v, layer_projection::o,
+                                 layer_projection::gate, layer_projection::up, layer_projection::down})
+    if (projection_rows(c, other).module == module) total += projection_shape(c, other).first;
+  if (c.attention_gate && module == attention_gate_rows(c).module) total += attention_gate_rows(c).count;
+  return total;
+}
+
+std::pair<std::int64_t, std::int64_t> linear_shape(const model_config& c, linear_projection p) {
+  const linear_attention_config& l = c.linear;
+  const std::int64_t D = c.hidden_size;
+  switch (p) {
+    case linear_projection::q:
+    case linear_projection::k: return {l.key_width(), D};
+    case linear_projection::v:
+    case linear_projection::z: return {l.value_width(), D};
+    case linear_projection::b:
+    case linear_projection::a: return {l.value_heads, D};
+    case linear_projection::out: break;
+  }
+  return {D, l.value_width()};
+}
+
+stored_rows linear_rows(const model_config& c, linear_projection p) {
+  const family_row& row = c.traits();
+  const linear_attention_config& l = c.linear;
+  const std::int64_t out = linear_shape(c, p).first, dk = l.key_dim, kw = l.key_width();
+  if (p == linear_projection::out) return {"linear_attn.out_proj", 0, out};
+  if (row.linear_qkvz_fused == nullptr) {  // Qwen3.5: q, k and v side by side, the others apart
+    switch (p) {
+      case linear_projection::q: return {"linear_attn.in_proj_qkv", 0, out};
+      case linear_projection::k: return {"linear_attn.in_proj_qkv", kw, out};
+      case linear_projection::v: return {"linear_attn.in_proj_qkv", 2 * kw, out};
+      case linear_projection::z: return {"linear_attn.in_proj_z", 0, out};
+      case linear_projection::b: return {"linear_attn.in_proj_b", 0, out};
+      default: return {"linear_attn.in_proj_a", 0, out};
+    }
+  }
+  // Qwen3-Next: per key head its q (dk), k (dk), v (G dv) and z (G dv) rows, then per key head
+  // its b (G) and a (G) rows (Qwen3NextGatedDeltaNet.fix_query_key_value_ordering).
+  const std::int64_t G = l.value_heads / std::max(l.key_heads, 1), gv = G * l.value_dim;
+  const std::int64_t group = 2 * dk + 2 * gv;
+  switch (p) {
+    case linear_projection::q: return {row.linear_qkvz_fused, 0, out, {dk, group}};
+    case linear_projection::k: return {row.linear_qkvz_fused, dk, out, {dk, group}};
+    case linear_projection::v: return {row.linear_qkvz_fused, 2 * dk, out, {gv, group}};
+    case linear_projection::z: return {row.linear_qkvz_fused, 2 * dk + gv, out, {gv, group}};
+    case linear_projection::b: return {row.linear_ba_fused, 0, out, {G, 2 * G}};
+    default: return {row.linear_ba_fused, G, out, {G, 2 * G}};
+  }
+}
+
+std::int64_t linear_module_rows(const model_config& c, linear_projection p) {
+  const std::string module = linear_rows(c, p).module;
+  std::int64_t total = 0;
+  for (linear_projection other : linear_projections)
+    if (linear_rows(c, other).module == module) total += linear_shape(c, other).first;
+  return total;
+}
+
 stored_rows projection_rows(const model_config& c, layer_projection p) {
   const family_row& row = c.traits();
   const std::int64_t q = std::int64_t{c.num_heads} * c.head_dim, kv = std::int64_t{c.num_kv_heads} * c.head_dim;
   const std::int64_t out = projection_shape(c, p).first;
+  if (c.attention_gate && p == layer_projection::q)  // each head's query rows, then its gate's
+    return {module_name(p), 0, out, {c.head_dim, 2 * std::int64_t{c.head_dim}}};
   if (row.qkv_fused != nullptr && (p == layer_projection::q || p == layer_projection::k || p == layer_projection::v)) {
     const std::int64_t first = p == layer_projection::q ? 0 : p == layer_projection::k ? q : q + kv;
     return {row.qkv_fused, first, out};
@@ -140,8 +230,12 @@ std::vector<parameter_spec> parameter_specs(const model_config& config) {
   for (int i = 0; i < config.num_layers; ++i) {
     const std::string layer = layer_prefix(i);
     specs.push_back({layer + "input_layernorm.weight", {D}, param_kind::norm});
-    add_projections(config, layer, attention_projections, specs);
-    if (config.qk_norm) {
+    if (config.linear_layer(i)) {
+      add_linear(config, layer, specs);
+    } else {
+      add_projections(config, layer, attention_projections, specs);
+    }
+    if (config.qk_norm && !config.linear_layer(i)) {
       specs.push_back({layer + "self_attn.q_norm.weight", {d}, param_kind::norm});
       specs.push_back({layer + "self_attn.k_norm.weight", {d}, param_kind::norm});
     }
@@ -163,19 +257,48 @@ layer_params make_layer_params(const model_config& config, int index,
                                const std::function<mat_view(const std::string&)>& view, expert_range experts) {
   const family_row& row = config.traits();
   const std::string p = layer_prefix(index);
+  const auto stored = [&](const stored_rows& rows) {
+    projection w(rows_of(view(p + rows.module + ".weight"), rows.first, rows.extent()));
+    w.rows = rows.blocks;
+    return w;
+  };
   const auto weight = [&](layer_projection which) {
     const stored_rows rows = projection_rows(config, which);
-    projection w(rows_of(view(p + rows.module + ".weight"), rows.first, rows.count));
-    if (config.has_bias(which)) w.bias = view(p + module_name(which) + ".bias");
+    projection w = stored(rows);
+    if (config.has_bias(which)) {
+      w.bias = view(p + module_name(which) + ".bias");
+      if (rows.blocks.interleaved()) w.bias = w.bias.col_block(0, rows.extent());
+    }
     return w;
   };
   layer_params l;
   l.input_norm = view(p + "input_layernorm.weight");
-  l.attention.wq = weight(layer_projection::q);
-  l.attention.wk = weight(layer_projection::k);
-  l.attention.wv = weight(layer_projection::v);
-  l.attention.wo = weight(layer_projection::o);
-  if (config.qk_norm) {
+  if (config.linear_layer(index)) {
+    delta_weights& d = l.linear;
+    d.q = stored(linear_rows(config, linear_projection::q));
+    d.k = stored(linear_rows(config, linear_projection::k));
+    d.v = stored(linear_rows(config, linear_projection::v));
+    d.z = stored(linear_rows(config, linear_projection::z));
+    d.b = stored(linear_rows(config, linear_projection::b));
+    d.a = stored(linear_rows(config, linear_projection::a));
+    d.out = stored(linear_rows(config, linear_projection::out));
+    d.conv = view(p + "linear_attn.conv1d.weight");
+    d.dt_bias = view(p + "linear_attn.dt_bias");
+    d.a_log = view(p + "linear_attn.A_log");
+    d.norm = view(p + "linear_attn.norm.weight");
+  } else {
+    l.attention.wq = weight(layer_projection::q);
+    l.attention.wk = weight(layer_projection::k);
+    l.attention.wv = weight(layer_projection::v);
+    l.attention.wo = weight(layer_projection::o);
+  }
+  if (config.attention_gate && !config.linear_layer(index)) {
+    const stored_rows rows = attention_gate_rows(config);
+    l.attention.gate = stored(rows);
+    if (config.has_bias(layer_projection::q))
+      l.attention.gate.bias = view(p + module_name(layer_projection::q) + ".bias").col_block(rows.first, rows.extent());
+  }
+  if (config.qk_norm && !config.linear_layer(index)) {
     l.attention.q_norm = view(p + "self_attn.q_norm.weight");
     l.attention.k_norm = view(p + "self_attn.k_norm.weight");
   }
@@ -221,8 +344,11 @@ layer_gradients as_gradients(const layer_params& g) {
     return out;
   };
   const moe_weights& m = g.moe;
+  const delta_weights& d = g.linear;
   return {g.input_norm,
-          {grads(a.wq), grads(a.wk), grads(a.wv), grads(a.wo), a.q_norm, a.k_norm},
+          {grads(a.wq), grads(a.wk), grads(a.wv), grads(a.wo), a.q_norm, a.k_norm, grads(a.gate)},
+          {grads(d.q), grads(d.k), grads(d.v), grads(d.z), grads(d.b), grads(d.a), d.conv, d.dt_bias, d.a_log, d.norm,
+           grads(d.out)},
           g.attention_post_norm,
           g.mlp_norm,
           g.mlp_post_norm,

@@ -12,6 +12,7 @@
 #include <utility>
 #include <vector>
 
+#include "cp/delta_weights.hpp"
 #include "cp/strategy.hpp"
 #include "model/config.hpp"
 
@@ -40,6 +41,7 @@ struct moe_grads {
 struct layer_params {
   mat_view input_norm;            // (1, D): before attention
   attention_weights attention;    // q/k/v/o projections (+ their biases, q_norm, k_norm)
+  delta_weights linear;           // a hybrid's Gated DeltaNet layer (attention then has no rows)
   mat_view attention_post_norm;   // (1, D): on attention's output (Gemma 3), else no rows
   mat_view mlp_norm;              // (1, D): before the MLP (Llama's post_attention_layernorm)
   mat_view mlp_post_norm;         // (1, D): on the MLP's output (Gemma 3), else no rows
@@ -52,6 +54,7 @@ struct layer_params {
 struct layer_gradients {
   mat_view input_norm;
   attention_grads attention;
+  delta_grads linear;
   mat_view attention_post_norm, mlp_norm, mlp_post_norm;
   projection_grads gate, up, down;
   moe_grads moe;
@@ -86,9 +89,28 @@ std::pair<std::int64_t, std::int64_t> projection_shape(const model_config& confi
 std::string layer_prefix(int layer);
 struct stored_rows {
   std::string module;  // "self_attn.qkv_proj": the module as PEFT names it too
-  std::int64_t first = 0, count = 0;
+  std::int64_t first = 0, count = 0;  // the first stored row, the projection's (logical) rows
+  row_blocks blocks{};                // interleaved with other projections' rows (the gated q_proj)
+  // The stored rows a view of the projection spans from `first`.
+  std::int64_t extent() const;
 };
 stored_rows projection_rows(const model_config& config, layer_projection p);
+// The hybrids' output gate: its rows of q_proj (each head's d rows after its query's).
+stored_rows attention_gate_rows(const model_config& config);
+// The stored rows of the module holding `p` (all of its projections', a gated q_proj's gate
+// rows included).
+std::int64_t module_rows(const model_config& config, layer_projection p);
+
+// A Gated DeltaNet layer's projections (model.layers.N.linear_attn.*) and where each lies:
+// Qwen3.5's in_proj_qkv (q, k, v side by side), in_proj_z, in_proj_b, in_proj_a; Qwen3-Next's
+// in_proj_qkvz and in_proj_ba, whose rows are grouped by key head (each group's q, k, v, z
+// rows, and b, a rows); out_proj.
+enum class linear_projection : std::uint8_t { q, k, v, z, b, a, out };
+inline constexpr int linear_projection_count = 7;
+stored_rows linear_rows(const model_config& config, linear_projection p);
+// (out, in) of a linear layer projection (logical rows) and of the module holding it.
+std::pair<std::int64_t, std::int64_t> linear_shape(const model_config& config, linear_projection p);
+std::int64_t linear_module_rows(const model_config& config, linear_projection p);
 
 // A sparse layer's tensors under the family's names: "mlp.gate.weight" (the router),
 // "mlp.experts.3.gate_proj.weight" (Mixtral: "block_sparse_moe.experts.3.w1.weight"), the

@@ -42,6 +42,17 @@ attention_config attention_config_for(const model_config& model, const cp_settin
 }
 
 namespace {
+// The Gated DeltaNet layers' configuration: the model's sizes, the attention's CP layout.
+delta_config delta_config_for(const model_config& model, const attention_config& attention, const step_options& options) {
+  const linear_attention_config& l = model.linear;
+  delta_config c{.model_dim = model.hidden_size, .key_heads = l.key_heads, .value_heads = l.value_heads,
+                 .key_dim = l.key_dim, .value_dim = l.value_dim, .conv_kernel = l.conv_kernel,
+                 .norm_eps = static_cast<float>(model.rms_norm_eps), .seq_len = attention.seq_len, .cp = attention.cp,
+                 .strategy = attention.strategy, .head_chunk = attention.head_chunk, .seq_chunks = attention.seq_chunks};
+  c.frozen = options.lora.enabled();
+  return c;
+}
+
 // The layer's step options: the overlapped output exchange, the backward's input tiles, and
 // under LoRA the q/k/v projections that train nothing (a frozen weight without an adapter).
 // Do two layers attend alike (the same window and RoPE; every other setting is the model's)?
@@ -61,6 +72,20 @@ attention_config with_step_options(attention_config c, const step_options& optio
   return c;
 }
 }  // namespace
+
+bool linear_layers_run(const model_config& model, const cp_settings& cp) {
+  if (model.linear_layer_count() == 0) return true;
+  try {
+    attention_config unit;
+    unit.strategy = cp.strategy;
+    unit.cp = cp.cp;
+    const std::int64_t seq_len = unit.layout_unit() * std::max(cp.seq_chunks, 1) * 64;  // any length the layout takes
+    validate(delta_config_for(model, attention_config_for(model, cp, seq_len), {}), model.num_heads);
+    return true;
+  } catch (const config_error&) {
+    return false;
+  }
+}
 
 transformer::transformer(const model_config& model, const cp_settings& cp, std::int64_t seq_len, backend& be,
                          const cp_groups& groups, const step_options& options, communicator* experts)
@@ -86,6 +111,12 @@ transformer::transformer(const model_config& model, const cp_settings& cp, std::
       attentions_.push_back(std::make_unique<attention_layer>(c, be, groups));
     }
     layer_attention_.push_back(static_cast<int>(i));
+  }
+  if (model.linear_layer_count() > 0) {
+    std::vector<std::vector<position_run>> layout;
+    for (int r = 0; r < cp.cp; ++r) layout.push_back(attentions_[0]->strategy().local_positions(r));
+    delta_ = std::make_unique<delta_layer>(delta_config_for(model, attentions_[0]->config(), options), model.num_heads,
+                                           be, groups, std::move(layout));
   }
   const step_options sized =
       with_default_sizes(options, model, be.device_arena().capacity(), experts == nullptr ? 1 : experts->size());
@@ -150,6 +181,7 @@ mem_tag transformer::input_tag(int layer) const {
 
 void transformer::set_documents(std::span<const std::int64_t> documents) {
   for (auto& a : attentions_) a->strategy().set_documents({documents.begin(), documents.end()});
+  if (delta_) delta_->set_documents({documents.begin(), documents.end()});
 }
 
 namespace {
@@ -228,7 +260,7 @@ void transformer::forward_layers(parameter_store& params, parameter_store* adapt
   for (int l = 0; l < model_.num_layers; ++l) {
     attention_layer::context ctx;
     const bool keep_input = store != nullptr && store->keeps_input(l);
-    const bool keep_attention = store != nullptr && store->keeps_attention(l);
+    const bool keep_attention = store != nullptr && store->keeps_attention(l) && !linear(l);
     const mem_tag out_tag = l + 1 < model_.num_layers && store != nullptr ? input_tag(l + 1) : mem_tag::activations;
     set_current_layer(l);
     // A kept input goes out to the host (when it goes there) while its layer runs.
@@ -316,14 +348,18 @@ tensor transformer::layer_forward(int layer, const layer_params& p, const tensor
     tensor rstd = be_.allocate(mem_tag::activations, dtype::f32, {tokens_, 1}, "attn_norm_rstd");
     ops::rmsnorm_forward(be_, {x.matrix(), p.input_norm, h.matrix(), rstd.matrix(), norm_eps(), norm_offset()});
     rstd.reset();
-    attention_layer::context ctx = attention_into_residual(layer, p, h.matrix(), out, nullptr, nullptr, nullptr);
-    if (keep != nullptr) *keep = std::move(ctx);
+    if (linear(layer)) {
+      delta_->forward(h.matrix(), p.linear, out.matrix(), projection_mode::accumulate);
+    } else {
+      attention_layer::context ctx = attention_into_residual(layer, p, h.matrix(), out, nullptr, nullptr, nullptr);
+      if (keep != nullptr) *keep = std::move(ctx);
+    }
   }
   mlp_forward(layer, p, out);
   return out;
 }
 
-attention_layer::context transformer::attention_into_residual(int layer, const layer_params& p, const mat_view& h,
+attention_layer::context transformer::attention_into_residual(int layer, const layer_params& p, const normed_input& h,
                                                               const tensor& residual,
                                                               const attention_layer::context* kept,
                                                               tensor* projection_out, tensor* rstd) {
@@ -331,17 +367,17 @@ attention_layer::context transformer::attention_into_residual(int layer, const l
   attention_layer::context ctx;
   if (!post_norms()) {
     if (kept != nullptr)
-      attention.project_output(*kept, p.attention, residual.matrix(), projection_mode::accumulate);
+      attention.project_output(*kept, h, p.attention, residual.matrix(), projection_mode::accumulate);
     else
-      ctx = attention.forward(h, p.attention, residual.matrix(), projection_mode::accumulate);
+      ctx = attention.forward(h.whole, p.attention, residual.matrix(), projection_mode::accumulate);
     return ctx;
   }
   // Gemma 3: residual += RMSNorm(attention's projection).
   tensor a = be_.allocate(mem_tag::activations, be_.work_dtype(), residual.dims(), "attn_proj_out");
   if (kept != nullptr)
-    attention.project_output(*kept, p.attention, a.matrix(), projection_mode::overwrite);
+    attention.project_output(*kept, h, p.attention, a.matrix(), projection_mode::overwrite);
   else
-    ctx = attention.forward(h, p.attention, a.matrix(), projection_mode::overwrite);
+    ctx = attention.forward(h.whole, p.attention, a.matrix(), projection_mode::overwrite);
   tensor normed = be_.allocate(mem_tag::activations, be_.work_dtype(), residual.dims(), "attn_post_norm_out");
   tensor a_rstd = be_.allocate(mem_tag::activations, dtype::f32, {tokens_, 1}, "attn_post_norm_rstd");
   ops::rmsnorm_forward(be_, {a.matrix(), p.attention_post_norm, normed.matrix(), a_rstd.matrix(), norm_eps(), norm_offset()});
@@ -469,12 +505,15 @@ void transformer::layer_backward(int layer, const layer_params& p, const layer_g
   tensor x2 = be_.allocate(mem_tag::activations, be_.work_dtype(), {tokens_, D}, "attn_residual");
   copy_matrix(be_, x2.matrix(), x.matrix());
   attention_layer::context ctx;
+  delta_layer::context delta_ctx;
   tensor projected, projected_rstd;  // with a norm after attention: its input, for its backward
-  if (kept) {
+  if (linear(layer)) {
+    delta_ctx = delta_->forward(h.matrix(), p.linear, x2.matrix(), projection_mode::accumulate);
+  } else if (kept) {
     // The checkpoint kept the attention output: only the output projection reruns.
     ctx.out = store_.take(layer, checkpoint_store::item::attention_out, mem_tag::activations);
     ctx.saved.lse = store_.take(layer, checkpoint_store::item::attention_lse, mem_tag::activations);
-    attention_into_residual(layer, p, {}, x2, &ctx, &projected, &projected_rstd);
+    attention_into_residual(layer, p, tiled ? tiles : normed_input(h.matrix()), x2, &ctx, &projected, &projected_rstd);
   } else {
     ctx = attention_into_residual(layer, p, h.matrix(), x2, nullptr, &projected, &projected_rstd);
   }
@@ -493,8 +532,12 @@ void transformer::layer_backward(int layer, const layer_params& p, const layer_g
     d_y = working_copy(be_, d.matrix(), "attn_d_y");
   }
   tensor d_h = be_.allocate_zeroed(mem_tag::activations, dtype::f32, {tokens_, D}, "attn_d_norm_out");
-  attention(layer).backward(ctx, attention_input, p.attention, std::move(d_y), d_h.matrix(), g.attention);
+  if (linear(layer))
+    delta_->backward(delta_ctx, attention_input, p.linear, std::move(d_y), d_h.matrix(), g.linear);
+  else
+    attention(layer).backward(ctx, attention_input, p.attention, std::move(d_y), d_h.matrix(), g.attention);
   ctx = {};
+  delta_ctx = {};
   // Past the layer's peak (the attention backward), so the early copy costs no memory at it.
   if (checkpoint_ahead > 0) store_.prefetch(checkpoint_ahead, checkpoint_store::item::input, mem_tag::activations);
   ops::rmsnorm_backward(be_, {x.matrix(), p.input_norm, rstd.matrix(), d_h.matrix(), d_h.matrix(), g.input_norm,

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "cp/attention_layer.hpp"
+#include "cp/delta_layer.hpp"
 #include "model/checkpoint_store.hpp"
 #include "model/config.hpp"
 #include "model/lora.hpp"
@@ -98,6 +99,9 @@ struct local_batch {
 // `layer` (its window and RoPE).
 attention_config attention_config_for(const model_config& model, const cp_settings& cp, std::int64_t seq_len,
                                       int layer = 0);
+// Can a hybrid's Gated DeltaNet layers run under this CP configuration (a head layout needs
+// C to divide their value heads, cp/delta_layer.hpp)? True for a model without them.
+bool linear_layers_run(const model_config& model, const cp_settings& cp);
 
 class transformer {
  public:
@@ -143,6 +147,7 @@ class transformer {
   std::int64_t next_tile(std::int64_t t0, std::int64_t tile) const;
   tensor upload_ids(std::span<const std::int32_t> values, const char* label);
   attention_layer& attention(int layer) { return *attentions_[static_cast<std::size_t>(layer_attention_[layer])]; }
+  bool linear(int layer) const { return model_.linear_layer(layer); }
   void set_documents(std::span<const std::int64_t> documents);
   float norm_eps() const { return static_cast<float>(model_.rms_norm_eps); }
   float norm_offset() const { return model_.traits().norm_offset; }
@@ -152,7 +157,7 @@ class transformer {
   // The layer's attention (its output projection included) added to `residual`, through the
   // norm after attention where the family has one; with `keep_projection` the projection
   // before that norm is returned (and its 1/rms in *rstd) for the backward.
-  attention_layer::context attention_into_residual(int layer, const layer_params& p, const mat_view& h,
+  attention_layer::context attention_into_residual(int layer, const layer_params& p, const normed_input& h,
                                                    const tensor& residual, const attention_layer::context* kept,
                                                    tensor* projection_out, tensor* rstd);
   void mlp_forward(int layer, const layer_params& p, const tensor& x);
@@ -197,6 +202,8 @@ class transformer {
   // attentions_[layer_attention_[l]].
   std::vector<std::unique_ptr<attention_layer>> attentions_;
   std::vector<int> layer_attention_;
+  // The hybrids' Gated DeltaNet layers (one for all of them: they are alike), or none.
+  std::unique_ptr<delta_layer> delta_;
   checkpoint_store store_;
   std::int64_t tokens_;  // s
   bool prefetch_weights_ = false;

@@ -51,6 +51,17 @@ host_weights random_weights(const model_config& config, unsigned long long seed)
       case param_kind::bias:
         fill_normal(v, seed, ++stream, 0.1f);
         break;
+      case param_kind::conv:  // a depthwise tap sees Kc inputs
+        fill_normal(v, seed, ++stream, static_cast<float>(1.0 / std::sqrt(static_cast<double>(spec.shape.back()))));
+        break;
+      case param_kind::log_decay:  // rates near 0.1, as transformers' log U(0.01, 16) would decay within tokens
+        fill_normal(v, seed, ++stream, 0.5f);
+        for (float& e : v) e += static_cast<float>(std::log(0.1));
+        break;
+      case param_kind::gated_norm:
+        fill_normal(v, seed, ++stream, 0.1f);
+        for (float& e : v) e += 1.0f;
+        break;
     }
     weights.emplace(spec.name, std::move(v));
   }

@@ -25,8 +25,9 @@ void write_weights(const model_config& config, const host_weights& weights, cons
 
 // Random initialization by the parameters' kinds: matrices and embeddings N(0, 0.02); norm
 // weights scaling by 1 + N(0, 0.1) (a Gemma norm's stored weight is that minus its offset
-// 1) and biases N(0, 0.1), so that a test cannot pass with a norm or a bias ignored or
-// misplaced. Counter-based draws on all
+// 1, a gated norm's that itself) and biases N(0, 0.1), so that a test cannot pass with a
+// norm or a bias ignored or misplaced; a depthwise convolution N(0, 1 / Kc); A_log
+// log 0.1 + N(0, 0.25), so that a Gated DeltaNet state carries over tens of tokens. Counter-based draws on all
 // cores (core/random.hpp), so models of billions of parameters start in seconds.
 host_weights random_weights(const model_config& config, unsigned long long seed);
 

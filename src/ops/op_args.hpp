@@ -108,6 +108,10 @@ struct rope_scaling {
 struct rope_config {
   double theta = 500000.0;
   rope_scaling scaling;
+  // Partial RoPE (transformers' partial_rotary_factor): only the first rotary_dim dimensions
+  // of each head rotate, pairs (i, i + rotary_dim / 2), at the frequencies of a head of
+  // rotary_dim; the rest pass unchanged. 0: every dimension.
+  int rotary_dim = 0;
   bool operator==(const rope_config&) const = default;
 };
 
@@ -190,8 +194,8 @@ struct embedding_backward_args {
 // The activation of a gated MLP unit, out = act(gate) * up: silu(x) = x / (1 + exp(-x))
 // (SwiGLU: Llama, Qwen, Mistral, Phi-3) or GELU's tanh approximation
 // gelu(x) = x / 2 (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))) (GeGLU: Gemma's
-// gelu_pytorch_tanh).
-enum class gate_activation : std::uint8_t { silu, gelu_tanh };
+// gelu_pytorch_tanh), or sigmoid (the hybrids' attention output gate: out = sigmoid(gate) * o).
+enum class gate_activation : std::uint8_t { silu, gelu_tanh, sigmoid };
 
 // A gated linear unit: out = act(gate) * up. All (n, F).
 struct swiglu_forward_args {

@@ -267,6 +267,8 @@ std::vector<cp_settings> plan_configurations(const plan_request& r) {
         if (planned) out.push_back({kind, C, u, rings, n});
       }
   }
+  // A hybrid's Gated DeltaNet layers take the head layouts only where C divides their heads.
+  std::erase_if(out, [&](const cp_settings& cp) { return !linear_layers_run(r.model, cp); });
   return out;
 }
 

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
+#include <optional>
 
 #include "cp/stage_plan.hpp"
 #include "cp/strategy_table.hpp"
@@ -210,6 +211,39 @@ void add_update(step_time& t, const step_time_request& r, const throughput_rates
 
 }  // namespace
 
+step_time layer_linear_time(const attention_config& layer, const step_time_request& r, const throughput_rates& rates,
+                            double passes_forward) {
+  const linear_attention_config& l = r.model.linear;
+  const int C = layer.cp, G = std::min(r.gpus_per_node, C);
+  const double s = static_cast<double>(layer.seq_len) / C, Hv = l.value_heads, dk = l.key_dim, dv = l.value_dim;
+  step_time t;
+  // 6 Hv dk dv FLOPs a token forward (2 each for S^T k, the update and S^T q), 12 backward.
+  t.attention = 6 * Hv * dk * dv * s * (2 + passes_forward) / (rates.attention_tflops * tera);
+  if (C == 1) return t;
+  const double network = rates.network_gbits / 8 * giga, nvlink = rates.nvlink_gbytes * giga;
+  const bool heads = (layer.strategy == strategy_kind::ulysses || layer.strategy == strategy_kind::upipe) &&
+                     layer.seq_chunks <= 1;
+  if (heads) {
+    // bf16 rows of q | k | v | b | a out and o back, per pass; backward: d_o out, the stage's
+    // inputs again, and their gradients home.
+    const double in = s * (static_cast<double>(l.conv_channels()) + 2 * Hv) * 2, out = s * Hv * dv * 2;
+    const double leaving = (passes_forward * (in + out) + out + 2 * in) * (C - 1) / C;
+    const double off_node = leaving * (C - G) / std::max(C - 1, 1);
+    t.all_to_all = std::max((leaving - off_node) / nvlink, off_node / network);
+    return t;
+  }
+  // Sequence layouts: every segment's summary reaches every rank (an all-gather receives C - 1
+  // ranks' segments); ring layouts hold two segments a rank, chunked ones N.
+  const double segments = layer.strategy == strategy_kind::ring || layer.strategy == strategy_kind::hybrid
+                              ? 2
+                              : std::max(layer.seq_chunks, 1);
+  const double forward = segments * Hv * dk * (dk + dv) * 4, backward = segments * Hv * dk * dv * 4;
+  const double halos = 2 * segments * (l.conv_kernel - 1) * static_cast<double>(l.conv_channels()) * 2;
+  const double received = (passes_forward * forward + backward + halos) * (C - 1);
+  t.ring = received / (C > r.gpus_per_node ? network : nvlink);
+  return t;
+}
+
 step_time estimate_step_time(const step_time_request& r, const throughput_rates& rates) {
   const model_config& m = r.model;
   const int C = r.cp.cp;
@@ -223,12 +257,23 @@ step_time estimate_step_time(const step_time_request& r, const throughput_rates&
   // The attention, its collectives and its host copies, layer by layer: a family's layers
   // may differ in their window (Gemma 3's local and global layers) and in how often a
   // checkpoint policy runs them, and layers alike cost alike, so each distinct pair is
-  // timed once.
+  // timed once; the hybrids' Gated DeltaNet layers likewise by their passes.
   std::map<std::pair<std::int64_t, double>, step_time> by_layer;
+  std::map<double, step_time> linear_by_passes;
   double attention_host = 0, attention_forward = 0;  // seconds
   for (int l = 0; l < m.num_layers; ++l) {
     const attention_config layer = attention_config_for(m, r.cp, r.seq_len, l);
     const double passes = forward_passes(r.policy, m.num_layers, l).attention;
+    if (m.linear_layer(l)) {
+      auto lt = linear_by_passes.find(passes);
+      if (lt == linear_by_passes.end())
+        lt = linear_by_passes.emplace(passes, layer_linear_time(layer, r, rates, passes)).first;
+      t.attention += lt->second.attention;
+      t.all_to_all += lt->second.all_to_all;
+      t.ring += lt->second.ring;
+      attention_forward += lt->second.attention / (2 + passes);
+      continue;
+    }
     auto it = by_layer.find({layer.window, passes});
     if (it == by_layer.end())
       it = by_layer.emplace(std::pair{layer.window, passes}, layer_attention_time(layer, r, rates, passes)).first;
@@ -264,7 +309,10 @@ step_time estimate_step_time(const step_time_request& r, const throughput_rates&
   t.data_parallel = zero_bytes * across / (W > r.gpus_per_node ? network : nvlink);
   if (E > 1 && W > E)
     t.zero += per_weight * experts / E * (W / E - 1) / (W / E) / (W > r.gpus_per_node ? network : nvlink);
-  t.experts = expert_exchange_seconds(r, rates, s, recompute_attention);
+  // The exchange runs with every forward of the MLP (forward_passes' rest), averaged over the layers.
+  double mlp_passes = 0;
+  for (int l = 0; l < m.num_layers; ++l) mlp_passes += forward_passes(r.policy, m.num_layers, l).rest;
+  t.experts = expert_exchange_seconds(r, rates, s, mlp_passes / L - 1);
 
   // Host copies: the attention's chunks (above) and the checkpoints (out and back).
   double host = attention_host * pcie;

@@ -106,4 +106,13 @@ layer_passes forward_passes(const checkpoint_policy& policy, int layers, int lay
 // adapters' under LoRA), the lm head's forward and backward.
 double step_gemm_flops(const step_time_request& request);
 
+// One Gated DeltaNet layer of a hybrid (docs/design.md section 13): its recurrence's compute
+// (three dk x dv products a token and value head, forward, twice in backward, at the
+// attention's rate: its chunked kernels are tensor-core products of the same shapes), and
+// its exchange: in the head layouts the all-to-alls of the projections (q, k, v, b, a) and of
+// o, both ways; in the sequence layouts the summaries' all-gathers (fp32, Hv dk (dk + dv) a
+// segment forward, Hv dk dv backward) and the halos'.
+step_time layer_linear_time(const attention_config& layer, const step_time_request& request,
+                            const throughput_rates& rates, double passes_forward);
+
 }  // namespace upipe

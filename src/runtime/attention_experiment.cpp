@@ -88,9 +88,9 @@ void run_rank(const attention_config& c, backend& be, communicator& comm, const 
   out.positions = layer.strategy().local_positions(comm.rank());
   rank_tensors t = allocate_rank(c, be, in, out.positions);
   const attention_weights w = {t.wq.matrix(), t.wk.matrix(), t.wv.matrix(), t.wo.matrix(), t.q_norm.matrix(),
-                               t.k_norm.matrix()};
+                               t.k_norm.matrix(), {}};
   const attention_grads g = {t.gq.matrix(), t.gk.matrix(), t.gv.matrix(), t.go.matrix(), t.g_q_norm.matrix(),
-                             t.g_k_norm.matrix()};
+                             t.g_k_norm.matrix(), {}};
   comm.barrier();
   comm.reset_counters();
   be.synchronize();

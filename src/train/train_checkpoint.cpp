@@ -657,7 +657,7 @@ void saved_state::check_units(const model_config& config, const lora_config& lor
   if (lora.enabled()) {
     // The adapters' units: none in the embedding's and the head's, a layer's in each layer's.
     sizes.assign(static_cast<std::size_t>(config.num_layers) + 2, 0);
-    for (int l = 0; l < config.num_layers; ++l) sizes[1 + l] = lora_parameter_count(config, lora) / config.num_layers;
+    for (int l = 0; l < config.num_layers; ++l) sizes[1 + l] = lora_layer_parameter_count(config, lora, l);
   } else {
     for (const auto& unit : parameter_units(config)) {
       std::int64_t n = 0;

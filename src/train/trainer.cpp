@@ -662,6 +662,7 @@ step_timing time_steps(const train_options& options, std::int64_t warmup_len, in
                                    1 + static_cast<std::uint64_t>(i * global_batch(o) + rc.replica() * o.batch + k)));
           be.synchronize();
           comm.barrier();
+          mesh.cp.reset_counters();
           const bool timed = phases == phase_timing::by_phase;
           // The step's clock holds its phase timing: it starts before the first mark and
           // stops after the last.
@@ -688,6 +689,7 @@ step_timing time_steps(const train_options& options, std::int64_t warmup_len, in
               out.step = std::move(table);
             }
             out.seconds.push_back(seconds);
+            out.sent_bytes_by_label = {mesh.cp.counters().bytes_by_label.begin(), mesh.cp.counters().bytes_by_label.end()};
             out.losses.push_back(record.loss);
             out.grad_norms.push_back(record.grad_norm);
           }

@@ -224,6 +224,9 @@ struct step_timing {
   std::size_t driver_peak = 0;  // rank 0's device, bytes the driver reported in use (0: not a GPU)
   std::map<std::string, double> phases_ms;  // with `phases`: rank 0's fastest step by phase
   step_phases step;                          // ... and its phase table
+  // Rank 0's bytes sent over its CP group in its last timed step, by label (the attention's
+  // a2a_q or ring_kv, the hybrids' delta_summary, ...).
+  std::map<std::string, std::uint64_t> sent_bytes_by_label;
 };
 // Times `repeats` steps after one warm-up step of warmup_len tokens (0: none), on every rank
 // or on rank 0 alone (emulated); by_phase: also the fastest step's time by phase

@@ -121,6 +121,9 @@ const expected_preset expected_presets[] = {
     {"tiny-qwen3", model_family::qwen3, 256, 64, 96, 2, 4, 2, 32, 1e-6, 10000, 0, 0, true},
     {"tiny-gemma3", model_family::gemma3, 256, 64, 96, 3, 4, 2, 16, 1e-6, 1000000, 8, 0, true},
     {"qwen3-30b-a3b", model_family::qwen3_moe, 151936, 2048, 6144, 48, 32, 4, 128, 1e-6, 1000000, 0, 0, false},
+    {"qwen3.5-27b", model_family::qwen3_5, 248320, 5120, 17408, 64, 24, 4, 256, 1e-6, 10000000, 0, 0, false},
+    {"qwen3.5-35b-a3b", model_family::qwen3_5_moe, 248320, 2048, 512, 40, 16, 2, 256, 1e-6, 10000000, 0, 0, false},
+    {"qwen3-next-80b-a3b", model_family::qwen3_next, 151936, 2048, 5120, 48, 16, 2, 256, 1e-6, 10000000, 0, 0, false},
     {"tiny-qwen3-moe", model_family::qwen3_moe, 256, 64, 96, 3, 4, 2, 16, 1e-6, 10000, 0, 0, false},
 };
 
@@ -173,6 +176,11 @@ TEST(model_config, parameter_totals_match_the_published_models) {
   EXPECT_EQ(preset("mistral-7b").parameter_count(), 7'241'732'096);
   // Qwen3-30B-A3B: 128 experts of width 768 in each of 48 layers, 3.3B of them active a token.
   EXPECT_EQ(preset("qwen3-30b-a3b").parameter_count(), 30'532'122'624);
+  // The hybrids' text models, as transformers 5.25 builds them from the Hub's config.json
+  // (Qwen3-Next-80B-A3B's card: 80B; the Qwen3.5 checkpoints add their vision towers).
+  EXPECT_EQ(preset("qwen3.5-27b").parameter_count(), 26'895'998'464);
+  EXPECT_EQ(preset("qwen3.5-35b-a3b").parameter_count(), 34'660'610'688);
+  EXPECT_EQ(preset("qwen3-next-80b-a3b").parameter_count(), 79'674'391'296);
   for (const std::string& name : preset_names()) {
     SCOPED_TRACE(name);
     const model_config c = preset(name);

@@ -1,5 +1,5 @@
 // Reference gated linear units: out = act(gate) * up, elementwise, in fp64, with act
-// silu (SwiGLU) or GELU's tanh approximation (GeGLU). The backward may run in place
+// silu (SwiGLU), GELU's tanh approximation (GeGLU) or sigmoid (an output gate). The backward may run in place
 // (d_gate over gate, d_up over up): each element's inputs are read before either of its
 // outputs is written.
 #include <cmath>
@@ -30,6 +30,10 @@ std::pair<double, double> activation(gate_activation kind, double g) {
   if (kind == gate_activation::silu) {
     const double s = sigmoid(g);
     return {g * s, s * (1.0 + g * (1.0 - s))};
+  }
+  if (kind == gate_activation::sigmoid) {
+    const double s = sigmoid(g);
+    return {s, s * (1.0 - s)};
   }
   const double t = std::tanh(gelu_k * (g + gelu_c * g * g * g));
   return {0.5 * g * (1.0 + t), 0.5 * (1.0 + t) + 0.5 * g * (1.0 - t * t) * gelu_k * (1.0 + 3.0 * gelu_c * g * g)};

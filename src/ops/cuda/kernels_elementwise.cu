@@ -42,13 +42,17 @@ __device__ __forceinline__ float sigmoid(float x) {
 constexpr float gelu_k = 0.7978845608f;  // sqrt(2 / pi)
 constexpr float gelu_c = 0.044715f;
 
-// act(g) and, with Slope, act'(g): silu, or GELU's tanh approximation.
+// act(g) and, with Slope, act'(g): silu, GELU's tanh approximation, or sigmoid.
 template <gate_activation Act>
 __device__ __forceinline__ float activation(float g, float* slope) {
   if constexpr (Act == gate_activation::silu) {
     const float s = sigmoid(g);
     if (slope != nullptr) *slope = s * (1.0f + g * (1.0f - s));
     return g * s;
+  } else if constexpr (Act == gate_activation::sigmoid) {
+    const float s = sigmoid(g);
+    if (slope != nullptr) *slope = s * (1.0f - s);
+    return s;
   } else {
     const float t = tanhf(gelu_k * (g + gelu_c * g * g * g));
     if (slope != nullptr)
@@ -175,6 +179,9 @@ void run(const swiglu_forward_args& args, const context& ctx) {
   if (args.activation == gate_activation::silu)
     launch("swiglu_forward_kernel<silu>", swiglu_forward_kernel<gate_activation::silu>, grid, elementwise_config, 0,
            stream, params);
+  else if (args.activation == gate_activation::sigmoid)
+    launch("swiglu_forward_kernel<sigmoid>", swiglu_forward_kernel<gate_activation::sigmoid>, grid,
+           elementwise_config, 0, stream, params);
   else
     launch("swiglu_forward_kernel<gelu_tanh>", swiglu_forward_kernel<gate_activation::gelu_tanh>, grid,
            elementwise_config, 0, stream, params);
@@ -195,6 +202,15 @@ void run(const swiglu_backward_args& args, const context& ctx) {
   const std::int64_t units = walk.rows * (walk.vec ? ceil_div(walk.cols, vec_width) : walk.cols);
   const int grid = grid_for_units(elementwise_config, units);
   const bool silu = args.activation == gate_activation::silu;
+  if (args.activation == gate_activation::sigmoid) {
+    if (args.d_out.type == dtype::bf16)
+      launch("swiglu_backward_kernel<bf16, sigmoid>", swiglu_backward_kernel<bf16, gate_activation::sigmoid>, grid,
+             elementwise_config, 0, stream, params);
+    else
+      launch("swiglu_backward_kernel<f32, sigmoid>", swiglu_backward_kernel<float, gate_activation::sigmoid>, grid,
+             elementwise_config, 0, stream, params);
+    return;
+  }
   if (args.d_out.type == dtype::bf16 && silu)
     launch("swiglu_backward_kernel<bf16, silu>", swiglu_backward_kernel<bf16, gate_activation::silu>, grid,
            elementwise_config, 0, stream, params);
