@@ -84,7 +84,8 @@ TEST(step_time, data_parallel_collectives_take_the_link_they_cross) {
   const model_config& m = r.model;
   const double D = m.hidden_size, d = m.head_dim;
   const double layer = D * d * (2 * m.num_heads + 2 * m.num_kv_heads) + 3 * D * m.intermediate_size;
-  const double weights = m.num_layers * layer + 2 * D * static_cast<double>(m.vocab_size);
+  // Every stored weight takes part, the norms' too (two a layer and the final one).
+  const double weights = m.num_layers * (layer + 2 * D) + D + 2 * D * static_cast<double>(m.vocab_size);
   const double bytes = (2 * 2 + 4) * weights;  // bf16 gathered twice, f32 reduced once
   const double nvlink = rates.nvlink_gbytes * 1e9, network = rates.network_gbits / 8 * 1e9;
   const step_time alone = estimate_step_time(r, rates);
